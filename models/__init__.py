@@ -1,0 +1,118 @@
+"""The textbook model zoo: small transformers re-created from the tutorials probe's users read.
+
+    >>> import models
+    >>> models.names()
+    ['single_head', 'minigpt', 'fused_decoder', 'translator']
+    >>> gpt = models.load("minigpt")          # trained, in eval mode
+    >>> gpt.tokenizer.encode("attention")
+    [2, 18, 18, 5, 13, 18, 9, 14, 13]
+
+Each model is one module in this package (`models.minigpt`, ...) and carries the same few
+attributes: `name`, `tokenizer` (encode / decode / tokenize / vocab_size / pad_id),
+`is_encoder_decoder`, `context_length` (max tokens per sequence, None if unlimited) and, once
+loaded, `train_info` (final loss, steps, seconds, recipe; read from the checkpoint).
+
+Weights: `models/checkpoints/NAME.safetensors` ships for the small models; the translator is
+trained on first `load` into the cache (`$PROBE_CACHE_DIR` or `~/.cache/probe`, under
+`models/`). `python -m models.train NAME` retrains any of them; `python -m models` shows them all.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+import sys
+from pathlib import Path
+from types import ModuleType
+
+import torch
+
+from . import checkpoint
+from .checkpoint import TrainStats, cache_dir
+
+__all__ = ["names", "load", "build", "train_and_save", "checkpoint_path", "cache_dir"]
+
+_ZOO = ("single_head", "minigpt", "fused_decoder", "translator")
+SHIPPED = ("single_head", "minigpt", "fused_decoder")  # small enough for git
+
+
+def names() -> list[str]:
+    """The zoo, smallest first."""
+    return list(_ZOO)
+
+
+def module(name: str) -> ModuleType:
+    """The module that defines zoo model `name` (e.g. `models.minigpt`)."""
+    if name not in _ZOO:
+        raise ValueError(f"unknown model {name!r}; the zoo has: {', '.join(_ZOO)}")
+    return importlib.import_module(f"{__name__}.{name}")
+
+
+def build(name: str) -> torch.nn.Module:
+    """An untrained model `name` with its tokenizer (weights from the global RNG, except
+    single_head, whose seeded init is its final state)."""
+    return module(name).build()
+
+
+def checkpoint_path(name: str, cache_dir: str | os.PathLike | None = None) -> Path:
+    """Where `load(name)` reads weights: the shipped file if there is one, else the cache's."""
+    module(name)  # validates the name
+    shipped = checkpoint.shipped_path(name)
+    if name in SHIPPED and shipped.exists():
+        return shipped
+    return checkpoint.cached_path(name, cache_dir)
+
+
+def train_and_save(
+    name: str,
+    out: str | os.PathLike | None = None,
+    *,
+    log=None,
+    progress: bool = False,
+) -> tuple[torch.nn.Module, TrainStats, Path]:
+    """Run `name`'s deterministic recipe and write its checkpoint (atomically) to `out`, by
+    default where `load` looks for it. Returns (model in eval mode, stats, path written)."""
+    mod = module(name)
+    if out is None:
+        out = checkpoint.shipped_path(name) if name in SHIPPED else checkpoint.cached_path(name)
+    model, stats = mod.train(log=log, progress=progress)
+    path = checkpoint.save(model, out, name=name, config=model.config, stats=stats)
+    model.train_info = _train_info(checkpoint.read_metadata(path))
+    return model, stats, path
+
+
+def load(name: str, *, cache_dir: str | os.PathLike | None = None) -> torch.nn.Module:
+    """The trained model `name`, in eval mode, with `tokenizer` and `train_info` attached.
+
+    If no checkpoint exists yet (the translator on first use), the recipe runs now, with a
+    one-line notice and a progress bar on stderr, and the checkpoint is written to the cache.
+    `cache_dir` overrides `$PROBE_CACHE_DIR` / `~/.cache/probe`.
+    """
+    path = checkpoint_path(name, cache_dir)
+    if path.exists():
+        try:
+            return _from_file(name, path)
+        except Exception as err:  # a stale or damaged cache entry: rebuild it, never guess
+            if path == checkpoint.shipped_path(name):
+                raise
+            reason = f"the cached checkpoint {path} is unusable ({err}); retraining"
+    else:
+        reason = f"first use of {name}: training it once (under a minute on a laptop CPU)"
+    print(f"probe: {reason}, saving to {path}", file=sys.stderr, flush=True)
+    model, _, _ = train_and_save(name, path, progress=True)
+    return model
+
+
+def _from_file(name: str, path: Path) -> torch.nn.Module:
+    state, meta = checkpoint.read(path)
+    if meta.get("format") != checkpoint.FORMAT or meta.get("model") != name:
+        raise ValueError(f"format {meta.get('format')!r} of {meta.get('model')!r}")
+    model = module(name).from_config(meta["config"])
+    model.load_state_dict(state)
+    model.train_info = _train_info(meta)
+    return model.eval()
+
+
+def _train_info(meta: dict) -> dict:
+    keys = ("final_loss", "steps", "train_seconds", "recipe")
+    return {k: meta.get(k) for k in keys}

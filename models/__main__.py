@@ -1,0 +1,57 @@
+"""`python -m models`: load every zoo model (training any that has no checkpoint yet) and show
+what each one produces."""
+
+from __future__ import annotations
+
+import torch
+
+from . import checkpoint_path, load, module, names
+
+
+def _training(model: torch.nn.Module, trained_now: bool) -> str:
+    info = model.train_info
+    if not info["steps"]:
+        return "not trained: seeded init"
+    when = "trained just now" if trained_now else "checkpoint"
+    return (
+        f"{when}: {info['steps']} steps in {info['train_seconds']:.1f} s, "
+        f"final loss {info['final_loss']:.6f}"
+    )
+
+
+def _show(name: str, model: torch.nn.Module) -> None:
+    if name == "single_head":
+        x = module(name).example_input()
+        with torch.no_grad():
+            out, wei = model(x)
+        print(f"  x {tuple(x.shape)} -> out {tuple(out.shape)}, wei {tuple(wei.shape)}")
+        print("  wei[0] (each row sums to 1; zeros above the diagonal are the causal mask):")
+        for row in wei[0]:
+            print("    " + " ".join(f"{w:.2f}" for w in row.tolist()))
+    elif name == "minigpt":
+        print(f'  160 characters sampled after "at": {model.generate_text("at", 160)!r}')
+    elif name == "fused_decoder":
+        digits = "3141592653"
+        print(f"  next-digit predictions for {digits}: {model.predict(digits)}")
+        print("  (the task's digits are independent random draws: nothing better than chance")
+        print("   is learnable, the loss stays near ln 10 = 2.303)")
+    elif name == "translator":
+        source = "ich mochte ein bier"
+        print(f"  {source} -> {model.translate(source)}")
+
+
+def main() -> int:
+    for name in names():
+        trained_now = not checkpoint_path(name).exists()
+        model = load(name)
+        n_params = sum(p.numel() for p in model.parameters())
+        summary = (module(name).__doc__ or "").strip().splitlines()[0]
+        print(f"{name}: {summary}")
+        print(f"  {n_params:,} parameters; {_training(model, trained_now)}")
+        _show(name, model)
+        print()
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
