@@ -1,0 +1,18 @@
+"""probe: see what attention inside a transformer really does.
+
+The public API is small and flat::
+
+    import probe
+    cache = probe.capture(model, "attention lets tokens read context.")
+    cache.pattern("decoder", 0)          # [batch, head, query, key]
+    cache.save("run.safetensors")
+    cache = probe.load("run.safetensors")  # lazy, memory-mapped
+"""
+
+__version__ = "0.1.0"
+
+from probe.cache import Cache, load  # noqa: E402
+from probe.capture import Trace, capture, trace  # noqa: E402
+from probe.errors import ProbeError  # noqa: E402
+
+__all__ = ["capture", "trace", "Trace", "load", "Cache", "ProbeError", "__version__"]

@@ -1,0 +1,281 @@
+"""``probe.trace`` (capture whatever forward runs inside a ``with`` block) and ``probe.capture``."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from typing import Any
+
+import torch
+from torch import nn
+
+from probe import __version__
+from probe.cache import Cache, load
+from probe.cache.cache import encode_metadata
+from probe.cache.format import FORMAT_VERSION, key
+from probe.cache.writer import FileSink, MemorySink
+from probe.capture.inputs import prepare
+from probe.capture.tracer import Tracer
+from probe.errors import ProbeError
+
+_DTYPES = {
+    "float32": torch.float32,
+    "fp32": torch.float32,
+    "float": torch.float32,
+    "float16": torch.float16,
+    "fp16": torch.float16,
+    "half": torch.float16,
+    "bfloat16": torch.bfloat16,
+    "bf16": torch.bfloat16,
+}
+
+
+def _dtype(dtype: Any) -> torch.dtype | None:
+    if dtype is None or isinstance(dtype, torch.dtype) and dtype in _DTYPES.values():
+        return dtype
+    if isinstance(dtype, str) and dtype.lower() in _DTYPES:
+        return _DTYPES[dtype.lower()]
+    raise ProbeError(f"dtype {dtype!r} is not supported; use float32, float16 or bfloat16")
+
+
+def _jsonable(obj: Any) -> Any:
+    if obj is None:
+        return None
+    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        obj = dataclasses.asdict(obj)
+    elif hasattr(obj, "to_dict"):
+        obj = obj.to_dict()
+    elif not isinstance(obj, dict):
+        return None
+    return json.loads(json.dumps(obj, default=str))
+
+
+def model_info(model: nn.Module) -> dict[str, Any]:
+    """Name, class and config of ``model`` for the cache metadata."""
+    cls = type(model)
+    name = getattr(model, "name", None)
+    if not isinstance(name, str):
+        cfg = getattr(model, "config", None)
+        name = (
+            getattr(cfg, "name_or_path", None) or getattr(cfg, "model_type", None) or cls.__name__
+        )
+    return {
+        "name": name,
+        "class": f"{cls.__module__}.{cls.__qualname__}",
+        "parameters": sum(p.numel() for p in model.parameters()),
+        "config": _jsonable(getattr(model, "config", None)),
+    }
+
+
+class Trace:
+    """Capture the attention of the forward pass that runs inside ``with probe.trace(model):``.
+
+    After the block, ``trace.cache`` holds the :class:`~probe.Cache`. The model is not edited and
+    its outputs inside the block are bit-identical to its outputs outside. ``out`` streams the
+    cache to a safetensors file layer by layer; ``layers`` and ``heads`` restrict what is kept;
+    ``dtype`` (``float16``/``bfloat16``) shrinks what is stored.
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        *,
+        out: str | os.PathLike | None = None,
+        layers: list[int] | None = None,
+        heads: list[int] | None = None,
+        dtype: Any = None,
+        metadata: dict[str, Any] | None = None,
+        reserve: int = 0,
+    ) -> None:
+        if not isinstance(model, nn.Module):
+            raise ProbeError(f"probe captures torch.nn.Module models, not {type(model).__name__}")
+        if layers is not None:
+            layers = [int(i) for i in layers]
+            if any(i < 0 for i in layers):
+                raise ProbeError(f"layers must be non-negative layer indices, got {layers}")
+        if heads is not None:
+            heads = [int(h) for h in heads]
+            if any(h < 0 for h in heads):
+                raise ProbeError(f"heads must be non-negative head indices, got {heads}")
+        self.model = model
+        self.out = out
+        self.layers, self.heads = layers, heads
+        self.dtype = _dtype(dtype)
+        self.metadata: dict[str, Any] = dict(metadata or {})
+        self.cache: Cache | None = None
+        n_modules = sum(1 for _ in model.modules())
+        self._reserve = 16384 + 400 * n_modules + reserve
+        self._sink: Any = None
+        self._tracer: Tracer | None = None
+
+    def __enter__(self) -> Trace:
+        self._sink = FileSink(self.out, reserve=self._reserve) if self.out else MemorySink()
+        self._tracer = Tracer(
+            self.model, self._sink, layers=self.layers, heads=self.heads, dtype=self.dtype
+        )
+        try:
+            self._tracer.__enter__()
+        except BaseException:
+            self._sink.abort()
+            raise
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> bool:
+        try:
+            self._tracer.__exit__(exc_type, exc, tb)
+        except BaseException:
+            self._sink.abort()
+            raise
+        if exc_type is not None:
+            self._sink.abort()
+            return False
+        try:
+            self.cache = self._finish()
+        except BaseException:
+            self._sink.abort()
+            raise
+        return False
+
+    # -- naming --------------------------------------------------------------------------------
+    def _stacks(self, tr: Tracer) -> dict[str, str]:
+        containers = list(tr.kept)
+        info: dict[str, dict[str, Any]] = {c: {"cross": False, "causal": []} for c in containers}
+        for r in tr.records:
+            for role, _h, _shape, _impl, causal in r.patterns:
+                if role == "cross":
+                    info[r.container]["cross"] = True
+                elif causal is not None:
+                    info[r.container]["causal"].append(causal)
+        if len(containers) == 1:
+            c = containers[0]
+            flags = info[c]["causal"]
+            if info[c]["cross"]:
+                decoder = True
+            elif flags:
+                decoder = all(flags)
+            else:
+                decoder = hasattr(self.model, "generate")
+            return {c: "decoder" if decoder else "encoder"}
+        with_cross = [c for c in containers if info[c]["cross"]]
+        if not with_cross:
+            return {c: ("encoder" if i == 0 else "decoder") for i, c in enumerate(containers)}
+        return {c: ("decoder" if c in with_cross else "encoder") for c in containers}
+
+    def _finish(self) -> Cache:
+        tr = self._tracer
+        if tr.root_calls == 0:
+            raise ProbeError(
+                "the model did not run inside probe.trace; call it inside the with block"
+            )
+        if tr.root_calls > 1:
+            raise ProbeError(
+                f"the model ran {tr.root_calls} forward passes inside probe.trace; "
+                "capture one forward pass at a time"
+            )
+        if not tr.kept:
+            raise ProbeError(
+                f"no attention found in {type(self.model).__name__}: probe saw no "
+                "softmax, scaled_dot_product_attention or nn.MultiheadAttention in "
+                "its forward; give a model that computes attention"
+            )
+        if not tr.records:
+            counts = ", ".join(f"{n} layers" for n in tr.kept.values())
+            raise ProbeError(
+                f"layers={self.layers} selects no layer (the model has {counts}); "
+                "choose indices from 0"
+            )
+        stacks = self._stacks(tr)
+        offsets: dict[str, int] = {}
+        base: dict[str, int] = {}
+        for c in tr.kept:  # several lists mapped to one stack are numbered one after another
+            s = stacks[c]
+            base[c] = offsets.get(s, 0)
+            offsets[s] = base[c] + tr.kept[c]
+        names: dict[int, str] = {}
+        layer_meta: list[dict[str, Any]] = []
+        for r in tr.records:
+            stack, idx = stacks[r.container], base[r.container] + r.index
+            entry: dict[str, Any] = {"stack": stack, "layer": idx, "module": r.module}
+            for role, handle, shape, impl, _causal in r.patterns:
+                k = key(stack, idx, f"{role}_attn.pattern")
+                if k in names.values():
+                    raise ProbeError(
+                        f"layer {r.module} computes two {role}-attention patterns; "
+                        "probe records one per role and layer"
+                    )
+                names[handle] = k
+                entry[f"{role}_attn"] = {"impl": impl, "heads": shape[1]}
+            for name, handle in r.residuals:
+                names[handle] = key(stack, idx, name)
+            layer_meta.append(entry)
+        meta = dict(self.metadata)
+        meta.setdefault("model", model_info(self.model))
+        meta.update(
+            {
+                "probe_version": __version__,
+                "format_version": FORMAT_VERSION,
+                "attention_implementations": sorted(tr.impls),
+                "dtype": str(self.dtype or _stored_dtype(self._sink)).replace("torch.", ""),
+                "stacks": {s: {"layers": n} for s, n in offsets.items()},
+                "layers_captured": self.layers,
+                "heads_captured": self.heads,
+                "layers": layer_meta,
+            }
+        )
+        result = self._sink.finish(names, encode_metadata(meta))
+        if isinstance(self._sink, FileSink):
+            return load(result)
+        return Cache(result, meta)
+
+
+def _stored_dtype(sink: Any) -> torch.dtype:
+    tensors = getattr(sink, "_tensors", None)
+    if tensors:
+        return tensors[0].dtype
+    return torch.float32
+
+
+def trace(model: nn.Module, **kwargs: Any) -> Trace:
+    """``with probe.trace(model) as t: model(x)`` captures that forward; then use ``t.cache``.
+
+    Keyword arguments: ``out``, ``layers``, ``heads``, ``dtype``, ``metadata`` (see :class:`Trace`).
+    """
+    return Trace(model, **kwargs)
+
+
+def capture(
+    model: nn.Module,
+    inputs: Any,
+    *,
+    tokenizer: Any = None,
+    target: Any = None,
+    out: str | os.PathLike | None = None,
+    layers: list[int] | None = None,
+    heads: list[int] | None = None,
+    dtype: Any = None,
+) -> Cache:
+    """Run ``model`` on ``inputs`` and capture every attention pattern and residual delta.
+
+    ``inputs`` is a text, a list of texts (padded into one batch), or a tensor of token ids or
+    of float inputs. The tokenizer comes from ``tokenizer`` or ``model.tokenizer``. For
+    encoder-decoders ``target`` is the decoder text for teacher forcing; without it probe decodes
+    greedily (where the model offers it) and captures that forward. With ``out`` the cache is
+    streamed to that safetensors file layer by layer and returned opened lazily.
+
+    Returns a :class:`~probe.Cache` with keys ``<stack>.blocks.<i>.<name>``.
+    """
+    prepared = prepare(model, inputs, tokenizer=tokenizer, target=target)
+    n_tokens = sum(len(t) for t in prepared.meta.get("tokens", []))
+    t = Trace(
+        model,
+        out=out,
+        layers=layers,
+        heads=heads,
+        dtype=dtype,
+        metadata=prepared.meta,
+        reserve=96 * n_tokens,
+    )
+    with torch.no_grad(), t:
+        prepared.run()
+    return t.cache

@@ -1,0 +1,118 @@
+"""Attention weights for the fused attention paths that never materialise them.
+
+``F.scaled_dot_product_attention`` and the fused ``nn.MultiheadAttention`` kernels compute
+``softmax(q kᵀ · scale + mask) v`` without returning the weights. probe lets the model call the
+fused kernel untouched (so its outputs stay bit-identical) and computes the weights beside it
+from the very same ``q``, ``k``, mask and scale, with SDPA's documented semantics.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+
+def sdpa_weights(
+    query: Tensor,
+    key: Tensor,
+    value: Tensor | None = None,
+    attn_mask: Tensor | None = None,
+    dropout_p: float = 0.0,
+    is_causal: bool = False,
+    scale: float | None = None,
+    enable_gqa: bool = False,
+) -> Tensor:
+    """The attention weights ``F.scaled_dot_product_attention`` uses, as ``[..., heads, L, S]``.
+
+    Follows SDPA's semantics: ``scale`` defaults to ``1/sqrt(E)``; ``is_causal`` masks with a
+    top-left aligned lower triangle; a boolean ``attn_mask`` marks positions that *may* be attended,
+    a float mask is added to the scores; grouped-query key heads are repeated to the query heads.
+    Rows with every key masked come out as zeros (SDPA's math path gives NaN there). Dropout is
+    not applied: the pattern is the pre-dropout distribution.
+    """
+    L, S = query.size(-2), key.size(-2)
+    scale = 1.0 / math.sqrt(query.size(-1)) if scale is None else scale
+    if query.dim() >= 3 and key.dim() >= 3 and key.size(-3) != query.size(-3):
+        # grouped-query attention: each key head serves a contiguous group of query heads
+        key = key.repeat_interleave(query.size(-3) // key.size(-3), dim=-3)
+    q = query if query.dtype == torch.float32 else query.float()
+    k = key if key.dtype == torch.float32 else key.float()
+    scores = torch.matmul(q, k.transpose(-2, -1)).mul_(scale)  # [..., L, S]
+    masked = False
+    if is_causal:
+        causal = torch.ones(L, S, dtype=torch.bool, device=scores.device).tril_()
+        scores.masked_fill_(~causal, float("-inf"))
+        masked = True
+    if attn_mask is not None:
+        if attn_mask.dtype == torch.bool:
+            scores.masked_fill_(~attn_mask, float("-inf"))
+            masked = True
+        else:
+            scores.add_(attn_mask.float())
+            masked = masked or bool(torch.isinf(attn_mask).any())
+    weights = torch.softmax(scores, dim=-1)
+    if masked:
+        weights.nan_to_num_(nan=0.0)
+    return weights
+
+
+def mha_weights(module: torch.nn.MultiheadAttention, args: tuple, kwargs: dict) -> Tensor | None:
+    """The per-head weights an ``nn.MultiheadAttention`` call used, as ``[batch, head, L, S]``.
+
+    Recomputed with ``F.multi_head_attention_forward(need_weights=True,
+    average_attn_weights=False)`` from the module's own parameters and the call's arguments, so it
+    works whichever kernel (fast path or not) produced the module's output.
+    """
+    names = (
+        "query",
+        "key",
+        "value",
+        "key_padding_mask",
+        "need_weights",
+        "attn_mask",
+        "average_attn_weights",
+        "is_causal",
+    )
+    bound = dict(zip(names, args))
+    bound.update({k: v for k, v in kwargs.items() if k in names})
+    query, key, value = bound["query"], bound["key"], bound["value"]
+    batched = query.dim() == 3
+    if module.batch_first and batched:
+        query, key, value = (t.transpose(0, 1) for t in (query, key, value))
+    separate = not module._qkv_same_embed_dim
+    attn_mask = bound.get("attn_mask")
+    is_causal = bool(bound.get("is_causal", False))
+    if is_causal and attn_mask is None:
+        L, S = query.size(0), key.size(0)
+        attn_mask = torch.ones(L, S, dtype=torch.bool, device=query.device).triu_(1)
+    _, weights = F.multi_head_attention_forward(
+        query,
+        key,
+        value,
+        module.embed_dim,
+        module.num_heads,
+        module.in_proj_weight,
+        module.in_proj_bias,
+        module.bias_k,
+        module.bias_v,
+        module.add_zero_attn,
+        0.0,
+        module.out_proj.weight,
+        module.out_proj.bias,
+        training=False,
+        key_padding_mask=bound.get("key_padding_mask"),
+        need_weights=True,
+        attn_mask=attn_mask,
+        use_separate_proj_weight=separate,
+        q_proj_weight=module.q_proj_weight if separate else None,
+        k_proj_weight=module.k_proj_weight if separate else None,
+        v_proj_weight=module.v_proj_weight if separate else None,
+        average_attn_weights=False,
+        is_causal=False,
+    )
+    if weights is None:
+        return None
+    return weights if batched else weights.unsqueeze(0)

@@ -1,0 +1,544 @@
+"""The capture engine: module hooks plus a ``TorchFunctionMode`` that sees attention being computed.
+
+How it works, in one pass over the unmodified model:
+
+* **Where attention happens.** While the model runs, a ``TorchFunctionMode`` sees every
+  ``softmax`` (``F.softmax``, ``torch.softmax``, ``Tensor.softmax``), every
+  ``F.scaled_dot_product_attention`` and every ``F.multi_head_attention_forward`` call. A softmax
+  over the last dimension of a tensor of three or more dimensions *is* the pattern the model
+  computed; for SDPA the fused kernel runs untouched and the weights are computed beside it from
+  the same ``q``, ``k``, mask and scale (:mod:`probe.capture.patterns`). ``nn.MultiheadAttention``
+  (and torch's encoder layers), whose fast paths switch off whenever a torch-function mode is
+  active, run with the mode suspended; their weights are recomputed from the module's parameters.
+* **Layers** are found in the module tree: a layer is the outermost module on the call stack that
+  is an element of an ``nn.ModuleList`` (or of an ``nn.Sequential`` of one module type) and in
+  whose forward attention happens. A model without such a list has one layer: the top-level
+  child that computes attention (or the model itself).
+* **Sublayers and roles.** Attention computed inside one child call of the layer is one
+  attention sublayer; softmaxes of separate head modules (``[batch, q, k]`` each) are stacked as
+  its heads. A sublayer is *cross*-attention when its queries and keys differ in length or it
+  is handed a second, different stream-shaped tensor (the encoder output).
+* **Stacks.** A list of layers with cross-attention is the ``decoder``; another list beside it is
+  the ``encoder``. A lone list is the ``decoder`` when its self-attention is causal, else the
+  ``encoder``.
+* **Residual stream.** ``resid_pre``/``resid_post`` are the layer's input and output. Inside the
+  layer the mode watches additions of two stream-shaped tensors (the residual adds); the older
+  operand is the residual. The stream between two sublayers is the residual operand of the next
+  add (post-norm: the normalised sum; pre-norm: the sum itself), and each sublayer's delta is the
+  difference of the stream across it; when a sublayer's add is exactly ``stream + output`` the
+  delta is that output, bit for bit. So ``resid_pre + Σ deltas == resid_post`` for pre-norm and
+  post-norm blocks alike.
+"""
+
+from __future__ import annotations
+
+import itertools
+import weakref
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+from torch.overrides import TorchFunctionMode
+
+from probe.capture.patterns import mha_weights, sdpa_weights
+
+_SOFTMAX = {F.softmax, torch.softmax, Tensor.softmax, torch.special.softmax}
+_SDPA = F.scaled_dot_product_attention
+_MHA_FN = F.multi_head_attention_forward
+_ADD = {torch.add, Tensor.add, Tensor.__add__, Tensor.__radd__}
+_ADD_INPLACE = {Tensor.add_, Tensor.__iadd__}
+# torch modules whose fast paths are disabled by any active torch-function mode
+_SUSPEND = (nn.MultiheadAttention, nn.TransformerEncoderLayer, nn.TransformerEncoder)
+
+
+def _first_tensor(args: tuple, kwargs: dict) -> Tensor | None:
+    for a in args:
+        if isinstance(a, Tensor):
+            return a
+    for name in ("hidden_states", "x", "input", "inputs", "query", "src", "tgt"):
+        if isinstance(kwargs.get(name), Tensor):
+            return kwargs[name]
+    for v in kwargs.values():
+        if isinstance(v, Tensor):
+            return v
+    return None
+
+
+def _output_tensor(out: Any) -> Tensor | None:
+    if isinstance(out, Tensor):
+        return out
+    if isinstance(out, (tuple, list)) and out and isinstance(out[0], Tensor):
+        return out[0]
+    first = getattr(out, "last_hidden_state", None)
+    if isinstance(first, Tensor):
+        return first
+    if isinstance(out, dict):
+        for v in out.values():
+            if isinstance(v, Tensor):
+                return v
+    return None
+
+
+def _tensors(args: tuple, kwargs: dict) -> list[Tensor]:
+    found = []
+    for v in itertools.chain(args, kwargs.values()):
+        if isinstance(v, Tensor):
+            found.append(v)
+        elif isinstance(v, (tuple, list)):
+            found.extend(t for t in v if isinstance(t, Tensor))
+    return found
+
+
+def _vkey(t: Tensor) -> tuple[int, int]:
+    return (id(t), t._version)
+
+
+@dataclass
+class _Attn:
+    """Attention seen inside one sublayer call."""
+
+    parts: list[tuple[Tensor, int]] = field(default_factory=list)  # (pattern, version at capture)
+    impl: set[str] = field(default_factory=set)
+    inputs: list[Tensor] = field(default_factory=list)
+    primary: Tensor | None = None
+    role: str | None = None
+    handle: int | None = None
+    causal: bool | None = None
+    shape: tuple[int, ...] = ()
+
+
+@dataclass
+class _Add:
+    kind: Any  # an _Attn (its role is settled later) or "mlp"
+    residual: Tensor
+    other: Tensor
+    result: Tensor
+    exact: bool  # result == residual + other with the residual being the stream so far
+
+
+@dataclass
+class _Layer:
+    container: str
+    index: int
+    wanted: bool
+    resid_pre: Tensor | None = None
+    pre_key: tuple[int, int] | None = None
+    stream_shape: torch.Size | None = None
+    attns: list[_Attn] = field(default_factory=list)
+    adds: list[_Add] = field(default_factory=list)
+    pending: _Attn | None = None
+    events: int = 0
+
+
+@dataclass
+class _Call:
+    module: nn.Module
+    parent: _Call | None
+    primary: Tensor | None
+    inputs: list[Tensor]
+    layer: _Layer | None = None
+    attn: _Attn | None = None
+    suspended: bool = False
+    events: int = 0
+
+
+@dataclass
+class LayerRecord:
+    """What the tracer captured for one layer (before stack names are settled)."""
+
+    container: str
+    index: int
+    module: str
+    patterns: list[tuple[str, int, tuple[int, ...], list[str], bool | None]]
+    residuals: list[tuple[str, int]]
+
+
+class _Mode(TorchFunctionMode):
+    def __init__(self, tracer: Tracer) -> None:
+        super().__init__()
+        self.tracer = tracer
+        self.quiet = 0
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        tr = self.tracer
+        if self.quiet or not tr.stack:
+            return func(*args, **kwargs)
+        if func in _SOFTMAX:
+            out = func(*args, **kwargs)
+            tr.on_softmax(args, kwargs, out)
+            return out
+        if func is _SDPA:
+            out = func(*args, **kwargs)
+            if tr.wants_pattern():
+                tr.on_pattern(sdpa_weights(*args, **kwargs), "sdpa")
+            return out
+        if func is _MHA_FN:
+            # re-enter the mode so the SDPA or softmax inside is seen like any other
+            with self:
+                return func(*args, **kwargs)
+        if (func in _ADD or func in _ADD_INPLACE) and tr.layer is not None:
+            return tr.on_add(func, args, kwargs)
+        out = func(*args, **kwargs)
+        if tr.layer is not None:
+            tr.stamp(out)
+        return out
+
+
+class Tracer:
+    """Hooks a model for one capture; see the module docstring for what it records."""
+
+    def __init__(
+        self,
+        model: nn.Module,
+        sink: Any,
+        *,
+        layers: list[int] | None = None,
+        heads: list[int] | None = None,
+        dtype: torch.dtype | None = None,
+    ) -> None:
+        self.model = model
+        self.sink = sink
+        self.layers_wanted = None if layers is None else set(layers)
+        self.heads = heads
+        self.dtype = dtype
+        self.names = {id(m): n for n, m in model.named_modules(remove_duplicate=False)}
+        self.container_of: dict[int, str] = {}
+        for n, m in model.named_modules():
+            homogeneous = isinstance(m, nn.Sequential) and len({type(c) for c in m}) == 1
+            if isinstance(m, nn.ModuleList) or homogeneous:
+                for child in m.children():
+                    self.container_of.setdefault(id(child), n)
+        self.stack: list[_Call] = []
+        self.layer: _Layer | None = None
+        self.layer_call: _Call | None = None
+        self.records: list[LayerRecord] = []
+        self.kept: dict[str, int] = {}
+        self.root_calls = 0
+        self.impls: set[str] = set()
+        self._stamps: dict[int, tuple[int, Any]] = {}
+        self._tick = itertools.count()
+        self._mode = _Mode(self)
+        self._handles: list[Any] = []
+        self._suspended = 0
+
+    # -- lifecycle -----------------------------------------------------------------------------
+    def __enter__(self) -> Tracer:
+        for m in self.model.modules():
+            self._handles.append(m.register_forward_pre_hook(self._pre, with_kwargs=True))
+            self._handles.append(
+                m.register_forward_hook(self._post, with_kwargs=True, always_call=True)
+            )
+        self._mode.__enter__()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        try:
+            if self._suspended:
+                torch._C._push_on_torch_function_stack(self._mode)
+                self._suspended = 0
+            self._mode.__exit__(*exc)
+        finally:
+            for h in self._handles:
+                h.remove()
+            self._handles.clear()
+
+    # -- hooks ---------------------------------------------------------------------------------
+    def _pre(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
+        self._mode.quiet += 1
+        try:
+            parent = self.stack[-1] if self.stack else None
+            call = _Call(module, parent, _first_tensor(args, kwargs), _tensors(args, kwargs))
+            if parent is None:
+                self.root_calls += 1
+            if self.layer is None and id(module) in self.container_of:
+                self._start_layer(call, self.container_of[id(module)])
+            self.stack.append(call)
+            if isinstance(module, _SUSPEND):
+                call.suspended = True
+                self._suspend()
+        finally:
+            self._mode.quiet -= 1
+
+    def _post(self, module: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
+        self._mode.quiet += 1
+        try:
+            if not self.stack or self.stack[-1].module is not module:
+                return  # a call that began before capture started
+            call = self.stack[-1]
+            if call.suspended:
+                self._resume()
+                if isinstance(module, nn.MultiheadAttention) and call.events == 0:
+                    self._mha_event(module, args, kwargs)
+            self.stack.pop()
+            if self.layer is not None:
+                self.stamp(_output_tensor(output))
+            if call.attn is not None:
+                self._flush_attn(call.attn)
+            if call is self.layer_call:
+                self._end_layer(call, _output_tensor(output))
+        finally:
+            self._mode.quiet -= 1
+
+    def _suspend(self) -> None:
+        if self._suspended == 0:
+            n = torch._C._len_torch_function_stack()
+            if n and torch._C._get_function_stack_at(n - 1) is self._mode:
+                torch._C._pop_torch_function_stack()
+                self._suspended = 1
+            else:
+                self._suspended = -1  # another mode is on top: leave the stack alone
+        elif self._suspended > 0:
+            self._suspended += 1
+        else:
+            self._suspended -= 1
+
+    def _resume(self) -> None:
+        if self._suspended > 1:
+            self._suspended -= 1
+        elif self._suspended == 1:
+            torch._C._push_on_torch_function_stack(self._mode)
+            self._suspended = 0
+        elif self._suspended < -1:
+            self._suspended += 1
+        else:
+            self._suspended = 0
+
+    def _mha_event(self, module: nn.MultiheadAttention, args: tuple, kwargs: dict) -> None:
+        if not self.wants_pattern():
+            self._note_event()
+            return
+        with torch.no_grad():
+            w = mha_weights(module, args, kwargs)
+        if w is not None:
+            self.on_pattern(w, "mha")
+
+    # -- layers --------------------------------------------------------------------------------
+    def _start_layer(self, call: _Call, container: str) -> None:
+        index = self.kept.get(container, 0)
+        wanted = self.layers_wanted is None or index in self.layers_wanted
+        layer = _Layer(container=container, index=index, wanted=wanted)
+        p = call.primary
+        if wanted and p is not None and p.is_floating_point():
+            layer.resid_pre = p.detach().clone()
+            layer.pre_key = _vkey(p)
+            layer.stream_shape = p.shape
+            self.stamp(p)
+        call.layer = layer
+        self.layer, self.layer_call = layer, call
+
+    def _adopt_layer(self) -> None:
+        # No list of layers on the stack: the layer is the top-level child computing attention.
+        call = self.stack[1] if len(self.stack) > 1 else self.stack[0]
+        self._start_layer(call, self.names.get(id(self.model), "") + ":single")
+
+    def _end_layer(self, call: _Call, out: Tensor | None) -> None:
+        layer = call.layer
+        self.layer, self.layer_call = None, None
+        self._stamps.clear()
+        if layer is None or not layer.events:
+            return  # a list element with no attention (e.g. an MLP-only block)
+        self.kept[layer.container] = layer.index + 1
+        if not layer.wanted:
+            return
+        patterns = [
+            (a.role or "self", a.handle, a.shape, sorted(a.impl), a.causal)
+            for a in layer.attns
+            if a.handle is not None
+        ]
+        residuals = self._residuals(layer, out)
+        self.records.append(
+            LayerRecord(
+                layer.container,
+                layer.index,
+                self.names.get(id(call.module), "?"),
+                patterns,
+                residuals,
+            )
+        )
+
+    def _residuals(self, layer: _Layer, out: Tensor | None) -> list[tuple[str, int]]:
+        if layer.resid_pre is None or out is None or out.shape != layer.stream_shape:
+            return []
+        pre, post = layer.resid_pre, out.detach()
+        deltas: dict[str, Tensor] = {}
+        adds = layer.adds
+        if adds:
+            # stream boundaries: before sublayer k+1 the stream is the residual operand of add k+1
+            bounds = [pre] + [a.residual for a in adds[1:]] + [post]
+            for k, a in enumerate(adds):
+                name = "mlp" if a.kind == "mlp" else f"{a.kind.role or 'self'}_attn"
+                exact = a.exact and (
+                    k + 1 == len(adds)
+                    and a.result is out
+                    or k + 1 < len(adds)
+                    and adds[k + 1].residual is a.result
+                )
+                d = a.other if exact else bounds[k + 1] - bounds[k]
+                deltas[name] = deltas[name] + d if name in deltas else d
+        elif len(layer.attns) == 1:
+            deltas[f"{layer.attns[0].role or 'self'}_attn"] = post - pre
+        else:
+            return []
+        items = [("resid_pre", pre)]
+        for name in ("self_attn", "cross_attn", "mlp"):
+            if name in deltas:
+                items.append((f"{name}.delta", deltas[name]))
+        items.append(("resid_post", post))
+        return [(n, self.sink.put(self._store(t))) for n, t in items]
+
+    # -- attention events ----------------------------------------------------------------------
+    def _current_layer(self) -> _Layer:
+        if self.layer is None:
+            self._adopt_layer()
+        return self.layer
+
+    def wants_pattern(self) -> bool:
+        """Whether the attention about to be seen belongs to a layer being captured."""
+        if not self.stack:
+            return False
+        return self._current_layer().wanted
+
+    def _note_event(self) -> None:
+        for c in self.stack:
+            c.events += 1
+        self._current_layer().events += 1
+
+    def _sublayer_call(self) -> _Call:
+        lc = self.layer_call
+        for i, c in enumerate(self.stack):
+            if c is lc:
+                return self.stack[i + 1] if i + 1 < len(self.stack) else c
+        return self.stack[-1]
+
+    def on_softmax(self, args: tuple, kwargs: dict, out: Tensor) -> None:
+        if not isinstance(out, Tensor) or out.dim() < 3:
+            return
+        dim = args[1] if len(args) > 1 else kwargs.get("dim")
+        if dim is None or dim not in (-1, out.dim() - 1):
+            return
+        if self.wants_pattern():
+            self.on_pattern(out, "softmax")
+        else:
+            self._note_event()
+
+    def on_pattern(self, pattern: Tensor, impl: str) -> None:
+        """Record an attention pattern ``[batch, (head,) query, key]`` computed now."""
+        self._note_event()
+        layer = self._current_layer()
+        sub = self._sublayer_call()
+        if sub.attn is None:
+            a = _Attn(inputs=sub.inputs, primary=sub.primary)
+            sub.attn = a
+            layer.attns.append(a)
+        a = sub.attn
+        if a.parts and a.parts[0][0].shape[-2:] != pattern.shape[-2:]:
+            # a second, differently shaped attention in the same sublayer: record it on its own
+            self._flush_attn(a)
+            a = _Attn(inputs=sub.inputs, primary=sub.primary)
+            sub.attn = a
+            layer.attns.append(a)
+        p = pattern.detach()
+        a.parts.append((p, p._version))
+        a.impl.add(impl)
+        self.impls.add(impl)
+        layer.pending = a
+
+    def _flush_attn(self, a: _Attn) -> None:
+        if not a.parts or a.handle is not None:
+            return
+        for p, v in a.parts:
+            if p._version != v:
+                raise RuntimeError(
+                    "an attention pattern was modified in place after softmax; "
+                    "probe cannot capture it exactly"
+                )
+        parts = [p if p.dim() >= 4 else p.unsqueeze(-3) for p, _ in a.parts]
+        pattern = parts[0] if len(parts) == 1 else torch.cat(parts, dim=-3)
+        if pattern.dim() > 4:
+            pattern = pattern.flatten(1, -4)
+        if self.heads is not None:
+            pattern = pattern[:, self.heads]
+        q, k = pattern.shape[-2], pattern.shape[-1]
+        cross = q != k
+        if not cross and a.primary is not None and a.primary.dim() == 3:
+            p0 = a.primary
+            for t in a.inputs:
+                if (
+                    t is not p0
+                    and t.dim() == 3
+                    and t.is_floating_point()
+                    and t.shape[0] == p0.shape[0]
+                    and t.shape[-1] == p0.shape[-1]
+                    and t.data_ptr() != p0.data_ptr()
+                ):
+                    cross = True
+                    break
+        a.role = "cross" if cross else "self"
+        if not cross and q > 1:
+            mid = q // 2
+            a.causal = bool(
+                (pattern[..., 0, 1:] == 0).all() and (pattern[..., mid, mid + 1 :] == 0).all()
+            )
+        a.shape = tuple(pattern.shape)
+        a.handle = self.sink.put(self._store(pattern))
+        a.parts.clear()
+
+    # -- residual adds -------------------------------------------------------------------------
+    def stamp(self, t: Any) -> None:
+        """Note when a stream-shaped tensor was first seen (older operand = the residual)."""
+        layer = self.layer
+        if (
+            isinstance(t, Tensor)
+            and layer is not None
+            and layer.stream_shape is not None
+            and t.shape == layer.stream_shape
+        ):
+            s = self._stamps.get(id(t))
+            if s is None or s[1]() is not t:
+                self._stamps[id(t)] = (next(self._tick), weakref.ref(t))
+
+    def _age(self, t: Tensor) -> float:
+        s = self._stamps.get(id(t))
+        return s[0] if s is not None and s[1]() is t else float("inf")
+
+    def on_add(self, func: Any, args: tuple, kwargs: dict) -> Any:
+        layer = self.layer
+        a = args[0] if args else kwargs.get("input")
+        b = args[1] if len(args) > 1 else kwargs.get("other")
+        shape = layer.stream_shape
+        if (
+            shape is None
+            or not isinstance(a, Tensor)
+            or not isinstance(b, Tensor)
+            or a.shape != shape
+            or b.shape != shape
+            or kwargs.get("alpha", 1) != 1
+        ):
+            out = func(*args, **kwargs)
+            self.stamp(out)
+            return out
+        inplace = func in _ADD_INPLACE
+        if self._age(b) < self._age(a):
+            residual, other = b, a
+        else:
+            residual, other = a, b
+        # an in-place add overwrites its first operand: keep the stream value it had
+        res_value = a.clone() if inplace and residual is a else residual
+        prev = layer.adds[-1].result if layer.adds else None
+        follows = (prev is residual) if prev is not None else (_vkey(residual) == layer.pre_key)
+        out = func(*args, **kwargs)
+        self.stamp(out)
+        kind: Any = layer.pending if layer.pending is not None else "mlp"
+        layer.pending = None
+        layer.adds.append(_Add(kind, res_value, other, out, exact=follows and not inplace))
+        return out
+
+    # -- storage -------------------------------------------------------------------------------
+    def _store(self, t: Tensor) -> Tensor:
+        t = t.detach()
+        if self.dtype is not None and t.is_floating_point() and t.dtype != self.dtype:
+            t = t.to(self.dtype)
+        return t

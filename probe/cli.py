@@ -1,0 +1,208 @@
+"""The ``probe`` command line: ``probe capture``, ``probe info``, ``probe models``.
+
+Problems the user can fix are printed as one line (``probe: error: ...``) with exit code 2 and
+no traceback; nothing half-written is left behind.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from probe.errors import ProbeError
+
+
+def _human(n: float) -> str:
+    for unit in ("B", "KB", "MB", "GB"):
+        if n < 1024 or unit == "GB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n:.1f} GB"
+
+
+def _ints(text: str) -> list[int]:
+    try:
+        return [int(p) for p in text.replace(" ", "").split(",") if p != ""]
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"expected comma-separated integers like 0,2,5, got {text!r}"
+        ) from None
+
+
+def _load_zoo(name: str):
+    import models
+
+    if name not in models.names():
+        raise ProbeError(
+            f"unknown model {name!r}; choose one of: {', '.join(models.names())} "
+            "(see `probe models`)"
+        )
+    return models.load(name)
+
+
+def cmd_capture(args: argparse.Namespace) -> int:
+    import probe
+
+    model = _load_zoo(args.model)
+    out = Path(args.output)
+    if out.suffix != ".safetensors":
+        raise ProbeError(f"output {out} should end in .safetensors")
+    text = args.text if len(args.text) > 1 else args.text[0]
+    target = None
+    if args.target is not None:
+        target = args.target if len(args.target) > 1 else args.target[0]
+    cache = probe.capture(
+        model, text, target=target, out=out, layers=args.layers, heads=args.heads, dtype=args.dtype
+    )
+    n = len(cache.keys())
+    print(
+        f"wrote {out} ({_human(out.stat().st_size)}, {n} tensors); inspect it with "
+        f"`probe info {out}`"
+    )
+    return 0
+
+
+def info_text(path: str | Path) -> str:
+    """A readable summary of the cache at ``path``: model, tokens, keys, shapes and sizes."""
+    import probe
+
+    cache = probe.load(path)
+    meta = cache.metadata
+    p = Path(path)
+    lines = [f"{p}  ({_human(p.stat().st_size)})"]
+    model = meta.get("model", {})
+    lines.append(
+        f"model:     {model.get('name', '?')}  ({model.get('class', '?')}, "
+        f"{model.get('parameters', 0):,} parameters)"
+    )
+    lines.append(
+        f"attention: {', '.join(meta.get('attention_implementations', [])) or '?'}"
+        f"   stored as {meta.get('dtype', '?')}"
+    )
+    lines.append(
+        f"format:    probe cache v{meta.get('format_version', '?')}, written by probe "
+        f"{meta.get('probe_version', '?')}"
+    )
+    stacks = meta.get("stacks", {})
+    for s in cache.stacks:
+        heads = {
+            e.get("self_attn", {}).get("heads")
+            for e in meta.get("layers", [])
+            if e.get("stack") == s
+        }
+        heads.discard(None)
+        hs = ", ".join(str(h) for h in sorted(heads)) or "?"
+        lines.append(
+            f"{s}:   {cache.n_layers(s)} of {stacks.get(s, {}).get('layers', '?')} "
+            f"layers captured, {hs} heads"
+        )
+    texts = meta.get("texts") or []
+    for i, toks in enumerate(cache.tokens):
+        label = f"text {i}:" if texts else f"input {i}:"
+        shown = " | ".join(toks[:24]) + (" | ..." if len(toks) > 24 else "")
+        lines.append(f"{label:9} {len(toks)} tokens: {shown}")
+        if cache.target_tokens:
+            tt = cache.target_tokens[i]
+            lines.append(f"{'target:':9} {len(tt)} tokens: {' | '.join(tt[:24])}")
+    lines.append("")
+    width = max((len(k) for k in cache.keys()), default=10)
+    lines.append(f"{'key':{width}}  {'shape':22} {'size':>10}")
+    total = 0
+    for k in cache.keys():
+        nb = cache.nbytes(k)
+        total += nb
+        shape = "[" + ", ".join(str(d) for d in cache.shape(k)) + "]"
+        lines.append(f"{k:{width}}  {shape:22} {_human(nb):>10}")
+    lines.append(f"{len(cache.keys())} tensors, {_human(total)}")
+    return "\n".join(lines)
+
+
+def cmd_info(args: argparse.Namespace) -> int:
+    print(info_text(args.path))
+    return 0
+
+
+def cmd_models(args: argparse.Namespace) -> int:
+    import models
+
+    for name in models.names():
+        print(f"{name:15} {models.describe(name)}")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The argument parser of the ``probe`` command."""
+    parser = argparse.ArgumentParser(
+        prog="probe",
+        description="See what attention inside a transformer really does: capture every "
+        "attention pattern and residual delta into a safetensors cache.",
+    )
+    from probe import __version__
+
+    parser.add_argument("--version", action="version", version=f"probe {__version__}")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    sub.required = True
+
+    p = sub.add_parser(
+        "capture",
+        help="run a zoo model on text and write its attention cache",
+        description="Run a model from the bundled zoo on TEXT and stream every attention "
+        "pattern and residual-stream delta into a safetensors cache.",
+        epilog="example: probe capture --model minigpt 'attention lets tokens read context.' "
+        "-o run.safetensors",
+    )
+    p.add_argument("text", nargs="+", metavar="TEXT", help="input text (several = one batch)")
+    p.add_argument("--model", "-m", default="minigpt", help="zoo model name (default: minigpt)")
+    p.add_argument(
+        "--target",
+        "-t",
+        nargs="+",
+        default=None,
+        help="decoder text for encoder-decoders (teacher forcing); default: greedy decoding",
+    )
+    p.add_argument("-o", "--output", required=True, help="cache file to write (.safetensors)")
+    p.add_argument("--layers", type=_ints, default=None, help="layer indices to keep, e.g. 0,3")
+    p.add_argument("--heads", type=_ints, default=None, help="head indices to keep, e.g. 0,1")
+    p.add_argument(
+        "--dtype",
+        default=None,
+        choices=["float32", "float16", "bfloat16"],
+        help="store tensors in this dtype (default: as computed)",
+    )
+    p.set_defaults(func=cmd_capture)
+
+    p = sub.add_parser(
+        "info",
+        help="summarise a cache file",
+        description="Print a readable summary of a probe cache: model, tokens, "
+        "keys, shapes and sizes.",
+    )
+    p.add_argument("path", help="a .safetensors cache written by probe")
+    p.set_defaults(func=cmd_info)
+
+    p = sub.add_parser(
+        "models",
+        help="list the bundled model zoo",
+        description="List the textbook models bundled with probe.",
+    )
+    p.set_defaults(func=cmd_models)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of the ``probe`` console script; returns the exit code."""
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        return args.func(args)
+    except ProbeError as e:
+        print(f"probe: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("probe: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())
