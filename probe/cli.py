@@ -35,8 +35,7 @@ def _load_zoo(name: str):
 
     if name not in models.names():
         raise ProbeError(
-            f"unknown model {name!r}; choose one of: {', '.join(models.names())} "
-            "(see `probe models`)"
+            f"unknown model {name!r}; choose one of: {', '.join(models.names())} (see `probe models`)"
         )
     return models.load(name)
 
@@ -56,10 +55,7 @@ def cmd_capture(args: argparse.Namespace) -> int:
         model, text, target=target, out=out, layers=args.layers, heads=args.heads, dtype=args.dtype
     )
     n = len(cache.keys())
-    print(
-        f"wrote {out} ({_human(out.stat().st_size)}, {n} tensors); inspect it with "
-        f"`probe info {out}`"
-    )
+    print(f"wrote {out} ({_human(out.stat().st_size)}, {n} tensors); inspect it with `probe info {out}`")
     return 0
 
 
@@ -86,11 +82,7 @@ def info_text(path: str | Path) -> str:
     )
     stacks = meta.get("stacks", {})
     for s in cache.stacks:
-        heads = {
-            e.get("self_attn", {}).get("heads")
-            for e in meta.get("layers", [])
-            if e.get("stack") == s
-        }
+        heads = {e.get("self_attn", {}).get("heads") for e in meta.get("layers", []) if e.get("stack") == s}
         heads.discard(None)
         hs = ", ".join(str(h) for h in sorted(heads)) or "?"
         lines.append(
@@ -175,8 +167,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser(
         "info",
         help="summarise a cache file",
-        description="Print a readable summary of a probe cache: model, tokens, "
-        "keys, shapes and sizes.",
+        description="Print a readable summary of a probe cache: model, tokens, keys, shapes and sizes.",
     )
     p.add_argument("path", help="a .safetensors cache written by probe")
     p.set_defaults(func=cmd_info)

@@ -201,8 +201,7 @@ def _read_header(path: Path) -> dict:
             )
         if 8 + n > size:
             raise ProbeError(
-                f"{name} is truncated (header needs {8 + n} bytes, file has {size}); "
-                "capture it again"
+                f"{name} is truncated (header needs {8 + n} bytes, file has {size}); capture it again"
             )
         raw = f.read(n)
     try:
@@ -228,9 +227,7 @@ def load(path: str | os.PathLike) -> Cache:
     """
     path = Path(path)
     if not path.exists():
-        raise ProbeError(
-            f"no such file: {path}; give the path of a cache written by `probe capture`"
-        )
+        raise ProbeError(f"no such file: {path}; give the path of a cache written by `probe capture`")
     if path.is_dir():
         raise ProbeError(f"{path} is a directory; give the path of a .safetensors cache file")
     header = _read_header(path)
@@ -244,8 +241,7 @@ def load(path: str | os.PathLike) -> Cache:
         version = int(meta.get("format_version", "0"))
     except ValueError:
         raise ProbeError(
-            f"{path.name} has an unreadable format version "
-            f"{meta.get('format_version')!r}; capture it again"
+            f"{path.name} has an unreadable format version {meta.get('format_version')!r}; capture it again"
         ) from None
     if version > FORMAT_VERSION:
         raise ProbeError(
@@ -259,7 +255,5 @@ def load(path: str | os.PathLike) -> Cache:
     try:
         reader = safe_open(str(path), framework="pt")
     except Exception as e:  # safetensors raises its own error types
-        raise ProbeError(
-            f"{path.name} is not a valid safetensors file ({e}); capture it again"
-        ) from None
+        raise ProbeError(f"{path.name} is not a valid safetensors file ({e}); capture it again") from None
     return Cache(metadata=metadata, path=path, _reader=reader)

@@ -58,9 +58,7 @@ class FileSink:
     def __init__(self, path: str | os.PathLike, reserve: int = 65536) -> None:
         self.path = Path(path)
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(
-            prefix=f".{self.path.name}.", suffix=".tmp", dir=self.path.parent
-        )
+        fd, tmp = tempfile.mkstemp(prefix=f".{self.path.name}.", suffix=".tmp", dir=self.path.parent)
         self._tmp = Path(tmp)
         self._f = os.fdopen(fd, "wb")
         self._reserve = max(1024, (int(reserve) + 7) // 8 * 8)
@@ -109,9 +107,7 @@ class FileSink:
     def _rewrite(self, blob: bytes) -> None:
         # The header did not fit the reservation: copy the data behind a header of the right size.
         pad = (-len(blob)) % 8
-        fd, tmp2 = tempfile.mkstemp(
-            prefix=f".{self.path.name}.", suffix=".tmp", dir=self.path.parent
-        )
+        fd, tmp2 = tempfile.mkstemp(prefix=f".{self.path.name}.", suffix=".tmp", dir=self.path.parent)
         with os.fdopen(fd, "wb") as out, open(self._tmp, "rb") as src:
             out.write(struct.pack("<Q", len(blob) + pad))
             out.write(blob + b" " * pad)
@@ -130,9 +126,7 @@ class FileSink:
                 self._tmp.unlink()
 
 
-def save_tensors(
-    path: str | os.PathLike, tensors: dict[str, torch.Tensor], metadata: dict[str, str]
-) -> Path:
+def save_tensors(path: str | os.PathLike, tensors: dict[str, torch.Tensor], metadata: dict[str, str]) -> Path:
     """Save ``tensors`` to ``path`` as safetensors atomically (temporary file, then rename)."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)

@@ -57,9 +57,7 @@ def model_info(model: nn.Module) -> dict[str, Any]:
     name = getattr(model, "name", None)
     if not isinstance(name, str):
         cfg = getattr(model, "config", None)
-        name = (
-            getattr(cfg, "name_or_path", None) or getattr(cfg, "model_type", None) or cls.__name__
-        )
+        name = getattr(cfg, "name_or_path", None) or getattr(cfg, "model_type", None) or cls.__name__
     return {
         "name": name,
         "class": f"{cls.__module__}.{cls.__qualname__}",
@@ -111,9 +109,7 @@ class Trace:
 
     def __enter__(self) -> Trace:
         self._sink = FileSink(self.out, reserve=self._reserve) if self.out else MemorySink()
-        self._tracer = Tracer(
-            self.model, self._sink, layers=self.layers, heads=self.heads, dtype=self.dtype
-        )
+        self._tracer = Tracer(self.model, self._sink, layers=self.layers, heads=self.heads, dtype=self.dtype)
         try:
             self._tracer.__enter__()
         except BaseException:
@@ -165,9 +161,7 @@ class Trace:
     def _finish(self) -> Cache:
         tr = self._tracer
         if tr.root_calls == 0:
-            raise ProbeError(
-                "the model did not run inside probe.trace; call it inside the with block"
-            )
+            raise ProbeError("the model did not run inside probe.trace; call it inside the with block")
         if tr.root_calls > 1:
             raise ProbeError(
                 f"the model ran {tr.root_calls} forward passes inside probe.trace; "
@@ -182,8 +176,7 @@ class Trace:
         if not tr.records:
             counts = ", ".join(f"{n} layers" for n in tr.kept.values())
             raise ProbeError(
-                f"layers={self.layers} selects no layer (the model has {counts}); "
-                "choose indices from 0"
+                f"layers={self.layers} selects no layer (the model has {counts}); choose indices from 0"
             )
         stacks = self._stacks(tr)
         offsets: dict[str, int] = {}

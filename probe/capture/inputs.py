@@ -44,9 +44,7 @@ def _encode(tok: Any, text: str, model_name: str) -> tuple[list[int], list[str]]
         raise
     except (ValueError, KeyError) as e:
         msg = str(e).strip("'\"")
-        raise ProbeError(
-            msg.splitlines()[0] if msg else f"{model_name} cannot encode {text!r}"
-        ) from None
+        raise ProbeError(msg.splitlines()[0] if msg else f"{model_name} cannot encode {text!r}") from None
     if not ids:
         raise ProbeError(f"empty text: {text!r} has no tokens for {model_name}")
     if hasattr(tok, "tokenize"):
@@ -58,9 +56,7 @@ def _encode(tok: Any, text: str, model_name: str) -> tuple[list[int], list[str]]
 
 def _check_length(n: int, limit: int | None, model_name: str, what: str) -> None:
     if limit is not None and n > limit:
-        raise ProbeError(
-            f"{what} is {n} tokens but {model_name} accepts at most {limit}; shorten it"
-        )
+        raise ProbeError(f"{what} is {n} tokens but {model_name} accepts at most {limit}; shorten it")
 
 
 def _batch(seqs: list[list[int]], pad_id: int) -> tuple[Tensor, Tensor]:
@@ -78,9 +74,7 @@ def _model_name(model: nn.Module) -> str:
     return name if isinstance(name, str) else type(model).__name__
 
 
-def prepare(
-    model: nn.Module, inputs: Any, *, tokenizer: Any = None, target: Any = None
-) -> Prepared:
+def prepare(model: nn.Module, inputs: Any, *, tokenizer: Any = None, target: Any = None) -> Prepared:
     """Build the forward call for ``model`` on ``inputs`` (see :func:`probe.capture`)."""
     if not isinstance(model, nn.Module):
         raise ProbeError(f"probe captures torch.nn.Module models, not {type(model).__name__}")
@@ -93,7 +87,7 @@ def prepare(
     texts = _texts(inputs)
     limit = getattr(model, "context_length", None)
     encoded = [_encode(tok, t, name) for t in texts]
-    for t, (ids, _) in zip(texts, encoded):
+    for t, (ids, _) in zip(texts, encoded, strict=False):
         _check_length(len(ids), limit, name, f"text {t[:30]!r}")
     pad_id = int(getattr(tok, "pad_id", 0) or 0)
     ids, mask = _batch([e[0] for e in encoded], pad_id)
@@ -131,16 +125,12 @@ def prepare(
     else:
         target_texts = _texts(target, "target text")
         if len(target_texts) != len(texts):
-            raise ProbeError(
-                f"{len(texts)} texts but {len(target_texts)} targets; give one target per text"
-            )
+            raise ProbeError(f"{len(texts)} texts but {len(target_texts)} targets; give one target per text")
         tgt_encoded = [_encode(target_tok, t, name) for t in target_texts]
         meta["target_source"] = "given"
-    for t, (s, _) in zip(target_texts, tgt_encoded):
+    for t, (s, _) in zip(target_texts, tgt_encoded, strict=False):
         _check_length(len(s), limit, name, f"target {t[:30]!r}")
-    tgt_ids, tgt_mask = _batch(
-        [e[0] for e in tgt_encoded], int(getattr(target_tok, "pad_id", pad_id))
-    )
+    tgt_ids, tgt_mask = _batch([e[0] for e in tgt_encoded], int(getattr(target_tok, "pad_id", pad_id)))
     meta.update(
         {
             "target_texts": target_texts,

@@ -76,7 +76,7 @@ def mha_weights(module: torch.nn.MultiheadAttention, args: tuple, kwargs: dict) 
         "average_attn_weights",
         "is_causal",
     )
-    bound = dict(zip(names, args))
+    bound = dict(zip(names, args, strict=False))
     bound.update({k: v for k, v in kwargs.items() if k in names})
     query, key, value = bound["query"], bound["key"], bound["value"]
     batched = query.dim() == 3

@@ -228,9 +228,7 @@ class Tracer:
     def __enter__(self) -> Tracer:
         for m in self.model.modules():
             self._handles.append(m.register_forward_pre_hook(self._pre, with_kwargs=True))
-            self._handles.append(
-                m.register_forward_hook(self._post, with_kwargs=True, always_call=True)
-            )
+            self._handles.append(m.register_forward_hook(self._post, with_kwargs=True, always_call=True))
         self._mode.__enter__()
         return self
 
@@ -479,9 +477,7 @@ class Tracer:
         a.role = "cross" if cross else "self"
         if not cross and q > 1:
             mid = q // 2
-            a.causal = bool(
-                (pattern[..., 0, 1:] == 0).all() and (pattern[..., mid, mid + 1 :] == 0).all()
-            )
+            a.causal = bool((pattern[..., 0, 1:] == 0).all() and (pattern[..., mid, mid + 1 :] == 0).all())
         a.shape = tuple(pattern.shape)
         a.handle = self.sink.put(self._store(pattern))
         a.parts.clear()
