@@ -119,7 +119,8 @@ def cmd_models(args: argparse.Namespace) -> int:
     import models
 
     for name in models.names():
-        print(f"{name:15} {models.describe(name)}")
+        doc = (models.module(name).__doc__ or "").strip().splitlines()
+        print(f"{name:15} {doc[0] if doc else ''}")
     return 0
 
 

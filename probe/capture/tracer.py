@@ -174,6 +174,8 @@ class _Mode(TorchFunctionMode):
             out = func(*args, **kwargs)
             if tr.wants_pattern():
                 tr.on_pattern(sdpa_weights(*args, **kwargs), "sdpa")
+            else:
+                tr.note_event()  # a layer left out by `layers=`: count it, skip the work
             return out
         if func is _MHA_FN:
             # re-enter the mode so the SDPA or softmax inside is seen like any other
@@ -306,7 +308,7 @@ class Tracer:
 
     def _mha_event(self, module: nn.MultiheadAttention, args: tuple, kwargs: dict) -> None:
         if not self.wants_pattern():
-            self._note_event()
+            self.note_event()
             return
         with torch.no_grad():
             w = mha_weights(module, args, kwargs)
@@ -318,14 +320,14 @@ class Tracer:
         index = self.kept.get(container, 0)
         wanted = self.layers_wanted is None or index in self.layers_wanted
         layer = _Layer(container=container, index=index, wanted=wanted)
+        call.layer = layer
+        self.layer, self.layer_call = layer, call
         p = call.primary
         if wanted and p is not None and p.is_floating_point():
             layer.resid_pre = p.detach().clone()
             layer.pre_key = _vkey(p)
             layer.stream_shape = p.shape
             self.stamp(p)
-        call.layer = layer
-        self.layer, self.layer_call = layer, call
 
     def _adopt_layer(self) -> None:
         # No list of layers on the stack: the layer is the top-level child computing attention.
@@ -399,7 +401,7 @@ class Tracer:
             return False
         return self._current_layer().wanted
 
-    def _note_event(self) -> None:
+    def note_event(self) -> None:
         for c in self.stack:
             c.events += 1
         self._current_layer().events += 1
@@ -420,11 +422,11 @@ class Tracer:
         if self.wants_pattern():
             self.on_pattern(out, "softmax")
         else:
-            self._note_event()
+            self.note_event()
 
     def on_pattern(self, pattern: Tensor, impl: str) -> None:
         """Record an attention pattern ``[batch, (head,) query, key]`` computed now."""
-        self._note_event()
+        self.note_event()
         layer = self._current_layer()
         sub = self._sublayer_call()
         if sub.attn is None:

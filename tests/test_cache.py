@@ -1,0 +1,171 @@
+"""The safetensors cache: keys, save/load round trips, lazy reads, streaming and bad files."""
+
+from __future__ import annotations
+
+import json
+import struct
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+from toys import ToyLM, ToySeq2Seq
+
+import probe
+from probe import ProbeError
+from probe.cache.format import FORMAT_VERSION, key, parse_key
+
+
+@pytest.fixture(scope="module")
+def lm():
+    torch.manual_seed(0)
+    return ToyLM("sdpa_causal", n_layers=4).eval()
+
+
+@pytest.fixture(scope="module")
+def ids():
+    torch.manual_seed(1)
+    return torch.randint(0, 40, (2, 12))
+
+
+def test_key_scheme():
+    assert key("decoder", 3, "self_attn.pattern") == "decoder.blocks.3.self_attn.pattern"
+    assert parse_key("encoder.blocks.11.resid_post") == ("encoder", 11, "resid_post")
+    with pytest.raises(ValueError):
+        key("middle", 0, "resid_pre")
+    with pytest.raises(ValueError):
+        parse_key("blocks.0.attn")
+
+
+def test_keys_shapes_and_metadata(lm, ids):
+    cache = probe.capture(lm, ids)
+    names = ["self_attn.pattern", "resid_pre", "self_attn.delta", "mlp.delta", "resid_post"]
+    assert cache.keys() == [f"decoder.blocks.{i}.{n}" for i in range(4) for n in names]
+    assert cache["decoder.blocks.0.self_attn.pattern"].shape == (2, 4, 12, 12)
+    assert cache["decoder.blocks.0.resid_pre"].shape == (2, 12, 32)
+    meta = cache.metadata
+    assert meta["model"]["class"].endswith("ToyLM")
+    assert meta["attention_implementations"] == ["sdpa"]
+    assert meta["probe_version"] == probe.__version__ and meta["format_version"] == FORMAT_VERSION
+    assert meta["ids"] == ids.tolist()
+    assert [e["module"] for e in meta["layers"]] == [f"blocks.{i}" for i in range(4)]
+
+
+def test_save_load_roundtrip_is_exact_and_lazy(lm, ids, tmp_path):
+    cache = probe.capture(lm, ids)
+    path = cache.save(tmp_path / "run.safetensors")
+    assert [p.name for p in tmp_path.iterdir()] == ["run.safetensors"]  # no temp file left
+    loaded = probe.load(path)
+    assert loaded.keys() == cache.keys()
+    assert loaded.metadata == json.loads(json.dumps(cache.metadata))
+    for k in cache.keys():
+        assert torch.equal(loaded[k], cache[k])
+    assert torch.equal(loaded.pattern("decoder", 2, head=1, batch=0), cache.pattern("decoder", 2)[0, 1])
+    assert loaded.shape("decoder.blocks.0.self_attn.pattern") == (2, 4, 12, 12)
+    # it is an ordinary safetensors file, readable without probe
+    plain = load_file(path)
+    assert torch.equal(plain["decoder.blocks.1.mlp.delta"], cache["decoder.blocks.1.mlp.delta"])
+
+
+def test_streamed_capture_equals_in_memory_and_writes_as_it_goes(lm, ids, tmp_path):
+    out = tmp_path / "stream.safetensors"
+    sizes = []
+
+    def look(module, args):  # before layer 3 runs, layers 0-2 must already be on disk
+        tmp = [p for p in tmp_path.iterdir() if p.name.endswith(".tmp")]
+        sizes.append(sum(p.stat().st_size for p in tmp))
+
+    h = lm.blocks[3].register_forward_pre_hook(look)
+    try:
+        streamed = probe.capture(lm, ids, out=out)
+    finally:
+        h.remove()
+    layer_bytes = 2 * 4 * 12 * 12 * 4 + 4 * 2 * 12 * 32 * 4
+    assert sizes and sizes[0] >= 3 * layer_bytes
+    assert streamed.path == out and out.exists()
+    memory = probe.capture(lm, ids)
+    assert streamed.keys() == memory.keys()
+    for k in memory.keys():
+        assert torch.equal(streamed[k], memory[k])
+    assert [p.name for p in tmp_path.iterdir()] == ["stream.safetensors"]
+
+
+def test_header_larger_than_reservation_still_valid(tmp_path):
+    from probe.cache.writer import FileSink
+
+    sink = FileSink(tmp_path / "x.safetensors", reserve=1024)
+    handles = {sink.put(torch.full((3,), float(i))): f"t{i:03d}" for i in range(200)}
+    sink.finish(handles, {"format": "probe-cache", "format_version": "1", "probe": "{}"})
+    data = load_file(tmp_path / "x.safetensors")
+    assert len(data) == 200 and torch.equal(data["t123"], torch.full((3,), 123.0))
+
+
+def test_encoder_decoder_cache_roundtrip(tmp_path):
+    torch.manual_seed(5)
+    model = ToySeq2Seq().eval()
+    src, tgt = torch.tensor([[3, 4, 5, 0]]), torch.tensor([[1, 2, 3]])
+    with torch.no_grad(), probe.trace(model, out=tmp_path / "s2s.safetensors") as t:
+        model(src, tgt)
+    cache = t.cache
+    assert cache.stacks == ["encoder", "decoder"]
+    assert cache.pattern("decoder", 1, "cross").shape == (1, 4, 3, 4)
+    with pytest.raises(KeyError, match="not in this cache"):
+        cache.pattern("encoder", 0, "cross")
+
+
+def test_failed_capture_leaves_no_file(tmp_path):
+    class Boom(ToyLM):
+        def forward(self, ids):
+            super().forward(ids)
+            raise RuntimeError("boom")
+
+    with pytest.raises(RuntimeError, match="boom"):
+        probe.capture(Boom().eval(), torch.randint(0, 40, (1, 5)), out=tmp_path / "b.safetensors")
+    assert list(tmp_path.iterdir()) == []
+
+
+# -- bad files ---------------------------------------------------------------------------------
+
+
+def test_load_missing_file(tmp_path):
+    with pytest.raises(ProbeError, match="no such file"):
+        probe.load(tmp_path / "nope.safetensors")
+
+
+def test_load_not_safetensors(tmp_path):
+    p = tmp_path / "notes.safetensors"
+    p.write_text("hello, this is not a cache at all")
+    with pytest.raises(ProbeError, match="not a safetensors file"):
+        probe.load(p)
+    tiny = tmp_path / "tiny.safetensors"
+    tiny.write_bytes(b"abc")
+    with pytest.raises(ProbeError, match="not a safetensors file"):
+        probe.load(tiny)
+
+
+def test_load_truncated(lm, ids, tmp_path):
+    path = probe.capture(lm, ids).save(tmp_path / "full.safetensors")
+    data = path.read_bytes()
+    cut = tmp_path / "cut.safetensors"
+    cut.write_bytes(data[: len(data) // 2])
+    with pytest.raises(ProbeError, match="truncated"):
+        probe.load(cut)
+    (n,) = struct.unpack("<Q", data[:8])
+    head_only = tmp_path / "head.safetensors"
+    head_only.write_bytes(data[: 8 + n // 2])
+    with pytest.raises(ProbeError, match="truncated"):
+        probe.load(head_only)
+
+
+def test_load_safetensors_that_is_not_a_cache(tmp_path):
+    p = tmp_path / "weights.safetensors"
+    save_file({"w": torch.zeros(2)}, p)
+    with pytest.raises(ProbeError, match="not a probe cache"):
+        probe.load(p)
+
+
+def test_load_newer_format_version(tmp_path):
+    p = tmp_path / "future.safetensors"
+    meta = {"format": "probe-cache", "format_version": str(FORMAT_VERSION + 1), "probe": "{}"}
+    save_file({"decoder.blocks.0.resid_pre": torch.zeros(1, 1, 2)}, p, metadata=meta)
+    with pytest.raises(ProbeError, match="newer than this probe reads"):
+        probe.load(p)

@@ -1,0 +1,104 @@
+"""The ``probe`` command line, run as a user would (a subprocess), errors included."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import probe
+
+
+def run(*args: str, cwd=None) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "probe", *args], capture_output=True, text=True, cwd=cwd, timeout=300
+    )
+
+
+def test_help_on_every_command():
+    for args in ([], ["capture"], ["info"], ["models"]):
+        r = run(*args, "--help")
+        assert r.returncode == 0, r.stderr
+        assert "usage: probe" in r.stdout
+
+
+def test_models_lists_the_zoo():
+    r = run("models")
+    assert r.returncode == 0
+    names = [line.split()[0] for line in r.stdout.splitlines()]
+    assert names == ["single_head", "minigpt", "fused_decoder", "translator"]
+
+
+def test_capture_then_info(tmp_path):
+    out = tmp_path / "run.safetensors"
+    r = run("capture", "--model", "minigpt", "attention lets tokens", "-o", str(out))
+    assert r.returncode == 0, r.stderr
+    assert out.exists() and "wrote" in r.stdout
+    cache = probe.load(out)
+    gpt_ids = cache.metadata["ids"][0]
+    assert len(gpt_ids) == len("attention lets tokens")
+    r = run("info", str(out))
+    assert r.returncode == 0, r.stderr
+    assert "minigpt" in r.stdout
+    assert "decoder.blocks.1.self_attn.pattern" in r.stdout
+    assert "[1, 4, 21, 21]" in r.stdout
+    assert "a | t | t | e" in r.stdout
+
+
+def test_capture_translator_with_target_and_filters(tmp_path):
+    out = tmp_path / "tr.safetensors"
+    r = run(
+        "capture",
+        "-m",
+        "translator",
+        "ich mochte ein bier",
+        "--target",
+        "S i want a beer",
+        "-o",
+        str(out),
+        "--layers",
+        "0,5",
+        "--heads",
+        "0",
+        "--dtype",
+        "float16",
+    )
+    assert r.returncode == 0, r.stderr
+    cache = probe.load(out)
+    assert cache.n_layers("encoder") == 2 and cache.n_layers("decoder") == 2
+    assert "decoder.blocks.5.self_attn.pattern" in cache  # keys keep the model's layer numbers
+    assert "decoder.blocks.1.self_attn.pattern" not in cache
+    p = cache.pattern("decoder", 5, "cross")
+    assert p.shape == (1, 1, 5, 4) and p.dtype == torch.float16
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["capture", "-m", "gpt5", "hi", "-o", "x.safetensors"], "unknown model 'gpt5'"),
+        (["capture", "-m", "minigpt", "", "-o", "x.safetensors"], "empty text"),
+        (["capture", "-m", "minigpt", "HELLO", "-o", "x.safetensors"], "'H', 'E', 'L', 'O'"),
+        (["capture", "-m", "minigpt", "a" * 40, "-o", "x.safetensors"], "at most 32"),
+        (["capture", "-m", "translator", "ich will bier", "-o", "x.safetensors"], "will"),
+        (["capture", "-m", "minigpt", "at", "-o", "x.txt"], "should end in .safetensors"),
+        (["capture", "-m", "minigpt", "at", "-o", "x.safetensors", "--layers", "9"], "selects no layer"),
+        (["info", "missing.safetensors"], "no such file"),
+    ],
+)
+def test_bad_input_is_one_line_exit_2_and_no_file(tmp_path, args, message):
+    r = run(*args, cwd=tmp_path)
+    assert r.returncode == 2, (r.stdout, r.stderr)
+    assert message in r.stderr
+    assert "Traceback" not in r.stderr
+    assert len(r.stderr.strip().splitlines()) == 1
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_info_on_bad_files(tmp_path):
+    (tmp_path / "text.safetensors").write_text("not a cache")
+    r = run("info", str(tmp_path / "text.safetensors"))
+    assert r.returncode == 2 and "not a safetensors file" in r.stderr and "Traceback" not in r.stderr
+    r = run("capture", "--layers", "x,y", "at", "-o", "a.safetensors", cwd=tmp_path)
+    assert r.returncode == 2 and "comma-separated integers" in r.stderr
