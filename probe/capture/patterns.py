@@ -15,6 +15,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 
+@torch.no_grad()
 def sdpa_weights(
     query: Tensor,
     key: Tensor,
@@ -24,6 +25,9 @@ def sdpa_weights(
     is_causal: bool = False,
     scale: float | None = None,
     enable_gqa: bool = False,
+    *,
+    out: Tensor | None = None,
+    chunk: int = 128,
 ) -> Tensor:
     """The attention weights ``F.scaled_dot_product_attention`` uses, as ``[..., heads, L, S]``.
 
@@ -32,31 +36,51 @@ def sdpa_weights(
     a float mask is added to the scores; grouped-query key heads are repeated to the query heads.
     Rows with every key masked come out as zeros (SDPA's math path gives NaN there). Dropout is
     not applied: the pattern is the pre-dropout distribution.
+
+    Computed in float32, ``chunk`` query rows at a time, straight into ``out`` (allocated if not
+    given) with an in-place softmax; under ``is_causal`` the keys a chunk cannot see are not
+    computed at all, which halves the work.
     """
     L, S = query.size(-2), key.size(-2)
     scale = 1.0 / math.sqrt(query.size(-1)) if scale is None else scale
     if query.dim() >= 3 and key.dim() >= 3 and key.size(-3) != query.size(-3):
         # grouped-query attention: each key head serves a contiguous group of query heads
         key = key.repeat_interleave(query.size(-3) // key.size(-3), dim=-3)
-    q = query if query.dtype == torch.float32 else query.float()
-    k = key if key.dtype == torch.float32 else key.float()
-    scores = torch.matmul(q, k.transpose(-2, -1)).mul_(scale)  # [..., L, S]
-    masked = False
-    if is_causal:
-        causal = torch.ones(L, S, dtype=torch.bool, device=scores.device).tril_()
-        scores.masked_fill_(~causal, float("-inf"))
-        masked = True
-    if attn_mask is not None:
-        if attn_mask.dtype == torch.bool:
-            scores.masked_fill_(~attn_mask, float("-inf"))
-            masked = True
-        else:
-            scores.add_(attn_mask.float())
-            masked = masked or bool(torch.isinf(attn_mask).any())
-    weights = torch.softmax(scores, dim=-1)
-    if masked:
-        weights.nan_to_num_(nan=0.0)
-    return weights
+    q = query.float() * scale  # scaling q (small) instead of the scores (L x S) saves a pass
+    kt = key.float().transpose(-2, -1)
+    shape = torch.broadcast_shapes(q.shape[:-2], kt.shape[:-2]) + (L, S)
+    if out is None or out.shape != shape or out.dtype != torch.float32:
+        out = torch.empty(shape, dtype=torch.float32, device=query.device)
+    mask = attn_mask
+    if mask is not None and mask.dtype != torch.bool:
+        mask = mask.float()
+    for i in range(0, L, chunk):
+        e = min(L, i + chunk)
+        kend = min(S, e) if is_causal else S
+        blk = out[..., i:e, :kend]
+        torch.matmul(q[..., i:e, :], kt[..., :kend], out=blk)  # [..., rows, kend]
+        if is_causal:
+            if kend < S:
+                out[..., i:e, kend:].zero_()
+            if kend > i:  # the diagonal block: query r may not see keys after r
+                diag = torch.ones(e - i, kend - i, dtype=torch.bool, device=out.device).triu_(1)
+                blk[..., i:kend].masked_fill_(diag, float("-inf"))
+        if mask is not None:
+            m = mask[..., i:e, :] if mask.size(-2) == L else mask
+            m = m[..., :kend] if m.size(-1) == S else m
+            if m.dtype == torch.bool:
+                blk.masked_fill_(~m, float("-inf"))
+            else:
+                blk.add_(m)
+        # softmax in place: exp(x - max) / sum, rows with no visible key become zeros
+        top = blk.amax(dim=-1, keepdim=True)
+        top.masked_fill_(torch.isinf(top), 0.0)
+        blk.sub_(top).exp_()
+        total = blk.sum(dim=-1, keepdim=True)
+        blk.div_(total)
+        if (total == 0).any():
+            blk.nan_to_num_(nan=0.0)
+    return out
 
 
 def mha_weights(module: torch.nn.MultiheadAttention, args: tuple, kwargs: dict) -> Tensor | None:

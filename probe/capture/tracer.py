@@ -42,6 +42,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.overrides import TorchFunctionMode
 
+from probe.cache.writer import MemorySink
 from probe.capture.patterns import mha_weights, sdpa_weights
 
 _SOFTMAX = {F.softmax, torch.softmax, Tensor.softmax, torch.special.softmax}
@@ -173,7 +174,7 @@ class _Mode(TorchFunctionMode):
         if func is _SDPA:
             out = func(*args, **kwargs)
             if tr.wants_pattern():
-                tr.on_pattern(sdpa_weights(*args, **kwargs), "sdpa")
+                tr.on_pattern(sdpa_weights(*args, **kwargs, out=tr.scratch()), "sdpa")
             else:
                 tr.note_event()  # a layer left out by `layers=`: count it, skip the work
             return out
@@ -225,6 +226,11 @@ class Tracer:
         self._mode = _Mode(self)
         self._handles: list[Any] = []
         self._suspended = 0
+        # Streaming to disk: recomputed patterns go into one reused buffer, written out at the
+        # end of their sublayer (saves allocating and page-faulting a fresh one every layer).
+        self._reuse = not isinstance(sink, MemorySink)
+        self._scratch: Tensor | None = None
+        self._scratch_busy = False
 
     # -- lifecycle -----------------------------------------------------------------------------
     def __enter__(self) -> Tracer:
@@ -424,6 +430,12 @@ class Tracer:
         else:
             self.note_event()
 
+    def scratch(self) -> Tensor | None:
+        """A buffer the next recomputed pattern may be written into, or None."""
+        if not self._reuse or self._scratch_busy:
+            return None
+        return self._scratch
+
     def on_pattern(self, pattern: Tensor, impl: str) -> None:
         """Record an attention pattern ``[batch, (head,) query, key]`` computed now."""
         self.note_event()
@@ -441,6 +453,8 @@ class Tracer:
             sub.attn = a
             layer.attns.append(a)
         p = pattern.detach()
+        if self._reuse and not self._scratch_busy and impl == "sdpa":
+            self._scratch, self._scratch_busy = p, True
         a.parts.append((p, p._version))
         a.impl.add(impl)
         self.impls.add(impl)
@@ -482,6 +496,8 @@ class Tracer:
             a.causal = bool((pattern[..., 0, 1:] == 0).all() and (pattern[..., mid, mid + 1 :] == 0).all())
         a.shape = tuple(pattern.shape)
         a.handle = self.sink.put(self._store(pattern))
+        if any(p is self._scratch for p, _ in a.parts):
+            self._scratch_busy = False
         a.parts.clear()
 
     # -- residual adds -------------------------------------------------------------------------
