@@ -14,8 +14,7 @@ def _training(model: torch.nn.Module, trained_now: bool) -> str:
         return "not trained: seeded init"
     when = "trained just now" if trained_now else "checkpoint"
     return (
-        f"{when}: {info['steps']} steps in {info['train_seconds']:.1f} s, "
-        f"final loss {info['final_loss']:.6f}"
+        f"{when}: {info['steps']} steps in {info['train_seconds']:.1f} s, final loss {info['final_loss']:.6f}"
     )
 
 

@@ -10,6 +10,9 @@ JSON-encoded:
     final_loss  the training loss at the last step (null for the untrained single_head)
     steps       optimizer steps taken
     train_seconds  wall-clock training time
+    torch, threads the torch version and torch.get_num_threads() of the run: the recipes are
+                bit-for-bit deterministic for a given machine, torch build and thread count,
+                while other thread counts or CPUs round differently (same quality, other bits)
 
 Small checkpoints ship in the package (`models/checkpoints/NAME.safetensors`); the rest are
 trained on first use into the cache directory: `$PROBE_CACHE_DIR`, or `~/.cache/probe`, under
@@ -79,6 +82,8 @@ def save(
         "final_loss": stats.final_loss,
         "steps": stats.steps,
         "train_seconds": round(stats.seconds, 3),
+        "torch": torch.__version__,
+        "threads": torch.get_num_threads(),
     }
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".partial", dir=path.parent)
     os.close(fd)

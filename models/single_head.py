@@ -58,9 +58,7 @@ class Head(nn.Module):
         """x (B, T, C) -> out (B, T, head_size), wei (B, T, T) with zeros above the diagonal."""
         B, T, C = x.shape
         if T > self.context_length:
-            raise ValueError(
-                f"{NAME}: sequence of {T} positions, the mask covers {self.context_length}"
-            )
+            raise ValueError(f"{NAME}: sequence of {T} positions, the mask covers {self.context_length}")
         k = self.key(x)  # (B, T, 16)
         q = self.query(x)  # (B, T, 16)
         v = self.value(x)  # (B, T, 16), what each token hands over when it is read
@@ -85,15 +83,11 @@ def build(config: Config | None = None) -> Head:
     config = config or Config()
     with torch.random.fork_rng(devices=[]):  # leave the caller's global RNG alone
         torch.manual_seed(config.seed)
-        torch.randn(
-            config.batch_size, config.block_size, config.n_embd
-        )  # the tutorial draws x first
+        torch.randn(config.batch_size, config.block_size, config.n_embd)  # the tutorial draws x first
         return Head(config)
 
 
-def train(
-    config: Config | None = None, log=None, progress: bool = False
-) -> tuple[Head, TrainStats]:
+def train(config: Config | None = None, log=None, progress: bool = False) -> tuple[Head, TrainStats]:
     """The "recipe" of a model that is not trained: the seeded init. Returns (model, stats)."""
     config = config or Config()
     t0 = time.perf_counter()
@@ -101,9 +95,7 @@ def train(
     if log:
         log(f"{NAME}: no training; weights are the seeded init (seed {config.seed})")
     recipe = {"seed": config.seed, "training": "none (deterministic init)"}
-    return model, TrainStats(
-        final_loss=None, steps=0, seconds=time.perf_counter() - t0, recipe=recipe
-    )
+    return model, TrainStats(final_loss=None, steps=0, seconds=time.perf_counter() - t0, recipe=recipe)
 
 
 def from_config(config: dict) -> Head:

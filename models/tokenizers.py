@@ -21,9 +21,7 @@ import torch
 def _as_ints(ids: Iterable[int] | torch.Tensor) -> list[int]:
     if isinstance(ids, torch.Tensor):
         if ids.dim() != 1:
-            raise ValueError(
-                f"decode takes one sequence of ids, got a tensor of shape {tuple(ids.shape)}"
-            )
+            raise ValueError(f"decode takes one sequence of ids, got a tensor of shape {tuple(ids.shape)}")
         return [int(i) for i in ids.tolist()]
     return [int(i) for i in ids]
 

@@ -168,9 +168,7 @@ class EncoderLayer(nn.Module):
         self.pos_ffn = PoswiseFeedForwardNet(config)
 
     def forward(self, enc_inputs, enc_self_attn_mask):
-        enc_outputs, attn = self.enc_self_attn(
-            enc_inputs, enc_inputs, enc_inputs, enc_self_attn_mask
-        )
+        enc_outputs, attn = self.enc_self_attn(enc_inputs, enc_inputs, enc_inputs, enc_self_attn_mask)
         enc_outputs = self.pos_ffn(enc_outputs)
         return enc_outputs, attn
 
@@ -242,9 +240,7 @@ class Decoder(nn.Module):
         _check_length(dec_inputs, self.max_len, "target")
         pos = positions(dec_inputs, pad_position=self.max_len)
         dec_outputs = self.tgt_emb(dec_inputs) + self.pos_emb(pos)
-        dec_self_attn_mask = get_attn_pad_mask(dec_inputs, dec_inputs) | get_attn_subsequent_mask(
-            dec_inputs
-        )
+        dec_self_attn_mask = get_attn_pad_mask(dec_inputs, dec_inputs) | get_attn_subsequent_mask(dec_inputs)
         dec_enc_attn_mask = get_attn_pad_mask(dec_inputs, enc_inputs)  # only the source pads
 
         dec_self_attns, dec_enc_attns = [], []
@@ -276,9 +272,7 @@ class Transformer(nn.Module):
 
     def forward(self, enc_inputs: torch.Tensor, dec_inputs: torch.Tensor):
         enc_outputs, enc_self_attns = self.encoder(enc_inputs)
-        dec_outputs, dec_self_attns, dec_enc_attns = self.decoder(
-            dec_inputs, enc_inputs, enc_outputs
-        )
+        dec_outputs, dec_self_attns, dec_enc_attns = self.decoder(dec_inputs, enc_inputs, enc_outputs)
         logits = self.projection(dec_outputs)  # (B, T, tgt_vocab)
         return logits, enc_self_attns, dec_self_attns, dec_enc_attns
 
@@ -347,9 +341,7 @@ def train(
         enc_inputs, dec_inputs, target = make_batch(model.tokenizer)
         criterion = nn.CrossEntropyLoss(ignore_index=PAD)
         optimizer = torch.optim.Adam(model.parameters(), lr=lr)
-        bar = tqdm(
-            desc=f"{NAME}: steps until loss < {stop_loss:g}", unit="step", disable=not progress
-        )
+        bar = tqdm(desc=f"{NAME}: steps until loss < {stop_loss:g}", unit="step", disable=not progress)
         steps = 0
         while True:
             optimizer.zero_grad()
