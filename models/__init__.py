@@ -30,7 +30,7 @@ import torch
 from . import checkpoint
 from .checkpoint import TrainStats, cache_dir
 
-__all__ = ["names", "load", "build", "train_and_save", "checkpoint_path", "cache_dir"]
+__all__ = ["names", "load", "build", "module", "train_and_save", "checkpoint_path", "cache_dir"]
 
 _ZOO = ("single_head", "minigpt", "fused_decoder", "translator")
 SHIPPED = ("single_head", "minigpt", "fused_decoder")  # small enough for git
