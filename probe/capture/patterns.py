@@ -37,9 +37,10 @@ def sdpa_weights(
     Rows with every key masked come out as zeros (SDPA's math path gives NaN there). Dropout is
     not applied: the pattern is the pre-dropout distribution.
 
-    Computed in float32, ``chunk`` query rows at a time, straight into ``out`` (allocated if not
-    given) with an in-place softmax; under ``is_causal`` the keys a chunk cannot see are not
-    computed at all, which halves the work.
+    Computed in float32, ``chunk`` query rows at a time in a contiguous scratch block (ATen's
+    fused softmax runs in place there), then copied into ``out`` (allocated if not given or not
+    usable); under ``is_causal`` the keys a chunk cannot see are never computed, which halves
+    the work.
     """
     L, S = query.size(-2), key.size(-2)
     scale = 1.0 / math.sqrt(query.size(-1)) if scale is None else scale
@@ -48,23 +49,24 @@ def sdpa_weights(
         key = key.repeat_interleave(query.size(-3) // key.size(-3), dim=-3)
     q = query.float() * scale  # scaling q (small) instead of the scores (L x S) saves a pass
     kt = key.float().transpose(-2, -1)
-    shape = torch.broadcast_shapes(q.shape[:-2], kt.shape[:-2]) + (L, S)
-    if out is None or out.shape != shape or out.dtype != torch.float32:
+    batch = torch.broadcast_shapes(q.shape[:-2], kt.shape[:-2])
+    shape = batch + (L, S)
+    if out is None or out.shape != shape or out.dtype != torch.float32 or not out.is_contiguous():
         out = torch.empty(shape, dtype=torch.float32, device=query.device)
     mask = attn_mask
     if mask is not None and mask.dtype != torch.bool:
         mask = mask.float()
+    rows = min(chunk, L)
+    # a contiguous scratch block: ATen's fused softmax may then write over its own input
+    scratch = torch.empty(math.prod(batch) * rows * S, dtype=torch.float32, device=query.device)
     for i in range(0, L, chunk):
         e = min(L, i + chunk)
         kend = min(S, e) if is_causal else S
-        blk = out[..., i:e, :kend]
+        blk = scratch[: math.prod(batch) * (e - i) * kend].view(batch + (e - i, kend))
         torch.matmul(q[..., i:e, :], kt[..., :kend], out=blk)  # [..., rows, kend]
-        if is_causal:
-            if kend < S:
-                out[..., i:e, kend:].zero_()
-            if kend > i:  # the diagonal block: query r may not see keys after r
-                diag = torch.ones(e - i, kend - i, dtype=torch.bool, device=out.device).triu_(1)
-                blk[..., i:kend].masked_fill_(diag, float("-inf"))
+        if is_causal and kend > i:  # the diagonal block: query r may not see keys after r
+            diag = torch.ones(e - i, kend - i, dtype=torch.bool, device=blk.device).triu_(1)
+            blk[..., i:kend].masked_fill_(diag, float("-inf"))
         if mask is not None:
             m = mask[..., i:e, :] if mask.size(-2) == L else mask
             m = m[..., :kend] if m.size(-1) == S else m
@@ -72,14 +74,12 @@ def sdpa_weights(
                 blk.masked_fill_(~m, float("-inf"))
             else:
                 blk.add_(m)
-        # softmax in place: exp(x - max) / sum, rows with no visible key become zeros
-        top = blk.amax(dim=-1, keepdim=True)
-        top.masked_fill_(torch.isinf(top), 0.0)
-        blk.sub_(top).exp_()
-        total = blk.sum(dim=-1, keepdim=True)
-        blk.div_(total)
-        if (total == 0).any():
-            blk.nan_to_num_(nan=0.0)
+        torch.ops.aten._softmax.out(blk, -1, False, out=blk)
+        if (is_causal or mask is not None) and torch.isnan(blk[..., 0]).any():
+            blk.nan_to_num_(nan=0.0)  # a query with no visible key: all-zero row
+        out[..., i:e, :kend].copy_(blk)
+        if kend < S:
+            out[..., i:e, kend:].zero_()
     return out
 
 

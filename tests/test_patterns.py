@@ -1,0 +1,119 @@
+"""probe.capture.patterns: attention weights beside fused kernels, against a textbook oracle."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from probe.capture.patterns import sdpa_weights
+
+
+def oracle(q, k, scale=None, allowed=None, bias=None):
+    """softmax(q kᵀ · scale + bias) over allowed keys in float64; fully masked rows are zeros."""
+    scale = 1 / math.sqrt(q.shape[-1]) if scale is None else scale
+    s = torch.einsum("...qd,...kd->...qk", q.double(), k.double()) * scale
+    if bias is not None:
+        s = s + bias.double()
+    if allowed is not None:
+        s = s.masked_fill(~allowed, float("-inf"))
+    w = torch.softmax(s, dim=-1)
+    return torch.nan_to_num(w, nan=0.0).float()
+
+
+def sdpa_out_from(w, v):
+    return w @ v
+
+
+@pytest.fixture
+def qkv():
+    g = torch.Generator().manual_seed(0)
+    return [torch.randn(2, 3, 300, 16, generator=g) for _ in range(3)]
+
+
+def test_plain_and_scale(qkv):
+    q, k, v = qkv
+    torch.testing.assert_close(sdpa_weights(q, k, v), oracle(q, k), atol=1e-6, rtol=0)
+    torch.testing.assert_close(sdpa_weights(q, k, v, scale=0.05), oracle(q, k, 0.05), atol=1e-6, rtol=0)
+
+
+def test_causal_across_chunk_boundaries(qkv):
+    q, k, v = qkv
+    allowed = torch.ones(300, 300, dtype=torch.bool).tril()
+    for chunk in (7, 128, 512):
+        w = sdpa_weights(q, k, v, is_causal=True, chunk=chunk)
+        torch.testing.assert_close(w, oracle(q, k, allowed=allowed), atol=1e-6, rtol=0)
+    # the weights reproduce SDPA's own output
+    torch.testing.assert_close(
+        w @ v, F.scaled_dot_product_attention(q, k, v, is_causal=True), atol=1e-5, rtol=0
+    )
+
+
+def test_causal_with_more_keys_than_queries_is_top_left_aligned():
+    g = torch.Generator().manual_seed(1)
+    q, k, v = (
+        torch.randn(1, 2, 5, 8, generator=g),
+        torch.randn(1, 2, 9, 8, generator=g),
+        torch.randn(1, 2, 9, 8),
+    )
+    allowed = torch.ones(5, 9, dtype=torch.bool).tril()
+    torch.testing.assert_close(
+        sdpa_weights(q, k, v, is_causal=True, chunk=2), oracle(q, k, allowed=allowed), atol=1e-6, rtol=0
+    )
+
+
+def test_bool_and_float_masks_broadcast_and_fully_masked_rows(qkv):
+    q, k, v = qkv
+    g = torch.Generator().manual_seed(2)
+    allowed = torch.rand(2, 1, 300, 300, generator=g) > 0.3
+    allowed[0, 0, 5] = False  # a query that may see nothing: its row is all zeros
+    w = sdpa_weights(q, k, v, attn_mask=allowed, chunk=64)
+    torch.testing.assert_close(w, oracle(q, k, allowed=allowed), atol=1e-6, rtol=0)
+    assert torch.all(w[0, :, 5] == 0)
+    keys = torch.ones(2, 1, 1, 300, dtype=torch.bool)
+    keys[1, ..., 250:] = False  # padding at the end of the second text
+    torch.testing.assert_close(
+        sdpa_weights(q, k, v, attn_mask=keys), oracle(q, k, allowed=keys), atol=1e-6, rtol=0
+    )
+    bias = torch.randn(3, 300, 300, generator=g)
+    bias[:, :, 100:] = float("-inf")
+    torch.testing.assert_close(
+        sdpa_weights(q, k, v, attn_mask=bias), oracle(q, k, bias=bias), atol=1e-6, rtol=0
+    )
+
+
+def test_grouped_query_heads():
+    g = torch.Generator().manual_seed(3)
+    q = torch.randn(1, 8, 20, 16, generator=g)
+    k, v = torch.randn(1, 2, 20, 16, generator=g), torch.randn(1, 2, 20, 16, generator=g)
+    w = sdpa_weights(q, k, v, is_causal=True, enable_gqa=True)
+    allowed = torch.ones(20, 20, dtype=torch.bool).tril()
+    torch.testing.assert_close(
+        w, oracle(q, k.repeat_interleave(4, dim=1), allowed=allowed), atol=1e-6, rtol=0
+    )
+    torch.testing.assert_close(
+        w @ v.repeat_interleave(4, dim=1),
+        F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True),
+        atol=1e-5,
+        rtol=0,
+    )
+
+
+def test_three_dimensional_inputs_and_half_precision():
+    g = torch.Generator().manual_seed(4)
+    q, k, v = (torch.randn(4, 10, 8, generator=g) for _ in range(3))
+    torch.testing.assert_close(sdpa_weights(q, k, v), oracle(q, k), atol=1e-6, rtol=0)
+    w = sdpa_weights(q.bfloat16(), k.bfloat16(), v.bfloat16())
+    assert w.dtype == torch.float32
+    torch.testing.assert_close(w, oracle(q.bfloat16().float(), k.bfloat16().float()), atol=1e-6, rtol=0)
+
+
+def test_reuses_a_given_buffer(qkv):
+    q, k, v = qkv
+    buf = torch.empty(2, 3, 300, 300)
+    w = sdpa_weights(q, k, v, is_causal=True, out=buf)
+    assert w.data_ptr() == buf.data_ptr()
+    wrong = torch.empty(5)
+    assert sdpa_weights(q, k, v, out=wrong).shape == (2, 3, 300, 300)
