@@ -1,12 +1,17 @@
 """Turning what the user passes to ``probe.capture`` into one forward call and its metadata.
 
-Texts are tokenized with the model's tokenizer (``encode(text) -> ids``, ``tokenize(text) ->
-token strings``, ``pad_id``), padded on the right into one batch, checked against the model's
-context length, and recorded (texts, tokens, ids, padding masks) for the cache metadata.
+Texts are tokenized through :mod:`probe.capture.tokenizers` (zoo and Hugging Face tokenizers
+alike), padded into one batch on the tokenizer's padding side, checked against the model's
+context length, and recorded (texts, display tokens, ids, special-token and padding masks) for
+the cache metadata. Hugging Face models are called with ``input_ids``/``attention_mask`` (and
+position ids counted over real tokens, so left padding does not shift positions); zoo models
+with their ids (and decoder ids for encoder-decoders).
 """
 
 from __future__ import annotations
 
+import inspect
+import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -14,6 +19,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from probe.capture.tokenizers import Encoding, HFTokenizer, adapt
 from probe.errors import ProbeError
 
 
@@ -23,6 +29,12 @@ class Prepared:
 
     run: Callable[[], Any]
     meta: dict[str, Any]
+
+
+def is_hf_model(model: nn.Module) -> bool:
+    """Whether ``model`` is a ``transformers`` ``PreTrainedModel`` (without importing transformers)."""
+    tf = sys.modules.get("transformers")
+    return tf is not None and isinstance(model, tf.PreTrainedModel)
 
 
 def _texts(inputs: Any, what: str = "text") -> list[str]:
@@ -37,41 +49,68 @@ def _texts(inputs: Any, what: str = "text") -> list[str]:
     return texts
 
 
-def _encode(tok: Any, text: str, model_name: str) -> tuple[list[int], list[str]]:
-    try:
-        ids = list(tok.encode(text))
-    except ProbeError:
-        raise
-    except (ValueError, KeyError) as e:
-        msg = str(e).strip("'\"")
-        raise ProbeError(msg.splitlines()[0] if msg else f"{model_name} cannot encode {text!r}") from None
-    if not ids:
-        raise ProbeError(f"empty text: {text!r} has no tokens for {model_name}")
-    if hasattr(tok, "tokenize"):
-        tokens = list(tok.tokenize(text))
-    else:
-        tokens = [tok.decode([i]) for i in ids]
-    return ids, tokens
-
-
 def _check_length(n: int, limit: int | None, model_name: str, what: str) -> None:
     if limit is not None and n > limit:
         raise ProbeError(f"{what} is {n} tokens but {model_name} accepts at most {limit}; shorten it")
 
 
-def _batch(seqs: list[list[int]], pad_id: int) -> tuple[Tensor, Tensor]:
+def _batch(seqs: list[list[int]], pad_id: int, side: str = "right") -> tuple[Tensor, Tensor]:
     T = max(len(s) for s in seqs)
     ids = torch.full((len(seqs), T), pad_id, dtype=torch.long)
     mask = torch.zeros((len(seqs), T), dtype=torch.long)
     for i, s in enumerate(seqs):
-        ids[i, : len(s)] = torch.tensor(s, dtype=torch.long)
-        mask[i, : len(s)] = 1
+        sl = slice(T - len(s), T) if side == "left" else slice(0, len(s))
+        ids[i, sl] = torch.tensor(s, dtype=torch.long)
+        mask[i, sl] = 1
     return ids, mask
 
 
 def _model_name(model: nn.Module) -> str:
     name = getattr(model, "name", None)
-    return name if isinstance(name, str) else type(model).__name__
+    if isinstance(name, str):
+        return name
+    cfg = getattr(model, "config", None)
+    return getattr(cfg, "name_or_path", None) or getattr(cfg, "model_type", None) or type(model).__name__
+
+
+def _context_length(model: nn.Module) -> int | None:
+    limit = getattr(model, "context_length", None)
+    if limit is not None:
+        return int(limit)
+    cfg = getattr(model, "config", None)
+    for attr in ("max_position_embeddings", "n_positions"):
+        v = getattr(cfg, attr, None)
+        if isinstance(v, int) and v > 0:
+            return v
+    return None
+
+
+def _accepts(model: nn.Module, name: str) -> bool:
+    try:
+        return name in inspect.signature(model.forward).parameters
+    except (TypeError, ValueError):
+        return False
+
+
+def _encode_all(
+    tok: Any, texts: list[str], name: str, limit: int | None, what: str, target: bool = False
+) -> list[Encoding]:
+    out = []
+    for t in texts:
+        enc = tok.encode(t, target=True) if target else tok.encode(t)
+        if not enc.ids:
+            raise ProbeError(f"empty {what}: {t!r} has no tokens for {name}")
+        _check_length(len(enc.ids), limit, name, f"{what} {t[:30]!r}")
+        out.append(enc)
+    return out
+
+
+def _record(meta: dict, prefix: str, texts: list[str], encs: list[Encoding], mask: Tensor) -> None:
+    meta[f"{prefix}texts"] = texts
+    meta[f"{prefix}tokens"] = [e.tokens for e in encs]
+    meta[f"{prefix}ids"] = [e.ids for e in encs]
+    meta[f"{prefix}special_tokens_mask"] = [[int(s) for s in e.special] for e in encs]
+    meta[f"{prefix}attention_mask"] = mask.tolist()
 
 
 def prepare(model: nn.Module, inputs: Any, *, tokenizer: Any = None, target: Any = None) -> Prepared:
@@ -81,74 +120,145 @@ def prepare(model: nn.Module, inputs: Any, *, tokenizer: Any = None, target: Any
     name = _model_name(model)
     if isinstance(inputs, Tensor):
         return _prepare_tensor(model, inputs, tokenizer, name)
-    tok = tokenizer if tokenizer is not None else getattr(model, "tokenizer", None)
-    if tok is None:
+    raw_tok = tokenizer if tokenizer is not None else getattr(model, "tokenizer", None)
+    if raw_tok is None:
         raise ProbeError(f"{name} has no tokenizer; pass tokenizer=... or a tensor of token ids")
+    tok = adapt(raw_tok)
     texts = _texts(inputs)
-    limit = getattr(model, "context_length", None)
-    encoded = [_encode(tok, t, name) for t in texts]
-    for t, (ids, _) in zip(texts, encoded, strict=False):
-        _check_length(len(ids), limit, name, f"text {t[:30]!r}")
-    pad_id = int(getattr(tok, "pad_id", 0) or 0)
-    ids, mask = _batch([e[0] for e in encoded], pad_id)
-    meta: dict[str, Any] = {
-        "input_kind": "text",
-        "texts": texts,
-        "tokens": [e[1] for e in encoded],
-        "ids": [e[0] for e in encoded],
-        "attention_mask": mask.tolist(),
-        "padding_side": "right",
-        "pad_id": pad_id,
-    }
-    if not getattr(model, "is_encoder_decoder", False):
+    limit = _context_length(model)
+    encs = _encode_all(tok, texts, name, limit, "text")
+    hf = is_hf_model(model)
+    side = tok.padding_side
+    meta: dict[str, Any] = {"input_kind": "text", "pad_id": tok.pad_id}
+    if side == "left" and hf and not _accepts(model, "position_ids"):
+        # without position ids, left padding would shift every real token's position
+        side = "right"
+        meta["padding_note"] = (
+            f"the tokenizer pads on the left, but {name} takes no position_ids, "
+            "so probe padded on the right to keep each text's positions"
+        )
+    ids, mask = _batch([e.ids for e in encs], tok.pad_id, side)
+    meta["padding_side"] = side
+    _record(meta, "", texts, encs, mask)
+    enc_dec = bool(
+        getattr(model, "is_encoder_decoder", False)
+        or getattr(getattr(model, "config", None), "is_encoder_decoder", False)
+    )
+    if not enc_dec:
         if target is not None:
             raise ProbeError(f"{name} is not an encoder-decoder; target= is only for those")
-        return Prepared(lambda: model(ids), meta)
+        if not hf:
+            return Prepared(lambda: model(ids), meta)
+        kwargs = {"input_ids": ids, "attention_mask": mask}
+        if _accepts(model, "position_ids") and bool((mask[:, 0] == 0).any()):
+            # left padding: count positions over real tokens only, so each text keeps the
+            # positions it has alone (right padding needs nothing: the model's default agrees)
+            kwargs["position_ids"] = (mask.cumsum(-1) - 1).clamp(min=0)
+        if _accepts(model, "use_cache"):
+            kwargs["use_cache"] = False
+        return Prepared(lambda: model(**kwargs), meta)
 
-    target_tok = getattr(tok, "target", tok)
+    target_tok = tok if hf else adapt(getattr(raw_tok, "target", raw_tok))
     if target is None:
-        if not hasattr(model, "greedy_decode"):
-            raise ProbeError(f"{name} offers no greedy decoding; pass target= (the decoder text)")
-        bos, eos = getattr(tok, "bos_id", None), getattr(tok, "eos_id", None)
-        tgt_seqs = []
-        with torch.no_grad():
-            for i, e in enumerate(encoded):
-                out = [int(t) for t in model.greedy_decode(ids[i : i + 1, : len(e[0])]).reshape(-1)]
-                # the decoder input that produced `out` step by step: start token, then all but
-                # the final end token
-                if eos is not None and out and out[-1] == eos:
-                    out = out[:-1]
-                tgt_seqs.append(([bos] if bos is not None else []) + out)
-        target_texts = [target_tok.decode(s) for s in tgt_seqs]
-        tgt_encoded = [(s, [target_tok.decode([i]) for i in s]) for s in tgt_seqs]
+        seqs = _greedy(model, ids, mask, encs, raw_tok, hf, name)
+        tgt_texts = [_decode(raw_tok if hf else getattr(raw_tok, "target", raw_tok), s) for s in seqs]
+        tgt_encs = [
+            Encoding(s, target_tok.tokens_of(s), [i in getattr(target_tok, "special_ids", ()) for i in s])
+            for s in seqs
+        ]
         meta["target_source"] = "greedy"
     else:
-        target_texts = _texts(target, "target text")
-        if len(target_texts) != len(texts):
-            raise ProbeError(f"{len(texts)} texts but {len(target_texts)} targets; give one target per text")
-        tgt_encoded = [_encode(target_tok, t, name) for t in target_texts]
+        tgt_texts = _texts(target, "target text")
+        if len(tgt_texts) != len(texts):
+            raise ProbeError(f"{len(texts)} texts but {len(tgt_texts)} targets; give one target per text")
+        tgt_encs = _encode_all(target_tok, tgt_texts, name, limit, "target", target=hf)
+        if hf:  # labels -> decoder inputs: the start token, then the labels shifted right
+            start = _decoder_start(model)
+            tgt_encs = [
+                Encoding(
+                    [start] + e.ids[:-1], target_tok.tokens_of([start] + e.ids[:-1]), [True] + e.special[:-1]
+                )
+                for e in tgt_encs
+            ]
         meta["target_source"] = "given"
-    for t, (s, _) in zip(target_texts, tgt_encoded, strict=False):
-        _check_length(len(s), limit, name, f"target {t[:30]!r}")
-    tgt_ids, tgt_mask = _batch([e[0] for e in tgt_encoded], int(getattr(target_tok, "pad_id", pad_id)))
-    meta.update(
-        {
-            "target_texts": target_texts,
-            "target_tokens": [e[1] for e in tgt_encoded],
-            "target_ids": [e[0] for e in tgt_encoded],
-            "target_attention_mask": tgt_mask.tolist(),
-        }
-    )
-    return Prepared(lambda: model(ids, tgt_ids), meta)
+    tgt_ids, tgt_mask = _batch([e.ids for e in tgt_encs], target_tok.pad_id, "right")
+    _record(meta, "target_", tgt_texts, tgt_encs, tgt_mask)
+    if not hf:
+        return Prepared(lambda: model(ids, tgt_ids), meta)
+    kwargs = {
+        "input_ids": ids,
+        "attention_mask": mask,
+        "decoder_input_ids": tgt_ids,
+        "decoder_attention_mask": tgt_mask,
+    }
+    if _accepts(model, "use_cache"):
+        kwargs["use_cache"] = False
+    return Prepared(lambda: model(**kwargs), meta)
+
+
+def _decoder_start(model: nn.Module) -> int:
+    cfg = model.config
+    for attr in ("decoder_start_token_id", "bos_token_id", "pad_token_id"):
+        v = getattr(cfg, attr, None)
+        if v is None and hasattr(model, "generation_config"):
+            v = getattr(model.generation_config, attr, None)
+        if v is not None:
+            return int(v)
+    raise ProbeError(f"{_model_name(model)} has no decoder_start_token_id; pass target= ids instead")
+
+
+def _decode(tok: Any, ids: list[int]) -> str:
+    try:
+        return tok.decode(ids)
+    except Exception:
+        return " ".join(str(i) for i in ids)
+
+
+def _greedy(model, ids, mask, encs, raw_tok, hf: bool, name: str) -> list[list[int]]:
+    """Greedy decoder inputs, one list per text: start token + generated tokens without the end."""
+    seqs = []
+    with torch.no_grad():
+        for i in range(len(encs)):
+            row = mask[i].bool()
+            src = ids[i : i + 1, row]
+            if hf:
+                try:
+                    out = model.generate(
+                        input_ids=src,
+                        attention_mask=torch.ones_like(src),
+                        do_sample=False,
+                        num_beams=1,
+                        max_new_tokens=min(32, _context_length(model) or 32),
+                    )
+                except Exception as err:  # generation is the library's; say what failed and the way out
+                    raise ProbeError(
+                        f"greedy decoding with {name}.generate() failed ({type(err).__name__}: "
+                        f"{str(err).splitlines()[0] if str(err) else ''}); pass target= (the decoder text)"
+                    ) from None
+                seq = [int(t) for t in out[0]]
+                eos = model.generation_config.eos_token_id
+                eos = set(eos if isinstance(eos, list) else [eos])
+                if len(seq) > 1 and seq[-1] in eos:
+                    seq = seq[:-1]
+                seqs.append(seq)
+            elif hasattr(model, "greedy_decode"):
+                out = [int(t) for t in model.greedy_decode(src).reshape(-1)]
+                bos, eos = getattr(raw_tok, "bos_id", None), getattr(raw_tok, "eos_id", None)
+                if eos is not None and out and out[-1] == eos:
+                    out = out[:-1]
+                seqs.append(([bos] if bos is not None else []) + out)
+            else:
+                raise ProbeError(f"{name} offers no greedy decoding; pass target= (the decoder text)")
+    return seqs
 
 
 def _prepare_tensor(model: nn.Module, x: Tensor, tokenizer: Any, name: str) -> Prepared:
     if x.numel() == 0:
         raise ProbeError("empty input tensor: give at least one position to capture")
+    limit = _context_length(model)
     if x.is_floating_point():
         batch = x if x.dim() >= 3 else x.unsqueeze(0)
         T = batch.shape[1]
-        limit = getattr(model, "context_length", None)
         _check_length(T, limit, name, "input")
         meta = {
             "input_kind": "tensor",
@@ -156,12 +266,12 @@ def _prepare_tensor(model: nn.Module, x: Tensor, tokenizer: Any, name: str) -> P
             "tokens": [[str(i) for i in range(T)] for _ in range(batch.shape[0])],
         }
         return Prepared(lambda: model(batch), meta)
-    ids = x if x.dim() == 2 else x.reshape(1, -1)
-    ids = ids.long()
-    _check_length(ids.shape[1], getattr(model, "context_length", None), name, "input")
-    tok = tokenizer if tokenizer is not None else getattr(model, "tokenizer", None)
-    if tok is not None and hasattr(tok, "decode"):
-        tokens = [[tok.decode([int(i)]) for i in row] for row in ids]
+    ids = (x if x.dim() == 2 else x.reshape(1, -1)).long()
+    _check_length(ids.shape[1], limit, name, "input")
+    raw_tok = tokenizer if tokenizer is not None else getattr(model, "tokenizer", None)
+    if raw_tok is not None:
+        tok = adapt(raw_tok)
+        tokens = [tok.tokens_of([int(i) for i in row]) for row in ids]
     else:
         tokens = [[str(int(i)) for i in row] for row in ids]
     meta = {
@@ -170,4 +280,9 @@ def _prepare_tensor(model: nn.Module, x: Tensor, tokenizer: Any, name: str) -> P
         "ids": ids.tolist(),
         "attention_mask": torch.ones_like(ids).tolist(),
     }
+    if is_hf_model(model):
+        return Prepared(lambda: model(input_ids=ids), meta)
     return Prepared(lambda: model(ids), meta)
+
+
+__all__ = ["Prepared", "prepare", "is_hf_model", "HFTokenizer"]

