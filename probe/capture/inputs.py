@@ -147,16 +147,17 @@ def prepare(model: nn.Module, inputs: Any, *, tokenizer: Any = None, target: Any
     if not enc_dec:
         if target is not None:
             raise ProbeError(f"{name} is not an encoder-decoder; target= is only for those")
-        if not hf:
+        if not hf and not _accepts(model, "attention_mask"):
             return Prepared(lambda: model(ids), meta)
-        kwargs = {"input_ids": ids, "attention_mask": mask}
+        # a transformers model, or any module whose forward takes the padding mask
+        kwargs = {"attention_mask": mask}
         if _accepts(model, "position_ids") and bool((mask[:, 0] == 0).any()):
             # left padding: count positions over real tokens only, so each text keeps the
             # positions it has alone (right padding needs nothing: the model's default agrees)
             kwargs["position_ids"] = (mask.cumsum(-1) - 1).clamp(min=0)
         if _accepts(model, "use_cache"):
             kwargs["use_cache"] = False
-        return Prepared(lambda: model(**kwargs), meta)
+        return Prepared(lambda: model(ids, **kwargs), meta)
 
     target_tok = tok if hf else adapt(getattr(raw_tok, "target", raw_tok))
     if target is None:

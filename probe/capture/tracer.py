@@ -131,6 +131,7 @@ class _Layer:
     adds: list[_Add] = field(default_factory=list)
     pending: _Attn | None = None
     events: int = 0
+    fused: tuple[Tensor, Tensor] | None = None  # (stream after attention, output) of a fused layer
 
 
 @dataclass
@@ -226,6 +227,8 @@ class Tracer:
         self._mode = _Mode(self)
         self._handles: list[Any] = []
         self._suspended = 0
+        self._fast_layers: set[int] = set()
+        self._replaying = False
         # Streaming to disk: recomputed patterns go into one reused buffer, written out at the
         # end of their sublayer (saves allocating and page-faulting a fresh one every layer).
         self._reuse = not isinstance(sink, MemorySink)
@@ -234,11 +237,39 @@ class Tracer:
 
     # -- lifecycle -----------------------------------------------------------------------------
     def __enter__(self) -> Tracer:
+        # nn.TransformerEncoderLayer leaves its fast path when any hook sits on it or inside it,
+        # so those subtrees get no per-module hooks: a global hook pair, filtered to these
+        # layers, sees their calls instead (global hooks live outside the per-module dicts).
+        opaque: set[int] = set()
         for m in self.model.modules():
+            if isinstance(m, nn.TransformerEncoderLayer):
+                self._fast_layers.add(id(m))
+                opaque.update(id(x) for x in m.modules())
+        for m in self.model.modules():
+            if id(m) in opaque:
+                continue
             self._handles.append(m.register_forward_pre_hook(self._pre, with_kwargs=True))
             self._handles.append(m.register_forward_hook(self._post, with_kwargs=True, always_call=True))
+        if self._fast_layers:
+            module_hooks = nn.modules.module
+            self._handles.append(module_hooks.register_module_forward_pre_hook(self._global_pre))
+            self._handles.append(
+                module_hooks.register_module_forward_hook(
+                    self._global_post, with_kwargs=True, always_call=True
+                )
+            )
         self._mode.__enter__()
         return self
+
+    def _global_pre(self, module: nn.Module, args: tuple) -> None:
+        if id(module) in self._fast_layers:
+            self._pre(module, args, {})
+
+    def _global_post(self, module: nn.Module, args: tuple, *rest: Any) -> None:
+        if id(module) in self._fast_layers:
+            # (kwargs, output) normally; torch passes only (output) when forward raised
+            kwargs, output = rest if len(rest) == 2 else ({}, rest[-1])
+            self._post(module, args, kwargs, output)
 
     def __exit__(self, *exc: Any) -> None:
         try:
@@ -253,6 +284,8 @@ class Tracer:
 
     # -- hooks ---------------------------------------------------------------------------------
     def _pre(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
+        if self._replaying:
+            return
         self._mode.quiet += 1
         try:
             parent = self.stack[-1] if self.stack else None
@@ -269,6 +302,8 @@ class Tracer:
             self._mode.quiet -= 1
 
     def _post(self, module: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
+        if self._replaying:
+            return
         self._mode.quiet += 1
         try:
             if not self.stack or self.stack[-1].module is not module:
@@ -278,6 +313,8 @@ class Tracer:
                 self._resume()
                 if isinstance(module, nn.MultiheadAttention) and call.events == 0:
                     self._mha_event(module, args, kwargs)
+                elif isinstance(module, nn.TransformerEncoderLayer) and call.events == 0:
+                    self._encoder_layer_event(module, args, kwargs, output)
             self.stack.pop()
             if self.layer is not None:
                 self.stamp(_output_tensor(output))
@@ -321,6 +358,51 @@ class Tracer:
         if w is not None:
             self.on_pattern(w, "mha")
 
+    def _encoder_layer_event(
+        self, layer: nn.TransformerEncoderLayer, args: tuple, kwargs: dict, output: Any
+    ) -> None:
+        """Patterns and residual boundary of an ``nn.TransformerEncoderLayer`` that ran fused.
+
+        Its fast path computes the whole layer in one kernel, so nothing inside can be watched:
+        the weights are recomputed from ``self_attn``'s parameters, and the stream after the
+        attention sublayer from the layer's own modules (torch's slow path, same arithmetic).
+        """
+        names = ("src", "src_mask", "src_key_padding_mask", "is_causal")
+        bound = dict(zip(names, args, strict=False))
+        bound.update({k: v for k, v in kwargs.items() if k in names})
+        x, out = bound["src"], _output_tensor(output)
+        kpm = bound.get("src_key_padding_mask")
+        if x.is_nested:  # TransformerEncoder's nested-tensor path: the padding lives in the sizes
+            lengths = torch.tensor([t.size(0) for t in x.unbind()])
+            x = x.to_padded_tensor(0.0)
+            out = out.to_padded_tensor(0.0, x.shape)
+            kpm = torch.arange(x.size(1))[None, :] >= lengths[:, None]
+        mask, causal = bound.get("src_mask"), bool(bound.get("is_causal", False))
+        if causal and mask is None:
+            mask = torch.ones(x.size(-2), x.size(-2), dtype=torch.bool, device=x.device).triu_(1)
+        attn_kw = {"attn_mask": mask, "key_padding_mask": kpm}
+        self._replaying = True  # the layer's own modules run below: not part of the capture
+        try:
+            with torch.no_grad():
+                a_in = layer.norm1(x) if layer.norm_first else x
+                weights = mha_weights(layer.self_attn, (a_in, a_in, a_in), attn_kw)
+                sa = layer.self_attn(a_in, a_in, a_in, need_weights=False, **attn_kw)[0]
+                s1 = x + sa if layer.norm_first else layer.norm1(x + sa)
+        finally:
+            self._replaying = False
+        if self.wants_pattern():
+            self.on_pattern(weights, "mha")
+        else:
+            self.note_event()
+        lay = self.layer
+        if lay is not None and lay.wanted:
+            lay.resid_pre, lay.stream_shape = self._stream_in(lay, x), x.shape
+            lay.fused = (s1, out)
+
+    def _stream_in(self, lay: _Layer, x: Tensor) -> Tensor:
+        pre = lay.resid_pre
+        return x.detach().clone() if pre is None or pre.is_nested else pre
+
     # -- layers --------------------------------------------------------------------------------
     def _start_layer(self, call: _Call, container: str) -> None:
         index = self.kept.get(container, 0)
@@ -329,7 +411,9 @@ class Tracer:
         call.layer = layer
         self.layer, self.layer_call = layer, call
         p = call.primary
-        if wanted and p is not None and p.is_floating_point():
+        if wanted and p is not None and p.is_nested:
+            layer.resid_pre = p  # torch's nested-tensor path: made dense once the layer has run
+        elif wanted and p is not None and p.is_floating_point():
             layer.resid_pre = p.detach().clone()
             layer.pre_key = _vkey(p)
             layer.stream_shape = p.shape
@@ -366,12 +450,23 @@ class Tracer:
         )
 
     def _residuals(self, layer: _Layer, out: Tensor | None) -> list[tuple[str, int]]:
-        if layer.resid_pre is None or out is None or out.shape != layer.stream_shape:
+        if layer.fused is not None:
+            out = layer.fused[1]
+        if (
+            layer.resid_pre is None
+            or layer.resid_pre.is_nested
+            or out is None
+            or out.is_nested
+            or out.shape != layer.stream_shape
+        ):
             return []
         pre, post = layer.resid_pre, out.detach()
         deltas: dict[str, Tensor] = {}
         adds = layer.adds
-        if adds:
+        if layer.fused is not None:
+            s1 = layer.fused[0]
+            deltas["self_attn"], deltas["mlp"] = s1 - pre, post - s1
+        elif adds:
             # stream boundaries: before sublayer k+1 the stream is the residual operand of add k+1
             bounds = [pre] + [a.residual for a in adds[1:]] + [post]
             for k, a in enumerate(adds):
@@ -477,11 +572,12 @@ class Tracer:
             pattern = pattern[:, self.heads]
         q, k = pattern.shape[-2], pattern.shape[-1]
         cross = q != k
-        if not cross and a.primary is not None and a.primary.dim() == 3:
+        if not cross and a.primary is not None and not a.primary.is_nested and a.primary.dim() == 3:
             p0 = a.primary
             for t in a.inputs:
                 if (
                     t is not p0
+                    and not t.is_nested
                     and t.dim() == 3
                     and t.is_floating_point()
                     and t.shape[0] == p0.shape[0]
@@ -492,8 +588,12 @@ class Tracer:
                     break
         a.role = "cross" if cross else "self"
         if not cross and q > 1:
+            # judged per text: a decoder's longest text has no pad queries (a pad query whose keys
+            # are all masked may come out uniform), an encoder's texts all see ahead
             mid = q // 2
-            a.causal = bool((pattern[..., 0, 1:] == 0).all() and (pattern[..., mid, mid + 1 :] == 0).all())
+            first = (pattern[:, :, 0, 1:] == 0).flatten(1).all(dim=1)
+            middle = (pattern[:, :, mid, mid + 1 :] == 0).flatten(1).all(dim=1)
+            a.causal = bool((first & middle).any())
         a.shape = tuple(pattern.shape)
         a.handle = self.sink.put(self._store(pattern))
         if any(p is self._scratch for p, _ in a.parts):
@@ -508,6 +608,7 @@ class Tracer:
             isinstance(t, Tensor)
             and layer is not None
             and layer.stream_shape is not None
+            and not t.is_nested
             and t.shape == layer.stream_shape
         ):
             s = self._stamps.get(id(t))
@@ -527,6 +628,8 @@ class Tracer:
             shape is None
             or not isinstance(a, Tensor)
             or not isinstance(b, Tensor)
+            or a.is_nested
+            or b.is_nested
             or a.shape != shape
             or b.shape != shape
             or kwargs.get("alpha", 1) != 1
