@@ -30,37 +30,49 @@ def _quoted(items: Iterable[str]) -> str:
     return ", ".join(repr(s) for s in dict.fromkeys(items))  # unique, in order of appearance
 
 
-class CharTokenizer:
-    """One token per character; ids are positions in the sorted vocabulary string."""
+class _VocabTokenizer:
+    """What the character and word tokenizers share: a fixed vocabulary, ids, and checks.
 
-    def __init__(self, name: str, chars: str, pad_id: int | None = None):
+    Subclasses split text in `tokenize` and set `joiner`, the string `decode` puts between tokens.
+    """
+
+    joiner = ""
+    unit = "tokens"
+
+    def __init__(self, name: str, vocab: Mapping[str, int], pad_id: int | None = None):
         self.name = name
-        self.chars = chars
-        self.stoi = {ch: i for i, ch in enumerate(chars)}
-        self.itos = dict(enumerate(chars))
-        self.vocab_size = len(chars)
+        self.stoi = dict(vocab)
+        self.itos = {i: t for t, i in self.stoi.items()}
+        self.vocab_size = len(self.stoi)
         self.pad_id = pad_id
 
+    def _split(self, text: str) -> list[str]:  # pragma: no cover - overridden
+        raise NotImplementedError
+
+    def _vocabulary(self) -> str:  # pragma: no cover - overridden
+        raise NotImplementedError
+
     def tokenize(self, text: str) -> list[str]:
-        """The characters of `text`, after checking every one is in the vocabulary."""
+        """The tokens of `text`, after checking every one is in the vocabulary."""
         if not isinstance(text, str):
             raise TypeError(f"{self.name} tokenizer: expected a str, got {type(text).__name__}")
-        if not text:
-            raise ValueError(f"{self.name} tokenizer: empty text; give at least one character")
-        unknown = [ch for ch in text if ch not in self.stoi]
+        tokens = self._split(text)
+        if not tokens:
+            raise ValueError(f"{self.name} tokenizer: empty text; give at least one {self.unit[:-1]}")
+        unknown = [t for t in tokens if t not in self.stoi]
         if unknown:
             raise ValueError(
-                f"{self.name} tokenizer: characters not in the vocabulary: {_quoted(unknown)} "
-                f'(vocabulary: "{self.chars}")'
+                f"{self.name} tokenizer: {self.unit} not in the vocabulary: {_quoted(unknown)} "
+                f"(vocabulary: {self._vocabulary()})"
             )
-        return list(text)
+        return tokens
 
     def encode(self, text: str) -> list[int]:
-        """Ids of the characters of `text`, length len(text)."""
-        return [self.stoi[ch] for ch in self.tokenize(text)]
+        """Ids of the tokens of `text`, one per token."""
+        return [self.stoi[t] for t in self.tokenize(text)]
 
     def decode(self, ids: Iterable[int] | torch.Tensor) -> str:
-        """The string spelled by `ids` (a list or a 1-D tensor)."""
+        """The text spelled by `ids` (a list or a 1-D tensor)."""
         ids = _as_ints(ids)
         bad = [i for i in ids if i not in self.itos]
         if bad:
@@ -68,51 +80,39 @@ class CharTokenizer:
                 f"{self.name} tokenizer: ids outside 0..{self.vocab_size - 1}: "
                 + ", ".join(str(i) for i in dict.fromkeys(bad))
             )
-        return "".join(self.itos[i] for i in ids)
+        return self.joiner.join(self.itos[i] for i in ids)
+
+
+class CharTokenizer(_VocabTokenizer):
+    """One token per character; ids are positions in the sorted vocabulary string."""
+
+    unit = "characters"
+
+    def __init__(self, name: str, chars: str, pad_id: int | None = None):
+        super().__init__(name, {ch: i for i, ch in enumerate(chars)}, pad_id)
+        self.chars = chars
+
+    def _split(self, text: str) -> list[str]:
+        return list(text)
+
+    def _vocabulary(self) -> str:
+        return f'"{self.chars}"'
 
     def __repr__(self) -> str:
         return f'CharTokenizer({self.name!r}, vocab_size={self.vocab_size}, chars="{self.chars}")'
 
 
-class WordTokenizer:
+class WordTokenizer(_VocabTokenizer):
     """One token per whitespace-separated word, numbered by a fixed vocabulary dict."""
 
-    def __init__(self, name: str, vocab: Mapping[str, int], pad_id: int | None = None):
-        self.name = name
-        self.stoi = dict(vocab)
-        self.itos = {i: w for w, i in self.stoi.items()}
-        self.vocab_size = len(self.stoi)
-        self.pad_id = pad_id
+    joiner = " "
+    unit = "words"
 
-    def tokenize(self, text: str) -> list[str]:
-        """The words of `text`, after checking every one is in the vocabulary."""
-        if not isinstance(text, str):
-            raise TypeError(f"{self.name} tokenizer: expected a str, got {type(text).__name__}")
-        words = text.split()
-        if not words:
-            raise ValueError(f"{self.name} tokenizer: empty text; give at least one word")
-        unknown = [w for w in words if w not in self.stoi]
-        if unknown:
-            raise ValueError(
-                f"{self.name} tokenizer: words not in the vocabulary: {_quoted(unknown)} "
-                f"(vocabulary: {' '.join(self.stoi)})"
-            )
-        return words
+    def _split(self, text: str) -> list[str]:
+        return text.split()
 
-    def encode(self, text: str) -> list[int]:
-        """Ids of the words of `text`, one per word."""
-        return [self.stoi[w] for w in self.tokenize(text)]
-
-    def decode(self, ids: Iterable[int] | torch.Tensor) -> str:
-        """The words of `ids` joined by single spaces."""
-        ids = _as_ints(ids)
-        bad = [i for i in ids if i not in self.itos]
-        if bad:
-            raise ValueError(
-                f"{self.name} tokenizer: ids outside 0..{self.vocab_size - 1}: "
-                + ", ".join(str(i) for i in dict.fromkeys(bad))
-            )
-        return " ".join(self.itos[i] for i in ids)
+    def _vocabulary(self) -> str:
+        return " ".join(self.stoi)
 
     def __repr__(self) -> str:
         return f"WordTokenizer({self.name!r}, vocab={self.stoi})"

@@ -106,8 +106,9 @@ def llama(vocab: int):
     return _seeded(lambda: tf.LlamaForCausalLM(cfg), 2)
 
 
-def bart(vocab: int):
-    cfg = tf.BartConfig(
+def _bart_like(config_cls, model_cls, vocab: int, seed: int, **ids):
+    """BART and Marian share the architecture: a 2-layer encoder, a 3-layer decoder, 4 heads."""
+    cfg = config_cls(
         vocab_size=vocab,
         d_model=64,
         encoder_layers=2,
@@ -118,12 +119,17 @@ def bart(vocab: int):
         decoder_ffn_dim=128,
         max_position_embeddings=64,
         pad_token_id=0,
-        bos_token_id=0,
-        eos_token_id=0,
         decoder_start_token_id=0,
         forced_eos_token_id=None,
+        **ids,
     )
-    return _seeded(lambda: tf.BartForConditionalGeneration(cfg), 3)
+    return _seeded(lambda: model_cls(cfg), seed)
+
+
+def bart(vocab: int):
+    return _bart_like(
+        tf.BartConfig, tf.BartForConditionalGeneration, vocab, 3, bos_token_id=0, eos_token_id=0
+    )
 
 
 def t5(vocab: int):
@@ -143,22 +149,7 @@ def t5(vocab: int):
 
 
 def marian(vocab: int):
-    cfg = tf.MarianConfig(
-        vocab_size=vocab,
-        d_model=64,
-        encoder_layers=2,
-        decoder_layers=3,
-        encoder_attention_heads=4,
-        decoder_attention_heads=4,
-        encoder_ffn_dim=128,
-        decoder_ffn_dim=128,
-        max_position_embeddings=64,
-        pad_token_id=0,
-        eos_token_id=1,
-        decoder_start_token_id=0,
-        forced_eos_token_id=None,
-    )
-    return _seeded(lambda: tf.MarianMTModel(cfg), 5)
+    return _bart_like(tf.MarianConfig, tf.MarianMTModel, vocab, 5, eos_token_id=1)
 
 
 def eager_twin(model):
