@@ -223,3 +223,13 @@ def test_hooks_are_removed_after_capture():
     for m in model.modules():
         assert not m._forward_hooks and not m._forward_pre_hooks
     assert torch._C._len_torch_function_stack() == 0
+
+
+def test_metadata_dtype_says_what_was_stored():
+    torch.manual_seed(5)
+    model = ToyLM("sdpa_causal").eval().to(torch.bfloat16)
+    cache = probe.capture(model, torch.randint(0, 40, (1, 5)))
+    # SDPA weights are computed in float32; the bf16 model's residual stream stays bf16
+    assert cache.pattern("decoder", 0).dtype == torch.float32
+    assert cache["decoder.blocks.0.resid_pre"].dtype == torch.bfloat16
+    assert cache.metadata["dtype"] == "bfloat16, float32"

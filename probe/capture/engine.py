@@ -209,7 +209,9 @@ class Trace:
                 "probe_version": __version__,
                 "format_version": FORMAT_VERSION,
                 "attention_implementations": sorted(tr.impls),
-                "dtype": str(self.dtype or _stored_dtype(self._sink)).replace("torch.", ""),
+                # what was stored: one dtype, or several ("float32, bfloat16": patterns are
+                # computed in float32 while a bf16 model's residual stream stays bf16)
+                "dtype": ", ".join(sorted(tr.stored_dtypes)),
                 "stacks": {s: {"layers": n} for s, n in offsets.items()},
                 "layers_captured": self.layers,
                 "heads_captured": self.heads,
@@ -220,13 +222,6 @@ class Trace:
         if isinstance(self._sink, FileSink):
             return load(result)
         return Cache(result, meta)
-
-
-def _stored_dtype(sink: Any) -> torch.dtype:
-    tensors = getattr(sink, "_tensors", None)
-    if tensors:
-        return tensors[0].dtype
-    return torch.float32
 
 
 def trace(model: nn.Module, **kwargs: Any) -> Trace:

@@ -222,6 +222,7 @@ class Tracer:
         self.kept: dict[str, int] = {}
         self.root_calls = 0
         self.impls: set[str] = set()
+        self.stored_dtypes: set[str] = set()
         self._stamps: dict[int, tuple[int, Any]] = {}
         self._tick = itertools.count()
         self._mode = _Mode(self)
@@ -658,4 +659,5 @@ class Tracer:
         t = t.detach()
         if self.dtype is not None and t.is_floating_point() and t.dtype != self.dtype:
             t = t.to(self.dtype)
+        self.stored_dtypes.add(str(t.dtype).replace("torch.", ""))
         return t
