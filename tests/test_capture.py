@@ -105,6 +105,24 @@ def test_prenorm_deltas_are_the_sublayer_outputs(kind):
             )
 
 
+@pytest.mark.parametrize("kind", ["sdpa_causal", "F.softmax"])
+def test_parallel_block_deltas_are_each_sublayer_output(kind):
+    torch.manual_seed(6)
+    model = ToyLM(kind, post_norm="parallel").eval()
+    ids = torch.randint(0, 40, (2, 6))
+    mods = {}
+    for i, b in enumerate(model.blocks):
+        mods[f"attn{i}"], mods[f"mlp{i}"] = b.attn, b.mlp
+    with torch.no_grad():
+        _, seen = run_with_inputs(model, ids, mods)
+        cache = probe.capture(model, ids)
+    for i in range(3):
+        assert torch.equal(cache[f"decoder.blocks.{i}.self_attn.delta"], seen[f"attn{i}"][1])
+        assert torch.equal(cache[f"decoder.blocks.{i}.mlp.delta"], seen[f"mlp{i}"][1])
+        total = cache[f"decoder.blocks.{i}.resid_pre"] + seen[f"attn{i}"][1] + seen[f"mlp{i}"][1]
+        torch.testing.assert_close(total, cache[f"decoder.blocks.{i}.resid_post"], atol=1e-5, rtol=0)
+
+
 def test_postnorm_deltas_are_stream_differences():
     torch.manual_seed(2)
     model = ToyLM("torch.softmax", post_norm=True).eval()

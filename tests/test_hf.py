@@ -187,6 +187,54 @@ def test_encoder_decoder_target_and_greedy(hf, name):
     assert greedy.pattern("decoder", 0, "cross").shape[-1] == len(ids[0])
 
 
+@pytest.mark.parametrize("arch", ["gptj", "neox"])
+def test_parallel_attention_and_mlp_blocks(arch):
+    """GPT-J and GPT-NeoX add attention and MLP outputs to the stream together: each delta is
+    still its own sublayer's output, and the patterns match eager."""
+    import transformers as tf
+
+    torch.manual_seed(7)
+    if arch == "gptj":
+        cfg = tf.GPTJConfig(vocab_size=200, n_embd=64, n_layer=2, n_head=4, n_positions=64, rotary_dim=8)
+        model = tf.GPTJForCausalLM(cfg).eval()
+        blocks = model.transformer.h
+        attn = [b.attn for b in blocks]
+    else:
+        cfg = tf.GPTNeoXConfig(
+            vocab_size=200,
+            hidden_size=64,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            intermediate_size=128,
+            max_position_embeddings=64,
+            use_parallel_residual=True,
+        )
+        model = tf.GPTNeoXForCausalLM(cfg).eval()
+        blocks = model.gpt_neox.layers
+        attn = [b.attention for b in blocks]
+    ids = torch.randint(0, 200, (2, 7))
+    seen = {}
+    hooks = [
+        m.register_forward_hook(lambda mod, a, o, k=("attn", i): seen.__setitem__(k, o[0]))
+        for i, m in enumerate(attn)
+    ]
+    hooks += [
+        b.mlp.register_forward_hook(lambda mod, a, o, k=("mlp", i): seen.__setitem__(k, o))
+        for i, b in enumerate(blocks)
+    ]
+    with torch.no_grad():
+        cache = probe.capture(model, ids)
+    for h in hooks:
+        h.remove()
+    with torch.no_grad():
+        eager = H.eager_twin(model)(input_ids=ids, output_attentions=True).attentions
+    for i in range(2):
+        assert torch.equal(cache[f"decoder.blocks.{i}.self_attn.delta"], seen[("attn", i)])
+        assert torch.equal(cache[f"decoder.blocks.{i}.mlp.delta"], seen[("mlp", i)])
+        torch.testing.assert_close(cache.pattern("decoder", i), eager[i], atol=1e-5, rtol=0)
+    check_residuals(cache)
+
+
 def test_probe_works_without_transformers():
     code = (
         "import sys\n"

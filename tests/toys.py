@@ -108,14 +108,34 @@ class Block(nn.Module):
         return x + self.mlp(self.ln2(x))
 
 
+class ParallelBlock(nn.Module):
+    """GPT-J style: ``x + attn(ln(x)) + mlp(ln(x))``, both sublayers reading the same stream."""
+
+    def __init__(self, d: int, n_heads: int, kind: str):
+        super().__init__()
+        self.ln = nn.LayerNorm(d)
+        self.attn = Attention(d, n_heads, kind)
+        self.mlp = MLP(d)
+
+    def forward(self, x):
+        h = self.ln(x)
+        return self.attn(h) + self.mlp(h) + x
+
+
 class ToyLM(nn.Module):
-    """Decoder-only LM over a 40-token vocabulary."""
+    """Decoder-only LM over a 40-token vocabulary; ``post_norm`` is False, True or "parallel"."""
 
     def __init__(self, kind="sdpa_causal", post_norm=False, n_layers=3, d=32, n_heads=4, n_kv_heads=None):
         super().__init__()
         self.emb = nn.Embedding(40, d)
         self.pos = nn.Embedding(64, d)
-        self.blocks = nn.ModuleList([Block(d, n_heads, kind, post_norm, n_kv_heads) for _ in range(n_layers)])
+
+        def block():
+            if post_norm == "parallel":
+                return ParallelBlock(d, n_heads, kind)
+            return Block(d, n_heads, kind, post_norm, n_kv_heads)
+
+        self.blocks = nn.ModuleList([block() for _ in range(n_layers)])
         self.head = nn.Linear(d, 40)
 
     def forward(self, ids):

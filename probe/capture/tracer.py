@@ -26,8 +26,9 @@ How it works, in one pass over the unmodified model:
   operand is the residual. The stream between two sublayers is the residual operand of the next
   add (post-norm: the normalised sum; pre-norm: the sum itself), and each sublayer's delta is the
   difference of the stream across it; when a sublayer's add is exactly ``stream + output`` the
-  delta is that output, bit for bit. So ``resid_pre + Σ deltas == resid_post`` for pre-norm and
-  post-norm blocks alike.
+  delta is that output, bit for bit. Two sublayer outputs summed before they meet the stream
+  (parallel blocks: ``x + attn(ln(x)) + mlp(ln(x))``) are kept apart, each its own delta. So
+  ``resid_pre + Σ deltas == resid_post`` for pre-norm, post-norm and parallel blocks alike.
 """
 
 from __future__ import annotations
@@ -117,6 +118,7 @@ class _Add:
     other: Tensor
     result: Tensor
     exact: bool  # result == residual + other with the residual being the stream so far
+    parts: list[tuple[Any, Tensor]] | None = None  # `other` as a sum of sublayer outputs
 
 
 @dataclass
@@ -132,6 +134,7 @@ class _Layer:
     pending: _Attn | None = None
     events: int = 0
     fused: tuple[Tensor, Tensor] | None = None  # (stream after attention, output) of a fused layer
+    combos: dict[int, tuple[Any, list[tuple[Any, Tensor]]]] = field(default_factory=dict)
 
 
 @dataclass
@@ -224,6 +227,7 @@ class Tracer:
         self.impls: set[str] = set()
         self.stored_dtypes: set[str] = set()
         self._stamps: dict[int, tuple[int, Any]] = {}
+        self._tags: dict[int, tuple[Any, Any]] = {}
         self._tick = itertools.count()
         self._mode = _Mode(self)
         self._handles: list[Any] = []
@@ -318,7 +322,10 @@ class Tracer:
                     self._encoder_layer_event(module, args, kwargs, output)
             self.stack.pop()
             if self.layer is not None:
-                self.stamp(_output_tensor(output))
+                out = _output_tensor(output)
+                self.stamp(out)
+                if call.parent is self.layer_call and next(module.children(), None) is not None:
+                    self._tag(out, call.attn if call.attn is not None else "mlp")
             if call.attn is not None:
                 self._flush_attn(call.attn)
             if call is self.layer_call:
@@ -429,6 +436,7 @@ class Tracer:
         layer = call.layer
         self.layer, self.layer_call = None, None
         self._stamps.clear()
+        self._tags.clear()
         if layer is None or not layer.events:
             return  # a list element with no attention (e.g. an MLP-only block)
         self.kept[layer.container] = layer.index + 1
@@ -471,7 +479,6 @@ class Tracer:
             # stream boundaries: before sublayer k+1 the stream is the residual operand of add k+1
             bounds = [pre] + [a.residual for a in adds[1:]] + [post]
             for k, a in enumerate(adds):
-                name = "mlp" if a.kind == "mlp" else f"{a.kind.role or 'self'}_attn"
                 exact = a.exact and (
                     k + 1 == len(adds)
                     and a.result is out
@@ -479,7 +486,15 @@ class Tracer:
                     and adds[k + 1].residual is a.result
                 )
                 d = a.other if exact else bounds[k + 1] - bounds[k]
-                deltas[name] = deltas[name] + d if name in deltas else d
+                if a.parts is None:
+                    pieces = [(a.kind, d)]
+                else:  # a sum of sublayer outputs: each part is its sublayer's delta
+                    pieces = list(a.parts)
+                    if not exact:  # the stream was normalised after the sum: the rest goes to the last
+                        pieces[-1] = (pieces[-1][0], d - sum(p for _, p in pieces[:-1]))
+                for kind, piece in pieces:
+                    name = "mlp" if kind == "mlp" else f"{kind.role or 'self'}_attn"
+                    deltas[name] = deltas[name] + piece if name in deltas else piece
         elif len(layer.attns) == 1:
             deltas[f"{layer.attns[0].role or 'self'}_attn"] = post - pre
         else:
@@ -616,6 +631,30 @@ class Tracer:
             if s is None or s[1]() is not t:
                 self._stamps[id(t)] = (next(self._tick), weakref.ref(t))
 
+    def _tag(self, t: Any, kind: Any) -> None:
+        """Remember that ``t`` is the output of a sublayer (attention or MLP module) of the layer."""
+        layer = self.layer
+        if (
+            isinstance(t, Tensor)
+            and not t.is_nested
+            and layer is not None
+            and layer.stream_shape is not None
+            and t.shape == layer.stream_shape
+        ):
+            held = self._tags.get(id(t))
+            if held is None or held[0]() is not t:  # identity modules pass a tensor on: first tag wins
+                self._tags[id(t)] = (weakref.ref(t), kind)
+
+    def _parts(self, t: Tensor) -> list[tuple[Any, Tensor]] | None:
+        layer = self.layer
+        combo = layer.combos.get(id(t)) if layer is not None else None
+        if combo is not None and combo[0]() is t:
+            return combo[1]
+        held = self._tags.get(id(t))
+        if held is not None and held[0]() is t:
+            return [(held[1], t)]
+        return None
+
     def _age(self, t: Tensor) -> float:
         s = self._stamps.get(id(t))
         return s[0] if s is not None and s[1]() is t else float("inf")
@@ -639,6 +678,13 @@ class Tracer:
             self.stamp(out)
             return out
         inplace = func in _ADD_INPLACE
+        pa, pb = self._parts(a), self._parts(b)
+        if pa is not None and pb is not None and not inplace:
+            # two sublayers' outputs summed before they meet the stream (parallel attention and
+            # MLP, as in GPT-J and GPT-NeoX): not a residual add; the next one carries both parts
+            out = func(*args, **kwargs)
+            layer.combos[id(out)] = (weakref.ref(out), pa + pb)
+            return out
         if self._age(b) < self._age(a):
             residual, other = b, a
         else:
@@ -651,7 +697,11 @@ class Tracer:
         self.stamp(out)
         kind: Any = layer.pending if layer.pending is not None else "mlp"
         layer.pending = None
-        layer.adds.append(_Add(kind, res_value, other, out, exact=follows and not inplace))
+        parts = self._parts(other)
+        add = _Add(kind, res_value, other, out, exact=follows and not inplace)
+        if parts is not None and len(parts) > 1:
+            add.parts = parts
+        layer.adds.append(add)
         return out
 
     # -- storage -------------------------------------------------------------------------------
