@@ -15,7 +15,7 @@ from probe.cache import Cache, load
 from probe.cache.cache import encode_metadata
 from probe.cache.format import FORMAT_VERSION, key
 from probe.cache.writer import FileSink, MemorySink
-from probe.capture.inputs import prepare
+from probe.capture.inputs import model_name, prepare
 from probe.capture.tracer import Tracer
 from probe.errors import ProbeError
 
@@ -54,12 +54,8 @@ def _jsonable(obj: Any) -> Any:
 def model_info(model: nn.Module) -> dict[str, Any]:
     """Name, class and config of ``model`` for the cache metadata."""
     cls = type(model)
-    name = getattr(model, "name", None)
-    if not isinstance(name, str):
-        cfg = getattr(model, "config", None)
-        name = getattr(cfg, "name_or_path", None) or getattr(cfg, "model_type", None) or cls.__name__
     return {
-        "name": name,
+        "name": model_name(model),
         "class": f"{cls.__module__}.{cls.__qualname__}",
         "parameters": sum(p.numel() for p in model.parameters()),
         "config": _jsonable(getattr(model, "config", None)),

@@ -19,7 +19,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from probe.capture.tokenizers import Encoding, HFTokenizer, adapt
+from probe.capture.tokenizers import Encoding, adapt
 from probe.errors import ProbeError
 
 
@@ -65,7 +65,8 @@ def _batch(seqs: list[list[int]], pad_id: int, side: str = "right") -> tuple[Ten
     return ids, mask
 
 
-def _model_name(model: nn.Module) -> str:
+def model_name(model: nn.Module) -> str:
+    """The name a person knows ``model`` by: ``model.name``, its config's path or type, its class."""
     name = getattr(model, "name", None)
     if isinstance(name, str):
         return name
@@ -117,7 +118,7 @@ def prepare(model: nn.Module, inputs: Any, *, tokenizer: Any = None, target: Any
     """Build the forward call for ``model`` on ``inputs`` (see :func:`probe.capture`)."""
     if not isinstance(model, nn.Module):
         raise ProbeError(f"probe captures torch.nn.Module models, not {type(model).__name__}")
-    name = _model_name(model)
+    name = model_name(model)
     if isinstance(inputs, Tensor):
         return _prepare_tensor(model, inputs, tokenizer, name)
     raw_tok = tokenizer if tokenizer is not None else getattr(model, "tokenizer", None)
@@ -161,12 +162,8 @@ def prepare(model: nn.Module, inputs: Any, *, tokenizer: Any = None, target: Any
 
     target_tok = tok if hf else adapt(getattr(raw_tok, "target", raw_tok))
     if target is None:
-        seqs = _greedy(model, ids, mask, encs, raw_tok, hf, name)
-        tgt_texts = [_decode(raw_tok if hf else getattr(raw_tok, "target", raw_tok), s) for s in seqs]
-        tgt_encs = [
-            Encoding(s, target_tok.tokens_of(s), [i in getattr(target_tok, "special_ids", ()) for i in s])
-            for s in seqs
-        ]
+        tgt_encs = [target_tok.from_ids(s) for s in _greedy(model, ids, mask, encs, raw_tok, hf, name)]
+        tgt_texts = [target_tok.decode(e.ids) for e in tgt_encs]
         meta["target_source"] = "greedy"
     else:
         tgt_texts = _texts(target, "target text")
@@ -175,12 +172,7 @@ def prepare(model: nn.Module, inputs: Any, *, tokenizer: Any = None, target: Any
         tgt_encs = _encode_all(target_tok, tgt_texts, name, limit, "target", target=hf)
         if hf:  # labels -> decoder inputs: the start token, then the labels shifted right
             start = _decoder_start(model)
-            tgt_encs = [
-                Encoding(
-                    [start] + e.ids[:-1], target_tok.tokens_of([start] + e.ids[:-1]), [True] + e.special[:-1]
-                )
-                for e in tgt_encs
-            ]
+            tgt_encs = [target_tok.from_ids([start] + e.ids[:-1]) for e in tgt_encs]
         meta["target_source"] = "given"
     tgt_ids, tgt_mask = _batch([e.ids for e in tgt_encs], target_tok.pad_id, "right")
     _record(meta, "target_", tgt_texts, tgt_encs, tgt_mask)
@@ -205,14 +197,7 @@ def _decoder_start(model: nn.Module) -> int:
             v = getattr(model.generation_config, attr, None)
         if v is not None:
             return int(v)
-    raise ProbeError(f"{_model_name(model)} has no decoder_start_token_id; pass target= ids instead")
-
-
-def _decode(tok: Any, ids: list[int]) -> str:
-    try:
-        return tok.decode(ids)
-    except Exception:
-        return " ".join(str(i) for i in ids)
+    raise ProbeError(f"{model_name(model)} has no decoder_start_token_id; pass target= ids instead")
 
 
 def _greedy(model, ids, mask, encs, raw_tok, hf: bool, name: str) -> list[list[int]]:
@@ -271,8 +256,7 @@ def _prepare_tensor(model: nn.Module, x: Tensor, tokenizer: Any, name: str) -> P
     _check_length(ids.shape[1], limit, name, "input")
     raw_tok = tokenizer if tokenizer is not None else getattr(model, "tokenizer", None)
     if raw_tok is not None:
-        tok = adapt(raw_tok)
-        tokens = [tok.tokens_of([int(i) for i in row]) for row in ids]
+        tokens = [adapt(raw_tok).tokens_of(row) for row in ids.tolist()]
     else:
         tokens = [[str(int(i)) for i in row] for row in ids]
     meta = {
@@ -286,4 +270,4 @@ def _prepare_tensor(model: nn.Module, x: Tensor, tokenizer: Any, name: str) -> P
     return Prepared(lambda: model(ids), meta)
 
 
-__all__ = ["Prepared", "prepare", "is_hf_model", "HFTokenizer"]
+__all__ = ["Prepared", "prepare", "is_hf_model", "model_name"]

@@ -42,6 +42,16 @@ class Tokenizer:
     def tokens_of(self, ids: list[int]) -> list[str]:  # pragma: no cover - interface
         raise NotImplementedError
 
+    def is_special(self, i: int) -> bool:
+        return False
+
+    def decode(self, ids: list[int]) -> str:  # pragma: no cover - interface
+        raise NotImplementedError
+
+    def from_ids(self, ids: list[int]) -> Encoding:
+        """An :class:`Encoding` of ids that came from a model (generated or shifted labels)."""
+        return Encoding(list(ids), self.tokens_of(ids), [self.is_special(i) for i in ids])
+
 
 def _first_line(e: BaseException) -> str:
     msg = str(e).strip().strip("'\"")
@@ -65,6 +75,9 @@ class ZooTokenizer(Tokenizer):
 
     def tokens_of(self, ids: list[int]) -> list[str]:
         return [self.tok.decode([i]) for i in ids]
+
+    def decode(self, ids: list[int]) -> str:
+        return self.tok.decode(ids)
 
 
 class HFTokenizer(Tokenizer):
@@ -95,6 +108,12 @@ class HFTokenizer(Tokenizer):
 
     def tokens_of(self, ids: list[int]) -> list[str]:
         return self._display(ids, None, None)
+
+    def is_special(self, i: int) -> bool:
+        return i in self.special_ids
+
+    def decode(self, ids: list[int]) -> str:
+        return self.tok.decode(ids)
 
     def _display(self, ids: list[int], text: str | None, offsets: Any) -> list[str]:
         raw = self.tok.convert_ids_to_tokens(ids)

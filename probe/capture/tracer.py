@@ -97,6 +97,26 @@ def _vkey(t: Tensor) -> tuple[int, int]:
     return (id(t), t._version)
 
 
+class _ByIdentity:
+    """A map keyed by tensor identity that cannot be fooled by a recycled ``id()``.
+
+    (Tensors compare elementwise, so they cannot be dict keys; an ``id`` outlives its tensor.)
+    """
+
+    def __init__(self) -> None:
+        self._items: dict[int, tuple[Any, Any]] = {}
+
+    def get(self, t: Any) -> Any:
+        held = self._items.get(id(t))
+        return held[1] if held is not None and held[0]() is t else None
+
+    def put(self, t: Tensor, value: Any) -> None:
+        self._items[id(t)] = (weakref.ref(t), value)
+
+    def clear(self) -> None:
+        self._items.clear()
+
+
 @dataclass
 class _Attn:
     """Attention seen inside one sublayer call."""
@@ -134,7 +154,7 @@ class _Layer:
     pending: _Attn | None = None
     events: int = 0
     fused: tuple[Tensor, Tensor] | None = None  # (stream after attention, output) of a fused layer
-    combos: dict[int, tuple[Any, list[tuple[Any, Tensor]]]] = field(default_factory=dict)
+    combos: _ByIdentity = field(default_factory=_ByIdentity)  # sum of sublayer outputs -> its parts
 
 
 @dataclass
@@ -226,8 +246,8 @@ class Tracer:
         self.root_calls = 0
         self.impls: set[str] = set()
         self.stored_dtypes: set[str] = set()
-        self._stamps: dict[int, tuple[int, Any]] = {}
-        self._tags: dict[int, tuple[Any, Any]] = {}
+        self._stamps = _ByIdentity()  # stream-shaped tensor -> when it was first seen
+        self._tags = _ByIdentity()  # sublayer output -> its sublayer (an _Attn or "mlp")
         self._tick = itertools.count()
         self._mode = _Mode(self)
         self._handles: list[Any] = []
@@ -404,12 +424,9 @@ class Tracer:
             self.note_event()
         lay = self.layer
         if lay is not None and lay.wanted:
-            lay.resid_pre, lay.stream_shape = self._stream_in(lay, x), x.shape
-            lay.fused = (s1, out)
-
-    def _stream_in(self, lay: _Layer, x: Tensor) -> Tensor:
-        pre = lay.resid_pre
-        return x.detach().clone() if pre is None or pre.is_nested else pre
+            if lay.resid_pre is None or lay.resid_pre.is_nested:  # the padded form of a nested input
+                lay.resid_pre = x.detach().clone()
+            lay.stream_shape, lay.fused = x.shape, (s1, out)
 
     # -- layers --------------------------------------------------------------------------------
     def _start_layer(self, call: _Call, container: str) -> None:
@@ -627,9 +644,8 @@ class Tracer:
             and not t.is_nested
             and t.shape == layer.stream_shape
         ):
-            s = self._stamps.get(id(t))
-            if s is None or s[1]() is not t:
-                self._stamps[id(t)] = (next(self._tick), weakref.ref(t))
+            if self._stamps.get(t) is None:
+                self._stamps.put(t, next(self._tick))
 
     def _tag(self, t: Any, kind: Any) -> None:
         """Remember that ``t`` is the output of a sublayer (attention or MLP module) of the layer."""
@@ -641,23 +657,19 @@ class Tracer:
             and layer.stream_shape is not None
             and t.shape == layer.stream_shape
         ):
-            held = self._tags.get(id(t))
-            if held is None or held[0]() is not t:  # identity modules pass a tensor on: first tag wins
-                self._tags[id(t)] = (weakref.ref(t), kind)
+            if self._tags.get(t) is None:  # identity modules pass a tensor on: first tag wins
+                self._tags.put(t, kind)
 
     def _parts(self, t: Tensor) -> list[tuple[Any, Tensor]] | None:
-        layer = self.layer
-        combo = layer.combos.get(id(t)) if layer is not None else None
-        if combo is not None and combo[0]() is t:
-            return combo[1]
-        held = self._tags.get(id(t))
-        if held is not None and held[0]() is t:
-            return [(held[1], t)]
-        return None
+        combo = self.layer.combos.get(t) if self.layer is not None else None
+        if combo is not None:
+            return combo
+        kind = self._tags.get(t)
+        return [(kind, t)] if kind is not None else None
 
     def _age(self, t: Tensor) -> float:
-        s = self._stamps.get(id(t))
-        return s[0] if s is not None and s[1]() is t else float("inf")
+        tick = self._stamps.get(t)
+        return tick if tick is not None else float("inf")
 
     def on_add(self, func: Any, args: tuple, kwargs: dict) -> Any:
         layer = self.layer
@@ -683,7 +695,7 @@ class Tracer:
             # two sublayers' outputs summed before they meet the stream (parallel attention and
             # MLP, as in GPT-J and GPT-NeoX): not a residual add; the next one carries both parts
             out = func(*args, **kwargs)
-            layer.combos[id(out)] = (weakref.ref(out), pa + pb)
+            layer.combos.put(out, pa + pb)
             return out
         if self._age(b) < self._age(a):
             residual, other = b, a
