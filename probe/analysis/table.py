@@ -1,0 +1,170 @@
+"""Rows of results with the exports every analysis offers: dict, JSON, CSV, pandas and HTML.
+
+An analysis result holds (or is) a :class:`Table`: a list of flat rows with a fixed column order.
+Exports never lose a row; values are plain Python numbers and strings, so JSON and CSV round-trip.
+"""
+
+from __future__ import annotations
+
+import csv
+import html
+import io
+import json
+import math
+import os
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+from probe.errors import ProbeError
+
+
+def _plain(v: Any) -> Any:
+    """A JSON-friendly scalar: tensors and numpy scalars become Python numbers, NaN stays NaN."""
+    if hasattr(v, "item") and callable(v.item) and getattr(v, "ndim", 0) == 0:
+        v = v.item()
+    if isinstance(v, (bool, int, float, str)) or v is None:
+        return v
+    if isinstance(v, (list, tuple)):
+        return [_plain(x) for x in v]
+    return str(v)
+
+
+def _fmt(v: Any) -> str:
+    if isinstance(v, float):
+        if math.isnan(v):
+            return "nan"
+        return f"{v:.4g}"
+    return "" if v is None else str(v)
+
+
+class Table:
+    """A list of result rows (dicts with the same columns), exportable and sortable.
+
+    ``columns`` fixes the column order; ``rows`` are dicts with those keys.
+    """
+
+    def __init__(self, rows: Iterable[dict[str, Any]], columns: Sequence[str] | None = None, title: str = ""):
+        self.rows: list[dict[str, Any]] = [{k: _plain(v) for k, v in r.items()} for r in rows]
+        if columns is None:
+            columns = list(self.rows[0]) if self.rows else []
+        self.columns = list(columns)
+        self.title = title
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    def __iter__(self):
+        return iter(self.rows)
+
+    def __getitem__(self, i: int) -> dict[str, Any]:
+        return self.rows[i]
+
+    def column(self, name: str) -> list[Any]:
+        """All values of one column, in row order."""
+        self._check_column(name)
+        return [r.get(name) for r in self.rows]
+
+    def _check_column(self, name: str) -> None:
+        if name not in self.columns:
+            raise ProbeError(f"no column {name!r}; choose one of: {', '.join(self.columns)}")
+
+    def sorted(self, by: str, descending: bool = True) -> Table:
+        """A copy sorted by column ``by`` (NaN and None last)."""
+        self._check_column(by)
+
+        def k(r: dict[str, Any]) -> tuple:
+            v = r.get(by)
+            missing = v is None or (isinstance(v, float) and math.isnan(v))
+            if missing:
+                return (1, 0)
+            return (0, -v if descending and isinstance(v, (int, float)) else v)
+
+        rows = sorted(self.rows, key=k)
+        if descending and rows and not isinstance(rows[0].get(by), (int, float)):
+            rows = list(reversed(rows))
+        return Table(rows, self.columns, self.title)
+
+    def top(self, by: str, k: int = 10, descending: bool = True) -> Table:
+        """The ``k`` rows with the largest (or smallest) ``by``."""
+        if k < 1:
+            raise ProbeError(f"k must be at least 1, got {k}")
+        t = self.sorted(by, descending)
+        return Table(t.rows[:k], self.columns, self.title)
+
+    # -- exports -------------------------------------------------------------------------------
+    def to_dict(self) -> dict[str, Any]:
+        """``{"columns": [...], "rows": [{...}, ...]}``: plain Python, JSON-ready."""
+        return {"columns": list(self.columns), "rows": [dict(r) for r in self.rows]}
+
+    def to_json(self, path: str | os.PathLike | None = None, **kw: Any) -> str:
+        """JSON text of :meth:`to_dict` (NaN written as ``null``); also written to ``path`` if given."""
+        data = self.to_dict()
+        for r in data["rows"]:
+            for c, v in r.items():
+                if isinstance(v, float) and not math.isfinite(v):
+                    r[c] = None
+        text = json.dumps(data, ensure_ascii=False, **kw)
+        if path is not None:
+            from probe.files import write_text_atomic
+
+            write_text_atomic(path, text)
+        return text
+
+    def to_csv(self, path: str | os.PathLike | None = None) -> str:
+        """CSV text with a header row; also written to ``path`` if given."""
+        buf = io.StringIO()
+        w = csv.DictWriter(buf, fieldnames=self.columns, extrasaction="ignore", lineterminator="\n")
+        w.writeheader()
+        for r in self.rows:
+            w.writerow({c: _csv_value(r.get(c)) for c in self.columns})
+        text = buf.getvalue()
+        if path is not None:
+            from probe.files import write_text_atomic
+
+            write_text_atomic(path, text)
+        return text
+
+    def to_pandas(self):
+        """A ``pandas.DataFrame`` (pandas is optional: ``pip install pandas``)."""
+        try:
+            import pandas as pd
+        except ImportError:
+            raise ProbeError("to_pandas() needs pandas; install it with `pip install pandas`") from None
+        return pd.DataFrame(self.rows, columns=self.columns)
+
+    def to_text(self, max_rows: int = 40) -> str:
+        """A fixed-width text table (the CLI prints this)."""
+        rows = self.rows[:max_rows]
+        cells = [self.columns] + [[_fmt(r.get(c)) for c in self.columns] for r in rows]
+        widths = [max(len(row[i]) for row in cells) for i in range(len(self.columns))]
+        lines = ["  ".join(v.ljust(w) for v, w in zip(row, widths, strict=True)).rstrip() for row in cells]
+        lines.insert(1, "  ".join("-" * w for w in widths))
+        if len(self.rows) > max_rows:
+            lines.append(f"... {len(self.rows) - max_rows} more rows")
+        return "\n".join(lines)
+
+    def __str__(self) -> str:
+        return (self.title + "\n" if self.title else "") + self.to_text()
+
+    def __repr__(self) -> str:
+        return f"<Table {self.title or ''} {len(self.rows)} rows × {len(self.columns)} columns>"
+
+    def _repr_html_(self, max_rows: int = 200) -> str:
+        """An HTML table (escaped; no scripts, no network) for Jupyter, JupyterLab and VS Code."""
+        head = "".join(f"<th>{html.escape(c)}</th>" for c in self.columns)
+        body = "".join(
+            "<tr>" + "".join(f"<td>{html.escape(_fmt(r.get(c)))}</td>" for c in self.columns) + "</tr>"
+            for r in self.rows[:max_rows]
+        )
+        more = f"<p>… {len(self.rows) - max_rows} more rows</p>" if len(self.rows) > max_rows else ""
+        title = f"<p><b>{html.escape(self.title)}</b></p>" if self.title else ""
+        return f"{title}<table><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>{more}"
+
+
+def _csv_value(v: Any) -> Any:
+    if isinstance(v, list):
+        return json.dumps(v, ensure_ascii=False)
+    return v
+
+
+__all__ = ["Table"]
