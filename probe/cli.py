@@ -40,10 +40,58 @@ def _load_zoo(name: str):
     return models.load(name)
 
 
+def add_model_args(p: argparse.ArgumentParser, *, default: str | None = "minigpt") -> None:
+    """``--model NAME`` (zoo) and ``--hf PATH`` (a local Hugging Face model folder), one of them."""
+    g = p.add_mutually_exclusive_group()
+    g.add_argument(
+        "--model", "-m", default=None, help=f"zoo model name (see `probe models`; default: {default})"
+    )
+    g.add_argument("--hf", metavar="PATH", default=None, help="a local Hugging Face model folder (offline)")
+    p.set_defaults(default_model=default)
+
+
+def load_model(args: argparse.Namespace):
+    """The model named by ``--model`` / ``--hf``; returns ``(model, tokenizer)`` in eval mode."""
+    if getattr(args, "hf", None):
+        return _load_hf(args.hf)
+    name = args.model or args.default_model
+    if name is None:
+        raise ProbeError("no model given; pass --model NAME (see `probe models`) or --hf PATH")
+    model = _load_zoo(name)
+    return model, model.tokenizer
+
+
+def _load_hf(path: str):
+    import os
+
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    folder = Path(path)
+    if not folder.is_dir() or not (folder / "config.json").is_file():
+        raise ProbeError(
+            f"--hf {path}: not a Hugging Face model folder (no config.json); give a local folder"
+        )
+    try:
+        import transformers
+    except ImportError:
+        raise ProbeError("--hf needs transformers; install it with `pip install -e '.[hf]'`") from None
+    config = transformers.AutoConfig.from_pretrained(folder)
+    auto = transformers.AutoModel
+    if getattr(config, "is_encoder_decoder", False):
+        auto = transformers.AutoModelForSeq2SeqLM
+    elif any(a.endswith("ForCausalLM") for a in (config.architectures or [])):
+        auto = transformers.AutoModelForCausalLM
+    try:
+        tok = transformers.AutoTokenizer.from_pretrained(folder)
+        model = auto.from_pretrained(folder).eval()
+    except (OSError, ValueError) as e:
+        raise ProbeError(f"--hf {path}: could not load ({str(e).splitlines()[0]})") from None
+    return model, tok
+
+
 def cmd_capture(args: argparse.Namespace) -> int:
     import probe
 
-    model = _load_zoo(args.model)
+    model, tok = load_model(args)
     out = Path(args.output)
     if out.suffix != ".safetensors":
         raise ProbeError(f"output {out} should end in .safetensors")
@@ -52,7 +100,14 @@ def cmd_capture(args: argparse.Namespace) -> int:
     if args.target is not None:
         target = args.target if len(args.target) > 1 else args.target[0]
     cache = probe.capture(
-        model, text, target=target, out=out, layers=args.layers, heads=args.heads, dtype=args.dtype
+        model,
+        text,
+        tokenizer=tok,
+        target=target,
+        out=out,
+        layers=args.layers,
+        heads=args.heads,
+        dtype=args.dtype,
     )
     n = len(cache.keys())
     print(f"wrote {out} ({_human(out.stat().st_size)}, {n} tensors); inspect it with `probe info {out}`")
@@ -139,14 +194,14 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser(
         "capture",
-        help="run a zoo model on text and write its attention cache",
-        description="Run a model from the bundled zoo on TEXT and stream every attention "
-        "pattern and residual-stream delta into a safetensors cache.",
+        help="run a model on text and write its attention cache",
+        description="Run a model from the bundled zoo (or a local Hugging Face folder) on TEXT and "
+        "stream every attention pattern and residual-stream delta into a safetensors cache.",
         epilog="example: probe capture --model minigpt 'attention lets tokens read context.' "
         "-o run.safetensors",
     )
     p.add_argument("text", nargs="+", metavar="TEXT", help="input text (several = one batch)")
-    p.add_argument("--model", "-m", default="minigpt", help="zoo model name (default: minigpt)")
+    add_model_args(p)
     p.add_argument(
         "--target",
         "-t",

@@ -102,3 +102,25 @@ def test_info_on_bad_files(tmp_path):
     assert r.returncode == 2 and "not a safetensors file" in r.stderr and "Traceback" not in r.stderr
     r = run("capture", "--layers", "x,y", "at", "-o", "a.safetensors", cwd=tmp_path)
     assert r.returncode == 2 and "comma-separated integers" in r.stderr
+
+
+def test_capture_from_a_hugging_face_folder(tmp_path):
+    from hf_fixtures import minilm_dir
+
+    out = tmp_path / "bert.safetensors"
+    r = run("capture", "--hf", str(minilm_dir()), "tokenization is fun", "-o", str(out))
+    assert r.returncode == 0, r.stderr
+    import probe
+
+    cache = probe.load(out)
+    assert cache.tokens == [["[CLS]", "token", "##ization", "is", "fun", "[SEP]"]]
+    assert cache.pattern("encoder", 5).shape == (1, 12, 6, 6)
+
+
+def test_hf_folder_errors_are_one_line(tmp_path):
+    r = run("capture", "--hf", str(tmp_path), "x", "-o", str(tmp_path / "a.safetensors"))
+    assert r.returncode == 2 and "no config.json" in r.stderr and "Traceback" not in r.stderr
+    r = run(
+        "capture", "--hf", str(tmp_path), "--model", "minigpt", "x", "-o", str(tmp_path / "a.safetensors")
+    )
+    assert r.returncode == 2 and "not allowed with" in r.stderr
