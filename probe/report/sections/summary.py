@@ -10,7 +10,7 @@ ORDER = 10
 
 def _tokens(toks: list[str], specials: list[int] | None) -> list[dict]:
     specials = specials or []
-    return [{"i": i, "t": t, "special": bool(specials[i]) if i < len(specials) else False} for i, t in enumerate(toks)]
+    return [{"i": i, "t": t, "special": i < len(specials) and bool(specials[i])} for i, t in enumerate(toks)]
 
 
 def build(ctx) -> dict:
@@ -21,10 +21,8 @@ def build(ctx) -> dict:
         model = meta.get("model") or {}
         stacks = []
         for s in cache.stacks:
-            heads = sorted(
-                {e.get(a, {}).get("heads") for e in meta.get("layers", []) if e.get("stack") == s for a in ("self_attn",)}
-                - {None}
-            )
+            entries = [e for e in meta.get("layers", []) if e.get("stack") == s]
+            heads = sorted({e.get("self_attn", {}).get("heads") for e in entries} - {None})
             total = (meta.get("stacks") or {}).get(s, {}).get("layers", "?")
             stacks.append({"name": s, "captured": cache.n_layers(s), "layers": total, "heads": heads})
         texts = []
