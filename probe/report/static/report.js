@@ -229,9 +229,35 @@
         " is not embedded at full resolution (the page's budget holds " + this.set.nFull +
         " heads of this pattern): shown max-pooled to " + m.nq + " x " + m.nk + "; values are block maxima.";
       this.q = Math.min(this.q, this.set.nq - 1); this.k = Math.min(this.k, this.set.nk - 1);
+      this.axisLabels(m, z);
+      this.el(".strip-row").style.marginLeft = this.pad[0] + "px";
       this.el(".strip-row").width = this.set.nk * (m.exact ? z : 1);
       this.el(".strip-col").width = this.set.nq * (m.exact ? z : 1);
       this.focusCell(this.q, this.k, null);
+    }
+
+    // Token labels beside rows (queries) and above columns (keys) when cells are big enough to read.
+    axisLabels(m, z) {
+      const wrap = this.el(".probe-canvas-wrap"), s = this.set;
+      wrap.querySelectorAll(".axis-label").forEach((e) => e.remove());
+      const show = m.exact && z >= 10;
+      const padL = show ? 90 : 0, padT = show ? 70 : 0;
+      wrap.style.paddingLeft = padL + "px"; wrap.style.paddingTop = padT + "px";
+      this.pad = [padL, padT];
+      if (!show) return;
+      const frag = document.createDocumentFragment(), fs = Math.min(13, z - 2) + "px";
+      const label = (text, cls, css) => {
+        const e = document.createElement("span");
+        e.className = "axis-label tok " + cls;
+        e.textContent = text;
+        Object.assign(e.style, css, { fontSize: fs });
+        frag.appendChild(e);
+      };
+      s.qTokens.forEach((t, q) => label(t, "axis-q", { top: padT + q * z + "px", height: z + "px", width: padL - 4 + "px", left: "0px" }));
+      s.kTokens.forEach((t, k) => label(t, "axis-k", { left: padL + k * z + "px", width: z + "px", height: padT - 4 + "px", top: "0px" }));
+      label("key \u2192", "axis-corner", { left: "0px", top: padT - 36 + "px", width: padL - 4 + "px", height: "16px" });
+      label("query \u2193", "axis-corner", { left: "0px", top: padT - 18 + "px", width: padL - 4 + "px", height: "16px" });
+      wrap.appendChild(frag);
     }
 
     // The exact weight of cell (q, k) in the current head, or a block's max when downsampled.
@@ -259,9 +285,10 @@
       if (ev) this.showTip(ev, text);
       // bands over the displayed matrix (CSS pixels)
       const cv = this.el(".probe-matrix"), zx = cv.clientWidth / s.nk, zy = cv.clientHeight / s.nq;
-      this.band(".band-row", 0, this.q * zy, cv.clientWidth, Math.max(1, zy));
-      this.band(".band-col", this.k * zx, 0, Math.max(1, zx), cv.clientHeight);
-      this.band(".band-cell", this.k * zx - 1, this.q * zy - 1, Math.max(1, zx) + 2, Math.max(1, zy) + 2);
+      const [px, py] = this.pad || [0, 0];
+      this.band(".band-row", px, py + this.q * zy, cv.clientWidth, Math.max(1, zy));
+      this.band(".band-col", px + this.k * zx, py, Math.max(1, zx), cv.clientHeight);
+      this.band(".band-cell", px + this.k * zx - 1, py + this.q * zy - 1, Math.max(1, zx) + 2, Math.max(1, zy) + 2);
       this.markToken(".tokens-q", "q", this.q);
       this.markToken(".tokens-k", "k", this.k);
       this.drawStrips(m);
