@@ -144,6 +144,11 @@ def info_text(path: str | Path) -> str:
             f"{s}:   {cache.n_layers(s)} of {stacks.get(s, {}).get('layers', '?')} "
             f"layers captured, {hs} heads"
         )
+    if meta.get("training"):
+        lines.append("mode:      train (patterns are the weights before dropout)")
+    for e in meta.get("layers", []):  # layers stored without deltas, and why
+        if e.get("residual_note"):
+            lines.append(f"no deltas: {e.get('stack')}.blocks.{e.get('layer')}: {e['residual_note']}")
     texts = meta.get("texts") or []
     for i, toks in enumerate(cache.tokens):
         label = f"text {i}:" if texts else f"input {i}:"

@@ -235,6 +235,27 @@ ARCHS: dict[str, Arch] = {
         enc_dec=True,
         stack_roles={"encoder": ("self",), "decoder": ("self", "cross")},
     ),
+    "jamba-hybrid": Arch(
+        lambda: _seeded(
+            tf.JambaForCausalLM,
+            tf.JambaConfig(
+                **LLAMA_LIKE | {"num_hidden_layers": 4},
+                num_key_value_heads=2,
+                attn_layer_period=2,
+                attn_layer_offset=1,  # layers 1 and 3 attend; 0 and 2 are Mamba
+                expert_layer_period=2,
+                expert_layer_offset=1,
+                num_experts=4,
+                num_experts_per_tok=2,
+                mamba_d_state=4,
+                mamba_dt_rank=4,
+                use_mamba_kernels=False,
+            ),
+        ),
+        {"decoder": "model.layers"},
+        {"self": "self_attn"},
+        prenorm("self_attn", "feed_forward"),
+    ),
 }
 
 

@@ -205,3 +205,19 @@ def flex_lm():
 def dropout_lm():
     blocks = [Block(nn.Sequential(SoftmaxAttention(), nn.Dropout(0.5)), MLP()) for _ in range(2)]
     return seeded(lambda: LM(blocks), 6)
+
+
+class Entangled(nn.Module):
+    """``x + attn(ln x) * sigmoid(mlp(ln x))``: attention and MLP outputs multiplied, not separable."""
+
+    def __init__(self, d: int = D):
+        super().__init__()
+        self.ln, self.attn, self.mlp = nn.LayerNorm(d), SoftmaxAttention(d), MLP(d)
+
+    def forward(self, x):
+        h = self.ln(x)
+        return x + self.attn(h) * torch.sigmoid(self.mlp(h))
+
+
+def entangled_lm():
+    return seeded(lambda: LM([Entangled(), Block(SoftmaxAttention(), MLP())]), 7)

@@ -78,7 +78,9 @@ def measure(name: str) -> dict[str, float]:
     twin = A.eager_twin(model)
     attn_paths = {}
     for stack, lp in arch.layers.items():
-        for i in range(len(_module(twin, lp))):
+        for i, layer in enumerate(_module(twin, lp)):
+            if not hasattr(layer, arch.attn["self"].split(".")[0]):
+                continue  # a layer without attention (hybrids): checked below
             for role in arch.stack_roles.get(stack, tuple(arch.attn)):
                 attn_paths[(stack, i, role)] = f"{lp}.{i}.{arch.attn[role]}"
     outs, _ = _hooked(twin, list(attn_paths.values()), lambda: twin(**x, output_attentions=True))
@@ -91,6 +93,7 @@ def measure(name: str) -> dict[str, float]:
     # deltas: hooks on the sublayers of the model itself (no probe)
     sub = {"self_attn", "mlp", "fc2", "attention", "sa_layer_norm", "self_attention", "encoder_attn"}
     sub |= {"self_attn_layer_norm", "post_attention_layernorm", "post_feedforward_layernorm", "attn"}
+    sub |= {"feed_forward"}
     paths = []
     for lp in arch.layers.values():
         for i, layer in enumerate(_module(model, lp)):
@@ -108,7 +111,12 @@ def measure(name: str) -> dict[str, float]:
                 o = outs.get(f"{base}.{s}" if s else base)
                 return None if o is None else _first(o)
 
-            want = arch.deltas(out, inp)
+            attends = hasattr(_module(model, base), arch.attn["self"].split(".")[0])
+            want = arch.deltas(out, inp) if attends else {}
+            if not attends:
+                assert not any(k.startswith(f"{stack}.blocks.{i}.") and "attn" in k for k in cache.keys())
+                entry = next(e for e in cache.metadata["layers"] if e["stack"] == stack and e["layer"] == i)
+                assert "no attention" in entry["residual_note"]
             assert torch.equal(cache[f"{stack}.blocks.{i}.resid_pre"], inp)
             assert torch.equal(cache[f"{stack}.blocks.{i}.resid_post"], out(""))
             got = {
@@ -119,8 +127,9 @@ def measure(name: str) -> dict[str, float]:
             assert set(got) == set(want), (name, stack, i, sorted(got), sorted(want))
             for k in want:
                 dev_d = max(dev_d, float((got[k] - want[k]).abs().max()))
-            total = inp + sum(got.values())
-            dev_chain = max(dev_chain, float((total - out("")).abs().max()))
+            if attends:
+                total = inp + sum(got.values())
+                dev_chain = max(dev_chain, float((total - out("")).abs().max()))
             if i + 1 < n:
                 assert torch.equal(
                     cache[f"{stack}.blocks.{i}.resid_post"], cache[f"{stack}.blocks.{i + 1}.resid_pre"]
@@ -224,6 +233,26 @@ def test_hybrid_keeps_the_models_layer_indices():
     assert torch.equal(cache.pattern("decoder", 1), model.blocks[1].attn.weights)
     dev = toy_deviation(toys.hybrid_lm)
     assert dev["pattern"] <= PATTERN_TOL and dev["delta"] == 0, dev
+
+
+def test_layer_probe_cannot_decompose_keeps_the_stream_and_says_why(tmp_path):
+    model = toys.entangled_lm()
+    ids = torch.randint(0, 50, (1, toys.T), generator=torch.Generator().manual_seed(2))
+    path = tmp_path / "c.safetensors"
+    cache = probe.capture(model, ids, out=path)
+    keys = [k for k in cache.keys() if k.startswith("decoder.blocks.0.")]
+    assert sorted(keys) == [f"decoder.blocks.0.{n}" for n in ("resid_post", "resid_pre", "self_attn.pattern")]
+    entry = cache.metadata["layers"][0]
+    assert "cannot separate" in entry["residual_note"] and "deltas" not in entry
+    outs, ins = _toy_oracle(model, ids, ["blocks.0"])
+    assert torch.equal(cache["decoder.blocks.0.resid_post"], outs["blocks.0"])
+    # the next layer is a plain block: its deltas are there and exact
+    outs, _ = _toy_oracle(model, ids, ["blocks.1.attn", "blocks.1.mlp"])
+    assert torch.equal(cache["decoder.blocks.1.self_attn.delta"], outs["blocks.1.attn"])
+    assert cache.metadata["layers"][1]["deltas"] == {"self_attn": "sublayer output", "mlp": "sublayer output"}
+    from probe.cli import info_text
+
+    assert "no deltas: decoder.blocks.0: the outputs of mlp and self_attn are mixed" in info_text(path)
 
 
 def test_flex_attention_layer_is_a_clear_error():

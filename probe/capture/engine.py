@@ -218,6 +218,11 @@ class Trace:
                 f"the model ran {tr.root_calls} forward passes inside probe.trace; "
                 "capture one forward pass at a time"
             )
+        if tr.blind:
+            raise ProbeError(
+                f"{type(self.model).__name__} computes attention with {tr.blind[0]}, which probe cannot "
+                'look into; load it with attn_implementation="sdpa" (or "eager") to capture it'
+            )
         if not tr.kept:
             raise ProbeError(
                 f"no attention found in {type(self.model).__name__}: probe saw no "

@@ -151,12 +151,19 @@ class LayerStream:
 
     def after_op(self, func: Any, args: tuple, kwargs: dict, out: Any, source: int | None) -> None:
         """Label what an operation inside the layer produced (``source``: the sublayer it ran in)."""
-        lab = self._inputs_label(args, kwargs, source)
-        if lab is _NO_LABEL or (not lab[0] and not lab[1]):
+        if isinstance(out, Tensor):
+            outs = [out]
+        elif isinstance(out, (tuple, list)):
+            outs = list(_outputs(out))
+        elif func is Tensor.__setitem__ and args and isinstance(args[0], Tensor):
+            outs = [args[0]]  # written in place
+        else:
+            return  # sizes, flags, numbers: nothing to label
+        if not outs:
             return
-        outs = list(_outputs(out))
-        if func is Tensor.__setitem__ and args and isinstance(args[0], Tensor):
-            outs.append(args[0])  # written in place
+        lab = self._inputs_label(args, kwargs, source)
+        if not lab[0] and not lab[1]:
+            return
         for o in outs:
             self.labels.put(o, lab)
             if lab[1] and self.sized(o):

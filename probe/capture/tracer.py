@@ -674,11 +674,14 @@ class Tracer:
         a.impl.add(impl)
         self.impls.add(impl)
 
-    def _batch_size(self, a: _Attn) -> int | None:
+    def _batch_size(self, a: _Attn, q: int) -> int | None:
+        """The batch size of the stream handed to the sublayer: ``[batch, q, d]`` or ``[q, batch, d]``."""
         p = a.primary
-        if p is not None and not p.is_nested and p.dim() == 3:
+        if p is None or p.is_nested or p.dim() != 3:
+            return None
+        if p.shape[1] == q:
             return p.shape[0]
-        return None
+        return p.shape[1] if p.shape[0] == q else None
 
     def _flush_attn(self, a: _Attn) -> None:
         if not a.parts or a.handle is not None:
@@ -689,7 +692,7 @@ class Tracer:
                     "an attention pattern was modified in place after softmax; "
                     "probe cannot capture it exactly"
                 )
-        batch = self._batch_size(a)
+        batch = self._batch_size(a, a.parts[0][0].shape[-2])
         parts = []
         for p, _ in a.parts:
             if p.dim() == 3 and batch is not None and p.shape[0] != batch:
