@@ -32,14 +32,8 @@ class SoftmaxAttention(nn.Module):
         return self.o((self.weights @ v).transpose(1, 2).reshape(b, t, d))
 
 
-class BaddbmmAttention(nn.Module):
+class BaddbmmAttention(SoftmaxAttention):
     """Scores by ``torch.baddbmm`` laid out ``[b·h, t, t]``, softmax in float32 (BLOOM/GPT-NeoX style)."""
-
-    def __init__(self, d: int = D, h: int = H):
-        super().__init__()
-        self.h = h
-        self.qkv = nn.Linear(d, 3 * d)
-        self.o = nn.Linear(d, d)
 
     def forward(self, x):
         b, t, d = x.shape
@@ -55,13 +49,7 @@ class BaddbmmAttention(nn.Module):
         return self.o(y)
 
 
-class SdpaAttention(nn.Module):
-    def __init__(self, d: int = D, h: int = H):
-        super().__init__()
-        self.h = h
-        self.qkv = nn.Linear(d, 3 * d)
-        self.o = nn.Linear(d, d)
-
+class SdpaAttention(SoftmaxAttention):
     def heads(self, x):
         b, t, d = x.shape
         return self.qkv(x).view(b, t, 3, self.h, d // self.h).permute(2, 0, 3, 1, 4)
