@@ -66,13 +66,35 @@ class ByIdentity:
 
 @dataclass
 class ResidualAdd:
-    """One ``stream + sublayer output``, values flattened to ``[n, d_model]`` at the time of the add."""
+    """One ``stream + sublayer output``, flattened to ``[n, d_model]``.
+
+    The tensors are the model's own (copied only where an in-place add overwrites one); their
+    versions at the add are kept so that a later in-place write is noticed, never silently read.
+    """
 
     stream: Tensor
     added: Tensor
     result: Tensor
     sources: frozenset[int]
     parts: list[tuple[frozenset[int], Tensor]] | None
+    versions: tuple[int, ...] = ()
+
+    def intact(self) -> bool:
+        return self.versions == (self.stream._version, self.added._version, self.result._version)
+
+
+def _same(x: Tensor, y: Tensor) -> bool:
+    """``torch.equal`` with the shortcut of one memory (the stream handed on as a view)."""
+    if x is y:
+        return True
+    if (
+        x.shape == y.shape
+        and x.dtype == y.dtype
+        and x.data_ptr() == y.data_ptr()
+        and x.stride() == y.stride()
+    ):
+        return True
+    return torch.equal(x, y)
 
 
 @dataclass
@@ -176,11 +198,12 @@ class LayerStream:
             if self.sized(t):
                 self.touched.add(source)
 
-    def _parts(self, t: Tensor, sources: frozenset[int]) -> list[tuple[frozenset[int], Tensor]]:
+    def _parts(self, t: Tensor, sources: frozenset[int], copy: bool) -> list[tuple[frozenset[int], Tensor]]:
         held = self.combos.get(t)
         if held is not None:
             return list(held)
-        return [(sources, t.detach().reshape(-1, self.width).clone())]
+        flat = t.detach().reshape(-1, self.width)
+        return [(sources, flat.clone() if copy else flat)]
 
     # -- additions -----------------------------------------------------------------------------
     def on_add(self, func: Any, args: tuple, kwargs: dict, source: int | None) -> Any:
@@ -194,7 +217,8 @@ class LayerStream:
         (sa, srca), (sb, srcb) = self.label(a), self.label(b)
         if srca and srcb:
             # two sublayer outputs summed before they meet the stream: keep the parts apart
-            parts = self._parts(a, srca) + self._parts(b, srcb)
+            inplace = func in ADD_INPLACE  # Falcon's `mlp_output += attention_output`
+            parts = self._parts(a, srca, inplace) + self._parts(b, srcb, False)
             out = func(*args, **kwargs)
             self.labels.put(out, (sa or sb, srca | srcb))
             self.combos.put(out, parts)
@@ -209,15 +233,15 @@ class LayerStream:
             return out
         w = self.width
         held = self.combos.get(added)
-        rec = ResidualAdd(
-            stream=stream.detach().reshape(-1, w).clone(),  # an in-place add overwrites an operand
-            added=added.detach().reshape(-1, w).clone(),
-            result=None,  # type: ignore[arg-type]
-            sources=sources,
-            parts=list(held) if held is not None else None,
-        )
+        overwritten = a if func in ADD_INPLACE else None  # an in-place add overwrites its first operand
+        s_val = stream.detach().reshape(-1, w)
+        c_val = added.detach().reshape(-1, w)
+        s_val = s_val.clone() if stream is overwritten else s_val
+        c_val = c_val.clone() if added is overwritten else c_val
         out = func(*args, **kwargs)
-        rec.result = out.detach().reshape(-1, w).clone()
+        r_val = out.detach().reshape(-1, w)
+        rec = ResidualAdd(s_val, c_val, r_val, sources, list(held) if held is not None else None)
+        rec.versions = (s_val._version, c_val._version, r_val._version)
         self.labels.put(out, (True, EMPTY))
         self.adds.append(rec)
         return out
@@ -237,6 +261,9 @@ class LayerStream:
             return none
         if not self.adds:
             none.note = "probe saw no residual addition (stream + sublayer output) in this layer"
+            return none
+        if not all(a.intact() for a in self.adds):
+            none.note = "the layer overwrote a residual sum in place after adding it; no deltas stored"
             return none
         w = self.width
         pre, out = self.pre.reshape(-1, w), post.detach().reshape(-1, w)
@@ -264,7 +291,7 @@ class LayerStream:
         deltas: dict[str, Tensor] = {}
         definition: dict[str, str] = {}
         for k, (a, plan) in enumerate(zip(self.adds, plans, strict=True)):
-            exact = torch.equal(a.stream, bounds[k]) and torch.equal(a.result, bounds[k + 1])
+            exact = _same(a.stream, bounds[k]) and _same(a.result, bounds[k + 1])
             if len(plan) > 1 and not exact:
                 none.note = (
                     "the sum of the parallel sublayers' outputs is normalised before it becomes the "
