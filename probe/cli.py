@@ -144,6 +144,14 @@ def info_text(path: str | Path) -> str:
             f"{s}:   {cache.n_layers(s)} of {stacks.get(s, {}).get('layers', '?')} "
             f"layers captured, {hs} heads"
         )
+    if meta.get("training"):
+        lines.append("mode:      train (patterns are the weights before dropout)")
+    no_deltas: dict[tuple[str, str], list[str]] = {}  # layers stored without deltas, by reason
+    for e in meta.get("layers", []):
+        if e.get("residual_note"):
+            no_deltas.setdefault((e.get("stack"), e["residual_note"]), []).append(str(e.get("layer")))
+    for (stack, note), idx in no_deltas.items():
+        lines.append(f"no deltas: {stack}.blocks.{','.join(idx)}: {note}")
     texts = meta.get("texts") or []
     for i, toks in enumerate(cache.tokens):
         label = f"text {i}:" if texts else f"input {i}:"

@@ -5,6 +5,9 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import threading
+import warnings
+import weakref
 from typing import Any
 
 import torch
@@ -49,6 +52,35 @@ def _jsonable(obj: Any) -> Any:
     elif not isinstance(obj, dict):
         return None
     return json.loads(json.dumps(obj, default=str))
+
+
+# models a capture is running on (one capture per model object at a time: hooks are per module)
+_RUNNING: weakref.WeakSet = weakref.WeakSet()
+_RUNNING_LOCK = threading.Lock()
+
+
+def _claim(model: nn.Module) -> None:
+    with _RUNNING_LOCK:
+        if model in _RUNNING:
+            raise ProbeError(
+                f"a capture is already running on this {type(model).__name__} object (another "
+                "thread); capture one text batch at a time per model, or give each thread its own copy"
+            )
+        _RUNNING.add(model)
+
+
+def _release(model: nn.Module) -> None:
+    with _RUNNING_LOCK:
+        _RUNNING.discard(model)
+
+
+def _blind_attention(model: nn.Module) -> str | None:
+    """The attention implementation of a transformers model that probe cannot look into, if any."""
+    for m in model.modules():
+        impl = getattr(getattr(m, "config", None), "_attn_implementation", None)
+        if isinstance(impl, str) and "flex" in impl:
+            return impl
+    return None
 
 
 def model_info(model: nn.Module) -> dict[str, Any]:
@@ -104,6 +136,28 @@ class Trace:
         self._tracer: Tracer | None = None
 
     def __enter__(self) -> Trace:
+        blind = _blind_attention(self.model)
+        if blind is not None:
+            raise ProbeError(
+                f"{model_name(self.model)} computes attention with {blind}, which probe cannot look "
+                'into; load it with attn_implementation="sdpa" (or "eager") to capture it'
+            )
+        if self.model.training:
+            warnings.warn(
+                f"{model_name(self.model)} is in train mode: captured patterns are the attention "
+                "weights before dropout (the cache metadata records training=true); call "
+                "model.eval() to capture what the model computes at inference",
+                stacklevel=3,
+            )
+        _claim(self.model)
+        try:
+            self._enter()
+        except BaseException:
+            _release(self.model)
+            raise
+        return self
+
+    def _enter(self) -> None:
         self._sink = FileSink(self.out, reserve=self._reserve) if self.out else MemorySink()
         self._tracer = Tracer(self.model, self._sink, layers=self.layers, heads=self.heads, dtype=self.dtype)
         try:
@@ -111,7 +165,6 @@ class Trace:
         except BaseException:
             self._sink.abort()
             raise
-        return self
 
     def __exit__(self, exc_type, exc, tb) -> bool:
         try:
@@ -119,6 +172,8 @@ class Trace:
         except BaseException:
             self._sink.abort()
             raise
+        finally:
+            _release(self.model)
         if exc_type is not None:
             self._sink.abort()
             return False
@@ -163,17 +218,24 @@ class Trace:
                 f"the model ran {tr.root_calls} forward passes inside probe.trace; "
                 "capture one forward pass at a time"
             )
+        if tr.blind:
+            raise ProbeError(
+                f"{type(self.model).__name__} computes attention with {tr.blind[0]}, which probe cannot "
+                'look into; load it with attn_implementation="sdpa" (or "eager") to capture it'
+            )
         if not tr.kept:
             raise ProbeError(
                 f"no attention found in {type(self.model).__name__}: probe saw no "
-                "softmax, scaled_dot_product_attention or nn.MultiheadAttention in "
-                "its forward; give a model that computes attention"
+                "softmax over a sequence, scaled_dot_product_attention or nn.MultiheadAttention in "
+                "its forward; give a model that computes attention (flex_attention and custom "
+                'kernels cannot be seen: use attn_implementation="sdpa" or "eager")'
             )
         if not tr.records:
             counts = ", ".join(f"{n} layers" for n in tr.kept.values())
             raise ProbeError(
                 f"layers={self.layers} selects no layer (the model has {counts}); choose indices from 0"
             )
+        records = tr.records + tr.plain_records()
         stacks = self._stacks(tr)
         offsets: dict[str, int] = {}
         base: dict[str, int] = {}
@@ -183,7 +245,7 @@ class Trace:
             offsets[s] = base[c] + tr.kept[c]
         names: dict[int, str] = {}
         layer_meta: list[dict[str, Any]] = []
-        for r in tr.records:
+        for r in sorted(records, key=lambda r: (base[r.container], r.container, r.index)):
             stack, idx = stacks[r.container], base[r.container] + r.index
             entry: dict[str, Any] = {"stack": stack, "layer": idx, "module": r.module}
             for role, handle, shape, impl, _causal in r.patterns:
@@ -197,6 +259,7 @@ class Trace:
                 entry[f"{role}_attn"] = {"impl": impl, "heads": shape[1]}
             for name, handle in r.residuals:
                 names[handle] = key(stack, idx, name)
+            entry.update(r.notes)
             layer_meta.append(entry)
         meta = dict(self.metadata)
         meta.setdefault("model", model_info(self.model))
@@ -210,6 +273,7 @@ class Trace:
                 "dtype": ", ".join(sorted(tr.stored_dtypes)),
                 "stacks": {s: {"layers": n} for s, n in offsets.items()},
                 "layers_captured": self.layers,
+                "training": bool(self.model.training),
                 "heads_captured": self.heads,
                 "layers": layer_meta,
             }

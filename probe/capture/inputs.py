@@ -4,7 +4,8 @@ Texts are tokenized through :mod:`probe.capture.tokenizers` (zoo and Hugging Fac
 alike), padded into one batch on the tokenizer's padding side, checked against the model's
 context length, and recorded (texts, display tokens, ids, special-token and padding masks) for
 the cache metadata. Hugging Face models are called with ``input_ids``/``attention_mask`` (and
-position ids counted over real tokens, so left padding does not shift positions); zoo models
+position ids counted over real tokens in the model's own convention, so left padding does not
+shift positions; see :func:`position_ids`); zoo models
 with their ids (and decoder ids for encoder-decoders).
 """
 
@@ -155,7 +156,7 @@ def prepare(model: nn.Module, inputs: Any, *, tokenizer: Any = None, target: Any
         if _accepts(model, "position_ids") and bool((mask[:, 0] == 0).any()):
             # left padding: count positions over real tokens only, so each text keeps the
             # positions it has alone (right padding needs nothing: the model's default agrees)
-            kwargs["position_ids"] = (mask.cumsum(-1) - 1).clamp(min=0)
+            kwargs["position_ids"] = position_ids(model, mask)
         if _accepts(model, "use_cache"):
             kwargs["use_cache"] = False
         return Prepared(lambda: model(ids, **kwargs), meta)
@@ -187,6 +188,19 @@ def prepare(model: nn.Module, inputs: Any, *, tokenizer: Any = None, target: Any
     if _accepts(model, "use_cache"):
         kwargs["use_cache"] = False
     return Prepared(lambda: model(**kwargs), meta)
+
+
+def position_ids(model: nn.Module, mask: Tensor) -> Tensor:
+    """Position ids ``[batch, T]`` counting real tokens only, in ``model``'s own convention.
+
+    Most models count from 0. Models whose position embedding has a ``padding_idx`` (RoBERTa,
+    XLM-R, CamemBERT, ESM) count from ``padding_idx + 1`` and give pads ``padding_idx``, as
+    their own ``create_position_ids_from_input_ids`` does.
+    """
+    for name, m in model.named_modules():
+        if isinstance(m, nn.Embedding) and "position" in name and m.padding_idx is not None:
+            return mask.cumsum(-1) * mask + m.padding_idx
+    return (mask.cumsum(-1) - 1).clamp(min=0)
 
 
 def _decoder_start(model: nn.Module) -> int:
@@ -270,4 +284,4 @@ def _prepare_tensor(model: nn.Module, x: Tensor, tokenizer: Any, name: str) -> P
     return Prepared(lambda: model(ids), meta)
 
 
-__all__ = ["Prepared", "prepare", "is_hf_model", "model_name"]
+__all__ = ["Prepared", "prepare", "is_hf_model", "model_name", "position_ids"]

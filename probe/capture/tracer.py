@@ -5,30 +5,31 @@ How it works, in one pass over the unmodified model:
 * **Where attention happens.** While the model runs, a ``TorchFunctionMode`` sees every
   ``softmax`` (``F.softmax``, ``torch.softmax``, ``Tensor.softmax``), every
   ``F.scaled_dot_product_attention`` and every ``F.multi_head_attention_forward`` call. A softmax
-  over the last dimension of a tensor of three or more dimensions *is* the pattern the model
-  computed; for SDPA the fused kernel runs untouched and the weights are computed beside it from
-  the same ``q``, ``k``, mask and scale (:mod:`probe.capture.patterns`). ``nn.MultiheadAttention``
-  (and torch's encoder layers), whose fast paths switch off whenever a torch-function mode is
-  active, run with the mode suspended; their weights are recomputed from the module's parameters.
+  over the last dimension is a pattern when its last two axes are sequence lengths (lengths of
+  the model's inputs or of a layer's stream): routers over experts, output probabilities and
+  softmaxes over features are not. Scores laid out ``[batch·heads, q, k]`` are restored to
+  ``[batch, heads, q, k]``. For SDPA the fused kernel runs untouched and the weights are
+  computed beside it from the same ``q``, ``k``, mask and scale (:mod:`probe.capture.patterns`).
+  ``nn.MultiheadAttention`` (and torch's encoder layers), whose fast paths switch off whenever a
+  torch-function mode is active, run with the mode suspended; their weights are recomputed from
+  the module's parameters. ``flex_attention`` computes inside a compiled kernel probe cannot see:
+  a layer that uses it is an error naming the fix, never a silently dropped layer.
 * **Layers** are found in the module tree: a layer is the outermost module on the call stack that
-  is an element of an ``nn.ModuleList`` (or of an ``nn.Sequential`` of one module type) and in
-  whose forward attention happens. A model without such a list has one layer: the top-level
-  child that computes attention (or the model itself).
+  is an element of an ``nn.ModuleList`` (or of an ``nn.Sequential`` of one module type). Its index
+  is its index in that list, so ``blocks.3`` is ``list[3]`` also when some elements compute no
+  attention (hybrids); those keep ``resid_pre``/``resid_post`` only. A model without such a list
+  has one layer: the top-level child that computes attention (or the model itself).
 * **Sublayers and roles.** Attention computed inside one child call of the layer is one
   attention sublayer; softmaxes of separate head modules (``[batch, q, k]`` each) are stacked as
   its heads. A sublayer is *cross*-attention when its queries and keys differ in length or it
-  is handed a second, different stream-shaped tensor (the encoder output).
+  is handed a second stream-shaped tensor that is not derived from the layer's own stream (the
+  encoder output); the residual handed to an attention module (BLOOM) is not.
 * **Stacks.** A list of layers with cross-attention is the ``decoder``; another list beside it is
   the ``encoder``. A lone list is the ``decoder`` when its self-attention is causal, else the
   ``encoder``.
-* **Residual stream.** ``resid_pre``/``resid_post`` are the layer's input and output. Inside the
-  layer the mode watches additions of two stream-shaped tensors (the residual adds); the older
-  operand is the residual. The stream between two sublayers is the residual operand of the next
-  add (post-norm: the normalised sum; pre-norm: the sum itself), and each sublayer's delta is the
-  difference of the stream across it; when a sublayer's add is exactly ``stream + output`` the
-  delta is that output, bit for bit. Two sublayer outputs summed before they meet the stream
-  (parallel blocks: ``x + attn(ln(x)) + mlp(ln(x))``) are kept apart, each its own delta. So
-  ``resid_pre + Σ deltas == resid_post`` for pre-norm, post-norm and parallel blocks alike.
+* **Residual stream.** ``resid_pre``/``resid_post`` are the layer's input and output; the deltas
+  come from following the data flow inside the layer (:mod:`probe.capture.residual`) and are
+  verified against the stream before they are stored, or left out with a note saying why.
 """
 
 from __future__ import annotations
@@ -45,12 +46,17 @@ from torch.overrides import TorchFunctionMode
 
 from probe.cache.writer import MemorySink
 from probe.capture.patterns import mha_weights, sdpa_weights
+from probe.capture.residual import ADD, ADD_INPLACE, LayerStream
+from probe.errors import ProbeError
+
+try:  # the higher-order op flex_attention runs; its scores never exist outside the kernel
+    from torch._higher_order_ops.flex_attention import flex_attention as _FLEX
+except ImportError:  # pragma: no cover - older torch
+    _FLEX = None
 
 _SOFTMAX = {F.softmax, torch.softmax, Tensor.softmax, torch.special.softmax}
 _SDPA = F.scaled_dot_product_attention
 _MHA_FN = F.multi_head_attention_forward
-_ADD = {torch.add, Tensor.add, Tensor.__add__, Tensor.__radd__}
-_ADD_INPLACE = {Tensor.add_, Tensor.__iadd__}
 # torch modules whose fast paths are disabled by any active torch-function mode
 _SUSPEND = (nn.MultiheadAttention, nn.TransformerEncoderLayer, nn.TransformerEncoder)
 
@@ -93,28 +99,21 @@ def _tensors(args: tuple, kwargs: dict) -> list[Tensor]:
     return found
 
 
-def _vkey(t: Tensor) -> tuple[int, int]:
-    return (id(t), t._version)
+def _lengths(tensors: list[Tensor]) -> set[int]:
+    """Sizes that may be sequence lengths: every axis of id tensors and masks, all but the last of floats."""
+    sizes: set[int] = set()
+    for t in tensors:
+        if t.is_nested or t.dim() == 0:
+            continue
+        sizes.update(t.shape if not t.is_floating_point() else t.shape[:-1])
+    return sizes
 
 
-class _ByIdentity:
-    """A map keyed by tensor identity that cannot be fooled by a recycled ``id()``.
-
-    (Tensors compare elementwise, so they cannot be dict keys; an ``id`` outlives its tensor.)
-    """
-
-    def __init__(self) -> None:
-        self._items: dict[int, tuple[Any, Any]] = {}
-
-    def get(self, t: Any) -> Any:
-        held = self._items.get(id(t))
-        return held[1] if held is not None and held[0]() is t else None
-
-    def put(self, t: Tensor, value: Any) -> None:
-        self._items[id(t)] = (weakref.ref(t), value)
-
-    def clear(self) -> None:
-        self._items.clear()
+def _is_source(module: nn.Module) -> bool:
+    """Whether a child of a layer is a sublayer (attention, MLP, experts, a projection), not a norm."""
+    if next(module.children(), None) is not None:
+        return True
+    return any(p.dim() >= 2 for p in module.parameters(recurse=False))
 
 
 @dataclass
@@ -132,29 +131,18 @@ class _Attn:
 
 
 @dataclass
-class _Add:
-    kind: Any  # an _Attn (its role is settled later) or "mlp"
-    residual: Tensor
-    other: Tensor
-    result: Tensor
-    exact: bool  # result == residual + other with the residual being the stream so far
-    parts: list[tuple[Any, Tensor]] | None = None  # `other` as a sum of sublayer outputs
-
-
-@dataclass
 class _Layer:
     container: str
     index: int
     wanted: bool
+    depth: int = 0  # position of the layer's call on the stack
     resid_pre: Tensor | None = None
-    pre_key: tuple[int, int] | None = None
-    stream_shape: torch.Size | None = None
+    stream: LayerStream | None = None
     attns: list[_Attn] = field(default_factory=list)
-    adds: list[_Add] = field(default_factory=list)
-    pending: _Attn | None = None
     events: int = 0
+    blind: int = 0  # attention calls seen before this layer that probe cannot look into
     fused: tuple[Tensor, Tensor] | None = None  # (stream after attention, output) of a fused layer
-    combos: _ByIdentity = field(default_factory=_ByIdentity)  # sum of sublayer outputs -> its parts
+    calls: dict[int, Any] = field(default_factory=dict)  # sublayer id -> its _Call
 
 
 @dataclass
@@ -166,6 +154,7 @@ class _Call:
     layer: _Layer | None = None
     attn: _Attn | None = None
     suspended: bool = False
+    source: bool = False  # a sublayer of the layer being captured
     events: int = 0
 
 
@@ -178,22 +167,25 @@ class LayerRecord:
     module: str
     patterns: list[tuple[str, int, tuple[int, ...], list[str], bool | None]]
     residuals: list[tuple[str, int]]
+    notes: dict[str, Any] = field(default_factory=dict)  # residual_note / deltas definitions
 
 
 class _Mode(TorchFunctionMode):
     def __init__(self, tracer: Tracer) -> None:
         super().__init__()
-        self.tracer = tracer
+        # weak: the tracer holds the mode, and a cycle would keep the model's tensors alive
+        self._tracer = weakref.ref(tracer)
         self.quiet = 0
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        tr = self.tracer
-        if self.quiet or not tr.stack:
+        tr = self._tracer()
+        if tr is None or self.quiet or not tr.stack:
             return func(*args, **kwargs)
         if func in _SOFTMAX:
             out = func(*args, **kwargs)
             tr.on_softmax(args, kwargs, out)
+            tr.after_op(func, args, kwargs, out)
             return out
         if func is _SDPA:
             out = func(*args, **kwargs)
@@ -201,17 +193,26 @@ class _Mode(TorchFunctionMode):
                 tr.on_pattern(sdpa_weights(*args, **kwargs, out=tr.scratch()), "sdpa")
             else:
                 tr.note_event()  # a layer left out by `layers=`: count it, skip the work
+            tr.after_op(func, args, kwargs, out)
             return out
         if func is _MHA_FN:
             # re-enter the mode so the SDPA or softmax inside is seen like any other
             with self:
-                return func(*args, **kwargs)
-        if (func in _ADD or func in _ADD_INPLACE) and tr.layer is not None:
-            return tr.on_add(func, args, kwargs)
-        out = func(*args, **kwargs)
-        if tr.layer is not None:
-            tr.stamp(out)
-        return out
+                out = func(*args, **kwargs)
+            tr.after_op(func, args, kwargs, out)
+            return out
+        if func is _FLEX and _FLEX is not None:
+            # runs while torch.compile traces flex_attention: only record (dynamo replays appends)
+            tr.blind.append("flex_attention")
+            return func(*args, **kwargs)
+        lay = tr.layer
+        if lay is not None and lay.stream is not None:
+            if func in ADD or func in ADD_INPLACE:
+                return lay.stream.on_add(func, args, kwargs, tr.source_id())
+            out = func(*args, **kwargs)
+            lay.stream.after_op(func, args, kwargs, out, tr.source_id())
+            return out
+        return func(*args, **kwargs)
 
 
 class Tracer:
@@ -232,23 +233,27 @@ class Tracer:
         self.heads = heads
         self.dtype = dtype
         self.names = {id(m): n for n, m in model.named_modules(remove_duplicate=False)}
-        self.container_of: dict[int, str] = {}
+        # list element -> (the list's name, its index there): layers keep the model's own numbers
+        self.container_of: dict[int, tuple[str, int]] = {}
+        self.container_len: dict[str, int] = {}
         for n, m in model.named_modules():
             homogeneous = isinstance(m, nn.Sequential) and len({type(c) for c in m}) == 1
             if isinstance(m, nn.ModuleList) or homogeneous:
-                for child in m.children():
-                    self.container_of.setdefault(id(child), n)
+                self.container_len.setdefault(n, len(m))
+                for i, child in enumerate(m.children()):
+                    self.container_of.setdefault(id(child), (n, i))
         self.stack: list[_Call] = []
         self.layer: _Layer | None = None
         self.layer_call: _Call | None = None
         self.records: list[LayerRecord] = []
-        self.kept: dict[str, int] = {}
+        self.plain: list[tuple[str, int, str, Tensor, Tensor]] = []  # list elements without attention
+        self.kept: dict[str, int] = {}  # list with attention -> its number of elements
         self.root_calls = 0
         self.impls: set[str] = set()
         self.stored_dtypes: set[str] = set()
-        self._stamps = _ByIdentity()  # stream-shaped tensor -> when it was first seen
-        self._tags = _ByIdentity()  # sublayer output -> its sublayer (an _Attn or "mlp")
-        self._tick = itertools.count()
+        self.lengths: set[int] = set()  # sizes that are sequence lengths in this forward
+        self.blind: list[str] = []  # attention kernels probe cannot look into, as seen
+        self._sources: dict[type, bool] = {}
         self._mode = _Mode(self)
         self._handles: list[Any] = []
         self._suspended = 0
@@ -306,6 +311,8 @@ class Tracer:
             for h in self._handles:
                 h.remove()
             self._handles.clear()
+            self.layer = self.layer_call = None
+            self.stack.clear()
 
     # -- hooks ---------------------------------------------------------------------------------
     def _pre(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
@@ -314,11 +321,20 @@ class Tracer:
         self._mode.quiet += 1
         try:
             parent = self.stack[-1] if self.stack else None
-            call = _Call(module, parent, _first_tensor(args, kwargs), _tensors(args, kwargs))
+            inputs = _tensors(args, kwargs)
+            call = _Call(module, parent, _first_tensor(args, kwargs), inputs)
             if parent is None:
                 self.root_calls += 1
+                self.lengths |= _lengths(inputs)
             if self.layer is None and id(module) in self.container_of:
-                self._start_layer(call, self.container_of[id(module)])
+                self._start_layer(call, *self.container_of[id(module)])
+            elif parent is not None and parent is self.layer_call:
+                kind = type(module)
+                if kind not in self._sources:
+                    self._sources[kind] = _is_source(module)
+                call.source = self._sources[kind] or _is_source(module)
+                if call.source:
+                    self.layer.calls[id(call)] = call
             self.stack.append(call)
             if isinstance(module, _SUSPEND):
                 call.suspended = True
@@ -340,18 +356,30 @@ class Tracer:
                     self._mha_event(module, args, kwargs)
                 elif isinstance(module, nn.TransformerEncoderLayer) and call.events == 0:
                     self._encoder_layer_event(module, args, kwargs, output)
+                lay = self.layer
+                src = self.source_id()
+                if lay is not None and lay.stream is not None and src is not None:
+                    # computed with the mode off: label the output as this sublayer's
+                    stream = any(lay.stream.label(t)[0] for t in call.inputs)
+                    lay.stream.mark(_output_tensor(output), stream, src)
             self.stack.pop()
-            if self.layer is not None:
-                out = _output_tensor(output)
-                self.stamp(out)
-                if call.parent is self.layer_call and next(module.children(), None) is not None:
-                    self._tag(out, call.attn if call.attn is not None else "mlp")
             if call.attn is not None:
                 self._flush_attn(call.attn)
             if call is self.layer_call:
                 self._end_layer(call, _output_tensor(output))
         finally:
             self._mode.quiet -= 1
+
+    def source_id(self) -> int | None:
+        """The sublayer (child call of the layer) running now, as a key into the layer's calls."""
+        lay = self.layer
+        if lay is None:
+            return None
+        d = lay.depth + 1
+        if len(self.stack) > d:
+            c = self.stack[d]
+            return id(c) if c.source else None
+        return id(self.layer_call)  # computed in the layer's own forward
 
     def _suspend(self) -> None:
         if self._suspended == 0:
@@ -426,37 +454,58 @@ class Tracer:
         if lay is not None and lay.wanted:
             if lay.resid_pre is None or lay.resid_pre.is_nested:  # the padded form of a nested input
                 lay.resid_pre = x.detach().clone()
-            lay.stream_shape, lay.fused = x.shape, (s1, out)
+            lay.fused = (s1, out)
 
     # -- layers --------------------------------------------------------------------------------
-    def _start_layer(self, call: _Call, container: str) -> None:
-        index = self.kept.get(container, 0)
+    def _start_layer(self, call: _Call, container: str, index: int) -> None:
         wanted = self.layers_wanted is None or index in self.layers_wanted
-        layer = _Layer(container=container, index=index, wanted=wanted)
+        layer = _Layer(container=container, index=index, wanted=wanted, depth=len(self.stack))
+        layer.blind = len(self.blind)
+        layer.calls[id(call)] = call
         call.layer = layer
         self.layer, self.layer_call = layer, call
         p = call.primary
         if wanted and p is not None and p.is_nested:
             layer.resid_pre = p  # torch's nested-tensor path: made dense once the layer has run
-        elif wanted and p is not None and p.is_floating_point():
-            layer.resid_pre = p.detach().clone()
-            layer.pre_key = _vkey(p)
-            layer.stream_shape = p.shape
-            self.stamp(p)
+        elif wanted and p is not None and p.is_floating_point() and p.dim() > 0:
+            layer.stream = LayerStream(p)
+            layer.resid_pre = layer.stream.pre
+            if p.dim() >= 2:
+                self.lengths.update(p.shape[:-1])
 
     def _adopt_layer(self) -> None:
         # No list of layers on the stack: the layer is the top-level child computing attention.
         call = self.stack[1] if len(self.stack) > 1 else self.stack[0]
-        self._start_layer(call, self.names.get(id(self.model), "") + ":single")
+        depth = self.stack.index(call)
+        self._start_layer(call, self.names.get(id(self.model), "") + ":single", 0)
+        self.container_len.setdefault(self.layer.container, 1)
+        self.layer.depth = depth
+        self.layer.resid_pre = self.layer.stream = None  # adopted mid-call: its input was not watched
+        p = call.primary
+        if p is not None and not p.is_nested and p.is_floating_point() and p.dim() > 0:
+            self.layer.stream = LayerStream(p)
+            self.layer.resid_pre = self.layer.stream.pre
 
     def _end_layer(self, call: _Call, out: Tensor | None) -> None:
         layer = call.layer
         self.layer, self.layer_call = None, None
-        self._stamps.clear()
-        self._tags.clear()
-        if layer is None or not layer.events:
-            return  # a list element with no attention (e.g. an MLP-only block)
-        self.kept[layer.container] = layer.index + 1
+        if layer is None:
+            return
+        if len(self.blind) > layer.blind:
+            name = self.names.get(id(call.module), "?")
+            raise ProbeError(
+                f"layer {name} computes attention with {self.blind[-1]}, which probe cannot look "
+                'into; load the model with attn_implementation="sdpa" (or "eager") to capture it'
+            )
+        if not layer.events:
+            # a list element with no attention (a Mamba or MLP-only block of a hybrid): its
+            # stream is kept, named once the lists with attention are known
+            if layer.wanted and layer.resid_pre is not None and not layer.resid_pre.is_nested:
+                if out is not None and not out.is_nested and out.shape == layer.resid_pre.shape:
+                    name = self.names.get(id(call.module), "?")
+                    self.plain.append((layer.container, layer.index, name, layer.resid_pre, out.detach()))
+            return
+        self.kept[layer.container] = self.container_len.get(layer.container, layer.index + 1)
         if not layer.wanted:
             return
         patterns = [
@@ -464,7 +513,7 @@ class Tracer:
             for a in layer.attns
             if a.handle is not None
         ]
-        residuals = self._residuals(layer, out)
+        residuals, notes = self._residuals(layer, call, out)
         self.records.append(
             LayerRecord(
                 layer.container,
@@ -472,56 +521,87 @@ class Tracer:
                 self.names.get(id(call.module), "?"),
                 patterns,
                 residuals,
+                notes,
             )
         )
 
-    def _residuals(self, layer: _Layer, out: Tensor | None) -> list[tuple[str, int]]:
+    def plain_records(self) -> list[LayerRecord]:
+        """Records of list elements without attention in lists that have attention (hybrids)."""
+        out = []
+        for container, index, name, pre, post in self.plain:
+            if container not in self.kept:
+                continue
+            handles = [
+                ("resid_pre", self.sink.put(self._store(pre))),
+                ("resid_post", self.sink.put(self._store(post))),
+            ]
+            note = "no attention in this layer: only resid_pre and resid_post are stored"
+            out.append(LayerRecord(container, index, name, [], handles, {"residual_note": note}))
+        self.plain.clear()
+        return out
+
+    def _kind(self, layer: _Layer, source: int) -> str:
+        call = layer.calls.get(source)
+        if call is None or call.attn is None:
+            return "mlp"
+        return f"{call.attn.role or 'self'}_attn"
+
+    def _residuals(
+        self, layer: _Layer, call: _Call, out: Tensor | None
+    ) -> tuple[list[tuple[str, int]], dict]:
         if layer.fused is not None:
             out = layer.fused[1]
-        if (
-            layer.resid_pre is None
-            or layer.resid_pre.is_nested
-            or out is None
-            or out.is_nested
-            or out.shape != layer.stream_shape
-        ):
-            return []
-        pre, post = layer.resid_pre, out.detach()
+        pre = layer.resid_pre
+        if pre is None or pre.is_nested or out is None or out.is_nested or out.shape != pre.shape:
+            return [], {"residual_note": "the layer's input or output is not a residual stream tensor"}
+        post = out.detach()
+        notes: dict[str, Any] = {}
         deltas: dict[str, Tensor] = {}
-        adds = layer.adds
-        if layer.fused is not None:
+        if layer.fused is not None:  # nn.TransformerEncoderLayer's fused kernel, replayed
             s1 = layer.fused[0]
             deltas["self_attn"], deltas["mlp"] = s1 - pre, post - s1
-        elif adds:
-            # stream boundaries: before sublayer k+1 the stream is the residual operand of add k+1
-            bounds = [pre] + [a.residual for a in adds[1:]] + [post]
-            for k, a in enumerate(adds):
-                exact = a.exact and (
-                    k + 1 == len(adds)
-                    and a.result is out
-                    or k + 1 < len(adds)
-                    and adds[k + 1].residual is a.result
+            notes["deltas"] = {"self_attn": "stream difference", "mlp": "stream difference"}
+        elif layer.stream is not None:
+            st = layer.stream
+            attn_calls = [c for c in layer.calls.values() if c.attn is not None]
+            layer_level = id(call) in {s for a in st.adds for s in a.sources}
+            if not st.adds and len(layer.attns) == 1 and attn_calls == [call]:
+                # the layer is one attention module without a residual (no stream to add to)
+                deltas[f"{layer.attns[0].role or 'self'}_attn"] = post - pre
+                notes["deltas"] = {f"{layer.attns[0].role or 'self'}_attn": "stream difference"}
+            elif layer_level and len(st.adds) > 1:
+                notes["residual_note"] = (
+                    "attention and MLP are computed in the layer's own forward (not in child "
+                    "modules), so probe cannot tell their residual additions apart"
                 )
-                d = a.other if exact else bounds[k + 1] - bounds[k]
-                if a.parts is None:
-                    pieces = [(a.kind, d)]
-                else:  # a sum of sublayer outputs: each part is its sublayer's delta
-                    pieces = list(a.parts)
-                    if not exact:  # the stream was normalised after the sum: the rest goes to the last
-                        pieces[-1] = (pieces[-1][0], d - sum(p for _, p in pieces[:-1]))
-                for kind, piece in pieces:
-                    name = "mlp" if kind == "mlp" else f"{kind.role or 'self'}_attn"
-                    deltas[name] = deltas[name] + piece if name in deltas else piece
-        elif len(layer.attns) == 1:
-            deltas[f"{layer.attns[0].role or 'self'}_attn"] = post - pre
-        else:
-            return []
+            else:
+                d = st.decompose(
+                    post,
+                    lambda s: self._kind(layer, s),
+                    lambda s: self.names.get(id(layer.calls[s].module), "?") if s in layer.calls else "?",
+                )
+                if d.deltas is None:
+                    notes["residual_note"] = d.note
+                else:
+                    deltas = d.deltas
+                    notes["deltas"] = d.definition
+                    unseen = [
+                        f"{a.role or 'self'}_attn"
+                        for a in layer.attns
+                        if f"{a.role or 'self'}_attn" not in deltas
+                    ]
+                    if unseen:
+                        deltas = {}
+                        notes = {
+                            "residual_note": f"probe found no residual addition of the {unseen[0]} output"
+                        }
+            layer.stream = None
         items = [("resid_pre", pre)]
         for name in ("self_attn", "cross_attn", "mlp"):
             if name in deltas:
                 items.append((f"{name}.delta", deltas[name]))
         items.append(("resid_post", post))
-        return [(n, self.sink.put(self._store(t))) for n, t in items]
+        return [(n, self.sink.put(self._store(t))) for n, t in items], notes
 
     # -- attention events ----------------------------------------------------------------------
     def _current_layer(self) -> _Layer:
@@ -540,6 +620,11 @@ class Tracer:
             c.events += 1
         self._current_layer().events += 1
 
+    def after_op(self, func: Any, args: tuple, kwargs: dict, out: Any) -> None:
+        lay = self.layer
+        if lay is not None and lay.stream is not None:
+            lay.stream.after_op(func, args, kwargs, out, self.source_id())
+
     def _sublayer_call(self) -> _Call:
         lc = self.layer_call
         for i, c in enumerate(self.stack):
@@ -553,6 +638,8 @@ class Tracer:
         dim = args[1] if len(args) > 1 else kwargs.get("dim")
         if dim is None or dim not in (-1, out.dim() - 1):
             return
+        if out.shape[-1] not in self.lengths or out.shape[-2] not in self.lengths:
+            return  # over experts, classes or features: not attention over a sequence
         if self.wants_pattern():
             self.on_pattern(out, "softmax")
         else:
@@ -586,7 +673,15 @@ class Tracer:
         a.parts.append((p, p._version))
         a.impl.add(impl)
         self.impls.add(impl)
-        layer.pending = a
+
+    def _batch_size(self, a: _Attn, q: int) -> int | None:
+        """The batch size of the stream handed to the sublayer: ``[batch, q, d]`` or ``[q, batch, d]``."""
+        p = a.primary
+        if p is None or p.is_nested or p.dim() != 3:
+            return None
+        if p.shape[1] == q:
+            return p.shape[0]
+        return p.shape[1] if p.shape[0] == q else None
 
     def _flush_attn(self, a: _Attn) -> None:
         if not a.parts or a.handle is not None:
@@ -597,7 +692,18 @@ class Tracer:
                     "an attention pattern was modified in place after softmax; "
                     "probe cannot capture it exactly"
                 )
-        parts = [p if p.dim() >= 4 else p.unsqueeze(-3) for p, _ in a.parts]
+        batch = self._batch_size(a, a.parts[0][0].shape[-2])
+        parts = []
+        for p, _ in a.parts:
+            if p.dim() == 3 and batch is not None and p.shape[0] != batch:
+                # scores laid out [batch·heads, q, k] (bmm/baddbmm): batch-major, as torch's own
+                if p.shape[0] % batch:
+                    raise ProbeError(
+                        f"attention weights of shape {list(p.shape)} do not split into batch "
+                        f"{batch} x heads; lay the scores out as [batch, heads, query, key]"
+                    )
+                p = p.reshape(batch, p.shape[0] // batch, *p.shape[1:])
+            parts.append(p if p.dim() >= 4 else p.unsqueeze(-3))
         pattern = parts[0] if len(parts) == 1 else torch.cat(parts, dim=-3)
         if pattern.dim() > 4:
             pattern = pattern.flatten(1, -4)
@@ -605,8 +711,9 @@ class Tracer:
             pattern = pattern[:, self.heads]
         q, k = pattern.shape[-2], pattern.shape[-1]
         cross = q != k
-        if not cross and a.primary is not None and not a.primary.is_nested and a.primary.dim() == 3:
-            p0 = a.primary
+        p0 = a.primary
+        if not cross and p0 is not None and not p0.is_nested and p0.dim() == 3:
+            st = self.layer.stream if self.layer is not None else None
             for t in a.inputs:
                 if (
                     t is not p0
@@ -616,6 +723,7 @@ class Tracer:
                     and t.shape[0] == p0.shape[0]
                     and t.shape[-1] == p0.shape[-1]
                     and t.data_ptr() != p0.data_ptr()
+                    and not (st is not None and st.label(t)[0])  # the layer's own stream (BLOOM's residual)
                 ):
                     cross = True
                     break
@@ -632,89 +740,6 @@ class Tracer:
         if any(p is self._scratch for p, _ in a.parts):
             self._scratch_busy = False
         a.parts.clear()
-
-    # -- residual adds -------------------------------------------------------------------------
-    def stamp(self, t: Any) -> None:
-        """Note when a stream-shaped tensor was first seen (older operand = the residual)."""
-        layer = self.layer
-        if (
-            isinstance(t, Tensor)
-            and layer is not None
-            and layer.stream_shape is not None
-            and not t.is_nested
-            and t.shape == layer.stream_shape
-        ):
-            if self._stamps.get(t) is None:
-                self._stamps.put(t, next(self._tick))
-
-    def _tag(self, t: Any, kind: Any) -> None:
-        """Remember that ``t`` is the output of a sublayer (attention or MLP module) of the layer."""
-        layer = self.layer
-        if (
-            isinstance(t, Tensor)
-            and not t.is_nested
-            and layer is not None
-            and layer.stream_shape is not None
-            and t.shape == layer.stream_shape
-        ):
-            if self._tags.get(t) is None:  # identity modules pass a tensor on: first tag wins
-                self._tags.put(t, kind)
-
-    def _parts(self, t: Tensor) -> list[tuple[Any, Tensor]] | None:
-        combo = self.layer.combos.get(t) if self.layer is not None else None
-        if combo is not None:
-            return combo
-        kind = self._tags.get(t)
-        return [(kind, t)] if kind is not None else None
-
-    def _age(self, t: Tensor) -> float:
-        tick = self._stamps.get(t)
-        return tick if tick is not None else float("inf")
-
-    def on_add(self, func: Any, args: tuple, kwargs: dict) -> Any:
-        layer = self.layer
-        a = args[0] if args else kwargs.get("input")
-        b = args[1] if len(args) > 1 else kwargs.get("other")
-        shape = layer.stream_shape
-        if (
-            shape is None
-            or not isinstance(a, Tensor)
-            or not isinstance(b, Tensor)
-            or a.is_nested
-            or b.is_nested
-            or a.shape != shape
-            or b.shape != shape
-            or kwargs.get("alpha", 1) != 1
-        ):
-            out = func(*args, **kwargs)
-            self.stamp(out)
-            return out
-        inplace = func in _ADD_INPLACE
-        pa, pb = self._parts(a), self._parts(b)
-        if pa is not None and pb is not None and not inplace:
-            # two sublayers' outputs summed before they meet the stream (parallel attention and
-            # MLP, as in GPT-J and GPT-NeoX): not a residual add; the next one carries both parts
-            out = func(*args, **kwargs)
-            layer.combos.put(out, pa + pb)
-            return out
-        if self._age(b) < self._age(a):
-            residual, other = b, a
-        else:
-            residual, other = a, b
-        # an in-place add overwrites its first operand: keep the stream value it had
-        res_value = a.clone() if inplace and residual is a else residual
-        prev = layer.adds[-1].result if layer.adds else None
-        follows = (prev is residual) if prev is not None else (_vkey(residual) == layer.pre_key)
-        out = func(*args, **kwargs)
-        self.stamp(out)
-        kind: Any = layer.pending if layer.pending is not None else "mlp"
-        layer.pending = None
-        parts = self._parts(other)
-        add = _Add(kind, res_value, other, out, exact=follows and not inplace)
-        if parts is not None and len(parts) > 1:
-            add.parts = parts
-        layer.adds.append(add)
-        return out
 
     # -- storage -------------------------------------------------------------------------------
     def _store(self, t: Tensor) -> Tensor:

@@ -1,0 +1,321 @@
+"""The residual stream of one layer: which tensors are the stream, which are sublayer outputs.
+
+The tracer reports every operation it sees inside a layer; this module follows the data flow
+with labels instead of guessing from the order of ``+`` operands:
+
+* a tensor is *stream-derived* when it is computed from the layer's input (``resid_pre``);
+* its *sources* are the sublayers (the layer's child module calls) whose parameters mixed into
+  it: an operation that takes a weight matrix (an ``nn.Parameter`` of two or more dimensions,
+  or a slice of one) inside sublayer ``S`` adds ``S``. Norms (one-dimensional weights), dropout,
+  activations, reshapes and scalings only carry labels along.
+
+A *residual add* is an addition of two stream-sized tensors (``[..., d_model]`` with the
+stream's number of elements, so ``[b·t, d]`` views count) where one operand is the stream (no
+sources) and the other is a sublayer output (some sources); its result is the stream again.
+Two sublayer outputs added together (parallel attention + MLP, expert sums, shared experts)
+form a *combination* whose parts are remembered, so a later residual add can split it.
+
+:meth:`LayerStream.decompose` turns the residual adds into deltas and verifies them:
+
+* **sublayer output**: when the add's stream operand is the stream before it and its result is
+  the stream after it (pre-norm and parallel blocks), the delta is the tensor added, bit for bit;
+* **stream difference**: otherwise (post-norm: the sum is normalised before the next sublayer)
+  the delta is the difference of the stream values around the sublayer;
+* the deltas must add up to ``resid_post`` within float rounding, every sublayer whose output
+  reached a stream-sized tensor must be accounted for by a residual add, and outputs of
+  different kinds mixed before the add must have been seen as separate parts. If any of this
+  fails, no deltas are stored and the reason is returned for the cache metadata.
+"""
+
+from __future__ import annotations
+
+import itertools
+import weakref
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+EMPTY: frozenset[int] = frozenset()
+_NO_LABEL = (False, EMPTY)
+ADD = {torch.add, Tensor.add, Tensor.__add__, Tensor.__radd__}
+ADD_INPLACE = {Tensor.add_, Tensor.__iadd__}
+
+
+class ByIdentity:
+    """A map keyed by tensor identity that cannot be fooled by a recycled ``id()``.
+
+    (Tensors compare elementwise, so they cannot be dict keys; an ``id`` outlives its tensor.)
+    """
+
+    def __init__(self) -> None:
+        self._items: dict[int, tuple[Any, Any]] = {}
+
+    def get(self, t: Any) -> Any:
+        held = self._items.get(id(t))
+        return held[1] if held is not None and held[0]() is t else None
+
+    def put(self, t: Tensor, value: Any) -> None:
+        self._items[id(t)] = (weakref.ref(t), value)
+
+    def clear(self) -> None:
+        self._items.clear()
+
+
+@dataclass
+class ResidualAdd:
+    """One ``stream + sublayer output``, flattened to ``[n, d_model]``.
+
+    The tensors are the model's own (copied only where an in-place add overwrites one); their
+    versions at the add are kept so that a later in-place write is noticed, never silently read.
+    """
+
+    stream: Tensor
+    added: Tensor
+    result: Tensor
+    sources: frozenset[int]
+    parts: list[tuple[frozenset[int], Tensor]] | None
+    versions: tuple[int, ...] = ()
+
+    def intact(self) -> bool:
+        return self.versions == (self.stream._version, self.added._version, self.result._version)
+
+
+def _same(x: Tensor, y: Tensor) -> bool:
+    """``torch.equal`` with the shortcut of one memory (the stream handed on as a view)."""
+    if x is y:
+        return True
+    if (
+        x.shape == y.shape
+        and x.dtype == y.dtype
+        and x.data_ptr() == y.data_ptr()
+        and x.stride() == y.stride()
+    ):
+        return True
+    return torch.equal(x, y)
+
+
+@dataclass
+class Decomposition:
+    """Deltas by sublayer name (``self_attn``/``cross_attn``/``mlp``), or the reason there are none."""
+
+    deltas: dict[str, Tensor] | None
+    definition: dict[str, str]
+    note: str | None = None
+    deviation: float = 0.0
+
+
+def _tensors_in(args: tuple, kwargs: dict):
+    for v in itertools.chain(args, kwargs.values()):
+        if isinstance(v, Tensor):
+            yield v
+        elif isinstance(v, (tuple, list)):
+            for t in v:
+                if isinstance(t, Tensor):
+                    yield t
+
+
+def _outputs(out: Any):
+    if isinstance(out, Tensor):
+        yield out
+    elif isinstance(out, (tuple, list)):
+        for t in out:
+            if isinstance(t, Tensor):
+                yield t
+
+
+class LayerStream:
+    """Labels and residual adds of one layer call whose input is ``pre`` (``[..., d_model]``)."""
+
+    def __init__(self, pre: Tensor) -> None:
+        self.pre = pre.detach().clone()
+        self.shape = pre.shape
+        self.numel = pre.numel()
+        self.width = pre.shape[-1]
+        self.labels = ByIdentity()  # tensor -> (stream-derived, sources)
+        self.labels.put(pre, (True, EMPTY))
+        self.combos = ByIdentity()  # sum of sublayer outputs -> its parts
+        self.adds: list[ResidualAdd] = []
+        self.touched: set[int] = set()  # sources whose output reached a stream-sized tensor
+
+    # -- labels --------------------------------------------------------------------------------
+    def sized(self, t: Any) -> bool:
+        """Whether ``t`` holds one value per stream element (the stream or a view of it)."""
+        return (
+            isinstance(t, Tensor)
+            and not t.is_nested
+            and t.dim() > 0
+            and t.shape[-1] == self.width
+            and t.numel() == self.numel
+            and t.is_floating_point()
+        )
+
+    def label(self, t: Any) -> tuple[bool, frozenset[int]]:
+        lab = self.labels.get(t)
+        return lab if lab is not None else _NO_LABEL
+
+    def _inputs_label(self, args: tuple, kwargs: dict, source: int | None) -> tuple[bool, frozenset[int]]:
+        stream, sources, weight = False, EMPTY, False
+        for t in _tensors_in(args, kwargs):
+            if isinstance(t, nn.Parameter):
+                weight = weight or t.dim() >= 2
+                continue
+            lab = self.labels.get(t)
+            if lab is not None:
+                stream = stream or lab[0]
+                if lab[1] and lab[1] is not sources:
+                    sources = lab[1] if not sources else sources | lab[1]
+        if weight and source is not None and source not in sources:
+            sources = sources | {source}
+        return stream, sources
+
+    def after_op(self, func: Any, args: tuple, kwargs: dict, out: Any, source: int | None) -> None:
+        """Label what an operation inside the layer produced (``source``: the sublayer it ran in)."""
+        if isinstance(out, Tensor):
+            outs = [out]
+        elif isinstance(out, (tuple, list)):
+            outs = list(_outputs(out))
+        elif func is Tensor.__setitem__ and args and isinstance(args[0], Tensor):
+            outs = [args[0]]  # written in place
+        else:
+            return  # sizes, flags, numbers: nothing to label
+        if not outs:
+            return
+        lab = self._inputs_label(args, kwargs, source)
+        if not lab[0] and not lab[1]:
+            return
+        for o in outs:
+            self.labels.put(o, lab)
+            if lab[1] and self.sized(o):
+                self.touched |= lab[1]
+
+    def mark(self, t: Any, stream: bool, source: int) -> None:
+        """Label ``t``, an output computed where the tracer could not watch (a fused kernel)."""
+        if isinstance(t, Tensor) and self.labels.get(t) is None:
+            self.labels.put(t, (stream, frozenset((source,))))
+            if self.sized(t):
+                self.touched.add(source)
+
+    def _parts(self, t: Tensor, sources: frozenset[int], copy: bool) -> list[tuple[frozenset[int], Tensor]]:
+        held = self.combos.get(t)
+        if held is not None:
+            return list(held)
+        flat = t.detach().reshape(-1, self.width)
+        return [(sources, flat.clone() if copy else flat)]
+
+    # -- additions -----------------------------------------------------------------------------
+    def on_add(self, func: Any, args: tuple, kwargs: dict, source: int | None) -> Any:
+        """Run the addition ``func(*args, **kwargs)`` and record it if it touches the stream."""
+        a = args[0] if args else kwargs.get("input")
+        b = args[1] if len(args) > 1 else kwargs.get("other")
+        if not (self.sized(a) and self.sized(b)) or kwargs.get("alpha", 1) != 1:
+            out = func(*args, **kwargs)
+            self.after_op(func, args, kwargs, out, source)
+            return out
+        (sa, srca), (sb, srcb) = self.label(a), self.label(b)
+        if srca and srcb:
+            # two sublayer outputs summed before they meet the stream: keep the parts apart
+            inplace = func in ADD_INPLACE  # Falcon's `mlp_output += attention_output`
+            parts = self._parts(a, srca, inplace) + self._parts(b, srcb, False)
+            out = func(*args, **kwargs)
+            self.labels.put(out, (sa or sb, srca | srcb))
+            self.combos.put(out, parts)
+            return out
+        if sa and not srca and srcb:
+            stream, added, sources = a, b, srcb
+        elif sb and not srcb and srca:
+            stream, added, sources = b, a, srca
+        else:
+            out = func(*args, **kwargs)
+            self.after_op(func, args, kwargs, out, source)
+            return out
+        w = self.width
+        held = self.combos.get(added)
+        overwritten = a if func in ADD_INPLACE else None  # an in-place add overwrites its first operand
+        s_val = stream.detach().reshape(-1, w)
+        c_val = added.detach().reshape(-1, w)
+        s_val = s_val.clone() if stream is overwritten else s_val
+        c_val = c_val.clone() if added is overwritten else c_val
+        out = func(*args, **kwargs)
+        r_val = out.detach().reshape(-1, w)
+        rec = ResidualAdd(s_val, c_val, r_val, sources, list(held) if held is not None else None)
+        rec.versions = (s_val._version, c_val._version, r_val._version)
+        self.labels.put(out, (True, EMPTY))
+        self.adds.append(rec)
+        return out
+
+    # -- deltas --------------------------------------------------------------------------------
+    def decompose(
+        self, post: Tensor | None, kind_of: Callable[[int], str], names: Callable[[int], str]
+    ) -> Decomposition:
+        """Deltas of this layer ending in ``post`` (see the module docstring), each shaped like the stream.
+
+        ``kind_of(source)`` names a sublayer's delta (``self_attn``/``cross_attn``/``mlp``);
+        ``names(source)`` is its module path, for notes.
+        """
+        none = Decomposition(None, {})
+        if post is None or not self.sized(post):
+            none.note = "the layer's output is not shaped like its input, so it has no residual deltas"
+            return none
+        if not self.adds:
+            none.note = "probe saw no residual addition (stream + sublayer output) in this layer"
+            return none
+        if not all(a.intact() for a in self.adds):
+            none.note = "the layer overwrote a residual sum in place after adding it; no deltas stored"
+            return none
+        w = self.width
+        pre, out = self.pre.reshape(-1, w), post.detach().reshape(-1, w)
+        added = set().union(*(a.sources for a in self.adds))
+        missing = sorted(self.touched - added)
+        if missing:
+            who = ", ".join(names(s) for s in missing)
+            none.note = f"the output of {who} reaches the stream in a way probe does not follow"
+            return none
+        plans = []
+        for a in self.adds:
+            kinds = {kind_of(s) for s in a.sources}
+            if len(kinds) == 1:
+                plans.append([(kinds.pop(), None)])
+                continue
+            part_kinds = [{kind_of(s) for s in srcs} for srcs, _ in a.parts or []]
+            if not part_kinds or any(len(k) != 1 for k in part_kinds):
+                none.note = (
+                    f"the outputs of {' and '.join(sorted(kinds))} are mixed before they reach the "
+                    "stream; probe cannot separate them"
+                )
+                return none
+            plans.append([(k.pop(), v) for k, (_, v) in zip(part_kinds, a.parts, strict=True)])
+        bounds = [pre] + [a.stream for a in self.adds[1:]] + [out]
+        deltas: dict[str, Tensor] = {}
+        definition: dict[str, str] = {}
+        for k, (a, plan) in enumerate(zip(self.adds, plans, strict=True)):
+            exact = _same(a.stream, bounds[k]) and _same(a.result, bounds[k + 1])
+            if len(plan) > 1 and not exact:
+                none.note = (
+                    "the sum of the parallel sublayers' outputs is normalised before it becomes the "
+                    "stream; probe cannot separate their deltas"
+                )
+                return none
+            pieces = (
+                [(plan[0][0], a.added if exact else bounds[k + 1] - bounds[k])] if len(plan) == 1 else plan
+            )
+            for name, piece in pieces:
+                deltas[name] = deltas[name] + piece if name in deltas else piece
+                how = "sublayer output" if exact else "stream difference"
+                definition[name] = how if definition.get(name, how) == how else "mixed"
+        total = pre + sum(deltas.values())
+        dev = float((total.float() - out.float()).abs().max()) if out.numel() else 0.0
+        scale = (
+            max(float(out.float().abs().max()), float(pre.float().abs().max()), 1.0) if out.numel() else 1.0
+        )
+        tol = 16 * len(self.adds) * torch.finfo(out.dtype).eps * scale
+        if dev > tol:
+            none.note = (
+                f"the residual additions probe followed do not add up to the layer's output "
+                f"(off by {dev:.2g}); no deltas stored"
+            )
+            return none
+        shape = post.shape
+        return Decomposition({n: d.reshape(shape) for n, d in deltas.items()}, definition, None, dev)

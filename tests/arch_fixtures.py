@@ -1,0 +1,281 @@
+"""Tiny random Hugging Face models for the architecture matrix, with each one's delta oracle.
+
+Every entry says where the layers are, which module computes each attention (hooked on an eager
+twin, whose attention modules return the weights they computed), and how the residual deltas
+follow from the model's own modules (``out(name)``: the output of submodule ``name`` of the layer,
+``out("")``: the layer's output, ``inp``: its input):
+
+* pre-norm and parallel blocks: the sublayer module's own output;
+* post-norm blocks and modules that add the residual themselves: differences of the stream the
+  model itself hands on around the sublayer.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+import torch  # noqa: E402
+import transformers as tf  # noqa: E402
+
+tf.logging.set_verbosity_error()
+
+VOCAB = 96
+SMALL = dict(vocab_size=VOCAB, max_position_embeddings=64)
+LLAMA_LIKE = dict(SMALL, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4)
+
+
+@dataclass
+class Arch:
+    build: Callable[[], Any]
+    layers: dict[str, str]  # stack -> path of the layer list
+    attn: dict[str, str]  # role -> attention module inside a layer (eager weights oracle)
+    deltas: Callable[[Callable[[str], torch.Tensor], torch.Tensor], dict[str, torch.Tensor]]
+    enc_dec: bool = False
+    stack_roles: dict[str, tuple[str, ...]] = field(default_factory=dict)  # stack -> roles (default all)
+
+
+def _seeded(cls, cfg, seed=0):
+    torch.manual_seed(seed)
+    return cls(cfg).eval()
+
+
+def prenorm(attn="self_attn", mlp="mlp"):
+    return lambda out, inp: {"self_attn": out(attn), "mlp": out(mlp)}
+
+
+def postnorm(after_attn: str):
+    return lambda out, inp: {"self_attn": out(after_attn) - inp, "mlp": out("") - out(after_attn)}
+
+
+def _opt(pre: bool):
+    cfg = tf.OPTConfig(
+        **SMALL,
+        hidden_size=32,
+        ffn_dim=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        word_embed_proj_dim=32,
+        do_layer_norm_before=pre,
+    )
+    return _seeded(tf.OPTForCausalLM, cfg)
+
+
+def _flat(f):
+    """OPT adds its MLP on a ``[b·t, d]`` view: the oracle reshapes it back."""
+    return lambda out, inp: {k: v.reshape(inp.shape) for k, v in f(out, inp).items()}
+
+
+ARCHS: dict[str, Arch] = {
+    "opt-prenorm": Arch(
+        lambda: _opt(True),
+        {"decoder": "model.decoder.layers"},
+        {"self": "self_attn"},
+        _flat(prenorm("self_attn", "fc2")),
+    ),
+    "opt-postnorm": Arch(
+        lambda: _opt(False),
+        {"decoder": "model.decoder.layers"},
+        {"self": "self_attn"},
+        _flat(
+            lambda out, inp: {
+                "self_attn": out("self_attn_layer_norm").reshape(inp.shape) - inp,
+                "mlp": out("").reshape(inp.shape) - out("self_attn_layer_norm").reshape(inp.shape),
+            }
+        ),
+    ),
+    "falcon": Arch(
+        lambda: _seeded(
+            tf.FalconForCausalLM,
+            tf.FalconConfig(
+                **SMALL,
+                hidden_size=32,
+                num_hidden_layers=2,
+                num_attention_heads=4,
+                parallel_attn=True,
+                new_decoder_architecture=False,
+                alibi=False,
+            ),
+        ),
+        {"decoder": "transformer.h"},
+        {"self": "self_attention"},
+        prenorm("self_attention", "mlp"),
+    ),
+    "bloom": Arch(
+        lambda: _seeded(
+            tf.BloomForCausalLM, tf.BloomConfig(vocab_size=VOCAB, hidden_size=32, n_layer=2, n_head=4)
+        ),
+        {"decoder": "transformer.h"},
+        {"self": "self_attention"},
+        # BLOOM's modules add the residual themselves: they hand on the stream after each sublayer
+        lambda out, inp: {
+            "self_attn": out("self_attention") - inp,
+            "mlp": out("mlp") - out("self_attention"),
+        },
+    ),
+    "mixtral": Arch(
+        lambda: _seeded(
+            tf.MixtralForCausalLM,
+            tf.MixtralConfig(**LLAMA_LIKE, num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2),
+        ),
+        {"decoder": "model.layers"},
+        {"self": "self_attn"},
+        prenorm(),
+    ),
+    "qwen2-moe": Arch(
+        lambda: _seeded(
+            tf.Qwen2MoeForCausalLM,
+            tf.Qwen2MoeConfig(
+                **LLAMA_LIKE,
+                num_key_value_heads=2,
+                num_experts=4,
+                num_experts_per_tok=2,
+                moe_intermediate_size=32,
+                shared_expert_intermediate_size=64,
+            ),
+        ),
+        {"decoder": "model.layers"},
+        {"self": "self_attn"},
+        prenorm(),
+    ),
+    "mistral": Arch(
+        lambda: _seeded(tf.MistralForCausalLM, tf.MistralConfig(**LLAMA_LIKE, num_key_value_heads=2)),
+        {"decoder": "model.layers"},
+        {"self": "self_attn"},
+        prenorm(),
+    ),
+    "qwen2": Arch(
+        lambda: _seeded(tf.Qwen2ForCausalLM, tf.Qwen2Config(**LLAMA_LIKE, num_key_value_heads=2)),
+        {"decoder": "model.layers"},
+        {"self": "self_attn"},
+        prenorm(),
+    ),
+    "gemma": Arch(
+        lambda: _seeded(tf.GemmaForCausalLM, tf.GemmaConfig(**LLAMA_LIKE, num_key_value_heads=1, head_dim=8)),
+        {"decoder": "model.layers"},
+        {"self": "self_attn"},
+        prenorm(),
+    ),
+    "gemma2": Arch(
+        lambda: _seeded(
+            tf.Gemma2ForCausalLM, tf.Gemma2Config(**LLAMA_LIKE, num_key_value_heads=2, head_dim=8)
+        ),
+        {"decoder": "model.layers"},
+        {"self": "self_attn"},
+        # sandwich norms: what reaches the stream is the normalised sublayer output
+        prenorm("post_attention_layernorm", "post_feedforward_layernorm"),
+    ),
+    "phi": Arch(
+        lambda: _seeded(tf.PhiForCausalLM, tf.PhiConfig(**LLAMA_LIKE)),
+        {"decoder": "model.layers"},
+        {"self": "self_attn"},
+        prenorm(),
+    ),
+    "gpt-bigcode": Arch(
+        lambda: _seeded(
+            tf.GPTBigCodeForCausalLM,
+            tf.GPTBigCodeConfig(vocab_size=VOCAB, n_positions=64, n_embd=32, n_layer=2, n_head=4),
+        ),
+        {"decoder": "transformer.h"},
+        {"self": "attn"},
+        prenorm("attn", "mlp"),
+    ),
+    "roberta": Arch(
+        lambda: _seeded(
+            tf.RobertaModel,
+            tf.RobertaConfig(
+                **SMALL, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64
+            ),
+        ),
+        {"encoder": "encoder.layer"},
+        {"self": "attention.self"},
+        postnorm("attention"),
+    ),
+    "distilbert": Arch(
+        lambda: _seeded(
+            tf.DistilBertModel,
+            tf.DistilBertConfig(
+                vocab_size=VOCAB, max_position_embeddings=64, dim=32, n_layers=2, n_heads=4, hidden_dim=64
+            ),
+        ),
+        {"encoder": "transformer.layer"},
+        {"self": "attention"},
+        postnorm("sa_layer_norm"),
+    ),
+    "whisper": Arch(
+        lambda: _seeded(
+            tf.WhisperModel,
+            tf.WhisperConfig(
+                vocab_size=VOCAB,
+                num_mel_bins=8,
+                d_model=32,
+                encoder_layers=2,
+                decoder_layers=2,
+                encoder_attention_heads=4,
+                decoder_attention_heads=4,
+                encoder_ffn_dim=64,
+                decoder_ffn_dim=64,
+                max_source_positions=8,
+                max_target_positions=16,
+                pad_token_id=0,
+                decoder_start_token_id=1,
+            ),
+        ),
+        {"encoder": "encoder.layers", "decoder": "decoder.layers"},
+        {"self": "self_attn", "cross": "encoder_attn"},
+        lambda out, inp: {
+            "self_attn": out("self_attn"),
+            "mlp": out("fc2"),
+            **({"cross_attn": out("encoder_attn")} if out("encoder_attn") is not None else {}),
+        },
+        enc_dec=True,
+        stack_roles={"encoder": ("self",), "decoder": ("self", "cross")},
+    ),
+    "jamba-hybrid": Arch(
+        lambda: _seeded(
+            tf.JambaForCausalLM,
+            tf.JambaConfig(
+                **LLAMA_LIKE | {"num_hidden_layers": 4},
+                num_key_value_heads=2,
+                attn_layer_period=2,
+                attn_layer_offset=1,  # layers 1 and 3 attend; 0 and 2 are Mamba
+                expert_layer_period=2,
+                expert_layer_offset=1,
+                num_experts=4,
+                num_experts_per_tok=2,
+                mamba_d_state=4,
+                mamba_dt_rank=4,
+                use_mamba_kernels=False,
+            ),
+        ),
+        {"decoder": "model.layers"},
+        {"self": "self_attn"},
+        prenorm("self_attn", "feed_forward"),
+    ),
+}
+
+
+def inputs(name: str, model) -> dict[str, torch.Tensor]:
+    """The forward's inputs: 2 texts of 7 tokens (Whisper: 16 mel frames -> 8 positions, 5 tokens)."""
+    g = torch.Generator().manual_seed(0)
+    if name == "whisper":
+        return {
+            "input_features": torch.randn(2, 8, 16, generator=g),
+            "decoder_input_ids": torch.randint(2, VOCAB, (2, 5), generator=g),
+        }
+    ids = torch.randint(3, VOCAB, (2, 7), generator=g)
+    return {"input_ids": ids, "attention_mask": torch.ones_like(ids)}
+
+
+def eager_twin(model):
+    """The same weights on eager attention (built anew: some models read the choice at init)."""
+    import copy
+
+    twin = type(model)._from_config(copy.deepcopy(model.config), attn_implementation="eager")
+    twin.load_state_dict(model.state_dict())
+    assert twin.config._attn_implementation == "eager"
+    return twin.eval()
