@@ -45,6 +45,7 @@ from torch.overrides import TorchFunctionMode
 
 from probe.cache.writer import MemorySink
 from probe.capture.patterns import mha_weights, sdpa_weights
+from probe.errors import ProbeError
 
 _SOFTMAX = {F.softmax, torch.softmax, Tensor.softmax, torch.special.softmax}
 _SDPA = F.scaled_dot_product_attention
@@ -602,6 +603,11 @@ class Tracer:
         if pattern.dim() > 4:
             pattern = pattern.flatten(1, -4)
         if self.heads is not None:
+            if max(self.heads) >= pattern.shape[1]:
+                n = pattern.shape[1]
+                raise ProbeError(
+                    f"heads={self.heads}: this model's attention has {n} heads; choose indices from 0-{n - 1}"
+                )
             pattern = pattern[:, self.heads]
         q, k = pattern.shape[-2], pattern.shape[-1]
         cross = q != k
