@@ -258,14 +258,13 @@ def open_cache(path: str | os.PathLike, *, shown: str | os.PathLike | None = Non
         raise ProbeError(
             f"{name}: cannot open it ({e.strerror}); check the path and its permissions"
         ) from None
-    with os.fdopen(fd, "rb") as f:
-        st = os.fstat(fd)
+    st = os.fstat(fd)
+    if not stat.S_ISREG(st.st_mode):
+        os.close(fd)
         if stat.S_ISDIR(st.st_mode):
             raise ProbeError(f"{name} is a directory; give the path of a .safetensors cache file")
-        if not stat.S_ISREG(st.st_mode):
-            raise ProbeError(
-                f"{name} is not a regular file (a pipe or device); give a .safetensors cache file"
-            )
+        raise ProbeError(f"{name} is not a regular file (a pipe or device); give a .safetensors cache file")
+    with os.fdopen(fd, "rb") as f:
         try:
             header, n = read_header(f, name, st.st_size)
         except OSError as e:

@@ -4,9 +4,10 @@ The streaming sink writes each tensor's bytes as soon as it is produced, so peak
 about one layer of patterns. Safetensors puts its JSON header *before* the data, and the final
 key names are only known when the capture ends, so the sink reserves room for the header at the
 start of a temporary file (the format allows the header to be padded with spaces), appends
-tensor data after it, and writes the header last. If the header outgrows the reservation it
-rewrites the file once. The file only appears at its final path (fsync, then atomic rename) when
-complete; every failure path removes the temporary files.
+tensor data after it, and writes the header last. If the header outgrows the reservation (or
+leaves most of it empty while the data is small) it rewrites the file once. The file only appears
+at its final path (fsync, then atomic rename) when complete; every failure path removes the
+temporary files.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import struct
 import tempfile
 from collections.abc import Callable
@@ -21,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from safetensors import SafetensorError
 from safetensors.torch import save_file
 
 from probe.errors import ProbeError, describe_os_error
@@ -100,6 +103,12 @@ def _fsync_dir(folder: Path) -> None:
         os.close(fd)
 
 
+# A reservation far larger than the header is trimmed by rewriting the file when its data is small
+# (the copy is cheap); for a large cache the spare header bytes are a negligible fraction.
+TRIM_SLACK = 4096
+TRIM_DATA = 32 << 20
+
+
 class FileSink:
     """Streams tensors into a safetensors file at ``path`` (written atomically on :meth:`finish`).
 
@@ -165,7 +174,8 @@ class FileSink:
             header[name] = {"dtype": dtype, "shape": shape, "data_offsets": [start, end]}
         blob = json.dumps(header, ensure_ascii=False, separators=(",", ":")).encode("utf-8")
         try:
-            if len(blob) <= self._reserve:
+            slack = self._reserve - len(blob)
+            if 0 <= slack and not (slack > TRIM_SLACK and self._offset <= TRIM_DATA):
                 self._f.seek(0)
                 self._f.write(struct.pack("<Q", self._reserve))
                 self._f.write(blob + b" " * (self._reserve - len(blob)))
@@ -188,7 +198,8 @@ class FileSink:
         return result
 
     def _rewrite(self, blob: bytes) -> None:
-        # The header did not fit the reservation: copy the data behind a header of the right size.
+        # The header did not fit the reservation (or left it mostly empty): copy the data behind a
+        # header of the right size.
         self._f.flush()
         pad = (-len(blob)) % 8
         fd, tmp2 = tempfile.mkstemp(prefix=f".{self.path.name}.", suffix=".tmp", dir=self.path.parent)
@@ -225,7 +236,14 @@ def save_tensors(path: str | os.PathLike, tensors: dict[str, torch.Tensor], meta
     path = check_output(path)
     try:
         with atomic_path(path) as tmp:
-            save_file({k: v.contiguous() for k, v in tensors.items()}, tmp, metadata=metadata)
+            try:
+                save_file({k: v.contiguous() for k, v in tensors.items()}, tmp, metadata=metadata)
+            except SafetensorError as e:  # its I/O errors carry the OS error number in the text
+                m = re.search(r"os error (\d+)", str(e))
+                if m is None:
+                    raise
+                n = int(m[1])
+                raise OSError(n, os.strerror(n), str(path)) from e
     except OSError as e:
         raise ProbeError(describe_os_error(e)) from e
     return path

@@ -132,7 +132,7 @@ class Trace:
         self.metadata.setdefault("model", model_info(self.model))
         known = len(json.dumps(json.dumps(self.metadata, ensure_ascii=False), ensure_ascii=False).encode())
         lists = sum(len(m) for m in self.model.modules() if isinstance(m, (nn.ModuleList, nn.Sequential)))
-        return known + 1536 * max(lists, 1) + 2048 + self._extra_reserve
+        return known + 1024 * max(lists, 1) + 2048 + self._extra_reserve
 
     def __enter__(self) -> Trace:
         self._sink = FileSink(self.out, reserve=self._header_estimate()) if self.out else MemorySink()
@@ -207,7 +207,8 @@ class Trace:
             counts = " and ".join(f"{n}" for n in tr.kept.values())
             what = "selects no layer" if not tr.records else f"names layers {missing} that do not exist"
             raise ProbeError(
-                f"layers={self.layers} {what} (the model has {counts} layers); choose indices from 0-{most - 1}"
+                f"layers={self.layers} {what} (the model has {counts} layers); "
+                f"choose indices from 0-{most - 1}"
             )
         stacks = self._stacks(tr)
         offsets: dict[str, int] = {}
