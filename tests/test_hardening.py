@@ -330,6 +330,18 @@ def test_a_layer_selection_records_only_what_was_captured(lm, ids):
     assert cache.layer_indices("decoder") == [1]
 
 
+def test_a_sequence_first_model_gets_metadata_that_matches_its_patterns(tmp_path):
+    layer = torch.nn.TransformerEncoderLayer(16, 2, 32, dropout=0.0, batch_first=False)
+    torch.manual_seed(0)
+    enc = torch.nn.TransformerEncoder(layer, 2, enable_nested_tensor=False).eval()
+    x = torch.randn(7, 3, 16)  # [pos, batch, d_model]
+    cache = probe.capture(enc, x, out=tmp_path / "sf.safetensors")  # loads (validated) on return
+    assert [len(t) for t in cache.tokens] == [7, 7, 7]
+    with torch.no_grad():  # oracle: the layer's own weights
+        _, w = enc.layers[0].self_attn(x, x, x, need_weights=True, average_attn_weights=False)
+    torch.testing.assert_close(cache.pattern("encoder", 0), w, rtol=0, atol=1e-6)
+
+
 def test_bad_inputs_are_probe_errors(lm):
     class Chars:
         def encode(self, text):
@@ -553,7 +565,10 @@ def test_two_writers_racing_on_one_path(tmp_path):
 # -- signals: no temp file left ----------------------------------------------------------------
 
 SLOW_CAPTURE = """
-import sys, time
+import signal, sys, time
+# as started from a terminal (a background job of a script inherits SIGINT/SIGHUP ignored)
+signal.signal(signal.SIGINT, signal.default_int_handler)
+signal.signal(signal.SIGHUP, signal.SIG_DFL)
 import models, probe.cli
 gpt = models.load("minigpt")
 def wait(module, args):

@@ -88,7 +88,7 @@ def check_header(header: dict, name: str, data_size: int) -> tuple[dict[str, str
     if meta.get("format") != FORMAT_MARKER:
         raise _fail(name, "a safetensors file but not a probe cache (no probe metadata)", NOT_CACHE)
     raw_version = meta.get("format_version")
-    if raw_version is None or not raw_version.isdigit():
+    if raw_version is None or not (raw_version.isascii() and raw_version.isdigit()):
         raise _fail(name, f"unreadable cache format version {raw_version!r}")
     version = int(raw_version)
     if version > FORMAT_VERSION:
@@ -277,7 +277,7 @@ def check_consistency(shapes: Mapping[str, tuple], meta: dict[str, Any], name: s
         if tokens is None:
             continue
         side = target if (target is not None and stack == "decoder") else tokens
-        if shape[0] != len(side):
+        if shape[0] != len(side) and not (rank == 3 and shape[1] == len(side)):
             raise _fail(name, f"tensor {k} holds {shape[0]} texts, the metadata {len(side)}")
         n = _length(side)
         if what == "cross_attn.pattern":
@@ -285,6 +285,8 @@ def check_consistency(shapes: Mapping[str, tuple], meta: dict[str, Any], name: s
             got = (shape[2], shape[3])
         elif rank == 4:
             want, got = (n, n), (shape[2], shape[3])
+        elif (shape[0], shape[1]) == (n, len(side)):
+            continue  # a sequence-first model's residual stream ([pos, batch, d_model]) as it ran
         else:
             want, got = (n,), (shape[1],)
         if got != want:
