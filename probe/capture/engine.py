@@ -236,6 +236,8 @@ class Trace:
             layer_meta.append(entry)
         meta = dict(self.metadata)
         meta.setdefault("model", model_info(self.model))
+        if meta.get("input_kind") == "tensor":
+            _positions_from_patterns(meta, tr)
         meta.update(
             {
                 "probe_version": __version__,
@@ -257,6 +259,17 @@ class Trace:
                 names, encode_metadata(meta), opener=lambda tmp: open_cache(tmp, shown=out)
             )
         return Cache(self._sink.finish(names, encode_metadata(meta)), meta)
+
+
+def _positions_from_patterns(meta: dict[str, Any], tr: Tracer) -> None:
+    # A float input's "tokens" are its positions. Which input axis is the sequence is the model's
+    # business (sequence-first modules take [pos, batch, d]); the self-attention patterns
+    # ([batch, head, query, key]) say it for sure, so the metadata agrees with what is stored.
+    for r in tr.records:
+        for role, _h, shape, _impl, _causal in r.patterns:
+            if role == "self":
+                meta["tokens"] = [[str(i) for i in range(shape[2])] for _ in range(shape[0])]
+                return
 
 
 def trace(model: nn.Module, **kwargs: Any) -> Trace:
