@@ -3,6 +3,8 @@ what each one produces."""
 
 from __future__ import annotations
 
+import argparse
+
 import torch
 
 from . import checkpoint_path, load, module, names
@@ -39,7 +41,15 @@ def _show(name: str, model: torch.nn.Module) -> None:
         print(f"  {source} -> {model.translate(source)}")
 
 
-def main() -> int:
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m models",
+        description="Load every model of the probe zoo (training any that has no checkpoint yet: the "
+        "translator trains into ~/.cache/probe, or $PROBE_CACHE_DIR, in about 10 s) and show what "
+        "each one produces.",
+        epilog="retrain one model: python -m models.train NAME; list them: probe models",
+    )
+    parser.parse_args(argv)
     for name in names():
         trained_now = not checkpoint_path(name).exists()
         model = load(name)

@@ -90,11 +90,13 @@ def _load_hf(path: str):
 
 def cmd_capture(args: argparse.Namespace) -> int:
     import probe
+    from probe.cache.writer import check_output
 
-    model, tok = load_model(args)
     out = Path(args.output)
     if out.suffix != ".safetensors":
         raise ProbeError(f"output {out} should end in .safetensors")
+    check_output(out)  # before loading the model and running the forward
+    model, tok = load_model(args)
     text = args.text if len(args.text) > 1 else args.text[0]
     target = None
     if args.target is not None:
@@ -241,8 +243,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="run a model on text and write its attention cache",
         description="Run a model from the bundled zoo (or a local Hugging Face folder) on TEXT and "
         "stream every attention pattern and residual-stream delta into a safetensors cache.",
-        epilog="example: probe capture --model minigpt 'attention lets tokens read context.' "
-        "-o run.safetensors",
+        epilog="example: probe capture --model minigpt 'attention lets tokens read.' -o run.safetensors",
     )
     p.add_argument("text", nargs="+", metavar="TEXT", help="input text (several = one batch)")
     add_model_args(p)
@@ -303,18 +304,77 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+class Terminated(KeyboardInterrupt):
+    """SIGTERM or SIGHUP, raised like Ctrl-C so every ``finally`` and abort runs (no temp file left)."""
+
+
+def _on_signal(signum: int, frame: object) -> None:
+    raise Terminated(signum)
+
+
+def _catch_signals() -> dict:
+    import signal
+
+    old = {}
+    for name in ("SIGTERM", "SIGHUP"):
+        sig = getattr(signal, name, None)
+        if sig is not None and signal.getsignal(sig) in (signal.SIG_DFL, None):
+            try:
+                old[sig] = signal.signal(sig, _on_signal)
+            except ValueError:  # not the main thread: leave signals alone
+                pass
+    return old
+
+
+def _quiet_stdout() -> None:
+    # the reader of our output went away (`probe info x | head -1`): stop quietly; point stdout at
+    # /dev/null so the interpreter's final flush does not fail again
+    import os
+
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+    except (OSError, ValueError):
+        pass
+
+
 def main(argv: list[str] | None = None) -> int:
-    """Entry point of the ``probe`` console script; returns the exit code."""
+    """Entry point of the ``probe`` console script; returns the exit code.
+
+    The one error boundary: a :class:`ProbeError` or ``OSError`` becomes one line on stderr and
+    exit code 2; a closed output pipe exits quietly (0); Ctrl-C exits 130 and SIGTERM/SIGHUP
+    128 + the signal number, each after the temporary files are removed.
+    """
+    import signal
+
+    from probe.errors import describe_os_error
+
     parser = build_parser()
     args = parser.parse_args(argv)
+    old = _catch_signals()
     try:
-        return args.func(args)
+        code = args.func(args)
+        sys.stdout.flush()
+        return code
     except ProbeError as e:
         print(f"probe: error: {e}", file=sys.stderr)
         return 2
+    except BrokenPipeError:
+        _quiet_stdout()
+        return 0
+    except OSError as e:
+        print(f"probe: error: {describe_os_error(e, 'cannot use')}", file=sys.stderr)
+        return 2
+    except Terminated as e:
+        signum = e.args[0] if e.args else signal.SIGTERM
+        print(f"probe: stopped by {signal.Signals(signum).name}", file=sys.stderr)
+        return 128 + signum
     except KeyboardInterrupt:
         print("probe: interrupted", file=sys.stderr)
         return 130
+    finally:
+        for sig, handler in old.items():
+            signal.signal(sig, handler)
 
 
 if __name__ == "__main__":

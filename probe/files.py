@@ -15,10 +15,14 @@ from collections.abc import Iterator
 from pathlib import Path
 
 
-def _umask_mode() -> int:
+def umask_mode() -> int:
+    """The mode a new file gets under the user's umask (``0o644`` for umask ``022``)."""
     mask = os.umask(0)
     os.umask(mask)
     return 0o666 & ~mask
+
+
+_umask_mode = umask_mode
 
 
 @contextlib.contextmanager
@@ -53,4 +57,4 @@ def write_text_atomic(path: str | os.PathLike, text: str) -> Path:
     return write_bytes_atomic(path, text.encode("utf-8"))
 
 
-__all__ = ["atomic_path", "write_bytes_atomic", "write_text_atomic"]
+__all__ = ["atomic_path", "umask_mode", "write_bytes_atomic", "write_text_atomic"]

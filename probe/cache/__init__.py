@@ -1,6 +1,6 @@
 """The safetensors cache: key names, metadata, the lazy reader and the streaming writer.
 
-May import torch and safetensors only; never imports capture or analysis.
+May import torch, safetensors and probe.errors / probe.files only; never imports capture or analysis.
 """
 
 from probe.cache.cache import Cache, load

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 import os
-import struct
+import stat
 from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
@@ -20,11 +20,25 @@ from probe.cache.format import (
     key,
     parse_key,
 )
+from probe.cache.validate import ITEMSIZE, check_consistency, check_header, check_metadata, read_header
 from probe.cache.writer import save_tensors
 from probe.errors import ProbeError
 
 _STACK_ORDER = {s: i for i, s in enumerate(STACKS)}
 _NAME_ORDER = {n: i for i, n in enumerate(KEY_NAMES)}
+
+
+class CacheKeyError(ProbeError, KeyError):
+    """A key or pattern that is not in the cache (a :class:`ProbeError` and a ``KeyError``)."""
+
+    __str__ = BaseException.__str__  # KeyError would quote the message
+
+
+def _parsed(k: str) -> tuple[str, int, str] | None:
+    try:
+        return parse_key(k)
+    except ValueError:
+        return None
 
 
 def _sort_key(k: str) -> tuple:
@@ -86,8 +100,8 @@ class Cache(Mapping[str, torch.Tensor]):
             return self._reader.get_tensor(k)
         try:
             return self._tensors[k]
-        except KeyError:
-            raise KeyError(f"{k!r} is not in this cache; cache.keys() lists what is") from None
+        except (KeyError, TypeError):
+            raise CacheKeyError(f"{k!r} is not in this cache; cache.keys() lists what is") from None
 
     def shape(self, k: str) -> tuple[int, ...]:
         """The shape of tensor ``k`` without reading its data."""
@@ -102,7 +116,7 @@ class Cache(Mapping[str, torch.Tensor]):
             n = 1
             for d in sl.get_shape():
                 n *= d
-            return n * _ITEMSIZE[sl.get_dtype()]
+            return n * ITEMSIZE[sl.get_dtype()]
         t = self[k]
         return t.numel() * t.element_size()
 
@@ -115,11 +129,17 @@ class Cache(Mapping[str, torch.Tensor]):
     @property
     def stacks(self) -> list[str]:
         """The stacks present, ``encoder`` before ``decoder``."""
-        return sorted({parse_key(k)[0] for k in self._keys}, key=_STACK_ORDER.get)
+        found = {p[0] for p in map(_parsed, self._keys) if p is not None}
+        return sorted(found, key=_STACK_ORDER.get)
+
+    def layer_indices(self, stack: str, name: str | None = None) -> list[int]:
+        """The layer indices captured in ``stack`` (holding key ``name`` when given), ascending."""
+        found = {p[1] for p in map(_parsed, self._keys) if p and p[0] == stack and name in (None, p[2])}
+        return sorted(found)
 
     def n_layers(self, stack: str) -> int:
         """Number of layers captured in ``stack``."""
-        return len({parse_key(k)[1] for k in self._keys if parse_key(k)[0] == stack})
+        return len(self.layer_indices(stack))
 
     @property
     def tokens(self) -> list[list[str]]:
@@ -147,12 +167,28 @@ class Cache(Mapping[str, torch.Tensor]):
         the requested slice is read from disk.
         """
         if kind not in ("self", "cross"):
-            raise ValueError(f"kind must be 'self' or 'cross', not {kind!r}")
-        k = key(stack, layer, f"{kind}_attn.pattern")
+            raise ProbeError(f"kind must be 'self' or 'cross', not {kind!r}")
+        if stack not in self.stacks:
+            raise CacheKeyError(
+                f"no {stack!r} stack in this cache; it has {', '.join(self.stacks) or 'no layers'}"
+            )
+        if isinstance(layer, bool) or not isinstance(layer, int):
+            raise ProbeError(f"layer must be an integer index, not {layer!r}")
+        name = f"{kind}_attn.pattern"
+        k = key(stack, layer, name)
         if k not in self:
-            raise KeyError(f"{k!r} is not in this cache; it has stacks {self.stacks}")
-        b = slice(None) if batch is None else batch
-        h = slice(None) if head is None else head
+            have = self.layer_indices(stack, name)
+            where = f"layers {_ranges(have)}" if have else "no layer"
+            raise CacheKeyError(
+                f"{k!r} is not in this cache: the {stack} has {kind}-attention patterns for {where}; "
+                "choose one of those"
+            )
+        n_batch, n_head = self.shape(k)[:2]
+        note = ""
+        if self._metadata.get("heads_captured") is not None:
+            note = f" (index i is the i-th of the captured heads {self._metadata['heads_captured']})"
+        b = slice(None) if batch is None else _index(batch, n_batch, "batch", "texts", k)
+        h = slice(None) if head is None else _index(head, n_head, "head", "heads", k, note)
         if self._reader is not None and k not in self._tensors:
             return self._reader.get_slice(k)[b, h]
         return self[k][b, h]
@@ -233,95 +269,84 @@ class Cache(Mapping[str, torch.Tensor]):
 
     def __repr__(self) -> str:
         where = f" at {self.path}" if self.path else ""
-        model = self._metadata.get("model", {}).get("name", "?")
+        model = self._metadata.get("model")
+        model = model.get("name", "?") if isinstance(model, dict) else "?"
         return f"<probe.Cache model={model!r} keys={len(self)}{where}>"
 
 
-_ITEMSIZE = {
-    "F64": 8,
-    "F32": 4,
-    "F16": 2,
-    "BF16": 2,
-    "I64": 8,
-    "I32": 4,
-    "I16": 2,
-    "I8": 1,
-    "U8": 1,
-    "BOOL": 1,
-}
+def _ranges(xs: list[int]) -> str:
+    """``[0, 1, 2, 5]`` -> ``"0-2, 5"``."""
+    runs: list[list[int]] = []
+    for x in sorted(set(xs)):
+        if runs and x == runs[-1][1] + 1:
+            runs[-1][1] = x
+        else:
+            runs.append([x, x])
+    return ", ".join(str(a) if a == b else f"{a}-{b}" for a, b in runs)
 
 
-def _read_header(path: Path) -> dict:
-    size = path.stat().st_size
-    name = path.name
-    with open(path, "rb") as f:
-        head = f.read(8)
-        if len(head) < 8:
-            raise ProbeError(
-                f"{name} is not a safetensors file (only {size} bytes); "
-                "give a cache written by `probe capture`"
-            )
-        (n,) = struct.unpack("<Q", head)
-        if n > 100_000_000:
-            raise ProbeError(
-                f"{name} is not a safetensors file (bad header length); "
-                "give a cache written by `probe capture`"
-            )
-        if 8 + n > size:
-            raise ProbeError(
-                f"{name} is truncated (header needs {8 + n} bytes, file has {size}); capture it again"
-            )
-        raw = f.read(n)
-    try:
-        header = json.loads(raw.decode("utf-8"))
-        if not isinstance(header, dict):
-            raise ValueError
-    except (UnicodeDecodeError, ValueError):
-        raise ProbeError(
-            f"{name} is not a safetensors file (its header is not JSON); "
-            "give a cache written by `probe capture`"
-        ) from None
-    end = max((v["data_offsets"][1] for k, v in header.items() if k != "__metadata__"), default=0)
-    if 8 + n + end > size:
-        raise ProbeError(f"{name} is truncated ({size} of {8 + n + end} bytes); capture it again")
-    return header
+def _index(value: Any, n: int, what: str, unit: str, k: str, note: str = "") -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ProbeError(f"{what} must be an integer index, not {value!r}")
+    if not -n <= value < n:
+        valid = f"choose 0-{n - 1}" if n else "it holds none"
+        raise ProbeError(f"{what}={value} is out of range: {k} has {n} {unit}; {valid}{note}")
+    return value
 
 
 def load(path: str | os.PathLike) -> Cache:
     """Open a probe cache lazily (memory-mapped): tensors are read only when accessed.
 
-    Raises :class:`ProbeError` for a missing file, a file that is not safetensors, a truncated
-    file, a safetensors file that is not a probe cache, or a cache from a newer probe.
+    The header and metadata are validated first (structure, types, keys, shapes against the
+    tokens and layer counts) without reading tensor data. Raises :class:`ProbeError`, naming the
+    file, the problem and the fix, for anything that is not a readable probe cache: a missing or
+    unreadable path, a directory or pipe, a file that is not safetensors, a truncated or
+    malformed one, a safetensors file that is not a probe cache, or a cache from a newer probe.
+    """
+    return open_cache(path)
+
+
+def open_cache(path: str | os.PathLike, *, shown: str | os.PathLike | None = None) -> Cache:
+    """:func:`load` the file at ``path``; messages and ``Cache.path`` name ``shown`` (default: ``path``).
+
+    The writer opens its temporary file this way before renaming it to ``shown``, so the Cache
+    it returns is the data it wrote even if another process replaces ``shown`` right after.
     """
     path = Path(path)
-    if not path.exists():
-        raise ProbeError(f"no such file: {path}; give the path of a cache written by `probe capture`")
-    if path.is_dir():
-        raise ProbeError(f"{path} is a directory; give the path of a .safetensors cache file")
-    header = _read_header(path)
-    meta = header.get("__metadata__") or {}
-    if meta.get("format") != FORMAT_MARKER:
-        raise ProbeError(
-            f"{path.name} is a safetensors file but not a probe cache "
-            "(no probe metadata); make one with `probe capture`"
-        )
+    shown = Path(shown) if shown is not None else path
+    name = str(shown)
     try:
-        version = int(meta.get("format_version", "0"))
-    except ValueError:
+        # O_NONBLOCK: opening a FIFO must not wait for a writer; fstat then refuses it
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))
+    except FileNotFoundError:
         raise ProbeError(
-            f"{path.name} has an unreadable format version {meta.get('format_version')!r}; capture it again"
+            f"no such file: {name}; give the path of a cache written by `probe capture`"
         ) from None
-    if version > FORMAT_VERSION:
+    except OSError as e:
         raise ProbeError(
-            f"{path.name} uses cache format {version}, newer than this probe reads "
-            f"({FORMAT_VERSION}); upgrade probe"
-        )
-    try:
-        metadata = json.loads(meta.get("probe", "{}"))
-    except ValueError:
-        raise ProbeError(f"{path.name} has corrupt probe metadata; capture it again") from None
+            f"{name}: cannot open it ({e.strerror}); check the path and its permissions"
+        ) from None
+    st = os.fstat(fd)
+    if not stat.S_ISREG(st.st_mode):
+        os.close(fd)
+        if stat.S_ISDIR(st.st_mode):
+            raise ProbeError(f"{name} is a directory; give the path of a .safetensors cache file")
+        raise ProbeError(f"{name} is not a regular file (a pipe or device); give a .safetensors cache file")
+    with os.fdopen(fd, "rb") as f:
+        try:
+            header, n = read_header(f, name, st.st_size)
+        except OSError as e:
+            raise ProbeError(f"{name}: cannot read it ({e.strerror}); check the file") from None
+    strings, shapes = check_header(header, name, st.st_size - 8 - n)
+    metadata = check_metadata(strings["probe"], name)
+    check_consistency(shapes, metadata, name)
     try:
         reader = safe_open(str(path), framework="pt")
     except Exception as e:  # safetensors raises its own error types
-        raise ProbeError(f"{path.name} is not a valid safetensors file ({e}); capture it again") from None
-    return Cache(metadata=metadata, path=path, _reader=reader)
+        msg = str(e).splitlines()[0] if str(e) else type(e).__name__
+        raise ProbeError(f"{name}: not a valid safetensors file ({msg}); capture it again") from None
+    if reader.metadata() != strings or set(reader.keys()) != set(shapes):
+        raise ProbeError(
+            f"{name} changed while it was being opened (another process wrote it); open it again"
+        )
+    return Cache(metadata=metadata, path=shown, _reader=reader)

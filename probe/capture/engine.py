@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import operator
 import os
 import threading
 import warnings
@@ -14,10 +15,10 @@ import torch
 from torch import nn
 
 from probe import __version__
-from probe.cache import Cache, load
-from probe.cache.cache import encode_metadata
+from probe.cache import Cache
+from probe.cache.cache import encode_metadata, open_cache
 from probe.cache.format import FORMAT_VERSION, key
-from probe.cache.writer import FileSink, MemorySink
+from probe.cache.writer import FileSink, MemorySink, check_output
 from probe.capture.inputs import model_name, prepare
 from probe.capture.tracer import Tracer
 from probe.errors import ProbeError
@@ -40,6 +41,31 @@ def _dtype(dtype: Any) -> torch.dtype | None:
     if isinstance(dtype, str) and dtype.lower() in _DTYPES:
         return _DTYPES[dtype.lower()]
     raise ProbeError(f"dtype {dtype!r} is not supported; use float32, float16 or bfloat16")
+
+
+def _selection(values: Any, what: str, one: str) -> list[int] | None:
+    """``layers=``/``heads=``: None (all) or a non-empty list of distinct non-negative indices."""
+    if values is None:
+        return None
+    if isinstance(values, int) and not isinstance(values, bool):
+        values = [values]
+    if isinstance(values, (str, bytes)) or not hasattr(values, "__iter__"):
+        raise ProbeError(f"{what} must be a list of {one} indices like [0, 2], not {values!r}")
+    raw = list(values)
+    if not raw:
+        raise ProbeError(f"{what}=[] selects no {one}; give indices like [0, 2], or None for all")
+    values = []
+    for v in raw:
+        try:
+            i = -1 if isinstance(v, bool) else operator.index(v)
+        except TypeError:
+            i = -1
+        if i < 0:
+            raise ProbeError(f"{what} must be non-negative {one} indices like [0, 2]; {v!r} is not one")
+        values.append(i)
+    if len(set(values)) != len(values):
+        raise ProbeError(f"{what}={values} names a {one} twice; give each index once")
+    return values
 
 
 def _jsonable(obj: Any) -> Any:
@@ -116,24 +142,29 @@ class Trace:
     ) -> None:
         if not isinstance(model, nn.Module):
             raise ProbeError(f"probe captures torch.nn.Module models, not {type(model).__name__}")
-        if layers is not None:
-            layers = [int(i) for i in layers]
-            if any(i < 0 for i in layers):
-                raise ProbeError(f"layers must be non-negative layer indices, got {layers}")
-        if heads is not None:
-            heads = [int(h) for h in heads]
-            if any(h < 0 for h in heads):
-                raise ProbeError(f"heads must be non-negative head indices, got {heads}")
+        layers = _selection(layers, "layers", "layer")
+        heads = _selection(heads, "heads", "head")
+        if out is not None:
+            check_output(out)
         self.model = model
         self.out = out
         self.layers, self.heads = layers, heads
         self.dtype = _dtype(dtype)
         self.metadata: dict[str, Any] = dict(metadata or {})
         self.cache: Cache | None = None
-        n_modules = sum(1 for _ in model.modules())
-        self._reserve = 16384 + 400 * n_modules + reserve
+        self._extra_reserve = int(reserve)
         self._sink: Any = None
         self._tracer: Tracer | None = None
+
+    def _header_estimate(self) -> int:
+        # The streamed header's reservation: the metadata known now (texts, tokens, model config),
+        # escaped as it will be inside the header, plus a budget per possible layer (its tensor
+        # entries and its metadata entry; elements of module lists bound the layer count). A
+        # header that outgrows it is still written correctly, by one copy of the data.
+        self.metadata.setdefault("model", model_info(self.model))
+        known = len(json.dumps(json.dumps(self.metadata, ensure_ascii=False), ensure_ascii=False).encode())
+        lists = sum(len(m) for m in self.model.modules() if isinstance(m, (nn.ModuleList, nn.Sequential)))
+        return known + 1024 * max(lists, 1) + 2048 + self._extra_reserve
 
     def __enter__(self) -> Trace:
         blind = _blind_attention(self.model)
@@ -158,7 +189,7 @@ class Trace:
         return self
 
     def _enter(self) -> None:
-        self._sink = FileSink(self.out, reserve=self._reserve) if self.out else MemorySink()
+        self._sink = FileSink(self.out, reserve=self._header_estimate()) if self.out else MemorySink()
         self._tracer = Tracer(self.model, self._sink, layers=self.layers, heads=self.heads, dtype=self.dtype)
         try:
             self._tracer.__enter__()
@@ -230,10 +261,15 @@ class Trace:
                 "its forward; give a model that computes attention (flex_attention and custom "
                 'kernels cannot be seen: use attn_implementation="sdpa" or "eager")'
             )
-        if not tr.records:
-            counts = ", ".join(f"{n} layers" for n in tr.kept.values())
+        most = max(tr.kept.values())
+        missing = [i for i in self.layers or [] if i >= most]
+        if missing or not tr.records:
+            # never record a layer that was not captured: refuse the selection as a whole
+            counts = " and ".join(f"{n}" for n in tr.kept.values())
+            what = "selects no layer" if not tr.records else f"names layers {missing} that do not exist"
             raise ProbeError(
-                f"layers={self.layers} selects no layer (the model has {counts}); choose indices from 0"
+                f"layers={self.layers} {what} (the model has {counts} layers); "
+                f"choose indices from 0-{most - 1}"
             )
         records = tr.records + tr.plain_records()
         stacks = self._stacks(tr)
@@ -263,6 +299,8 @@ class Trace:
             layer_meta.append(entry)
         meta = dict(self.metadata)
         meta.setdefault("model", model_info(self.model))
+        if meta.get("input_kind") == "tensor":
+            _positions_from_patterns(meta, tr)
         meta.update(
             {
                 "probe_version": __version__,
@@ -278,10 +316,24 @@ class Trace:
                 "layers": layer_meta,
             }
         )
-        result = self._sink.finish(names, encode_metadata(meta))
         if isinstance(self._sink, FileSink):
-            return load(result)
-        return Cache(result, meta)
+            # opened before the rename: the Cache returned is the file this call wrote
+            out = self._sink.path
+            return self._sink.finish(
+                names, encode_metadata(meta), opener=lambda tmp: open_cache(tmp, shown=out)
+            )
+        return Cache(self._sink.finish(names, encode_metadata(meta)), meta)
+
+
+def _positions_from_patterns(meta: dict[str, Any], tr: Tracer) -> None:
+    # A float input's "tokens" are its positions. Which input axis is the sequence is the model's
+    # business (sequence-first modules take [pos, batch, d]); the self-attention patterns
+    # ([batch, head, query, key]) say it for sure, so the metadata agrees with what is stored.
+    for r in tr.records:
+        for role, _h, shape, _impl, _causal in r.patterns:
+            if role == "self":
+                meta["tokens"] = [[str(i) for i in range(shape[2])] for _ in range(shape[0])]
+                return
 
 
 def trace(model: nn.Module, **kwargs: Any) -> Trace:
@@ -313,17 +365,14 @@ def capture(
 
     Returns a :class:`~probe.Cache` with keys ``<stack>.blocks.<i>.<name>``.
     """
+    # arguments first: a bad selection or output path is refused before any forward runs
+    layers = _selection(layers, "layers", "layer")
+    heads = _selection(heads, "heads", "head")
+    _dtype(dtype)
+    if out is not None:
+        check_output(out)
     prepared = prepare(model, inputs, tokenizer=tokenizer, target=target)
-    n_tokens = sum(len(t) for t in prepared.meta.get("tokens", []))
-    t = Trace(
-        model,
-        out=out,
-        layers=layers,
-        heads=heads,
-        dtype=dtype,
-        metadata=prepared.meta,
-        reserve=96 * n_tokens,
-    )
+    t = Trace(model, out=out, layers=layers, heads=heads, dtype=dtype, metadata=prepared.meta)
     with torch.no_grad(), t:
         prepared.run()
     return t.cache

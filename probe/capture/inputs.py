@@ -20,7 +20,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from probe.capture.tokenizers import Encoding, adapt
+from probe.capture.tokenizers import Encoding, adapt, clip
 from probe.errors import ProbeError
 
 
@@ -39,7 +39,14 @@ def is_hf_model(model: nn.Module) -> bool:
 
 
 def _texts(inputs: Any, what: str = "text") -> list[str]:
-    texts = [inputs] if isinstance(inputs, str) else list(inputs)
+    if isinstance(inputs, str):
+        texts = [inputs]
+    elif isinstance(inputs, (list, tuple)):
+        texts = list(inputs)
+    else:
+        raise ProbeError(
+            f"{what} should be a string, a list of strings or a tensor of ids, not {type(inputs).__name__}"
+        )
     if not texts:
         raise ProbeError(f"no {what} given; pass a string or a non-empty list of strings")
     for t in texts:
@@ -102,7 +109,7 @@ def _encode_all(
         enc = tok.encode(t, target=True) if target else tok.encode(t)
         if not enc.ids:
             raise ProbeError(f"empty {what}: {t!r} has no tokens for {name}")
-        _check_length(len(enc.ids), limit, name, f"{what} {t[:30]!r}")
+        _check_length(len(enc.ids), limit, name, f"{what} {clip(t)}")
         out.append(enc)
     return out
 
@@ -111,7 +118,12 @@ def _record(meta: dict, prefix: str, texts: list[str], encs: list[Encoding], mas
     meta[f"{prefix}texts"] = texts
     meta[f"{prefix}tokens"] = [e.tokens for e in encs]
     meta[f"{prefix}ids"] = [e.ids for e in encs]
-    meta[f"{prefix}special_tokens_mask"] = [[int(s) for s in e.special] for e in encs]
+    # padded like attention_mask; padding positions count as special, as in the tokenizer's own
+    # padded mask (attention_mask tells padding apart)
+    special = torch.ones_like(mask)
+    for i, e in enumerate(encs):
+        special[i, mask[i].bool()] = torch.tensor([int(s) for s in e.special], dtype=special.dtype)
+    meta[f"{prefix}special_tokens_mask"] = special.tolist()
     meta[f"{prefix}attention_mask"] = mask.tolist()
 
 

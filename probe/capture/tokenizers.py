@@ -53,6 +53,11 @@ class Tokenizer:
         return Encoding(list(ids), self.tokens_of(ids), [self.is_special(i) for i in ids])
 
 
+def clip(text: str, n: int = 30) -> str:
+    """``text`` quoted, cut to ``n`` characters with an ellipsis when longer."""
+    return repr(text) if len(text) <= n else repr(text[: n - 1] + "…")
+
+
 def _first_line(e: BaseException) -> str:
     msg = str(e).strip().strip("'\"")
     return msg.splitlines()[0] if msg else type(e).__name__
@@ -95,22 +100,28 @@ class HFTokenizer(Tokenizer):
         self.unk_id = getattr(tok, "unk_token_id", None)
 
     def encode(self, text: str, *, target: bool = False) -> Encoding:
-        kwargs: dict[str, Any] = {"add_special_tokens": True}
+        kwargs: dict[str, Any] = {"add_special_tokens": True, "return_special_tokens_mask": True}
         if self.fast:
             kwargs["return_offsets_mapping"] = True
         try:
             enc = self.tok(text_target=text, **kwargs) if target else self.tok(text, **kwargs)
         except Exception as e:  # tokenizers raise many types; the message is what matters
-            raise ProbeError(f"the tokenizer cannot encode {text[:30]!r}: {_first_line(e)}") from None
+            raise ProbeError(f"the tokenizer cannot encode {clip(text)}: {_first_line(e)}") from None
         ids = [int(i) for i in enc["input_ids"]]
         offsets = enc.get("offset_mapping") if self.fast else None
-        return Encoding(ids, self._display(ids, text, offsets), [i in self.special_ids for i in ids])
+        own = enc.get("special_tokens_mask")  # the tokenizer's own mask: [UNK] is not special
+        if own is not None and len(own) == len(ids):
+            special = [bool(s) for s in own]
+        else:
+            special = [self.is_special(i) for i in ids]
+        return Encoding(ids, self._display(ids, text, offsets), special)
 
     def tokens_of(self, ids: list[int]) -> list[str]:
         return self._display(ids, None, None)
 
     def is_special(self, i: int) -> bool:
-        return i in self.special_ids
+        # the unknown token stands for text, it is not a marker the tokenizer added
+        return i in self.special_ids and i != self.unk_id
 
     def decode(self, ids: list[int]) -> str:
         return self.tok.decode(ids)

@@ -708,6 +708,11 @@ class Tracer:
         if pattern.dim() > 4:
             pattern = pattern.flatten(1, -4)
         if self.heads is not None:
+            if max(self.heads) >= pattern.shape[1]:
+                n = pattern.shape[1]
+                raise ProbeError(
+                    f"heads={self.heads}: this model's attention has {n} heads; choose indices from 0-{n - 1}"
+                )
             pattern = pattern[:, self.heads]
         q, k = pattern.shape[-2], pattern.shape[-1]
         cross = q != k
