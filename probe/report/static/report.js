@@ -1,5 +1,5 @@
 /* probe report: overview grids and head explorers drawn on canvas from inline, deflated data.
- * No network, no libraries: data comes from <script type="application/json"> blocks (read with
+ * No network, no libraries: data comes from JSON script blocks (type application/json, read with
  * textContent + JSON.parse, never evaluated) and is inflated with the browser's
  * DecompressionStream("deflate"). Every model string reaches the page through textContent. */
 (function () {
