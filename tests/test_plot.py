@@ -137,16 +137,46 @@ def test_captured_head_subset_keeps_model_head_numbers():
         plot.heatmap(cache, 4, 0)
 
 
+def _cells(grid: np.ndarray) -> list[list[np.ndarray]]:
+    """Split an overview image into its cells at the all-blank (NaN) separator rows and columns."""
+
+    def runs(blank):
+        edges = np.flatnonzero(np.diff(np.r_[1, blank.astype(int), 1]))
+        return list(zip(edges[::2], edges[1::2], strict=True))
+
+    rows, cols = runs(np.isnan(grid).all(1)), runs(np.isnan(grid).all(0))
+    return [[grid[a:b, c:d] for c, d in cols] for a, b in rows]
+
+
 def test_overview_grid(gpt_cache):
     fig = plot.overview(gpt_cache, batch=1)
-    grid = fig.axes[:8]
-    assert len(fig.axes) == 2 * 4 + 1  # layers x heads + colour bar
-    assert [ax.get_title() for ax in grid[:4]] == ["H1", "H2", "H3", "H4"]
-    assert [grid[0].get_ylabel(), grid[4].get_ylabel()] == ["L1", "L2"]
+    ax = fig.axes[0]
+    assert len(fig.axes) == 2  # one image and its colour bar
+    assert ticks(ax.xaxis) == ["H1", "H2", "H3", "H4"] and ticks(ax.yaxis) == ["L1", "L2"]
+    cells = _cells(image(fig).filled(np.nan))
+    assert [len(row) for row in cells] == [4, 4]
     for r in range(2):
         for h in range(4):
-            want = gpt_cache[f"decoder.blocks.{r}.self_attn.pattern"][1, h, :5, :5].numpy()
-            np.testing.assert_array_equal(image(fig, 4 * r + h).data, want)
+            w = gpt_cache[f"decoder.blocks.{r}.self_attn.pattern"][1, h, :5, :5].numpy()
+            np.testing.assert_allclose(cells[r][h], w / w.max(), rtol=1e-6)  # each head to its max
+    shared = plot.overview(gpt_cache, scale="shared")
+    w = gpt_cache["decoder.blocks.1.self_attn.pattern"][0, 3].numpy()
+    np.testing.assert_array_equal(_cells(image(shared).filled(np.nan))[1][3], w)
+
+
+def test_overview_pools_long_inputs_by_block_maximum():
+    T = 40
+    w = torch.full((1, 1, T, T), 0.01)
+    w[0, 0, 17, 33] = 0.9  # one strong weight, above the diagonal
+    cache = probe.Cache(
+        {f"decoder.blocks.{i}.self_attn.pattern": w for i in range(2)}, {"tokens": [["x"] * T]}
+    )
+    fig = plot.overview(cache, scale="shared", max_pixels=20)  # 10 pixels per cell: 4x4 blocks
+    assert "max of 4×4 weights" in fig.axes[0].get_title()
+    cell = _cells(image(fig).filled(np.nan))[1][0]
+    want = np.full((10, 10), 0.01, dtype=np.float32)
+    want[17 // 4, 33 // 4] = 0.9
+    np.testing.assert_array_equal(cell, want)
 
 
 def test_over_time_lines_are_query_rows(gpt_cache):

@@ -171,40 +171,79 @@ def cross(
     )
 
 
+def _max_pool(m: np.ndarray, b: int) -> np.ndarray:
+    """Max over b×b blocks (the last block may be partial): a single strong cell stays visible."""
+    if b == 1:
+        return m
+    q, k = m.shape
+    m = np.pad(m, ((0, -q % b), (0, -k % b)), constant_values=np.nan)
+    return np.nanmax(m.reshape(m.shape[0] // b, b, m.shape[1] // b, b), axis=(1, 3))
+
+
 def overview(
-    cache, *, stack: str | None = None, kind: str = "self", batch: int = 0, cmap: str = "Blues"
+    cache,
+    *,
+    stack: str | None = None,
+    kind: str = "self",
+    batch: int = 0,
+    cmap: str = "Blues",
+    scale: str = "head",
+    max_pixels: int = 1600,
 ) -> Figure:
-    """A layers × heads grid of small heatmaps (rows = layers, columns = heads), one shared colour
-    scale from 0 to the largest weight shown. Returns the Figure."""
+    """A layers × heads grid of every head's pattern (rows = layers from the top, columns = heads;
+    in each cell queries run down and keys right).
+
+    ``scale="head"`` divides each head by its own largest weight (so faint heads show their
+    structure; the colour bar reads "fraction of the head's maximum"); ``scale="shared"`` keeps
+    raw weights on one scale from 0. The grid is one image: when a head has more positions than
+    its cell has room for (``max_pixels`` across the grid), each pixel shows the maximum over a
+    block of b×b weights (the title says b), so a single strong weight is never lost. Returns the
+    Figure.
+    """
+    if scale not in ("head", "shared"):
+        raise ProbeError(f"scale must be 'head' or 'shared', not {scale!r}")
     stack = _default_stack(cache, stack, kind)
     layers = _pattern_layers(cache, stack, kind)
     if not layers:
         _check_layer(cache, stack, 0, kind)
     heads = head_ids(cache, stack, layers[0], kind)
-    mats = {}
-    for layer in layers:
-        for h in head_ids(cache, stack, layer, kind):
-            mats[layer, h] = head_matrix(cache, layer, h, stack=stack, kind=kind, batch=batch)[0]
-    hi = max(float(np.nanmax(m)) for m in mats.values())
-    cell = float(np.clip(12.0 / max(len(heads), len(layers)), 0.6, 1.4))
-    fig = Figure(figsize=(cell * len(heads) + 1.2, cell * len(layers) + 0.8), dpi=DPI, layout="constrained")
-    axes = fig.subplots(len(layers), len(heads), squeeze=False)
-    image = None
+    n_q, n_k = head_matrix(cache, layers[0], heads[0], stack=stack, kind=kind, batch=batch)[0].shape
+    cell = max(8, max_pixels // max(len(layers), len(heads)))
+    b = -(-max(n_q, n_k) // cell)
+    h, w = -(-n_q // b), -(-n_k // b)
+    gap = max(1, round(max(h, w) / 12))
+    grid = np.full((len(layers) * (h + gap) - gap, len(heads) * (w + gap) - gap), np.nan, dtype=np.float32)
     for r, layer in enumerate(layers):
-        for c, h in enumerate(heads):
-            ax = axes[r, c]
-            ax.set_xticks([])
-            ax.set_yticks([])
-            if (layer, h) in mats:
-                image = ax.imshow(
-                    mats[layer, h], cmap=cmap, vmin=0.0, vmax=hi, aspect="auto", interpolation="nearest"
-                )
-            if r == 0:
-                ax.set_title(f"H{h + 1}", fontsize=8)
-            if c == 0:
-                ax.set_ylabel(f"L{layer + 1}", fontsize=8, rotation=0, ha="right", va="center")
-    fig.suptitle(f"{stack.capitalize()} {kind}-attention: layers × heads (queries ↓, keys →)")
-    fig.colorbar(image, ax=axes, shrink=0.6)
+        for c, head in enumerate(head_ids(cache, stack, layer, kind)):
+            m = head_matrix(cache, layer, head, stack=stack, kind=kind, batch=batch)[0]
+            if scale == "head":
+                m = m / max(float(np.nanmax(m)), np.finfo(np.float32).tiny)
+            grid[r * (h + gap) : r * (h + gap) + h, c * (w + gap) : c * (w + gap) + w] = _max_pool(m, b)
+    width = float(np.clip(0.9 * len(heads) * max(1.0, w / h), 4.0, 13.0))
+    height = float(np.clip(width * grid.shape[0] / grid.shape[1], 2.5, 13.0))
+    fig = Figure(figsize=(width + 1.3, height + 0.9), dpi=DPI, layout="constrained")
+    ax = fig.add_subplot()
+    pixels = width * DPI
+    image = ax.imshow(
+        grid,
+        cmap=cmap,
+        vmin=0.0,
+        vmax=1.0 if scale == "head" else float(np.nanmax(grid)),
+        aspect="auto",
+        interpolation="nearest" if max(grid.shape) <= pixels else "antialiased",
+    )
+    ax.xaxis.tick_top()
+    ax.set_xticks([c * (w + gap) + (w - 1) / 2 for c in range(len(heads))], [f"H{x + 1}" for x in heads])
+    ax.set_yticks([r * (h + gap) + (h - 1) / 2 for r in range(len(layers))], [f"L{x + 1}" for x in layers])
+    ax.tick_params(length=0, labelsize=8 if max(len(heads), len(layers)) <= 16 else 6)
+    for spine in ax.spines.values():
+        spine.set_visible(False)
+    pooled = f"; each pixel the max of {b}×{b} weights" if b > 1 else ""
+    ax.set_title(
+        f"{stack.capitalize()} {kind}-attention, layers × heads (queries ↓, keys →{pooled})", fontsize=10
+    )
+    label = "fraction of the head's largest weight" if scale == "head" else "attention weight"
+    fig.colorbar(image, ax=ax, fraction=0.03, pad=0.02, label=label)
     return fig
 
 
