@@ -356,3 +356,23 @@ def test_seed_figures_translator_layout(seq_cache):
     )
     with pytest.raises(probe.ProbeError, match="no tutorial figures"):
         seeds.figures_for({}, names=["gpt5"])
+
+
+def test_font_lookup_checks_glyphs_not_names():
+    from matplotlib import font_manager
+
+    dejavu = font_manager.findfont("DejaVu Sans")
+    assert not fonts.covers(dejavu)  # a Latin font has no glyph for 注
+    assert fonts.covers(fonts.cjk_font().path)
+    assert fonts.has_cjk("x 注意力") and fonts.has_cjk("ひらがな") and not fonts.has_cjk("attention ␣ é")
+
+
+def test_import_probe_does_not_load_matplotlib():
+    import subprocess
+    import sys
+
+    code = (
+        "import sys, probe; assert 'seaborn' not in sys.modules; "
+        "probe.plot.heatmap; assert 'seaborn' in sys.modules"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True)
