@@ -48,15 +48,18 @@ def render(cache) -> str:
 def test_sections_are_discovered_in_order_with_their_templates():
     secs = host.discover()
     names = [s.name for s in secs]
-    assert names[:3] == ["summary", "attention", "cross_attention"]
+    core = ["summary", "seeds", "attention", "cross_attention", "residual_norms"]
+    assert [n for n in names if n in core] == core
     assert [s.order for s in secs] == sorted(s.order for s in secs)
     templates = ROOT / "probe" / "report" / "templates" / "sections"
     for s in secs:
         assert (templates / f"{s.name}.html.j2").is_file(), s.name
-    text = render(rc.synthetic(list("abcd")))
+    text = render(rc.synthetic(list("abcd"), resid=True))
     # each applicable section has an anchor and a contents entry, in ORDER
     anchors = re.findall(r'<section class="probe-section" id="sec-(\w+)"', text)
-    assert anchors[:2] == ["summary", "attention"] and "cross_attention" not in anchors
+    # no tutorial figures for a non-zoo model, no cross-attention for a decoder-only one
+    assert anchors[:3] == ["summary", "attention", "residual_norms"]
+    assert "cross_attention" not in anchors and "seeds" not in anchors
     for a in anchors:
         assert f'href="#sec-{a}"' in text
 
@@ -202,6 +205,15 @@ def test_probe_report_is_callable_and_its_submodules_import():
 
     assert callable(probe.report) and probe.report.html.report is host.report
     assert hasattr(probe, "plot") and callable(probe.plot.heatmap)
+
+
+def test_zoo_reports_show_the_tutorial_figures_and_residual_norms(tmp_path):
+    import models
+
+    cache = probe.capture(models.load("minigpt"), "attention lets tokens read.")
+    text = probe.report(cache, tmp_path, progress=False).read_text(encoding="utf-8")
+    assert 'id="sec-seeds"' in text and 'download="minigpt_layer1_head1.png"' in text
+    assert 'id="sec-residual_norms"' in text and 'alt="residual stream norms, text 1"' in text
 
 
 def test_cache_repr_html_is_static_and_escaped():
