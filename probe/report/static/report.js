@@ -232,7 +232,9 @@
       const m = (this.cur = this.matrix(this.li, this.hi)), cv = this.el(".probe-matrix");
       cv.width = m.nk; cv.height = m.nq;
       cv.getContext("2d").putImageData(this.paint(m, m.vals, m.nk, m.nq), 0, 0);
-      const z = Math.max(1, Math.floor(640 / Math.max(m.nq, m.nk)));
+      // cells of a whole pixel each, the matrix within 640 px and (with its labels) the window
+      const room = Math.min(640, Math.max(200, window.innerHeight * 0.8 - 90));
+      const z = Math.max(1, Math.floor(room / Math.max(m.nq, m.nk)));
       this.zoom = z;
       cv.style.width = m.nk * z + "px"; cv.style.height = m.nq * z + "px";
       const note = this.el(".explorer-note");
