@@ -88,3 +88,24 @@ def hostile() -> probe.Cache:
 def chinese() -> probe.Cache:
     """Chinese tokens (several characters each and single characters)."""
     return synthetic(CHINESE, name="中文模型")
+
+
+SOURCE = ["ich", "mochte", "ein", "bier"]
+TARGET = ["S", "i", "want", "a", "beer"]
+
+
+def encoder_decoder() -> probe.Cache:
+    """A tiny ``nn.Transformer`` (2 + 2 layers, 2 heads) traced on random embeddings, with the
+    German source and English target tokens as metadata: rectangular 5 x 4 cross-attention."""
+    torch.manual_seed(0)
+    mt = torch.nn.Transformer(16, 2, 2, 2, 32, dropout=0.0, batch_first=True).eval()
+    meta = {
+        "tokens": [SOURCE],
+        "target_tokens": [TARGET],
+        "texts": [" ".join(SOURCE)],
+        "target_texts": [" ".join(TARGET)],
+    }
+    with probe.trace(mt, metadata=meta) as t:
+        mask = torch.nn.Transformer.generate_square_subsequent_mask(5)
+        mt(torch.randn(1, 4, 16), torch.randn(1, 5, 16), tgt_mask=mask, tgt_is_causal=True)
+    return t.cache

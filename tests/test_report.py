@@ -162,19 +162,8 @@ def test_worst_case_patterns_stay_under_5_mb_and_long_texts_degrade_to_thumbnail
 
 
 def test_encoder_decoder_report_has_rectangular_cross_attention(tmp_path):
-    torch.manual_seed(0)
-    mt = torch.nn.Transformer(16, 2, 2, 2, 32, dropout=0.0, batch_first=True).eval()
-    src, tgt = ["ich", "mochte", "ein", "bier"], ["S", "i", "want", "a", "beer"]
-    meta = {
-        "tokens": [src],
-        "target_tokens": [tgt],
-        "texts": [" ".join(src)],
-        "target_texts": [" ".join(tgt)],
-    }
-    with probe.trace(mt, metadata=meta) as t:
-        mask = torch.nn.Transformer.generate_square_subsequent_mask(5)
-        mt(torch.randn(1, 4, 16), torch.randn(1, 5, 16), tgt_mask=mask, tgt_is_causal=True)
-    cache = t.cache
+    cache = rc.encoder_decoder()
+    src, tgt = rc.SOURCE, rc.TARGET
     text = probe.report(cache, tmp_path, progress=False).read_text(encoding="utf-8")
     assert 'id="sec-cross_attention"' in text
     attn, cross = views(text)

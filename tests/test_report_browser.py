@@ -161,3 +161,20 @@ def test_long_text_explorer_stays_exact_and_overview_degrades(chromium, tmp_path
     assert "max weight" in hover_cell(page, 0, 10, 5)
     _clean(log)
     page.close()
+
+
+def test_cross_attention_view_is_rectangular_and_exact(chromium, tmp_path):
+    cache = rc.encoder_decoder()
+    page, log = open_report(chromium, probe.report(cache, tmp_path, progress=False))
+    assert page.evaluate("[probe.views[1].set.nq, probe.views[1].set.nk]") == [5, 4]
+    readout = hover_cell(page, 1, 4, 3)  # view 1: the cross-attention section's explorer
+    assert "\u201cbeer\u201d \u2192 key 3 \u201cbier\u201d" in readout
+    want = cache.pattern("decoder", 0, "cross", head=0, batch=0)[4, 3].item()
+    assert abs(_weight(readout) - want) <= 0.5 / page.evaluate("probe.views[1].scale") + 1e-6
+    # the square-root colour scale repaints without changing the numbers
+    before = page.locator(".probe-matrix").nth(1).screenshot()
+    page.select_option("#sec-cross_attention .sel-gamma", "0.5")
+    assert page.locator(".probe-matrix").nth(1).screenshot() != before
+    assert _weight(hover_cell(page, 1, 4, 3)) == _weight(readout)
+    _clean(log)
+    page.close()
