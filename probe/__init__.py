@@ -18,4 +18,13 @@ from probe.cache import Cache, load  # noqa: E402
 from probe.capture import Trace, capture, trace  # noqa: E402
 from probe.errors import ProbeError  # noqa: E402
 
-__all__ = ["capture", "trace", "Trace", "load", "Cache", "ProbeError", "report", "__version__"]
+__all__ = ["capture", "trace", "Trace", "load", "Cache", "ProbeError", "report", "plot", "__version__"]
+
+
+def __getattr__(name: str):
+    # probe.plot pulls in matplotlib and seaborn (seconds to import): load it on first use only.
+    if name == "plot":
+        import importlib
+
+        return importlib.import_module("probe.plot")
+    raise AttributeError(f"module 'probe' has no attribute {name!r}")

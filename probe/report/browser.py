@@ -81,15 +81,22 @@ def screenshot(
     width: int = 1200,
     height: int = 900,
     hover: tuple[int, int] | None = (5, 2),
+    section: str | None = None,
+    b: Any = None,
 ) -> Path:
     """Open the report ``index``, hover cell ``hover`` (query, key) of the first explorer, and
-    write a PNG screenshot of the viewport to ``out`` (atomically); returns ``out``."""
+    write a PNG screenshot of the viewport (scrolled to ``section``'s anchor, if given) to ``out``
+    atomically; returns ``out``. ``b`` reuses an open :func:`browser`."""
     from probe.files import atomic_path
 
-    with browser() as b:
+    with contextlib.ExitStack() as stack:
+        if b is None:
+            b = stack.enter_context(browser())
         page, _ = open_report(b, index, width=width, height=height)
         if hover is not None:
             hover_cell(page, 0, *hover)
+        if section is not None:
+            page.evaluate("id => document.getElementById(id).scrollIntoView()", f"sec-{section}")
         with atomic_path(out) as tmp:
             page.screenshot(path=str(tmp), type="png")
         page.close()
@@ -98,9 +105,38 @@ def screenshot(
 
 def hover_cell(page: Any, view: int, q: int, k: int) -> str:
     """Move the mouse over cell (query ``q``, key ``k``) of explorer ``view``; returns its readout."""
+    # bring the cell into the viewport: the explorer scrolls inside its own box at long lengths
+    page.evaluate(
+        """([v, q, k]) => {
+          const view = probe.views[v], cv = view.el('.probe-matrix'), sc = view.el('.probe-scroll');
+          sc.scrollIntoView({ block: 'center' });
+          const zx = cv.clientWidth / view.set.nk, zy = cv.clientHeight / view.set.nq;
+          sc.scrollLeft = Math.max(0, view.pad[0] + (k + 0.5) * zx - sc.clientWidth / 2);
+          sc.scrollTop = Math.max(0, view.pad[1] + (q + 0.5) * zy - sc.clientHeight / 2);
+        }""",
+        [view, q, k],
+    )
     cv = page.locator(".probe-attn .probe-matrix").nth(view)
-    cv.scroll_into_view_if_needed()
     box = cv.bounding_box()
     nq, nk = page.evaluate(f"[probe.views[{view}].set.nq, probe.views[{view}].set.nk]")
     page.mouse.move(box["x"] + (k + 0.5) * box["width"] / nk, box["y"] + (q + 0.5) * box["height"] / nq)
     return page.locator(".probe-attn .probe-readout").nth(view).text_content()
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m probe.report.browser INDEX OUT.png [--section NAME]``: screenshot a report."""
+    import argparse
+
+    p = argparse.ArgumentParser(prog="python -m probe.report.browser", description=main.__doc__)
+    p.add_argument("index", help="a report's index.html")
+    p.add_argument("out", help="PNG file to write")
+    p.add_argument("--section", default=None, help="scroll to this section first (e.g. attention)")
+    p.add_argument("--width", type=int, default=1200)
+    p.add_argument("--height", type=int, default=900)
+    a = p.parse_args(argv)
+    print(screenshot(a.index, a.out, width=a.width, height=a.height, section=a.section))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -150,7 +150,7 @@ def report(
     and ``tokenizer`` are passed to sections that can use them (e.g. to run an analysis). The
     file is written atomically; returns its path. ``progress`` shows a tqdm bar on stderr.
     """
-    from tqdm.auto import tqdm
+    from tqdm import tqdm
 
     caches = _as_caches(cache_or_caches)
     out = Path(out_dir)

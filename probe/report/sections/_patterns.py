@@ -1,10 +1,11 @@
 """Attention patterns packed for the page: quantised, deflated, base64 (decoded by report.js).
 
 Weights lie in [0, 1]; each is stored as ``round(w * scale)`` in uint16 (``scale = 65535``) when
-the whole report holds few cells, else uint8 (``scale = 255``), so the page states every weight to
-within half a quantisation step ``1 / scale``. Heads beyond :data:`FULL_BUDGET` cells are embedded
-only as max-pooled thumbnails (the overview stays complete; the explorer says which heads are
-downsampled), which keeps a 12 x 12-head model at T = 128 well under 5 MB.
+the whole report holds few cells and they compress well, else uint8 (``scale = 255``), so the page
+states every weight to within half a quantisation step ``1 / scale``. Heads beyond the budgets
+(:data:`FULL_BUDGET` cells, :data:`FULL_BYTES` compressed bytes) are embedded only as max-pooled
+thumbnails (the overview stays complete; the explorer says which heads are downsampled), so
+the page stays under about 5 MB at any length, and one head is always exact.
 """
 
 from __future__ import annotations
@@ -19,8 +20,10 @@ import torch.nn.functional as F
 from probe.cache import Cache
 from probe.report.sections._tokens import batch_size, query_key_sides, real_positions, side_tokens
 
-FULL_BUDGET = 16 * 2**20  # cells embedded at full resolution, over the whole report (uint8)
-U16_BUDGET = 5 * 2**19  # up to this many cells the page uses uint16 (step 1/65535)
+FULL_BUDGET = 16 * 2**20  # cells embedded at full resolution, over the whole report
+FULL_BYTES = 3 * 2**20  # compressed bytes of full-resolution heads, over the whole report
+U16_BUDGET = 5 * 2**19  # up to this many cells the page tries uint16 (step 1/65535) ...
+U16_BYTES = 2 * 2**20  # ... and keeps it if it compresses to at most this many bytes
 THUMB = 64  # overview thumbnails of downsampled heads are at most THUMB x THUMB
 
 
@@ -95,7 +98,8 @@ def _b64_deflate(raw: bytes) -> str:
 
 def quantise(p: torch.Tensor, scale: int) -> bytes:
     """``p`` (weights in [0, 1]) as little-endian uint8/uint16 bytes of ``round(p * scale)``."""
-    q = (p.clamp(0, 1).nan_to_num(0.0) * scale).round()
+    # float64, so the rounding error is the quantisation's alone (<= 0.5 / scale)
+    q = (p.double().clamp(0, 1).nan_to_num(0.0) * scale).round()
     if scale == 255:
         return q.to(torch.uint8).contiguous().numpy().tobytes()
     return q.to(torch.int32).numpy().astype("<u2").tobytes()
@@ -109,32 +113,47 @@ def thumbnail(p: torch.Tensor, size: int = THUMB) -> torch.Tensor:
     return F.adaptive_max_pool2d(flat, (tq, tk)).reshape(*lead, tq, tk)
 
 
-def pack(sets: list[PatternSet], progress=None, budget: int = FULL_BUDGET) -> tuple[list[dict], dict]:
-    """The JSON-ready description of ``sets`` and the page-wide encoding facts.
+class _Packer:
+    """Deflates heads one by one, tracking the compressed size so far (a sync flush per head)."""
 
-    Each set gets ``full``: base64 deflate of ``[n_full, q, k]`` quantised weights for its first
-    ``n_full`` heads (layer-major), and, when some heads do not fit the budget, ``thumbs``: the
-    rest as max-pooled uint8 thumbnails ``[n_rest, tq, tk]``.
-    """
-    total = sum(s.cells for s in sets)
-    scale = 65535 if total <= U16_BUDGET else 255
-    left = budget
+    def __init__(self) -> None:
+        self.z = zlib.compressobj(6)
+        self.parts: list[bytes] = []
+        self.size = 0
+
+    def add(self, raw: bytes) -> int:
+        out = self.z.compress(raw) + self.z.flush(zlib.Z_SYNC_FLUSH)
+        self.parts.append(out)
+        self.size += len(out)
+        return len(out)
+
+    def finish(self) -> str:
+        self.parts.append(self.z.flush())
+        return base64.b64encode(b"".join(self.parts)).decode("ascii")
+
+
+def _pack(sets: list[PatternSet], scale: int, progress, cells: int, nbytes: int) -> tuple[list[dict], int]:
+    left_cells, used = cells, 0
     out = []
     for s in sets:
         if progress is not None:
             progress(s.label(True, True))
         nq, nk = len(s.q_pos), len(s.k_pos)
         per_head = nq * nk
-        n_heads = len(s.layers) * s.n_heads
-        n_full = min(n_heads, max(0, left // per_head)) if per_head else n_heads
-        left -= n_full * per_head
-        full, thumbs = [], []
+        full, thumbs, n_full, room = _Packer(), [], 0, True
+        last = per_head * (1 if scale == 255 else 2)  # predicted compressed size of the next head
         for li in range(len(s.layers)):
             p = s.head(li)
             for h in range(s.n_heads):
-                if li * s.n_heads + h < n_full:
-                    full.append(quantise(p[h], scale))
+                # The first head of the report always fits: one head is explorable at any length.
+                fits = per_head <= left_cells and used + last <= nbytes
+                if room and (fits or (used == 0 and n_full == 0)):
+                    last = full.add(quantise(p[h], scale))
+                    used += last
+                    left_cells -= per_head
+                    n_full += 1
                 else:
+                    room = False  # keep full heads a prefix (layer-major), the rest thumbnails
                     thumbs.append(thumbnail(p[h]))
         entry = {
             "stack": s.stack,
@@ -146,7 +165,7 @@ def pack(sets: list[PatternSet], progress=None, budget: int = FULL_BUDGET) -> tu
             "qTokens": s.q_tokens,
             "kTokens": s.k_tokens,
             "nFull": n_full,
-            "full": _b64_deflate(b"".join(full)),
+            "full": full.finish(),
             "thumbs": None,
         }
         if thumbs:
@@ -154,11 +173,30 @@ def pack(sets: list[PatternSet], progress=None, budget: int = FULL_BUDGET) -> tu
             entry["thumbs"] = _b64_deflate(quantise(t, 255))
             entry["tq"], entry["tk"] = t.shape[-2], t.shape[-1]
         out.append(entry)
+    return out, used
+
+
+def pack(
+    sets: list[PatternSet], progress=None, *, cells: int = FULL_BUDGET, nbytes: int = FULL_BYTES
+) -> tuple[list[dict], dict]:
+    """The JSON-ready description of ``sets`` and the page-wide encoding facts.
+
+    Each set gets ``full``: base64 deflate of ``[n_full, q, k]`` quantised weights for its first
+    ``n_full`` heads (layer-major), and, when the rest do not fit ``cells`` cells or ``nbytes``
+    compressed bytes, ``thumbs``: those as max-pooled uint8 thumbnails ``[n_rest, tq, tk]``.
+    uint16 is used when it fits in :data:`U16_BYTES`, else uint8.
+    """
+    total = sum(s.cells for s in sets)
+    scale = 65535 if total <= U16_BUDGET else 255
+    out, used = _pack(sets, scale, progress, cells, nbytes)
+    if scale == 65535 and (used > U16_BYTES or any(e["thumbs"] for e in out)):
+        scale = 255
+        out, used = _pack(sets, scale, progress, cells, nbytes)
     multi_cache = len({s.cache_index for s in sets}) > 1
     multi_text = len({(s.cache_index, s.batch) for s in sets}) > len({s.cache_index for s in sets})
     for e, s in zip(out, sets, strict=True):
         e["label"] = s.label(multi_cache, multi_text)
-    return out, {"scale": scale, "bytes": 1 if scale == 255 else 2, "total": total}
+    return out, {"scale": scale, "bytes": 1 if scale == 255 else 2, "total": total, "compressed": used}
 
 
 def colour_lut(name: str = "viridis") -> str:

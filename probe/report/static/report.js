@@ -1,5 +1,5 @@
 /* probe report: overview grids and head explorers drawn on canvas from inline, deflated data.
- * No network, no libraries: data comes from <script type="application/json"> blocks (read with
+ * No network, no libraries: data comes from JSON script blocks (type application/json, read with
  * textContent + JSON.parse, never evaluated) and is inflated with the browser's
  * DecompressionStream("deflate"). Every model string reaches the page through textContent. */
 (function () {
@@ -101,14 +101,26 @@
       return { vals: d.thumbs.subarray(j * n, (j + 1) * n), nq: s.tq, nk: s.tk, scale: 255, exact: false };
     }
 
-    paint(m, vals, w, h) {
-      const img = new ImageData(w, h), px = img.data, lut = this.lut, g = this.gamma, sc = m.scale;
-      for (let i = 0; i < w * h; i++) {
-        let v = vals[i] / sc;
-        if (g !== 1) v = Math.pow(v, g);
-        const c = 3 * Math.min(255, Math.max(0, Math.round(v * 255)));
-        px[4 * i] = lut[c]; px[4 * i + 1] = lut[c + 1]; px[4 * i + 2] = lut[c + 2]; px[4 * i + 3] = 255;
+    // A colour per stored value (256 or 65536 entries, RGBA as one 32-bit word): one lookup per pixel.
+    lut32(scale) {
+      const key = scale + ":" + this.gamma;
+      this._luts = this._luts || new Map();
+      if (!this._luts.has(key)) {
+        const out = new Uint32Array(scale + 1), rgba = new Uint8Array(out.buffer), lut = this.lut, g = this.gamma;
+        for (let v = 0; v <= scale; v++) {
+          let x = v / scale;
+          if (g !== 1) x = Math.pow(x, g);
+          const c = 3 * Math.min(255, Math.max(0, Math.round(x * 255)));
+          rgba[4 * v] = lut[c]; rgba[4 * v + 1] = lut[c + 1]; rgba[4 * v + 2] = lut[c + 2]; rgba[4 * v + 3] = 255;
+        }
+        this._luts.set(key, out);
       }
+      return this._luts.get(key);
+    }
+
+    paint(m, vals, w, h) {
+      const img = new ImageData(w, h), px = new Uint32Array(img.data.buffer), lut = this.lut32(m.scale);
+      for (let i = 0; i < w * h; i++) px[i] = lut[vals[i]];
       return img;
     }
 
@@ -220,7 +232,9 @@
       const m = (this.cur = this.matrix(this.li, this.hi)), cv = this.el(".probe-matrix");
       cv.width = m.nk; cv.height = m.nq;
       cv.getContext("2d").putImageData(this.paint(m, m.vals, m.nk, m.nq), 0, 0);
-      const z = Math.max(1, Math.floor(640 / Math.max(m.nq, m.nk)));
+      // cells of a whole pixel each, the matrix within 640 px and (with its labels) the window
+      const room = Math.min(640, Math.max(200, window.innerHeight * 0.8 - 90));
+      const z = Math.max(1, Math.floor(room / Math.max(m.nq, m.nk)));
       this.zoom = z;
       cv.style.width = m.nk * z + "px"; cv.style.height = m.nq * z + "px";
       const note = this.el(".explorer-note");

@@ -1,0 +1,376 @@
+"""Figures as an API (``probe.plot``): every function returns a :class:`matplotlib.figure.Figure`.
+
+Figures are built with matplotlib's object-oriented API on a bare ``Figure`` (never pyplot), so
+nothing touches global pyplot state or the user's backend, nothing is shown, and a script can
+compose them (``ax=``) and save them as PNG, SVG or PDF (:func:`save`). In Jupyter a returned
+Figure displays inline.
+
+Index convention: ``layer`` and ``head`` arguments are 0-based model indices, as in cache keys
+and ``cache.pattern``; titles count from 1 like the tutorials ("Layer 1, Head 1" is
+``heatmap(cache, 0, 0)``). Keys are on x, queries on y, row 0 at the top; every cell is drawn
+with its value, the masked upper triangle included (a causal leak shows up as colour there).
+Padding positions (``attention_mask`` 0) of the chosen batch row are cropped. Tick labels are the
+tokens; past what fits (about 90 labels per axis) every k-th is shown and the axis label says so.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+import seaborn as sns
+import torch
+from matplotlib.axes import Axes
+from matplotlib.figure import Figure
+
+from probe.cache.format import key, parse_key
+from probe.errors import ProbeError
+from probe.report import fonts
+from probe.report import labels as lab
+from probe.report.matrix import DPI, axis_title, label_axis, matrix, side_inches
+
+_MAX_LINES = 8  # over_time: default number of query rows drawn
+
+
+# -- reading heads out of a cache ------------------------------------------------------------
+def _default_stack(cache, stack: str | None, kind: str) -> str:
+    stacks = cache.stacks
+    if not stacks:
+        raise ProbeError("this cache holds no attention patterns; capture a model with probe.capture")
+    if stack is not None:
+        if stack not in stacks:
+            raise ProbeError(f"stack {stack!r} is not in this cache; it has {', '.join(stacks)}")
+        return stack
+    return "decoder" if kind == "cross" or "decoder" in stacks else stacks[0]
+
+
+def _pattern_layers(cache, stack: str, kind: str) -> list[int]:
+    name = f"{kind}_attn.pattern"
+    found = []
+    for k in cache.keys():
+        try:
+            s, layer, n = parse_key(k)
+        except ValueError:
+            continue
+        if s == stack and n == name:
+            found.append(layer)
+    return sorted(found)
+
+
+def _check_layer(cache, stack: str, layer: int, kind: str) -> None:
+    if kind not in ("self", "cross"):
+        raise ProbeError(f"kind must be 'self' or 'cross', not {kind!r}")
+    if key(stack, layer, f"{kind}_attn.pattern") in cache:
+        return
+    have = _pattern_layers(cache, stack, kind)
+    if not have:
+        what = "cross-attention (it is not an encoder-decoder)" if kind == "cross" else f"{kind}-attention"
+        raise ProbeError(f"this cache has no {what} in the {stack} stack")
+    raise ProbeError(f"layer {layer} of the {stack} stack is not in this cache; it has layers {have}")
+
+
+def head_ids(cache, stack: str, layer: int, kind: str = "self") -> list[int]:
+    """The model's head indices of the cached pattern's head axis (all, or those captured)."""
+    n = cache.shape(key(stack, layer, f"{kind}_attn.pattern"))[1]
+    captured = cache.metadata.get("heads_captured")
+    return list(captured) if captured and len(captured) == n else list(range(n))
+
+
+def head_matrix(
+    cache, layer: int, head: int = 0, *, stack: str | None = None, kind: str = "self", batch: int = 0
+):
+    """One head's weights with padding cropped: ``(weights [n_query, n_key], query Side, key Side)``.
+
+    ``stack`` defaults to the decoder (or the only stack); ``head`` is the model's head index.
+    """
+    stack = _default_stack(cache, stack, kind)
+    _check_layer(cache, stack, layer, kind)
+    ids = head_ids(cache, stack, layer, kind)
+    if head not in ids:
+        raise ProbeError(f"head {head} is not in this cache's {stack} layer {layer}; it has heads {ids}")
+    k = key(stack, layer, f"{kind}_attn.pattern")
+    n_batch, _, n_q, n_k = cache.shape(k)
+    if not 0 <= batch < n_batch:
+        raise ProbeError(f"batch {batch} is out of range: the cache holds {n_batch} text(s)")
+    q_side, k_side = lab.sides(cache.metadata, stack, kind, batch, (n_q, n_k))
+    w = cache.pattern(stack, layer, kind, head=ids.index(head), batch=batch).float().numpy()
+    return w[np.ix_(q_side.positions, k_side.positions)], q_side, k_side
+
+
+def _title(cache, stack: str, layer: int, head: int, kind: str) -> str:
+    base = f"Layer {layer + 1}, Head {head + 1}"
+    if len(cache.stacks) > 1 or kind == "cross":
+        return f"{stack.capitalize()} {kind}-attention, {base}"
+    return base
+
+
+def _tick_names(side: lab.Side, ticks: str) -> list[str]:
+    if ticks == "tokens":
+        return side.tokens
+    if ticks == "positions":
+        return [str(i) for i in range(len(side.tokens))]
+    raise ProbeError(f"ticks must be 'tokens' or 'positions', not {ticks!r}")
+
+
+# -- the figures -----------------------------------------------------------------------------
+def heatmap(
+    cache,
+    layer: int,
+    head: int = 0,
+    *,
+    stack: str | None = None,
+    kind: str = "self",
+    batch: int = 0,
+    ax: Axes | None = None,
+    title: str | None = None,
+    xlabel: str = "Key",
+    ylabel: str = "Query",
+    cmap: str = "Blues",
+    vmin: float | None = 0.0,
+    vmax: float | None = None,
+    ticks: str = "tokens",
+) -> Figure:
+    """One head's attention pattern: keys on x, queries on y, token labels, colour bar.
+
+    Title "Layer L, Head H" (1-based; prefixed with the stack for encoder-decoders) unless
+    ``title`` is given. The colour scale runs from ``vmin`` (0) to ``vmax`` (the head's largest
+    weight). ``ticks="positions"`` labels positions 0.. instead of tokens. Returns the Figure.
+    """
+    w, q_side, k_side = head_matrix(cache, layer, head, stack=stack, kind=kind, batch=batch)
+    stack = _default_stack(cache, stack, kind)
+    return matrix(
+        w,
+        _tick_names(k_side, ticks),
+        _tick_names(q_side, ticks),
+        title=_title(cache, stack, layer, head, kind) if title is None else title,
+        xlabel=xlabel,
+        ylabel=ylabel,
+        cmap=cmap,
+        ax=ax,
+        vmin=vmin,
+        vmax=vmax,
+    )
+
+
+def cross(
+    cache, layer: int, head: int = 0, batch: int = 0, *, ax: Axes | None = None, title: str | None = None
+) -> Figure:
+    """Rectangular cross-attention of a decoder layer: target tokens (queries, y) over source
+    tokens (keys, x). Returns the Figure."""
+    return heatmap(
+        cache,
+        layer,
+        head,
+        stack="decoder",
+        kind="cross",
+        batch=batch,
+        ax=ax,
+        title=title,
+        xlabel="Source (keys)",
+        ylabel="Target (queries)",
+    )
+
+
+def _max_pool(m: np.ndarray, b: int) -> np.ndarray:
+    """Max over b×b blocks (the last block may be partial): a single strong cell stays visible."""
+    if b == 1:
+        return m
+    q, k = m.shape
+    m = np.pad(m, ((0, -q % b), (0, -k % b)), constant_values=np.nan)
+    return np.nanmax(m.reshape(m.shape[0] // b, b, m.shape[1] // b, b), axis=(1, 3))
+
+
+def overview(
+    cache,
+    *,
+    stack: str | None = None,
+    kind: str = "self",
+    batch: int = 0,
+    cmap: str = "Blues",
+    scale: str = "head",
+    max_pixels: int = 1600,
+) -> Figure:
+    """A layers × heads grid of every head's pattern (rows = layers from the top, columns = heads;
+    in each cell queries run down and keys right).
+
+    ``scale="head"`` divides each head by its own largest weight (so faint heads show their
+    structure; the colour bar reads "fraction of the head's maximum"); ``scale="shared"`` keeps
+    raw weights on one scale from 0. The grid is one image: when a head has more positions than
+    its cell has room for (``max_pixels`` across the grid), each pixel shows the maximum over a
+    block of b×b weights (the title says b), so a single strong weight is never lost. Returns the
+    Figure.
+    """
+    if scale not in ("head", "shared"):
+        raise ProbeError(f"scale must be 'head' or 'shared', not {scale!r}")
+    stack = _default_stack(cache, stack, kind)
+    layers = _pattern_layers(cache, stack, kind)
+    if not layers:
+        _check_layer(cache, stack, 0, kind)
+    heads = head_ids(cache, stack, layers[0], kind)
+    n_q, n_k = head_matrix(cache, layers[0], heads[0], stack=stack, kind=kind, batch=batch)[0].shape
+    cell = max(8, max_pixels // max(len(layers), len(heads)))
+    b = -(-max(n_q, n_k) // cell)
+    h, w = -(-n_q // b), -(-n_k // b)
+    gap = max(1, round(max(h, w) / 12))
+    grid = np.full((len(layers) * (h + gap) - gap, len(heads) * (w + gap) - gap), np.nan, dtype=np.float32)
+    for r, layer in enumerate(layers):
+        for c, head in enumerate(head_ids(cache, stack, layer, kind)):
+            m = head_matrix(cache, layer, head, stack=stack, kind=kind, batch=batch)[0]
+            if scale == "head":
+                m = m / max(float(np.nanmax(m)), np.finfo(np.float32).tiny)
+            grid[r * (h + gap) : r * (h + gap) + h, c * (w + gap) : c * (w + gap) + w] = _max_pool(m, b)
+    width = float(np.clip(0.9 * len(heads) * max(1.0, w / h), 4.0, 13.0))
+    height = float(np.clip(width * grid.shape[0] / grid.shape[1], 2.5, 13.0))
+    fig = Figure(figsize=(width + 1.3, height + 0.9), dpi=DPI, layout="constrained")
+    ax = fig.add_subplot()
+    pixels = width * DPI
+    image = ax.imshow(
+        grid,
+        cmap=cmap,
+        vmin=0.0,
+        vmax=1.0 if scale == "head" else float(np.nanmax(grid)),
+        aspect="auto",
+        interpolation="nearest" if max(grid.shape) <= pixels else "antialiased",
+    )
+    ax.xaxis.tick_top()
+    ax.set_xticks([c * (w + gap) + (w - 1) / 2 for c in range(len(heads))], [f"H{x + 1}" for x in heads])
+    ax.set_yticks([r * (h + gap) + (h - 1) / 2 for r in range(len(layers))], [f"L{x + 1}" for x in layers])
+    ax.tick_params(length=0, labelsize=8 if max(len(heads), len(layers)) <= 16 else 6)
+    for spine in ax.spines.values():
+        spine.set_visible(False)
+    pooled = f"; each pixel the max of {b}×{b} weights" if b > 1 else ""
+    ax.set_title(
+        f"{stack.capitalize()} {kind}-attention, layers × heads (queries ↓, keys →{pooled})", fontsize=10
+    )
+    label = "fraction of the head's largest weight" if scale == "head" else "attention weight"
+    fig.colorbar(image, ax=ax, fraction=0.03, pad=0.02, label=label)
+    return fig
+
+
+def over_time(
+    cache,
+    layer: int,
+    head: int,
+    queries: Sequence[int] | None = None,
+    batch: int = 0,
+    *,
+    stack: str | None = None,
+    kind: str = "self",
+    ax: Axes | None = None,
+    title: str | None = None,
+    xlabel: str = "Key position",
+    ylabel: str = "Attention weight",
+    ticks: str = "tokens",
+) -> Figure:
+    """Chosen query rows as lines of attention weight over key positions.
+
+    ``queries`` are positions among the row's real (unpadded) tokens; by default up to 8 evenly
+    spaced rows. Lines are labelled "Query t=<position>: <token>"; x ticks are the key tokens
+    (``ticks="positions"``: positions 0..). Returns the Figure.
+    """
+    w, q_side, k_side = head_matrix(cache, layer, head, stack=stack, kind=kind, batch=batch)
+    n_q = w.shape[0]
+    if queries is None:
+        queries = sorted(set(np.linspace(0, n_q - 1, min(n_q, _MAX_LINES)).round().astype(int).tolist()))
+    queries = [int(q) for q in queries]
+    bad = [q for q in queries if not 0 <= q < n_q]
+    if bad:
+        raise ProbeError(f"queries {bad} are out of range: this row has {n_q} query positions (0..{n_q - 1})")
+    title = (
+        f"Attention over time, {_title(cache, _default_stack(cache, stack, kind), layer, head, kind)}"
+        if title is None
+        else title
+    )
+    names = [f"Query t={q}: {lab.display(q_side.tokens[q])}" for q in queries]
+    x_names = _tick_names(k_side, ticks)
+    with fonts.context([*x_names, *names, title, xlabel, ylabel]):
+        if ax is None:
+            fig = Figure(
+                figsize=(max(6.0, min(side_inches(w.shape[1]) + 2, 14.0)), 4.5),
+                dpi=DPI,
+                layout="constrained",
+            )
+            ax = fig.add_subplot()
+        fig = ax.figure
+        palette = sns.color_palette("tab10" if len(queries) <= 10 else "husl", len(queries))
+        x = np.arange(w.shape[1])
+        for q, name, color in zip(queries, names, palette, strict=True):
+            # Legend entries are parsed as mathtext: escape "$" so a token shows as typed.
+            label = name.replace("$", r"\$")
+            ax.plot(x, w[q], marker="o", markersize=3 if w.shape[1] <= 64 else 0, color=color, label=label)
+        k = label_axis(ax, "x", x_names)
+        ax.set_xlim(-0.5, w.shape[1] - 0.5)
+        ax.set_ylim(bottom=0)
+        ax.set_title(title, parse_math=False)
+        ax.set_xlabel(axis_title(xlabel, k), parse_math=False)
+        ax.set_ylabel(ylabel, parse_math=False)
+        ax.grid(True, alpha=0.3)
+        ax.legend(fontsize=7, loc="best")
+        sns.despine(ax=ax)
+    return fig
+
+
+_RESIDUAL_SERIES = (
+    ("resid_pre", "|E| entering the layer", "o", "-"),
+    ("resid_post", "|E| leaving the layer", "s", "-"),
+    ("self_attn.delta", "|ΔE| self-attention", "^", "--"),
+    ("cross_attn.delta", "|ΔE| cross-attention", "v", "--"),
+    ("mlp.delta", "|ΔE| MLP", "D", "--"),
+)
+
+
+def residual_norm_values(cache, stack: str, batch: int = 0) -> dict[str, tuple[list[int], np.ndarray]]:
+    """Residual-stream norms of one text: for each of ``resid_pre``, ``resid_post`` and the
+    sublayer deltas, ``(layers, values)`` where a value is the L2 norm over d_model averaged over
+    the row's real (unpadded) tokens. Series the cache lacks are left out."""
+    out: dict[str, tuple[list[int], np.ndarray]] = {}
+    positions = None
+    for name, *_ in _RESIDUAL_SERIES:
+        layers, values = [], []
+        for k in cache.keys():
+            try:
+                s, layer, n = parse_key(k)
+            except ValueError:
+                continue
+            if s != stack or n != name:
+                continue
+            t = cache[k][batch].float()  # [pos, d_model]
+            if positions is None:
+                n_pos = t.shape[0]
+                positions = lab.sides(cache.metadata, stack, "self", batch, (n_pos, n_pos))[0].positions
+            layers.append(layer)
+            values.append(float(t[torch.as_tensor(positions)].norm(dim=-1).mean()))
+        if layers:
+            order = np.argsort(layers)
+            out[name] = ([layers[i] for i in order], np.asarray(values)[order])
+    return out
+
+
+def residual_norms(cache, batch: int = 0) -> Figure:
+    """|E| per layer (entering and leaving) and |ΔE| per sublayer (L2 over d_model, mean over real
+    tokens), one panel per stack, layers counted from 1. Returns the Figure."""
+    resid = [parse_key(k) for k in cache.keys() if k.endswith(("resid_pre", "resid_post", ".delta"))]
+    stacks = [s for s in cache.stacks if any(r[0] == s for r in resid)]
+    if not stacks:
+        raise ProbeError("this cache holds no residual-stream tensors; capture without restricting them")
+    n_texts = cache.shape(key(*resid[0]))[0]
+    if not 0 <= batch < n_texts:
+        raise ProbeError(f"batch {batch} is out of range: the cache holds {n_texts} text(s)")
+    fig = Figure(figsize=(6.0 * len(stacks), 4.2), dpi=DPI, layout="constrained")
+    axes = fig.subplots(1, len(stacks), squeeze=False)[0]
+    for ax, stack in zip(axes, stacks, strict=True):
+        series = residual_norm_values(cache, stack, batch)
+        for name, label, marker, style in _RESIDUAL_SERIES:
+            if name in series:
+                layers, values = series[name]
+                ax.plot([l + 1 for l in layers], values, marker=marker, linestyle=style, label=label)
+        all_layers = sorted({l for layers, _ in series.values() for l in layers})
+        ax.set_xticks([l + 1 for l in all_layers])
+        ax.set_xlabel("Layer")
+        ax.set_ylabel("L2 norm (mean over tokens)")
+        ax.set_title(f"Residual stream, {stack}" if len(cache.stacks) > 1 else "Residual stream")
+        ax.set_ylim(bottom=0)
+        ax.grid(True, alpha=0.3)
+        ax.legend(fontsize=7)
+        sns.despine(ax=ax)
+    return fig

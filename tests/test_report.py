@@ -1,0 +1,251 @@
+"""The HTML report without a browser: sections, escaping, the embedded data, size, offline, CLI.
+
+Oracles: the patterns the tests wrote themselves (tests/report_caches.py) or that the model
+returned; never the report's own output.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import re
+import subprocess
+import sys
+import types
+import zlib
+from pathlib import Path
+
+import numpy as np
+import pytest
+import report_caches as rc
+import torch
+
+import probe
+from probe.report import html as host
+from probe.report.context import ReportContext, safe_json
+
+ROOT = Path(__file__).resolve().parents[1]
+DATA_RE = re.compile(r'<script type="application/json" class="probe-data">(.*?)</script>', re.S)
+
+
+def views(text: str) -> list[dict]:
+    """The attention viewers' JSON data blocks of a report."""
+    return [json.loads(m) for m in DATA_RE.findall(text)]
+
+
+def weights(view: dict, si: int) -> np.ndarray:
+    """Set ``si``'s full-resolution heads decoded as the browser would: ``[n_full, q, k]`` floats."""
+    s = view["sets"][si]
+    raw = zlib.decompress(base64.b64decode(s["full"]))
+    q = np.frombuffer(raw, dtype="<u2" if view["bytes"] == 2 else "u1")
+    return q.reshape(s["nFull"], s["nq"], s["nk"]) / view["scale"]
+
+
+def render(cache) -> str:
+    return host.render(ReportContext(caches=[cache]))
+
+
+def test_sections_are_discovered_in_order_with_their_templates():
+    secs = host.discover()
+    names = [s.name for s in secs]
+    core = ["summary", "seeds", "attention", "cross_attention", "residual_norms"]
+    assert [n for n in names if n in core] == core
+    assert [s.order for s in secs] == sorted(s.order for s in secs)
+    templates = ROOT / "probe" / "report" / "templates" / "sections"
+    for s in secs:
+        assert (templates / f"{s.name}.html.j2").is_file(), s.name
+    text = render(rc.synthetic(list("abcd"), resid=True))
+    # each applicable section has an anchor and a contents entry, in ORDER
+    anchors = re.findall(r'<section class="probe-section" id="sec-(\w+)"', text)
+    # no tutorial figures for a non-zoo model, no cross-attention for a decoder-only one
+    assert anchors[:3] == ["summary", "attention", "residual_norms"]
+    assert "cross_attention" not in anchors and "seeds" not in anchors
+    for a in anchors:
+        assert f'href="#sec-{a}"' in text
+
+
+def _fake(name, build, order=99):
+    return host.Section(name, name.title(), order, types.SimpleNamespace(build=build))
+
+
+def test_a_section_raising_probe_error_is_a_note_and_other_errors_propagate():
+    ctx = ReportContext(caches=[rc.synthetic(list("abc"))])
+
+    def bad(ctx):
+        raise probe.ProbeError("needs <the model>; pass --model")
+
+    text = host.render(ctx, [_fake("broken", bad), _fake("absent", lambda ctx: None)])
+    assert "could not be built: needs &lt;the model&gt;; pass --model" in text
+    assert 'id="sec-absent"' not in text
+
+    def bug(ctx):
+        raise ValueError("a bug")
+
+    with pytest.raises(ValueError, match="a bug"):
+        host.render(ctx, [_fake("bug", bug)])
+
+
+def test_embedded_weights_equal_the_cache_within_half_a_step():
+    cache = rc.synthetic(list("attention"), n_layers=2, n_heads=3)
+    text = render(cache)
+    (view,) = views(text)
+    assert view["scale"] == 65535 and view["bytes"] == 2
+    s = view["sets"][0]
+    assert s["nFull"] == 6 and s["thumbs"] is None and s["qTokens"] == list("attention")
+    got = weights(view, 0).reshape(2, 3, 9, 9)
+    want = torch.stack([cache.pattern("decoder", li)[0] for li in range(2)]).numpy()
+    assert np.abs(got - want).max() <= 0.5 / 65535 + 1e-9
+
+
+def test_every_model_and_user_string_is_escaped():
+    text = render(rc.hostile())
+    assert rc.HOSTILE not in text and "<script>alert" not in text
+    assert "&lt;img src=x onerror=alert(1)&gt;" in text  # the token strip and the model name, as text
+    # the only </script> tags are our own: one per <script> element
+    assert text.count("</script>") == len(re.findall(r"<script[ >]", text))
+    (view,) = views(text)
+    assert rc.HOSTILE in view["sets"][0]["qTokens"] and rc.SCRIPT_END in view["sets"][0]["kTokens"]
+    assert safe_json("</script>&") == '"\\u003c/script\\u003e\\u0026"'
+
+
+def test_the_page_is_offline():
+    text = render(rc.chinese())
+    assert not re.search(r"https?://", text)
+    assert "default-src 'none'" in text  # the page's CSP forbids any request besides data:/blob:
+    assert not re.search(r"<(link|iframe|object|embed)\b", text)
+    assert not re.search(r"\bsrc=\"(?!data:)", text)
+    assert "注意" in text and "中文模型" in text
+
+
+def _gpt2_shaped_cache(T: int):
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    try:
+        import gpt2_shaped
+    finally:
+        sys.path.pop(0)
+    model = gpt2_shaped.build()
+    ids = torch.randint(0, 50257, (1, T), generator=torch.Generator().manual_seed(0))
+    return probe.capture(model, ids)
+
+
+def test_12_by_12_heads_at_128_tokens_fit_in_5_mb_every_head_exact(tmp_path):
+    cache = _gpt2_shaped_cache(128)
+    path = probe.report(cache, tmp_path / "r", progress=False)
+    size = path.stat().st_size
+    assert size <= 5 * 2**20, size
+    (view,) = views(path.read_text(encoding="utf-8"))
+    s = view["sets"][0]
+    assert (len(s["layers"]), len(s["heads"]), s["nq"], s["nFull"]) == (12, 12, 128, 144)
+    got = weights(view, 0).reshape(12, 12, 128, 128)
+    for layer in (0, 11):
+        want = cache.pattern("decoder", layer)[0].numpy()
+        assert np.abs(got[layer] - want).max() <= 0.5 / view["scale"] + 1e-9
+
+
+def test_worst_case_patterns_stay_under_5_mb_and_long_texts_degrade_to_thumbnails(tmp_path):
+    # flat, incompressible rows (uniform random weights) for 144 heads at T = 128
+    flat = rc.synthetic([f"t{i}" for i in range(128)], n_layers=12, n_heads=12, sharpness=0.3)
+    assert probe.report(flat, tmp_path / "flat", progress=False).stat().st_size <= 5 * 2**20
+    # T = 2048: one head stays exact, the rest become max-pooled thumbnails, the page stays small
+    long = rc.synthetic([f"t{i}" for i in range(2048)], n_layers=3, n_heads=2)
+    path = probe.report(long, tmp_path / "long", progress=False)
+    assert path.stat().st_size <= 6 * 2**20
+    (view,) = views(path.read_text(encoding="utf-8"))
+    s = view["sets"][0]
+    assert 1 <= s["nFull"] <= 4 and (s["tq"], s["tk"]) == (64, 64)
+    want = long.pattern("decoder", 0, head=0, batch=0).numpy()
+    assert np.abs(weights(view, 0)[0] - want).max() <= 0.5 / view["scale"] + 1e-9
+    thumbs = np.frombuffer(zlib.decompress(base64.b64decode(s["thumbs"])), "u1").reshape(-1, 64, 64)
+    last = long.pattern("decoder", 2, head=1, batch=0)
+    block_max = last.reshape(64, 32, 64, 32).amax(dim=(1, 3)).numpy()  # 2048 = 64 blocks of 32
+    assert np.abs(thumbs[-1] / 255 - block_max).max() <= 0.5 / 255 + 1e-9
+
+
+def test_encoder_decoder_report_has_rectangular_cross_attention(tmp_path):
+    cache = rc.encoder_decoder()
+    src, tgt = rc.SOURCE, rc.TARGET
+    text = probe.report(cache, tmp_path, progress=False).read_text(encoding="utf-8")
+    assert 'id="sec-cross_attention"' in text
+    attn, cross = views(text)
+    assert [s["label"] for s in attn["sets"]] == ["encoder self-attention", "decoder self-attention"]
+    assert (attn["sets"][0]["nq"], attn["sets"][1]["nq"]) == (4, 5)
+    (c,) = cross["sets"]
+    assert (c["nq"], c["nk"], c["kTokens"], c["qTokens"]) == (5, 4, src, tgt)
+    want = torch.stack([cache.pattern("decoder", li, "cross")[0] for li in range(2)]).numpy()
+    assert np.abs(weights(cross, 0).reshape(2, 2, 5, 4) - want).max() <= 0.5 / cross["scale"] + 1e-9
+
+
+def test_report_accepts_paths_and_lists_and_refuses_other_things(tmp_path):
+    a, b = rc.synthetic(list("abc")), rc.chinese()
+    a.save(tmp_path / "a.safetensors")
+    path = probe.report([tmp_path / "a.safetensors", b], tmp_path / "out", progress=False)
+    assert path == tmp_path / "out" / "index.html"
+    labels = [s["label"] for s in views(path.read_text(encoding="utf-8"))[0]["sets"]]
+    assert labels == ["cache 1, decoder self-attention", "cache 2, decoder self-attention"]
+    with pytest.raises(probe.ProbeError, match="takes a probe.Cache"):
+        probe.report(42, tmp_path / "x")
+    (tmp_path / "file").write_text("")
+    with pytest.raises(probe.ProbeError, match="is a file"):
+        probe.report(a, tmp_path / "file")
+
+
+def test_probe_report_is_callable_and_its_submodules_import():
+    import probe.report.figures  # noqa: F401  (a submodule of the callable package)
+
+    assert callable(probe.report) and probe.report.html.report is host.report
+    assert hasattr(probe, "plot") and callable(probe.plot.heatmap)
+
+
+def test_zoo_reports_show_the_tutorial_figures_and_residual_norms(tmp_path):
+    import models
+
+    cache = probe.capture(models.load("minigpt"), "attention lets tokens read.")
+    text = probe.report(cache, tmp_path, progress=False).read_text(encoding="utf-8")
+    assert 'id="sec-seeds"' in text and 'download="minigpt_layer1_head1.png"' in text
+    assert 'id="sec-residual_norms"' in text and 'alt="residual stream norms, text 1"' in text
+
+
+def test_cache_repr_html_is_static_and_escaped():
+    out = rc.hostile()._repr_html_()
+    assert "<script" not in out and rc.HOSTILE not in out
+    assert "&lt;img src=x onerror=alert(1)&gt;" in out and "data:image/png;base64," in out
+    assert not re.search(r"https?://", out)
+
+
+def _probe(*args, cwd):
+    env = {"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin", "HOME": str(cwd)}
+    import os
+
+    env["PROBE_CACHE_DIR"] = os.environ.get("PROBE_CACHE_DIR", str(cwd))
+    return subprocess.run(
+        [sys.executable, "-m", "probe", *args], cwd=cwd, env=env, capture_output=True, text=True
+    )
+
+
+def test_cli_report_from_a_model_and_from_a_cache(tmp_path):
+    r = _probe("report", "--model", "minigpt", "attention lets tokens read.", cwd=tmp_path)
+    assert r.returncode == 0, r.stderr
+    out = tmp_path / "reports" / "minigpt" / "index.html"
+    assert "wrote reports/minigpt/index.html" in r.stdout and out.is_file()
+    assert "report:" in r.stderr and "100%" in r.stderr  # the progress bar
+    (view,) = views(out.read_text(encoding="utf-8"))
+    assert "".join(view["sets"][0]["qTokens"]) == "attention lets tokens read."
+    rc.chinese().save(tmp_path / "zh.safetensors")
+    r = _probe("report", "zh.safetensors", "-o", "out", cwd=tmp_path)
+    assert r.returncode == 0, r.stderr
+    assert "注意" in (tmp_path / "out" / "index.html").read_text(encoding="utf-8")
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["report", "missing.safetensors"], "no such file"),
+        (["report", "--model", "nope", "hi"], "unknown model 'nope'"),
+        (["report", "--model", "minigpt", "HI"], "not in the vocabulary"),
+        (["report", "--model", "minigpt", "a.safetensors"], "not both"),
+    ],
+)
+def test_cli_report_errors_are_one_line(tmp_path, args, message):
+    r = _probe(*args, cwd=tmp_path)
+    assert r.returncode == 2 and message in r.stderr and "Traceback" not in r.stderr
+    assert not (tmp_path / "reports").exists()

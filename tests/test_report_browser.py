@@ -1,0 +1,180 @@
+"""The report in a real browser: Debian's headless Chromium driven by Playwright (never skipped).
+
+Oracles: the cache's own tensors (weights), the strings the tests put in (tokens), and pixels.
+"""
+
+from __future__ import annotations
+
+import io
+import re
+
+import numpy as np
+import pytest
+import report_caches as rc
+
+import probe
+from probe.report.browser import browser, hover_cell, open_report, screenshot
+
+pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
+ALLOWED = ("file:", "data:", "blob:")
+
+
+@pytest.fixture(scope="module")
+def chromium():
+    with browser() as b:
+        yield b
+
+
+@pytest.fixture(scope="module")
+def minigpt_report(tmp_path_factory):
+    import models
+
+    cache = probe.capture(models.load("minigpt"), "attention lets tokens read.")
+    return cache, probe.report(cache, tmp_path_factory.mktemp("minigpt"), progress=False)
+
+
+def _clean(log):
+    assert log.errors == [] and [m for m in log.console if m[0] in ("error", "warning")] == []
+    assert [u for u in log.requests if not u.startswith(ALLOWED)] == []
+    assert log.dialogs == []
+
+
+def _weight(readout: str) -> float:
+    return float(re.search(r"weight ([0-9.]+)", readout).group(1))
+
+
+def test_report_loads_offline_and_hover_shows_the_cached_weight(chromium, minigpt_report):
+    cache, path = minigpt_report
+    page, log = open_report(chromium, path)
+    scale = page.evaluate("probe.views[0].scale")
+    for q, k in [(0, 0), (5, 2), (26, 13), (26, 26)]:
+        readout = hover_cell(page, 0, q, k)
+        want = cache.pattern("decoder", 0, head=0, batch=0)[q, k].item()
+        assert f"query {q} " in readout and f"key {k} " in readout
+        assert abs(_weight(readout) - want) <= 0.5 / scale + 1e-6, (q, k, readout)
+        tip = page.locator(".probe-tooltip").first
+        assert tip.is_visible() and f"{_weight(readout):.6f}" in tip.text_content()
+    # keyboard: arrows move the cell, ] / PgDn change head / layer; the readout follows the cache
+    page.locator(".probe-matrix").first.focus()
+    page.keyboard.press("ArrowUp")
+    page.keyboard.press("ArrowLeft")
+    page.keyboard.press("]")
+    page.keyboard.press("PageDown")
+    readout = page.locator(".probe-readout").first.text_content()
+    assert readout.startswith("Layer 1, Head 1: query 25 ")
+    want = cache.pattern("decoder", 1, head=1, batch=0)[25, 25].item()
+    assert abs(_weight(readout) - want) <= 0.5 / scale + 1e-6
+    # hovering a key token in the strip shows its column
+    page.locator(".probe-attn .tokens-k .tok").nth(3).hover()
+    assert page.locator(".probe-readout").first.get_attribute("data-k") == "3"
+    _clean(log)
+    page.close()
+
+
+def test_download_buttons_give_pngs_of_the_views(chromium, minigpt_report, tmp_path):
+    from PIL import Image
+
+    _, path = minigpt_report
+    page, log = open_report(chromium, path)
+    sizes = {}
+    for button in ("btn-png-head", "btn-png-overview"):
+        with page.expect_download() as dl:
+            page.locator(f".probe-attn .{button}").first.click()
+        out = tmp_path / dl.value.suggested_filename
+        dl.value.save_as(out)
+        assert out.suffix == ".png"
+        sizes[button] = Image.open(out).size
+    z = 768 // 27  # the explorer's export: 27 x 27 cells scaled to at most 768 px, plus a title band
+    assert sizes["btn-png-head"] == (27 * z, 27 * z + 24)
+    assert sizes["btn-png-overview"] == tuple(
+        page.evaluate(
+            "(() => { const c = document.querySelector('.probe-overview'); return [c.width, c.height]; })()"
+        )
+    )
+    _clean(log)
+    page.close()
+
+
+def test_hostile_tokens_stay_text_and_run_nothing(chromium, tmp_path):
+    path = probe.report(rc.hostile(), tmp_path, progress=False)
+    page, log = open_report(chromium, path)
+    hover_cell(page, 0, 1, 1)
+    assert page.locator("img[src=x]").count() == 0
+    assert page.evaluate("document.querySelectorAll('script').length") == 2  # data block + our code
+    strip = page.locator("#sec-summary .probe-tokens .tok")
+    assert strip.nth(1).text_content() == rc.HOSTILE and strip.nth(3).text_content() == rc.SCRIPT_END
+    assert rc.HOSTILE in page.locator(".probe-tooltip").first.text_content()
+    assert page.locator(".probe-model-name").text_content() == rc.HOSTILE
+    _clean(log)  # includes: no dialog opened
+    page.close()
+
+
+def test_chinese_tokens_appear_with_real_glyphs(chromium, tmp_path):
+    from hf_fixtures import minilm
+
+    model, tok, _ = minilm()
+    cache = probe.capture(model, "注意力 attention", tokenizer=tok)
+    assert "力" in cache.tokens[0]
+    path = probe.report([cache, rc.chinese()], tmp_path, progress=False)
+    page, log = open_report(chromium, path)
+    strips = page.locator("#sec-summary .probe-tokens").all_text_contents()
+    assert "力" in strips[0] and "".join(rc.CHINESE) in strips[1]
+    page.select_option(".probe-attn .sel-set", "1")
+    page.wait_for_function("probe.views[0].set.qTokens[0] === '注意'")
+    assert page.locator(".probe-attn .tokens-q .tok").first.text_content() == "注意"
+    # a glyph, not the missing-glyph box: 力 and 机 draw differently, and differ from a private-use char
+    shots = {}
+    for ch in ("力", "机", "\ue000"):
+        page.evaluate(
+            "ch => { const s = document.createElement('span'); s.id = 'glyph'; s.className = 'tok';"
+            " s.style.fontSize = '40px'; s.textContent = ch; document.body.prepend(s); }",
+            ch,
+        )
+        shots[ch] = page.locator("#glyph").screenshot()
+        page.evaluate("document.getElementById('glyph').remove()")
+    assert len({shots[c] for c in shots}) == 3
+    _clean(log)
+    page.close()
+
+
+def test_screenshot_is_not_blank(chromium, minigpt_report, tmp_path):
+    from PIL import Image
+
+    _, path = minigpt_report
+    out = screenshot(path, tmp_path / "shot.png", b=chromium)
+    img = np.asarray(Image.open(io.BytesIO(out.read_bytes())).convert("RGB"))
+    assert img.shape == (900, 1200, 3)
+    colours = len(np.unique(img.reshape(-1, 3), axis=0))
+    assert colours > 200 and img.std() > 20  # text, heatmap colours, not one flat colour
+
+
+def test_long_text_explorer_stays_exact_and_overview_degrades(chromium, tmp_path):
+    cache = rc.synthetic([f"t{i}" for i in range(2048)], n_layers=3, n_heads=2)  # 4 heads fit
+    path = probe.report(cache, tmp_path, progress=False)
+    page, log = open_report(chromium, path)
+    readout = hover_cell(page, 0, 1500, 700)
+    want = cache.pattern("decoder", 0, head=0, batch=0)[1500, 700].item()
+    assert abs(_weight(readout) - want) <= 0.5 / 255 + 1e-6
+    page.select_option(".probe-attn .sel-layer", "2")
+    page.select_option(".probe-attn .sel-head", "1")
+    assert page.locator(".explorer-note").first.is_visible()
+    assert "max weight" in hover_cell(page, 0, 10, 5)
+    _clean(log)
+    page.close()
+
+
+def test_cross_attention_view_is_rectangular_and_exact(chromium, tmp_path):
+    cache = rc.encoder_decoder()
+    page, log = open_report(chromium, probe.report(cache, tmp_path, progress=False))
+    assert page.evaluate("[probe.views[1].set.nq, probe.views[1].set.nk]") == [5, 4]
+    readout = hover_cell(page, 1, 4, 3)  # view 1: the cross-attention section's explorer
+    assert "\u201cbeer\u201d \u2192 key 3 \u201cbier\u201d" in readout
+    want = cache.pattern("decoder", 0, "cross", head=0, batch=0)[4, 3].item()
+    assert abs(_weight(readout) - want) <= 0.5 / page.evaluate("probe.views[1].scale") + 1e-6
+    # the square-root colour scale repaints without changing the numbers
+    before = page.locator(".probe-matrix").nth(1).screenshot()
+    page.select_option("#sec-cross_attention .sel-gamma", "0.5")
+    assert page.locator(".probe-matrix").nth(1).screenshot() != before
+    assert _weight(hover_cell(page, 1, 4, 3)) == _weight(readout)
+    _clean(log)
+    page.close()
