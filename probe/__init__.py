@@ -11,8 +11,19 @@ The public API is small and flat::
 
 __version__ = "0.1.0"
 
+from probe.analysis.causal import CausalReport, check_causal  # noqa: E402
 from probe.cache import Cache, load  # noqa: E402
 from probe.capture import Trace, capture, trace  # noqa: E402
 from probe.errors import ProbeError  # noqa: E402
 
-__all__ = ["capture", "trace", "Trace", "load", "Cache", "ProbeError", "__version__"]
+__all__ = [
+    "capture",
+    "trace",
+    "Trace",
+    "load",
+    "Cache",
+    "ProbeError",
+    "__version__",
+    "check_causal",
+    "CausalReport",
+]
