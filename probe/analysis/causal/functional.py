@@ -409,9 +409,10 @@ class Functional:
             forward.call(twin, self.x)
         caches.append(tr.cache)
         self.checks[-1]["forwards"] += 2
-        stack = caches[0].stacks[-1]
-        for layer in range(caches[0].n_layers(stack)):
-            a, b = caches[0].pattern(stack, layer), caches[1].pattern(stack, layer)
+        # compare layer by layer; each cache names its own lone stack (a leaky one looks like an encoder)
+        sa, sb = caches[0].stacks[-1], caches[1].stacks[-1]
+        for layer in range(min(caches[0].n_layers(sa), caches[1].n_layers(sb))):
+            a, b = caches[0].pattern(sa, layer), caches[1].pattern(sb, layer)
             diff = (a.float() - b.float()).abs().amax(dim=(0, 2, 3))
             if float(diff.max()) > self.tol["mass"] * 10:
                 h = int(diff.argmax())
