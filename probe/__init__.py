@@ -11,6 +11,9 @@ The public API is small and flat::
 
 __version__ = "0.1.0"
 
+# probe.report is a callable module: probe.report(cache, "out/") writes out/index.html, and its
+# submodules (probe.report.html, probe.report.sections, ...) import as usual.
+from probe import report  # noqa: E402
 from probe.analysis.causal import CausalReport, check_causal  # noqa: E402
 from probe.cache import Cache, load  # noqa: E402
 from probe.capture import Trace, capture, trace  # noqa: E402
@@ -23,6 +26,7 @@ __all__ = [
     "load",
     "Cache",
     "ProbeError",
+    "report",
     "__version__",
     "check_causal",
     "CausalReport",
