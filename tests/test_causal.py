@@ -273,6 +273,38 @@ def test_hf_backend_mismatch_is_found(bpe):
     assert (f.kind, f.layer) == ("backend_mismatch", 1)
 
 
+# -- report section -------------------------------------------------------------------------------------
+def test_report_section_renders_verdict_heatmaps_and_leaking_head(tmp_path):
+    m = G.broken("one_head")
+    cache = probe.capture(m, G.IDS)
+    html = probe.report(cache, tmp_path / "r", model=m).read_text()
+    i = html.index('id="sec-causal"')
+    sec = html[i : html.index("</section>", i)]
+    assert "LEAK: 1 finding(s): unmasked_head" in sec
+    assert "decoder layer 1 head 2" in sec  # the leaking head's figure
+    assert sec.count("data:image/png;base64,") == 2  # heatmaps + the outlined pattern
+    assert "http://" not in sec and "https://" not in sec
+    # from a cache alone (no model): static checks only, the section still renders
+    clean = probe.report(probe.capture(G.everywhere("ok"), G.IDS), tmp_path / "c").read_text()
+    assert "OK: no leak found (decoder: causal)" in clean
+
+
+def test_section_build_with_a_stand_in_context():
+    from types import SimpleNamespace
+
+    from probe.report.context import figure_uri
+    from probe.report.sections import causal as section
+
+    cache = probe.capture(G.everywhere("ok"), G.IDS)
+    ctx = SimpleNamespace(
+        caches=[cache], cache=cache, model=None, tokenizer=None, results={},
+        figure=lambda fig, alt="": figure_uri(fig), json=json.dumps, progress=lambda text: None,
+    )  # fmt: skip
+    s = section.build(ctx)
+    assert s["ok"] and s["head"] is None and len(s["heatmaps"]) == 1
+    assert ctx.results["causal"].ok  # shared with other sections
+
+
 # -- CLI ------------------------------------------------------------------------------------------------
 def test_cli_check_zoo_model_exit_0():
     out = subprocess.run(

@@ -7,7 +7,11 @@ from typing import Any
 TITLE = "Causal-mask audit"
 ORDER = 30
 
-MAX_CELLS = 64  # outline offending cells one by one up to this many positions
+MAX_CELLS = 64
+PAD_KINDS = (
+    "pad_attention",
+    "mask_over_queries",
+)  # outline offending cells one by one up to this many positions
 
 
 def _audit(ctx) -> Any:
@@ -15,11 +19,19 @@ def _audit(ctx) -> Any:
 
     if "causal" in ctx.results:
         return ctx.results["causal"]
+    import torch
+
     cache = ctx.cache
-    texts = cache.metadata.get("texts")
-    if ctx.model is not None and texts and not cache.metadata.get("target_texts"):
+    meta = cache.metadata
+    inputs = None
+    if meta.get("texts"):
+        inputs = meta["texts"]
+    elif meta.get("input_kind") == "ids":
+        inputs = torch.tensor(meta["ids"])
+    if ctx.model is not None and inputs is not None and not meta.get("target_ids"):
+        # the model is at hand: the audit re-captures the same inputs and runs the functional checks
         ctx.progress("causal audit: functional checks")
-        report = check_causal(ctx.model, texts, tokenizer=ctx.tokenizer)
+        report = check_causal(ctx.model, inputs, tokenizer=ctx.tokenizer)
     else:
         report = check_causal(cache)
     ctx.results["causal"] = report
@@ -37,13 +49,13 @@ def _heatmaps(ctx, report) -> list[dict]:
     for label, g in report.grids.items():
         if not g["layers"]:
             continue
-        leaks = {
-            (f.layer, f.head)
-            for f in report.findings
-            if f.stack == label.split(" ")[0] and f.head is not None
+        mine = [
+            f for f in report.findings if f.stack == label and f.head is not None and g.get("kind") == "self"
+        ]
+        boxed = {
+            "future": {(f.layer, f.head) for f in mine if f.kind not in PAD_KINDS},
+            "pad": {(f.layer, f.head) for f in mine if f.kind in PAD_KINDS},
         }
-        if g.get("kind") == "cross":
-            leaks = set()
         panels = (
             [("future", "mass on later keys")]
             if report.expected.get(label) not in (None, "bidirectional")
@@ -66,7 +78,7 @@ def _heatmaps(ctx, report) -> list[dict]:
             ax.set_yticks(range(len(g["layers"])), [str(layer) for layer in g["layers"]])
             for row, layer in enumerate(g["layers"]):
                 for h in range(len(data[0])):
-                    if (layer, h) in leaks:
+                    if (layer, h) in boxed[name]:
                         ax.add_patch(Rectangle((h - 0.5, row - 0.5), 1, 1, fill=False, ec="black", lw=2))
             fig.colorbar(im, ax=ax, shrink=0.8)
         fig.suptitle(f"{label}: max over rows (boxed: a finding)", fontsize=9)
@@ -84,6 +96,8 @@ def _leaking_head(ctx, report) -> dict | None:
     import torch
     from matplotlib.patches import Rectangle
 
+    from probe.analysis.causal import TOLERANCES
+
     cache = ctx.cache
     grid_of = {label: g for label, g in report.grids.items() if g.get("kind") == "self"}
     for f in report.findings:
@@ -98,9 +112,11 @@ def _leaking_head(ctx, report) -> dict | None:
         pad = torch.zeros(K, dtype=torch.bool)
         if mask and len(mask[b]) == K:
             pad = torch.tensor(mask[b]) == 0
-        bad = ((fut | pad[None, :]) & (p.nan_to_num(0) > 0)) | ~torch.isfinite(p)
+        tol = TOLERANCES.get(report.dtype, TOLERANCES["float32"])["mass"]
+        bad = ((fut | pad[None, :]) & (p.nan_to_num(0) > tol)) | ~torch.isfinite(p)
         fig, ax = plt.subplots(figsize=(5.2, 4.6))
-        ax.imshow(p.nan_to_num(0), cmap="Blues", vmin=0, vmax=1)
+        shown = p.nan_to_num(0)
+        ax.imshow(shown.numpy(), cmap="Blues", vmin=0, vmax=max(float(shown.max()), 1e-6))
         toks = (cache.tokens or [[]])[b] if cache.tokens else []
         if len(toks) == K and K <= 40:
             ax.set_xticks(range(K), toks, rotation=90, fontsize=7)
