@@ -247,6 +247,19 @@ def test_hf_decoders_pass_clean(arch, bpe):
         assert r.expected == {"decoder": "causal, window 4"}
 
 
+def test_hf_encoder_decoder_decoder_is_audited_encoder_and_cross_are_not(bpe):
+    import hf_fixtures as H
+
+    r = check_causal(H.bart(len(bpe)), "attention lets tokens read.", tokenizer=bpe)
+    assert r.ok, str(r)
+    assert r.expected == {"encoder": "bidirectional", "decoder": "causal"}
+    assert set(r.grids) == {"encoder", "decoder", "decoder cross"}
+    assert any("encoder self-attention is bidirectional" in n for n in r.notes)
+    assert any("decoder cross-attention reads another sequence" in n for n in r.notes)
+    st = {c["check"]: c["status"] for c in r.checks}
+    assert st["suffix"] == "pass" and st["gradient"] == "pass"
+
+
 def test_hf_backend_mismatch_is_found(bpe):
     import hf_fixtures as H
 

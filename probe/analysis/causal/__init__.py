@@ -223,19 +223,23 @@ def _functional(report, model, inputs, cache, expected, tol, tokenizer) -> None:
     )
     f.suffix(future_heads)
     f.gradient()
-    token_model = not x.is_floating_point() and enc is None
-    if token_model and (forward.is_hf_model(model) or forward.accepts(model, "attention_mask")):
+    why = None
+    if x.is_floating_point():
+        why = "float inputs: no ids to pad or decode"
+    elif enc is not None:
+        why = "encoder-decoder: run on decoder-only models"
+    if why is None and (forward.is_hf_model(model) or forward.accepts(model, "attention_mask")):
         f.padding(expected[stack])
     else:
-        f.skip("padding", "the model takes no padding mask")
-    if token_model and forward.supports_kv_cache(model) and x.shape[1] >= 4:
+        f.skip("padding", why or "the model takes no padding mask")
+    if why is None and forward.supports_kv_cache(model) and x.shape[1] >= 4:
         f.kv_cache(expected[stack])
     else:
-        f.skip("kv_cache", "the model has no KV cache (past_key_values/use_cache)")
-    if token_model:
+        f.skip("kv_cache", why or "the model has no KV cache (past_key_values/use_cache)")
+    if why is None:
         f.backend()
     else:
-        f.skip("backend", "the model offers one attention backend")
+        f.skip("backend", why)
     report.checks += f.checks
     _mask_after_softmax(report, model, x, enc, f, future_heads)
     report.findings += f.findings
