@@ -7,6 +7,7 @@ tested on hand-written patterns, and the functional checks on hand-computed outp
 
 from __future__ import annotations
 
+import functools
 import json
 import subprocess
 import sys
@@ -20,6 +21,12 @@ from probe.analysis.causal import TOLERANCES, check_causal
 from probe.analysis.causal.static import check_pattern
 
 TOL = TOLERANCES["float32"]
+
+
+@functools.cache
+def audit(mode: str):
+    """The audit of the gallery model with ``mode`` in layer BAD_LAYER (computed once per session)."""
+    return check_causal(G.broken(mode), G.IDS)
 
 
 def located(report, kind, layer=G.BAD_LAYER, head=None):
@@ -46,7 +53,7 @@ def located(report, kind, layer=G.BAD_LAYER, head=None):
     ],
 )
 def test_gallery_bug_is_caught_and_located(mode, kind, per_head):
-    r = check_causal(G.broken(mode), G.IDS)
+    r = audit(mode)
     assert not r.ok
     assert r.kinds() == {kind}, str(r)
     heads = {f.head for f in r.findings}
@@ -56,8 +63,7 @@ def test_gallery_bug_is_caught_and_located(mode, kind, per_head):
 
 
 def test_positions_of_a_future_leak_are_real_future_cells():
-    r = check_causal(G.broken("one_head"), G.IDS)
-    (f,) = r.findings
+    (f,) = audit("one_head").findings
     assert f.key > f.query  # the worst cell lies above the diagonal
     # oracle: recompute the head's weights by hand from the model's own projections
     m = G.broken("one_head")
@@ -73,7 +79,7 @@ def test_positions_of_a_future_leak_are_real_future_cells():
 
 
 def test_token_shift_into_the_mlp_is_a_leak_outside_attention():
-    r = check_causal(G.broken("shift_mlp"), G.IDS)
+    r = audit("shift_mlp")
     assert r.kinds() == {"leak_outside_attention"}
     (f,) = r.findings
     assert (f.stack, f.layer, f.head) == ("decoder", G.BAD_LAYER, None)
@@ -181,7 +187,7 @@ def test_cache_only_audit_and_bidirectional_note():
 
 
 def test_report_exports():
-    r = check_causal(G.broken("one_head"), G.IDS)
+    r = audit("one_head")
     d = json.loads(r.to_json())
     assert d["ok"] is False and d["findings"][0]["kind"] == "unmasked_head"
     assert d["tolerances"] == TOLERANCES["float32"]

