@@ -121,6 +121,23 @@ def test_zoo_decoders_pass_clean(name):
     assert r.expected == {"decoder": "causal"}
 
 
+def test_translator_decoder_is_causal_encoder_and_cross_are_not_expected_to_be():
+    # the translator's architecture with seeded random weights: masks do not depend on training,
+    # and this spares the test session the translator's training run
+    import models
+
+    torch.manual_seed(0)
+    model = models.build("translator").eval()
+    r = check_causal(model, "ich mochte ein bier")
+    assert r.ok, str(r)
+    assert r.expected == {"encoder": "bidirectional", "decoder": "causal"}
+    assert set(r.grids) == {"encoder", "decoder", "decoder cross"}
+    assert any("encoder self-attention is bidirectional" in n for n in r.notes)
+    assert any("decoder cross-attention reads another sequence" in n for n in r.notes)
+    st = {c["check"]: c["status"] for c in r.checks}
+    assert st["suffix"] == "pass" and st["gradient"] == "pass"
+
+
 def test_single_head_passes_clean_on_float_inputs():
     import models
     from models.single_head import example_input

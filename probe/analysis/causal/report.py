@@ -154,7 +154,10 @@ class CausalReport:
     def __str__(self) -> str:
         lines = [f"causal-mask audit of {self.model}: {self.verdict()}"]
         if self.findings:
-            lines.append(self.table.to_text(max_rows=20))
+            short = [c for c in COLUMNS if c != "evidence"]
+            rows = [{"#": i + 1, **{c: getattr(f, c) for c in short}} for i, f in enumerate(self.findings)]
+            lines.append(Table(rows, ["#"] + short).to_text(max_rows=20))
+            lines.extend(f"  {i + 1}. {f.evidence}" for i, f in enumerate(self.findings[:20]))
         fw, bw = self.cost()
         ran = [f"{c['check']} {c['status']}" for c in self.checks]
         if ran:

@@ -78,9 +78,12 @@ def check_pattern(
     fmass = (p0 * future).sum(-1).masked_fill(~rows, 0) if causal else torch.zeros(B, H, Q)
     # the window actually used: how far back the earliest real key with weight lies
     nz = (p0 > tol["mass"]) & kmask[:, None, None, :] & ~future & rows[..., None]
-    first = torch.where(nz, kpos.expand_as(nz), torch.full_like(nz, K, dtype=torch.long)).amin(-1)
-    span = (qpos[:, 0] - first + 1).masked_fill(first == K, 0)  # [B, H, Q]
-    exact = [bool(((p0[:, h] * future)[rows[:, h]] == 0).all()) for h in range(H)]
+    seen = nz.any(-1)
+    first = torch.where(seen, nz.to(torch.uint8).argmax(-1), K)  # argmax: the first True key
+    span = (qpos[:, 0] - first + 1).masked_fill(~seen, 0)  # [B, H, Q]
+    # per head: every future cell of every real row exactly 0
+    exact = (~((p0 * future != 0) & rows[..., None]).flatten(2).any(-1).any(0)).tolist()
+    row_sums = p0.sum(-1)
     for h in range(H):
         stats["future"][h] = float(fmass[:, h].max())
         stats["pad"][h] = float(pad_mass[:, h].max())
@@ -136,7 +139,7 @@ def check_pattern(
                 f"{int(bad_rows.sum())} attention row(s) hold NaN/inf, first at text {b} query {q} "
                 "(a mask fill that overflows this dtype, or a fully masked row)",
             )
-        sums = p0[:, h].sum(-1)
+        sums = row_sums[:, h]
         dev = (sums - 1).abs().masked_fill(~(r & finite[:, h]), 0)
         if float(dev.max()) > tol["rowsum"]:
             b, q = _argmax2(dev)
