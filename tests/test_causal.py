@@ -128,7 +128,11 @@ def test_translator_decoder_is_causal_encoder_and_cross_are_not_expected_to_be()
 
     torch.manual_seed(0)
     model = models.build("translator").eval()
-    r = check_causal(model, "ich mochte ein bier")
+    assert_encoder_decoder_clean(check_causal(model, "ich mochte ein bier"))
+
+
+def assert_encoder_decoder_clean(r):
+    """The decoder audited and clean; encoder and cross-attention noted as not expected causal."""
     assert r.ok, str(r)
     assert r.expected == {"encoder": "bidirectional", "decoder": "causal"}
     assert set(r.grids) == {"encoder", "decoder", "decoder cross"}
@@ -230,31 +234,11 @@ def bpe(tmp_path_factory):
     return H.bpe_tokenizer(tmp_path_factory.mktemp("bpe"))
 
 
-def _mistral(vocab):
-    import transformers as tf
-
-    cfg = tf.MistralConfig(
-        vocab_size=vocab,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=64,
-        sliding_window=4,
-        bos_token_id=0,
-        eos_token_id=0,
-        pad_token_id=0,
-    )
-    torch.manual_seed(3)
-    return tf.MistralForCausalLM(cfg).eval()
-
-
 @pytest.mark.parametrize("arch", ["gpt2", "llama", "mistral"])
 def test_hf_decoders_pass_clean(arch, bpe):
     import hf_fixtures as H
 
-    model = _mistral(len(bpe)) if arch == "mistral" else getattr(H, arch)(len(bpe))
+    model = getattr(H, arch)(len(bpe))
     texts = ["the model is reading the tokens one by one.", "attention lets tokens read."]
     r = check_causal(model, texts, tokenizer=bpe)
     assert r.ok, str(r)
@@ -273,14 +257,7 @@ def test_hf_decoders_pass_clean(arch, bpe):
 def test_hf_encoder_decoder_decoder_is_audited_encoder_and_cross_are_not(bpe):
     import hf_fixtures as H
 
-    r = check_causal(H.bart(len(bpe)), "attention lets tokens read.", tokenizer=bpe)
-    assert r.ok, str(r)
-    assert r.expected == {"encoder": "bidirectional", "decoder": "causal"}
-    assert set(r.grids) == {"encoder", "decoder", "decoder cross"}
-    assert any("encoder self-attention is bidirectional" in n for n in r.notes)
-    assert any("decoder cross-attention reads another sequence" in n for n in r.notes)
-    st = {c["check"]: c["status"] for c in r.checks}
-    assert st["suffix"] == "pass" and st["gradient"] == "pass"
+    assert_encoder_decoder_clean(check_causal(H.bart(len(bpe)), "attention lets tokens read.", tokenizer=bpe))
 
 
 def test_hf_backend_mismatch_is_found(bpe):
