@@ -204,6 +204,8 @@ def test_cache_only_audit_and_bidirectional_note():
     r2 = check_causal(cache, expect="causal")
     assert {(f.kind, f.layer, f.head) for f in r2.findings} == {("unmasked_head", G.BAD_LAYER, G.BAD_HEAD)}
     assert any("cache only" in n for n in r2.notes)
+    r3 = check_causal(cache, expect={"decoder": "causal"})  # the name the user knows it by
+    assert r3.to_dict()["findings"] == r2.to_dict()["findings"]
     assert r2.checks == []
 
 

@@ -81,6 +81,8 @@ def _expected(cache: Any, model: nn.Module | None, expect: Any) -> tuple[dict[st
     notes: list[str] = []
     stacks = cache.stacks
     if isinstance(expect, dict):
+        if stacks == ["encoder"] and set(expect) == {"decoder"}:
+            expect = {"encoder": expect["decoder"]}  # a broken decoder's lone stack looks like an encoder
         bad = set(expect) - set(stacks)
         if bad:
             raise ProbeError(f"expect names stacks {sorted(bad)} the cache lacks; it has {stacks}")
@@ -137,7 +139,15 @@ def check_causal(
     ``model_or_cache``: an ``nn.Module`` (then ``inputs`` are texts/ids/a float tensor as for
     :func:`probe.capture`; default a short English sentence) or a :class:`probe.Cache` (static
     checks only). ``expect`` overrides what is expected: ``"causal"``, ``"bidirectional"``, a
-    sliding-window size in keys, or a dict per stack. Returns a :class:`CausalReport`.
+    sliding-window size in keys, or a dict per stack. Without ``expect``: an encoder-decoder's
+    decoder is causal and its encoder bidirectional; a lone stack is causal when the model says it
+    is a decoder (``config.is_decoder``, a ``*ForCausalLM`` class, an ``is_causal`` attribute, a
+    ``generate`` method) or its captured attention is causal, with the window from
+    ``sliding_window`` when declared. ``functional=False`` skips the model-running checks.
+
+    Cost with a model: one capture, then the functional checks (see
+    :mod:`probe.analysis.causal.functional`: about 6 forwards, some batched, and one backward on a
+    clean model). Returns a :class:`CausalReport` (``.ok``, ``.findings``, ``.checks``, exports).
     """
     from probe.cache import Cache
 
