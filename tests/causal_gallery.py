@@ -50,6 +50,9 @@ class Attention(nn.Module):
         if m == "kv_is_causal" and pad is None:  # the bug: is_causal=True aligns top-left when S > T
             y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
             return self.o(y.transpose(1, 2).reshape(B, T, D)), new
+        if m == "sdpa_nomask":  # the bug: is_causal forgotten on the fused path
+            y = F.scaled_dot_product_attention(q, k, v)
+            return self.o(y.transpose(1, 2).reshape(B, T, D)), new
         if m == "alibi":
             bias = alibi(H, T, S).to(q.dtype)
             if pad is not None:

@@ -50,6 +50,7 @@ def located(report, kind, layer=G.BAD_LAYER, head=None):
         ("ignore_pad", "pad_attention", False),
         ("pad_over_queries", "mask_over_queries", False),
         ("kv_is_causal", "kv_alignment", False),
+        ("sdpa_nomask", "future_attention", False),  # SDPA weights: never "mask after softmax"
     ],
 )
 def test_gallery_bug_is_caught_and_located(mode, kind, per_head):

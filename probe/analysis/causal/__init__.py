@@ -251,13 +251,23 @@ def _functional(report, model, inputs, cache, expected, tol, tokenizer) -> None:
     else:
         f.skip("backend", why)
     report.checks += f.checks
-    _mask_after_softmax(report, model, x, enc, f, future_heads)
+    _mask_after_softmax(report, model, x, enc, f, meta.get("layers", []))
     report.findings += f.findings
 
 
-def _mask_after_softmax(report, model, x, enc, f: Functional, future_heads) -> None:
+def _mask_after_softmax(report, model, x, enc, f: Functional, layers: list[dict]) -> None:
     """Future weight in the captured softmax that the model never uses: a mask after the softmax."""
-    if not future_heads:
+    softmax_layers = {
+        e["layer"]
+        for e in layers
+        if e.get("stack") == f.stack and (e.get("self_attn") or {}).get("impl") == ["softmax"]
+    }
+    mine = [
+        fd
+        for fd in report.findings
+        if fd.kind in _FUTURE_KINDS and fd.stack == f.label and fd.layer in softmax_layers
+    ]
+    if not mine:  # only a softmax's output can be masked after the fact (SDPA weights never are)
         return
     with torch.no_grad():
         zeroed = forward.outputs_of(forward.run_future_zeroed(model, x, encoder_ids=enc))
@@ -274,7 +284,6 @@ def _mask_after_softmax(report, model, x, enc, f: Functional, future_heads) -> N
     d = float((zeroed.float() - plain.float()).abs().max()) / (float(plain.abs().max()) or 1.0)
     if d > f.tol["output"]:
         return  # the future weights are used: the static findings stand
-    mine = [fd for fd in report.findings if fd.kind in _FUTURE_KINDS and fd.stack == f.label]
     report.findings = [fd for fd in report.findings if fd not in mine]
     f.findings = [fd for fd in f.findings if fd.kind != "suffix_leak"]
     if not f.leaked:
