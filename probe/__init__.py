@@ -14,11 +14,13 @@ __version__ = "0.1.0"
 # probe.report is a callable module: probe.report(cache, "out/") writes out/index.html, and its
 # submodules (probe.report.html, probe.report.sections, ...) import as usual.
 from probe import report  # noqa: E402
+from probe.analysis.causal import CausalReport, check_causal  # noqa: E402
 from probe.cache import Cache, load  # noqa: E402
 from probe.capture import Trace, capture, trace  # noqa: E402
 from probe.errors import ProbeError  # noqa: E402
 
 __all__ = ["capture", "trace", "Trace", "load", "Cache", "ProbeError", "report", "plot", "__version__"]
+__all__ += ["check_causal", "CausalReport"]
 
 
 def __getattr__(name: str):

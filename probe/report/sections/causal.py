@@ -1,0 +1,152 @@
+"""Causal-mask audit section: the verdict, future and pad mass per layer x head, a leaking head's pattern."""
+
+from __future__ import annotations
+
+from typing import Any
+
+TITLE = "Causal-mask audit"
+ORDER = 30
+
+MAX_CELLS = 64
+PAD_KINDS = (
+    "pad_attention",
+    "mask_over_queries",
+)  # outline offending cells one by one up to this many positions
+
+
+def _audit(ctx) -> Any:
+    from probe.analysis.causal import check_causal
+
+    if "causal" in ctx.results:
+        return ctx.results["causal"]
+    import torch
+
+    cache = ctx.cache
+    meta = cache.metadata
+    inputs = None
+    if meta.get("texts"):
+        inputs = meta["texts"]
+    elif meta.get("input_kind") == "ids":
+        inputs = torch.tensor(meta["ids"])
+    if ctx.model is not None and inputs is not None and not meta.get("target_ids"):
+        # the model is at hand: the audit re-captures the same inputs and runs the functional checks
+        ctx.progress("causal audit: functional checks")
+        report = check_causal(ctx.model, inputs, tokenizer=ctx.tokenizer)
+    else:
+        report = check_causal(cache)
+    ctx.results["causal"] = report
+    return report
+
+
+def _heatmaps(ctx, report) -> list[dict]:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from matplotlib.patches import Rectangle
+
+    out = []
+    for label, g in report.grids.items():
+        if not g["layers"]:
+            continue
+        mine = [
+            f for f in report.findings if f.stack == label and f.head is not None and g.get("kind") == "self"
+        ]
+        boxed = {
+            "future": {(f.layer, f.head) for f in mine if f.kind not in PAD_KINDS},
+            "pad": {(f.layer, f.head) for f in mine if f.kind in PAD_KINDS},
+        }
+        panels = (
+            [("future", "mass on later keys")]
+            if report.expected.get(label) not in (None, "bidirectional")
+            else []
+        )
+        panels.append(("pad", "mass on padding keys"))
+        fig, axes = plt.subplots(
+            1, len(panels), figsize=(3.2 * len(panels) + 1, 0.45 * len(g["layers"]) + 1.4)
+        )
+        axes = axes if len(panels) > 1 else [axes]
+        for ax, (name, title) in zip(axes, panels, strict=True):
+            data = g[name]
+            im = ax.imshow(
+                data, cmap="Reds", vmin=0, vmax=max(1e-6, max(max(r) for r in data)), aspect="auto"
+            )
+            ax.set_title(title, fontsize=9)
+            ax.set_xlabel("head")
+            ax.set_ylabel("layer")
+            ax.set_xticks(range(len(data[0])))
+            ax.set_yticks(range(len(g["layers"])), [str(layer) for layer in g["layers"]])
+            for row, layer in enumerate(g["layers"]):
+                for h in range(len(data[0])):
+                    if (layer, h) in boxed[name]:
+                        ax.add_patch(Rectangle((h - 0.5, row - 0.5), 1, 1, fill=False, ec="black", lw=2))
+            fig.colorbar(im, ax=ax, shrink=0.8)
+        fig.suptitle(f"{label}: max over rows (boxed: a finding)", fontsize=9)
+        fig.tight_layout()
+        alt = f"{label} future and pad mass per layer and head"
+        out.append({"label": label, "fig": ctx.figure(fig, alt), "alt": alt})
+    return out
+
+
+def _leaking_head(ctx, report) -> dict | None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import torch
+    from matplotlib.patches import Rectangle
+
+    from probe.analysis.causal import TOLERANCES
+
+    cache = ctx.cache
+    grid_of = {label: g for label, g in report.grids.items() if g.get("kind") == "self"}
+    for f in report.findings:
+        if f.layer is None or f.head is None or f.check != "static" or f.stack not in grid_of:
+            continue
+        stack = grid_of[f.stack]["cache_stack"]
+        b = f.text or 0
+        p = cache.pattern(stack, f.layer, head=f.head, batch=b).float()
+        Q, K = p.shape
+        fut = torch.arange(K)[None, :] > (torch.arange(Q)[:, None] + K - Q)
+        mask = cache.metadata.get("attention_mask")
+        pad = torch.zeros(K, dtype=torch.bool)
+        if mask and len(mask[b]) == K:
+            pad = torch.tensor(mask[b]) == 0
+        tol = TOLERANCES.get(report.dtype, TOLERANCES["float32"])["mass"]
+        bad = ((fut | pad[None, :]) & (p.nan_to_num(0) > tol)) | ~torch.isfinite(p)
+        fig, ax = plt.subplots(figsize=(5.2, 4.6))
+        shown = p.nan_to_num(0)
+        ax.imshow(shown.numpy(), cmap="Blues", vmin=0, vmax=max(float(shown.max()), 1e-6))
+        toks = (cache.tokens or [[]])[b] if cache.tokens else []
+        if len(toks) == K and K <= 40:
+            ax.set_xticks(range(K), toks, rotation=90, fontsize=7)
+            ax.set_yticks(range(Q), toks[K - Q :], fontsize=7)
+        ax.set_xlabel("key")
+        ax.set_ylabel("query")
+        if K <= MAX_CELLS:
+            for q, k in bad.nonzero().tolist():
+                ax.add_patch(Rectangle((k - 0.5, q - 0.5), 1, 1, fill=False, ec="#cf222e", lw=1.2))
+        else:
+            ax.contour(bad.float().numpy(), levels=[0.5], colors="#cf222e", linewidths=0.8)
+        ax.set_title(f"{f.stack} layer {f.layer} head {f.head}: {f.kind}", fontsize=9)
+        fig.tight_layout()
+        alt = f"attention pattern of {f.stack} layer {f.layer} head {f.head} with offending cells outlined"
+        return {"fig": ctx.figure(fig, alt), "alt": alt, "finding": f, "n_bad": int(bad.sum())}
+    return None
+
+
+def build(ctx) -> dict | None:
+    """The verdict, the findings table, the checks, heatmaps and one leaking head's pattern."""
+    report = _audit(ctx)
+    ctx.progress("causal audit: figures")
+    return {
+        "ok": report.ok,
+        "verdict": report.verdict(),
+        "expected": report.expected,
+        "findings": report.table._repr_html_() if report.findings else None,
+        "checks": report.check_table._repr_html_() if report.checks else None,
+        "notes": report.notes,
+        "cost": report.cost(),
+        "heatmaps": _heatmaps(ctx, report),
+        "head": _leaking_head(ctx, report),
+    }

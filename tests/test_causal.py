@@ -1,0 +1,358 @@
+"""The causal-mask audit: every bug in the gallery is caught and placed, every control passes clean.
+
+Oracles: the gallery's bugs are written by hand at a known layer/head (tests/causal_gallery.py),
+so the expected kind and location come from the test, not from probe. The static checks are also
+tested on hand-written patterns, and the functional checks on hand-computed outputs.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import subprocess
+import sys
+
+import causal_gallery as G
+import pytest
+import torch
+
+import probe
+from probe.analysis.causal import TOLERANCES, check_causal
+from probe.analysis.causal.static import check_pattern
+
+TOL = TOLERANCES["float32"]
+
+
+@functools.cache
+def audit(mode: str):
+    """The audit of the gallery model with ``mode`` in layer BAD_LAYER (computed once per session)."""
+    return check_causal(G.broken(mode), G.IDS)
+
+
+def located(report, kind, layer=G.BAD_LAYER, head=None):
+    """Findings of ``kind`` at ``layer`` (and ``head``)."""
+    return [
+        f
+        for f in report.findings
+        if f.kind == kind and f.layer == layer and (head is None or f.head == head) and f.stack == "decoder"
+    ]
+
+
+# -- the gallery: each bug caught, with the right kind and place --------------------------------------
+@pytest.mark.parametrize(
+    "mode, kind, per_head",
+    [
+        ("after_softmax", "mask_after_softmax", False),
+        ("triu0", "masked_diagonal", False),
+        ("swapped", "swapped_mask", False),
+        ("one_head", "unmasked_head", True),
+        ("window_wide", "window_too_wide", False),
+        ("ignore_pad", "pad_attention", False),
+        ("pad_over_queries", "mask_over_queries", False),
+        ("kv_is_causal", "kv_alignment", False),
+        ("sdpa_nomask", "future_attention", False),  # SDPA weights: never "mask after softmax"
+    ],
+)
+def test_gallery_bug_is_caught_and_located(mode, kind, per_head):
+    r = audit(mode)
+    assert not r.ok
+    assert r.kinds() == {kind}, str(r)
+    heads = {f.head for f in r.findings}
+    assert heads == ({G.BAD_HEAD} if per_head else set(range(G.H)))
+    assert {f.layer for f in r.findings} == {G.BAD_LAYER}  # layer 0 is correct and not blamed
+    assert located(r, kind)
+
+
+def test_positions_of_a_future_leak_are_real_future_cells():
+    (f,) = audit("one_head").findings
+    assert f.key > f.query  # the worst cell lies above the diagonal
+    # oracle: recompute the head's weights by hand from the model's own projections
+    m = G.broken("one_head")
+    with torch.no_grad():
+        x = m.emb(G.IDS) + m.pos(torch.arange(16))[None]
+        x, _ = m.blocks[0](x)
+        a = m.blocks[1].attn
+        q, k, _v = a.qkv(m.blocks[1].ln1(x)).view(1, 16, 3, G.H, G.D // G.H).permute(2, 0, 3, 1, 4)
+        w = torch.softmax(q[0, G.BAD_HEAD] @ k[0, G.BAD_HEAD].T / (G.D // G.H) ** 0.5, -1)
+    future = w.triu(1)
+    assert f.magnitude == pytest.approx(float(future.sum(-1).max()), rel=1e-5)
+    assert (f.query, f.key) == divmod(int(future.argmax()), 16)
+
+
+def test_token_shift_into_the_mlp_is_a_leak_outside_attention():
+    r = audit("shift_mlp")
+    assert r.kinds() == {"leak_outside_attention"}
+    (f,) = r.findings
+    assert (f.stack, f.layer, f.head) == ("decoder", G.BAD_LAYER, None)
+    assert "MLP" in f.evidence
+    st = {c["check"]: c["status"] for c in r.checks}
+    assert st["suffix"] == "fail" and st["gradient"] == "fail"
+    assert max(max(row) for row in r.grids["decoder"]["future"]) == 0.0  # no head sees ahead
+
+
+def test_fp16_overflowing_fill_gives_nan_rows_and_is_clean_in_fp32():
+    bad = check_causal(G.broken("fill_1e9").half(), G.IDS)
+    assert bad.dtype == "float16"
+    assert bad.kinds() == {"non_finite"}
+    assert {(f.layer, f.query) for f in bad.findings} == {(G.BAD_LAYER, 0)}
+    assert check_causal(G.broken("fill_1e9"), G.IDS).ok
+
+
+# -- negative controls: zero false positives -----------------------------------------------------------
+@pytest.mark.parametrize("mode", ["ok", "after_softmax_renorm", "fill_1e9", "window", "alibi"])
+def test_gallery_controls_pass_clean(mode):
+    r = check_causal(G.everywhere(mode), G.IDS)
+    assert r.ok, str(r)
+    assert {c["status"] for c in r.checks} == {"pass"} | ({"skipped"} & {c["status"] for c in r.checks})
+    ran = {c["check"] for c in r.checks if c["status"] == "pass"}
+    assert {"suffix", "gradient", "padding", "kv_cache"} <= ran
+    if mode == "after_softmax_renorm":
+        assert any("after the softmax" in n for n in r.notes)
+    if mode == "window":
+        assert r.expected == {"decoder": f"causal, window {G.WINDOW}"}
+        assert max(max(row) for row in r.grids["decoder"]["window"]) == G.WINDOW
+
+
+@pytest.mark.parametrize("name", ["minigpt", "fused_decoder"])
+def test_zoo_decoders_pass_clean(name):
+    import models
+
+    r = check_causal(models.load(name))
+    assert r.ok, str(r)
+    assert r.expected == {"decoder": "causal"}
+
+
+def test_translator_decoder_is_causal_encoder_and_cross_are_not_expected_to_be():
+    # the translator's architecture with seeded random weights: masks do not depend on training,
+    # and this spares the test session the translator's training run
+    import models
+
+    torch.manual_seed(0)
+    model = models.build("translator").eval()
+    assert_encoder_decoder_clean(check_causal(model, "ich mochte ein bier"))
+
+
+def assert_encoder_decoder_clean(r):
+    """The decoder audited and clean; encoder and cross-attention noted as not expected causal."""
+    assert r.ok, str(r)
+    assert r.expected == {"encoder": "bidirectional", "decoder": "causal"}
+    assert set(r.grids) == {"encoder", "decoder", "decoder cross"}
+    assert any("encoder self-attention is bidirectional" in n for n in r.notes)
+    assert any("decoder cross-attention reads another sequence" in n for n in r.notes)
+    st = {c["check"]: c["status"] for c in r.checks}
+    assert st["suffix"] == "pass" and st["gradient"] == "pass"
+
+
+def test_single_head_passes_clean_on_float_inputs():
+    import models
+    from models.single_head import example_input
+
+    r = check_causal(models.load("single_head"), example_input())
+    assert r.ok, str(r)
+    assert {c["check"] for c in r.checks if c["status"] == "pass"} >= {"suffix", "gradient"}
+
+
+# -- static checks on hand-written patterns --------------------------------------------------------------
+def _one(p, expect="causal", mask=None):
+    B, H, Q, K = p.shape
+    m = torch.ones(B, K, dtype=torch.bool) if mask is None else mask
+    return check_pattern(p, m[:, K - Q :], m, expect, TOL, {"stack": "decoder", "layer": 0})
+
+
+def test_static_exact_zero_vs_tiny_future_mass():
+    T = 5
+    causal = torch.tril(torch.ones(T, T))
+    p = (causal / causal.sum(-1, keepdim=True))[None, None]
+    assert _one(p)[0] == []
+    tiny = p.clone()
+    tiny[0, 0, 0, 4] = 1e-7  # a finite fill's residue, under the fp32 tolerance
+    assert _one(tiny)[0] == [] and _one(tiny)[1]["future"][0] == pytest.approx(1e-7)
+    big = p.clone()
+    big[0, 0, 1] = torch.tensor([0.25, 0.25, 0.25, 0.25, 0.0])
+    (f,) = _one(big)[0]
+    assert (f.kind, f.query, f.key, f.magnitude) == ("future_attention", 1, 2, pytest.approx(0.5))
+
+
+def test_static_rows_padding_and_cached_alignment():
+    T = 4
+    p = (torch.tril(torch.ones(T, T)) * 0.9)[None, None]  # rows sum to 0.9, 1.8, 2.7, 3.6
+    (f,) = _one(p)[0]
+    assert (f.kind, f.query, f.magnitude) == ("rows_not_normalised", 3, pytest.approx(2.6))
+    # a pad key at position 0 (left padding) that real queries attend to
+    q = torch.tril(torch.ones(T, T))
+    q = (q / q.sum(-1, keepdim=True))[None, None]
+    mask = torch.tensor([[False, True, True, True]])
+    (f,) = [f for f in _one(q, mask=mask)[0] if f.kind == "pad_attention"]
+    assert (f.query, f.key, f.magnitude) == (1, 0, pytest.approx(0.5))
+    # KV cache: 2 new queries over 5 keys; bottom-right is right, top-left is flagged
+    br = torch.tril(torch.ones(2, 5), diagonal=3)
+    assert _one((br / br.sum(-1, keepdim=True))[None, None])[0] == []
+    tl = torch.tril(torch.ones(2, 5))
+    (f,) = _one((tl / tl.sum(-1, keepdim=True))[None, None])[0]
+    assert (f.kind, f.query) == ("kv_alignment", 3)
+    # a bidirectional stack is never judged on the future
+    full = torch.full((1, 1, T, T), 1 / T)
+    assert _one(full, expect="bidirectional")[0] == []
+
+
+def test_cache_only_audit_and_bidirectional_note():
+    cache = probe.capture(G.broken("one_head"), G.IDS)
+    # without the model nothing says this lone, non-causal stack is a decoder: it is held to
+    # bidirectional and the report says how to audit it as a decoder
+    r = check_causal(cache)
+    assert r.ok and r.expected == {"encoder": "bidirectional"}
+    assert any("expect='causal'" in n for n in r.notes)
+    r2 = check_causal(cache, expect="causal")
+    assert {(f.kind, f.layer, f.head) for f in r2.findings} == {("unmasked_head", G.BAD_LAYER, G.BAD_HEAD)}
+    assert any("cache only" in n for n in r2.notes)
+    r3 = check_causal(cache, expect={"decoder": "causal"})  # the name the user knows it by
+    assert r3.to_dict()["findings"] == r2.to_dict()["findings"]
+    assert r2.checks == []
+
+
+def test_report_exports():
+    r = audit("one_head")
+    d = json.loads(r.to_json())
+    assert d["ok"] is False and d["findings"][0]["kind"] == "unmasked_head"
+    assert d["tolerances"] == TOLERANCES["float32"]
+    assert "unmasked_head" in str(r) and "LEAK" in str(r)
+    assert "<table" in r._repr_html_()
+    assert r.table.column("head") == [G.BAD_HEAD]
+    fw, bw = r.cost()
+    assert bw == 1 and fw >= 7
+
+
+def test_bad_input_is_a_probe_error():
+    with pytest.raises(probe.ProbeError, match="expect"):
+        check_causal(G.everywhere("ok"), G.IDS, expect="sideways")
+    with pytest.raises(probe.ProbeError, match="torch model or a probe.Cache"):
+        check_causal("gpt2")
+
+
+# -- Hugging Face: GPT-2, Llama, Mistral (sliding window) pass clean, every check run ------------------
+@pytest.fixture(scope="module")
+def bpe(tmp_path_factory):
+    import hf_fixtures as H
+
+    return H.bpe_tokenizer(tmp_path_factory.mktemp("bpe"))
+
+
+@pytest.mark.parametrize("arch", ["gpt2", "llama", "mistral"])
+def test_hf_decoders_pass_clean(arch, bpe):
+    import hf_fixtures as H
+
+    model = getattr(H, arch)(len(bpe))
+    texts = ["the model is reading the tokens one by one.", "attention lets tokens read."]
+    r = check_causal(model, texts, tokenizer=bpe)
+    assert r.ok, str(r)
+    assert {c["check"]: c["status"] for c in r.checks} == {
+        "capture": "pass",
+        "suffix": "pass",
+        "gradient": "pass",
+        "padding": "pass",
+        "kv_cache": "pass",
+        "backend": "pass",
+    }
+    if arch == "mistral":
+        assert r.expected == {"decoder": "causal, window 4"}
+
+
+def test_hf_encoder_decoder_decoder_is_audited_encoder_and_cross_are_not(bpe):
+    import hf_fixtures as H
+
+    assert_encoder_decoder_clean(check_causal(H.bart(len(bpe)), "attention lets tokens read.", tokenizer=bpe))
+
+
+def test_hf_backend_mismatch_is_found(bpe):
+    import hf_fixtures as H
+
+    model = H.gpt2(len(bpe))
+    # a leak on the eager path only: the eager twin forgets the causal mask in layer 1
+    import transformers.models.gpt2.modeling_gpt2 as g2
+
+    orig = g2.eager_attention_forward
+
+    def leaky(module, query, key, value, attention_mask, **kw):
+        if module.layer_idx == 1:
+            attention_mask = None
+            module.is_causal = False
+        return orig(module, query, key, value, attention_mask, **kw)
+
+    g2.eager_attention_forward = leaky
+    try:
+        r = check_causal(model, "the model is reading the tokens one by one.", tokenizer=bpe)
+    finally:
+        g2.eager_attention_forward = orig
+    st = {c["check"]: c["status"] for c in r.checks}
+    assert st["backend"] == "fail" and st["suffix"] == "pass"
+    (f,) = r.findings
+    assert (f.kind, f.layer) == ("backend_mismatch", 1)
+
+
+# -- report section -------------------------------------------------------------------------------------
+def test_report_section_renders_verdict_heatmaps_and_leaking_head(tmp_path):
+    m = G.broken("one_head")
+    cache = probe.capture(m, G.IDS)
+    html = probe.report(cache, tmp_path / "r", model=m).read_text()
+    i = html.index('id="sec-causal"')
+    sec = html[i : html.index("</section>", i)]
+    assert "LEAK: 1 finding(s): unmasked_head" in sec
+    assert "decoder layer 1 head 2" in sec  # the leaking head's figure
+    assert sec.count("data:image/png;base64,") == 2  # heatmaps + the outlined pattern
+    assert "http://" not in sec and "https://" not in sec
+    # from a cache alone (no model): static checks only, the section still renders
+    clean = probe.report(probe.capture(G.everywhere("ok"), G.IDS), tmp_path / "c").read_text()
+    assert "OK: no leak found (decoder: causal)" in clean
+
+
+def test_section_build_with_a_stand_in_context():
+    from types import SimpleNamespace
+
+    from probe.report.context import figure_uri
+    from probe.report.sections import causal as section
+
+    cache = probe.capture(G.everywhere("ok"), G.IDS)
+    ctx = SimpleNamespace(
+        caches=[cache], cache=cache, model=None, tokenizer=None, results={},
+        figure=lambda fig, alt="": figure_uri(fig), json=json.dumps, progress=lambda text: None,
+    )  # fmt: skip
+    s = section.build(ctx)
+    assert s["ok"] and s["head"] is None and len(s["heatmaps"]) == 1
+    assert ctx.results["causal"].ok  # shared with other sections
+
+
+# -- CLI ------------------------------------------------------------------------------------------------
+def test_cli_check_zoo_model_exit_0():
+    out = subprocess.run(
+        [sys.executable, "-m", "probe", "check", "--model", "minigpt", "attention lets tokens read."],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert out.returncode == 0, out.stderr
+    assert "OK: no leak found" in out.stdout
+
+
+def test_cli_check_cache_leak_exit_1_and_bad_input_exit_2(tmp_path, capsys):
+    from probe.cli import main
+
+    probe.capture(G.broken("swapped"), G.IDS, out=tmp_path / "run.safetensors")
+    assert main(["check", str(tmp_path / "run.safetensors"), "--expect", "causal"]) == 1
+    out = capsys.readouterr().out
+    assert "swapped_mask" in out and "LEAK" in out
+    assert main(["check", str(tmp_path / "run.safetensors"), "--json"]) == 0  # held to bidirectional
+    assert json.loads(capsys.readouterr().out)["expected"] == {"encoder": "bidirectional"}
+    assert main(["check", str(tmp_path / "missing.safetensors")]) == 2
+    assert "no such file" in capsys.readouterr().err
+
+
+def test_cli_check_hf_folder(tmp_path, bpe, capsys):
+    import hf_fixtures as H
+
+    from probe.cli import main
+
+    folder = tmp_path / "gpt2"
+    H.gpt2(len(bpe)).save_pretrained(folder)
+    bpe.save_pretrained(folder)
+    assert main(["check", "--hf", str(folder), "the model is reading the tokens."]) == 0
+    assert "backend pass" in capsys.readouterr().out
