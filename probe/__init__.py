@@ -11,10 +11,10 @@ The public API is small and flat::
 
 __version__ = "0.1.0"
 
+from probe.analysis.focus import HeadStats, head_stats, induction_scores  # noqa: E402
 from probe.cache import Cache, load  # noqa: E402
 from probe.capture import Trace, capture, trace  # noqa: E402
 from probe.errors import ProbeError  # noqa: E402
-from probe.analysis.focus import HeadStats, head_stats, induction_scores  # noqa: E402
 
 __all__ = ["capture", "trace", "Trace", "load", "Cache", "ProbeError", "__version__"]
 __all__ += ["head_stats", "HeadStats", "induction_scores"]

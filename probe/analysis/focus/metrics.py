@@ -8,7 +8,6 @@ a metric is undefined for that text or kind). Definitions and conventions are do
 
 from __future__ import annotations
 
-
 import torch
 
 from probe.analysis.focus.tokens import Side

@@ -12,7 +12,7 @@ from typing import Any
 import torch
 from tqdm.auto import tqdm
 
-from probe.analysis.focus.metrics import IDX, METRICS, block_metrics, is_causal
+from probe.analysis.focus.metrics import METRICS, block_metrics, is_causal
 from probe.analysis.focus.running import RunningStats
 from probe.analysis.focus.tokens import side
 from probe.analysis.table import Table
