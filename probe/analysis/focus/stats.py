@@ -12,7 +12,7 @@ from typing import Any
 import torch
 from tqdm.auto import tqdm
 
-from probe.analysis.focus.metrics import METRICS, block_metrics, is_causal
+from probe.analysis.focus.metrics import METRICS, Layout, block_metrics, is_causal
 from probe.analysis.focus.running import RunningStats
 from probe.analysis.focus.tokens import side
 from probe.analysis.table import Table
@@ -33,6 +33,7 @@ ROLE_RULES: tuple[tuple[str, str, float], ...] = (
     ("positional", "pos_frac", 0.9),
     ("local", "local", 0.7),
 )
+# A layer is causal when no head of it puts any weight above the diagonal (between real tokens).
 # Self-attention heads are read in blocks of about a quarter of a layer, so the sort behind the
 # effective span (values + int64 indices) keeps peak memory near one layer of patterns.
 HEAD_BLOCKS = 4
@@ -93,6 +94,8 @@ class FocusAccumulator:
         if not layers:
             raise ProbeError("the cache holds no attention patterns; capture without dropping them")
         roll: dict[str, torch.Tensor] = {}
+        layouts: dict[tuple, Layout] = {}
+        sides: dict[tuple, object] = {}
         all_heads = rollout and captured is None
         batch = None
         for stack, layer, kind in tqdm(
@@ -101,21 +104,14 @@ class FocusAccumulator:
             k = f"{stack}.blocks.{layer}.{kind}_attn.pattern"
             B, H, Q, K = cache.shape(k)
             batch = B
-            qs = side(meta, stack, "own", B, Q)
-            ks = side(meta, stack, "own" if kind == "self" else "source", B, K)
-            step = max(1, math.ceil(H / HEAD_BLOCKS))
-            values, causal, head_sum = [], True, None
-            for h0 in range(0, H, step):
-                P = cache.pattern(stack, layer, kind, head=slice(h0, min(H, h0 + step)))
-                c = kind == "self" and is_causal(P, qs, ks)
-                causal &= c
-                values.append(block_metrics(P, qs, ks, self_attn=kind == "self", causal=c))
-                if all_heads and kind == "self" and Q == K:
-                    s = P.float().sum(1)
-                    head_sum = s if head_sum is None else head_sum + s
-                del P
+            qs = sides.get((stack, "own", B, Q)) or side(meta, stack, "own", B, Q)
+            ks_role = "own" if kind == "self" else "source"
+            ks = sides.get((stack, ks_role, B, K)) or side(meta, stack, ks_role, B, K)
+            sides[(stack, "own", B, Q)], sides[(stack, ks_role, B, K)] = qs, ks
+            want_sum = all_heads and kind == "self" and Q == K
+            values, causal, head_sum = _layer_values(cache, stack, layer, kind, qs, ks, layouts, want_sum)
             name = f"{stack}/{layer}/{kind}"
-            self.stats.setdefault(name, RunningStats()).update(torch.cat(values, 1))
+            self.stats.setdefault(name, RunningStats()).update(values)
             heads = [int(captured[h]) if captured else h for h in range(H)]
             if self.heads.setdefault(name, heads) != heads:
                 raise ProbeError(f"{name}: caches captured different heads ({self.heads[name]} vs {heads})")
@@ -169,6 +165,40 @@ class FocusAccumulator:
     def result(self) -> HeadStats:
         """The :class:`HeadStats` of everything added so far."""
         return HeadStats(self)
+
+
+def _layer_values(cache, stack, layer, kind, qs, ks, layouts, want_sum):
+    """``([B, H, M] per-text metrics, causal, Σ_h pattern or None)`` of one layer, read a block of
+    heads at a time. A layer is causal only if no block has weight above the diagonal; if a later
+    block shows some, the earlier blocks are computed again as non-causal."""
+    B, H, Q, K = cache.shape(f"{stack}.blocks.{layer}.{kind}_attn.pattern")
+    step = max(1, math.ceil(H / HEAD_BLOCKS))
+    blocks = [(h0, min(H, h0 + step)) for h0 in range(0, H, step)]
+
+    def layout(c: bool) -> Layout:
+        key = (stack, kind, B, Q, K, c)
+        if key not in layouts:
+            layouts[key] = Layout(qs, ks, Q, K, causal=c)
+        return layouts[key]
+
+    values, causal, head_sum = [], None, None
+    for n, (h0, h1) in enumerate(blocks):
+        P = cache.pattern(stack, layer, kind, head=slice(h0, h1))
+        c = kind == "self" and is_causal(P, qs, ks)
+        if causal and not c:
+            values = [
+                block_metrics(
+                    cache.pattern(stack, layer, kind, head=slice(a, b)), layout(False), self_attn=True
+                )
+                for a, b in blocks[:n]
+            ]
+        causal = c if causal is None else causal and c
+        values.append(block_metrics(P, layout(causal), self_attn=kind == "self"))
+        if want_sum:
+            s = P.float().sum(1)
+            head_sum = s if head_sum is None else head_sum + s
+        del P
+    return torch.cat(values, 1), bool(causal), head_sum
 
 
 def _rollout_step(R: torch.Tensor | None, W: torch.Tensor, real: torch.Tensor) -> torch.Tensor:
