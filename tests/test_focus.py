@@ -328,3 +328,55 @@ def test_exports():
     assert json.loads(s.to_json())["rows"][0]["next"] is None  # NaN -> null
     with pytest.raises(probe.ProbeError, match="no metric"):
         s.map("nope")
+
+
+def _stand_in_ctx(caches):
+    import base64
+    import io
+
+    import matplotlib.pyplot as plt
+
+    def figure(fig, alt=""):
+        buf = io.BytesIO()
+        fig.savefig(buf, format="png")
+        plt.close(fig)
+        return "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()
+
+    return types.SimpleNamespace(
+        caches=caches,
+        cache=caches[0],
+        model=None,
+        tokenizer=None,
+        results={},
+        figure=figure,
+        json=json.dumps,
+        progress=lambda text: None,
+    )
+
+
+def test_report_section_builds_and_renders():
+    from pathlib import Path
+
+    import jinja2
+
+    from probe.report.sections import focus as section
+
+    P = _planted_causal()
+    ctx = _stand_in_ctx(
+        [
+            probe.Cache(
+                {K0: P}, _meta([list("abcde")], config={"num_attention_heads": 4, "num_key_value_heads": 2})
+            )
+        ]
+    )
+    s = section.build(ctx)
+    (g,) = s["groups"]
+    assert [c["role"] for c in g["grid"][0]["cells"]] == ["previous-token", "self", "sink", "broad/uniform"]
+    assert g["sink_rate"] == 0.5 and "kv_head" in g["columns"] and len(g["maps"]) >= 10
+    assert ctx.results["head_roles"]["decoder/self/0/0"] == "previous-token"
+    folder = Path(section.__file__).parents[1] / "templates" / "sections"
+    env = jinja2.Environment(loader=jinja2.FileSystemLoader(folder), autoescape=True)
+    html = env.get_template("focus.html.j2").render(s=s, ctx=ctx)
+    assert html.count("<img") == len(g["maps"]) and "http" not in html.replace("http-equiv", "")
+    assert "KV 0 ← heads 0, 1" in html
+    assert section.build(_stand_in_ctx([probe.Cache({}, {})])) is None
