@@ -380,3 +380,24 @@ def test_report_section_builds_and_renders():
     assert html.count("<img") == len(g["maps"]) and "http" not in html.replace("http-equiv", "")
     assert "KV 0 ← heads 0, 1" in html
     assert section.build(_stand_in_ctx([probe.Cache({}, {})])) is None
+
+
+def test_probe_report_renders_the_focus_section(tmp_path):
+    P = _planted_causal()
+    cache = probe.Cache({K0: P}, _meta([list("abcde")]))
+    html = probe.report(cache, tmp_path / "r", progress=False).read_text()
+    assert "Heads: focus statistics and roles" in html
+    assert "probe-focus-select" in html and "previous-token" in html
+
+
+def test_words_split_in_one_text_of_a_batch_only():
+    # text 0 has no split word and as many tokens as text 1 has pieces: words must still be used
+    tokens = [["[CLS]", "a", "b", "c", "[SEP]"], ["[CLS]", "un", "##like", "c", "[SEP]"]]
+    P = torch.zeros(2, 1, 5, 5)
+    P[:, 0, torch.arange(5), torch.tensor([1, 2, 3, 4, 0])] = 1  # next-token head
+    s = head_stats(
+        probe.Cache({"encoder.blocks.0.self_attn.pattern": P}, _meta(tokens, special=[[1, 0, 0, 0, 1]] * 2)),
+        progress=False,
+    )
+    # text 1 words: [CLS] | un ##like | c | [SEP]; word_next per word: 1, (0 + 1) / 2, 1 -> mean 5/6
+    assert _row(s, 0, 0)["word_next"] == pytest.approx((1 + 5 / 6) / 2)

@@ -114,9 +114,7 @@ class Layout:
     @cached_property
     def words_split(self) -> bool:
         """Whether some word has more than one piece (else word metrics equal token metrics)."""
-        return self.q.n_words < int(self.q.real.sum(-1).max()) or self.k.n_words < int(
-            self.k.real.sum(-1).max()
-        )
+        return any(bool(((s.word.amax(-1) + 1) < s.real.sum(-1)).any()) for s in (self.q, self.k))
 
     @cached_property
     def word_ranges(self) -> tuple[torch.Tensor, torch.Tensor]:
