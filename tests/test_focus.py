@@ -135,25 +135,32 @@ def test_many_caches_stream_to_the_same_numbers_as_one_batch():
 
 
 def test_induction_head_on_a_repeated_sequence_by_hand():
-    ids = [[9, 1, 2, 3, 1, 2, 3]]  # [BOS] r r, |r| = 3
-    T = 7
+    ids = [[9, 1, 2, 3, 4, 5, 1, 2, 3, 4, 5]]  # [BOS] r r, |r| = 5
+    T, L = 11, 5
     ind = torch.zeros(T, T)
-    ind[0, 0] = 1
-    ind[1:4, 0] = 1  # first copy: nothing to copy yet, rest on BOS
-    for i in range(4, 7):
-        ind[i, i - 2] = 1  # the token after the earlier occurrence of token i
+    ind[: L + 1, 0] = 1  # BOS, and the first copy (nothing to copy yet) on BOS
+    for i in range(L + 1, T):
+        ind[i, i - L + 1] = 1  # the token after the earlier occurrence of token i
     dup = torch.zeros(T, T)
-    dup[:4, 0] = 1
-    for i in range(4, 7):
-        dup[i, i - 3] = 1  # the earlier occurrence itself
-    meta = _meta([["<s>", "a", "b", "c", "a", "b", "c"]], ids=ids, special=[[1, 0, 0, 0, 0, 0, 0]])
+    dup[: L + 1, 0] = 1
+    for i in range(L + 1, T):
+        dup[i, i - L] = 1  # the earlier occurrence itself
+    meta = _meta([["<s>"] + list("abcdeabcde")], ids=ids, special=[[1] + [0] * 10])
     s = head_stats(probe.Cache({K0: torch.stack([ind, dup])[None]}, meta), progress=False)
     i, d = _row(s, 0, 0), _row(s, 0, 1)
-    assert i["induction_prefix"] == 1 and i["induction_score"] == pytest.approx(3 / 7)
-    assert i["dup_prefix"] == 0 and i["role"] == "induction"
-    assert d["dup_prefix"] == 1 and d["dup_score"] == pytest.approx(3 / 7) and d["induction_prefix"] == 0
+    assert i["induction_prefix"] == 1 and i["induction_score"] == pytest.approx(5 / 11)
+    assert i["dup_prefix"] == 0 and i["induction_matches"] == 5 and i["role"] == "induction"
+    assert d["dup_prefix"] == 1 and d["dup_score"] == pytest.approx(5 / 11) and d["induction_prefix"] == 0
     assert d["role"] == "duplicate-token"
-    assert i["special"] == pytest.approx(3 / 6)  # rows 1..3 of 6 counted rows sit on BOS
+    assert i["special"] == pytest.approx(5 / 10)  # rows 1..5 of 10 counted rows sit on BOS
+    # four matches are not enough evidence for a role
+    short = [[9, 1, 2, 3, 4, 1, 2, 3, 4]]
+    m4 = _meta([["<s>"] + list("abcdabcd")], ids=short, special=[[1] + [0] * 8])
+    ind4 = torch.zeros(9, 9)
+    ind4[:5, 0] = 1
+    ind4[torch.arange(5, 9), torch.arange(2, 6)] = 1
+    r4 = _row(head_stats(probe.Cache({K0: ind4[None, None]}, m4), progress=False), 0, 0)
+    assert r4["induction_prefix"] == 1 and r4["induction_matches"] == 4 and r4["role"] != "induction"
 
 
 def test_grouped_query_pair_from_the_recorded_config():

@@ -65,6 +65,8 @@ dup_prefix          self    prefix-matching form: Σ_j D_ij a_ij averaged over t
                             have at least one match (duplicate template)
 induction_prefix    self    the same for the induction template: attention to the token after an
                             earlier occurrence of the current token (Olsson et al. 2022)
+dup_matches         self    the number of queries with at least one duplicate match, summed over
+induction_matches           texts (the support behind the prefix scores)
 ==================  ======  ==================================================================
 
 Attention rollout (Abnar & Zuidema 2020): per stack, ``Â_l = 0.5·mean_h W_l + 0.5·I`` (padded rows
@@ -73,6 +75,7 @@ cache captured with all heads (rollout is per text; it is not averaged across ca
 
 Roles (:data:`ROLE_RULES`, on the means over texts; the first that holds is ``role``, all that
 hold are ``roles``): induction (induction_prefix ≥ 0.4), duplicate-token (dup_prefix ≥ 0.4),
+both only with at least 5 matching queries in all (``MIN_MATCHES``),
 previous-token (prev ≥ 0.5), next-token (next ≥ 0.5), self (self ≥ 0.5), broad/uniform
 (norm_entropy ≥ 0.9), sink (first > 0.3), positional (pos_frac ≥ 0.9), local (local ≥ 0.7),
 else none. Grouped-query models (``num_key_value_heads`` < ``num_attention_heads`` in the

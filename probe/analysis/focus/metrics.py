@@ -40,6 +40,8 @@ METRICS = (
     "induction_score",
     "dup_prefix",
     "induction_prefix",
+    "dup_matches",
+    "induction_matches",
 )
 IDX = {m: i for i, m in enumerate(METRICS)}
 SPAN_MASS = 0.9  # effective span: keys needed to cover this share of a row's mass
@@ -266,6 +268,7 @@ def _templates(P: torch.Tensor, lay: Layout, out: torch.Tensor) -> None:
             n = hits.sum(-1, keepdim=True).float()  # [B, 1]
             prefix = (per_query * hits[..., None]).sum(1) / n.clamp(min=1)
             out[..., IDX[f"{name}_prefix"]] = torch.where(n > 0, prefix, float("nan"))
+            out[..., IDX[f"{name}_matches"]] = n
 
 
 __all__ = ["METRICS", "IDX", "SPAN_MASS", "LOCAL_WINDOW", "Layout", "block_metrics", "is_causal"]

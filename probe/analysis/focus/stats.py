@@ -39,10 +39,18 @@ ROLE_RULES: tuple[tuple[str, str, float], ...] = (
 HEAD_BLOCKS = 4
 
 
+# A template role needs this many matching queries in all (one repeated token is not evidence).
+MIN_MATCHES = 5
+
+
 def roles_of(values: dict[str, float]) -> list[str]:
     """Every role whose rule holds for a row of mean metric values, in priority order."""
     out = []
     for role, metric, threshold in ROLE_RULES:
+        if role in ("induction", "duplicate-token"):
+            matches = values.get(metric.replace("prefix", "matches"), 0)
+            if not matches >= MIN_MATCHES:
+                continue
         v = values.get(metric)
         if v is None or (isinstance(v, float) and math.isnan(v)):
             continue
@@ -243,6 +251,13 @@ class HeadStats:
                     "n_texts": int(count[h].max()),
                 }
                 vals = {m: float(mean[h, i]) for i, m in enumerate(METRICS)}
+                for m in ("dup_matches", "induction_matches"):  # totals over texts, not means
+                    i = METRICS.index(m)
+                    vals[m] = (
+                        float(round(float(mean[h, i]) * float(count[h, i])))
+                        if count[h, i] > 0
+                        else float("nan")
+                    )
                 rs = roles_of(vals)
                 row["role"] = rs[0] if rs else "none"
                 row["roles"] = ",".join(rs)
