@@ -311,19 +311,26 @@ def _cli(*args):
     return subprocess.run([sys.executable, "-m", "probe", *args], capture_output=True, text=True)
 
 
-def test_cli_stats(tmp_path):
+def test_cli_stats(tmp_path, capsys):
+    from probe.cli import main
+
     P = _planted_causal()
     path = probe.Cache({K0: P}, _meta([list("abcde")])).save(tmp_path / "run.safetensors")
     r = _cli("stats", str(path), "--sort", "prev", "--csv", str(tmp_path / "h.csv"))
     assert r.returncode == 0, r.stderr
     assert "previous-token" in r.stdout and (tmp_path / "h.csv").read_text().startswith("stack,layer")
-    r = _cli("stats", str(path), "--json")
-    d = json.loads(r.stdout)
+    assert main(["stats", str(path), "--json"]) == 0
+    d = json.loads(capsys.readouterr().out)
     assert d["sink_rate"] == {"decoder/self": 0.5} and len(d["rows"]) == 4
-    r = _cli("stats", str(path), "--sort", "nope")
-    assert r.returncode == 2 and "not a metric" in r.stderr and "Traceback" not in r.stderr
-    r = _cli("stats", str(tmp_path / "missing.safetensors"))
-    assert r.returncode == 2 and "no such file" in r.stderr
+    assert main(["stats", str(path), "--sort", "nope"]) == 2
+    assert "not a metric" in capsys.readouterr().err
+    assert main(["stats", str(tmp_path / "missing.safetensors")]) == 2
+    assert "no such file" in capsys.readouterr().err
+    texts = tmp_path / "texts.txt"
+    texts.write_text("attention lets tokens read.\n\ngraph neural networks pass.\n")
+    assert main(["stats", "--model", "minigpt", "--texts", str(texts), "--json"]) == 0
+    rows = json.loads(capsys.readouterr().out)["rows"]
+    assert len(rows) == 8 and all(r["n_texts"] == 2 for r in rows) and "prev_std" in rows[0]
 
 
 def test_exports():

@@ -71,15 +71,18 @@ def is_causal(P: torch.Tensor, q: Side, k: Side) -> bool:
     Q, K = P.shape[-2:]
     if Q != K or Q < 2:
         return False
-    real = q.real[:, None, :, None] & k.real[:, None, None, :]
+    padded = bool((~q.real).any() or (~k.real).any())
+    real = q.real[:, None, :, None] & k.real[:, None, None, :] if padded else None
     step = max(1, -(-Q // BANDS))
     for q0 in range(0, Q, step):
         q1 = min(Q, q0 + step)
         above = P[..., q0:q1, q1:]  # wholly above the diagonal
-        if torch.where(real[..., q0:q1, q1:], above, 0).any():
-            return False
         band = P[..., q0:q1, q0:q1].triu(1)
-        if torch.where(real[..., q0:q1, q0:q1], band, 0).any():
+        if padded:
+            above = torch.where(real[..., q0:q1, q1:], above, 0)
+            band = torch.where(real[..., q0:q1, q0:q1], band, 0)
+        # patterns are non-negative: a positive maximum is a weight above the diagonal
+        if (above.numel() and bool(above.amax() != 0)) or (band.numel() and bool(band.amax() != 0)):
             return False
     return True
 
@@ -206,16 +209,23 @@ def block_metrics(P: torch.Tensor, lay: Layout, *, self_attn: bool) -> torch.Ten
 
 
 def _span(P: torch.Tensor, causal: bool) -> torch.Tensor:
-    """``[B, h, Q]``: the fewest keys whose largest weights cover SPAN_MASS of the row's mass."""
+    """``[B, h, Q]``: the fewest keys whose largest weights cover SPAN_MASS of the row's mass.
+
+    Rows are sorted in ascending order and summed cumulatively: the keys left out are the
+    smallest ones, so the span is K minus the number of leading partial sums that stay at or below
+    (1 − SPAN_MASS) of the total, found by binary search (the partial sums are nondecreasing)."""
     Q, K = P.shape[-2:]
     out = P.new_empty(P.shape[:-1])
     step = max(1, -(-Q // BANDS)) if causal else Q
     for q0 in range(0, Q, step):
         q1 = min(Q, q0 + step)
-        vals = P[..., q0:q1, : (q1 if causal else K)].sort(-1, descending=True).values
-        total = vals.sum(-1, keepdim=True)
+        n = q1 if causal else K
+        vals = P[..., q0:q1, :n].sort(-1).values
         torch.cumsum(vals, -1, out=vals)
-        out[..., q0:q1] = (vals < SPAN_MASS * total).sum(-1).float() + 1
+        rest = (1 - SPAN_MASS) * vals[..., -1:]
+        # leftover keys: the most smallest weights whose sum stays within the 10% rest
+        left = torch.searchsorted(vals.contiguous(), rest.contiguous(), side="right")[..., 0]
+        out[..., q0:q1] = (n - left).float()
     return out
 
 
