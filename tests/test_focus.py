@@ -169,6 +169,15 @@ def test_grouped_query_pair_from_the_recorded_config():
     s = head_stats(probe.Cache({K0: P}, _meta([list("abcde")], config=cfg)), progress=False)
     assert [r["kv_head"] for r in s.table] == [0, 0, 1, 1]
     assert s.kv_groups == {0: [0, 1], 1: [2, 3]}
+    # only heads 1 and 3 captured: rows carry the model's head numbers and their KV heads
+    meta = _meta([list("abcde")], config=cfg)
+    meta["heads_captured"] = [1, 3]
+    s = head_stats(probe.Cache({K0: P[:, [1, 3]]}, meta), progress=False)
+    assert [(r["head"], r["kv_head"], r["role"]) for r in s.table] == [
+        (1, 0, "self"),
+        (3, 1, "broad/uniform"),
+    ]
+    assert s.rollout == {}  # rollout needs every head of a layer
 
 
 def test_grouped_query_llama_capture_records_its_groups(tmp_path):

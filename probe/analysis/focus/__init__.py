@@ -23,6 +23,10 @@ Conventions (all metrics)
 
 Metrics
 -------
+Besides the metrics, each row has ``stack``, ``layer``, ``head`` (the model's head index, also
+when only some heads were captured), ``kind`` (self/cross), ``kv_head``, ``causal``,
+``n_texts`` (texts that defined the row's metrics), ``role`` and ``roles``.
+
 ==================  ======  ==================================================================
 column              kinds   definition (source)
 ==================  ======  ==================================================================
@@ -46,6 +50,8 @@ local               self    Σ_{|i−j|≤2} a_ij
 distance            self    Σ_j a_ij |i − j| (mean attention distance, in tokens)
 signed_distance     self    Σ_j a_ij (j − i): negative = looks back
 pos_offset          self    the most frequent offset argmax_j a_ij − i over the counted queries
+                            (per text; over texts it is averaged like every metric, and its
+                            ``_std`` shows whether the offset is the same in every text)
 pos_frac            self    the share of counted queries whose argmax sits at ``pos_offset``;
                             a *positional* head has pos_frac ≥ 0.9 (Voita et al. 2019)
 word_prev/self/next self    prev/self/next masses on the word-level pattern: attention *to* a
