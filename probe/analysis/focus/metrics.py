@@ -1,0 +1,284 @@
+"""The per-text value of every focus metric for a block of heads, vectorised over heads and texts.
+
+:func:`block_metrics` takes one pattern block ``[batch, heads, query, key]`` and returns
+``[batch, heads, len(METRICS)]``: each metric averaged over the text's counted queries (NaN where
+a metric is undefined for that text or kind). What does not depend on the heads (counted queries,
+key masks, template pairs, word ranges) is computed once per layer shape in a :class:`Layout`.
+Definitions and conventions are documented once, in :mod:`probe.analysis.focus`.
+"""
+
+from __future__ import annotations
+
+from functools import cached_property
+
+import torch
+
+from probe.analysis.focus.tokens import Side
+
+METRICS = (
+    "entropy",
+    "norm_entropy",
+    "confidence",
+    "first",
+    "special",
+    "punct",
+    "content",
+    "span",
+    "prev",
+    "self",
+    "next",
+    "local",
+    "distance",
+    "signed_distance",
+    "pos_offset",
+    "pos_frac",
+    "word_prev",
+    "word_self",
+    "word_next",
+    "prev_score",
+    "dup_score",
+    "induction_score",
+    "dup_prefix",
+    "induction_prefix",
+    "dup_matches",
+    "induction_matches",
+)
+IDX = {m: i for i, m in enumerate(METRICS)}
+SPAN_MASS = 0.9  # effective span: keys needed to cover this share of a row's mass
+LOCAL_WINDOW = 2  # local mass: keys with |i - j| <= this
+BANDS = 8  # causal rows are sorted in bands of queries, each over the keys it can see
+
+
+def _mean(r: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """Mean of ``r`` ``[B, h, Q]`` over queries weighted by ``w`` (bool, broadcastable); NaN if none."""
+    w = w.to(r.dtype).expand_as(r)
+    n = w.sum(-1)
+    return torch.where(n > 0, (torch.nan_to_num(r) * w).sum(-1) / n.clamp(min=1), float("nan"))
+
+
+def _diag(P: torch.Tensor, d: int) -> torch.Tensor:
+    """``out[..., i] = P[..., i, i + d]`` where that key exists, else 0; shape ``[B, h, Q]``."""
+    Q, K = P.shape[-2:]
+    out = P.new_zeros(P.shape[:-1])
+    lo, hi = max(0, -d), min(Q, K - d)
+    if hi > lo:
+        out[..., lo:hi] = torch.diagonal(P, offset=d, dim1=-2, dim2=-1)[..., : hi - lo]
+    return out
+
+
+def is_causal(P: torch.Tensor, q: Side, k: Side) -> bool:
+    """Whether every weight above the diagonal (between real tokens) is exactly zero."""
+    Q, K = P.shape[-2:]
+    if Q != K or Q < 2:
+        return False
+    padded = bool((~q.real).any() or (~k.real).any())
+    real = q.real[:, None, :, None] & k.real[:, None, None, :] if padded else None
+    step = max(1, -(-Q // BANDS))
+    for q0 in range(0, Q, step):
+        q1 = min(Q, q0 + step)
+        above = P[..., q0:q1, q1:]  # wholly above the diagonal
+        band = P[..., q0:q1, q0:q1].triu(1)
+        if padded:
+            above = torch.where(real[..., q0:q1, q1:], above, 0)
+            band = torch.where(real[..., q0:q1, q0:q1], band, 0)
+        # patterns are non-negative: a positive maximum is a weight above the diagonal
+        if (above.numel() and bool(above.amax() != 0)) or (band.numel() and bool(band.amax() != 0)):
+            return False
+    return True
+
+
+class Layout:
+    """Everything about one layer's pattern that does not depend on the heads."""
+
+    def __init__(self, q: Side, k: Side, Q: int, K: int, *, causal: bool) -> None:
+        self.q, self.k, self.Q, self.K, self.causal = q, k, Q, K, causal
+        B = q.real.shape[0]
+        self.qi, self.kj = torch.arange(Q), torch.arange(K)
+        n_vis = k.real.sum(-1)[:, None, None].expand(B, 1, Q)
+        if causal:
+            n_vis = (k.real[:, None, :] & (self.kj[None, :] <= self.qi[:, None])).sum(-1)[:, None, :]
+        self.n_vis = n_vis
+        self.counted = q.real[:, None, :] & (n_vis >= 2)  # [B, 1, Q]: queries that have a choice
+        self.log_n = torch.log(n_vis.clamp(min=2).float())
+        self.not_end = (self.qi[None, :] != q.end[:, None])[:, None, :]
+        self.masks = torch.stack(
+            [k.special, k.punct, k.real & ~k.special & (self.kj[None, :] != k.first[:, None])], -1
+        ).float()[:, None]  # [B, 1, K, 3]
+        self.any_pad = bool(k.real.logical_not().any())
+
+    def key_ok(self, d: int) -> torch.Tensor:
+        """``[B, 1, Q]``: whether key ``i + d`` exists, is real and visible to query ``i``."""
+        i = self.qi + d
+        inside = (i >= 0) & (i < self.K)
+        ok = torch.zeros(self.k.real.shape[0], self.Q, dtype=torch.bool)
+        ok[:, inside] = self.k.real[:, i[inside]]
+        if d > 0 and self.causal:
+            ok[:] = False
+        return ok[:, None, :] & self.counted
+
+    @cached_property
+    def words_split(self) -> bool:
+        """Whether some word has more than one piece (else word metrics equal token metrics)."""
+        return any(bool(((s.word.amax(-1) + 1) < s.real.sum(-1)).any()) for s in (self.q, self.k))
+
+    @cached_property
+    def word_ranges(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(start, end)`` ``[B, W]``: each word's first and last key position (-1 if none)."""
+        B, W = self.k.real.shape[0], self.k.n_words
+        w = self.k.word.clamp(min=0)
+        big = torch.where(self.k.real, self.kj.expand(B, -1), self.K)
+        start = torch.full((B, W), self.K, dtype=torch.long).scatter_reduce(1, w, big, "amin")
+        small = torch.where(self.k.real, self.kj.expand(B, -1), -1)
+        end = torch.full((B, W), -1, dtype=torch.long).scatter_reduce(1, w, small, "amax")
+        return start, end
+
+    @cached_property
+    def templates(self) -> dict[str, tuple[torch.Tensor, ...]]:
+        """Per template: the (text, query, key) index triples where D = 1 and the queries with a hit."""
+        q, k = self.q, self.k
+        qi, kj = self.qi[:, None], self.kj[None, :]
+        real = q.real[:, :, None] & k.real[:, None, :]  # [B, Q, K]
+        same = (q.ids[:, :, None] == k.ids[:, None, :]) & real
+        prev_same = torch.zeros_like(same)  # ids[i] == ids[j - 1]
+        prev_same[:, :, 1:] = same[:, :, :-1] & k.real[:, None, 1:]
+        out = {}
+        for name, D in (
+            ("prev", real & (kj == qi - 1)),
+            ("dup", same & (kj < qi)),
+            ("induction", prev_same & (kj <= qi)),
+        ):
+            b, i, j = D.nonzero(as_tuple=True)
+            hits = D.any(-1)  # [B, Q]
+            out[name] = (b, i, j, hits)
+        return out
+
+
+def block_metrics(P: torch.Tensor, lay: Layout, *, self_attn: bool) -> torch.Tensor:
+    """Every metric per text and head for the block ``P`` ``[B, h, Q, K]``; returns ``[B, h, M]``."""
+    P = P.float()
+    B, h, Q, K = P.shape
+    out = torch.full((B, h, len(METRICS)), float("nan"))
+    if lay.any_pad:  # weight on padding keys is not attention to the text
+        P = torch.where(lay.k.real[:, None, None, :], P, 0)
+    counted = lay.counted
+    ent = torch.special.xlogy(P, P).sum(-1).neg_()
+    out[..., IDX["entropy"]] = _mean(ent, counted)
+    out[..., IDX["norm_entropy"]] = _mean(ent / lay.log_n, counted)
+    del ent
+    top, arg = P.max(-1)
+    out[..., IDX["confidence"]] = _mean(top, counted & lay.not_end)
+    first = P.gather(-1, lay.k.first.clamp(max=K - 1)[:, None, None, None].expand(B, h, Q, 1))[..., 0]
+    out[..., IDX["first"]] = _mean(first, counted)
+    sums = P @ lay.masks  # [B, h, Q, 3]
+    for c, name in enumerate(("special", "punct", "content")):
+        out[..., IDX[name]] = _mean(sums[..., c], counted)
+    out[..., IDX["span"]] = _mean(_span(P, lay.causal), counted)
+    if not self_attn:
+        return out
+
+    for name, d in (("prev", -1), ("self", 0), ("next", 1)):
+        out[..., IDX[name]] = _mean(_diag(P, d), lay.key_ok(d))
+    local = sum(_diag(P, d) for d in range(-LOCAL_WINDOW, LOCAL_WINDOW + 1))
+    out[..., IDX["local"]] = _mean(local, counted)
+    qf, kf = lay.qi.float(), lay.kj.float()
+    signed = (P @ kf[:, None])[..., 0] - qf * P.sum(-1)
+    if lay.causal:
+        dist = -signed
+    else:
+        dist = (P * (kf[None, :] - qf[:, None]).abs()).sum(-1)
+    out[..., IDX["distance"]] = _mean(dist, counted)
+    out[..., IDX["signed_distance"]] = _mean(signed, counted)
+
+    # positional: the most common offset (argmax key - query) and the share of queries using it
+    hist = torch.zeros(B, h, Q + K - 1)
+    hist.scatter_add_(-1, arg - lay.qi + (K - 1), counted.float().expand(B, h, Q))
+    best, mode = hist.max(-1)
+    n_counted = counted.sum(-1).float()  # [B, 1]
+    has = n_counted > 0
+    out[..., IDX["pos_offset"]] = torch.where(has, (mode - (K - 1)).float(), float("nan"))
+    out[..., IDX["pos_frac"]] = torch.where(has, best / n_counted.clamp(min=1), float("nan"))
+
+    if lay.words_split:
+        _words(P, lay, out)
+    else:  # every word is one token: the word-level pattern is the token-level one
+        for name in ("prev", "self", "next"):
+            out[..., IDX[f"word_{name}"]] = out[..., IDX[name]]
+    if lay.q.ids is not None and lay.k.ids is not None:
+        _templates(P, lay, out)
+    return out
+
+
+def _span(P: torch.Tensor, causal: bool) -> torch.Tensor:
+    """``[B, h, Q]``: the fewest keys whose largest weights cover SPAN_MASS of the row's mass.
+
+    Rows are sorted in ascending order and summed cumulatively: the keys left out are the
+    smallest ones, so the span is K minus the number of leading partial sums that stay at or below
+    (1 − SPAN_MASS) of the total, found by binary search (the partial sums are nondecreasing)."""
+    Q, K = P.shape[-2:]
+    out = P.new_empty(P.shape[:-1])
+    step = max(1, -(-Q // BANDS)) if causal else Q
+    for q0 in range(0, Q, step):
+        q1 = min(Q, q0 + step)
+        n = q1 if causal else K
+        vals = P[..., q0:q1, :n].sort(-1).values
+        torch.cumsum(vals, -1, out=vals)
+        rest = (1 - SPAN_MASS) * vals[..., -1:]
+        # leftover keys: the most smallest weights whose sum stays within the 10% rest
+        left = torch.searchsorted(vals.contiguous(), rest.contiguous(), side="right")[..., 0]
+        out[..., q0:q1] = (n - left).float()
+    return out
+
+
+def _words(P: torch.Tensor, lay: Layout, out: torch.Tensor) -> None:
+    """Word-level previous/self/next masses: attention to a word summed over its pieces, from a
+    word averaged over its pieces (Clark et al. 2019). Words are contiguous, so a query's mass on
+    a word is a difference of the row's cumulative sums at the word's ends."""
+    B, h, Q, K = P.shape
+    q = lay.q
+    start, end = lay.word_ranges
+    W = start.shape[1]
+    C = P.cumsum(-1)
+    qw = q.word  # [B, Q]
+    n_words = qw.amax(-1) + 1  # [B]
+    for name, d in (("word_prev", -1), ("word_self", 0), ("word_next", 1)):
+        t = qw + d  # [B, Q]: the target word of every query
+        ok = q.real & (qw >= 0) & (t >= 0) & (t < W)
+        tc = t.clamp(0, W - 1)
+        s, e = start.gather(1, tc), end.gather(1, tc)
+        ok &= e >= 0
+        if lay.causal:
+            ok &= (qw > 0) & (d <= 0)  # the first word sees only itself; the next word is unseen
+        else:
+            ok &= (n_words >= 2)[:, None]
+        hi = C.gather(-1, e.clamp(min=0)[:, None, :, None].expand(B, h, Q, 1))[..., 0]
+        lo = C.gather(-1, (s - 1).clamp(min=0)[:, None, :, None].expand(B, h, Q, 1))[..., 0]
+        mass = torch.where((s > 0)[:, None, :], hi - lo, hi)  # [B, h, Q]
+        # from a word: average its pieces' masses, then average over the counted words
+        own = qw.clamp(min=0)
+        per_word = torch.zeros(B, h, W).scatter_add_(
+            -1, own[:, None, :].expand(B, h, Q), torch.where(ok[:, None, :], mass, 0)
+        )
+        pieces = torch.zeros(B, W).scatter_add_(1, own, ok.float())
+        word_ok = pieces > 0
+        per_word = per_word / pieces.clamp(min=1)[:, None, :]
+        out[..., IDX[name]] = _mean(per_word, word_ok[:, None, :])
+
+
+def _templates(P: torch.Tensor, lay: Layout, out: torch.Tensor) -> None:
+    """Previous-token, duplicate-token and induction template scores (see the module docs)."""
+    B, h, Q, K = P.shape
+    total = (P * lay.q.real[:, None, :, None]).sum((-1, -2))  # [B, h]: ΣA over real queries and keys
+    for name, (b, i, j, hits) in lay.templates.items():
+        picked = P[b, :, i, j]  # [n_pairs, h]
+        per_query = torch.zeros(B, Q, h).index_put_((b, i), picked, accumulate=True)
+        mass = per_query.sum(1)  # [B, h]
+        col = "prev_score" if name == "prev" else f"{name}_score"
+        out[..., IDX[col]] = torch.where(total > 0, mass / total.clamp(min=1e-30), float("nan"))
+        if name != "prev":
+            n = hits.sum(-1, keepdim=True).float()  # [B, 1]
+            prefix = (per_query * hits[..., None]).sum(1) / n.clamp(min=1)
+            out[..., IDX[f"{name}_prefix"]] = torch.where(n > 0, prefix, float("nan"))
+            out[..., IDX[f"{name}_matches"]] = n
+
+
+__all__ = ["METRICS", "IDX", "SPAN_MASS", "LOCAL_WINDOW", "Layout", "block_metrics", "is_causal"]

@@ -1,0 +1,167 @@
+""":class:`HeadStats`: the table of per-head statistics, its views and exports."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from probe.analysis.focus.metrics import METRICS
+from probe.analysis.focus.roles import ROLE_RULES, SINK_EPSILON, roles_of
+from probe.analysis.table import Table
+from probe.errors import ProbeError
+
+if TYPE_CHECKING:
+    from probe.analysis.focus.stats import FocusAccumulator
+
+
+def _std_name(m: str) -> str:
+    return f"{m}_std"
+
+
+class HeadStats:
+    """Focus statistics per (stack, layer, head, kind): mean over texts (and ``<metric>_std``,
+    the sample standard deviation across texts, when there are several texts).
+
+    ``table`` is a :class:`~probe.analysis.table.Table`; ``sink_rate`` maps ``"stack/kind"`` to
+    the share of heads whose first-token mass exceeds ε = 0.3; ``kv_groups`` maps each key/value
+    head to the query heads sharing it (grouped-query models, else empty); ``rollout`` maps each
+    stack to its attention rollout ``[batch, T, T]`` through all layers (single cache only).
+    """
+
+    def __init__(self, acc: FocusAccumulator) -> None:
+        self.accumulator = acc
+        self.n_texts = acc.n_texts
+        self.rollout = acc.rollout
+        rows = []
+        several = any(int(st.count.max()) > 1 for st in acc.stats.values())
+        for name, st in acc.stats.items():
+            stack, layer, kind = name.split("/")
+            mean, std, count = st.mean, st.std, st.count
+            for h, head in enumerate(acc.heads[name]):
+                row: dict[str, Any] = {
+                    "stack": stack,
+                    "layer": int(layer),
+                    "head": head,
+                    "kind": kind,
+                    "kv_head": head // acc.kv_group if acc.kv_group else None,
+                    "causal": acc.causal[name],
+                    "n_texts": int(count[h].max()),
+                }
+                vals = {m: float(mean[h, i]) for i, m in enumerate(METRICS)}
+                for m in ("dup_matches", "induction_matches"):  # totals over texts, not means
+                    i = METRICS.index(m)
+                    vals[m] = (
+                        float(round(float(mean[h, i]) * float(count[h, i])))
+                        if count[h, i] > 0
+                        else float("nan")
+                    )
+                rs = roles_of(vals)
+                row["role"] = rs[0] if rs else "none"
+                row["roles"] = ",".join(rs)
+                row.update(vals)
+                if several:
+                    row.update({_std_name(m): float(std[h, i]) for i, m in enumerate(METRICS)})
+                rows.append(row)
+        columns = ["stack", "layer", "head", "kind", "kv_head", "causal", "n_texts", "role", "roles"]
+        columns += list(METRICS) + ([_std_name(m) for m in METRICS] if several else [])
+        self.table = Table(rows, columns, title=f"head statistics ({self.n_texts} texts)")
+        self.sink_rate: dict[str, float] = {}
+        for key in sorted({f"{r['stack']}/{r['kind']}" for r in rows}):
+            fs = [
+                r["first"] for r in rows if f"{r['stack']}/{r['kind']}" == key and not math.isnan(r["first"])
+            ]
+            self.sink_rate[key] = sum(f > SINK_EPSILON for f in fs) / len(fs) if fs else float("nan")
+        self.kv_groups: dict[int, list[int]] = {}
+        if acc.kv_group:
+            for h in sorted({r["head"] for r in rows}):
+                self.kv_groups.setdefault(h // acc.kv_group, []).append(h)
+
+    # -- views ---------------------------------------------------------------------------------
+    def map(self, metric: str, stack: str | None = None, kind: str = "self") -> torch.Tensor:
+        """``[layers, heads]`` of one metric's mean (NaN where a head was not captured)."""
+        if metric not in METRICS:
+            raise ProbeError(f"no metric {metric!r}; choose one of: {', '.join(METRICS)}")
+        rows = [r for r in self.table if r["kind"] == kind and (stack is None or r["stack"] == stack)]
+        if stack is None and rows:
+            rows = [r for r in rows if r["stack"] == rows[-1]["stack"]]
+        if not rows:
+            raise ProbeError(
+                f"no {kind}-attention heads{' in ' + stack if stack else ''} in these statistics"
+            )
+        L = max(r["layer"] for r in rows) + 1
+        H = max(r["head"] for r in rows) + 1
+        out = torch.full((L, H), float("nan"))
+        for r in rows:
+            out[r["layer"], r["head"]] = r[metric]
+        return out
+
+    def top(self, metric: str, k: int = 10, descending: bool = True) -> Table:
+        """The ``k`` heads with the largest (or smallest) mean ``metric``."""
+        return self.table.top(metric, k, descending)
+
+    # -- exports -------------------------------------------------------------------------------
+    def to_dict(self) -> dict[str, Any]:
+        """Rows, sink rates, key/value groups and the role thresholds: plain Python."""
+        d = self.table.to_dict()
+        d.update(
+            {
+                "n_texts": self.n_texts,
+                "sink_rate": dict(self.sink_rate),
+                "sink_epsilon": SINK_EPSILON,
+                "kv_groups": {str(k): v for k, v in self.kv_groups.items()},
+                "role_rules": [list(r) for r in ROLE_RULES],
+            }
+        )
+        return d
+
+    def to_json(self, path: str | os.PathLike | None = None, **kw: Any) -> str:
+        """JSON of :meth:`to_dict` (NaN as null); also written atomically to ``path`` if given."""
+        d = self.to_dict()
+        d["rows"] = json.loads(self.table.to_json())["rows"]
+        d["sink_rate"] = {k: (None if math.isnan(v) else v) for k, v in d["sink_rate"].items()}
+        text = json.dumps(d, ensure_ascii=False, **kw)
+        if path is not None:
+            from probe.files import write_text_atomic
+
+            write_text_atomic(path, text)
+        return text
+
+    def to_csv(self, path: str | os.PathLike | None = None) -> str:
+        """CSV of the table (one row per head); also written atomically to ``path`` if given."""
+        return self.table.to_csv(path)
+
+    def to_pandas(self):
+        """The table as a ``pandas.DataFrame`` (pandas is optional)."""
+        return self.table.to_pandas()
+
+    def summary(self) -> str:
+        """One line per stack/kind: sink rate and how many heads hold each role."""
+        lines = []
+        for key, rate in self.sink_rate.items():
+            stack, kind = key.split("/")
+            rows = [r for r in self.table if r["stack"] == stack and r["kind"] == kind]
+            counts: dict[str, int] = {}
+            for r in rows:
+                counts[r["role"]] = counts.get(r["role"], 0) + 1
+            roles = ", ".join(f"{n} {role}" for role, n in sorted(counts.items(), key=lambda x: -x[1]))
+            lines.append(f"{stack} {kind}-attention: {len(rows)} heads; sink rate {rate:.2f}; roles: {roles}")
+        return "\n".join(lines)
+
+    def __str__(self) -> str:
+        return self.summary() + "\n" + self.table.to_text()
+
+    def __repr__(self) -> str:
+        return f"<HeadStats {len(self.table)} heads, {self.n_texts} texts>"
+
+    def _repr_html_(self) -> str:
+        import html
+
+        head = "".join(f"<p>{html.escape(line)}</p>" for line in self.summary().splitlines())
+        return head + self.table._repr_html_()
+
+
+__all__ = ["HeadStats"]

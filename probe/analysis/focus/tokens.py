@@ -1,0 +1,121 @@
+"""What the focus statistics need to know about the tokens of one side of an attention pattern.
+
+For a pattern ``[batch, head, query, key]`` of ``stack``/``kind``, :func:`side` returns, per text
+and padded position: which positions are real (``attention_mask``), which are special tokens
+(``special_tokens_mask``), which are punctuation, the token ids (for the templates) and the word
+each position belongs to. Encoder-decoder caches keep the decoder's tokens under ``target_*``; the
+decoder's self-attention reads them on both sides, its cross-attention reads them for queries and
+the source for keys.
+"""
+
+from __future__ import annotations
+
+import unicodedata
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from probe.errors import ProbeError
+
+
+@dataclass
+class Side:
+    """Per-position facts of one side (queries or keys) of a pattern, shapes ``[batch, T]``."""
+
+    real: torch.Tensor  # bool: a real token, not padding
+    special: torch.Tensor  # bool: a special token ([CLS], [SEP], BOS, EOS, ...)
+    punct: torch.Tensor  # bool: a punctuation token
+    ids: torch.Tensor | None  # long, -1 at padding; None when the cache has no ids
+    word: torch.Tensor  # long: word index within the text, -1 at padding
+    n_words: int  # the largest number of words of a text in the batch
+    first: torch.Tensor  # long [batch]: position of the first real token
+    end: torch.Tensor  # long [batch]: position of the last real token if it is special, else -1
+
+
+def _prefix(meta: dict[str, Any], stack: str, role: str) -> str:
+    """``"target_"`` where the decoder of an encoder-decoder reads its own tokens, else ``""``."""
+    enc_dec = meta.get("target_tokens") is not None
+    return "target_" if enc_dec and stack == "decoder" and role == "own" else ""
+
+
+def is_punct(token: str) -> bool:
+    """A display token made only of Unicode punctuation (category P*), ignoring ``##`` and spaces."""
+    t = token[2:] if token.startswith("##") else token
+    t = t.strip()
+    return bool(t) and all(unicodedata.category(c).startswith("P") for c in t)
+
+
+def word_starts(tokens: list[str], special: list[bool]) -> list[bool]:
+    """Whether each display token starts a new word (see the conventions in ``probe.analysis.focus``).
+
+    WordPiece (any ``##`` piece): every piece not starting with ``##`` starts a word. Leading-space
+    schemes (byte BPE ``Ġthe`` and SentencePiece ``▁the``, both shown as `` the``; character
+    tokenizers whose spaces are tokens): a piece starts a word when it begins with whitespace or
+    follows a whitespace-only piece. Tokenizers with neither (plain word tokens): every token is a
+    word. Special tokens are always words of their own.
+    """
+    n = len(tokens)
+    if any(t.startswith("##") and len(t) > 2 for t in tokens):
+        starts = [not t.startswith("##") for t in tokens]
+    elif any(t[:1].isspace() for t, s in zip(tokens, special, strict=True) if not s):
+        starts = [True] * n
+        for i in range(1, n):
+            t, prev = tokens[i], tokens[i - 1]
+            starts[i] = t[:1].isspace() or prev.isspace() or t.isspace()
+    else:
+        starts = [True] * n
+    for i in range(n):
+        if special[i] or (i > 0 and special[i - 1]):
+            starts[i] = True
+    if n:
+        starts[0] = True
+    return starts
+
+
+def side(meta: dict[str, Any], stack: str, role: str, batch: int, length: int) -> Side:
+    """Facts of the ``role`` side (``"own"``: the stack's own tokens; ``"source"``: the encoder's)
+    for a pattern dimension of ``length`` positions over ``batch`` texts."""
+    p = _prefix(meta, stack, role)
+    mask = meta.get(f"{p}attention_mask")
+    tokens = meta.get(f"{p}tokens") or []
+    specials = meta.get(f"{p}special_tokens_mask")
+    ids = meta.get(f"{p}ids")
+    if mask is None:
+        real = torch.ones(batch, length, dtype=torch.bool)
+    else:
+        real = torch.tensor(mask, dtype=torch.bool)
+        if tuple(real.shape) != (batch, length):
+            raise ProbeError(
+                f"the cache's {p}attention_mask is {list(real.shape)} but its {stack} patterns have "
+                f"{batch} texts × {length} positions; the cache is inconsistent, capture it again"
+            )
+    special = torch.zeros(batch, length, dtype=torch.bool)
+    punct = torch.zeros(batch, length, dtype=torch.bool)
+    word = torch.full((batch, length), -1, dtype=torch.long)
+    id_t = torch.full((batch, length), -1, dtype=torch.long) if ids is not None else None
+    n_words = 1
+    for b in range(batch):
+        pos = real[b].nonzero().flatten().tolist()
+        toks = tokens[b] if b < len(tokens) and len(tokens[b]) == len(pos) else [""] * len(pos)
+        spec = [bool(s) for s in specials[b]] if specials is not None and b < len(specials) else []
+        if len(spec) != len(pos):
+            spec = [False] * len(pos)
+        for k, q in enumerate(pos):
+            special[b, q] = spec[k]
+            punct[b, q] = not spec[k] and is_punct(toks[k])
+        if id_t is not None and b < len(ids) and len(ids[b]) == len(pos):
+            id_t[b, pos] = torch.tensor(ids[b], dtype=torch.long)
+        w = -1
+        for k, (q, s) in enumerate(zip(pos, word_starts(toks, spec), strict=True)):
+            w += 1 if s or k == 0 else 0
+            word[b, q] = w
+        n_words = max(n_words, w + 1)
+    idx = torch.arange(length)
+    first = torch.where(real, idx, length).amin(-1)
+    last = torch.where(real, idx, -1).amax(-1)
+    end = torch.where(special[torch.arange(batch), last.clamp(min=0)] & (last >= 0), last, -1)
+    return Side(real, special, punct, id_t, word, n_words, first, end)
+
+
+__all__ = ["Side", "side", "is_punct", "word_starts"]
