@@ -11,8 +11,10 @@ The public API is small and flat::
 
 __version__ = "0.1.0"
 
+from probe.analysis.residual import budget, logit_lens, residual  # noqa: E402
 from probe.cache import Cache, load  # noqa: E402
 from probe.capture import Trace, capture, trace  # noqa: E402
 from probe.errors import ProbeError  # noqa: E402
 
 __all__ = ["capture", "trace", "Trace", "load", "Cache", "ProbeError", "__version__"]
+__all__ += ["residual", "logit_lens", "budget"]

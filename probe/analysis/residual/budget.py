@@ -194,6 +194,7 @@ def budget(model_or_config: Any) -> Budget:
     ``config.json``) is built on the ``meta`` device, so even a GPT-3-sized model costs no memory.
     """
     model = _as_model(model_or_config)
+    preset = isinstance(model_or_config, str) and model_or_config.lower() == "gpt3"
     layer_of = _stacks(model)
     d, cfg_vocab = _dims(model, layer_of)
 
@@ -337,13 +338,17 @@ def budget(model_or_config: Any) -> Budget:
         notes.append(f"{n} is shared with {', '.join(others)}: counted once")
     d_ff = _d_ff(per_layer, d)
     vocab_out = next((_proj_shape(m)[1] for mn, m in model.named_modules() if mn == unembed), None)
-    journey = [("token id", 1), ("embedding", d), ("attention", d)]
+    has_tok = by_role.get("token embedding", 0) > 0
+    journey = [("token id", 1), ("embedding", d)] if has_tok else [("input", d)]
+    journey.append(("attention", d))
     if d_ff:
         journey += [("MLP up", d_ff), ("MLP down", d)]
     if vocab_out:
         journey.append(("unembedding", vocab_out))
     dims = {"d_model": d, "d_ff": d_ff or 0, "vocab": vocab_out or 0, "layers": len(layer_of)}
     name = getattr(getattr(model, "config", None), "model_type", None) or getattr(model, "name", "")
+    if preset:
+        name = "GPT-3 (175B shape)"
     return Budget(
         Table(rows, ["name", "role", "stack", "layer", "shape", "parameters", "tied"], "parameters"),
         Table(role_rows, ["role", "parameters", "share"], "parameters by role"),
