@@ -224,9 +224,9 @@ def cmd_lens(args: argparse.Namespace) -> int:
             f"final norm's scale frozen; sum vs logit: max |diff| {att.max_error:.2e}"
         )
         for name, v in att.bars(0, pos) + att.bars(0, pos, heads=True):
-            print(f"  {name:24} {v:+9.4f}")
-        print(f"  {'(norm bias + unembedding bias)':24} {att.constant[0, pos].item():+9.4f}")
-        print(f"  {'= logit':24} {att.logit[0, pos].item():+9.4f}")
+            print(f"  {name:30} {v:+9.4f}")
+        print(f"  {'(norm bias + unembedding bias)':30} {att.constant[0, pos].item():+9.4f}")
+        print(f"  {'= logit':30} {att.logit[0, pos].item():+9.4f}")
         for n in att.notes:
             print(f"note: {n}")
     _export(lens, args)
