@@ -160,6 +160,7 @@ def residual(cache, model: Any = None) -> ResidualStats:
             real = torch.ones(B, T, dtype=torch.bool)
             if mask:
                 real = torch.tensor(mask, dtype=torch.bool)[:, :T]
+            real_l = real.tolist()
             stream = pre
             norms_dE = torch.stack([d.norm(dim=-1) for _, d in deltas])  # (n_sub, B, T)
             most = norms_dE.argmax(dim=0)  # (B, T)
@@ -183,11 +184,13 @@ def residual(cache, model: Any = None) -> ResidualStats:
                         "mean_norm_post": post_norm[sel].mean().item(),
                     }
                 )
+                cols = [x.tolist() for x in (nE, nD, ratio, cos, most == j)]
                 for b in range(B):
                     for t in range(T):
-                        if not real[b, t]:
+                        if not real_l[b][t]:
                             continue
                         tok = tokens[b][t] if b < len(tokens) and t < len(tokens[b]) else str(t)
+                        e, dn, rt, cs, mst = (c[b][t] for c in cols)
                         rows.append(
                             {
                                 "stack": stack,
@@ -196,11 +199,11 @@ def residual(cache, model: Any = None) -> ResidualStats:
                                 "batch": b,
                                 "pos": t,
                                 "token": tok,
-                                "norm_E": nE[b, t].item(),
-                                "norm_dE": nD[b, t].item(),
-                                "ratio": ratio[b, t].item(),
-                                "cos": cos[b, t].item(),
-                                "writes_most": bool(most[b, t] == j),
+                                "norm_E": e,
+                                "norm_dE": dn,
+                                "ratio": rt,
+                                "cos": cs,
+                                "writes_most": mst,
                             }
                         )
                 stream = stream + d
