@@ -189,6 +189,11 @@ def _export(result, args: argparse.Namespace) -> None:
             print(f"wrote {path}")
 
 
+def _export_args(p: argparse.ArgumentParser, what: str) -> None:
+    p.add_argument("--csv", default=None, help=f"also write {what} to this CSV file")
+    p.add_argument("--json", default=None, help=f"also write {what} to this JSON file")
+
+
 def cmd_residual(args: argparse.Namespace) -> int:
     import probe
 
@@ -260,8 +265,7 @@ def _add_residual_commands(sub) -> None:
     )
     p.add_argument("path", help="a .safetensors cache written by probe")
     p.add_argument("--tokens", action="store_true", help="export one row per token instead of per layer")
-    p.add_argument("--csv", default=None, help="also write the table to this CSV file")
-    p.add_argument("--json", default=None, help="also write the table to this JSON file")
+    _export_args(p, "the table")
     p.set_defaults(func=cmd_residual)
 
     p = sub.add_parser(
@@ -277,8 +281,7 @@ def _add_residual_commands(sub) -> None:
     p.add_argument("--target", "-t", nargs="+", default=None, help="decoder text for encoder-decoders")
     p.add_argument("-k", type=int, default=5, help="top-k tokens per cell in the exports (default 5)")
     p.add_argument("--position", type=int, default=-1, help="position to attribute (default: the last)")
-    p.add_argument("--csv", default=None, help="also write the lens table to this CSV file")
-    p.add_argument("--json", default=None, help="also write the lens table to this JSON file")
+    _export_args(p, "the lens table")
     p.set_defaults(func=cmd_lens)
 
     p = sub.add_parser(
@@ -292,8 +295,7 @@ def _add_residual_commands(sub) -> None:
     add_model_args(p, default="minigpt")
     p.add_argument("--config", default=None, metavar="FILE", help="a config.json, or the preset gpt3")
     p.add_argument("--layers", action="store_true", help="also print the per-layer table")
-    p.add_argument("--csv", default=None, help="also write the by-role table to this CSV file")
-    p.add_argument("--json", default=None, help="also write the by-role table to this JSON file")
+    _export_args(p, "the by-role table")
     p.set_defaults(func=cmd_budget)
 
 

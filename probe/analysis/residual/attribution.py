@@ -22,6 +22,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from probe.analysis.residual.exports import TableExports
 from probe.analysis.residual.stream import layer_components
 from probe.analysis.table import Table
 
@@ -29,7 +30,7 @@ COLUMNS = ["batch", "pos", "token", "predicted", "component", "layer", "sublayer
 
 
 @dataclass
-class Attribution:
+class Attribution(TableExports):
     """Direct logit attribution of the predicted token at every position.
 
     ``table`` rows: component ``"embed"``, ``"L<i>.<sublayer>"`` (kind ``sublayer``, these sum to the
@@ -43,6 +44,10 @@ class Attribution:
     total: Tensor
     max_error: float
     notes: list[str] = field(default_factory=list)
+
+    def main_table(self) -> Table:
+        """The table ``to_json``/``to_csv``/``to_pandas`` export."""
+        return self.table
 
     def bars(self, batch: int = 0, pos: int = -1, heads: bool = False) -> list[tuple[str, float]]:
         """``[(component, contribution), ...]`` at one position (sublayers, or heads when ``heads``)."""
@@ -59,18 +64,6 @@ class Attribution:
     def to_dict(self) -> dict[str, Any]:
         """The attribution table as plain Python, with the error and notes."""
         return {"table": self.table.to_dict(), "max_error": self.max_error, "notes": list(self.notes)}
-
-    def to_json(self, path=None, **kw) -> str:
-        return self.table.to_json(path, **kw)
-
-    def to_csv(self, path=None) -> str:
-        return self.table.to_csv(path)
-
-    def to_pandas(self):
-        return self.table.to_pandas()
-
-    def _repr_html_(self) -> str:
-        return self.table._repr_html_()
 
 
 def _head_split(calls: list, delta: Tensor, heads: int) -> tuple[list[Tensor], Tensor] | None:

@@ -28,6 +28,7 @@ from typing import Any
 
 from torch import nn
 
+from probe.analysis.residual.exports import TableExports
 from probe.analysis.table import Table
 from probe.errors import ProbeError
 
@@ -49,7 +50,7 @@ MATRIX_ROLES = ("token embedding", "W_Q", "W_K", "W_V", "W_O", "MLP up", "MLP do
 
 
 @dataclass
-class Budget:
+class Budget(TableExports):
     """A model's parameters by role and layer.
 
     ``params``: one row per parameter tensor (name, role, stack, layer, shape, count, tied).
@@ -68,6 +69,10 @@ class Budget:
     dims: dict[str, int]
     name: str = ""
     notes: list[str] = field(default_factory=list)
+
+    def main_table(self) -> Table:
+        """The table ``to_json``/``to_csv``/``to_pandas`` export."""
+        return self.by_role
 
     def role(self, name: str) -> int:
         """The parameter count of role ``name`` (one of :data:`ROLES`)."""
@@ -89,18 +94,6 @@ class Budget:
             "notes": list(self.notes),
         }
 
-    def to_json(self, path=None, **kw) -> str:
-        """The by-role table as JSON."""
-        return self.by_role.to_json(path, **kw)
-
-    def to_csv(self, path=None) -> str:
-        """The by-role table as CSV."""
-        return self.by_role.to_csv(path)
-
-    def to_pandas(self):
-        """The by-role table as a DataFrame."""
-        return self.by_role.to_pandas()
-
     def journey_text(self) -> str:
         """``1 → 12288 → 49152 → 12288 → 50257`` with the stage names."""
         return " → ".join(f"{n:,} ({s})" for s, n in self.journey)
@@ -118,9 +111,6 @@ class Budget:
         return "\n".join(lines)
 
     __str__ = to_text
-
-    def _repr_html_(self) -> str:
-        return self.by_role._repr_html_()
 
 
 # -- the module tree -------------------------------------------------------------------------------

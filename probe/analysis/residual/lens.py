@@ -18,6 +18,7 @@ import torch
 from torch import Tensor
 
 from probe import forward
+from probe.analysis.residual.exports import TableExports
 from probe.analysis.residual.head import ReadOut, find_readout, is_leaf, model_logits
 from probe.analysis.residual.stream import captured_layers, layer_components
 from probe.analysis.table import Table
@@ -106,7 +107,7 @@ def read_pass(model, inputs, *, tokenizer=None, target=None, norm=_MISSING, unem
 
 
 @dataclass
-class LogitLens:
+class LogitLens(TableExports):
     """Per layer and position: what the stream would predict if the model stopped there.
 
     ``sources`` label the rows (``"embed"``, then ``"L0"``, ``"L1"``, ... for each layer's
@@ -130,6 +131,10 @@ class LogitLens:
     readout: str
     attribution: Any = None
     notes: list[str] = field(default_factory=list)
+
+    def main_table(self) -> Table:
+        """The table ``to_json``/``to_csv``/``to_pandas`` export."""
+        return self.table()
 
     def token(self, i: int) -> str:
         """The display string of vocabulary id ``i``."""
@@ -178,18 +183,6 @@ class LogitLens:
             d["attribution"] = self.attribution.table.to_dict()
         return d
 
-    def to_json(self, path=None, **kw) -> str:
-        """The lens table as JSON."""
-        return self.table().to_json(path, **kw)
-
-    def to_csv(self, path=None) -> str:
-        """The lens table as CSV."""
-        return self.table().to_csv(path)
-
-    def to_pandas(self):
-        """The lens table as a DataFrame."""
-        return self.table().to_pandas()
-
     def to_text(self, batch: int = 0) -> str:
         """The grid as text: one line per row, the top-1 token and p(final prediction) per position."""
         labels, toks, p, tops = self.grid(batch)
@@ -213,9 +206,6 @@ class LogitLens:
             f"logit lens via {self.readout}; last layer vs model logits: max |diff| {self.final_error:.2e}\n"
             + self.to_text()
         )
-
-    def _repr_html_(self) -> str:
-        return self.table()._repr_html_()
 
 
 def _vocab(tok, n: int) -> list[str] | None:

@@ -18,6 +18,7 @@ from typing import Any
 
 import torch
 
+from probe.analysis.residual.exports import TableExports
 from probe.analysis.table import Table
 from probe.cache.format import key
 from probe.errors import ProbeError
@@ -51,7 +52,7 @@ LAYER_COLUMNS = [
 
 
 @dataclass
-class ResidualStats:
+class ResidualStats(TableExports):
     """Per-token (``tokens``) and per-layer (``layers``) residual-stream statistics.
 
     ``tokens`` rows: one per (stack, layer, sublayer, batch, pos) of a real (unpadded) token, with
@@ -66,31 +67,17 @@ class ResidualStats:
     layers: Table
     notes: list[str] = field(default_factory=list)
 
+    def main_table(self) -> Table:
+        """The table ``to_json``/``to_csv``/``to_pandas`` export."""
+        return self.layers
+
     def to_dict(self) -> dict[str, Any]:
         """``{"layers": ..., "tokens": ..., "notes": [...]}`` as plain Python."""
         return {"layers": self.layers.to_dict(), "tokens": self.tokens.to_dict(), "notes": list(self.notes)}
 
-    def to_json(self, path=None, **kw) -> str:
-        """The per-layer table as JSON (see :meth:`Table.to_json`); per token: ``.tokens.to_json()``."""
-        return self.layers.to_json(path, **kw)
-
-    def to_csv(self, path=None) -> str:
-        """The per-layer table as CSV; per token: ``.tokens.to_csv()``."""
-        return self.layers.to_csv(path)
-
-    def to_pandas(self):
-        """The per-layer table as a DataFrame; per token: ``.tokens.to_pandas()``."""
-        return self.layers.to_pandas()
-
     def __str__(self) -> str:
         notes = "".join(f"\nnote: {n}" for n in self.notes)
         return str(self.layers) + notes
-
-    def _repr_html_(self) -> str:
-        import html
-
-        notes = "".join(f"<p>note: {html.escape(n)}</p>" for n in self.notes)
-        return self.layers._repr_html_() + notes
 
 
 def _tokens_of(cache, stack: str) -> tuple[list[list[str]], list[list[int]]]:
