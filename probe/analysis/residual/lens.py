@@ -240,6 +240,14 @@ def lens_from_pass(ps: Pass, k: int = 5) -> LogitLens:
         lg = ro.logits(h)
         if label == f"L{ps.layers[-1]}":
             final_error = (lg - ps.logits).abs().max().item()
+            if final_error > 1e-4 * (1 + ps.logits.abs().max().item()):
+                # something acts between the unembedding and the output (a logits bias, a scale):
+                # every row would be off by it, so say so instead of showing a wrong lens
+                raise ProbeError(
+                    f"the read-out {ps.readout.norm_name or '(no final norm)'} -> {ps.readout.unembed_name} "
+                    f"does not reproduce the model's logits (max |diff| {final_error:.3g}); "
+                    "pass norm= and unembed= the modules that map the last stream to the logits"
+                )
         prob = lg.softmax(dim=-1)
         kk = min(k, prob.shape[-1])
         tp, ti = prob.topk(kk, dim=-1)
