@@ -11,11 +11,10 @@ The public API is small and flat::
 
 __version__ = "0.1.0"
 
-from probe.analysis.residual import budget, logit_lens, residual  # noqa: E402
-
 # probe.report is a callable module: probe.report(cache, "out/") writes out/index.html, and its
 # submodules (probe.report.html, probe.report.sections, ...) import as usual.
 from probe import report  # noqa: E402
+from probe.analysis.residual import budget, logit_lens, residual  # noqa: E402
 from probe.cache import Cache, load  # noqa: E402
 from probe.capture import Trace, capture, trace  # noqa: E402
 from probe.errors import ProbeError  # noqa: E402
