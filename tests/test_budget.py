@@ -81,7 +81,7 @@ def test_hf_gpt2_tied_embedding_counted_once(tmp_path):
     model = H.gpt2(100)
     b = probe.budget(model)
     assert b.total == _numel(model)
-    assert b.total < sum(p.numel() for p in model.parameters(remove_duplicate=False))
+    assert b.total < sum(p.numel() for _, p in model.named_parameters(remove_duplicate=False))
     assert b.role("unembedding") == 0 and b.role("token embedding") == 100 * 64
     tied = [r for r in b.params if r["tied"]]
     assert [(r["name"], r["tied"]) for r in tied] == [("transformer.wte.weight", "lm_head.weight")]

@@ -4,16 +4,12 @@ sublayers; layers without deltas; the CLI; the report section on a stand-in cont
 
 from __future__ import annotations
 
-import base64
-import io
 import json
 import math
 import subprocess
 import sys
-import types
 from pathlib import Path
 
-import jinja2
 import pytest
 import torch
 
@@ -154,52 +150,41 @@ def test_cli_residual(tmp_path):
     assert r.returncode == 2 and "no such file" in r.stderr and "Traceback" not in r.stderr
 
 
-# -- the report section, on a stand-in context (REPORT_CONTRACT) ------------------------------
-def _figure(fig, alt=""):
-    import matplotlib.pyplot as plt
-
-    buf = io.BytesIO()
-    fig.savefig(buf, format="png")
-    plt.close(fig)
-    return "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()
+# -- the report section, through the report host (REPORT_CONTRACT) ---------------------------
+def _section(path: Path) -> str:
+    html = path.read_text()
+    start = html.index("Residual stream and anatomy</h2>")
+    return html[start : html.index("</section>", start)]
 
 
-def _render(model, cache, tok):
-    from probe.report.sections import residual as section
-
-    ctx = types.SimpleNamespace(
-        caches=[cache],
-        cache=cache,
-        model=model,
-        tokenizer=tok,
-        results={},
-        figure=_figure,
-        json=json.dumps,
-        progress=lambda text: None,
-    )
-    s = section.build(ctx)
-    root = Path(section.__file__).parents[1] / "templates"
-    env = jinja2.Environment(loader=jinja2.FileSystemLoader(root), autoescape=True)
-    return s, ctx, env.get_template("sections/residual.html.j2").render(s=s, ctx=ctx)
-
-
-def test_section_without_model_shows_norms_only():
+def test_report_without_model_shows_norms_only(tmp_path):
     model = models.load("minigpt")
-    s, ctx, html = _render(None, probe.capture(model, TEXT), None)
-    assert s["norms_fig"].startswith("data:image/png;base64,")
-    assert "lens" not in s and "budget" not in s
-    assert "residual" in ctx.results and "http" not in html
+    html = _section(probe.report(probe.capture(model, TEXT), tmp_path, progress=False))
+    assert "data:image/png;base64," in html and "mean_norm_dE" in html
+    assert "Logit lens" not in html and "Parameter budget" not in html
 
 
-def test_section_with_model_shows_lens_attribution_and_budget():
+def test_report_with_minigpt_shows_lens_attribution_and_budget(tmp_path):
     model = models.load("minigpt")
-    s, ctx, html = _render(model, probe.capture(model, TEXT), model.tokenizer)
-    assert len(s["lens"]["grid"]) == 3  # embed, L0, L1
-    assert s["lens"]["predicted"] == [model.tokenizer.decode([i]) for i in _argmax(model, TEXT)]
-    assert s["budget"]["total"] == sum(p.numel() for p in model.parameters())
+    cache = probe.capture(model, TEXT)
+    html = _section(probe.report(cache, tmp_path, model=model, tokenizer=model.tokenizer, progress=False))
     assert "Logit lens" in html and "Direct logit attribution" in html and "Parameter budget" in html
-    assert html.count("<details") >= len(TEXT)  # one attribution per position
-    assert "http" not in html
+    # the grid's bottom row is the model's own prediction at every position
+    final_row = html[html.index("<th>final</th>") :].split("</tr>")[0]
+    assert final_row.count("<b>") == len(TEXT)
+    pred = [model.tokenizer.decode([i]) for i in _argmax(model, TEXT)]
+    assert final_row.replace("<td><b>", "|").replace("</b></td>", "").split("|")[1:] == pred
+    assert html.count("<details") >= len(TEXT) + 1  # one attribution per position, and the table
+    assert "104,598 parameters" in html
+    assert "http://" not in html and "https://" not in html
+
+
+def test_report_with_translator(tmp_path):
+    model = models.load("translator")
+    cache = probe.capture(model, "ich mochte ein bier", target="S i want a beer")
+    html = _section(probe.report(cache, tmp_path, model=model, tokenizer=model.tokenizer, progress=False))
+    assert "cross_attn" in html and "Logit lens" in html and "44,165,632 parameters" in html
+    assert "not split by head" in html  # post-norm: the deltas include a LayerNorm, and it says so
 
 
 def _argmax(model, text):

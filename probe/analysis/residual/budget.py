@@ -135,7 +135,8 @@ def _stacks(model: nn.Module) -> dict[str, int]:
     for name, m in model.named_modules():
         if isinstance(m, (nn.ModuleList, nn.Sequential)):
             kids = list(m.named_children())
-            if len(kids) >= 1 and all(k.isdigit() for k, _ in kids):
+            # a list of layers: numbered children of one type (not a Sequential pipeline of parts)
+            if kids and all(k.isdigit() for k, _ in kids) and len({type(c) for _, c in kids}) == 1:
                 # a list of layers holds projections in each child; skip lists of heads inside a layer
                 if any(_proj_shape(x) for _, c in kids for x in c.modules()) and not any(
                     name.startswith(p + ".") for p in layers

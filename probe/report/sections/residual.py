@@ -75,11 +75,13 @@ def _lens(ctx, lens) -> dict[str, Any]:
         }
         for i, lab in enumerate(labels)
     ]
-    pred = [lens.token(int(lens.predicted[0, t])) for t in range(lens.mask.shape[1]) if lens.mask[0, t]]
+    real = [t for t in range(lens.mask.shape[1]) if lens.mask[0, t]]  # positions of text 0's tokens
+    pred = [lens.token(int(lens.predicted[0, t])) for t in real]
     out = {
         "tokens": toks,
         "grid": grid,
         "predicted": pred,
+        "attribution": None,
         "readout": lens.readout,
         "error": lens.final_error,
     }
@@ -87,15 +89,15 @@ def _lens(ctx, lens) -> dict[str, Any]:
     if att is not None:
         positions = []
         for j in range(len(toks)):
-            bars = att.bars(0, j) + att.bars(0, j, heads=True)
+            bars = att.bars(0, real[j]) + att.bars(0, real[j], heads=True)
             scale = max([abs(v) for _, v in bars] + [1e-12])
             positions.append(
                 {
                     "pos": j,
                     "token": toks[j],
                     "predicted": pred[j],
-                    "logit": float(att.logit[0, j]),
-                    "constant": float(att.constant[0, j]),
+                    "logit": float(att.logit[0, real[j]]),
+                    "constant": float(att.constant[0, real[j]]),
                     "bars": [{"name": n, "v": v, "w": round(50 * abs(v) / scale, 1)} for n, v in bars],
                 }
             )
@@ -117,6 +119,8 @@ def build(ctx) -> dict | None:
         "norms_fig": _norms_figure(ctx, stats),
         "layers": stats.layers,
         "notes": list(stats.notes),
+        "lens": None,
+        "budget": None,
     }
     if len(ctx.caches) > 1:
         s["notes"].append("residual statistics shown for the first cache only")
