@@ -16,12 +16,22 @@ __version__ = "0.1.0"
 from probe import report  # noqa: E402
 from probe.analysis.causal import CausalReport, check_causal  # noqa: E402
 from probe.analysis.focus import HeadStats, head_stats, induction_scores  # noqa: E402
+from probe.analysis.residual import budget, logit_lens, residual  # noqa: E402
 from probe.cache import Cache, load  # noqa: E402
 from probe.capture import Trace, capture, trace  # noqa: E402
 from probe.errors import ProbeError  # noqa: E402
 
 __all__ = ["capture", "trace", "Trace", "load", "Cache", "ProbeError", "report", "plot", "__version__"]
-__all__ += ["check_causal", "CausalReport", "head_stats", "HeadStats", "induction_scores"]
+__all__ += [
+    "check_causal",
+    "CausalReport",
+    "head_stats",
+    "HeadStats",
+    "induction_scores",
+    "residual",
+    "logit_lens",
+    "budget",
+]
 
 
 def __getattr__(name: str):

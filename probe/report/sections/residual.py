@@ -1,0 +1,157 @@
+"""Residual stream and anatomy: |ΔE| per sublayer, the logit lens, direct logit attribution, the budget.
+
+Always shown (from the cache): mean |resid_post| per layer with each sublayer's mean |ΔE| stacked.
+With the model (``probe report --model/--hf``): the logit-lens grid (layers × positions, each cell
+the layer's top token, coloured by the probability of the model's final prediction), direct
+logit attribution bars per position, and the parameter budget as a chart and a table.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from probe.errors import ProbeError
+
+TITLE = "Residual stream and anatomy"
+ORDER = 50
+
+_COLORS = {"self_attn": "#4c72b0", "cross_attn": "#55a868", "mlp": "#dd8452", "layer": "#8172b3"}
+
+
+def _norms_figure(ctx, stats) -> str:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = list(stats.layers)
+    stacks = sorted({r["stack"] for r in rows}, key=lambda s: s != "encoder")
+    fig, axes = plt.subplots(1, len(stacks), figsize=(5.5 * len(stacks), 3.4), squeeze=False)
+    for ax, stack in zip(axes[0], stacks, strict=True):
+        mine = [r for r in rows if r["stack"] == stack]
+        layers = sorted({r["layer"] for r in mine})
+        bottom = [0.0] * len(layers)
+        for sub in ("self_attn", "cross_attn", "mlp", "layer"):
+            vals = [
+                next((r["mean_norm_dE"] for r in mine if r["layer"] == i and r["sublayer"] == sub), 0.0)
+                for i in layers
+            ]
+            if any(vals):
+                ax.bar(range(len(layers)), vals, bottom=bottom, color=_COLORS[sub], label=f"|ΔE| {sub}")
+                bottom = [b + v for b, v in zip(bottom, vals, strict=True)]
+        post = [next(r["mean_norm_post"] for r in mine if r["layer"] == i) for i in layers]
+        ax.plot(range(len(layers)), post, "k.-", label="|resid_post|")
+        ax.set_xticks(range(len(layers)), [str(i) for i in layers])
+        ax.set_xlabel(f"{stack} layer")
+        ax.set_ylabel("mean L2 norm over tokens")
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    return ctx.figure(fig, "residual norms per layer")
+
+
+def _budget_figure(ctx, b) -> str:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = [r for r in b.by_role if r["parameters"] > 0]
+    fig, ax = plt.subplots(figsize=(6.5, 0.32 * len(rows) + 0.8))
+    ax.barh([r["role"] for r in rows][::-1], [100 * r["share"] for r in rows][::-1], color="#4c72b0")
+    for i, r in enumerate(rows[::-1]):
+        ax.text(100 * r["share"], i, f" {r['parameters']:,}", va="center", fontsize=8)
+    ax.set_xlabel("share of all parameters (%)")
+    ax.set_xlim(0, 118)
+    fig.tight_layout()
+    return ctx.figure(fig, "parameter budget")
+
+
+def _lens(ctx, lens) -> dict[str, Any]:
+    labels, toks, p, tops = lens.grid(0)
+    grid = [
+        {
+            "label": lab,
+            "cells": [{"top": tops[i][j], "p": round(float(p[i, j]), 3)} for j in range(len(toks))],
+        }
+        for i, lab in enumerate(labels)
+    ]
+    real = [t for t in range(lens.mask.shape[1]) if lens.mask[0, t]]  # positions of text 0's tokens
+    pred = [lens.token(int(lens.predicted[0, t])) for t in real]
+    out = {
+        "tokens": toks,
+        "grid": grid,
+        "predicted": pred,
+        "attribution": None,
+        "readout": lens.readout,
+        "error": lens.final_error,
+    }
+    att = lens.attribution
+    if att is not None:
+        positions = []
+        for j in range(len(toks)):
+            bars = att.bars(0, real[j]) + att.bars(0, real[j], heads=True)
+            scale = max([abs(v) for _, v in bars] + [1e-12])
+            positions.append(
+                {
+                    "pos": j,
+                    "token": toks[j],
+                    "predicted": pred[j],
+                    "logit": float(att.logit[0, real[j]]),
+                    "constant": float(att.constant[0, real[j]]),
+                    "bars": [{"name": n, "v": v, "w": round(50 * abs(v) / scale, 1)} for n, v in bars],
+                }
+            )
+        out["attribution"] = {"positions": positions, "error": att.max_error, "notes": att.notes}
+    return out
+
+
+def build(ctx) -> dict | None:
+    """Residual statistics (always), and with ``ctx.model`` the logit lens, attribution and budget."""
+    import probe
+
+    cache = ctx.cache
+    if not any(k.endswith("resid_pre") for k in cache.keys()):
+        return None
+    ctx.progress("residual stream")
+    stats = ctx.results.get("residual") or probe.residual(cache)
+    ctx.results["residual"] = stats
+    s: dict[str, Any] = {
+        "norms_fig": _norms_figure(ctx, stats),
+        "layers": stats.layers,
+        "notes": list(stats.notes),
+        "lens": None,
+        "budget": None,
+    }
+    if len(ctx.caches) > 1:
+        s["notes"].append("residual statistics shown for the first cache only")
+    b = None
+    if ctx.model is not None:
+        ctx.progress("logit lens")
+        try:
+            lens = ctx.results.get("logit_lens") or probe.logit_lens(
+                ctx.model, cache, tokenizer=ctx.tokenizer
+            )
+            ctx.results["logit_lens"] = lens
+            s["lens"] = _lens(ctx, lens)
+            s["notes"] += lens.notes
+        except ProbeError as e:
+            s["notes"].append(f"no logit lens: {e}")
+        b = probe.budget(ctx.model)
+    else:
+        cfg = (cache.metadata.get("model") or {}).get("config") or {}
+        if cfg.get("model_type"):  # a Hugging Face model: its config alone gives the budget (meta device)
+            try:
+                b = probe.budget(cfg)
+            except ProbeError as e:
+                s["notes"].append(f"no parameter budget: {e}")
+    if b is not None:
+        ctx.results["budget"] = b
+        s["budget"] = {
+            "fig": _budget_figure(ctx, b),
+            "table": b.by_role,
+            "total": b.total,
+            "matrices": b.matrices,
+            "journey": b.journey_text(),
+            "notes": b.notes,
+        }
+    return s
