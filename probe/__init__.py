@@ -14,5 +14,7 @@ __version__ = "0.1.0"
 from probe.cache import Cache, load  # noqa: E402
 from probe.capture import Trace, capture, trace  # noqa: E402
 from probe.errors import ProbeError  # noqa: E402
+from probe.analysis.alignment import Alignment, align  # noqa: E402
 
 __all__ = ["capture", "trace", "Trace", "load", "Cache", "ProbeError", "__version__"]
+__all__ += ["align", "Alignment"]
