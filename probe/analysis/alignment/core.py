@@ -106,23 +106,22 @@ def _soft_one(cache, convention: str) -> tuple[list[int], list[torch.Tensor]]:
             "encoder-decoder such as the translator or a BART/T5/Marian model"
         )
     src, tgt = _words_one(cache)
-    per_layer = []
-    for layer in layers:
-        P = cache.pattern("decoder", layer, "cross").float()  # [B, H, T, S]
-        mats = []
-        for b in range(len(src)):
-            T, S = P.shape[-2:]
-            G = torch.zeros(S, len(src[b]))  # source pieces -> words, summed
-            for w, ps in enumerate(src[b].pieces):
-                G[ps, w] = 1.0
-            R = torch.zeros(len(tgt[b]), T)  # target words <- rows, averaged
-            for w, ps in enumerate(tgt[b].pieces):
-                rows = _rows(ps, convention)
-                if rows:
-                    R[w, rows] = 1.0 / len(rows)
-            mats.append(R @ P[b] @ G)  # [H, n_tgt, n_src]
-        per_layer.append(mats)
-    return layers, [torch.stack([m[b] for m in per_layer]) for b in range(len(src))]
+    P = torch.stack([cache.pattern("decoder", layer, "cross").float() for layer in layers])  # [L, B, H, T, S]
+    B, T, S = P.shape[1], P.shape[3], P.shape[4]
+    n_src = max([len(w) for w in src] + [1])
+    n_tgt = max([len(w) for w in tgt] + [1])
+    G = torch.zeros(B, S, n_src)  # source pieces -> words, summed
+    R = torch.zeros(B, n_tgt, T)  # target words <- decoder rows, averaged
+    for b in range(B):
+        for w, ps in enumerate(src[b].pieces):
+            G[b, ps, w] = 1.0
+        for w, ps in enumerate(tgt[b].pieces):
+            rows = _rows(ps, convention)
+            if rows:
+                R[b, w, rows] = 1.0 / len(rows)
+    # one contraction for the whole batch: [L, B, H, target word, source word]
+    W = torch.einsum("bwt,lbhts,bsv->blhwv", R, P, G)
+    return layers, [W[b, :, :, : len(tgt[b]), : len(src[b])].contiguous() for b in range(B)]
 
 
 def hard_links(M: torch.Tensor, method: str = "argmax", threshold: float = 0.1) -> Links:
@@ -130,8 +129,8 @@ def hard_links(M: torch.Tensor, method: str = "argmax", threshold: float = 0.1) 
     if M.numel() == 0:
         return set()
     if method == "argmax":
-        best = M.argmax(-1).tolist()
-        return {(i, j) for j, i in enumerate(best) if float(M[j].sum()) > 0}
+        best, sums = M.argmax(-1).tolist(), M.sum(-1).tolist()
+        return {(i, j) for j, i in enumerate(best) if sums[j] > 0}  # a word with no row: no link
     if method == "threshold":
         return {(int(i), int(j)) for j, i in (M >= threshold).nonzero().tolist()}
     raise ProbeError(f"method {method!r} is unknown here; use argmax or threshold")
