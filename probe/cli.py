@@ -345,8 +345,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--convention",
         choices=["input", "output"],
-        default="input",
-        help="target token as shifted decoder input (default) or as decoder output",
+        default=None,
+        help="target token as shifted decoder input or as decoder output (default: the better one "
+        "with --gold, else input)",
     )
     p.add_argument(
         "--method", default="argmax", choices=["argmax", "threshold", "intersect", "union", "grow-diag-final"]

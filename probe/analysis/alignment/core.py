@@ -249,7 +249,7 @@ def align(
     layer: Any = None,
     head: Any = None,
     method: str = "argmax",
-    convention: str = "input",
+    convention: str | None = None,
     threshold: float = 0.1,
     reverse=None,
     one_indexed: bool = False,
@@ -260,7 +260,8 @@ def align(
 
     ``gold``: a Pharaoh/talp file path or text (``one_indexed`` if it counts from 1), or a list of
     :class:`Gold`; then AER/precision/recall are computed for every layer and head and, unless
-    ``layer``/``head`` are given, the lowest-AER selection under ``convention`` is chosen.
+    ``layer``/``head`` are given, the lowest-AER selection is chosen (under ``convention`` if
+    given, else under either: ``"input"``, the shifted convention, or ``"output"``).
     Without gold the default is the mean over heads of the penultimate decoder layer (the layer
     attention alignments usually peak at). ``layer`` is a decoder layer index or ``"mean"``;
     ``head`` a head index or ``"mean"``. ``method``: ``argmax``, ``threshold`` (cells ≥
@@ -273,6 +274,9 @@ def align(
         raise ProbeError(f"method {method!r} needs reverse=, a cache of the other translation direction")
     if head is not None and layer is None:
         raise ProbeError("a head needs its layer: pass layer= (an index or 'mean') with head=")
+    if convention is not None and convention not in CONVENTIONS:
+        raise ProbeError(f"convention {convention!r} is unknown; use 'input' (shifted) or 'output'")
+    chosen_conv = convention or "input"
     soft, layers = {}, []
     for conv in CONVENTIONS:
         layers, soft[conv] = soft_matrices(cache, conv)
@@ -288,7 +292,7 @@ def align(
 
     rev = None
     if reverse is not None:
-        r_layers, r_soft = soft_matrices(reverse, convention)
+        r_layers, r_soft = soft_matrices(reverse, chosen_conv)
         r_src, r_tgt = _words(reverse)
         if [w.words for w in r_src] != [w.words for w in tgt] or [w.words for w in r_tgt] != [
             w.words for w in src
@@ -334,17 +338,18 @@ def align(
         table = Table(rows, title="alignment error rate per layer and head")
         ranked = [r for r in rows if r["aer"] == r["aer"]]
         if ranked:
-            b = min(ranked, key=lambda r: (r["aer"], r["convention"] != convention))
+            b = min(ranked, key=lambda r: (r["aer"], r["convention"] != chosen_conv))
             best = {k: b[k] for k in ("convention", "layer", "head", "aer", "precision", "recall")}
     stats = Table(stat_rows, title="alignment shape per layer and head (no gold needed)")
 
-    if layer is None:
-        mine = [r for r in rows if r["convention"] == convention and r["aer"] == r["aer"]]
-        if mine:
-            b = min(mine, key=lambda r: r["aer"])
-            layer, head = b["layer"], b["head"]
-        else:
-            layer, head = (layers[-2] if len(layers) > 1 else layers[0]), MEAN
+    if layer is None and best is not None:  # the lowest AER (under `convention` if one was given)
+        mine = [
+            r for r in rows if r["convention"] == (convention or best["convention"]) and r["aer"] == r["aer"]
+        ]
+        b = min(mine, key=lambda r: r["aer"])
+        layer, head, chosen_conv = b["layer"], b["head"], b["convention"]
+    elif layer is None:
+        layer, head = (layers[-2] if len(layers) > 1 else layers[0]), MEAN
     head = MEAN if head is None else head
     if (layer, head) not in valid:
         raise ProbeError(
@@ -357,11 +362,11 @@ def align(
         layers=layers,
         n_heads=n_heads,
         soft=soft,
-        convention=convention,
+        convention=chosen_conv,
         layer=layer,
         head=head,
         method=method,
-        links=all_links[(convention, layer, head)],
+        links=all_links[(chosen_conv, layer, head)],
         gold=golds,
         scores=table,
         stats=stats,
