@@ -11,10 +11,13 @@ The public API is small and flat::
 
 __version__ = "0.1.0"
 
+# probe.report is a callable module: probe.report(cache, "out/") writes out/index.html, and its
+# submodules (probe.report.html, probe.report.sections, ...) import as usual.
+from probe import report  # noqa: E402
+from probe.analysis.alignment import Alignment, align  # noqa: E402
 from probe.cache import Cache, load  # noqa: E402
 from probe.capture import Trace, capture, trace  # noqa: E402
 from probe.errors import ProbeError  # noqa: E402
-from probe.analysis.alignment import Alignment, align  # noqa: E402
 
-__all__ = ["capture", "trace", "Trace", "load", "Cache", "ProbeError", "__version__"]
+__all__ = ["capture", "trace", "Trace", "load", "Cache", "ProbeError", "report", "__version__"]
 __all__ += ["align", "Alignment"]

@@ -1,0 +1,404 @@
+/* probe report: overview grids and head explorers drawn on canvas from inline, deflated data.
+ * No network, no libraries: data comes from <script type="application/json"> blocks (read with
+ * textContent + JSON.parse, never evaluated) and is inflated with the browser's
+ * DecompressionStream("deflate"). Every model string reaches the page through textContent. */
+(function () {
+  "use strict";
+  const probe = (window.probe = window.probe || {});
+
+  probe.bytes = function (b64) {
+    const bin = atob(b64);
+    const out = new Uint8Array(bin.length);
+    for (let i = 0; i < bin.length; i++) out[i] = bin.charCodeAt(i);
+    return out;
+  };
+  probe.inflate = async function (b64) {
+    const stream = new Blob([probe.bytes(b64)]).stream().pipeThrough(new DecompressionStream("deflate"));
+    return new Uint8Array(await new Response(stream).arrayBuffer());
+  };
+  probe.download = function (canvas, name) {
+    canvas.toBlob(function (blob) {
+      const a = document.createElement("a");
+      a.href = URL.createObjectURL(blob);
+      a.download = name;
+      document.body.appendChild(a);
+      a.click();
+      setTimeout(function () { URL.revokeObjectURL(a.href); a.remove(); }, 2000);
+    }, "image/png");
+  };
+  probe.safeName = function (s) { return String(s).replace(/[^A-Za-z0-9._-]+/g, "_"); };
+
+  // Max over the adaptive blocks torch.nn.functional.adaptive_max_pool2d uses (same thumbnails as Python).
+  function pool(vals, nq, nk, tq, tk) {
+    if (tq === nq && tk === nk) return vals;
+    const out = new vals.constructor(tq * tk);
+    for (let i = 0; i < tq; i++) {
+      const q0 = Math.floor((i * nq) / tq), q1 = Math.ceil(((i + 1) * nq) / tq);
+      for (let j = 0; j < tk; j++) {
+        const k0 = Math.floor((j * nk) / tk), k1 = Math.ceil(((j + 1) * nk) / tk);
+        let m = 0;
+        for (let q = q0; q < q1; q++) {
+          const row = q * nk;
+          for (let k = k0; k < k1; k++) if (vals[row + k] > m) m = vals[row + k];
+        }
+        out[i * tk + j] = m;
+      }
+    }
+    return out;
+  }
+  function blockRange(i, n, t) { return [Math.floor((i * n) / t), Math.ceil(((i + 1) * n) / t) - 1]; }
+
+  class AttnView {
+    constructor(root) {
+      this.root = root;
+      const data = JSON.parse(root.querySelector("script.probe-data").textContent);
+      this.data = data;
+      this.scale = data.scale;
+      const hex = data.lut;
+      this.lut = new Uint8Array(hex.length / 2);
+      for (let i = 0; i < this.lut.length; i++) this.lut[i] = parseInt(hex.substr(2 * i, 2), 16);
+      this.gamma = 1;
+      this.decoded = new Map();
+      this.el = (sel) => root.querySelector(sel);
+      this.tooltip = this.el(".probe-tooltip");
+      this.si = 0; this.li = 0; this.hi = 0; this.q = 0; this.k = 0;
+      const selSet = this.el(".sel-set");
+      data.sets.forEach((s, i) => selSet.add(new Option(s.label, String(i))));
+      selSet.addEventListener("change", () => this.selectSet(+selSet.value));
+      this.el(".sel-gamma").addEventListener("change", (e) => { this.gamma = +e.target.value; this.drawAll(); });
+      this.el(".sel-layer").addEventListener("change", (e) => this.selectHead(+e.target.value, this.hi));
+      this.el(".sel-head").addEventListener("change", (e) => this.selectHead(this.li, +e.target.value));
+      this.el(".btn-png-overview").addEventListener("click", () => this.downloadOverview());
+      this.el(".btn-png-head").addEventListener("click", () => this.downloadHead());
+      this.bindMatrix();
+      this.bindOverview();
+      this.bindTokens();
+      this.ready = this.selectSet(0);
+    }
+
+    async decode(si) {
+      if (!this.decoded.has(si)) {
+        const s = this.data.sets[si];
+        const p = (async () => {
+          const raw = await probe.inflate(s.full);
+          const full = this.data.bytes === 2 ? new Uint16Array(raw.buffer, raw.byteOffset, raw.length / 2) : raw;
+          const thumbs = s.thumbs ? await probe.inflate(s.thumbs) : null;
+          return { full, thumbs };
+        })();
+        this.decoded.set(si, p);
+      }
+      return this.decoded.get(si);
+    }
+
+    // The matrix of head (li, hi): exact quantised weights, or a max-pooled thumbnail (exact: false).
+    matrix(li, hi) {
+      const s = this.set, d = this.dec, idx = li * s.heads.length + hi;
+      if (idx < s.nFull) {
+        const n = s.nq * s.nk;
+        return { vals: d.full.subarray(idx * n, (idx + 1) * n), nq: s.nq, nk: s.nk, scale: this.scale, exact: true };
+      }
+      const n = s.tq * s.tk, j = idx - s.nFull;
+      return { vals: d.thumbs.subarray(j * n, (j + 1) * n), nq: s.tq, nk: s.tk, scale: 255, exact: false };
+    }
+
+    paint(m, vals, w, h) {
+      const img = new ImageData(w, h), px = img.data, lut = this.lut, g = this.gamma, sc = m.scale;
+      for (let i = 0; i < w * h; i++) {
+        let v = vals[i] / sc;
+        if (g !== 1) v = Math.pow(v, g);
+        const c = 3 * Math.min(255, Math.max(0, Math.round(v * 255)));
+        px[4 * i] = lut[c]; px[4 * i + 1] = lut[c + 1]; px[4 * i + 2] = lut[c + 2]; px[4 * i + 3] = 255;
+      }
+      return img;
+    }
+
+    async selectSet(si) {
+      this.si = si;
+      this.set = this.data.sets[si];
+      this.dec = await this.decode(si);
+      const s = this.set;
+      const selL = this.el(".sel-layer"), selH = this.el(".sel-head");
+      selL.textContent = ""; selH.textContent = "";
+      s.layers.forEach((l, i) => selL.add(new Option(String(l), String(i))));
+      s.heads.forEach((h, i) => selH.add(new Option(String(h), String(i))));
+      this.fillTokens(this.el(".tokens-q"), s.qTokens);
+      this.fillTokens(this.el(".tokens-k"), s.kTokens);
+      this.q = 0; this.k = 0;
+      this.drawOverview();
+      this.selectHead(0, 0);
+    }
+
+    drawAll() { this.drawOverview(); this.drawHead(); }
+
+    fillTokens(box, toks) {
+      box.textContent = "";
+      const frag = document.createDocumentFragment();
+      toks.forEach((t, i) => {
+        const span = document.createElement("span");
+        span.className = "tok";
+        span.textContent = t;
+        span.dataset.i = String(i);
+        span.title = "position " + i;
+        frag.appendChild(span);
+      });
+      box.appendChild(frag);
+    }
+
+    // ---- overview ---------------------------------------------------------------------------
+    overviewLayout() {
+      const s = this.set;
+      const tq = Math.min(s.nq, 64), tk = Math.min(s.nk, 64);
+      const z = Math.max(1, Math.ceil(48 / Math.max(tq, tk)));
+      return { tq, tk, cw: tk * z, ch: tq * z, gap: 4, left: 36, top: 18 };
+    }
+
+    drawOverview() {
+      const s = this.set, L = this.overviewLayout(), cv = this.el(".probe-overview");
+      const nL = s.layers.length, nH = s.heads.length;
+      cv.width = L.left + nH * (L.cw + L.gap);
+      cv.height = L.top + nL * (L.ch + L.gap);
+      const ctx = cv.getContext("2d");
+      ctx.fillStyle = "#fff"; ctx.fillRect(0, 0, cv.width, cv.height);
+      ctx.fillStyle = "#333"; ctx.font = "11px sans-serif"; ctx.textBaseline = "middle";
+      const tmp = document.createElement("canvas");
+      for (let li = 0; li < nL; li++) {
+        ctx.fillText("L" + s.layers[li], 2, L.top + li * (L.ch + L.gap) + L.ch / 2);
+        for (let hi = 0; hi < nH; hi++) {
+          if (li === 0) ctx.fillText("H" + s.heads[hi], L.left + hi * (L.cw + L.gap) + 2, 8);
+          const m = this.matrix(li, hi);
+          const tq = Math.min(m.nq, L.tq), tk = Math.min(m.nk, L.tk);
+          const vals = pool(m.vals, m.nq, m.nk, tq, tk);
+          tmp.width = tk; tmp.height = tq;
+          tmp.getContext("2d").putImageData(this.paint(m, vals, tk, tq), 0, 0);
+          ctx.imageSmoothingEnabled = false;
+          ctx.drawImage(tmp, L.left + hi * (L.cw + L.gap), L.top + li * (L.ch + L.gap), L.cw, L.ch);
+        }
+      }
+    }
+
+    overviewCell(ev) {
+      const cv = this.el(".probe-overview"), r = cv.getBoundingClientRect(), L = this.overviewLayout();
+      const x = ((ev.clientX - r.left) * cv.width) / r.width - L.left, y = ((ev.clientY - r.top) * cv.height) / r.height - L.top;
+      const hi = Math.floor(x / (L.cw + L.gap)), li = Math.floor(y / (L.ch + L.gap));
+      if (x < 0 || y < 0 || hi >= this.set.heads.length || li >= this.set.layers.length) return null;
+      return [li, hi];
+    }
+
+    bindOverview() {
+      const cv = this.el(".probe-overview");
+      cv.addEventListener("mousemove", (ev) => {
+        const c = this.overviewCell(ev);
+        if (!c) return this.hideTip();
+        const exact = this.matrix(c[0], c[1]).exact ? "" : " (max-pooled)";
+        this.showTip(ev, "Layer " + this.set.layers[c[0]] + ", Head " + this.set.heads[c[1]] + exact + "\nclick to explore");
+      });
+      cv.addEventListener("mouseleave", () => this.hideTip());
+      cv.addEventListener("click", (ev) => {
+        const c = this.overviewCell(ev);
+        if (!c) return;
+        this.selectHead(c[0], c[1]);
+        this.el(".probe-matrix").focus({ preventScroll: true });
+        this.el(".probe-matrix").scrollIntoView({ block: "nearest" });
+      });
+    }
+
+    downloadOverview() {
+      probe.download(this.el(".probe-overview"), probe.safeName("overview_" + this.set.label) + ".png");
+    }
+
+    // ---- explorer ---------------------------------------------------------------------------
+    selectHead(li, hi) {
+      const s = this.set;
+      this.li = Math.max(0, Math.min(s.layers.length - 1, li));
+      this.hi = Math.max(0, Math.min(s.heads.length - 1, hi));
+      this.el(".sel-layer").value = String(this.li);
+      this.el(".sel-head").value = String(this.hi);
+      this.drawHead();
+    }
+
+    drawHead() {
+      const m = (this.cur = this.matrix(this.li, this.hi)), cv = this.el(".probe-matrix");
+      cv.width = m.nk; cv.height = m.nq;
+      cv.getContext("2d").putImageData(this.paint(m, m.vals, m.nk, m.nq), 0, 0);
+      const z = Math.max(1, Math.floor(640 / Math.max(m.nq, m.nk)));
+      this.zoom = z;
+      cv.style.width = m.nk * z + "px"; cv.style.height = m.nq * z + "px";
+      const note = this.el(".explorer-note");
+      note.hidden = m.exact;
+      note.textContent = m.exact ? "" : "Layer " + this.set.layers[this.li] + ", Head " + this.set.heads[this.hi] +
+        " is not embedded at full resolution (the page's budget holds " + this.set.nFull +
+        " heads of this pattern): shown max-pooled to " + m.nq + " x " + m.nk + "; values are block maxima.";
+      this.q = Math.min(this.q, this.set.nq - 1); this.k = Math.min(this.k, this.set.nk - 1);
+      this.axisLabels(m, z);
+      this.el(".strip-row").style.marginLeft = this.pad[0] + "px";
+      this.el(".strip-row").width = this.set.nk * (m.exact ? z : 1);
+      this.el(".strip-col").width = this.set.nq * (m.exact ? z : 1);
+      this.focusCell(this.q, this.k, null);
+    }
+
+    // Token labels beside rows (queries) and above columns (keys) when cells are big enough to read.
+    axisLabels(m, z) {
+      const wrap = this.el(".probe-canvas-wrap"), s = this.set;
+      wrap.querySelectorAll(".axis-label").forEach((e) => e.remove());
+      const show = m.exact && z >= 10;
+      const padL = show ? 90 : 0, padT = show ? 70 : 0;
+      wrap.style.paddingLeft = padL + "px"; wrap.style.paddingTop = padT + "px";
+      this.pad = [padL, padT];
+      if (!show) return;
+      const frag = document.createDocumentFragment(), fs = Math.min(13, z - 2) + "px";
+      const label = (text, cls, css) => {
+        const e = document.createElement("span");
+        e.className = "axis-label tok " + cls;
+        e.textContent = text;
+        Object.assign(e.style, css, { fontSize: fs });
+        frag.appendChild(e);
+      };
+      s.qTokens.forEach((t, q) => label(t, "axis-q", { top: padT + q * z + "px", height: z + "px", width: padL - 4 + "px", left: "0px" }));
+      s.kTokens.forEach((t, k) => label(t, "axis-k", { left: padL + k * z + "px", width: z + "px", height: padT - 4 + "px", top: "0px" }));
+      label("key \u2192", "axis-corner", { left: "0px", top: padT - 36 + "px", width: padL - 4 + "px", height: "16px" });
+      label("query \u2193", "axis-corner", { left: "0px", top: padT - 18 + "px", width: padL - 4 + "px", height: "16px" });
+      wrap.appendChild(frag);
+    }
+
+    // The exact weight of cell (q, k) in the current head, or a block's max when downsampled.
+    cellText(q, k) {
+      const m = this.cur, s = this.set, step = 1 / m.scale, dec = m.scale > 255 ? 6 : 4;
+      if (m.exact) {
+        const w = m.vals[q * m.nk + k] / m.scale;
+        return "query " + q + " \u201c" + s.qTokens[q] + "\u201d \u2192 key " + k + " \u201c" + s.kTokens[k] +
+          "\u201d\nweight " + w.toFixed(dec) + " (\u00b1" + (step / 2).toPrecision(2) + ")";
+      }
+      const i = Math.floor((q * m.nq) / s.nq), j = Math.floor((k * m.nk) / s.nk);
+      const [q0, q1] = blockRange(i, s.nq, m.nq), [k0, k1] = blockRange(j, s.nk, m.nk);
+      return "queries " + q0 + "\u2013" + q1 + " \u00d7 keys " + k0 + "\u2013" + k1 + "\nmax weight " +
+        (m.vals[i * m.nk + j] / 255).toFixed(4) + " (downsampled)";
+    }
+
+    focusCell(q, k, ev) {
+      const s = this.set, m = this.cur;
+      this.q = Math.max(0, Math.min(s.nq - 1, q));
+      this.k = Math.max(0, Math.min(s.nk - 1, k));
+      const text = this.cellText(this.q, this.k);
+      const ro = this.el(".probe-readout");
+      ro.textContent = "Layer " + s.layers[this.li] + ", Head " + s.heads[this.hi] + ": " + text;
+      ro.dataset.q = String(this.q); ro.dataset.k = String(this.k);
+      if (ev) this.showTip(ev, text);
+      // bands over the displayed matrix (CSS pixels)
+      const cv = this.el(".probe-matrix"), zx = cv.clientWidth / s.nk, zy = cv.clientHeight / s.nq;
+      const [px, py] = this.pad || [0, 0];
+      this.band(".band-row", px, py + this.q * zy, cv.clientWidth, Math.max(1, zy));
+      this.band(".band-col", px + this.k * zx, py, Math.max(1, zx), cv.clientHeight);
+      this.band(".band-cell", px + this.k * zx - 1, py + this.q * zy - 1, Math.max(1, zx) + 2, Math.max(1, zy) + 2);
+      this.markToken(".tokens-q", "q", this.q);
+      this.markToken(".tokens-k", "k", this.k);
+      this.drawStrips(m);
+    }
+
+    band(sel, x, y, w, h) {
+      const b = this.el(sel);
+      b.hidden = false;
+      b.style.left = x + "px"; b.style.top = y + "px"; b.style.width = w + "px"; b.style.height = h + "px";
+    }
+
+    markToken(sel, cls, i) {
+      const box = this.el(sel), key = "_marked_" + cls;
+      if (this[key]) this[key].classList.remove(cls);
+      const span = box.children[i];
+      if (span) span.classList.add(cls);
+      this[key] = span;
+    }
+
+    drawStrips(m) {
+      const s = this.set;
+      const rowVals = [], colVals = [];
+      if (m.exact) {
+        for (let k = 0; k < s.nk; k++) rowVals.push(m.vals[this.q * m.nk + k] / m.scale);
+        for (let q = 0; q < s.nq; q++) colVals.push(m.vals[q * m.nk + this.k] / m.scale);
+      } else {
+        const i = Math.floor((this.q * m.nq) / s.nq), j = Math.floor((this.k * m.nk) / s.nk);
+        for (let k = 0; k < s.nk; k++) rowVals.push(m.vals[i * m.nk + Math.floor((k * m.nk) / s.nk)] / 255);
+        for (let q = 0; q < s.nq; q++) colVals.push(m.vals[Math.floor((q * m.nq) / s.nq) * m.nk + j] / 255);
+      }
+      this.bars(this.el(".strip-row"), rowVals, this.k);
+      this.bars(this.el(".strip-col"), colVals, this.q);
+    }
+
+    bars(cv, vals, mark) {
+      const ctx = cv.getContext("2d"), w = cv.width / vals.length, h = cv.height;
+      ctx.fillStyle = "#fff"; ctx.fillRect(0, 0, cv.width, h);
+      for (let i = 0; i < vals.length; i++) {
+        ctx.fillStyle = i === mark ? "#d9480f" : "#2b6cb0";
+        const bh = vals[i] * (h - 2);
+        ctx.fillRect(i * w, h - bh, Math.max(1, w - (w > 3 ? 1 : 0)), bh);
+      }
+    }
+
+    bindMatrix() {
+      const cv = this.el(".probe-matrix");
+      cv.addEventListener("mousemove", (ev) => {
+        const r = cv.getBoundingClientRect(), s = this.set;
+        const k = Math.floor(((ev.clientX - r.left) / r.width) * s.nk);
+        const q = Math.floor(((ev.clientY - r.top) / r.height) * s.nq);
+        if (q < 0 || k < 0 || q >= s.nq || k >= s.nk) return;
+        this.focusCell(q, k, ev);
+      });
+      cv.addEventListener("mouseleave", () => this.hideTip());
+      cv.addEventListener("keydown", (ev) => {
+        const moves = { ArrowUp: [-1, 0], ArrowDown: [1, 0], ArrowLeft: [0, -1], ArrowRight: [0, 1] };
+        if (moves[ev.key]) {
+          this.focusCell(this.q + moves[ev.key][0], this.k + moves[ev.key][1], null);
+        } else if (ev.key === "[" || ev.key === "]") {
+          this.selectHead(this.li, this.hi + (ev.key === "]" ? 1 : -1));
+        } else if (ev.key === "PageUp" || ev.key === "PageDown") {
+          this.selectHead(this.li + (ev.key === "PageDown" ? 1 : -1), this.hi);
+        } else {
+          return;
+        }
+        ev.preventDefault();
+      });
+    }
+
+    bindTokens() {
+      const on = (sel, fn) =>
+        this.el(sel).addEventListener("mouseover", (ev) => {
+          const t = ev.target.closest(".tok");
+          if (t && t.dataset.i !== undefined) fn(+t.dataset.i);
+        });
+      on(".tokens-q", (i) => this.focusCell(i, this.k, null));
+      on(".tokens-k", (i) => this.focusCell(this.q, i, null));
+    }
+
+    downloadHead() {
+      const m = this.cur, s = this.set;
+      const z = Math.max(1, Math.floor(768 / Math.max(m.nq, m.nk))), title = 24;
+      const out = document.createElement("canvas");
+      out.width = Math.max(m.nk * z, 240); out.height = m.nq * z + title;
+      const ctx = out.getContext("2d");
+      ctx.fillStyle = "#fff"; ctx.fillRect(0, 0, out.width, out.height);
+      ctx.fillStyle = "#111"; ctx.font = "14px sans-serif"; ctx.textBaseline = "middle";
+      const name = "Layer " + s.layers[this.li] + ", Head " + s.heads[this.hi];
+      ctx.fillText(name, 4, title / 2);
+      ctx.imageSmoothingEnabled = false;
+      ctx.drawImage(this.el(".probe-matrix"), 0, title, m.nk * z, m.nq * z);
+      probe.download(out, probe.safeName(s.label + "_" + name) + ".png");
+    }
+
+    showTip(ev, text) {
+      const t = this.tooltip;
+      t.textContent = text;
+      t.style.display = "block";
+      t.style.left = ev.clientX + 14 + "px";
+      t.style.top = ev.clientY + 14 + "px";
+    }
+    hideTip() { this.tooltip.style.display = "none"; }
+  }
+
+  probe.views = [];
+  probe.ready = Promise.all(
+    Array.from(document.querySelectorAll(".probe-attn")).map((root) => {
+      const v = new AttnView(root);
+      probe.views.push(v);
+      return v.ready;
+    })
+  ).then(() => { document.documentElement.dataset.probeReady = "1"; });
+})();
