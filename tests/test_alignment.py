@@ -360,3 +360,20 @@ def test_report_section_builds_for_cross_attention_only(tmp_path):
         {"decoder.blocks.0.self_attn.pattern": torch.ones(1, 1, 2, 2)}, {"tokens": [["a", "b"]]}
     )
     assert section.build(types.SimpleNamespace(cache=self_only, caches=[self_only], results={})) is None
+
+
+def test_probe_report_renders_the_alignment_section(tmp_path):
+    import models
+
+    c = probe.capture(
+        models.load("aligner"),
+        "gestern sah der junge das hundehaus",
+        target="S yesterday the boy saw the dog house",
+    )
+    html = probe.report(c, tmp_path / "r", progress=False).read_text()
+    assert "Cross-attention alignment" in html and "diagonality" in html
+    assert "<i>gestern sah der junge das hundehaus</i>" in html  # compound merged back into one word
+    minigpt = probe.capture(models.load("minigpt"), "attention")
+    assert (
+        "Cross-attention alignment" not in probe.report(minigpt, tmp_path / "m", progress=False).read_text()
+    )

@@ -57,7 +57,7 @@ def _heatmap(al, b: int):
         ax.legend(loc="upper left", bbox_to_anchor=(1.02, 1.0), fontsize=8, frameon=False)
     links = sorted(al.links[b])
     ax.scatter([i for i, _ in links], [j for _, j in links], marker="x", s=30, c="black", label="chosen")
-    fig.colorbar(im, ax=ax, fraction=0.04, pad=0.02 if al.gold is None else 0.3, label="attention mass")
+    fig.colorbar(im, ax=ax, fraction=0.04, pad=0.02 if al.gold is None else 0.2, label="attention mass")
     return fig
 
 
