@@ -29,35 +29,26 @@ def _heatmap(al, b: int):
     ax.set_ylabel("target words")
     if al.gold is not None:
         g = al.gold[b]
-        sure = sorted(g.sure)
-        maybe = sorted(g.possible - g.sure)
-        if sure:
-            ax.scatter(
-                [i for i, _ in sure],
-                [j for _, j in sure],
-                marker="s",
-                s=90,
-                facecolors="none",
-                edgecolors="#d62728",
-                linewidths=2,
-                label="gold sure",
-            )
-        if maybe:
-            ax.scatter(
-                [i for i, _ in maybe],
-                [j for _, j in maybe],
-                marker="o",
-                s=70,
-                facecolors="none",
-                edgecolors="#ff7f0e",
-                linewidths=1.5,
-                linestyles="--",
-                label="gold possible",
-            )
-        ax.legend(loc="upper left", bbox_to_anchor=(1.02, 1.0), fontsize=8, frameon=False)
+        marks = (  # sure: red squares; possible-only: orange circles
+            (sorted(g.sure), "s", 90, "#d62728", 2.0, "gold sure"),
+            (sorted(g.possible - g.sure), "o", 70, "#ff7f0e", 1.5, "gold possible"),
+        )
+        for links, marker, size, color, width, label in marks:
+            if links:
+                ax.scatter(
+                    [i for i, _ in links],
+                    [j for _, j in links],
+                    marker=marker,
+                    s=size,
+                    facecolors="none",
+                    edgecolors=color,
+                    linewidths=width,
+                    label=label,
+                )
+        ax.legend(loc="lower left", bbox_to_anchor=(0.0, 1.01), ncol=2, fontsize=8, frameon=False)
     links = sorted(al.links[b])
     ax.scatter([i for i, _ in links], [j for _, j in links], marker="x", s=30, c="black", label="chosen")
-    fig.colorbar(im, ax=ax, fraction=0.04, pad=0.02 if al.gold is None else 0.2, label="attention mass")
+    fig.colorbar(im, ax=ax, fraction=0.04, pad=0.02, label="attention mass")
     return fig
 
 
