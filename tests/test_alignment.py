@@ -377,3 +377,26 @@ def test_probe_report_renders_the_alignment_section(tmp_path):
     assert (
         "Cross-attention alignment" not in probe.report(minigpt, tmp_path / "m", progress=False).read_text()
     )
+
+
+def test_threshold_and_two_direction_symmetrization_from_caches():
+    from probe.analysis.alignment import hard_links
+
+    M = torch.tensor([[0.7, 0.2], [0.05, 0.9]])
+    assert hard_links(M, "threshold", 0.15) == {(0, 0), (1, 0), (1, 1)}
+    # forward a b -> x y: both target words read 'a'; reverse x y -> a b: a reads x, b reads y
+    fwd = _cache(
+        torch.tensor([[[0.8, 0.2], [0.6, 0.4]]])[None], [["a", "b"]], [["x", "y"]], [[0, 0]], [[0, 0]]
+    )
+    rev = _cache(
+        torch.tensor([[[0.9, 0.1], [0.3, 0.7]]])[None], [["x", "y"]], [["a", "b"]], [[0, 0]], [[0, 0]]
+    )
+    got = {
+        m: probe.align(fwd, reverse=rev, method=m, layer=0, head=0).links[0]
+        for m in ("intersect", "union", "grow-diag-final")
+    }
+    assert got["intersect"] == {(0, 0)}
+    assert got["union"] == {(0, 0), (0, 1), (1, 1)}
+    assert got["grow-diag-final"] == {(0, 0), (0, 1), (1, 1)}  # both neighbours align a free word
+    with pytest.raises(probe.ProbeError, match="other way round"):
+        probe.align(fwd, reverse=fwd, method="union")
