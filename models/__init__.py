@@ -2,7 +2,7 @@
 
     >>> import models
     >>> models.names()
-    ['single_head', 'minigpt', 'fused_decoder', 'translator']
+    ['single_head', 'minigpt', 'fused_decoder', 'translator', 'aligner']
     >>> gpt = models.load("minigpt")          # trained, in eval mode
     >>> gpt.tokenizer.encode("attention")
     [2, 18, 18, 5, 13, 18, 9, 14, 13]
@@ -32,8 +32,8 @@ from .checkpoint import TrainStats, cache_dir
 
 __all__ = ["names", "load", "build", "module", "train_and_save", "checkpoint_path", "cache_dir"]
 
-_ZOO = ("single_head", "minigpt", "fused_decoder", "translator")
-SHIPPED = ("single_head", "minigpt", "fused_decoder")  # small enough for git
+_ZOO = ("single_head", "minigpt", "fused_decoder", "translator", "aligner")
+SHIPPED = ("single_head", "minigpt", "fused_decoder", "aligner")  # small enough for git
 
 
 def names() -> list[str]:

@@ -39,6 +39,9 @@ def _show(name: str, model: torch.nn.Module) -> None:
     elif name == "translator":
         source = "ich mochte ein bier"
         print(f"  {source} -> {model.translate(source)}")
+    elif name == "aligner":
+        source = "gestern sah der junge das hundehaus"
+        print(f"  {source} -> {model.translate(source)}")
 
 
 def main(argv: list[str] | None = None) -> int:

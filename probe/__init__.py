@@ -14,6 +14,7 @@ __version__ = "0.1.0"
 # probe.report is a callable module: probe.report(cache, "out/") writes out/index.html, and its
 # submodules (probe.report.html, probe.report.sections, ...) import as usual.
 from probe import report  # noqa: E402
+from probe.analysis.alignment import Alignment, align  # noqa: E402
 from probe.analysis.causal import CausalReport, check_causal  # noqa: E402
 from probe.analysis.focus import HeadStats, head_stats, induction_scores  # noqa: E402
 from probe.analysis.residual import budget, logit_lens, residual  # noqa: E402
@@ -31,6 +32,8 @@ __all__ += [
     "residual",
     "logit_lens",
     "budget",
+    "align",
+    "Alignment",
 ]
 
 

@@ -1,0 +1,140 @@
+"""Report section: word alignment read from the decoder's cross-attention (``probe.align``).
+
+Shows, for the first sentence pair, the rectangular soft word matrix of the chosen layer/head with
+gold links overlaid (sure: filled squares, possible: hollow circles), the chosen hard links drawn
+between the two sentences, and a layer x head map over all pairs: AER when gold links are known
+(``ctx.results["alignment_gold"]``: a talp path/text or a list of ``Gold``), else diagonality.
+"""
+
+from __future__ import annotations
+
+import math
+
+from probe.analysis.alignment import align, cross_layers
+
+TITLE = "Cross-attention alignment"
+ORDER = 60
+
+
+def _heatmap(al, b: int):
+    import matplotlib.pyplot as plt
+
+    M = al.matrix(b).numpy()
+    src, tgt = al.source[b].words, al.target[b].words
+    fig, ax = plt.subplots(figsize=(1.2 + 0.55 * len(src), 1.0 + 0.45 * len(tgt)))
+    im = ax.imshow(M, cmap="Blues", vmin=0, vmax=max(1e-9, float(M.max())), aspect="auto")
+    ax.set_xticks(range(len(src)), src, rotation=45, ha="right")
+    ax.set_yticks(range(len(tgt)), tgt)
+    ax.set_xlabel("source words")
+    ax.set_ylabel("target words")
+    if al.gold is not None:
+        g = al.gold[b]
+        marks = (  # sure: red squares; possible-only: orange circles
+            (sorted(g.sure), "s", 90, "#d62728", 2.0, "gold sure"),
+            (sorted(g.possible - g.sure), "o", 70, "#ff7f0e", 1.5, "gold possible"),
+        )
+        for links, marker, size, color, width, label in marks:
+            if links:
+                ax.scatter(
+                    [i for i, _ in links],
+                    [j for _, j in links],
+                    marker=marker,
+                    s=size,
+                    facecolors="none",
+                    edgecolors=color,
+                    linewidths=width,
+                    label=label,
+                )
+        ax.legend(loc="lower left", bbox_to_anchor=(0.0, 1.01), ncol=2, fontsize=8, frameon=False)
+    links = sorted(al.links[b])
+    ax.scatter([i for i, _ in links], [j for _, j in links], marker="x", s=30, c="black", label="chosen")
+    fig.colorbar(im, ax=ax, fraction=0.04, pad=0.02, label="attention mass")
+    return fig
+
+
+def _links(al, b: int):
+    import matplotlib.pyplot as plt
+
+    src, tgt = al.source[b].words, al.target[b].words
+    n = max(len(src), len(tgt), 1)
+    fig, ax = plt.subplots(figsize=(1.0 + 0.9 * n, 1.8))
+    xs = [k * (n - 1) / max(len(src) - 1, 1) for k in range(len(src))]
+    xt = [k * (n - 1) / max(len(tgt) - 1, 1) for k in range(len(tgt))]
+    for k, w in enumerate(src):
+        ax.text(xs[k], 1.0, w, ha="center", va="bottom", fontsize=10)
+    for k, w in enumerate(tgt):
+        ax.text(xt[k], 0.0, w, ha="center", va="top", fontsize=10)
+    sure = al.gold[b].sure if al.gold is not None else set()
+    for i, j in sorted(al.links[b]):
+        hit = al.gold is None or (i, j) in al.gold[b].possible
+        ax.plot(
+            [xs[i], xt[j]],
+            [0.95, 0.05],
+            color="#1f77b4" if hit else "#d62728",
+            lw=2 if (i, j) in sure or al.gold is None else 1.2,
+            ls="-" if hit else ":",
+        )
+    ax.set_xlim(-0.8, n - 0.2)
+    ax.set_ylim(-0.35, 1.35)
+    ax.axis("off")
+    return fig
+
+
+def _map(al, values: dict, label: str):
+    import matplotlib.pyplot as plt
+
+    heads = [*range(al.n_heads), "mean"]
+    grid = [[values.get((layer, h), math.nan) for h in heads] for layer in al.layers]
+    fig, ax = plt.subplots(figsize=(1.5 + 0.55 * len(heads), 0.9 + 0.4 * len(al.layers)))
+    im = ax.imshow(grid, cmap="viridis_r" if label == "AER" else "viridis", aspect="auto")
+    ax.set_xticks(range(len(heads)), [str(h) for h in heads])
+    ax.set_yticks(range(len(al.layers)), [str(x) for x in al.layers])
+    ax.set_xlabel("head")
+    ax.set_ylabel("decoder layer")
+    for r, row in enumerate(grid):
+        for c, v in enumerate(row):
+            if not math.isnan(v):
+                ax.text(c, r, f"{v:.2f}", ha="center", va="center", fontsize=7, color="white")
+    fig.colorbar(im, ax=ax, fraction=0.04, pad=0.02, label=label)
+    return fig
+
+
+def build(ctx) -> dict | None:
+    """The alignment figures and tables; None when the cache has no cross-attention."""
+    cache = ctx.cache
+    if not cross_layers(cache):
+        return None
+    ctx.progress("alignment")
+    al = ctx.results.get("alignment")
+    if al is None:
+        al = align(cache, gold=ctx.results.get("alignment_gold"))
+        ctx.results["alignment"] = al
+    conv = al.convention
+    if al.scores is not None:
+        label, table = "AER", al.scores
+        values = {(r["layer"], r["head"]): r["aer"] for r in table if r["convention"] == conv}
+    else:
+        label, table = "diagonality", al.stats
+        values = {(r["layer"], r["head"]): r["diagonality"] for r in table if r["convention"] == conv}
+    stats = next(
+        r for r in al.stats if r["convention"] == conv and r["layer"] == al.layer and r["head"] == al.head
+    )
+    top = table.top(label.lower(), 8, descending=label != "AER")
+    return {
+        "selection": al.selection(),
+        "source": " ".join(al.source[0].words),
+        "target": " ".join(al.target[0].words),
+        "pairs": len(al.links),
+        "has_gold": al.gold is not None,
+        "best": al.best,
+        "heatmap": ctx.figure(_heatmap(al, 0), "soft word alignment with gold links"),
+        "links": ctx.figure(_links(al, 0), "chosen alignment links"),
+        "map": ctx.figure(_map(al, values, label), f"{label} per layer and head"),
+        "map_label": label,
+        "table_html": top._repr_html_(),
+        "pharaoh": al.pharaoh().splitlines()[:20],
+        "stats": {
+            k: round(v, 3) if isinstance(v, float) and not math.isnan(v) else v for k, v in stats.items()
+        },
+        "notes": al.notes,
+    }
