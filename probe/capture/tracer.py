@@ -306,6 +306,9 @@ class Tracer:
             for h in self._handles:
                 h.remove()
             self._handles.clear()
+            # break the tracer <-> mode cycle, so a dropped cache is freed at once (by reference
+            # counting) instead of at the next full garbage collection
+            self._mode.tracer = None
 
     # -- hooks ---------------------------------------------------------------------------------
     def _pre(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
