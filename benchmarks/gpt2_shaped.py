@@ -52,6 +52,6 @@ class GPT(nn.Module):
         return self.lm_head(self.ln_f(x))
 
 
-def build(seed: int = 0) -> GPT:
+def build(seed: int = 0, n_positions: int = 1024) -> GPT:
     torch.manual_seed(seed)
-    return GPT().eval()
+    return GPT(n_positions=n_positions).eval()

@@ -55,14 +55,14 @@ BUILD = {"hf-sdpa": "sdpa", "probe": "sdpa", "hf-eager": "eager", "tl": "tl", "t
 VOCAB = 50257
 
 
-def gpt2(attn: str = "sdpa", like: transformers.GPT2LMHeadModel | None = None):
+def gpt2(attn: str = "sdpa", like: transformers.GPT2LMHeadModel | None = None, n_positions: int = 1024):
     """GPT-2-small-shaped, random, seeded; ``like`` shares that model's weight tensors."""
     # each object gets its own config: booting TransformerLens edits the config it is handed
     cfg = transformers.GPT2Config(
         n_layer=12,
         n_head=12,
         n_embd=768,
-        n_positions=1024,
+        n_positions=n_positions,
         vocab_size=VOCAB,
         use_cache=False,
         attn_implementation=attn,
@@ -103,10 +103,12 @@ def build(kind: str, base: transformers.GPT2LMHeadModel | None = None):
     if kind == "sdpa":
         return base
     if kind == "eager":
-        return gpt2("eager", like=base)
+        return gpt2("eager", like=base, n_positions=base.config.n_positions)
     if TransformerBridge is None:
         raise RuntimeError("transformer-lens is not installed")
-    hf = gpt2("sdpa", like=base)  # the bridge switches it to eager and wraps its modules
+    hf = gpt2(
+        "sdpa", like=base, n_positions=base.config.n_positions
+    )  # the bridge switches it to eager and wraps its modules
     with tempfile.TemporaryDirectory() as d:
         bridge = TransformerBridge.boot_transformers(d, hf_model=hf, tokenizer=tokenizer(d), device="cpu")
     return bridge.eval()

@@ -47,8 +47,7 @@ def sdpa_weights(
     if query.dim() >= 3 and key.dim() >= 3 and key.size(-3) != query.size(-3):
         # grouped-query attention: each key head serves a contiguous group of query heads
         key = key.repeat_interleave(query.size(-3) // key.size(-3), dim=-3)
-    q = query.float() * scale  # scaling q (small) instead of the scores (L x S) saves a pass
-    kt = key.float().transpose(-2, -1)
+    q, kt = query.float(), key.float().transpose(-2, -1)
     batch = torch.broadcast_shapes(q.shape[:-2], kt.shape[:-2])
     shape = batch + (L, S)
     if out is None or out.shape != shape or out.dtype != torch.float32 or not out.is_contiguous():
@@ -56,17 +55,30 @@ def sdpa_weights(
     mask = attn_mask
     if mask is not None and mask.dtype != torch.bool:
         mask = mask.float()
+    n = math.prod(batch)
+    # the scale goes into the matrix product (baddbmm's alpha) instead of a pass over q or the
+    # scores; that needs q and k with the same batch shape, which broadcasting may not give
+    folded = q.shape[:-2] == batch and kt.shape[:-2] == batch
+    if folded:
+        q3, kt3 = q.reshape(n, L, q.size(-1)), kt.reshape(n, kt.size(-2), S)
+    else:
+        q = q * scale
     rows = min(chunk, L)
     # a contiguous scratch block: ATen's fused softmax may then write over its own input
-    scratch = torch.empty(math.prod(batch) * rows * S, dtype=torch.float32, device=query.device)
+    scratch = torch.empty(n * rows * S, dtype=torch.float32, device=query.device)
+    # query r may not see keys after r: one upper-triangle mask serves every diagonal block
+    diag = torch.ones(rows, rows, dtype=torch.bool, device=query.device).triu_(1) if is_causal else None
     for i in range(0, L, chunk):
         e = min(L, i + chunk)
         kend = min(S, e) if is_causal else S
-        blk = scratch[: math.prod(batch) * (e - i) * kend].view(batch + (e - i, kend))
-        torch.matmul(q[..., i:e, :], kt[..., :kend], out=blk)  # [..., rows, kend]
-        if is_causal and kend > i:  # the diagonal block: query r may not see keys after r
-            diag = torch.ones(e - i, kend - i, dtype=torch.bool, device=blk.device).triu_(1)
-            blk[..., i:kend].masked_fill_(diag, float("-inf"))
+        blk = scratch[: n * (e - i) * kend].view(batch + (e - i, kend))
+        if folded:
+            b3 = blk.view(n, e - i, kend)
+            torch.baddbmm(b3, q3[:, i:e], kt3[..., :kend], beta=0.0, alpha=scale, out=b3)
+        else:
+            torch.matmul(q[..., i:e, :], kt[..., :kend], out=blk)  # [..., rows, kend]
+        if is_causal and kend > i:  # the diagonal block
+            blk[..., i:kend].masked_fill_(diag[: e - i, : kend - i], float("-inf"))
         if mask is not None:
             m = mask[..., i:e, :] if mask.size(-2) == L else mask
             m = m[..., :kend] if m.size(-1) == S else m
@@ -75,8 +87,10 @@ def sdpa_weights(
             else:
                 blk.add_(m)
         torch.ops.aten._softmax.out(blk, -1, False, out=blk)
-        if (is_causal or mask is not None) and torch.isnan(blk[..., 0]).any():
-            blk.nan_to_num_(nan=0.0)  # a query with no visible key: all-zero row
+        # only a mask can hide every key of a query (causal rows always see key 0): then the
+        # softmax gives NaN, and the row is all zeros
+        if mask is not None and torch.isnan(blk[..., 0]).any():
+            blk.nan_to_num_(nan=0.0)
         out[..., i:e, :kend].copy_(blk)
         if kend < S:
             out[..., i:e, kend:].zero_()
