@@ -98,6 +98,10 @@ class HFTokenizer(Tokenizer):
         self.special_ids = set(getattr(tok, "all_special_ids", []) or [])
         self.fast = bool(getattr(tok, "is_fast", False))
         self.unk_id = getattr(tok, "unk_token_id", None)
+        # ids that mark structure (BOS, EOS, CLS, SEP, PAD, ...); a tokenizer may give [UNK] the
+        # same id as one of them (GPT-2 style: one <|endoftext|> for all), and then it is a marker
+        markers = ("bos", "eos", "pad", "cls", "sep", "mask")
+        self.marker_ids = {getattr(tok, f"{m}_token_id", None) for m in markers} - {None}
 
     def encode(self, text: str, *, target: bool = False) -> Encoding:
         kwargs: dict[str, Any] = {"add_special_tokens": True, "return_special_tokens_mask": True}
@@ -121,7 +125,7 @@ class HFTokenizer(Tokenizer):
 
     def is_special(self, i: int) -> bool:
         # the unknown token stands for text, it is not a marker the tokenizer added
-        return i in self.special_ids and i != self.unk_id
+        return i in self.special_ids and (i != self.unk_id or i in self.marker_ids)
 
     def decode(self, ids: list[int]) -> str:
         return self.tok.decode(ids)
