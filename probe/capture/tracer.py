@@ -553,6 +553,8 @@ class Tracer:
 
     def _kind(self, layer: _Layer, source: int) -> str:
         call = layer.calls.get(source)
+        while call is not None and call.attn is None and call.parent is not None and call.parent.wrapper:
+            call = call.parent  # a projection of an attention module that holds all the layer's weights
         if call is None or call.attn is None:
             return "mlp"
         return f"{call.attn.role or 'self'}_attn"
