@@ -155,6 +155,7 @@ class _Call:
     attn: _Attn | None = None
     suspended: bool = False
     source: bool = False  # a sublayer of the layer being captured
+    wrapper: bool = False  # holds all of the layer's weights (TransformerLens' bridge): look inside
     events: int = 0
 
 
@@ -254,6 +255,7 @@ class Tracer:
         self.lengths: set[int] = set()  # sizes that are sequence lengths in this forward
         self.blind: list[str] = []  # attention kernels probe cannot look into, as seen
         self._sources: dict[type, bool] = {}
+        self._param_counts: dict[int, int] = {}
         self._mode = _Mode(self)
         self._handles: list[Any] = []
         self._suspended = 0
@@ -328,13 +330,17 @@ class Tracer:
                 self.lengths |= _lengths(inputs)
             if self.layer is None and id(module) in self.container_of:
                 self._start_layer(call, *self.container_of[id(module)])
-            elif parent is not None and parent is self.layer_call:
-                kind = type(module)
-                if kind not in self._sources:
-                    self._sources[kind] = _is_source(module)
-                call.source = self._sources[kind] or _is_source(module)
-                if call.source:
-                    self.layer.calls[id(call)] = call
+            elif parent is not None and (parent is self.layer_call or parent.wrapper):
+                n = self._n_params(module)
+                if n and n == self._n_params(self.layer_call.module):
+                    call.wrapper = True  # a wrapper of the whole layer: its children are the sublayers
+                else:
+                    kind = type(module)
+                    if kind not in self._sources:
+                        self._sources[kind] = _is_source(module)
+                    call.source = self._sources[kind] or _is_source(module)
+                    if call.source:
+                        self.layer.calls[id(call)] = call
             self.stack.append(call)
             if isinstance(module, _SUSPEND):
                 call.suspended = True
@@ -370,15 +376,20 @@ class Tracer:
         finally:
             self._mode.quiet -= 1
 
+    def _n_params(self, module: nn.Module) -> int:
+        n = self._param_counts.get(id(module))
+        if n is None:
+            n = self._param_counts[id(module)] = sum(p.numel() for p in module.parameters())
+        return n
+
     def source_id(self) -> int | None:
         """The sublayer (child call of the layer) running now, as a key into the layer's calls."""
         lay = self.layer
         if lay is None:
             return None
-        d = lay.depth + 1
-        if len(self.stack) > d:
-            c = self.stack[d]
-            return id(c) if c.source else None
+        for c in self.stack[lay.depth + 1 :]:
+            if not c.wrapper:
+                return id(c) if c.source else None
         return id(self.layer_call)  # computed in the layer's own forward
 
     def _suspend(self) -> None:
@@ -542,6 +553,8 @@ class Tracer:
 
     def _kind(self, layer: _Layer, source: int) -> str:
         call = layer.calls.get(source)
+        while call is not None and call.attn is None and call.parent is not None and call.parent.wrapper:
+            call = call.parent  # a projection of an attention module that holds all the layer's weights
         if call is None or call.attn is None:
             return "mlp"
         return f"{call.attn.role or 'self'}_attn"
@@ -629,7 +642,10 @@ class Tracer:
         lc = self.layer_call
         for i, c in enumerate(self.stack):
             if c is lc:
-                return self.stack[i + 1] if i + 1 < len(self.stack) else c
+                for sub in self.stack[i + 1 :]:
+                    if not sub.wrapper:
+                        return sub
+                return self.stack[-1]
         return self.stack[-1]
 
     def on_softmax(self, args: tuple, kwargs: dict, out: Tensor) -> None:
