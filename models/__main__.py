@@ -45,6 +45,7 @@ def _show(name: str, model: torch.nn.Module) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Run the demo; ``argv`` are command-line arguments (only ``--help``), none when called from code."""
     parser = argparse.ArgumentParser(
         prog="python -m models",
         description="Load every model of the probe zoo (training any that has no checkpoint yet: the "
@@ -52,7 +53,7 @@ def main(argv: list[str] | None = None) -> int:
         "each one produces.",
         epilog="retrain one model: python -m models.train NAME; list them: probe models",
     )
-    parser.parse_args(argv)
+    parser.parse_args(argv or [])
     for name in names():
         trained_now = not checkpoint_path(name).exists()
         model = load(name)
@@ -66,4 +67,6 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    import sys
+
+    raise SystemExit(main(sys.argv[1:]))
