@@ -120,7 +120,7 @@ def test_chinese_tokens_appear_with_real_glyphs(chromium, tmp_path):
     strips = page.locator("#sec-summary .probe-tokens").all_text_contents()
     assert "力" in strips[0] and "".join(rc.CHINESE) in strips[1]
     page.select_option(".probe-attn .sel-set", "1")
-    page.wait_for_function("probe.views[0].set.qTokens[0] === '注意'")
+    page.wait_for_function("() => probe.views[0].set.qTokens[0] === '注意'")
     assert page.locator(".probe-attn .tokens-q .tok").first.text_content() == "注意"
     # a glyph, not the missing-glyph box: 力 and 机 draw differently, and differ from a private-use char
     shots = {}

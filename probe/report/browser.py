@@ -70,7 +70,9 @@ def open_report(
 
     page.on("dialog", on_dialog)
     page.goto(Path(index).resolve().as_uri())
-    page.wait_for_function("document.documentElement.dataset.probeReady === '1'", timeout=60_000)
+    # a function, not an expression: Playwright would poll an expression with eval(), which the
+    # page's Content-Security-Policy (rightly) forbids
+    page.wait_for_function("() => document.documentElement.dataset.probeReady === '1'", timeout=120_000)
     return page, log
 
 
