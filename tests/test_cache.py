@@ -169,3 +169,15 @@ def test_load_newer_format_version(tmp_path):
     save_file({"decoder.blocks.0.resid_pre": torch.zeros(1, 1, 2)}, p, metadata=meta)
     with pytest.raises(ProbeError, match="newer than this probe reads"):
         probe.load(p)
+
+
+def test_real_token_flags_handle_padded_and_unpadded_rows():
+    from probe.cache.format import real_token_flags
+
+    meta = {"attention_mask": [[0, 1, 1], [1, 1, 1]], "special_tokens_mask": [[1, 1, 0], [1, 0, 1]]}
+    assert real_token_flags(meta, 0) == [1, 0]  # left padding dropped
+    assert real_token_flags(meta, 1) == [1, 0, 1]
+    old = {"attention_mask": [[1, 1, 0]], "special_tokens_mask": [[1, 0]]}  # unpadded rows (older caches)
+    assert real_token_flags(old, 0) == [1, 0]
+    tgt = {"target_attention_mask": [[1, 0]], "target_special_tokens_mask": [[1, 1]]}
+    assert real_token_flags(tgt, 0, prefix="target_") == [1]

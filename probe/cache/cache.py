@@ -157,14 +157,15 @@ class Cache(Mapping[str, torch.Tensor]):
         layer: int = 0,
         kind: str = "self",
         *,
-        head: int | None = None,
-        batch: int | None = None,
+        head: int | slice | None = None,
+        batch: int | slice | None = None,
     ) -> torch.Tensor:
         """The attention pattern of ``layer`` in ``stack``.
 
         ``kind`` is ``"self"`` or ``"cross"``. Returns ``[batch, head, query, key]``, with the
-        ``batch`` and ``head`` dimensions dropped when those are given. On a loaded cache only
-        the requested slice is read from disk.
+        ``batch`` and ``head`` dimensions dropped when those are given as integers (a slice, such
+        as ``head=slice(0, 4)``, keeps the dimension). On a loaded cache only the requested slice
+        is read from disk.
         """
         if kind not in ("self", "cross"):
             raise ProbeError(f"kind must be 'self' or 'cross', not {kind!r}")
@@ -285,9 +286,16 @@ def _ranges(xs: list[int]) -> str:
     return ", ".join(str(a) if a == b else f"{a}-{b}" for a, b in runs)
 
 
-def _index(value: Any, n: int, what: str, unit: str, k: str, note: str = "") -> int:
+def _index(value: Any, n: int, what: str, unit: str, k: str, note: str = "") -> int | slice:
+    if isinstance(value, slice):  # a block of heads or texts, read lazily in one go
+        if value.step not in (None, 1):
+            raise ProbeError(f"{what} slices must have step 1, not {value.step!r}")
+        start, stop, _ = value.indices(n)
+        if start >= stop:
+            raise ProbeError(f"{what}={value} selects nothing: {k} has {n} {unit}")
+        return slice(start, stop)
     if isinstance(value, bool) or not isinstance(value, int):
-        raise ProbeError(f"{what} must be an integer index, not {value!r}")
+        raise ProbeError(f"{what} must be an integer index or a slice, not {value!r}")
     if not -n <= value < n:
         valid = f"choose 0-{n - 1}" if n else "it holds none"
         raise ProbeError(f"{what}={value} is out of range: {k} has {n} {unit}; {valid}{note}")

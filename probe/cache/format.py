@@ -51,3 +51,18 @@ def parse_key(k: str) -> tuple[str, int, str]:
     if m is None:
         raise ValueError(f"not a probe cache key: {k!r}")
     return m["stack"], int(m["layer"]), m["name"]
+
+
+def real_token_flags(meta: dict, b: int, name: str = "special_tokens_mask", prefix: str = "") -> list[int]:
+    """``meta[prefix + name][b]`` (e.g. the special-token mask) with one entry per *real* token of text ``b``.
+
+    Caches pad these rows like ``attention_mask`` (left or right); older caches stored them
+    unpadded. Either way this returns the entries of the text's own tokens, in order.
+    """
+    rows = meta.get(f"{prefix}{name}") or []
+    row = list(rows[b]) if b < len(rows) else []
+    mask_rows = meta.get(f"{prefix}attention_mask") or []
+    mask = list(mask_rows[b]) if b < len(mask_rows) else []
+    if mask and len(row) == len(mask) and not all(mask):
+        row = [v for v, m in zip(row, mask, strict=True) if m]
+    return row

@@ -20,6 +20,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from probe.cache.format import real_token_flags
+
 ZOO_SYMBOLS = {"translator": {"S", "E", "P"}, "aligner": {"S", "E", "P"}}
 _SPACE = (" ", "\u2581")
 
@@ -40,7 +42,7 @@ def special_positions(meta: dict, side: str, b: int) -> list[bool]:
     prefix = "target_" if side == "target" else ""
     tokens = meta.get(f"{prefix}tokens", [])[b]
     n = len(tokens)
-    special = list(meta.get(f"{prefix}special_tokens_mask", [[0] * n] * (b + 1))[b])[:n]
+    special = real_token_flags(meta, b, "special_tokens_mask", prefix)[:n]
     special += [0] * (n - len(special))
     mask = list(meta.get(f"{prefix}attention_mask", [[1] * n] * (b + 1))[b])[:n]
     mask += [1] * (n - len(mask))

@@ -16,6 +16,7 @@ from typing import Any
 
 import torch
 
+from probe.cache.format import real_token_flags
 from probe.errors import ProbeError
 
 
@@ -98,7 +99,7 @@ def side(meta: dict[str, Any], stack: str, role: str, batch: int, length: int) -
     for b in range(batch):
         pos = real[b].nonzero().flatten().tolist()
         toks = tokens[b] if b < len(tokens) and len(tokens[b]) == len(pos) else [""] * len(pos)
-        spec = [bool(s) for s in specials[b]] if specials is not None and b < len(specials) else []
+        spec = [bool(s) for s in real_token_flags(meta, b, "special_tokens_mask", p)] if specials else []
         if len(spec) != len(pos):
             spec = [False] * len(pos)
         for k, q in enumerate(pos):

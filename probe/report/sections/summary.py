@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from probe.cache.format import real_token_flags
 from probe.report.sections._tokens import batch_size
 
 TITLE = "Summary"
@@ -26,12 +27,11 @@ def build(ctx) -> dict:
             total = (meta.get("stacks") or {}).get(s, {}).get("layers", "?")
             stacks.append({"name": s, "captured": cache.n_layers(s), "layers": total, "heads": heads})
         texts = []
-        specials = meta.get("special_tokens_mask") or []
         for b in range(batch_size(cache)):
             toks = (meta.get("tokens") or [[]])[b] if meta.get("tokens") else []
             entry = {
                 "text": (meta.get("texts") or [None] * (b + 1))[b] if meta.get("texts") else None,
-                "tokens": _tokens(toks, specials[b] if b < len(specials) else None),
+                "tokens": _tokens(toks, real_token_flags(meta, b)),
                 "target": None,
             }
             if meta.get("target_tokens"):
