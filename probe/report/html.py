@@ -1,7 +1,7 @@
 """The HTML report host: discovers the sections, builds them in order, renders one ``index.html``.
 
 A section is one module in :mod:`probe.report.sections` (``TITLE``, ``ORDER``, ``build(ctx)``)
-plus one template ``templates/sections/<name>.html.j2`` (see REPORT_CONTRACT.md). The page is
+plus one template ``templates/sections/<name>.html.j2`` (see probe/report/REPORT_CONTRACT.md). The page is
 self-contained: CSS, JavaScript, data and figures are inline, and a Content-Security-Policy
 forbids every network request, so it opens from ``file://`` offline.
 """
