@@ -285,7 +285,9 @@ def _ranges(xs: list[int]) -> str:
     return ", ".join(str(a) if a == b else f"{a}-{b}" for a, b in runs)
 
 
-def _index(value: Any, n: int, what: str, unit: str, k: str, note: str = "") -> int:
+def _index(value: Any, n: int, what: str, unit: str, k: str, note: str = "") -> int | slice:
+    if isinstance(value, slice):  # a block of heads (head statistics read a layer in blocks)
+        return value
     if isinstance(value, bool) or not isinstance(value, int):
         raise ProbeError(f"{what} must be an integer index, not {value!r}")
     if not -n <= value < n:
