@@ -85,6 +85,7 @@ class Corpus:
         """A few readable lines: model, texts, failures, shards, files and disk use."""
         m, c = self.manifest, self.config
         size = sum(f.stat().st_size for f in self.path.rglob("*") if f.is_file())
+        has_stats = (self.path / "stats.json").is_file()
         keep = c["keep"] if isinstance(c["keep"], str) else json.dumps(c["keep"])
         lines = [
             f"{self.path}  (corpus run, {_human(size)})",
@@ -93,7 +94,7 @@ class Corpus:
             f"texts:     {m['n_texts']:,} ({m['n_ok']:,} captured, {m['n_failed']:,} failed)",
             f"shards:    {m['n_shards']} of {c['shard_size']} texts, batches of {c['batch_size']}",
             f"kept:      {keep}; {len(m['files'])} cache files",
-            f"stats:     {'head_stats.json / head_stats.csv' if (self.path / 'stats.json').is_file() else 'none'}",
+            f"stats:     {'head_stats.json / head_stats.csv' if has_stats else 'none'}",
         ]
         for i, err in list(self.errors.items())[:5]:
             lines.append(f"failed:    text {i}: {err}")
