@@ -102,6 +102,11 @@ class Corpus:
             lines.append(f"           ... and {m['n_failed'] - 5} more (see manifest.json)")
         return "\n".join(lines)
 
+    def _repr_html_(self) -> str:
+        import html
+
+        return f"<pre>{html.escape(self.summary())}</pre>"
+
     def __repr__(self) -> str:
         return f"<probe.Corpus {self.path}: {self.manifest['n_texts']} texts, {len(self)} files>"
 
