@@ -298,7 +298,7 @@ def test_minilm_real_run_matches_a_direct_computation():
     A = cache.pattern("encoder", 3, head=5).double()  # [2, T, T]
     special = []
     for b, n in ((0, int(sum(cache.metadata["attention_mask"][0]))), (1, 3)):
-        sp = torch.tensor(cache.metadata["special_tokens_mask"][b], dtype=torch.bool)
+        sp = torch.tensor(cache.metadata["special_tokens_mask"][b][:n], dtype=torch.bool)
         special.append(A[b, :n, :n][:, sp].sum(-1).mean().item())
     r = _row(s, 3, 5)
     assert r["special"] == pytest.approx(sum(special) / 2, rel=1e-5)

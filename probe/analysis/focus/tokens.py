@@ -99,12 +99,16 @@ def side(meta: dict[str, Any], stack: str, role: str, batch: int, length: int) -
         pos = real[b].nonzero().flatten().tolist()
         toks = tokens[b] if b < len(tokens) and len(tokens[b]) == len(pos) else [""] * len(pos)
         spec = [bool(s) for s in specials[b]] if specials is not None and b < len(specials) else []
+        if len(spec) == length != len(pos):  # stored padded (one flag per position): keep the real ones
+            spec = [spec[q] for q in pos]
         if len(spec) != len(pos):
             spec = [False] * len(pos)
         for k, q in enumerate(pos):
             special[b, q] = spec[k]
             punct[b, q] = not spec[k] and is_punct(toks[k])
-        if id_t is not None and b < len(ids) and len(ids[b]) == len(pos):
+        if id_t is not None and b < len(ids) and len(ids[b]) == length != len(pos):
+            id_t[b, pos] = torch.tensor(ids[b], dtype=torch.long)[pos]  # stored padded
+        elif id_t is not None and b < len(ids) and len(ids[b]) == len(pos):
             id_t[b, pos] = torch.tensor(ids[b], dtype=torch.long)
         w = -1
         for k, (q, s) in enumerate(zip(pos, word_starts(toks, spec), strict=True)):
