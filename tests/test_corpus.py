@@ -100,7 +100,7 @@ def test_statistics_equal_independent_captures(work):
     got = FocusAccumulator.from_dict(_stats(work / "ref"))
     _assert_same_stats(got, oracle)
     corpus = probe.open_corpus(work / "ref")
-    assert set(corpus.errors) == {5, 11}
+    assert set(corpus.errors) == {5, 11} and "2 failed" in corpus._repr_html_()
     assert "vocabulary" in corpus.errors[5] and "32" in corpus.errors[11]
     # every text is in the row the manifest names
     for i in (0, 7, 15):
