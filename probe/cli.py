@@ -176,7 +176,8 @@ def info_text(path: str | Path) -> str:
 
 
 def cmd_info(args: argparse.Namespace) -> int:
-    if Path(args.path).is_dir():  # a corpus run (probe corpus / probe.run_corpus)
+    p = Path(args.path)
+    if p.is_dir() and ((p / "manifest.json").is_file() or (p / "config.json").is_file()):  # a corpus run
         from probe.corpus import open_corpus
 
         print(open_corpus(args.path).summary())

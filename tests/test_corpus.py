@@ -195,7 +195,7 @@ def test_cli_corpus_and_info(work, tmp_path):
     r = cli("corpus", "--model", "minigpt", "--texts", tmp_path / "nope.txt", "-o", tmp_path / "d")
     assert r.returncode == 2 and "no such file" in r.stderr
     r = cli("info", tmp_path)
-    assert r.returncode == 2 and "not a corpus run" in r.stderr
+    assert r.returncode == 2 and "is a directory" in r.stderr
 
 
 def test_selected_heads_are_kept():
