@@ -20,6 +20,7 @@ from probe.analysis.focus import HeadStats, head_stats, induction_scores  # noqa
 from probe.analysis.residual import budget, logit_lens, residual  # noqa: E402
 from probe.cache import Cache, load  # noqa: E402
 from probe.capture import Trace, capture, trace  # noqa: E402
+from probe.corpus import Corpus, open_corpus, run_corpus  # noqa: E402
 from probe.errors import ProbeError  # noqa: E402
 
 __all__ = ["capture", "trace", "Trace", "load", "Cache", "ProbeError", "report", "plot", "__version__"]
@@ -35,6 +36,7 @@ __all__ += [
     "align",
     "Alignment",
 ]
+__all__ += ["run_corpus", "open_corpus", "Corpus"]
 
 
 def __getattr__(name: str):

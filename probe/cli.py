@@ -176,7 +176,48 @@ def info_text(path: str | Path) -> str:
 
 
 def cmd_info(args: argparse.Namespace) -> int:
+    p = Path(args.path)
+    if p.is_dir() and ((p / "manifest.json").is_file() or (p / "config.json").is_file()):  # a corpus run
+        from probe.corpus import open_corpus
+
+        print(open_corpus(args.path).summary())
+        return 0
     print(info_text(args.path))
+    return 0
+
+
+def cmd_corpus(args: argparse.Namespace) -> int:
+    from probe.corpus import run_corpus
+
+    keep: object = args.keep
+    if args.layers is not None or args.heads is not None:
+        if args.keep not in (None, "patterns"):
+            raise ProbeError(
+                "--layers/--heads choose which patterns to keep; drop --keep or use --keep patterns"
+            )
+        keep = {"layers": args.layers, "heads": args.heads}
+    elif keep in (None, "patterns"):
+        keep = "stats" if keep is None else "all"
+    if not Path(args.texts).is_file():
+        raise ProbeError(
+            f"--texts {args.texts}: no such file; give a .txt (one text per line) or .jsonl file"
+        )
+    model, tok = load_model(args)
+    corpus = run_corpus(
+        model,
+        args.texts,
+        args.output,
+        tokenizer=tok,
+        batch_size=args.batch_size,
+        keep=keep,
+        shard_size=args.shard_size,
+        field=args.field,
+        progress=not args.quiet,
+    )
+    from probe.corpus.dist import rank_world
+
+    if rank_world()[0] == 0:
+        print(corpus.summary())
     return 0
 
 
@@ -548,8 +589,36 @@ def build_parser() -> argparse.ArgumentParser:
         help="summarise a cache file",
         description="Print a readable summary of a probe cache: model, tokens, keys, shapes and sizes.",
     )
-    p.add_argument("path", help="a .safetensors cache written by probe")
+    p.add_argument("path", help="a .safetensors cache written by probe, or a corpus run folder")
     p.set_defaults(func=cmd_info)
+
+    p = sub.add_parser(
+        "corpus",
+        help="capture a corpus: bounded memory, resumable, torchrun-aware",
+        description="Run a model over many texts: shards of cache files (or statistics only), a "
+        "manifest mapping every text to its shard and row (or its error), and merged per-head "
+        "statistics (head_stats.json/.csv). Rerun the same command to resume; launch it with "
+        "`torchrun --nproc_per_node=N -m probe corpus ...` to share the shards between processes.",
+        epilog="examples: probe corpus --model minigpt --texts texts.txt -o run/ | "
+        "probe corpus --hf ./gpt2 --texts data.jsonl --field text -o run/ --layers 0 5 --heads 1 2",
+    )
+    add_model_args(p, default=None)
+    p.add_argument("--texts", metavar="FILE", required=True, help="one text per line, or JSONL with --field")
+    p.add_argument("--field", default=None, help="JSONL field holding the text (default: text)")
+    p.add_argument("-o", "--output", required=True, help="output folder (resumed when it holds this run)")
+    p.add_argument("--batch-size", type=int, default=8, help="texts per forward pass (default 8)")
+    p.add_argument("--shard-size", type=int, default=256, help="texts per shard (default 256)")
+    p.add_argument(
+        "--keep",
+        choices=["stats", "all", "residuals", "patterns"],
+        default=None,
+        help="what to store: stats (default: statistics only), all, residuals, or the patterns "
+        "chosen by --layers/--heads",
+    )
+    p.add_argument("--layers", type=int, nargs="+", default=None, help="keep patterns of these layers")
+    p.add_argument("--heads", type=int, nargs="+", default=None, help="keep patterns of these heads")
+    p.add_argument("--quiet", "-q", action="store_true", help="no progress bar")
+    p.set_defaults(func=cmd_corpus)
 
     p = sub.add_parser(
         "check",

@@ -105,7 +105,9 @@ def side(meta: dict[str, Any], stack: str, role: str, batch: int, length: int) -
         for k, q in enumerate(pos):
             special[b, q] = spec[k]
             punct[b, q] = not spec[k] and is_punct(toks[k])
-        if id_t is not None and b < len(ids) and len(ids[b]) == len(pos):
+        if id_t is not None and b < len(ids) and len(ids[b]) == length != len(pos):
+            id_t[b, pos] = torch.tensor(ids[b], dtype=torch.long)[pos]  # stored padded
+        elif id_t is not None and b < len(ids) and len(ids[b]) == len(pos):
             id_t[b, pos] = torch.tensor(ids[b], dtype=torch.long)
         w = -1
         for k, (q, s) in enumerate(zip(pos, word_starts(toks, spec), strict=True)):

@@ -1,0 +1,217 @@
+"""Corpus runs: statistics against independent captures, resume after SIGKILL, torchrun ranks, CLI."""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+import probe
+from models import load as load_model
+from probe.analysis.focus.stats import FocusAccumulator
+
+ROOT = Path(__file__).resolve().parents[1]
+LETTERS = "acdefghiklmnoprstuw"  # inside minigpt's vocabulary
+
+
+def _texts(n: int = 16, seed: int = 0) -> list[str]:
+    rng = random.Random(seed)
+    out = []
+    for _ in range(n):
+        words = [
+            "".join(rng.choice(LETTERS) for _ in range(rng.randint(1, 5))) for _ in range(rng.randint(1, 5))
+        ]
+        out.append(" ".join(words))
+    out[5] = "bad b text"  # 'b' is outside the vocabulary: recorded, not fatal
+    out[11] = "t" * 40  # longer than minigpt's 32 positions
+    return out
+
+
+TEXTS = _texts()
+RUN = dict(batch_size=4, shard_size=4, keep="all")
+
+SCRIPT = textwrap.dedent(
+    """
+    import os, signal, sys
+    import probe, probe.corpus.run as run
+    from models import load
+    die = os.environ.get("DIE_RANK")
+    if die is not None and os.environ.get("RANK", "0") == die:
+        real, calls = run._run_shard, []
+        def dying(*a, **k):
+            calls.append(1)
+            if len(calls) == 2:  # after one finished shard: die like an OOM kill, no cleanup
+                os.kill(os.getpid(), signal.SIGKILL)
+            return real(*a, **k)
+        run._run_shard = dying
+    probe.run_corpus(load("minigpt"), sys.argv[1], sys.argv[2], batch_size=4, shard_size=4, keep="all",
+                     progress=False)
+    """
+)
+
+
+def _env() -> dict:
+    env = dict(os.environ)
+    env["PYTHONPATH"] = f"{ROOT}{os.pathsep}{env.get('PYTHONPATH', '')}"
+    return env
+
+
+@pytest.fixture(scope="module")
+def work(tmp_path_factory):
+    d = tmp_path_factory.mktemp("corpus")
+    (d / "texts.txt").write_text("\n".join(TEXTS) + "\n", encoding="utf-8")
+    (d / "run.py").write_text(SCRIPT, encoding="utf-8")
+    probe.run_corpus(load_model("minigpt"), d / "texts.txt", d / "ref", progress=False, **RUN)
+    return d
+
+
+def _stats(path: Path) -> dict:
+    return json.loads((path / "stats.json").read_text())
+
+
+def _assert_same_stats(a: FocusAccumulator, b: FocusAccumulator, tol: float = 1e-6) -> None:
+    assert a.n_texts == b.n_texts
+    assert set(a.stats) == set(b.stats)
+    for name in a.stats:
+        sa, sb = a.stats[name], b.stats[name]
+        assert torch.equal(sa.count, sb.count)
+        torch.testing.assert_close(sa.mean, sb.mean, atol=tol, rtol=0, equal_nan=True)
+        torch.testing.assert_close(sa.std, sb.std, atol=tol, rtol=0, equal_nan=True)
+
+
+def test_statistics_equal_independent_captures(work):
+    model = load_model("minigpt")
+    oracle = FocusAccumulator()
+    for i, t in enumerate(TEXTS):
+        if i in (5, 11):
+            with pytest.raises(probe.ProbeError):
+                probe.capture(model, t)
+            continue
+        oracle.add(probe.capture(model, t))  # one text, no padding, no batching
+    got = FocusAccumulator.from_dict(_stats(work / "ref"))
+    _assert_same_stats(got, oracle)
+    corpus = probe.open_corpus(work / "ref")
+    assert set(corpus.errors) == {5, 11} and "2 failed" in corpus._repr_html_()
+    assert "vocabulary" in corpus.errors[5] and "32" in corpus.errors[11]
+    # every text is in the row the manifest names
+    for i in (0, 7, 15):
+        cache, row = corpus.cache_of(i)
+        assert cache.metadata["texts"][row] == TEXTS[i]
+    # open_corpus feeds head_stats lazily: same numbers as the run's merged statistics
+    direct = probe.head_stats(corpus, progress=False)
+    merged = corpus.head_stats()
+    for col in ("entropy", "entropy_std", "confidence"):
+        a, b = direct.table.column(col), merged.table.column(col)
+        assert a == pytest.approx(b, abs=1e-6, nan_ok=True)
+    assert probe.check_causal(next(iter(corpus))).ok
+
+
+def test_kill_at_random_point_then_resume_is_identical(work):
+    out = work / "killed"
+    rng = random.Random(os.getpid())
+    proc = subprocess.Popen([sys.executable, work / "run.py", work / "texts.txt", out], env=_env())
+    deadline = time.time() + 120
+    while time.time() < deadline and not list((out / "shards").glob("*.json")):
+        time.sleep(0.05)
+    time.sleep(rng.uniform(0, 1.5))  # somewhere inside the following shards
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    assert not (out / "manifest.json").exists() or proc.returncode == 0
+    with pytest.raises(probe.ProbeError, match="unfinished|rerun"):
+        if not (out / "manifest.json").exists():
+            probe.open_corpus(out)
+        else:
+            raise probe.ProbeError("rerun: finished before the kill")
+    probe.run_corpus(load_model("minigpt"), work / "texts.txt", out, progress=False, **RUN)
+    assert (out / "manifest.json").read_text() == (work / "ref" / "manifest.json").read_text()
+    assert _stats(out) == _stats(work / "ref")
+    assert (out / "head_stats.csv").read_text() == (work / "ref" / "head_stats.csv").read_text()
+
+
+def test_other_configuration_is_refused(work):
+    with pytest.raises(probe.ProbeError, match="different corpus run.*batch_size"):
+        probe.run_corpus(load_model("minigpt"), work / "texts.txt", work / "ref", batch_size=2, shard_size=4)
+
+
+def _torchrun(work: Path, out: Path, **env) -> subprocess.CompletedProcess:
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
+    cmd += [str(work / "run.py"), str(work / "texts.txt"), str(out)]
+    return subprocess.run(cmd, env={**_env(), "OMP_NUM_THREADS": "1", **env}, capture_output=True, text=True)
+
+
+def test_torchrun_two_ranks_equal_one_process_and_resume_after_a_rank_dies(work):
+    out = work / "ranks"
+    r = _torchrun(work, out)
+    assert r.returncode == 0, r.stderr[-2000:]
+    _assert_same_stats(
+        FocusAccumulator.from_dict(_stats(out)), FocusAccumulator.from_dict(_stats(work / "ref"))
+    )
+    assert (out / "manifest.json").read_text() == (work / "ref" / "manifest.json").read_text()
+
+    out = work / "rank_killed"
+    r = _torchrun(work, out, DIE_RANK="1")
+    assert r.returncode != 0 and not (out / "manifest.json").exists()
+    assert (out / "shards" / "00001.json").exists()  # rank 1 finished shard 1 before it died
+    r = _torchrun(work, out)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert (out / "manifest.json").read_text() == (work / "ref" / "manifest.json").read_text()
+    # equal within float noise: torchrun sets one thread per rank, which changes reduction order
+    _assert_same_stats(
+        FocusAccumulator.from_dict(_stats(out)), FocusAccumulator.from_dict(_stats(work / "ref"))
+    )
+
+
+def test_cli_corpus_and_info(work, tmp_path):
+    def cli(*args):
+        return subprocess.run(
+            [sys.executable, "-m", "probe", *map(str, args)], env=_env(), capture_output=True, text=True
+        )
+
+    (tmp_path / "t.txt").write_text("\n".join(TEXTS[:6]) + "\n", encoding="utf-8")
+    r = cli("corpus", "--model", "minigpt", "--texts", tmp_path / "t.txt", "-o", tmp_path / "c", "-q")
+    assert r.returncode == 0, r.stderr
+    assert "6 (5 captured, 1 failed)" in r.stdout and "text 5:" in r.stdout
+    # statistics only: no cache files, and the statistics of the 5 texts captured one by one
+    assert not list((tmp_path / "c" / "shards").glob("*/*.safetensors"))
+    model, oracle = load_model("minigpt"), FocusAccumulator()
+    for t in TEXTS[:5]:
+        oracle.add(probe.capture(model, t))
+    _assert_same_stats(FocusAccumulator.from_dict(_stats(tmp_path / "c")), oracle)
+    r = cli("info", tmp_path / "c")
+    assert r.returncode == 0 and "corpus run" in r.stdout
+    r = cli(
+        "corpus", "--model", "minigpt", "--texts", work / "texts.txt", "-o", tmp_path / "c", "--keep", "all"
+    )
+    assert r.returncode == 2 and "different corpus run" in r.stderr and "Traceback" not in r.stderr
+    r = cli("corpus", "--model", "minigpt", "--texts", tmp_path / "nope.txt", "-o", tmp_path / "d")
+    assert r.returncode == 2 and "no such file" in r.stderr
+    r = cli("info", tmp_path)
+    assert r.returncode == 2 and "is a directory" in r.stderr
+
+
+def test_selected_heads_are_kept():
+    texts = ["the cat sat", "fish are here", "a rat"]
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as d:
+        model = load_model("minigpt")
+        c = probe.run_corpus(model, texts, d, keep={"layers": [1], "heads": [0, 2]}, progress=False)
+        cache, row = c.cache_of(1)
+        assert cache.keys() == ["decoder.blocks.1.self_attn.pattern"]
+        full = probe.capture(model, texts[1])
+        n = len(full.metadata["tokens"][0])
+        torch.testing.assert_close(
+            cache["decoder.blocks.1.self_attn.pattern"][row, :, :n, :n],
+            full["decoder.blocks.1.self_attn.pattern"][0, [0, 2]],
+            atol=1e-6,
+            rtol=0,
+        )
