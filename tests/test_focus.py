@@ -425,4 +425,3 @@ def test_words_split_in_one_text_of_a_batch_only():
     )
     # text 1 words: [CLS] | un ##like | c | [SEP]; word_next per word: 1, (0 + 1) / 2, 1 -> mean 5/6
     assert _row(s, 0, 0)["word_next"] == pytest.approx((1 + 5 / 6) / 2)
-
