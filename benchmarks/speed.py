@@ -43,6 +43,11 @@ from pathlib import Path
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+
+from capture import _reset_hwm  # noqa: E402
+from capture import _vm_hwm as _hwm  # noqa: E402
+
 NOFAULT = {"MALLOC_MMAP_MAX_": "0", "MALLOC_TRIM_THRESHOLD_": "1000000000000"}
 ALLOCATORS = {"default": {}, "nofault": NOFAULT}
 
@@ -52,17 +57,6 @@ def _rss() -> int:
         if line.startswith("VmRSS:"):
             return int(line.split()[1]) * 1024
     raise RuntimeError("no VmRSS in /proc/self/status")
-
-
-def _hwm() -> int:
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith("VmHWM:"):
-            return int(line.split()[1]) * 1024
-    raise RuntimeError("no VmHWM in /proc/self/status")
-
-
-def _reset_hwm() -> None:
-    Path("/proc/self/clear_refs").write_text("5")
 
 
 def _minflt() -> int:
