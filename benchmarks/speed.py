@@ -70,7 +70,6 @@ class Bench:
     def __init__(self, model: str, peers: bool) -> None:
         import torch
 
-        sys.path.insert(0, str(HERE))
         self.torch = torch
         self.name = model
         self.models: dict[str, object] = {}
