@@ -181,7 +181,7 @@ def test_grouped_query_pair_from_the_recorded_config():
 
 
 def test_grouped_query_llama_capture_records_its_groups(tmp_path):
-    from tests import hf_fixtures as H
+    import hf_fixtures as H
 
     tok = H.bpe_tokenizer(tmp_path / "bpe")
     model = H.llama(len(tok))
@@ -289,7 +289,7 @@ def test_minigpt_real_run_matches_a_direct_computation():
 
 
 def test_minilm_real_run_matches_a_direct_computation():
-    from tests.hf_fixtures import minilm
+    from hf_fixtures import minilm
 
     model, tok, _ = minilm()
     cache = probe.capture(model, ["the unbelievable tokenization works.", "hi"], tokenizer=tok)
