@@ -230,3 +230,100 @@ def test_selected_heads_are_kept():
             atol=1e-6,
             rtol=0,
         )
+
+
+# -- 1,000 texts: interrupted at a random point (SIGKILL, then Ctrl-C), resumed, identical -------------
+
+BIG = dict(batch_size="32", shard_size="100")  # 10 shards of ~0.5 s each on one thread
+
+
+def _big_texts() -> list[str]:
+    texts = _texts(1000, seed=1)
+    texts[437] = "a bad text"  # 'b' is outside minigpt's vocabulary
+    texts[902] = "s" * 33  # one position too many
+    return texts
+
+
+def _cli_corpus(texts: Path, out: Path) -> list[str]:
+    cmd = [sys.executable, "-m", "probe", "corpus", "--model", "minigpt", "--texts", str(texts)]
+    cmd += ["-o", str(out), "--batch-size", BIG["batch_size"], "--shard-size", BIG["shard_size"]]
+    return cmd + ["--layers", "1", "--heads", "0", "2", "-q"]
+
+
+def _files(out: Path) -> dict[str, object]:
+    """Every file of a run: bytes, or for a cache file its tensors and metadata (safetensors writes
+    the metadata map in no fixed order, so equal caches need not be equal bytes)."""
+    from safetensors import safe_open
+
+    got: dict[str, object] = {}
+    for p in sorted(out.rglob("*")):
+        if p.suffix == ".safetensors":
+            with safe_open(p, "pt") as f:
+                got[str(p.relative_to(out))] = (f.metadata(), {k: f.get_tensor(k) for k in f.keys()})
+        elif p.is_file():
+            got[str(p.relative_to(out))] = p.read_bytes()
+    return got
+
+
+def _assert_same_files(a: dict, b: dict) -> None:
+    assert sorted(a) == sorted(b)
+    for name, x in a.items():
+        y = b[name]
+        if isinstance(x, bytes):
+            assert x == y, name
+        else:
+            assert x[0] == y[0] and list(x[1]) == list(y[1]), name
+            assert all(torch.equal(x[1][k], y[1][k]) for k in x[1]), name
+
+
+def _interrupt(cmd: list[str], out: Path, sig: int, rng: random.Random, env: dict) -> subprocess.Popen:
+    """Start ``cmd`` and send ``sig`` at a random time inside the run: once shards k, k + 1 and
+    k + 2 of its 10 are written (k random in 1..6), after a random fraction of the shorter of the
+    last two shards' times (shards holding a failing text are slower: they capture texts one by
+    one). Two shards or more remain, so the signal lands inside the run, not after it."""
+    k = rng.randint(1, 6)
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.time() + 120
+    t = [_wait_for_shards(out, n, proc, deadline) for n in (k, k + 1, k + 2)]
+    time.sleep(rng.uniform(0, min(t[1] - t[0], t[2] - t[1])))
+    proc.send_signal(sig)
+    proc.wait(timeout=60)
+    return proc
+
+
+def test_thousand_texts_interrupted_and_resumed_are_identical(tmp_path):
+    texts = tmp_path / "texts.txt"
+    texts.write_text("\n".join(_big_texts()) + "\n", encoding="utf-8")
+    # one thread everywhere: each process computes its shards in the same order of float operations
+    env = {**_env(), "OMP_NUM_THREADS": "1"}
+    ref = tmp_path / "ref"
+    r = subprocess.run(_cli_corpus(texts, ref), env=env, capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert "1,000 (996 captured, 4 failed)" in r.stdout, r.stdout
+    want = _files(ref)
+    manifest = json.loads(want["manifest.json"])
+    assert want["stats.json"] and want["head_stats.csv"]
+    assert [i for i, e in enumerate(manifest["texts"]) if "error" in e] == [5, 11, 437, 902]
+    rng = random.Random(os.getpid())
+
+    # SIGKILL (an OOM kill: no cleanup at all), then the same command
+    out = tmp_path / "killed"
+    proc = _interrupt(_cli_corpus(texts, out), out, signal.SIGKILL, rng, env)
+    assert proc.returncode == -signal.SIGKILL
+    done = len(list((out / "shards").glob("*.json")))
+    assert 1 <= done < 10 and not (out / "manifest.json").exists()
+    r = subprocess.run(_cli_corpus(texts, out), env=env, capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr[-2000:]
+    _assert_same_files(_files(out), want)  # manifest, stats.json, head_stats.csv, shard records, caches
+
+    # Ctrl-C: the run stops cleanly (exit 130, one line, no traceback, no temporary file), then resumes
+    out = tmp_path / "interrupted"
+    proc = _interrupt(_cli_corpus(texts, out), out, signal.SIGINT, rng, env)
+    stderr = proc.stderr.read()
+    assert proc.returncode == 130, stderr[-2000:]
+    assert stderr.strip().splitlines()[-1] == "probe: interrupted" and "Traceback" not in stderr
+    assert not [p for p in out.rglob("*") if p.name.endswith(".tmp")]
+    assert not (out / "manifest.json").exists()
+    r = subprocess.run(_cli_corpus(texts, out), env=env, capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr[-2000:]
+    _assert_same_files(_files(out), want)
