@@ -212,6 +212,7 @@ def cmd_corpus(args: argparse.Namespace) -> int:
         keep=keep,
         shard_size=args.shard_size,
         field=args.field,
+        dtype=args.dtype,
         progress=not args.quiet,
     )
     from probe.corpus.dist import rank_world
@@ -617,6 +618,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--layers", type=int, nargs="+", default=None, help="keep patterns of these layers")
     p.add_argument("--heads", type=int, nargs="+", default=None, help="keep patterns of these heads")
+    p.add_argument(
+        "--dtype",
+        choices=["float16", "bfloat16"],
+        default=None,
+        help="store kept tensors in this precision (half the disk; statistics still read float32)",
+    )
     p.add_argument("--quiet", "-q", action="store_true", help="no progress bar")
     p.set_defaults(func=cmd_corpus)
 

@@ -213,23 +213,30 @@ def test_cli_corpus_and_info(work, tmp_path):
     assert r.returncode == 2 and "is a directory" in r.stderr
 
 
-def test_selected_heads_are_kept():
+def test_selected_heads_are_kept(tmp_path):
     texts = ["the cat sat", "fish are here", "a rat"]
-    import tempfile
-
-    with tempfile.TemporaryDirectory() as d:
-        model = load_model("minigpt")
-        c = probe.run_corpus(model, texts, d, keep={"layers": [1], "heads": [0, 2]}, progress=False)
-        cache, row = c.cache_of(1)
+    model = load_model("minigpt")
+    keep = {"layers": [1], "heads": [0, 2]}
+    c = probe.run_corpus(model, texts, tmp_path / "f32", keep=keep, progress=False)
+    half = probe.run_corpus(model, texts, tmp_path / "f16", keep=keep, dtype="half", progress=False)
+    full = probe.capture(model, texts[1])  # one text alone: the oracle
+    n = len(full.metadata["tokens"][0])
+    want = full["decoder.blocks.1.self_attn.pattern"][0, [0, 2]]
+    for corpus, dtype, tol in ((c, torch.float32, 1e-6), (half, torch.float16, 2**-11 + 1e-6)):
+        cache, row = corpus.cache_of(1)
         assert cache.keys() == ["decoder.blocks.1.self_attn.pattern"]
-        full = probe.capture(model, texts[1])
-        n = len(full.metadata["tokens"][0])
-        torch.testing.assert_close(
-            cache["decoder.blocks.1.self_attn.pattern"][row, :, :n, :n],
-            full["decoder.blocks.1.self_attn.pattern"][0, [0, 2]],
-            atol=1e-6,
-            rtol=0,
-        )
+        got = cache["decoder.blocks.1.self_attn.pattern"]
+        assert got.dtype == dtype and cache.metadata["dtype"] == str(dtype).replace("torch.", "")
+        # float16 keeps 11 significant bits: within half a unit in the last place of values <= 1
+        torch.testing.assert_close(got[row, :, :n, :n].float(), want, atol=tol, rtol=0)
+    # statistics are computed before the cast: the same numbers whatever is stored
+    assert _stats(tmp_path / "f16") == _stats(tmp_path / "f32")
+    assert json.loads((tmp_path / "f16" / "config.json").read_text())["dtype"] == "float16"
+    assert "stored as float16" in half.summary()
+    with pytest.raises(probe.ProbeError, match="different corpus run.*dtype"):
+        probe.run_corpus(model, texts, tmp_path / "f16", keep=keep, progress=False)
+    with pytest.raises(probe.ProbeError, match="not supported"):
+        probe.run_corpus(model, texts, tmp_path / "x", keep=keep, dtype="int8", progress=False)
 
 
 # -- 1,000 texts: interrupted at a random point (SIGKILL, then Ctrl-C), resumed, identical -------------
@@ -247,7 +254,7 @@ def _big_texts() -> list[str]:
 def _cli_corpus(texts: Path, out: Path) -> list[str]:
     cmd = [sys.executable, "-m", "probe", "corpus", "--model", "minigpt", "--texts", str(texts)]
     cmd += ["-o", str(out), "--batch-size", BIG["batch_size"], "--shard-size", BIG["shard_size"]]
-    return cmd + ["--layers", "1", "--heads", "0", "2", "-q"]
+    return cmd + ["--layers", "1", "--heads", "0", "2", "--dtype", "float16", "-q"]
 
 
 def _files(out: Path) -> dict[str, object]:
@@ -303,6 +310,8 @@ def test_thousand_texts_interrupted_and_resumed_are_identical(tmp_path):
     want = _files(ref)
     manifest = json.loads(want["manifest.json"])
     assert want["stats.json"] and want["head_stats.csv"]
+    stored = want["shards/00003/b000.safetensors"][1]["decoder.blocks.1.self_attn.pattern"]
+    assert stored.dtype == torch.float16  # --dtype float16
     assert [i for i, e in enumerate(manifest["texts"]) if "error" in e] == [5, 11, 437, 902]
     rng = random.Random(os.getpid())
 

@@ -93,7 +93,8 @@ class Corpus:
             f"{c['model'].get('parameters') or 0:,} parameters)",
             f"texts:     {m['n_texts']:,} ({m['n_ok']:,} captured, {m['n_failed']:,} failed)",
             f"shards:    {m['n_shards']} of {c['shard_size']} texts, batches of {c['batch_size']}",
-            f"kept:      {keep}; {len(m['files'])} cache files",
+            f"kept:      {keep}; {len(m['files'])} cache files"
+            + (f", stored as {c['dtype']}" if c.get("dtype") and m["files"] else ""),
             f"stats:     {'head_stats.json / head_stats.csv' if has_stats else 'none'}",
         ]
         for i, err in list(self.errors.items())[:5]:

@@ -29,7 +29,7 @@ from tqdm.auto import tqdm
 from probe.analysis.focus.stats import FocusAccumulator
 from probe.cache import Cache
 from probe.capture import capture
-from probe.capture.engine import model_info
+from probe.capture.engine import _dtype, model_info
 from probe.corpus.dist import Group
 from probe.errors import ProbeError
 from probe.files import write_text_atomic
@@ -91,8 +91,19 @@ def _keep_spec(keep: Any) -> Any:
     raise ProbeError(f"keep={keep!r}: use one of {KEEPS} or {{'layers': [...], 'heads': [...]}}")
 
 
-def _kept(cache: Cache, keep: Any) -> Cache | None:
-    """The part of ``cache`` that ``keep`` stores (None: nothing)."""
+def _kept(cache: Cache, keep: Any, dtype: Any = None) -> Cache | None:
+    """The part of ``cache`` that ``keep`` stores (None: nothing), its floats cast to ``dtype``."""
+    part = _select(cache, keep)
+    if part is None or dtype is None:
+        return part
+    dt = _dtype(dtype)
+    tensors = {k: part[k].to(dt) if part[k].is_floating_point() else part[k] for k in part.keys()}
+    meta = dict(part.metadata)
+    meta["dtype"] = ", ".join(sorted({str(t.dtype).replace("torch.", "") for t in tensors.values()}))
+    return Cache(tensors, meta)
+
+
+def _select(cache: Cache, keep: Any) -> Cache | None:
     if keep == "stats":
         return None
     if keep == "all":
@@ -119,7 +130,7 @@ def _kept(cache: Cache, keep: Any) -> Cache | None:
     return Cache(tensors, meta)
 
 
-def _config(model, texts: list[str], keep, batch_size: int, shard_size: int, stats: bool) -> dict:
+def _config(model, texts: list[str], keep, batch_size: int, shard_size: int, stats: bool, dtype) -> dict:
     info = model_info(model)
     digest = hashlib.sha256("\x00".join(texts).encode("utf-8")).hexdigest()
     return {
@@ -130,6 +141,7 @@ def _config(model, texts: list[str], keep, batch_size: int, shard_size: int, sta
         "stats": stats,
         "batch_size": batch_size,
         "shard_size": shard_size,
+        "dtype": dtype,
     }
 
 
@@ -161,7 +173,7 @@ def _shard_done(path: Path) -> bool:
         return False
 
 
-def _run_shard(model, tokenizer, texts, start, folder: Path, keep, batch_size, stats, bar) -> dict:
+def _run_shard(model, tokenizer, texts, start, folder: Path, keep, batch_size, stats, bar, dtype) -> dict:
     """Capture one shard's texts (bucketed by length) and return its JSON record."""
     for stale in folder.glob(".*.tmp") if folder.exists() else ():  # left by a killed writer
         stale.unlink(missing_ok=True)
@@ -175,7 +187,7 @@ def _run_shard(model, tokenizer, texts, start, folder: Path, keep, batch_size, s
         nonlocal n_files
         if stats:
             acc.add(cache)
-        part = _kept(cache, keep)
+        part = _kept(cache, keep, dtype)  # statistics above read the float32 patterns
         rel = None
         if part is not None:
             rel = f"shards/{folder.name}/b{n_files:03d}.safetensors"
@@ -219,6 +231,7 @@ def run_corpus(
     stats: bool = True,
     shard_size: int = 256,
     field: str | None = None,
+    dtype: Any = None,
     progress: bool = True,
 ):
     """Capture every text of ``texts`` into ``out_dir`` in bounded memory; resumable; torchrun-aware.
@@ -226,6 +239,8 @@ def run_corpus(
     ``texts``: a list of strings, a text file (one text per line), a JSONL file (``field``, default
     ``"text"``) or a ``datasets.Dataset``. ``keep``: ``"stats"`` (no caches, statistics only),
     ``"all"``, ``"residuals"`` or ``{"layers": [...], "heads": [...]}`` (those patterns only).
+    ``dtype`` (``"float16"``/``"bfloat16"``) casts what is stored, halving the disk; statistics are
+    computed from the float32 patterns either way (default: stored as captured, patterns float32).
     ``shard_size`` texts per shard, batches of ``batch_size`` texts of similar length. A text that
     fails (ProbeError: too long, out of vocabulary) is recorded in the manifest and skipped.
     Rerunning the same call resumes; another configuration in ``out_dir`` is refused. Under
@@ -240,12 +255,14 @@ def run_corpus(
     if not isinstance(shard_size, int) or shard_size < 1:
         raise ProbeError(f"shard_size={shard_size!r}: give a positive integer")
     keep = _keep_spec(keep)
+    if dtype is not None:
+        dtype = str(_dtype(dtype)).replace("torch.", "")  # one spelling in config.json: "float16"
     if keep == "stats" and not stats:
         raise ProbeError("keep='stats' with stats=False would store nothing; keep patterns or compute stats")
     texts = load_texts(texts, field=field)
     tokenizer = tokenizer if tokenizer is not None else getattr(model, "tokenizer", None)
     out = Path(out_dir)
-    cfg = _config(model, texts, keep, batch_size, shard_size, stats)
+    cfg = _config(model, texts, keep, batch_size, shard_size, stats, dtype)
     _check_config(out, cfg)  # every rank checks: they all refuse alike, none waits forever
     group = Group()
     try:
@@ -262,7 +279,9 @@ def run_corpus(
             for i in todo:
                 part = texts[i * shard_size : (i + 1) * shard_size]
                 folder = out / "shards" / f"{i:05d}"
-                rec = _run_shard(model, tokenizer, part, i * shard_size, folder, keep, batch_size, stats, bar)
+                rec = _run_shard(
+                    model, tokenizer, part, i * shard_size, folder, keep, batch_size, stats, bar, dtype
+                )
                 write_text_atomic(out / "shards" / f"{i:05d}.json", json.dumps(rec, ensure_ascii=False))
         group.barrier()
         if group.rank == 0:
