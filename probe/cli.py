@@ -196,8 +196,10 @@ def cmd_corpus(args: argparse.Namespace) -> int:
                 "--layers/--heads choose which patterns to keep; drop --keep or use --keep patterns"
             )
         keep = {"layers": args.layers, "heads": args.heads}
-    elif keep in (None, "patterns"):
-        keep = "stats" if keep is None else "all"
+    elif keep == "patterns":  # every pattern, no residuals ("all" stores both)
+        keep = {"layers": None, "heads": None}
+    elif keep is None:
+        keep = "stats"
     if not Path(args.texts).is_file():
         raise ProbeError(
             f"--texts {args.texts}: no such file; give a .txt (one text per line) or .jsonl file"
@@ -613,8 +615,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--keep",
         choices=["stats", "all", "residuals", "patterns"],
         default=None,
-        help="what to store: stats (default: statistics only), all, residuals, or the patterns "
-        "chosen by --layers/--heads",
+        help="what to store: stats (default: statistics only), all (patterns and residuals), "
+        "residuals, or patterns (every pattern, or those chosen by --layers/--heads)",
     )
     p.add_argument("--layers", type=int, nargs="+", default=None, help="keep patterns of these layers")
     p.add_argument("--heads", type=int, nargs="+", default=None, help="keep patterns of these heads")

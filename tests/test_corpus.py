@@ -239,6 +239,25 @@ def test_selected_heads_are_kept(tmp_path):
         probe.run_corpus(model, texts, tmp_path / "x", keep=keep, dtype="int8", progress=False)
 
 
+def test_cli_keep_patterns_stores_every_pattern_and_no_residual(tmp_path):
+    from probe.cli import main
+
+    (tmp_path / "t.txt").write_text("the cat sat\na rat\n", encoding="utf-8")
+    assert (
+        main(
+            ["corpus", "--model", "minigpt", "--texts", str(tmp_path / "t.txt"), "-o", str(tmp_path / "c")]
+            + ["--keep", "patterns", "-q"]
+        )
+        == 0
+    )
+    cache, row = probe.open_corpus(tmp_path / "c").cache_of(1)
+    full = probe.capture(load_model("minigpt"), "a rat")  # the oracle: every key a capture holds
+    assert cache.keys() == [k for k in full.keys() if k.endswith(".pattern")]
+    n = len(full.metadata["tokens"][0])
+    for k in cache.keys():
+        torch.testing.assert_close(cache[k][row, :, :n, :n], full[k][0], atol=1e-6, rtol=0)
+
+
 # -- 1,000 texts: interrupted at a random point (SIGKILL, then Ctrl-C), resumed, identical -------------
 
 BIG = dict(batch_size="32", shard_size="100")  # 10 shards of ~0.5 s each on one thread

@@ -238,7 +238,8 @@ def run_corpus(
 
     ``texts``: a list of strings, a text file (one text per line), a JSONL file (``field``, default
     ``"text"``) or a ``datasets.Dataset``. ``keep``: ``"stats"`` (no caches, statistics only),
-    ``"all"``, ``"residuals"`` or ``{"layers": [...], "heads": [...]}`` (those patterns only).
+    ``"all"`` (patterns and residuals), ``"residuals"`` or ``{"layers": [...], "heads": [...]}``
+    (those patterns only; ``None`` for either means all of them).
     ``dtype`` (``"float16"``/``"bfloat16"``) casts what is stored, halving the disk; statistics are
     computed from the float32 patterns either way (default: stored as captured, patterns float32).
     ``shard_size`` texts per shard, batches of ``batch_size`` texts of similar length. A text that
