@@ -50,6 +50,7 @@ local               self    Σ_{|i−j|≤2} a_ij
 distance            self    Σ_j a_ij |i − j| (mean attention distance, in tokens)
 signed_distance     self    Σ_j a_ij (j − i): negative = looks back
 pos_offset          self    the most frequent offset argmax_j a_ij − i over the counted queries
+                            (a row whose maximum is tied takes its first key)
                             (per text; over texts it is averaged like every metric, and its
                             ``_std`` shows whether the offset is the same in every text)
 pos_frac            self    the share of counted queries whose argmax sits at ``pos_offset``;

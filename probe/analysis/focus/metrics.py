@@ -9,8 +9,10 @@ Definitions and conventions are documented once, in :mod:`probe.analysis.focus`.
 
 from __future__ import annotations
 
+import functools
 from functools import cached_property
 
+import numpy as np
 import torch
 
 from probe.analysis.focus.tokens import Side
@@ -153,6 +155,63 @@ class Layout:
         return out
 
 
+def _bands(Q: int, K: int, causal: bool) -> list[tuple[int, int, int]]:
+    """``(q0, q1, n)`` row bands: causal rows ``q0:q1`` read only the ``n = q1`` keys they can see
+    (everything right of that is exactly zero), other rows read all ``K`` keys in one band."""
+    if not causal:
+        return [(0, Q, K)]
+    step = max(1, -(-Q // BANDS))
+    return [(q0, min(Q, q0 + step), min(Q, q0 + step)) for q0 in range(0, Q, step)]
+
+
+class _Rows:
+    """Per-row quantities of a block ``[B, h, Q, K]``, computed band by band in one sweep so that
+    causal layers read only the lower triangle: entropy, max and argmax, row sum, masses on the
+    key masks, Σ_j j·P_ij, the effective span and (when words are split) cumulative row sums.
+
+    Each is the cheapest exact way measured on CPU: matrix-vector products (not a skinny matrix
+    product) for the masked sums, numpy's SIMD sort for the span and its argmax (first occurrence),
+    and p·log(max(p, tiny)) for the entropy terms, equal to xlogy(p, p) except for subnormal p
+    (where both are below float32 resolution of the sum)."""
+
+    def __init__(self, P: torch.Tensor, lay: Layout, *, self_attn: bool, cumsum: bool) -> None:
+        B, h, Q, K = P.shape
+        new = functools.partial(P.new_empty, (B, h, Q))
+        self.ent, self.top, self.total, self.span = new(), new(), new(), new()
+        self.arg = torch.empty((B, h, Q), dtype=torch.long)
+        cols = lay.masks[:, 0].permute(0, 2, 1).contiguous()  # [B, 3, K]
+        self.masks = P.new_empty((B, h, Q, cols.shape[1]))
+        self.key_sum = new() if self_attn else None
+        self.cum = P.new_empty((B, h, Q, K)) if cumsum else None
+        kf = lay.kj.to(P.dtype)
+        tiny = torch.finfo(P.dtype).tiny
+        for q0, q1, n in _bands(Q, K, lay.causal):
+            band = P[..., q0:q1, :n].contiguous()
+            terms = band.clamp_min(tiny).log_().mul_(band)
+            self.ent[..., q0:q1] = terms.sum(-1).neg_()
+            del terms
+            self.arg[..., q0:q1] = torch.from_numpy(band.numpy().argmax(-1))
+            self.total[..., q0:q1] = band.sum(-1)
+            for b in range(B):
+                for c in range(cols.shape[1]):
+                    self.masks[b, :, q0:q1, c] = band[b] @ cols[b, c, :n]
+            if self_attn:
+                self.key_sum[..., q0:q1] = band @ kf[:n]
+            vals = torch.from_numpy(np.sort(band.numpy(), -1))
+            self.top[..., q0:q1] = vals[..., -1]
+            torch.cumsum(vals, -1, out=vals)
+            # leftover keys: the most smallest weights whose sum stays within the (1 − SPAN_MASS) rest
+            rest = (1 - SPAN_MASS) * vals[..., -1:]
+            left = torch.searchsorted(vals, rest.contiguous(), side="right")[..., 0]
+            self.span[..., q0:q1] = (n - left).to(P.dtype)
+            del vals
+            if cumsum:
+                c = self.cum[..., q0:q1, :]
+                c[..., :n] = band.cumsum(-1)
+                if n < K:  # right of the visible keys a causal row adds nothing: its sum stays
+                    c[..., n:] = c[..., n - 1 : n]
+
+
 def block_metrics(P: torch.Tensor, lay: Layout, *, self_attn: bool) -> torch.Tensor:
     """Every metric per text and head for the block ``P`` ``[B, h, Q, K]``; returns ``[B, h, M]``."""
     P = P.float()
@@ -161,18 +220,16 @@ def block_metrics(P: torch.Tensor, lay: Layout, *, self_attn: bool) -> torch.Ten
     if lay.any_pad:  # weight on padding keys is not attention to the text
         P = torch.where(lay.k.real[:, None, None, :], P, 0)
     counted = lay.counted
-    ent = torch.special.xlogy(P, P).sum(-1).neg_()
-    out[..., IDX["entropy"]] = _mean(ent, counted)
-    out[..., IDX["norm_entropy"]] = _mean(ent / lay.log_n, counted)
-    del ent
-    top, arg = P.max(-1)
-    out[..., IDX["confidence"]] = _mean(top, counted & lay.not_end)
+    words = self_attn and lay.words_split
+    rows = _Rows(P, lay, self_attn=self_attn, cumsum=words)
+    out[..., IDX["entropy"]] = _mean(rows.ent, counted)
+    out[..., IDX["norm_entropy"]] = _mean(rows.ent / lay.log_n, counted)
+    out[..., IDX["confidence"]] = _mean(rows.top, counted & lay.not_end)
     first = P.gather(-1, lay.k.first.clamp(max=K - 1)[:, None, None, None].expand(B, h, Q, 1))[..., 0]
     out[..., IDX["first"]] = _mean(first, counted)
-    sums = P @ lay.masks  # [B, h, Q, 3]
     for c, name in enumerate(("special", "punct", "content")):
-        out[..., IDX[name]] = _mean(sums[..., c], counted)
-    out[..., IDX["span"]] = _mean(_span(P, lay.causal), counted)
+        out[..., IDX[name]] = _mean(rows.masks[..., c], counted)
+    out[..., IDX["span"]] = _mean(rows.span, counted)
     if not self_attn:
         return out
 
@@ -181,7 +238,7 @@ def block_metrics(P: torch.Tensor, lay: Layout, *, self_attn: bool) -> torch.Ten
     local = sum(_diag(P, d) for d in range(-LOCAL_WINDOW, LOCAL_WINDOW + 1))
     out[..., IDX["local"]] = _mean(local, counted)
     qf, kf = lay.qi.float(), lay.kj.float()
-    signed = (P @ kf[:, None])[..., 0] - qf * P.sum(-1)
+    signed = rows.key_sum - qf * rows.total
     if lay.causal:
         dist = -signed
     else:
@@ -191,53 +248,31 @@ def block_metrics(P: torch.Tensor, lay: Layout, *, self_attn: bool) -> torch.Ten
 
     # positional: the most common offset (argmax key - query) and the share of queries using it
     hist = torch.zeros(B, h, Q + K - 1)
-    hist.scatter_add_(-1, arg - lay.qi + (K - 1), counted.float().expand(B, h, Q))
+    hist.scatter_add_(-1, rows.arg - lay.qi + (K - 1), counted.float().expand(B, h, Q))
     best, mode = hist.max(-1)
     n_counted = counted.sum(-1).float()  # [B, 1]
     has = n_counted > 0
     out[..., IDX["pos_offset"]] = torch.where(has, (mode - (K - 1)).float(), float("nan"))
     out[..., IDX["pos_frac"]] = torch.where(has, best / n_counted.clamp(min=1), float("nan"))
 
-    if lay.words_split:
-        _words(P, lay, out)
+    if words:
+        _words(rows.cum, lay, out)
     else:  # every word is one token: the word-level pattern is the token-level one
         for name in ("prev", "self", "next"):
             out[..., IDX[f"word_{name}"]] = out[..., IDX[name]]
     if lay.q.ids is not None and lay.k.ids is not None:
-        _templates(P, lay, out)
+        _templates(P, rows.total, lay, out)
     return out
 
 
-def _span(P: torch.Tensor, causal: bool) -> torch.Tensor:
-    """``[B, h, Q]``: the fewest keys whose largest weights cover SPAN_MASS of the row's mass.
-
-    Rows are sorted in ascending order and summed cumulatively: the keys left out are the
-    smallest ones, so the span is K minus the number of leading partial sums that stay at or below
-    (1 − SPAN_MASS) of the total, found by binary search (the partial sums are nondecreasing)."""
-    Q, K = P.shape[-2:]
-    out = P.new_empty(P.shape[:-1])
-    step = max(1, -(-Q // BANDS)) if causal else Q
-    for q0 in range(0, Q, step):
-        q1 = min(Q, q0 + step)
-        n = q1 if causal else K
-        vals = P[..., q0:q1, :n].sort(-1).values
-        torch.cumsum(vals, -1, out=vals)
-        rest = (1 - SPAN_MASS) * vals[..., -1:]
-        # leftover keys: the most smallest weights whose sum stays within the 10% rest
-        left = torch.searchsorted(vals.contiguous(), rest.contiguous(), side="right")[..., 0]
-        out[..., q0:q1] = (n - left).float()
-    return out
-
-
-def _words(P: torch.Tensor, lay: Layout, out: torch.Tensor) -> None:
+def _words(C: torch.Tensor, lay: Layout, out: torch.Tensor) -> None:
     """Word-level previous/self/next masses: attention to a word summed over its pieces, from a
     word averaged over its pieces (Clark et al. 2019). Words are contiguous, so a query's mass on
     a word is a difference of the row's cumulative sums at the word's ends."""
-    B, h, Q, K = P.shape
+    B, h, Q, K = C.shape
     q = lay.q
     start, end = lay.word_ranges
     W = start.shape[1]
-    C = P.cumsum(-1)
     qw = q.word  # [B, Q]
     n_words = qw.amax(-1) + 1  # [B]
     for name, d in (("word_prev", -1), ("word_self", 0), ("word_next", 1)):
@@ -264,10 +299,10 @@ def _words(P: torch.Tensor, lay: Layout, out: torch.Tensor) -> None:
         out[..., IDX[name]] = _mean(per_word, word_ok[:, None, :])
 
 
-def _templates(P: torch.Tensor, lay: Layout, out: torch.Tensor) -> None:
+def _templates(P: torch.Tensor, row_sum: torch.Tensor, lay: Layout, out: torch.Tensor) -> None:
     """Previous-token, duplicate-token and induction template scores (see the module docs)."""
     B, h, Q, K = P.shape
-    total = (P * lay.q.real[:, None, :, None]).sum((-1, -2))  # [B, h]: ΣA over real queries and keys
+    total = (row_sum * lay.q.real[:, None, :]).sum(-1)  # [B, h]: ΣA over real queries and keys
     for name, (b, i, j, hits) in lay.templates.items():
         picked = P[b, :, i, j]  # [n_pairs, h]
         per_query = torch.zeros(B, Q, h).index_put_((b, i), picked, accumulate=True)

@@ -68,6 +68,7 @@ class FocusAccumulator:
         if not layers:
             raise ProbeError("the cache holds no attention patterns; capture without dropping them")
         roll: dict[str, torch.Tensor] = {}
+        roll_causal: dict[str, bool] = {}
         layouts: dict[tuple, Layout] = {}
         sides: dict[tuple, object] = {}
         all_heads = rollout and captured is None
@@ -91,7 +92,10 @@ class FocusAccumulator:
                 raise ProbeError(f"{name}: caches captured different heads ({self.heads[name]} vs {heads})")
             self.causal[name] = self.causal.get(name, True) and causal
             if head_sum is not None:
-                roll[stack] = _rollout_step(roll.get(stack), head_sum / H, qs.real)
+                # every layer so far lower-triangular (is_causal ignores padding: dense if any)
+                tri = roll_causal.get(stack, True) and causal and bool(qs.real.all())
+                roll_causal[stack] = tri
+                roll[stack] = _rollout_step(roll.get(stack), head_sum / H, qs.real, lower=tri)
         self.n_texts += batch or 0
         if rollout and self.rollout is None:
             self.rollout = roll
@@ -175,12 +179,33 @@ def _layer_values(cache, stack, layer, kind, qs, ks, layouts, want_sum):
     return torch.cat(values, 1), bool(causal), head_sum
 
 
-def _rollout_step(R: torch.Tensor | None, W: torch.Tensor, real: torch.Tensor) -> torch.Tensor:
-    """One layer of attention rollout: R ← (0.5·W + 0.5·I) R, padding rows kept as identity."""
+def _rollout_step(
+    R: torch.Tensor | None, W: torch.Tensor, real: torch.Tensor, *, lower: bool
+) -> torch.Tensor:
+    """One layer of attention rollout: R ← (0.5·W + 0.5·I) R, padding rows kept as identity.
+    ``lower``: W and R are lower-triangular (causal layers), so the product is too."""
     B, T, _ = W.shape
     eye = torch.eye(T).expand(B, T, T)
     A = torch.where(real[:, :, None], 0.5 * W + 0.5 * eye, eye)
-    return A if R is None else A @ R
+    if R is None:
+        return A
+    return _lower_matmul(A, R) if lower else A @ R
+
+
+def _lower_matmul(A: torch.Tensor, R: torch.Tensor, leaf: int = 256) -> torch.Tensor:
+    """``A @ R`` for lower-triangular ``A`` and ``R`` (``[B, T, T]``), skipping the zero blocks:
+    with A = [[A11, 0], [A21, A22]] and R likewise, the product is [[A11 R11, 0], [A21 R11 + A22 R21,
+    A22 R22]], recursively (about a third of the dense product's multiplications)."""
+    T = A.shape[-1]
+    if T <= leaf:
+        return A @ R
+    m = T // 2
+    out = A.new_zeros(A.shape)
+    R11 = R[..., :m, :m]
+    out[..., :m, :m] = _lower_matmul(A[..., :m, :m], R11, leaf)
+    out[..., m:, :m] = A[..., m:, :m] @ R11 + A[..., m:, m:] @ R[..., m:, :m]
+    out[..., m:, m:] = _lower_matmul(A[..., m:, m:], R[..., m:, m:], leaf)
+    return out
 
 
 def _as_caches(obj: Any) -> tuple[Iterable[Cache], int | None]:
