@@ -9,8 +9,9 @@ exactly ``T`` tokens (a word-per-token tokenizer: no tokenizer download) through
 
 Every row is its own fresh child process (``torchrun --standalone --nproc_per_node=2`` for 2
 processes). Each process reports its own numbers from ``/proc/self/status``: ``VmRSS`` after the
-model is built and the texts are made (the baseline) and ``VmHWM`` (its high-water mark) when
-``run_corpus`` returns (the peak); with 2 processes a row shows the largest of the ranks' own
+model is built and the texts are made (the baseline; the high-water mark is reset there, so the
+build's transient peak does not count) and ``VmHWM`` (its high-water mark) when ``run_corpus``
+returns (the peak); with 2 processes a row shows the largest of the ranks' own
 numbers. "growth" is peak − baseline, the memory the run itself added: it must stay flat from 100
 to 1,000 texts (one batch of patterns is alive at a time). Throughput is texts / seconds inside
 ``run_corpus`` (start-up and model build excluded; with 2 processes, the slowest rank).
@@ -75,6 +76,15 @@ def proc_status_mib() -> dict[str, float]:
     return out
 
 
+def reset_peak() -> None:
+    """Start ``VmHWM`` over at the current RSS (Linux ≥ 4.0), so the peak is the run's, not the
+    model build's transient one."""
+    try:
+        Path("/proc/self/clear_refs").write_text("5")
+    except OSError as e:
+        raise SystemExit(f"cannot reset the peak RSS (/proc/self/clear_refs: {e}); needs Linux 4.0+") from e
+
+
 def child(args: argparse.Namespace) -> None:
     import gpt2_shaped
     import torch
@@ -85,6 +95,7 @@ def child(args: argparse.Namespace) -> None:
     model = gpt2_shaped.build()
     keep = "stats" if args.mode == "stats" else KEEP_HEADS
     texts = make_texts(args.texts, args.T)
+    reset_peak()
     base = proc_status_mib()["VmRSS"]
     t0 = time.perf_counter()
     probe.run_corpus(
