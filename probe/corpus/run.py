@@ -280,6 +280,9 @@ def run_corpus(
             for i in todo:
                 part = texts[i * shard_size : (i + 1) * shard_size]
                 folder = out / "shards" / f"{i:05d}"
+                # this shard's record may have been half-written by a killed run: drop its temp files
+                for stale in (out / "shards").glob(f".{i:05d}.json.*.tmp"):
+                    stale.unlink(missing_ok=True)
                 rec = _run_shard(
                     model, tokenizer, part, i * shard_size, folder, keep, batch_size, stats, bar, dtype
                 )
@@ -296,6 +299,8 @@ def run_corpus(
 def finish(out: Path) -> dict:
     """Merge the shard records of ``out`` (in shard order) into manifest.json and head_stats.*."""
     cfg = json.loads((out / "config.json").read_text(encoding="utf-8"))
+    for stale in out.glob(".*.tmp"):  # a killed run's half-written config, manifest or statistics;
+        stale.unlink(missing_ok=True)  # no other rank writes here while rank 0 merges
     n_shards = -(-cfg["n_texts"] // cfg["shard_size"])
     entries: list[dict] = []
     acc = FocusAccumulator()
