@@ -502,6 +502,18 @@ class Tracer:
         self.layer, self.layer_call = None, None
         if layer is None:
             return
+        try:
+            self._close_layer(layer, call, out)
+        finally:
+            # _Layer.calls -> _Call.layer -> _Layer is a cycle: left alone, it keeps the layer's
+            # stream tensors (inputs, residual adds) alive until a garbage collection, so a
+            # streamed capture would hold every layer's residuals to the end
+            call.layer = None
+            layer.calls.clear()
+            layer.attns.clear()
+            layer.stream = layer.fused = layer.resid_pre = None
+
+    def _close_layer(self, layer: _Layer, call: _Call, out: Tensor | None) -> None:
         if len(self.blind) > layer.blind:
             name = self.names.get(id(call.module), "?")
             raise ProbeError(
