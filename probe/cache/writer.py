@@ -136,6 +136,11 @@ TRIM_DATA = 32 << 20
 BACKGROUND = True
 
 
+# The I/O thread flushes the file to disk every this many bytes (the final fsync has less left).
+SYNC_EVERY = 64 << 20
+_datasync = getattr(os, "fdatasync", os.fsync)
+
+
 def _storage(t: torch.Tensor) -> int:
     return t.untyped_storage().data_ptr()
 
@@ -176,6 +181,7 @@ class FileSink:
         self._limit = 0  # twice the largest tensor seen: about two layers in flight
         self._inflight: dict[int, int] = {}  # storage address -> queued tensors using it
         self._error: BaseException | None = None
+        self._unsynced = 0  # bytes the I/O thread wrote since its last flush to disk
 
     def put(self, tensor: torch.Tensor, owned: bool = False) -> int:
         """Queue ``tensor``'s bytes for the file (written now without the I/O thread); returns a handle.
@@ -233,6 +239,13 @@ class FileSink:
             try:
                 if self._error is None:
                     self._write(t)
+                    self._unsynced += nbytes
+                    if self._unsynced >= SYNC_EVERY:
+                        # flush to disk here, while the model computes, rather than all of it in
+                        # the final fsync on the caller's thread
+                        self._f.flush()
+                        _datasync(self._f.fileno())
+                        self._unsynced = 0
             except BaseException as e:  # handed to the main thread; later jobs are only drained
                 with self._cond:
                     self._error = e
