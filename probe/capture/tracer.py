@@ -442,10 +442,10 @@ class Tracer:
         x, out = bound["src"], _output_tensor(output)
         kpm = bound.get("src_key_padding_mask")
         if x.is_nested:  # TransformerEncoder's nested-tensor path: the padding lives in the sizes
-            lengths = torch.tensor([t.size(0) for t in x.unbind()])
+            lengths = torch.tensor([t.size(0) for t in x.unbind()], device=x.device)
             x = x.to_padded_tensor(0.0)
             out = out.to_padded_tensor(0.0, x.shape)
-            kpm = torch.arange(x.size(1))[None, :] >= lengths[:, None]
+            kpm = torch.arange(x.size(1), device=x.device)[None, :] >= lengths[:, None]
         mask, causal = bound.get("src_mask"), bool(bound.get("is_causal", False))
         if causal and mask is None:
             mask = torch.ones(x.size(-2), x.size(-2), dtype=torch.bool, device=x.device).triu_(1)
