@@ -46,7 +46,7 @@ class GPT(nn.Module):
         self.lm_head.weight = self.wte.weight
 
     def forward(self, idx):
-        x = self.wte(idx) + self.wpe(torch.arange(idx.shape[1]))
+        x = self.wte(idx) + self.wpe(torch.arange(idx.shape[1], device=idx.device))
         for block in self.h:
             x = block(x)
         return self.lm_head(self.ln_f(x))

@@ -20,7 +20,10 @@ What it runs (batch 1, random seeded weights, the torch thread count of the mach
   page-fault): compute alone. Each setting runs in its own child process (glibc reads these
   variables at start-up);
 * memory release: RSS right after ``del cache`` (no ``gc.collect()``) minus RSS before the
-  capture, in MB.
+  capture, in MB;
+* device: ``--device cuda`` (the default when a GPU is present) runs the models on the GPU,
+  synchronizing before each clock read; peak and released memory are then the GPU's
+  (``torch.cuda.max_memory_allocated`` / ``memory_allocated``), the fault counts the host's.
 
     python benchmarks/speed.py                                   # the README tables
     python benchmarks/speed.py --lengths 128 --repeats 2 --models bare --no-peers   # quick
@@ -67,27 +70,28 @@ def _minflt() -> int:
 class Bench:
     """The models and modes of one child process."""
 
-    def __init__(self, model: str, peers: bool) -> None:
+    def __init__(self, model: str, peers: bool, device: str = "cpu") -> None:
         import torch
 
         self.torch = torch
         self.name = model
+        self.device = torch.device(device)
         self.models: dict[str, object] = {}
         if model == "bare":
             import gpt2_shaped
 
-            self.models["plain"] = gpt2_shaped.build(n_positions=2048)
+            self.models["plain"] = gpt2_shaped.build(n_positions=2048).to(self.device)
             self.modes = ["plain", "memory", "stream"]
         else:
             import peers as p
 
-            base = p.gpt2("sdpa", n_positions=2048)
+            base = p.gpt2("sdpa", n_positions=2048).to(self.device)  # the peers share its weights
             self.models["plain"] = base
             self.modes = ["plain", "memory", "stream"]
             if peers:
                 self.models["eager"] = p.build("eager", base)
                 self.modes.append("hf-eager")
-                if p.TransformerBridge is not None:
+                if p.TransformerBridge is not None and self.device.type == "cpu":  # booted on the CPU
                     self.models["tl"] = p.build("tl", base)
                     self.modes.append("tl")
                 try:
@@ -101,7 +105,25 @@ class Bench:
 
     def ids(self, T: int):
         g = self.torch.Generator().manual_seed(T)
-        return self.torch.randint(0, 50257, (1, T), generator=g)
+        return self.torch.randint(0, 50257, (1, T), generator=g).to(self.device)
+
+    def sync(self) -> None:
+        if self.device.type == "cuda":
+            self.torch.cuda.synchronize()
+
+    def reset_peak(self) -> int:
+        """Reset the peak-memory counter; returns the memory in use now (bytes)."""
+        if self.device.type == "cuda":
+            self.torch.cuda.reset_peak_memory_stats()
+            return self.torch.cuda.memory_allocated()
+        _reset_hwm()
+        return _rss()
+
+    def peak(self) -> int:
+        return self.torch.cuda.max_memory_allocated() if self.device.type == "cuda" else _hwm()
+
+    def in_use(self) -> int:
+        return self.torch.cuda.memory_allocated() if self.device.type == "cuda" else _rss()
 
     def run(self, mode: str, ids) -> None:
         import probe
@@ -133,14 +155,14 @@ class Bench:
         import probe
 
         gc.collect()
-        before = _rss()
+        before = self.in_use()
         cache = probe.capture(self.models["plain"], ids)
         del cache
-        return (_rss() - before) / 2**20
+        return (self.in_use() - before) / 2**20
 
 
 def child_warm(args: argparse.Namespace) -> None:
-    bench = Bench(args.model, not args.no_peers)
+    bench = Bench(args.model, not args.no_peers, args.device)
     for T in args.lengths:
         ids = bench.ids(T)
         for mode in bench.modes:  # warm-up: lazy imports, first-call costs
@@ -155,13 +177,14 @@ def child_warm(args: argparse.Namespace) -> None:
             took = {}
             for mode in order:
                 gc.collect()
-                _reset_hwm()
-                rss0, f0 = _rss(), _minflt()
+                bench.sync()
+                rss0, f0 = bench.reset_peak(), _minflt()
                 t0 = time.perf_counter()
                 bench.run(mode, ids)
+                bench.sync()
                 took[mode] = time.perf_counter() - t0
                 faults[mode].append(_minflt() - f0)
-                peaks[mode].append((_hwm() - rss0) / 2**20)
+                peaks[mode].append((bench.peak() - rss0) / 2**20)
             for mode in bench.modes:
                 times[mode].append(took[mode])
                 ratios[mode].append(took[mode] / took["plain"])
@@ -169,6 +192,7 @@ def child_warm(args: argparse.Namespace) -> None:
         for mode in bench.modes:
             row = {
                 "model": args.model,
+                "device": args.device,
                 "alloc": args.alloc,
                 "T": T,
                 "mode": mode,
@@ -185,19 +209,23 @@ def child_warm(args: argparse.Namespace) -> None:
 
 
 def child_cold(args: argparse.Namespace) -> None:
-    bench = Bench(args.model, peers=False)
+    bench = Bench(args.model, peers=False, device=args.device)
     T = args.lengths[0]
     ids = bench.ids(T)
     bench.run("plain", ids)  # the model's own first-call costs are not probe's
+    bench.sync()
     t0 = time.perf_counter()
     bench.run("plain", ids)
+    bench.sync()
     plain = time.perf_counter() - t0
     f0 = _minflt()
     t0 = time.perf_counter()
     bench.run(args.cold_mode, ids)
+    bench.sync()
     took = time.perf_counter() - t0
     row = {
         "model": args.model,
+        "device": args.device,
         "alloc": args.alloc,
         "T": T,
         "mode": args.cold_mode,
@@ -212,7 +240,8 @@ def child_cold(args: argparse.Namespace) -> None:
 # -- the parent ----------------------------------------------------------------------------------
 def spawn(args: argparse.Namespace, alloc: str, model: str, extra: list[str]) -> list[dict]:
     env = {**os.environ, **ALLOCATORS[alloc]}
-    cmd = [sys.executable, __file__, "--child", "--alloc", alloc, "--model", model, *extra]
+    cmd = [sys.executable, __file__, "--child", "--alloc", alloc, "--model", model, "--device", args.device]
+    cmd += extra
     r = subprocess.run(cmd, env=env, capture_output=True, text=True)
     if r.returncode != 0:
         raise RuntimeError(f"child {cmd} failed:\n{r.stderr[-3000:]}")
@@ -221,15 +250,16 @@ def spawn(args: argparse.Namespace, alloc: str, model: str, extra: list[str]) ->
 
 def table(rows: list[dict]) -> str:
     out = [
-        "| model | allocator | T | mode | median s | × plain (median, min-max) | minor faults | "
-        "peak above start MB | RSS after `del cache` MB |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "| model | device | allocator | T | mode | median s | × plain (median, min-max) | minor faults | "
+        "peak above start MB | memory after `del cache` MB |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         spread = f"{r['ratio']:.2f} ({r['ratio_min']:.2f}-{r['ratio_max']:.2f})"
         rel = "-" if r.get("released_mb") is None else f"{r['released_mb']:+.0f}"
         out.append(
-            f"| {r['model']} | {r['alloc']} | {r['T']} | {r['mode']} | {r['median_s']:.3f} | {spread} | "
+            f"| {r['model']} | {r['device']} | {r['alloc']} | {r['T']} | {r['mode']} | {r['median_s']:.3f} | "
+            f"{spread} | "
             f"{r['faults']:.0f} | {r['peak_mb']:.0f} | {rel} |"
         )
     return "\n".join(out)
@@ -237,12 +267,12 @@ def table(rows: list[dict]) -> str:
 
 def cold_table(rows: list[dict]) -> str:
     out = [
-        "| model | allocator | T | mode | first call s | × plain | minor faults |",
-        "|---|---|---|---|---|---|---|",
+        "| model | device | allocator | T | mode | first call s | × plain | minor faults |",
+        "|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         out.append(
-            f"| {r['model']} | {r['alloc']} | {r['T']} | {r['mode']} | {r['median_s']:.3f} | "
+            f"| {r['model']} | {r['device']} | {r['alloc']} | {r['T']} | {r['mode']} | {r['median_s']:.3f} | "
             f"{r['ratio']:.2f} | {r['faults']:.0f} |"
         )
     return "\n".join(out)
@@ -256,21 +286,27 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--allocators", nargs="+", default=["default", "nofault"], choices=list(ALLOCATORS))
     ap.add_argument("--no-peers", action="store_true", help="skip HF eager, TransformerLens, nnsight")
     ap.add_argument("--no-cold", action="store_true", help="skip the first-capture-in-a-fresh-process rows")
+    ap.add_argument(
+        "--device", default="auto", help="cpu, cuda, or auto (cuda when a GPU is present; the default)"
+    )
     ap.add_argument("--json", help="also write every row to this JSON file")
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--alloc", default="default", help=argparse.SUPPRESS)
     ap.add_argument("--model", default="hf", help=argparse.SUPPRESS)
     ap.add_argument("--cold-mode", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
+    import torch
+
+    if args.device == "auto":
+        args.device = "cuda" if torch.cuda.is_available() else "cpu"
     if args.child:
         return child_cold(args) if args.cold_mode else child_warm(args)
-
-    import torch
 
     import probe
 
     print(
-        f"torch {torch.__version__}, probe {probe.__version__}, {torch.get_num_threads()} threads, "
+        f"torch {torch.__version__}, probe {probe.__version__}, device {args.device}, "
+        f"{torch.get_num_threads()} threads, "
         f"{args.repeats} interleaved rounds; ratios are medians of per-round ratios to plain\n"
     )
     warm, cold = [], []

@@ -102,7 +102,8 @@ def call(
         kwargs["past_key_values"] = past_key_values
         if "position_ids" not in kwargs and accepts(model, "position_ids"):
             n = _past_length(past_key_values)
-            kwargs["position_ids"] = torch.arange(n, n + x.shape[1]).unsqueeze(0).expand(x.shape[0], -1)
+            pos = torch.arange(n, n + x.shape[1], device=x.device)
+            kwargs["position_ids"] = pos.unsqueeze(0).expand(x.shape[0], -1)
     if accepts(model, "use_cache"):
         kwargs["use_cache"] = use_cache
     if hf:

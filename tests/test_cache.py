@@ -181,3 +181,98 @@ def test_real_token_flags_handle_padded_and_unpadded_rows():
     assert real_token_flags(old, 0) == [1, 0]
     tgt = {"target_attention_mask": [[1, 0]], "target_special_tokens_mask": [[1, 1]]}
     assert real_token_flags(tgt, 0, prefix="target_") == [1]
+
+
+# -- the I/O thread of streamed captures ----------------------------------------------------------
+
+
+class _InplaceBlock(torch.nn.Module):
+    """``x += attn(ln(x))`` on its own input: the previous layer's output is overwritten in place."""
+
+    def __init__(self, d: int, h: int):
+        super().__init__()
+        from toys import MLP, Attention
+
+        self.ln1, self.ln2 = torch.nn.LayerNorm(d), torch.nn.LayerNorm(d)
+        self.attn, self.mlp = Attention(d, h, "sdpa_causal"), MLP(d)
+
+    def forward(self, x):
+        x += self.attn(self.ln1(x))
+        x += self.mlp(self.ln2(x))
+        return x
+
+
+def _inplace_lm():
+    torch.manual_seed(3)
+    lm = ToyLM("sdpa_causal", n_layers=3).eval()
+    lm.blocks = torch.nn.ModuleList(_InplaceBlock(32, 4) for _ in range(3))
+    return lm
+
+
+@pytest.mark.parametrize("kind", ["sdpa_causal", "F.softmax"])
+def test_io_thread_writes_the_same_bytes(kind, ids, tmp_path, monkeypatch):
+    from probe.cache import writer
+
+    torch.manual_seed(0)
+    lm = ToyLM(kind, n_layers=4).eval()
+    files = {}
+    for background in (False, True):
+        monkeypatch.setattr(writer, "BACKGROUND", background)
+        files[background] = tmp_path / f"{background}.safetensors"
+        probe.capture(lm, ids, out=files[background])
+    assert files[True].read_bytes() == files[False].read_bytes()
+
+
+def test_io_thread_copies_what_the_model_overwrites_later(ids, tmp_path, monkeypatch):
+    # each block adds into its input in place, overwriting the previous block's output after it
+    # was queued; a slow disk makes sure the write happens after the overwrite
+    import time
+
+    from probe.cache import writer
+
+    lm = _inplace_lm()
+    want = {}
+    for i, b in enumerate(lm.blocks):
+        b.register_forward_pre_hook(lambda m, a, i=i: want.__setitem__(("pre", i), a[0].clone()))
+        b.register_forward_hook(lambda m, a, o, i=i: want.__setitem__(("post", i), o.clone()))
+    write = writer.FileSink._write
+
+    def slow_write(self, t):
+        time.sleep(0.02)
+        write(self, t)
+
+    monkeypatch.setattr(writer.FileSink, "_write", slow_write)
+    cache = probe.capture(lm, ids, out=tmp_path / "c.safetensors")
+    for i in range(3):
+        assert torch.equal(cache[f"decoder.blocks.{i}.resid_pre"], want["pre", i])
+        assert torch.equal(cache[f"decoder.blocks.{i}.resid_post"], want["post", i])
+
+
+@pytest.mark.parametrize("fail_at", ["first", "last"])
+def test_an_error_on_the_io_thread_is_a_probe_error(fail_at, lm, ids, tmp_path, monkeypatch):
+    import errno
+
+    from probe.cache import writer
+
+    n_writes = 4 * 4  # 4 layers: pattern, resid_pre, self_attn.delta, mlp.delta, resid_post
+    n_writes += 4
+    calls = []
+
+    def failing_write(self, t):
+        calls.append(1)
+        if fail_at == "first" or len(calls) == n_writes:
+            raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(writer.FileSink, "_write", failing_write)
+    out = tmp_path / "c.safetensors"
+    with pytest.raises(ProbeError, match="No space left on device"):
+        probe.capture(lm, ids, out=out)
+    assert list(tmp_path.iterdir()) == []  # the temporary file is gone, nothing at `out`
+    assert fail_at == "first" or len(calls) == n_writes
+
+
+def test_memory_capture_refuses_a_tensor_the_model_overwrote(ids, tmp_path):
+    # kept without a copy in memory, the overwritten layer output would be silently wrong
+    lm = _inplace_lm()
+    with pytest.raises(ProbeError, match=r"overwrote decoder\.blocks\.0\.resid_post in place.*out="):
+        probe.capture(lm, ids)

@@ -4,6 +4,7 @@ import gc
 import weakref
 from pathlib import Path
 
+import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -85,3 +86,53 @@ def test_rss_returns_after_del_cache_without_gc():
     finally:
         gc.enable()
     assert grew < 50, f"RSS is {grew:.0f} MB above its pre-capture value after del cache"
+
+
+def _live_storages(*sizes: int) -> list[int]:
+    """For each size: distinct storages of live tensors (not parameters) of at least that many elements."""
+    seen: list[set[int]] = [set() for _ in sizes]
+    for o in gc.get_objects():
+        if isinstance(o, torch.Tensor) and not isinstance(o, nn.Parameter):
+            n = o.numel()
+            for s, size in zip(seen, sizes, strict=True):
+                if n >= size:
+                    s.add(o.untyped_storage().data_ptr())
+    return [len(s) for s in seen]
+
+
+@pytest.mark.parametrize("background", [False, True])
+def test_streamed_capture_holds_a_bounded_number_of_layers(background, monkeypatch, tmp_path):
+    # gc is off, so anything kept by a reference cycle stays visible; at every tensor the writer
+    # receives, count what is still alive: patterns ([1, 12, T, T]) and stream-sized tensors
+    # ([1, T, d]). A capture that kept each layer until the end would grow with the layer count.
+    from probe.cache import writer
+
+    n_layers, T, d = 6, 256, 48
+    torch.manual_seed(0)
+    model = Model(d=d, n=n_layers).eval()
+    x = torch.randn(1, T, d)
+    probe.capture(model, x, out=tmp_path / "warm.safetensors")
+    counts: list[list[int]] = []
+    put = writer.FileSink.put
+
+    def counting_put(self, tensor, *args, **kwargs):
+        counts.append(_live_storages(12 * T * T, T * d))
+        return put(self, tensor, *args, **kwargs)
+
+    monkeypatch.setattr(writer.FileSink, "put", counting_put)
+    monkeypatch.setattr(writer, "BACKGROUND", background)
+    gc.collect()
+    gc.disable()
+    try:
+        probe.capture(model, x, out=tmp_path / "c.safetensors")
+    finally:
+        gc.enable()
+    assert len(counts) == n_layers * 4  # pattern, resid_pre, self_attn.delta, resid_post
+    patterns = max(c[0] for c in counts)
+    assert patterns <= 2, f"{patterns} pattern buffers alive at once while streaming (at most 2)"
+    if background:
+        return  # copies queued for the I/O thread come and go with its timing (bounded by bytes)
+    # stream-sized tensors alive (the input, the layer's stream and its copies) must not grow
+    # with the layers written: compare the last layer with the second
+    per_layer = [max(c[1] for c in counts[i : i + 4]) for i in range(0, len(counts), 4)]
+    assert per_layer[-1] <= per_layer[1], f"stream-sized tensors alive per layer grow: {per_layer}"

@@ -117,3 +117,16 @@ def test_reuses_a_given_buffer(qkv):
     assert w.data_ptr() == buf.data_ptr()
     wrong = torch.empty(5)
     assert sdpa_weights(q, k, v, out=wrong).shape == (2, 3, 300, 300)
+
+
+@pytest.mark.parametrize("fresh", [True, False])
+def test_causal_into_fresh_huge_page_storage_or_a_dirty_buffer(fresh):
+    # large enough for the zero-filled arena (> 4 MB): the unseen keys are then never written,
+    # so they must come out zero from the fresh map; a reused dirty buffer is zeroed instead
+    g = torch.Generator().manual_seed(2)
+    q, k, v = (torch.randn(1, 4, 700, 8, generator=g) for _ in range(3))
+    out = None if fresh else torch.full((1, 4, 700, 700), float("nan"))
+    w = sdpa_weights(q, k, v, is_causal=True, out=out)
+    allowed = torch.ones(700, 700, dtype=torch.bool).tril()
+    torch.testing.assert_close(w, oracle(q, k, allowed=allowed), atol=1e-6, rtol=0)
+    assert torch.count_nonzero(w.triu(1)) == 0

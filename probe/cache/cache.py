@@ -246,7 +246,7 @@ class Cache(Mapping[str, torch.Tensor]):
             import matplotlib.image
             import torch.nn.functional as F
 
-            p = self[first][0, 0].float()
+            p = self[first][0, 0].float().cpu()
             n = len(self.tokens[0]) if self.tokens and p.shape[0] == p.shape[1] else None
             p = p[:n, :n] if n else p
             p = F.adaptive_max_pool2d(p[None, None], (min(p.shape[0], 96), min(p.shape[1], 96)))[0, 0]

@@ -1,13 +1,17 @@
 """Where captured tensors go while a capture runs: memory, or a safetensors file streamed to disk.
 
-The streaming sink writes each tensor's bytes as soon as it is produced, so peak memory stays
-about one layer of patterns. Safetensors puts its JSON header *before* the data, and the final
-key names are only known when the capture ends, so the sink reserves room for the header at the
-start of a temporary file (the format allows the header to be padded with spaces), appends
-tensor data after it, and writes the header last. If the header outgrows the reservation (or
-leaves most of it empty while the data is small) it rewrites the file once. The file only appears
-at its final path (fsync, then atomic rename) when complete; every failure path removes the
-temporary files.
+The streaming sink hands each tensor to a background I/O thread as soon as it is produced: the
+model computes layer l+1 while layer l is written, with at most two layers' worth of bytes in
+flight (``put`` waits beyond that), so peak memory stays about two layers of patterns. The
+thread writes in the order tensors were put, so the file is byte-identical to a synchronous
+write; an error in the thread is raised as :class:`ProbeError` by the next ``put`` or ``finish``.
+
+Safetensors puts its JSON header *before* the data, and the final key names are only known
+when the capture ends, so the sink reserves room for the header at the start of a temporary
+file (the format allows the header to be padded with spaces), appends tensor data after it, and
+writes the header last. If the header outgrows the reservation (or leaves most of it empty while
+the data is small) it rewrites the file once. The file only appears at its final path (fsync,
+then atomic rename) when complete; every failure path removes the temporary files.
 """
 
 from __future__ import annotations
@@ -15,9 +19,11 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import queue
 import re
 import struct
 import tempfile
+import threading
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -48,14 +54,32 @@ class MemorySink:
 
     def __init__(self) -> None:
         self._tensors: list[torch.Tensor] = []
+        self._versions: list[tuple[int, int]] = []  # (handle, version at put) of the model's tensors
 
-    def put(self, tensor: torch.Tensor) -> int:
-        """Store ``tensor``; returns a handle used to name it in :meth:`finish`."""
-        self._tensors.append(tensor.detach().contiguous())
+    def put(self, tensor: torch.Tensor, owned: bool = False) -> int:
+        """Store ``tensor``; returns a handle used to name it in :meth:`finish`.
+
+        The model's own tensors are kept without a copy; :meth:`finish` refuses the capture if
+        the model overwrote one in place afterwards (the stored values would be wrong).
+        """
+        t = tensor.detach().contiguous()
+        self._tensors.append(t)
+        if not owned:
+            self._versions.append((len(self._tensors) - 1, t._version))
         return len(self._tensors) - 1
+
+    def wait_written(self, tensor: torch.Tensor) -> None:
+        """Nothing to wait for: memory is written at once."""
 
     def finish(self, names: dict[int, str], metadata: dict[str, str]) -> dict[str, torch.Tensor]:
         """Return ``{name: tensor}`` for the named handles."""
+        for h, version in self._versions:
+            if self._tensors[h]._version != version and h in names:
+                raise ProbeError(
+                    f"the model overwrote {names[h]} in place after probe recorded it, so the value "
+                    "kept in memory is no longer the one computed; stream the capture to a file "
+                    "(out=...), which copies such tensors as they are recorded"
+                )
         return {name: self._tensors[h] for h, name in names.items()}
 
     def abort(self) -> None:
@@ -108,6 +132,18 @@ def _fsync_dir(folder: Path) -> None:
 TRIM_SLACK = 4096
 TRIM_DATA = 32 << 20
 
+# Write streamed tensors on a background thread (False: in the caller's thread, as put is called).
+BACKGROUND = True
+
+
+# The I/O thread flushes the file to disk every this many bytes (the final fsync has less left).
+SYNC_EVERY = 64 << 20
+_datasync = getattr(os, "fdatasync", os.fsync)
+
+
+def _storage(t: torch.Tensor) -> int:
+    return t.untyped_storage().data_ptr()
+
 
 class FileSink:
     """Streams tensors into a safetensors file at ``path`` (written atomically on :meth:`finish`).
@@ -136,23 +172,115 @@ class FileSink:
         self._entries: list[tuple[str, list[int], int, int]] = []
         self._offset = 0
         self.bytes_written = 0
+        # the I/O thread: started by the first put, fed in order, bounded by bytes in flight
+        self._background = BACKGROUND
+        self._jobs: queue.SimpleQueue = queue.SimpleQueue()
+        self._thread: threading.Thread | None = None
+        self._cond = threading.Condition()
+        self._pending = 0  # bytes queued and not yet written
+        self._limit = 0  # twice the largest tensor seen: about two layers in flight
+        self._inflight: dict[int, int] = {}  # storage address -> queued tensors using it
+        self._error: BaseException | None = None
+        self._unsynced = 0  # bytes the I/O thread wrote since its last flush to disk
 
-    def put(self, tensor: torch.Tensor) -> int:
-        """Append ``tensor``'s bytes to the file now; returns a handle."""
-        t = tensor.detach().to("cpu").contiguous()
+    def put(self, tensor: torch.Tensor, owned: bool = False) -> int:
+        """Queue ``tensor``'s bytes for the file (written now without the I/O thread); returns a handle.
+
+        ``owned``: the caller will not change the tensor's memory until :meth:`wait_written`
+        says it is written; otherwise a tensor that still shares the caller's memory is copied
+        before it is queued (the model may overwrite its own tensors in place later).
+        """
+        self._raise_if_failed()
+        src = tensor.detach()
+        t = src.to("cpu").contiguous()
         if t.dtype not in _DTYPES:
             raise TypeError(f"cannot store dtype {t.dtype} in a probe cache")
         nbytes = t.numel() * t.element_size()
         if nbytes:
-            try:
-                self._f.write(memoryview(t.reshape(-1).view(torch.uint8).numpy()))
-            except OSError as e:
-                self.abort()
-                raise ProbeError(describe_os_error(e, f"cannot write {self.path}")) from e
+            if not self._background:
+                try:
+                    self._write(t)
+                except OSError as e:
+                    self.abort()
+                    raise ProbeError(describe_os_error(e, f"cannot write {self.path}")) from e
+            else:
+                if not owned and t.device == src.device and _storage(t) == _storage(src):
+                    t = t.clone()
+                self._enqueue(t, nbytes)
         self._entries.append((_DTYPES[t.dtype], list(t.shape), self._offset, self._offset + nbytes))
         self._offset += nbytes
         self.bytes_written += nbytes
         return len(self._entries) - 1
+
+    def _write(self, t: torch.Tensor) -> None:
+        self._f.write(memoryview(t.reshape(-1).view(torch.uint8).numpy()))
+
+    def _enqueue(self, t: torch.Tensor, nbytes: int) -> None:
+        ptr = _storage(t)
+        with self._cond:
+            self._limit = max(self._limit, 2 * nbytes)
+            while self._pending and self._pending + nbytes > self._limit and self._error is None:
+                self._cond.wait()
+            self._pending += nbytes
+            self._inflight[ptr] = self._inflight.get(ptr, 0) + 1
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._run, name="probe-writer", daemon=True)
+            self._thread.start()
+        self._jobs.put((t, nbytes, ptr))
+        self._raise_if_failed()
+
+    def _run(self) -> None:
+        while True:
+            job = self._jobs.get()
+            if job is None:
+                return
+            t, nbytes, ptr = job
+            job = None
+            try:
+                if self._error is None:
+                    self._write(t)
+                    self._unsynced += nbytes
+                    if self._unsynced >= SYNC_EVERY:
+                        # flush to disk here, while the model computes, rather than all of it in
+                        # the final fsync on the caller's thread
+                        self._f.flush()
+                        _datasync(self._f.fileno())
+                        self._unsynced = 0
+            except BaseException as e:  # handed to the main thread; later jobs are only drained
+                with self._cond:
+                    self._error = e
+            finally:
+                t = None  # the memory is free before anyone waiting for it is woken
+                with self._cond:
+                    self._pending -= nbytes
+                    left = self._inflight.pop(ptr) - 1
+                    if left:
+                        self._inflight[ptr] = left
+                    self._cond.notify_all()
+
+    def wait_written(self, tensor: torch.Tensor) -> None:
+        """Block until no queued write still reads ``tensor``'s memory (so it may be reused)."""
+        if not self._inflight:
+            return
+        ptr = _storage(tensor)
+        with self._cond:
+            while self._inflight.get(ptr) and self._error is None:
+                self._cond.wait()
+
+    def _stop_thread(self) -> None:
+        if self._thread is not None:
+            self._jobs.put(None)
+            self._thread.join()
+            self._thread = None
+
+    def _raise_if_failed(self) -> None:
+        e = self._error
+        if e is None:
+            return
+        self.abort()
+        if isinstance(e, OSError):
+            raise ProbeError(describe_os_error(e, f"cannot write {self.path}")) from e
+        raise ProbeError(f"cannot write {self.path}: {e}") from e
 
     def finish(
         self,
@@ -166,6 +294,12 @@ class FileSink:
         called on the complete file just before the rename, so what it opens is this file even
         if another process writes ``path`` at the same moment.
         """
+        try:
+            self._stop_thread()  # every queued tensor is in the file (or an error says why not)
+        except BaseException:
+            self.abort()
+            raise
+        self._raise_if_failed()
         if sorted(names) != list(range(len(self._entries))):
             raise RuntimeError("every streamed tensor must be named exactly once")
         header: dict = {"__metadata__": dict(metadata)}
@@ -222,6 +356,9 @@ class FileSink:
     def abort(self) -> None:
         """Close and delete the temporary file; nothing is left at ``path``. Safe to call twice."""
         try:
+            if getattr(self, "_thread", None) is not None:
+                self._error = self._error or ProbeError("the capture was aborted")  # skip what is queued
+                self._stop_thread()
             f = getattr(self, "_f", None)
             if f is not None:
                 with contextlib.suppress(OSError):

@@ -12,6 +12,7 @@ with their ids (and decoder ids for encoder-decoders).
 from __future__ import annotations
 
 import inspect
+import itertools
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -62,7 +63,22 @@ def _check_length(n: int, limit: int | None, model_name: str, what: str) -> None
         raise ProbeError(f"{what} is {n} tokens but {model_name} accepts at most {limit}; shorten it")
 
 
-def _batch(seqs: list[list[int]], pad_id: int, side: str = "right") -> tuple[Tensor, Tensor]:
+def device_of(model: nn.Module) -> torch.device:
+    """Where ``model`` computes: the device of its first parameter or buffer (CPU if it has none)."""
+    for t in itertools.chain(model.parameters(), model.buffers()):
+        return t.device
+    return torch.device("cpu")
+
+
+def _batch(
+    seqs: list[list[int]], pad_id: int, side: str = "right", device: torch.device | None = None
+) -> tuple[Tensor, Tensor]:
+    """Ids and attention mask ``[batch, T]`` padded on ``side``, on ``device``."""
+    ids, mask = _batch_cpu(seqs, pad_id, side)
+    return (ids, mask) if device is None else (ids.to(device), mask.to(device))
+
+
+def _batch_cpu(seqs: list[list[int]], pad_id: int, side: str) -> tuple[Tensor, Tensor]:
     T = max(len(s) for s in seqs)
     ids = torch.full((len(seqs), T), pad_id, dtype=torch.long)
     mask = torch.zeros((len(seqs), T), dtype=torch.long)
@@ -151,7 +167,7 @@ def prepare(model: nn.Module, inputs: Any, *, tokenizer: Any = None, target: Any
             f"the tokenizer pads on the left, but {name} takes no position_ids, "
             "so probe padded on the right to keep each text's positions"
         )
-    ids, mask = _batch([e.ids for e in encs], tok.pad_id, side)
+    ids, mask = _batch([e.ids for e in encs], tok.pad_id, side, device_of(model))
     meta["padding_side"] = side
     _record(meta, "", texts, encs, mask)
     enc_dec = bool(
@@ -187,7 +203,7 @@ def prepare(model: nn.Module, inputs: Any, *, tokenizer: Any = None, target: Any
             start = _decoder_start(model)
             tgt_encs = [target_tok.from_ids([start] + e.ids[:-1]) for e in tgt_encs]
         meta["target_source"] = "given"
-    tgt_ids, tgt_mask = _batch([e.ids for e in tgt_encs], target_tok.pad_id, "right")
+    tgt_ids, tgt_mask = _batch([e.ids for e in tgt_encs], target_tok.pad_id, "right", device_of(model))
     _record(meta, "target_", tgt_texts, tgt_encs, tgt_mask)
     if not hf:
         return Prepared(lambda: model(ids, tgt_ids), meta)
@@ -268,6 +284,7 @@ def _prepare_tensor(model: nn.Module, x: Tensor, tokenizer: Any, name: str) -> P
     if x.numel() == 0:
         raise ProbeError("empty input tensor: give at least one position to capture")
     limit = _context_length(model)
+    x = x.to(device_of(model))  # ids or inputs built on the CPU for a model on a GPU
     if x.is_floating_point():
         batch = x if x.dim() >= 3 else x.unsqueeze(0)
         T = batch.shape[1]

@@ -14,6 +14,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from probe.capture.arena import zeroed
+
 
 @torch.no_grad()
 def sdpa_weights(
@@ -40,7 +42,8 @@ def sdpa_weights(
     Computed in float32, ``chunk`` query rows at a time in a contiguous scratch block (ATen's
     fused softmax runs in place there), then copied into ``out`` (allocated if not given or not
     usable); under ``is_causal`` the keys a chunk cannot see are never computed, which halves
-    the work.
+    the work. A freshly allocated ``out`` comes from :func:`probe.capture.arena.zeroed` where it
+    can (huge pages, already zero: the unseen keys are not written at all).
     """
     L, S = query.size(-2), key.size(-2)
     scale = 1.0 / math.sqrt(query.size(-1)) if scale is None else scale
@@ -50,8 +53,12 @@ def sdpa_weights(
     q, kt = query.float(), key.float().transpose(-2, -1)
     batch = torch.broadcast_shapes(q.shape[:-2], kt.shape[:-2])
     shape = batch + (L, S)
+    fresh = False  # out is known to be all zeros: the keys a causal query cannot see need no pass
     if out is None or out.shape != shape or out.dtype != torch.float32 or not out.is_contiguous():
-        out = torch.empty(shape, dtype=torch.float32, device=query.device)
+        out = zeroed(shape, torch.float32, query.device)
+        fresh = out is not None
+        if out is None:
+            out = torch.empty(shape, dtype=torch.float32, device=query.device)
     mask = attn_mask
     if mask is not None and mask.dtype != torch.bool:
         mask = mask.float()
@@ -92,7 +99,7 @@ def sdpa_weights(
         if mask is not None and torch.isnan(blk[..., 0]).any():
             blk.nan_to_num_(nan=0.0)
         out[..., i:e, :kend].copy_(blk)
-        if kend < S:
+        if kend < S and not fresh:
             out[..., i:e, kend:].zero_()
     return out
 

@@ -261,10 +261,12 @@ class Tracer:
         self._suspended = 0
         self._fast_layers: set[int] = set()
         self._replaying = False
-        # Streaming to disk: recomputed patterns go into one reused buffer, written out at the
-        # end of their sublayer (saves allocating and page-faulting a fresh one every layer).
+        # Streaming to disk: recomputed patterns go into two buffers used in turn (the I/O thread
+        # writes one while the next layer fills the other), which saves allocating and
+        # page-faulting a fresh one every layer.
         self._reuse = not isinstance(sink, MemorySink)
-        self._scratch: Tensor | None = None
+        self._scratches: list[Tensor | None] = [None, None]
+        self._turn = 0
         self._scratch_busy = False
 
     # -- lifecycle -----------------------------------------------------------------------------
@@ -440,10 +442,10 @@ class Tracer:
         x, out = bound["src"], _output_tensor(output)
         kpm = bound.get("src_key_padding_mask")
         if x.is_nested:  # TransformerEncoder's nested-tensor path: the padding lives in the sizes
-            lengths = torch.tensor([t.size(0) for t in x.unbind()])
+            lengths = torch.tensor([t.size(0) for t in x.unbind()], device=x.device)
             x = x.to_padded_tensor(0.0)
             out = out.to_padded_tensor(0.0, x.shape)
-            kpm = torch.arange(x.size(1))[None, :] >= lengths[:, None]
+            kpm = torch.arange(x.size(1), device=x.device)[None, :] >= lengths[:, None]
         mask, causal = bound.get("src_mask"), bool(bound.get("is_causal", False))
         if causal and mask is None:
             mask = torch.ones(x.size(-2), x.size(-2), dtype=torch.bool, device=x.device).triu_(1)
@@ -502,6 +504,18 @@ class Tracer:
         self.layer, self.layer_call = None, None
         if layer is None:
             return
+        try:
+            self._close_layer(layer, call, out)
+        finally:
+            # _Layer.calls -> _Call.layer -> _Layer is a cycle: left alone, it keeps the layer's
+            # stream tensors (inputs, residual adds) alive until a garbage collection, so a
+            # streamed capture would hold every layer's residuals to the end
+            call.layer = None
+            layer.calls.clear()
+            layer.attns.clear()
+            layer.stream = layer.fused = layer.resid_pre = None
+
+    def _close_layer(self, layer: _Layer, call: _Call, out: Tensor | None) -> None:
         if len(self.blind) > layer.blind:
             name = self.names.get(id(call.module), "?")
             raise ProbeError(
@@ -543,8 +557,8 @@ class Tracer:
             if container not in self.kept:
                 continue
             handles = [
-                ("resid_pre", self.sink.put(self._store(pre))),
-                ("resid_post", self.sink.put(self._store(post))),
+                ("resid_pre", self._put(pre)),
+                ("resid_post", self._put(post)),
             ]
             note = "no attention in this layer: only resid_pre and resid_post are stored"
             out.append(LayerRecord(container, index, name, [], handles, {"residual_note": note}))
@@ -614,7 +628,7 @@ class Tracer:
             if name in deltas:
                 items.append((f"{name}.delta", deltas[name]))
         items.append(("resid_post", post))
-        return [(n, self.sink.put(self._store(t))) for n, t in items], notes
+        return [(n, self._put(t)) for n, t in items], notes
 
     # -- attention events ----------------------------------------------------------------------
     def _current_layer(self) -> _Layer:
@@ -665,7 +679,10 @@ class Tracer:
         """A buffer the next recomputed pattern may be written into, or None."""
         if not self._reuse or self._scratch_busy:
             return None
-        return self._scratch
+        buf = self._scratches[self._turn]
+        if buf is not None:
+            self.sink.wait_written(buf)  # its previous pattern may still be on its way to disk
+        return buf
 
     def on_pattern(self, pattern: Tensor, impl: str) -> None:
         """Record an attention pattern ``[batch, (head,) query, key]`` computed now."""
@@ -685,7 +702,7 @@ class Tracer:
             layer.attns.append(a)
         p = pattern.detach()
         if self._reuse and not self._scratch_busy and impl == "sdpa":
-            self._scratch, self._scratch_busy = p, True
+            self._scratches[self._turn], self._scratch_busy = p, True
         a.parts.append((p, p._version))
         a.impl.add(impl)
         self.impls.add(impl)
@@ -757,12 +774,25 @@ class Tracer:
             middle = (pattern[:, :, mid, mid + 1 :] == 0).flatten(1).all(dim=1)
             a.causal = bool((first & middle).any())
         a.shape = tuple(pattern.shape)
-        a.handle = self.sink.put(self._store(pattern))
-        if any(p is self._scratch for p, _ in a.parts):
+        # recomputed weights are probe's own memory (the scratch is only reused once written);
+        # softmax outputs are the model's
+        mine = a.impl <= {"sdpa", "mha"} or all(
+            pattern.untyped_storage().data_ptr() != p.untyped_storage().data_ptr() for p, _ in a.parts
+        )  # stacked heads or selected heads are a copy
+        a.handle = self._put(pattern, owned=mine)
+        if self._scratch_busy and any(p is self._scratches[self._turn] for p, _ in a.parts):
             self._scratch_busy = False
+            self._turn ^= 1
         a.parts.clear()
 
     # -- storage -------------------------------------------------------------------------------
+    def _put(self, t: Tensor, owned: bool = False) -> int:
+        """Hand ``t`` to the sink; a converted copy is probe's own memory."""
+        stored = self._store(t)
+        if not owned and stored.device == t.device and not stored.is_nested and not t.is_nested:
+            owned = stored.untyped_storage().data_ptr() != t.untyped_storage().data_ptr()
+        return self.sink.put(stored, owned=owned)
+
     def _store(self, t: Tensor) -> Tensor:
         t = t.detach()
         if self.dtype is not None and t.is_floating_point() and t.dtype != self.dtype:
