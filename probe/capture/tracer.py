@@ -509,6 +509,11 @@ class Tracer:
         self.layer, self.layer_call = None, None
         if layer is None:
             return
+        if layer.index + 1 >= self.container_len.get(layer.container, 0):
+            # the list's last layer: what runs next (a final norm, the LM head and its logits)
+            # computes no pattern, so the reused buffers are let go (the I/O thread frees each
+            # once written) instead of adding to the forward's own peak
+            self._scratches, self._clean = [None, None], [False, False]
         try:
             self._close_layer(layer, call, out)
         finally:
