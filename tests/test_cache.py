@@ -276,3 +276,32 @@ def test_memory_capture_refuses_a_tensor_the_model_overwrote(ids, tmp_path):
     lm = _inplace_lm()
     with pytest.raises(ProbeError, match=r"overwrote decoder\.blocks\.0\.resid_post in place.*out="):
         probe.capture(lm, ids)
+
+
+def test_streamed_pattern_buffers_switching_between_causal_and_full_attention(tmp_path):
+    # the two reused buffers skip re-zeroing the unseen keys only after a causal fill: a buffer
+    # last filled by full (unmasked) attention must be zeroed again
+    import torch.nn.functional as F
+
+    torch.manual_seed(6)
+    lm = ToyLM("sdpa_causal", n_layers=4).eval()
+    lm.pos = torch.nn.Embedding(200, 32)  # longer than one chunk of query rows (128)
+    ids = torch.randint(0, 40, (1, 200))
+    attn = lm.blocks[1].attn  # layer 1 fills the second buffer; layer 3 reuses it
+
+    def full(x):  # no mask at all: every query sees every key
+        q, k, v = attn.qkv(x)
+        y = F.scaled_dot_product_attention(q, k, v)
+        return attn.o(y.transpose(1, 2).reshape(x.shape))
+
+    attn.forward = full
+    streamed = probe.capture(lm, ids, out=tmp_path / "c.safetensors")
+    memory = probe.capture(lm, ids)
+    stack = streamed.stacks[0]  # not all causal: named an encoder
+    for i in range(4):
+        p = streamed.pattern(stack, i)
+        assert torch.equal(p, memory.pattern(stack, i))
+        torch.testing.assert_close(p.sum(-1), torch.ones(p.shape[:-1]), atol=1e-5, rtol=0)
+        if i != 1:  # causal layers see nothing ahead
+            assert torch.count_nonzero(p.triu(1)) == 0, i
+    assert torch.count_nonzero(streamed.pattern(stack, 1).triu(1)) > 0

@@ -136,3 +136,25 @@ def test_streamed_capture_holds_a_bounded_number_of_layers(background, monkeypat
     # with the layers written: compare the last layer with the second
     per_layer = [max(c[1] for c in counts[i : i + 4]) for i in range(0, len(counts), 4)]
     assert per_layer[-1] <= per_layer[1], f"stream-sized tensors alive per layer grow: {per_layer}"
+
+
+def test_streamed_pattern_buffers_are_let_go_after_the_last_layer(monkeypatch, tmp_path):
+    # what runs after the layers (here a head; an LM head's logits are a forward's peak) must not
+    # run beside probe's two reused pattern buffers
+    from probe.cache import writer
+
+    T, d = 256, 48
+    torch.manual_seed(0)
+    model = Model(d=d, n=4).eval()
+    head = nn.Linear(d, d)
+    alive = []
+    head.register_forward_pre_hook(lambda m, a: alive.append(_live_storages(12 * T * T)[0]))
+    wrapped = nn.Sequential(model, head)
+    monkeypatch.setattr(writer, "BACKGROUND", False)  # written at once: nothing left in flight
+    gc.collect()
+    gc.disable()
+    try:
+        probe.capture(wrapped, torch.randn(1, T, d), out=tmp_path / "c.safetensors")
+    finally:
+        gc.enable()
+    assert alive == [0], f"{alive[0]} pattern buffers still alive when the head runs"

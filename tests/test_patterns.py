@@ -130,3 +130,16 @@ def test_causal_into_fresh_huge_page_storage_or_a_dirty_buffer(fresh):
     allowed = torch.ones(700, 700, dtype=torch.bool).tril()
     torch.testing.assert_close(w, oracle(q, k, allowed=allowed), atol=1e-6, rtol=0)
     assert torch.count_nonzero(w.triu(1)) == 0
+
+
+def test_clean_buffer_keeps_its_zeros_and_a_mismatched_one_is_replaced(qkv):
+    q, k, v = qkv
+    allowed = torch.ones(300, 300, dtype=torch.bool).tril()
+    buf = sdpa_weights(q, k, v, is_causal=True)  # a causal fill: zeros above the diagonal
+    again = sdpa_weights(q * 2, k, v, is_causal=True, out=buf, clean=True)
+    assert again.data_ptr() == buf.data_ptr()
+    torch.testing.assert_close(again, oracle(q * 2, k, allowed=allowed), atol=1e-6, rtol=0)
+    # "clean" says nothing about a buffer that cannot be used: the new one is zeroed as needed
+    dirty = torch.full((2, 3, 300, 299), float("nan"))
+    w = sdpa_weights(q, k, v, is_causal=True, out=dirty, clean=True)
+    torch.testing.assert_close(w, oracle(q, k, allowed=allowed), atol=1e-6, rtol=0)

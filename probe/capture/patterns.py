@@ -29,6 +29,7 @@ def sdpa_weights(
     enable_gqa: bool = False,
     *,
     out: Tensor | None = None,
+    clean: bool = False,
     chunk: int = 128,
 ) -> Tensor:
     """The attention weights ``F.scaled_dot_product_attention`` uses, as ``[..., heads, L, S]``.
@@ -42,8 +43,10 @@ def sdpa_weights(
     Computed in float32, ``chunk`` query rows at a time in a contiguous scratch block (ATen's
     fused softmax runs in place there), then copied into ``out`` (allocated if not given or not
     usable); under ``is_causal`` the keys a chunk cannot see are never computed, which halves
-    the work. A freshly allocated ``out`` comes from :func:`probe.capture.arena.zeroed` where it
-    can (huge pages, already zero: the unseen keys are not written at all).
+    the work. ``clean``: the given ``out`` was last filled by a causal call of the same shape,
+    so the keys no query can see already hold zeros. A freshly allocated ``out`` comes from
+    :func:`probe.capture.arena.zeroed` where it can (huge pages, already zero: the unseen keys
+    are not written at all).
     """
     L, S = query.size(-2), key.size(-2)
     scale = 1.0 / math.sqrt(query.size(-1)) if scale is None else scale
@@ -53,7 +56,8 @@ def sdpa_weights(
     q, kt = query.float(), key.float().transpose(-2, -1)
     batch = torch.broadcast_shapes(q.shape[:-2], kt.shape[:-2])
     shape = batch + (L, S)
-    fresh = False  # out is known to be all zeros: the keys a causal query cannot see need no pass
+    # fresh: out is known to be zero where a causal query cannot see, so that part needs no pass
+    fresh = clean
     if out is None or out.shape != shape or out.dtype != torch.float32 or not out.is_contiguous():
         out = zeroed(shape, torch.float32, query.device)
         fresh = out is not None

@@ -191,7 +191,10 @@ class _Mode(TorchFunctionMode):
         if func is _SDPA:
             out = func(*args, **kwargs)
             if tr.wants_pattern():
-                tr.on_pattern(sdpa_weights(*args, **kwargs, out=tr.scratch()), "sdpa")
+                buf, clean = tr.scratch()
+                w = sdpa_weights(*args, **kwargs, out=buf, clean=clean)
+                tr.note_causal(len(args) > 5 and args[5] or kwargs.get("is_causal", False))
+                tr.on_pattern(w, "sdpa")
             else:
                 tr.note_event()  # a layer left out by `layers=`: count it, skip the work
             tr.after_op(func, args, kwargs, out)
@@ -266,7 +269,9 @@ class Tracer:
         # page-faulting a fresh one every layer.
         self._reuse = not isinstance(sink, MemorySink)
         self._scratches: list[Tensor | None] = [None, None]
+        self._clean = [False, False]  # last filled by a causal call: zeros above the diagonal stay
         self._turn = 0
+        self._causal_call = False
         self._scratch_busy = False
 
     # -- lifecycle -----------------------------------------------------------------------------
@@ -504,6 +509,11 @@ class Tracer:
         self.layer, self.layer_call = None, None
         if layer is None:
             return
+        if layer.index + 1 >= self.container_len.get(layer.container, 0):
+            # the list's last layer: what runs next (a final norm, the LM head and its logits)
+            # computes no pattern, so the reused buffers are let go (the I/O thread frees each
+            # once written) instead of adding to the forward's own peak
+            self._scratches, self._clean = [None, None], [False, False]
         try:
             self._close_layer(layer, call, out)
         finally:
@@ -675,14 +685,19 @@ class Tracer:
         else:
             self.note_event()
 
-    def scratch(self) -> Tensor | None:
-        """A buffer the next recomputed pattern may be written into, or None."""
+    def scratch(self) -> tuple[Tensor | None, bool]:
+        """A buffer the next recomputed pattern may be written into (or None), and whether it is
+        clean (last filled by a causal call: its unseen keys are zeros already)."""
         if not self._reuse or self._scratch_busy:
-            return None
+            return None, False
         buf = self._scratches[self._turn]
         if buf is not None:
             self.sink.wait_written(buf)  # its previous pattern may still be on its way to disk
-        return buf
+        return buf, buf is not None and self._clean[self._turn]
+
+    def note_causal(self, causal: Any) -> None:
+        """Whether the SDPA call about to be recorded was ``is_causal`` (keeps a scratch clean)."""
+        self._causal_call = bool(causal)
 
     def on_pattern(self, pattern: Tensor, impl: str) -> None:
         """Record an attention pattern ``[batch, (head,) query, key]`` computed now."""
@@ -703,6 +718,8 @@ class Tracer:
         p = pattern.detach()
         if self._reuse and not self._scratch_busy and impl == "sdpa":
             self._scratches[self._turn], self._scratch_busy = p, True
+            # same shape next time: sdpa_weights writes the same causal region, the rest stays 0
+            self._clean[self._turn] = self._causal_call
         a.parts.append((p, p._version))
         a.impl.add(impl)
         self.impls.add(impl)
