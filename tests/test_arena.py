@@ -10,7 +10,12 @@ import torch
 
 from probe.capture import arena
 
-linux = pytest.mark.skipif(not arena.ENABLED, reason="no MADV_HUGEPAGE on this platform")
+linux = pytest.mark.skipif(not arena.AVAILABLE, reason="no MADV_HUGEPAGE on this platform")
+
+
+@pytest.fixture(autouse=True)
+def _on(monkeypatch):
+    monkeypatch.setattr(arena, "ENABLED", True)  # opt-in (see arena.ENABLED): test it switched on
 
 
 def _mapped(address: int) -> bool:
@@ -44,5 +49,8 @@ def test_zero_filled_and_unmapped_when_the_last_tensor_dies():
 def test_falls_back_where_it_does_not_pay_or_cannot_work(monkeypatch):
     assert arena.zeroed((4, 4), torch.float32, "cpu") is None  # small: the heap serves it anyway
     assert arena.zeroed((1, 4, 1024, 1024), torch.float32, "meta") is None  # not CPU memory
-    monkeypatch.setattr(arena, "ENABLED", False)  # no MADV_HUGEPAGE (macOS, Windows)
+    monkeypatch.setattr(arena, "AVAILABLE", False)  # no MADV_HUGEPAGE (macOS, Windows)
+    assert arena.zeroed((1, 4, 1024, 1024), torch.float32, "cpu") is None
+    monkeypatch.setattr(arena, "AVAILABLE", True)
+    monkeypatch.setattr(arena, "ENABLED", False)  # the default: the C allocator
     assert arena.zeroed((1, 4, 1024, 1024), torch.float32, "cpu") is None

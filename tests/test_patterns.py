@@ -119,8 +119,12 @@ def test_reuses_a_given_buffer(qkv):
     assert sdpa_weights(q, k, v, out=wrong).shape == (2, 3, 300, 300)
 
 
+@pytest.mark.parametrize("use_arena", [True, False])
 @pytest.mark.parametrize("fresh", [True, False])
-def test_causal_into_fresh_huge_page_storage_or_a_dirty_buffer(fresh):
+def test_causal_into_fresh_huge_page_storage_or_a_dirty_buffer(fresh, use_arena, monkeypatch):
+    from probe.capture import arena
+
+    monkeypatch.setattr(arena, "ENABLED", use_arena)
     # large enough for the zero-filled arena (> 4 MB): the unseen keys are then never written,
     # so they must come out zero from the fresh map; a reused dirty buffer is zeroed instead
     g = torch.Generator().manual_seed(2)
