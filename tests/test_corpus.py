@@ -358,3 +358,13 @@ def test_thousand_texts_interrupted_and_resumed_are_identical(tmp_path):
     r = subprocess.run(_cli_corpus(texts, out), env=env, capture_output=True, text=True)
     assert r.returncode == 0, r.stderr[-2000:]
     _assert_same_files(_files(out), want)
+
+
+def test_a_datasets_dataset_is_read_by_column(work, tmp_path):
+    datasets = pytest.importorskip("datasets")  # installed with the dev extra (transformer-lens needs it)
+    ds = datasets.Dataset.from_dict({"text": TEXTS, "label": list(range(len(TEXTS)))})
+    probe.run_corpus(load_model("minigpt"), ds, tmp_path / "ds", progress=False, **RUN)
+    assert (tmp_path / "ds" / "manifest.json").read_text() == (work / "ref" / "manifest.json").read_text()
+    assert _stats(tmp_path / "ds") == _stats(work / "ref")
+    with pytest.raises(probe.ProbeError, match="no column 'body'.*field="):
+        probe.run_corpus(load_model("minigpt"), ds, tmp_path / "bad", field="body", progress=False)
