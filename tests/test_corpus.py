@@ -342,6 +342,8 @@ def test_thousand_texts_interrupted_and_resumed_are_identical(tmp_path):
     assert 1 <= done < 10 and not (out / "manifest.json").exists()
     # what a kill inside an atomic write leaves (rarely hit by chance): temp files the resume removes
     (out / "shards" / ".00009.json.x1.tmp").write_text("{")
+    (out / "shards" / "00009").mkdir(exist_ok=True)
+    (out / "shards" / "00009" / ".tmpAb12Cd").write_bytes(b"\0" * 64)  # safetensors' own temp file
     (out / ".manifest.json.x2.tmp").write_text("{")
     r = subprocess.run(_cli_corpus(texts, out), env=env, capture_output=True, text=True)
     assert r.returncode == 0, r.stderr[-2000:]

@@ -175,8 +175,11 @@ def _shard_done(path: Path) -> bool:
 
 def _run_shard(model, tokenizer, texts, start, folder: Path, keep, batch_size, stats, bar, dtype) -> dict:
     """Capture one shard's texts (bucketed by length) and return its JSON record."""
-    for stale in folder.glob(".*.tmp") if folder.exists() else ():  # left by a killed writer
-        stale.unlink(missing_ok=True)
+    # left by a killed writer: our temp files (.NAME.XXXX.tmp) and safetensors' own (.tmpXXXXXX,
+    # which its save_file writes before renaming onto ours)
+    for pattern in (".*.tmp", ".tmp*"):
+        for stale in folder.glob(pattern) if folder.exists() else ():
+            stale.unlink(missing_ok=True)
     order = sorted(range(len(texts)), key=lambda i: (len(texts[i]), i))
     batches = [order[j : j + batch_size] for j in range(0, len(order), batch_size)]
     acc = FocusAccumulator()
