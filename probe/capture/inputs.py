@@ -70,15 +70,8 @@ def device_of(model: nn.Module) -> torch.device:
     return torch.device("cpu")
 
 
-def _batch(
-    seqs: list[list[int]], pad_id: int, side: str = "right", device: torch.device | None = None
-) -> tuple[Tensor, Tensor]:
+def _batch(seqs: list[list[int]], pad_id: int, side: str, device: torch.device) -> tuple[Tensor, Tensor]:
     """Ids and attention mask ``[batch, T]`` padded on ``side``, on ``device``."""
-    ids, mask = _batch_cpu(seqs, pad_id, side)
-    return (ids, mask) if device is None else (ids.to(device), mask.to(device))
-
-
-def _batch_cpu(seqs: list[list[int]], pad_id: int, side: str) -> tuple[Tensor, Tensor]:
     T = max(len(s) for s in seqs)
     ids = torch.full((len(seqs), T), pad_id, dtype=torch.long)
     mask = torch.zeros((len(seqs), T), dtype=torch.long)
@@ -86,7 +79,7 @@ def _batch_cpu(seqs: list[list[int]], pad_id: int, side: str) -> tuple[Tensor, T
         sl = slice(T - len(s), T) if side == "left" else slice(0, len(s))
         ids[i, sl] = torch.tensor(s, dtype=torch.long)
         mask[i, sl] = 1
-    return ids, mask
+    return ids.to(device), mask.to(device)
 
 
 def model_name(model: nn.Module) -> str:

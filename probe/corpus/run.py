@@ -173,13 +173,18 @@ def _shard_done(path: Path) -> bool:
         return False
 
 
+def _remove_stale(folder: Path, *patterns: str) -> None:
+    """Delete the files of ``folder`` matching ``patterns``: temp files a killed write left."""
+    for pattern in patterns:
+        for stale in folder.glob(pattern) if folder.exists() else ():
+            stale.unlink(missing_ok=True)
+
+
 def _run_shard(model, tokenizer, texts, start, folder: Path, keep, batch_size, stats, bar, dtype) -> dict:
     """Capture one shard's texts (bucketed by length) and return its JSON record."""
     # left by a killed writer: our temp files (.NAME.XXXX.tmp) and safetensors' own (.tmpXXXXXX,
     # which its save_file writes before renaming onto ours)
-    for pattern in (".*.tmp", ".tmp*"):
-        for stale in folder.glob(pattern) if folder.exists() else ():
-            stale.unlink(missing_ok=True)
+    _remove_stale(folder, ".*.tmp", ".tmp*")
     order = sorted(range(len(texts)), key=lambda i: (len(texts[i]), i))
     batches = [order[j : j + batch_size] for j in range(0, len(order), batch_size)]
     acc = FocusAccumulator()
@@ -284,8 +289,7 @@ def run_corpus(
                 part = texts[i * shard_size : (i + 1) * shard_size]
                 folder = out / "shards" / f"{i:05d}"
                 # this shard's record may have been half-written by a killed run: drop its temp files
-                for stale in (out / "shards").glob(f".{i:05d}.json.*.tmp"):
-                    stale.unlink(missing_ok=True)
+                _remove_stale(out / "shards", f".{i:05d}.json.*.tmp")
                 rec = _run_shard(
                     model, tokenizer, part, i * shard_size, folder, keep, batch_size, stats, bar, dtype
                 )
@@ -302,8 +306,8 @@ def run_corpus(
 def finish(out: Path) -> dict:
     """Merge the shard records of ``out`` (in shard order) into manifest.json and head_stats.*."""
     cfg = json.loads((out / "config.json").read_text(encoding="utf-8"))
-    for stale in out.glob(".*.tmp"):  # a killed run's half-written config, manifest or statistics;
-        stale.unlink(missing_ok=True)  # no other rank writes here while rank 0 merges
+    # a killed run's half-written config, manifest or statistics; no other rank writes here now
+    _remove_stale(out, ".*.tmp")
     n_shards = -(-cfg["n_texts"] // cfg["shard_size"])
     entries: list[dict] = []
     acc = FocusAccumulator()
