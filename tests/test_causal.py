@@ -61,19 +61,53 @@ def test_gallery_bug_is_caught_and_located(mode, kind, per_head):
     assert heads == ({G.BAD_HEAD} if per_head else set(range(G.H)))
     assert {f.layer for f in r.findings} == {G.BAD_LAYER}  # layer 0 is correct and not blamed
     assert located(r, kind)
+    for f in r.findings:
+        if kind in ("pad_attention", "mask_over_queries"):
+            # the padding check pads a copy of the text on the left with T // 3 pads (text 1 of its
+            # batch): a real query there reads a pad key
+            k = G.IDS.shape[1] // 3
+            assert f.text == 1 and f.key < k <= f.query, (mode, f)
+        else:
+            assert (f.query, f.key) == expected_cell(mode, f.head), (mode, f)
+    # the gallery model takes a padding mask and a KV cache: those checks ran (a leak that cannot
+    # be localised is still a failed check, never a skipped one)
+    st = {c["check"]: c["status"] for c in r.checks}
+    assert st["padding"] != "skipped" and st["kv_cache"] != "skipped", r.checks
+
+
+def layer1_scores(m) -> torch.Tensor:
+    """[H, 16, 16] unmasked attention scores of the gallery model's layer 1 on IDS, by hand."""
+    with torch.no_grad():
+        x = m.emb(G.IDS) + m.pos(torch.arange(16))[None]
+        x, _ = m.blocks[0](x)
+        a = m.blocks[1].attn
+        q, k, _v = a.qkv(m.blocks[1].ln1(x)).view(1, 16, 3, G.H, G.D // G.H).permute(2, 0, 3, 1, 4)
+        return q[0] @ k[0].transpose(-2, -1) / (G.D // G.H) ** 0.5
+
+
+def expected_cell(mode: str, head: int) -> tuple[int, int]:
+    """Where the finding must point, from the bug as written in the gallery (not from probe)."""
+    T = G.IDS.shape[1]
+    if mode in ("after_softmax", "sdpa_nomask", "one_head", "swapped"):
+        s = layer1_scores(G.broken(mode))[head]
+        if mode == "swapped":  # tril(-1) hides the past: row q sees keys q..T-1
+            s = s.masked_fill(torch.ones(T, T, dtype=torch.bool).tril(-1), float("-inf"))
+        future = torch.softmax(s, -1).triu(1)  # the worst future cell
+        return divmod(int(future.argmax()), T)
+    if mode == "triu0":
+        return (0, 0)  # query 0 has no visible key: its row is NaN
+    if mode == "window_wide":
+        return (G.WINDOW, 0)  # the first query that reaches WINDOW + 1 keys back
+    if mode == "kv_is_causal":
+        return (T // 2, 1)  # the first query after T // 2 cached keys; top-left hides keys 1..
+    raise AssertionError(mode)
 
 
 def test_positions_of_a_future_leak_are_real_future_cells():
     (f,) = audit("one_head").findings
     assert f.key > f.query  # the worst cell lies above the diagonal
     # oracle: recompute the head's weights by hand from the model's own projections
-    m = G.broken("one_head")
-    with torch.no_grad():
-        x = m.emb(G.IDS) + m.pos(torch.arange(16))[None]
-        x, _ = m.blocks[0](x)
-        a = m.blocks[1].attn
-        q, k, _v = a.qkv(m.blocks[1].ln1(x)).view(1, 16, 3, G.H, G.D // G.H).permute(2, 0, 3, 1, 4)
-        w = torch.softmax(q[0, G.BAD_HEAD] @ k[0, G.BAD_HEAD].T / (G.D // G.H) ** 0.5, -1)
+    w = torch.softmax(layer1_scores(G.broken("one_head"))[G.BAD_HEAD], -1)
     future = w.triu(1)
     assert f.magnitude == pytest.approx(float(future.sum(-1).max()), rel=1e-5)
     assert (f.query, f.key) == divmod(int(future.argmax()), 16)
@@ -84,6 +118,7 @@ def test_token_shift_into_the_mlp_is_a_leak_outside_attention():
     assert r.kinds() == {"leak_outside_attention"}
     (f,) = r.findings
     assert (f.stack, f.layer, f.head) == ("decoder", G.BAD_LAYER, None)
+    assert f.key == f.query + 1  # roll(-1): position q reads position q + 1
     assert "MLP" in f.evidence
     st = {c["check"]: c["status"] for c in r.checks}
     assert st["suffix"] == "fail" and st["gradient"] == "fail"

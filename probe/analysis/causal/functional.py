@@ -22,6 +22,7 @@ import torch
 from probe import forward
 from probe.analysis.causal.report import Finding
 from probe.analysis.causal.static import check_pattern
+from probe.errors import ProbeError
 
 N_REPLACEMENTS = 2
 
@@ -116,9 +117,15 @@ class Functional:
             {"check": check, "status": "skipped", "forwards": 0, "backwards": 0, "detail": why}
         )
 
-    def _trace(self, run) -> Any:
-        with forward.trace(self.model) as tr, torch.no_grad():
-            run()
+    def _trace(self, run, model=None) -> Any:
+        """The cache of one traced forward, or None when probe cannot trace it (the check's
+        verdict stands; the detail says the leak could not be localised, and why)."""
+        try:
+            with forward.trace(self.model if model is None else model) as tr, torch.no_grad():
+                run()
+        except ProbeError as e:
+            self.checks[-1]["detail"] += f"; not localised: {str(e).splitlines()[0][:160]}"
+            return None
         return tr.cache
 
     # -- (a) suffix perturbation -----------------------------------------------------------------
@@ -157,9 +164,9 @@ class Functional:
         pair = torch.cat([self.x, perturbed])
         cache = self._trace(lambda: forward.call(self.model, pair, encoder_ids=self._enc(pair)))
         self.checks[-1]["forwards"] += 1
-        stack = self.stack if self.stack in cache.stacks else cache.stacks[-1]
         first = None
-        for layer in range(cache.n_layers(stack)):
+        stack = None if cache is None else (self.stack if self.stack in cache.stacks else cache.stacks[-1])
+        for layer in range(cache.n_layers(stack) if cache is not None else 0):
             k = f"{stack}.blocks.{layer}.resid_post"
             if k not in cache:
                 continue
@@ -168,7 +175,14 @@ class Functional:
                 first = layer
                 break
         heads = [] if first is None else future_heads.get(first, [])
+        if cache is None and future_heads:
+            return  # the heads that look ahead are reported by the static checks already
         if first is None:
+            where = (
+                "probe could not trace the perturbed forward to place it"
+                if cache is None
+                else "no layer's residual stream does (the leak is after the last layer)"
+            )
             self.findings.append(
                 Finding(
                     "suffix_leak",
@@ -179,7 +193,7 @@ class Functional:
                     t + 1,
                     worst,
                     f"outputs at positions <= {t} change (by {worst:.3g}) when only tokens after {t} "
-                    "change; no layer's residual stream does (the leak is after the last layer)",
+                    f"change; {where}",
                     check="suffix",
                 )
             )
@@ -304,8 +318,8 @@ class Functional:
         cache = self._trace(lambda: forward.call(self.model, ids, attention_mask=mask))
         self.checks[-1]["forwards"] += 1
         found = []
-        stack = cache.stacks[-1]
-        for layer in range(cache.n_layers(stack)):
+        stack = cache.stacks[-1] if cache is not None else None
+        for layer in range(cache.n_layers(stack) if cache is not None else 0):
             try:
                 p = cache.pattern(stack, layer)
             except KeyError:
@@ -365,7 +379,7 @@ class Functional:
         cache = self._trace(lambda: forward.call(self.model, chunk, past_key_values=past, use_cache=True))
         self.checks[-1]["forwards"] += 2
         found = []
-        for stack in cache.stacks:
+        for stack in cache.stacks if cache is not None else []:
             for layer in range(cache.n_layers(stack)):
                 for kind in ("self", "cross"):
                     try:
@@ -417,14 +431,13 @@ class Functional:
         self.leaked = True
         if was:
             return
-        caches = [self._trace(lambda m=m: forward.call(m, self.x)) for m in (self.model,)]
-        with forward.trace(twin) as tr, torch.no_grad():
-            forward.call(twin, self.x)
-        caches.append(tr.cache)
+        caches = [self._trace(lambda m=m: forward.call(m, self.x), model=m) for m in (self.model, twin)]
         self.checks[-1]["forwards"] += 2
         # compare layer by layer; each cache names its own lone stack (a leaky one looks like an encoder)
-        sa, sb = caches[0].stacks[-1], caches[1].stacks[-1]
-        for layer in range(min(caches[0].n_layers(sa), caches[1].n_layers(sb))):
+        ok_caches = None not in caches
+        sa, sb = (caches[0].stacks[-1], caches[1].stacks[-1]) if ok_caches else (None, None)
+        n = min(caches[0].n_layers(sa), caches[1].n_layers(sb)) if ok_caches else 0
+        for layer in range(n):
             a, b = caches[0].pattern(sa, layer), caches[1].pattern(sb, layer)
             diff = (a.float() - b.float()).abs().amax(dim=(0, 2, 3))
             if float(diff.max()) > self.tol["mass"] * 10:
