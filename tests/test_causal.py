@@ -167,6 +167,16 @@ def test_translator_decoder_is_causal_encoder_and_cross_are_not_expected_to_be()
     assert_encoder_decoder_clean(check_causal(model, "ich mochte ein bier"))
 
 
+def test_aligner_decoder_is_causal():
+    # the aligner's tokenizer has a larger source vocabulary (94) than target (64): suffix
+    # replacements must be drawn from the decoder's own embedding, not the tokenizer's size
+    import models
+
+    model = models.load("aligner")
+    assert model.tokenizer.vocab_size > model.decoder.tgt_emb.num_embeddings
+    assert_encoder_decoder_clean(check_causal(model, "gestern sah der junge das hundehaus"))
+
+
 def assert_encoder_decoder_clean(r):
     """The decoder audited and clean; encoder and cross-attention noted as not expected causal."""
     assert r.ok, str(r)
@@ -206,6 +216,22 @@ def test_static_exact_zero_vs_tiny_future_mass():
     big[0, 0, 1] = torch.tensor([0.25, 0.25, 0.25, 0.25, 0.0])
     (f,) = _one(big)[0]
     assert (f.kind, f.query, f.key, f.magnitude) == ("future_attention", 1, 2, pytest.approx(0.5))
+
+
+def test_exact_zero_and_tiny_future_weight_are_told_apart_in_the_notes():
+    from probe.cache import Cache
+
+    T = 5
+    c = torch.tril(torch.ones(T, T))
+    p = (c / c.sum(-1, keepdim=True))[None, None].repeat(1, 3, 1, 1)
+    p[0, 1, 0, 4] = 1e-7  # head 1: a finite fill's residue, under the fp32 tolerance 1e-6
+    cache = Cache({"decoder.blocks.0.self_attn.pattern": p}, {"tokens": [list("abcde")]})
+    r = check_causal(cache, expect="causal")
+    assert r.ok
+    (note,) = [n for n in r.notes if "later keys" in n]
+    assert "exactly 0 in 2 of 3 heads" in note and "tiny but non-zero in 1 (L0 H1; at most 1e-07" in note
+    clean = check_causal(Cache({"decoder.blocks.0.self_attn.pattern": p[:, [0, 2]]}, cache.metadata))
+    assert "decoder: weight on later keys is exactly 0 in 2 of 2 heads" in clean.notes
 
 
 def test_static_rows_padding_and_cached_alignment():
@@ -273,13 +299,32 @@ def bpe(tmp_path_factory):
 
 
 @pytest.mark.parametrize("arch", ["gpt2", "llama", "mistral"])
-def test_hf_decoders_pass_clean(arch, bpe):
+def test_hf_decoders_pass_clean(arch, bpe, monkeypatch):
     import hf_fixtures as H
 
     model = getattr(H, arch)(len(bpe))
     texts = ["the model is reading the tokens one by one.", "attention lets tokens read."]
-    r = check_causal(model, texts, tokenizer=bpe)
+    # the stated cost, counted independently: forwards of the model's top module (and of its
+    # backend twin, a copy of the same class), backward passes (torch.autograd.grad calls)
+    calls = {"forward": 0, "backward": 0}
+    mine = type(model)
+    grad = torch.autograd.grad
+
+    def counted_grad(*a, **kw):
+        calls["backward"] += 1
+        return grad(*a, **kw)
+
+    def count_forward(m, a, o):
+        calls["forward"] += type(m) is mine
+
+    monkeypatch.setattr(torch.autograd, "grad", counted_grad)
+    hook = torch.nn.modules.module.register_module_forward_hook(count_forward)
+    try:
+        r = check_causal(model, texts, tokenizer=bpe)
+    finally:
+        hook.remove()
     assert r.ok, str(r)
+    assert r.cost() == (calls["forward"], calls["backward"]) == (8, 1)
     assert {c["check"]: c["status"] for c in r.checks} == {
         "capture": "pass",
         "suffix": "pass",
@@ -290,6 +335,9 @@ def test_hf_decoders_pass_clean(arch, bpe):
     }
     if arch == "mistral":
         assert r.expected == {"decoder": "causal, window 4"}
+        # the window is exercised: the first text is longer than 4 tokens, and every head uses it
+        assert len(bpe(texts[0])["input_ids"]) > 4
+        assert r.grids["decoder"]["window"] == [[4.0] * model.config.num_attention_heads] * 2
 
 
 def test_hf_encoder_decoder_decoder_is_audited_encoder_and_cross_are_not(bpe):

@@ -106,7 +106,8 @@ def _expected(cache: Any, model: nn.Module | None, expect: Any) -> tuple[dict[st
             if not meant:
                 notes.append(
                     f"nothing says this model is a decoder and its {s} attention sees ahead, so it was "
-                    "held to bidirectional; pass expect='causal' to audit it as a decoder"
+                    "held to bidirectional; pass expect='causal' (CLI: --expect causal) to audit it "
+                    "as a decoder"
                 )
         out[s] = (window or "causal") if meant else "bidirectional"
     return out, notes
@@ -146,8 +147,10 @@ def check_causal(
     ``sliding_window`` when declared. ``functional=False`` skips the model-running checks.
 
     Cost with a model: one capture, then the functional checks (see
-    :mod:`probe.analysis.causal.functional`: about 6 forwards, some batched, and one backward on a
-    clean model). Returns a :class:`CausalReport` (``.ok``, ``.findings``, ``.checks``, exports).
+    :mod:`probe.analysis.causal.functional`): on a clean model at most 7 forwards, some batched
+    (suffix 1, gradient 1, padding 1, KV cache 3, backend 1, each where the model offers it) and
+    one backward; 8 forwards in all on a Hugging Face decoder. Returns a :class:`CausalReport`
+    (``.ok``, ``.findings``, ``.checks``, exports).
     """
     from probe.cache import Cache
 
@@ -327,12 +330,19 @@ def _default_text(model: nn.Module, tokenizer: Any) -> str:
 
 
 def _vocab(report: CausalReport, model: nn.Module, tokenizer: Any, x: torch.Tensor, enc: Any) -> int:
-    v = getattr(getattr(model, "config", None), "vocab_size", None)
-    if isinstance(v, int) and v > 0:
-        return v
+    """How many ids the audited ids ``x`` may take (random suffixes are drawn below it).
+
+    For an encoder-decoder ``x`` are decoder ids: a Hugging Face config's ``decoder_vocab_size``
+    (else its shared ``vocab_size``); a tokenizer's ``vocab_size`` is the source side's there
+    (the zoo's translator and aligner), so the embedding that reads ``x`` decides."""
+    cfg = getattr(model, "config", None)
+    for attr in ("decoder_vocab_size", "vocab_size") if enc is not None else ("vocab_size",):
+        v = getattr(cfg, attr, None)
+        if isinstance(v, int) and v > 0:
+            return v
     tok = tokenizer if tokenizer is not None else getattr(model, "tokenizer", None)
     v = getattr(tok, "vocab_size", None)
-    if isinstance(v, int) and v > 0:
+    if enc is None and isinstance(v, int) and v > 0:
         return v
     if x.is_floating_point():
         return 0
