@@ -380,12 +380,17 @@ def test_report_section_renders_verdict_heatmaps_and_leaking_head(tmp_path):
     i = html.index('id="sec-causal"')
     sec = html[i : html.index("</section>", i)]
     assert "LEAK: 1 finding(s): unmasked_head" in sec
+    # the verdict also sits in the summary, linking to the section
+    j = html.index('id="sec-summary"')
+    summary = html[j : html.index("</section>", j)]
+    assert '<a href="#sec-causal"' in summary and "LEAK: 1 finding(s): unmasked_head" in summary
     assert "decoder layer 1 head 2" in sec  # the leaking head's figure
     assert sec.count("data:image/png;base64,") == 2  # heatmaps + the outlined pattern
     assert "http://" not in sec and "https://" not in sec
     # from a cache alone (no model): static checks only, the section still renders
     clean = probe.report(probe.capture(G.everywhere("ok"), G.IDS), tmp_path / "c").read_text()
     assert "OK: no leak found (decoder: causal)" in clean
+    assert clean.index("OK: no leak found") < clean.index('id="sec-attention"')  # in the summary
 
 
 def test_section_build_with_a_stand_in_context():

@@ -25,6 +25,8 @@ DEFAULT_TEXTS = (
     "attention lets tokens read.",
     "The cat sat on the mat because it was warm, and the dog watched it.",
     "3141592653589793238462643383279",
+    "der junge sah den hund",  # the zoo aligner's German-like source language
+    "ich mochte ein bier",  # the seed translator's one sentence
 )
 _FUTURE_KINDS = ("future_attention", "unmasked_head", "swapped_mask")
 
@@ -326,7 +328,7 @@ def _default_text(model: nn.Module, tokenizer: Any) -> str:
             return text
         except ProbeError:
             continue
-    raise ProbeError(f"{forward.model_name(model)} reads none of probe's sample texts; pass inputs=")
+    raise ProbeError(f"{forward.model_name(model)} reads none of probe's sample texts; pass inputs= (CLI: a text)")
 
 
 def _vocab(report: CausalReport, model: nn.Module, tokenizer: Any, x: torch.Tensor, enc: Any) -> int:

@@ -38,6 +38,18 @@ def _audit(ctx) -> Any:
     return report
 
 
+def verdict(ctx) -> dict | None:
+    """The audit's one-line verdict for the report's summary: ``{"ok", "verdict"}``, or None when
+    the audit cannot run on this cache (its own section then says why)."""
+    from probe.errors import ProbeError
+
+    try:
+        report = _audit(ctx)
+    except ProbeError:
+        return None
+    return {"ok": report.ok, "verdict": report.verdict()}
+
+
 def _heatmaps(ctx, report) -> list[dict]:
     import matplotlib
 
