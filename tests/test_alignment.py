@@ -373,6 +373,14 @@ def test_probe_report_renders_the_alignment_section(tmp_path):
     html = probe.report(c, tmp_path / "r", progress=False).read_text()
     assert "Cross-attention alignment" in html and "diagonality" in html
     assert "<i>gestern sah der junge das hundehaus</i>" in html  # compound merged back into one word
+    # gold links given to the report: marked on the heatmap, AER per layer x head
+    gold = "0-0 1-3 2-1 3-2 4p4 5-5 5-6\n"  # yesterday the boy saw the dog house; one possible link
+    html = probe.report(c, tmp_path / "g", progress=False, gold=gold).read_text()
+    assert "red squares gold sure links, orange circles gold possible links" in html
+    assert "AER per decoder layer" in html
+    with pytest.raises(probe.ProbeError, match="does not exist"):
+        probe.report(c, tmp_path / "x", progress=False, gold=tmp_path / "missing.talp")
+    assert not (tmp_path / "x").exists()  # refused before anything is written
     minigpt = probe.capture(models.load("minigpt"), "attention")
     assert (
         "Cross-attention alignment" not in probe.report(minigpt, tmp_path / "m", progress=False).read_text()
