@@ -15,6 +15,7 @@ import torch
 from torch import nn
 
 from probe import forward
+from probe.analysis.causal import parity
 from probe.analysis.causal.functional import Functional
 from probe.analysis.causal.report import KINDS, TOLERANCES, CausalReport, Finding
 from probe.analysis.causal.static import check_cache, display_name
@@ -244,15 +245,15 @@ def _functional(report, model, inputs, cache, expected, tol, tokenizer) -> None:
     elif enc is not None:
         why = "encoder-decoder: run on decoder-only models"
     if why is None and (forward.is_hf_model(model) or forward.accepts(model, "attention_mask")):
-        _optional(f, "padding", lambda: f.padding(expected[stack]))
+        _optional(f, "padding", lambda: parity.padding(f, expected[stack]))
     else:
         f.skip("padding", why or "the model takes no padding mask")
     if why is None and forward.supports_kv_cache(model) and x.shape[1] >= 4:
-        _optional(f, "kv_cache", lambda: f.kv_cache(expected[stack]))
+        _optional(f, "kv_cache", lambda: parity.kv_cache(f, expected[stack]))
     else:
         f.skip("kv_cache", why or "the model has no KV cache (past_key_values/use_cache)")
     if why is None:
-        _optional(f, "backend", f.backend)
+        _optional(f, "backend", lambda: parity.backend(f))
     else:
         f.skip("backend", why)
     report.checks += f.checks
@@ -289,7 +290,7 @@ def _mask_after_softmax(report, model, x, enc, f: Functional, layers: list[dict]
         return
     with torch.no_grad():
         zeroed = forward.outputs_of(forward.run_future_zeroed(model, x, encoder_ids=enc))
-    plain = f._out0 if f._out0 is not None else forward.outputs_of(forward.call(model, x, encoder_ids=enc))
+    plain = f.out0 if f.out0 is not None else forward.outputs_of(forward.call(model, x, encoder_ids=enc))
     report.checks.append(
         {
             "check": "softmax_zeroed",
@@ -328,7 +329,9 @@ def _default_text(model: nn.Module, tokenizer: Any) -> str:
             return text
         except ProbeError:
             continue
-    raise ProbeError(f"{forward.model_name(model)} reads none of probe's sample texts; pass inputs= (CLI: a text)")
+    raise ProbeError(
+        f"{forward.model_name(model)} reads none of probe's sample texts; pass inputs= (CLI: a text)"
+    )
 
 
 def _vocab(report: CausalReport, model: nn.Module, tokenizer: Any, x: torch.Tensor, enc: Any) -> int:
