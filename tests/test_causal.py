@@ -130,6 +130,11 @@ def test_fp16_overflowing_fill_gives_nan_rows_and_is_clean_in_fp32():
     assert bad.dtype == "float16"
     assert bad.kinds() == {"non_finite"}
     assert {(f.layer, f.query) for f in bad.findings} == {(G.BAD_LAYER, 0)}
+    assert {f.head for f in bad.findings} == set(range(G.H))  # the fill is every head's
+    # oracle: -1e9 is -inf in fp16, so the additive mask is 0 * -inf = NaN on every visible key
+    assert torch.isinf(torch.tensor(-1e9, dtype=torch.float16)) and all(
+        f.magnitude == 16 for f in bad.findings
+    )
     assert check_causal(G.broken("fill_1e9"), G.IDS).ok
 
 
