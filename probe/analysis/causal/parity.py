@@ -75,6 +75,19 @@ def padding(fc: Functional, expect) -> None:
     )
 
 
+def _agrees(fc: Functional, check: str, got: torch.Tensor, forwards: int, detail: str) -> float | None:
+    """Record whether ``got`` equals the plain forward's outputs on the text: None when it does,
+    else the relative change (and the model is marked leaking)."""
+    full = fc.out0 if fc.out0 is not None else fc.call(fc.x)
+    d = relative_change(got, full)
+    ok = d <= fc.tol["output"]
+    fc.record(check, ok, forwards, detail=f"{detail}max change {d:.3g}")
+    if ok:
+        return None
+    fc.leaked = True
+    return d
+
+
 # -- (d) KV cache ----------------------------------------------------------------------------
 def kv_cache(fc: Functional, expect) -> None:
     """Prefix, then a chunk, then one token through the KV cache equal the full forward."""
@@ -90,13 +103,9 @@ def kv_cache(fc: Functional, expect) -> None:
         o2 = forward.call(fc.model, fc.x[:, n : T - 1], past_key_values=past, use_cache=True)
         o3 = forward.call(fc.model, fc.x[:, T - 1 :], past_key_values=o2.past_key_values)
     inc = torch.cat([forward.outputs_of(o) for o in (o1, o2, o3)], 1)
-    full = fc.out0 if fc.out0 is not None else fc.call(fc.x)
-    d = relative_change(inc, full)
-    ok = d <= fc.tol["output"]
-    fc.record("kv_cache", ok, 3, detail=f"prefix {n}, chunk {T - 1 - n}, then 1 token; max change {d:.3g}")
-    if ok:
+    d = _agrees(fc, "kv_cache", inc, 3, f"prefix {n}, chunk {T - 1 - n}, then 1 token; ")
+    if d is None:
         return
-    fc.leaked = True
     with torch.no_grad():
         past = forward.call(fc.model, fc.x[:, :n], use_cache=True).past_key_values
     chunk = fc.x[:, n : T - 1]
@@ -143,15 +152,11 @@ def backend(fc: Functional) -> None:
         return
     current, name, twin = other
     was = fc.leaked
-    full = fc.out0 if fc.out0 is not None else fc.call(fc.x)
     with torch.no_grad():
         alt = forward.outputs_of(forward.call(twin, fc.x))
-    d = relative_change(alt, full)
-    ok = d <= fc.tol["output"]
-    fc.record("backend", ok, 1, detail=f"{current} vs {name}: max change {d:.3g}")
-    if ok:
+    d = _agrees(fc, "backend", alt, 1, f"{current} vs {name}: ")
+    if d is None:
         return
-    fc.leaked = True
     if was:
         return
     caches = [fc.trace(lambda m=m: forward.call(m, fc.x), model=m) for m in (fc.model, twin)]
