@@ -276,6 +276,14 @@ def test_cache_only_audit_and_bidirectional_note():
     assert r2.checks == []
 
 
+def test_expect_a_window_size_on_a_cache_alone():
+    cache = probe.capture(G.broken("window_wide"), G.IDS)  # layer 1 reaches WINDOW + 1 keys back
+    r = check_causal(cache, expect=G.WINDOW)
+    assert r.kinds() == {"window_too_wide"} and r.expected == {"decoder": f"causal, window {G.WINDOW}"}
+    assert {(f.layer, f.query - f.key) for f in r.findings} == {(G.BAD_LAYER, G.WINDOW)}
+    assert check_causal(cache, expect=G.WINDOW + 1).ok
+
+
 def test_report_exports():
     r = audit("one_head")
     d = json.loads(r.to_json())
