@@ -138,6 +138,28 @@ def test_fp16_overflowing_fill_gives_nan_rows_and_is_clean_in_fp32():
     assert check_causal(G.broken("fill_1e9"), G.IDS).ok
 
 
+def test_half_precision_keeps_the_kind_and_blames_only_what_is_there():
+    # bf16's loose output tolerance must not turn a weak unmasked head into "mask after softmax"
+    # (zeroing future weights that a head uses moves the outputs, in any dtype)
+    r = check_causal(G.broken("one_head").to(torch.bfloat16), G.IDS)
+    assert {(f.kind, f.layer, f.head) for f in r.findings} == {("unmasked_head", G.BAD_LAYER, G.BAD_HEAD)}
+    # bf16 cannot tell a non-renormalising mask-after-softmax from a renormalising one: it says so
+    r = check_causal(G.everywhere("after_softmax_renorm").to(torch.bfloat16), G.IDS)
+    assert r.ok and any("audit a float32 copy" in n for n in r.notes)
+    # fp16: the renormalised control divides by clamp_min(1e-30), which is 0 in half; left-padded
+    # pad rows become NaN and reach real tokens. That padding failure is real, and it does not make
+    # the (unused) future weights a mask_after_softmax finding.
+    m = G.everywhere("after_softmax_renorm").half()
+    k = G.IDS.shape[1] // 3
+    ids = torch.cat([torch.zeros(1, k, dtype=torch.long), G.IDS[:, :-k]], 1)
+    mask = torch.ones_like(ids)
+    mask[0, :k] = 0
+    with torch.no_grad():
+        assert not torch.isfinite(m(ids, attention_mask=mask).logits[0, k:]).all()  # the oracle
+    r = check_causal(m, G.IDS)
+    assert r.kinds() == {"padding_mismatch"} and "NaN/inf on real tokens" in r.findings[0].evidence
+
+
 # -- negative controls: zero false positives -----------------------------------------------------------
 @pytest.mark.parametrize("mode", ["ok", "after_softmax_renorm", "fill_1e9", "window", "alibi"])
 def test_gallery_controls_pass_clean(mode):

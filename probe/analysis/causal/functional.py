@@ -248,8 +248,11 @@ class Functional:
         )
 
     # -- (b) gradient ----------------------------------------------------------------------------
-    def gradient(self) -> None:
-        """d output_i / d input-embedding_j must be zero for j > i (one backward over a batch)."""
+    def gradient(self, explained: bool = False) -> None:
+        """d output_i / d input-embedding_j must be zero for j > i (one backward over a batch).
+
+        ``explained``: heads that attend to later keys are reported already; a failure then adds
+        no unlocalised finding of its own."""
         ts = cut_points(self.T)
         batch = self.x.expand(len(ts), *self.x.shape[1:]).clone()
         out_shape = self.out0.shape if self.out0 is not None else self.call(self.x).shape
@@ -278,7 +281,7 @@ class Functional:
         )
         if not ok:
             was, self.leaked = self.leaked, True
-            if not was:
+            if not was and not explained:
                 t, j = where
                 self.findings.append(
                     Finding(

@@ -69,7 +69,12 @@ def padding(fc: Functional, expect) -> None:
             None,
             max(d_left, d_right),
             f"{side}-padded outputs differ from the unpadded run by {max(d_left, d_right):.3g} "
-            "although no head attends to pads (positions shifted by padding?)",
+            + (
+                "although no head attends to pads (positions shifted by padding?)"
+                if max(d_left, d_right) < float("inf")
+                else "(NaN/inf on real tokens: a fully masked pad row divided by zero or overflowed, "
+                "and its NaN reached real tokens through 0 x NaN)"
+            ),
             check="padding",
         )
     )
