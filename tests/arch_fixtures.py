@@ -26,6 +26,7 @@ tf.logging.set_verbosity_error()
 
 VOCAB = 96
 SMALL = dict(vocab_size=VOCAB, max_position_embeddings=64)
+BERT_LIKE = dict(SMALL, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64)
 LLAMA_LIKE = dict(SMALL, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4)
 
 
@@ -111,11 +112,8 @@ ARCHS: dict[str, Arch] = {
         ),
         {"decoder": "transformer.h"},
         {"self": "self_attention"},
-        # BLOOM's modules add the residual themselves: they hand on the stream after each sublayer
-        lambda out, inp: {
-            "self_attn": out("self_attention") - inp,
-            "mlp": out("mlp") - out("self_attention"),
-        },
+        # BLOOM's modules add the residual handed to them: the tensor added is their last projection's
+        prenorm("self_attention.dense", "mlp.dense_4h_to_h"),
     ),
     "mixtral": Arch(
         lambda: _seeded(
@@ -187,9 +185,7 @@ ARCHS: dict[str, Arch] = {
     "roberta": Arch(
         lambda: _seeded(
             tf.RobertaModel,
-            tf.RobertaConfig(
-                **SMALL, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64
-            ),
+            tf.RobertaConfig(**BERT_LIKE),
         ),
         {"encoder": "encoder.layer"},
         {"self": "attention.self"},
@@ -234,6 +230,126 @@ ARCHS: dict[str, Arch] = {
         },
         enc_dec=True,
         stack_roles={"encoder": ("self",), "decoder": ("self", "cross")},
+    ),
+    "gpt-neo": Arch(
+        lambda: _seeded(
+            tf.GPTNeoForCausalLM,
+            tf.GPTNeoConfig(
+                **SMALL,
+                hidden_size=32,
+                num_layers=2,
+                num_heads=4,
+                attention_types=[[["global", "local"], 1]],
+                window_size=3,  # layer 1 attends to the last 3 tokens only
+            ),
+        ),
+        {"decoder": "transformer.h"},
+        {"self": "attn.attention"},
+        prenorm("attn", "mlp"),
+    ),
+    "gpt-neox": Arch(
+        lambda: _seeded(tf.GPTNeoXForCausalLM, tf.GPTNeoXConfig(**LLAMA_LIKE, rotary_pct=0.5)),
+        {"decoder": "gpt_neox.layers"},
+        {"self": "attention"},
+        prenorm("attention", "mlp"),
+    ),
+    "codegen": Arch(
+        lambda: _seeded(
+            tf.CodeGenForCausalLM,
+            tf.CodeGenConfig(vocab_size=VOCAB, n_positions=64, n_embd=32, n_layer=2, n_head=4, rotary_dim=4),
+        ),
+        {"decoder": "transformer.h"},
+        {"self": "attn"},
+        prenorm("attn", "mlp"),
+    ),
+    "stablelm": Arch(
+        lambda: _seeded(
+            tf.StableLmForCausalLM,
+            tf.StableLmConfig(
+                **LLAMA_LIKE,
+                num_key_value_heads=2,
+                partial_rotary_factor=0.5,
+                qk_layernorm=True,
+                use_parallel_residual=True,
+            ),
+        ),
+        {"decoder": "model.layers"},
+        {"self": "self_attn"},
+        prenorm(),
+    ),
+    "cohere": Arch(
+        lambda: _seeded(
+            tf.CohereForCausalLM, tf.CohereConfig(**LLAMA_LIKE, num_key_value_heads=2, pad_token_id=0)
+        ),
+        {"decoder": "model.layers"},
+        {"self": "self_attn"},
+        prenorm(),
+    ),
+    "phi3": Arch(
+        lambda: _seeded(
+            tf.Phi3ForCausalLM, tf.Phi3Config(**LLAMA_LIKE, num_key_value_heads=2, pad_token_id=0)
+        ),
+        {"decoder": "model.layers"},
+        {"self": "self_attn"},
+        prenorm(),
+    ),
+    "qwen3": Arch(
+        lambda: _seeded(tf.Qwen3ForCausalLM, tf.Qwen3Config(**LLAMA_LIKE, num_key_value_heads=2, head_dim=8)),
+        {"decoder": "model.layers"},
+        {"self": "self_attn"},
+        prenorm(),
+    ),
+    "olmo2": Arch(
+        lambda: _seeded(tf.Olmo2ForCausalLM, tf.Olmo2Config(**LLAMA_LIKE, num_key_value_heads=2)),
+        {"decoder": "model.layers"},
+        {"self": "self_attn"},
+        prenorm("post_attention_layernorm", "post_feedforward_layernorm"),
+    ),
+    "starcoder2": Arch(
+        lambda: _seeded(tf.Starcoder2ForCausalLM, tf.Starcoder2Config(**LLAMA_LIKE, num_key_value_heads=2)),
+        {"decoder": "model.layers"},
+        {"self": "self_attn"},
+        prenorm(),
+    ),
+    "gemma3": Arch(
+        lambda: _seeded(
+            tf.Gemma3ForCausalLM,
+            tf.Gemma3TextConfig(**LLAMA_LIKE, num_key_value_heads=2, head_dim=8, sliding_window=3),
+        ),
+        {"decoder": "model.layers"},
+        {"self": "self_attn"},
+        prenorm("post_attention_layernorm", "post_feedforward_layernorm"),
+    ),
+    "mpt": Arch(
+        lambda: _seeded(
+            tf.MptForCausalLM,
+            tf.MptConfig(
+                vocab_size=VOCAB, d_model=32, n_heads=4, n_layers=2, expansion_ratio=2, max_seq_len=64
+            ),
+        ),
+        {"decoder": "transformer.blocks"},
+        {"self": "attn"},
+        # ALiBi; the FFN adds the residual handed to it: the tensor added is its down projection
+        prenorm("attn", "ffn.down_proj"),
+    ),
+    "electra": Arch(
+        lambda: _seeded(tf.ElectraModel, tf.ElectraConfig(**BERT_LIKE, embedding_size=16)),
+        {"encoder": "encoder.layer"},
+        {"self": "attention.self"},
+        postnorm("attention"),
+    ),
+    "xlm-roberta": Arch(
+        lambda: _seeded(tf.XLMRobertaModel, tf.XLMRobertaConfig(**BERT_LIKE)),
+        {"encoder": "encoder.layer"},
+        {"self": "attention.self"},
+        postnorm("attention"),
+    ),
+    "bigbird": Arch(
+        # block-sparse attention falls back to full attention on short texts; this is the full path
+        lambda: _seeded(tf.BigBirdModel, tf.BigBirdConfig(**BERT_LIKE, attention_type="original_full")),
+        {"encoder": "encoder.layer"},
+        {"self": "attention.self"},
+        postnorm("attention"),
     ),
     "jamba-hybrid": Arch(
         lambda: _seeded(

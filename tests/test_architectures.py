@@ -30,6 +30,13 @@ def _module(root, path: str):
     return m
 
 
+def _has(root, path: str) -> bool:
+    try:
+        return _module(root, path) is not None
+    except (AttributeError, IndexError):
+        return False
+
+
 def _first(o):
     if isinstance(o, torch.Tensor):
         return o
@@ -93,12 +100,12 @@ def measure(name: str) -> dict[str, float]:
     # deltas: hooks on the sublayers of the model itself (no probe)
     sub = {"self_attn", "mlp", "fc2", "attention", "sa_layer_norm", "self_attention", "encoder_attn"}
     sub |= {"self_attn_layer_norm", "post_attention_layernorm", "post_feedforward_layernorm", "attn"}
-    sub |= {"feed_forward"}
+    sub |= {"feed_forward", "self_attention.dense", "mlp.dense_4h_to_h", "ffn.down_proj"}
     paths = []
     for lp in arch.layers.values():
         for i, layer in enumerate(_module(model, lp)):
             paths.append(f"{lp}.{i}")
-            paths += [f"{lp}.{i}.{s}" for s in sub if hasattr(layer, s)]
+            paths += [f"{lp}.{i}.{s}" for s in sub if _has(layer, s)]
     outs, ins = _hooked(model, paths, lambda: model(**x))
     dev_d = dev_chain = 0.0
     for stack, lp in arch.layers.items():
