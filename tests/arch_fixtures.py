@@ -314,7 +314,13 @@ ARCHS: dict[str, Arch] = {
     "gemma3": Arch(
         lambda: _seeded(
             tf.Gemma3ForCausalLM,
-            tf.Gemma3TextConfig(**LLAMA_LIKE, num_key_value_heads=2, head_dim=8, sliding_window=3),
+            tf.Gemma3TextConfig(
+                **LLAMA_LIKE,
+                num_key_value_heads=2,
+                head_dim=8,
+                sliding_window=3,
+                layer_types=["sliding_attention", "full_attention"],
+            ),
         ),
         {"decoder": "model.layers"},
         {"self": "self_attn"},
@@ -375,6 +381,17 @@ ARCHS: dict[str, Arch] = {
 }
 
 
+def albert(layers: int = 3):
+    """ALBERT: one layer module (``albert_layer_groups.0``) run for every layer (probe refuses it)."""
+    cfg = tf.AlbertConfig(**BERT_LIKE | {"num_hidden_layers": layers}, embedding_size=16)
+    return _seeded(tf.AlbertModel, cfg)
+
+
+def longformer():
+    """Longformer: local attention computed over sliding-window chunks (probe refuses it)."""
+    return _seeded(tf.LongformerModel, tf.LongformerConfig(**BERT_LIKE, attention_window=4))
+
+
 def inputs(name: str, model) -> dict[str, torch.Tensor]:
     """The forward's inputs: 2 texts of 7 tokens (Whisper: 16 mel frames -> 8 positions, 5 tokens)."""
     g = torch.Generator().manual_seed(0)
@@ -395,3 +412,38 @@ def eager_twin(model):
     twin.load_state_dict(model.state_dict())
     assert twin.config._attn_implementation == "eager"
     return twin.eval()
+
+
+# name -> (the family as the README's table names it, what the entry exercises)
+ABOUT: dict[str, tuple[str, str]] = {
+    "opt-prenorm": ("OPT, `do_layer_norm_before=True`", "pre-norm, MLP added on a `[b·t, d]` view"),
+    "opt-postnorm": ("OPT, `do_layer_norm_before=False`", "post-norm (stream differences)"),
+    "falcon": ("Falcon", "parallel attention + MLP, `mlp_output += attention_output`"),
+    "bloom": ("BLOOM", "attention/MLP modules add the residual handed to them; ALiBi, `[b·h]` baddbmm"),
+    "mixtral": ("Mixtral", "routed experts (top-2 of 4)"),
+    "qwen2-moe": ("Qwen2-MoE", "routed experts + gated shared expert"),
+    "mistral": ("Mistral", "pre-norm, GQA"),
+    "qwen2": ("Qwen2", "pre-norm, GQA"),
+    "gemma": ("Gemma", "pre-norm, MQA"),
+    "gemma2": ("Gemma 2", "sandwich norms (normalised sublayer output added)"),
+    "phi": ("Phi", "parallel attention + MLP"),
+    "gpt-bigcode": ("GPT-BigCode", "pre-norm, multi-query"),
+    "roberta": ("RoBERTa", "post-norm encoder; left padding vs each text alone: ≤ 1e-5 asserted"),
+    "distilbert": ("DistilBERT", "post-norm encoder"),
+    "whisper": ("Whisper", "encoder-decoder, self + cross attention"),
+    "gpt-neo": ("GPT-Neo", "global and local (window 3) attention layers"),
+    "gpt-neox": ("GPT-NeoX / Pythia", "parallel attention + MLP, partial rotary"),
+    "codegen": ("CodeGen", "parallel attention + MLP, one norm"),
+    "stablelm": ("StableLM", "parallel residual, qk-norm, partial rotary, GQA"),
+    "cohere": ("Cohere", "parallel attention + MLP, one norm"),
+    "phi3": ("Phi-3", "pre-norm, fused qkv, GQA"),
+    "qwen3": ("Qwen3", "pre-norm, qk-norm, GQA"),
+    "olmo2": ("OLMo 2", "norm after each sublayer (normalised output added), qk-norm"),
+    "starcoder2": ("Starcoder2", "pre-norm LayerNorm, GQA"),
+    "gemma3": ("Gemma 3", "sandwich norms, qk-norm, a sliding-window (3) and a global layer"),
+    "mpt": ("MPT", "ALiBi; the FFN adds the residual handed to it"),
+    "electra": ("ELECTRA", "post-norm encoder, embedding projection"),
+    "xlm-roberta": ("XLM-R", "post-norm encoder"),
+    "bigbird": ("BigBird", "post-norm encoder, `original_full` attention"),
+    "jamba-hybrid": ("Jamba", "hybrid: Mamba layers 0, 2 (stream only), attention layers 1, 3, MoE"),
+}
