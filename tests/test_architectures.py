@@ -268,6 +268,38 @@ def test_layer_probe_cannot_decompose_keeps_the_stream_and_says_why(tmp_path):
     assert "no deltas: decoder.blocks.0: the outputs of mlp and self_attn are mixed" in info_text(path)
 
 
+# DeepNorm hands on x1 = ln1(2·x + attn(x)) and the MLP's add takes 2·x1: the stream between the
+# sublayers is x1 (what ln1 returns), not 2·x1, so the factor belongs to the MLP's delta. Likewise
+# for a pre-norm block whose second add takes x1 / 0.5: attention's delta stays its output.
+@pytest.mark.parametrize(
+    "build, sub, definitions, oracle",
+    [
+        (
+            toys.deepnorm_lm,
+            "ln1",
+            {"self_attn": "stream difference", "mlp": "stream difference"},
+            lambda x, x1, y: {"self_attn": x1 - x, "mlp": y - x1},
+        ),
+        (
+            toys.scaled_stream_lm,
+            "attn",
+            {"self_attn": "sublayer output", "mlp": "stream difference"},
+            lambda x, a, y: {"self_attn": a, "mlp": y - (x + a)},
+        ),
+    ],
+    ids=["deepnorm", "prenorm-scaled-stream"],
+)
+def test_stream_rescaled_before_its_residual_add_is_not_a_sublayers_output(build, sub, definitions, oracle):
+    model = build()
+    cache, ids = _toy_capture(model)
+    outs, ins = _toy_oracle(model, ids, [p for i in range(2) for p in (f"blocks.{i}", f"blocks.{i}.{sub}")])
+    for i in range(2):
+        want = oracle(ins[f"blocks.{i}"], outs[f"blocks.{i}.{sub}"], outs[f"blocks.{i}"])
+        assert cache.metadata["layers"][i]["deltas"] == definitions
+        for k, v in want.items():
+            assert torch.equal(cache[f"decoder.blocks.{i}.{k}.delta"], v), (i, k)
+
+
 def test_flex_attention_layer_is_a_clear_error():
     with pytest.raises(ProbeError, match=r"blocks\.1.*flex_attention.*attn_implementation=\"sdpa\""):
         _toy_capture(toys.flex_lm())
@@ -318,8 +350,11 @@ def test_longformer_sliding_chunks_are_a_clear_error():
 
 def test_train_mode_is_recorded_and_warned():
     model = toys.dropout_lm().train()
-    with pytest.warns(UserWarning, match="train mode.*before dropout"):
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
         cache, _ = _toy_capture(model)
+    said = [str(w.message) for w in seen if "train mode" in str(w.message)]
+    assert len(said) == 1 and "before dropout" in said[0], said  # once per capture, not per layer
     assert cache.metadata["training"] is True
     model.eval()
     with warnings.catch_warnings():
