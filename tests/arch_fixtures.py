@@ -357,6 +357,34 @@ ARCHS: dict[str, Arch] = {
         {"self": "attention.self"},
         postnorm("attention"),
     ),
+    "w2v2-conformer": Arch(
+        lambda: _seeded(
+            tf.Wav2Vec2ConformerModel,
+            tf.Wav2Vec2ConformerConfig(
+                hidden_size=32,
+                num_hidden_layers=2,
+                num_attention_heads=4,
+                intermediate_size=64,
+                conv_dim=(16, 16),
+                conv_stride=(5, 2),
+                conv_kernel=(10, 3),
+                num_conv_pos_embeddings=16,
+                num_conv_pos_embedding_groups=4,
+                conv_depthwise_kernel_size=3,
+                position_embeddings_type="rotary",
+            ),
+        ),
+        {"encoder": "encoder.layers"},
+        {"self": "self_attn"},
+        # macaron: x + ffn1/2, + attention, + convolution, ln(x + ffn2/2); every sublayer that is
+        # not attention counts as mlp (the last one as the stream difference around it)
+        lambda out, inp: {
+            "self_attn": out("self_attn"),
+            "mlp": out("ffn1") * 0.5
+            + out("conv_module")
+            + (out("") - (inp + out("ffn1") * 0.5 + out("self_attn") + out("conv_module"))),
+        },
+    ),
     "jamba-hybrid": Arch(
         lambda: _seeded(
             tf.JambaForCausalLM,
@@ -395,6 +423,8 @@ def longformer():
 def inputs(name: str, model) -> dict[str, torch.Tensor]:
     """The forward's inputs: 2 texts of 7 tokens (Whisper: 16 mel frames -> 8 positions, 5 tokens)."""
     g = torch.Generator().manual_seed(0)
+    if name == "w2v2-conformer":  # 2 clips of 400 samples -> 19 frames
+        return {"input_values": torch.randn(2, 400, generator=g)}
     if name == "whisper":
         return {
             "input_features": torch.randn(2, 8, 16, generator=g),
@@ -445,5 +475,9 @@ ABOUT: dict[str, tuple[str, str]] = {
     "electra": ("ELECTRA", "post-norm encoder, embedding projection"),
     "xlm-roberta": ("XLM-R", "post-norm encoder"),
     "bigbird": ("BigBird", "post-norm encoder, `original_full` attention"),
+    "w2v2-conformer": (
+        "Wav2Vec2-Conformer",
+        "macaron: FFN/2, attention, convolution, FFN/2 + norm (all but attention in `mlp`)",
+    ),
     "jamba-hybrid": ("Jamba", "hybrid: Mamba layers 0, 2 (stream only), attention layers 1, 3, MoE"),
 }

@@ -101,7 +101,14 @@ def measure(name: str) -> dict[str, float]:
     # deltas: hooks on the sublayers of the model itself (no probe)
     sub = {"self_attn", "mlp", "fc2", "attention", "sa_layer_norm", "self_attention", "encoder_attn"}
     sub |= {"self_attn_layer_norm", "post_attention_layernorm", "post_feedforward_layernorm", "attn"}
-    sub |= {"feed_forward", "self_attention.dense", "mlp.dense_4h_to_h", "ffn.down_proj"}
+    sub |= {
+        "feed_forward",
+        "self_attention.dense",
+        "mlp.dense_4h_to_h",
+        "ffn.down_proj",
+        "ffn1",
+        "conv_module",
+    }
     paths = []
     for lp in arch.layers.values():
         for i, layer in enumerate(_module(model, lp)):
