@@ -272,7 +272,10 @@ def test_layer_probe_cannot_decompose_keeps_the_stream_and_says_why(tmp_path):
     assert cache.metadata["layers"][1]["deltas"] == {"self_attn": "sublayer output", "mlp": "sublayer output"}
     from probe.cli import info_text
 
-    assert "no deltas: decoder.blocks.0: the outputs of mlp and self_attn are mixed" in info_text(path)
+    assert (
+        "no deltas: decoder.blocks.0: the outputs of mlp and self_attn are mixed before they reach the "
+        "stream; probe cannot separate them (blocks.0.attn, blocks.0.mlp)"
+    ) in info_text(path)
 
 
 # DeepNorm hands on x1 = ln1(2·x + attn(x)) and the MLP's add takes 2·x1: the stream between the

@@ -310,9 +310,10 @@ class LayerStream:
                 continue
             part_kinds = [{kind_of(s) for s in srcs} for srcs, _ in a.parts or []]
             if not part_kinds or any(len(k) != 1 for k in part_kinds):
+                who = ", ".join(sorted(names(s) for s in a.sources))
                 none.note = (
                     f"the outputs of {' and '.join(sorted(kinds))} are mixed before they reach the "
-                    "stream; probe cannot separate them"
+                    f"stream; probe cannot separate them ({who})"
                 )
                 return none
             plans.append([(k.pop(), v) for k, (_, v) in zip(part_kinds, a.parts, strict=True)])
