@@ -53,6 +53,32 @@ def postnorm(after_attn: str):
     return lambda out, inp: {"self_attn": out(after_attn) - inp, "mlp": out("") - out(after_attn)}
 
 
+# sandwich norms (Gemma 2/3) and norms after each sublayer (OLMo 2): what reaches the stream is the
+# normalised sublayer output
+SANDWICH = prenorm("post_attention_layernorm", "post_feedforward_layernorm")
+PRENORM = prenorm()
+
+
+def _llama_like(model: str, config: str, deltas=PRENORM, **cfg) -> Arch:
+    """A decoder laid out like Llama (``model.layers[i].self_attn``), from ``tf.<model>``/``tf.<config>``."""
+    return Arch(
+        lambda: _seeded(getattr(tf, model), getattr(tf, config)(**LLAMA_LIKE | cfg)),
+        {"decoder": "model.layers"},
+        {"self": "self_attn"},
+        deltas,
+    )
+
+
+def _bert_like(model: str, config: str, **cfg) -> Arch:
+    """A post-norm encoder laid out like BERT (``encoder.layer[i].attention.self``)."""
+    return Arch(
+        lambda: _seeded(getattr(tf, model), getattr(tf, config)(**BERT_LIKE | cfg)),
+        {"encoder": "encoder.layer"},
+        {"self": "attention.self"},
+        postnorm("attention"),
+    )
+
+
 def _opt(pre: bool):
     cfg = tf.OPTConfig(
         **SMALL,
@@ -115,64 +141,27 @@ ARCHS: dict[str, Arch] = {
         # BLOOM's modules add the residual handed to them: the tensor added is their last projection's
         prenorm("self_attention.dense", "mlp.dense_4h_to_h"),
     ),
-    "mixtral": Arch(
-        lambda: _seeded(
-            tf.MixtralForCausalLM,
-            tf.MixtralConfig(**LLAMA_LIKE, num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2),
-        ),
-        {"decoder": "model.layers"},
-        {"self": "self_attn"},
-        prenorm(),
+    "mixtral": _llama_like(
+        "MixtralForCausalLM",
+        "MixtralConfig",
+        num_key_value_heads=2,
+        num_local_experts=4,
+        num_experts_per_tok=2,
     ),
-    "qwen2-moe": Arch(
-        lambda: _seeded(
-            tf.Qwen2MoeForCausalLM,
-            tf.Qwen2MoeConfig(
-                **LLAMA_LIKE,
-                num_key_value_heads=2,
-                num_experts=4,
-                num_experts_per_tok=2,
-                moe_intermediate_size=32,
-                shared_expert_intermediate_size=64,
-            ),
-        ),
-        {"decoder": "model.layers"},
-        {"self": "self_attn"},
-        prenorm(),
+    "qwen2-moe": _llama_like(
+        "Qwen2MoeForCausalLM",
+        "Qwen2MoeConfig",
+        num_key_value_heads=2,
+        num_experts=4,
+        num_experts_per_tok=2,
+        moe_intermediate_size=32,
+        shared_expert_intermediate_size=64,
     ),
-    "mistral": Arch(
-        lambda: _seeded(tf.MistralForCausalLM, tf.MistralConfig(**LLAMA_LIKE, num_key_value_heads=2)),
-        {"decoder": "model.layers"},
-        {"self": "self_attn"},
-        prenorm(),
-    ),
-    "qwen2": Arch(
-        lambda: _seeded(tf.Qwen2ForCausalLM, tf.Qwen2Config(**LLAMA_LIKE, num_key_value_heads=2)),
-        {"decoder": "model.layers"},
-        {"self": "self_attn"},
-        prenorm(),
-    ),
-    "gemma": Arch(
-        lambda: _seeded(tf.GemmaForCausalLM, tf.GemmaConfig(**LLAMA_LIKE, num_key_value_heads=1, head_dim=8)),
-        {"decoder": "model.layers"},
-        {"self": "self_attn"},
-        prenorm(),
-    ),
-    "gemma2": Arch(
-        lambda: _seeded(
-            tf.Gemma2ForCausalLM, tf.Gemma2Config(**LLAMA_LIKE, num_key_value_heads=2, head_dim=8)
-        ),
-        {"decoder": "model.layers"},
-        {"self": "self_attn"},
-        # sandwich norms: what reaches the stream is the normalised sublayer output
-        prenorm("post_attention_layernorm", "post_feedforward_layernorm"),
-    ),
-    "phi": Arch(
-        lambda: _seeded(tf.PhiForCausalLM, tf.PhiConfig(**LLAMA_LIKE)),
-        {"decoder": "model.layers"},
-        {"self": "self_attn"},
-        prenorm(),
-    ),
+    "mistral": _llama_like("MistralForCausalLM", "MistralConfig", num_key_value_heads=2),
+    "qwen2": _llama_like("Qwen2ForCausalLM", "Qwen2Config", num_key_value_heads=2),
+    "gemma": _llama_like("GemmaForCausalLM", "GemmaConfig", num_key_value_heads=1, head_dim=8),
+    "gemma2": _llama_like("Gemma2ForCausalLM", "Gemma2Config", SANDWICH, num_key_value_heads=2, head_dim=8),
+    "phi": _llama_like("PhiForCausalLM", "PhiConfig"),
     "gpt-bigcode": Arch(
         lambda: _seeded(
             tf.GPTBigCodeForCausalLM,
@@ -182,15 +171,7 @@ ARCHS: dict[str, Arch] = {
         {"self": "attn"},
         prenorm("attn", "mlp"),
     ),
-    "roberta": Arch(
-        lambda: _seeded(
-            tf.RobertaModel,
-            tf.RobertaConfig(**BERT_LIKE),
-        ),
-        {"encoder": "encoder.layer"},
-        {"self": "attention.self"},
-        postnorm("attention"),
-    ),
+    "roberta": _bert_like("RobertaModel", "RobertaConfig"),
     "distilbert": Arch(
         lambda: _seeded(
             tf.DistilBertModel,
@@ -262,69 +243,27 @@ ARCHS: dict[str, Arch] = {
         {"self": "attn"},
         prenorm("attn", "mlp"),
     ),
-    "stablelm": Arch(
-        lambda: _seeded(
-            tf.StableLmForCausalLM,
-            tf.StableLmConfig(
-                **LLAMA_LIKE,
-                num_key_value_heads=2,
-                partial_rotary_factor=0.5,
-                qk_layernorm=True,
-                use_parallel_residual=True,
-            ),
-        ),
-        {"decoder": "model.layers"},
-        {"self": "self_attn"},
-        prenorm(),
+    "stablelm": _llama_like(
+        "StableLmForCausalLM",
+        "StableLmConfig",
+        num_key_value_heads=2,
+        partial_rotary_factor=0.5,
+        qk_layernorm=True,
+        use_parallel_residual=True,
     ),
-    "cohere": Arch(
-        lambda: _seeded(
-            tf.CohereForCausalLM, tf.CohereConfig(**LLAMA_LIKE, num_key_value_heads=2, pad_token_id=0)
-        ),
-        {"decoder": "model.layers"},
-        {"self": "self_attn"},
-        prenorm(),
-    ),
-    "phi3": Arch(
-        lambda: _seeded(
-            tf.Phi3ForCausalLM, tf.Phi3Config(**LLAMA_LIKE, num_key_value_heads=2, pad_token_id=0)
-        ),
-        {"decoder": "model.layers"},
-        {"self": "self_attn"},
-        prenorm(),
-    ),
-    "qwen3": Arch(
-        lambda: _seeded(tf.Qwen3ForCausalLM, tf.Qwen3Config(**LLAMA_LIKE, num_key_value_heads=2, head_dim=8)),
-        {"decoder": "model.layers"},
-        {"self": "self_attn"},
-        prenorm(),
-    ),
-    "olmo2": Arch(
-        lambda: _seeded(tf.Olmo2ForCausalLM, tf.Olmo2Config(**LLAMA_LIKE, num_key_value_heads=2)),
-        {"decoder": "model.layers"},
-        {"self": "self_attn"},
-        prenorm("post_attention_layernorm", "post_feedforward_layernorm"),
-    ),
-    "starcoder2": Arch(
-        lambda: _seeded(tf.Starcoder2ForCausalLM, tf.Starcoder2Config(**LLAMA_LIKE, num_key_value_heads=2)),
-        {"decoder": "model.layers"},
-        {"self": "self_attn"},
-        prenorm(),
-    ),
-    "gemma3": Arch(
-        lambda: _seeded(
-            tf.Gemma3ForCausalLM,
-            tf.Gemma3TextConfig(
-                **LLAMA_LIKE,
-                num_key_value_heads=2,
-                head_dim=8,
-                sliding_window=3,
-                layer_types=["sliding_attention", "full_attention"],
-            ),
-        ),
-        {"decoder": "model.layers"},
-        {"self": "self_attn"},
-        prenorm("post_attention_layernorm", "post_feedforward_layernorm"),
+    "cohere": _llama_like("CohereForCausalLM", "CohereConfig", num_key_value_heads=2, pad_token_id=0),
+    "phi3": _llama_like("Phi3ForCausalLM", "Phi3Config", num_key_value_heads=2, pad_token_id=0),
+    "qwen3": _llama_like("Qwen3ForCausalLM", "Qwen3Config", num_key_value_heads=2, head_dim=8),
+    "olmo2": _llama_like("Olmo2ForCausalLM", "Olmo2Config", SANDWICH, num_key_value_heads=2),
+    "starcoder2": _llama_like("Starcoder2ForCausalLM", "Starcoder2Config", num_key_value_heads=2),
+    "gemma3": _llama_like(
+        "Gemma3ForCausalLM",
+        "Gemma3TextConfig",
+        SANDWICH,
+        num_key_value_heads=2,
+        head_dim=8,
+        sliding_window=3,
+        layer_types=["sliding_attention", "full_attention"],
     ),
     "mpt": Arch(
         lambda: _seeded(
@@ -338,25 +277,10 @@ ARCHS: dict[str, Arch] = {
         # ALiBi; the FFN adds the residual handed to it: the tensor added is its down projection
         prenorm("attn", "ffn.down_proj"),
     ),
-    "electra": Arch(
-        lambda: _seeded(tf.ElectraModel, tf.ElectraConfig(**BERT_LIKE, embedding_size=16)),
-        {"encoder": "encoder.layer"},
-        {"self": "attention.self"},
-        postnorm("attention"),
-    ),
-    "xlm-roberta": Arch(
-        lambda: _seeded(tf.XLMRobertaModel, tf.XLMRobertaConfig(**BERT_LIKE)),
-        {"encoder": "encoder.layer"},
-        {"self": "attention.self"},
-        postnorm("attention"),
-    ),
-    "bigbird": Arch(
-        # block-sparse attention falls back to full attention on short texts; this is the full path
-        lambda: _seeded(tf.BigBirdModel, tf.BigBirdConfig(**BERT_LIKE, attention_type="original_full")),
-        {"encoder": "encoder.layer"},
-        {"self": "attention.self"},
-        postnorm("attention"),
-    ),
+    "electra": _bert_like("ElectraModel", "ElectraConfig", embedding_size=16),
+    "xlm-roberta": _bert_like("XLMRobertaModel", "XLMRobertaConfig"),
+    # block-sparse attention falls back to full attention on short texts; this is the full path
+    "bigbird": _bert_like("BigBirdModel", "BigBirdConfig", attention_type="original_full"),
     "w2v2-conformer": Arch(
         lambda: _seeded(
             tf.Wav2Vec2ConformerModel,
@@ -385,26 +309,21 @@ ARCHS: dict[str, Arch] = {
             + (out("") - (inp + out("ffn1") * 0.5 + out("self_attn") + out("conv_module"))),
         },
     ),
-    "jamba-hybrid": Arch(
-        lambda: _seeded(
-            tf.JambaForCausalLM,
-            tf.JambaConfig(
-                **LLAMA_LIKE | {"num_hidden_layers": 4},
-                num_key_value_heads=2,
-                attn_layer_period=2,
-                attn_layer_offset=1,  # layers 1 and 3 attend; 0 and 2 are Mamba
-                expert_layer_period=2,
-                expert_layer_offset=1,
-                num_experts=4,
-                num_experts_per_tok=2,
-                mamba_d_state=4,
-                mamba_dt_rank=4,
-                use_mamba_kernels=False,
-            ),
-        ),
-        {"decoder": "model.layers"},
-        {"self": "self_attn"},
+    "jamba-hybrid": _llama_like(
+        "JambaForCausalLM",
+        "JambaConfig",
         prenorm("self_attn", "feed_forward"),
+        num_hidden_layers=4,
+        num_key_value_heads=2,
+        attn_layer_period=2,
+        attn_layer_offset=1,  # layers 1 and 3 attend; 0 and 2 are Mamba
+        expert_layer_period=2,
+        expert_layer_offset=1,
+        num_experts=4,
+        num_experts_per_tok=2,
+        mamba_d_state=4,
+        mamba_dt_rank=4,
+        use_mamba_kernels=False,
     ),
 }
 
