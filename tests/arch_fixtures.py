@@ -141,6 +141,21 @@ ARCHS: dict[str, Arch] = {
         # BLOOM's modules add the residual handed to them: the tensor added is their last projection's
         prenorm("self_attention.dense", "mlp.dense_4h_to_h"),
     ),
+    "bloom-tp2": Arch(
+        lambda: _seeded(
+            tf.BloomForCausalLM,
+            tf.BloomConfig(
+                vocab_size=VOCAB, hidden_size=32, n_layer=2, n_head=4, pretraining_tp=2, slow_but_exact=True
+            ),
+        ),
+        {"decoder": "transformer.h"},
+        {"self": "self_attention"},
+        # projections summed slice by slice into zeros_like(...): the stream each module hands on
+        lambda out, inp: {
+            "self_attn": out("self_attention") - inp,
+            "mlp": out("mlp") - out("self_attention"),
+        },
+    ),
     "mixtral": _llama_like(
         "MixtralForCausalLM",
         "MixtralConfig",
@@ -369,6 +384,10 @@ ABOUT: dict[str, tuple[str, str]] = {
     "opt-postnorm": ("OPT, `do_layer_norm_before=False`", "post-norm (stream differences)"),
     "falcon": ("Falcon", "parallel attention + MLP, `mlp_output += attention_output`"),
     "bloom": ("BLOOM", "attention/MLP modules add the residual handed to them; ALiBi, `[b·h]` baddbmm"),
+    "bloom-tp2": (
+        "BLOOM, `pretraining_tp=2`, `slow_but_exact`",
+        "projections summed slice by slice into `zeros_like`",
+    ),
     "mixtral": ("Mixtral", "routed experts (top-2 of 4)"),
     "qwen2-moe": ("Qwen2-MoE", "routed experts + gated shared expert"),
     "mistral": ("Mistral", "pre-norm, GQA"),

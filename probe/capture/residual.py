@@ -44,6 +44,21 @@ EMPTY: frozenset[int] = frozenset()
 _NO_LABEL = (False, EMPTY)
 ADD = {torch.add, Tensor.add, Tensor.__add__, Tensor.__radd__}
 ADD_INPLACE = {Tensor.add_, Tensor.__iadd__}
+# tensors whose values do not depend on their input's (only its shape): never the stream
+FRESH = {
+    torch.zeros_like,
+    torch.ones_like,
+    torch.empty_like,
+    torch.full_like,
+    torch.rand_like,
+    torch.randn_like,
+    torch.randint_like,
+    Tensor.new_zeros,
+    Tensor.new_ones,
+    Tensor.new_empty,
+    Tensor.new_full,
+    Tensor.new_tensor,
+}
 # a stream times (or over) a constant is not the stream a sublayer hands on (DeepNorm's α·x + f(x))
 SCALE = {torch.mul, Tensor.mul, Tensor.__mul__, Tensor.__rmul__, torch.div, Tensor.div, Tensor.__truediv__}
 
@@ -182,6 +197,8 @@ class LayerStream:
 
     def after_op(self, func: Any, args: tuple, kwargs: dict, out: Any, source: int | None) -> None:
         """Label what an operation inside the layer produced (``source``: the sublayer it ran in)."""
+        if func in FRESH:
+            return  # BLOOM's zeros_like(residual), summed into: not the stream, not a sublayer output
         if isinstance(out, Tensor):
             outs = [out]
         elif isinstance(out, (tuple, list)):
