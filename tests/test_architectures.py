@@ -448,3 +448,44 @@ def test_left_padding_keeps_each_texts_positions(left_tokenizer, name, side):
         for layer in range(2):
             got = cache.pattern(stack, layer)[b, :, real, real]
             torch.testing.assert_close(got, want[layer][0], atol=PATTERN_TOL, rtol=0)
+
+
+def test_falcon_alibi_patterns_are_what_its_sdpa_path_computes(monkeypatch):
+    # transformers' Falcon with alibi scales (scores + alibi) on its eager path but adds alibi after
+    # scaling on its sdpa path (huggingface/transformers#29946): the two disagree, so the oracle
+    # here is a softmax of the arguments the model hands to scaled_dot_product_attention
+    import transformers as tf
+
+    cfg = tf.FalconConfig(
+        **A.SMALL,
+        hidden_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        parallel_attn=False,
+        new_decoder_architecture=False,
+        alibi=True,
+    )
+    model = A._seeded(tf.FalconForCausalLM, cfg)
+    ids = A.inputs("falcon", model)["input_ids"]
+    sdpa, want = torch.nn.functional.scaled_dot_product_attention, []
+
+    def spy(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, **kw):
+        s = q @ k.transpose(-1, -2) * (q.shape[-1] ** -0.5 if scale is None else scale)
+        if attn_mask is not None:
+            s = s.masked_fill(~attn_mask, float("-inf")) if attn_mask.dtype == torch.bool else s + attn_mask
+        if is_causal:
+            s = s.masked_fill(torch.ones(s.shape[-2:], dtype=torch.bool).triu(1), float("-inf"))
+        want.append(s.softmax(-1))
+        return sdpa(q, k, v, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal, scale=scale, **kw)
+
+    with monkeypatch.context() as m:
+        m.setattr(torch.nn.functional, "scaled_dot_product_attention", spy)
+        with torch.no_grad():
+            model(ids)
+    cache = probe.capture(model, ids)
+    assert len(want) == 2
+    for i in range(2):
+        torch.testing.assert_close(cache.pattern("decoder", i), want[i], atol=PATTERN_TOL, rtol=0)
+    with torch.no_grad():
+        eager = A.eager_twin(model)(ids, output_attentions=True).attentions
+    assert float((cache.pattern("decoder", 0) - eager[0]).abs().max()) > 1e-3  # the library's own gap
