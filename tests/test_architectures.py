@@ -456,15 +456,8 @@ def test_falcon_alibi_patterns_are_what_its_sdpa_path_computes(monkeypatch):
     # here is a softmax of the arguments the model hands to scaled_dot_product_attention
     import transformers as tf
 
-    cfg = tf.FalconConfig(
-        **A.SMALL,
-        hidden_size=32,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        parallel_attn=False,
-        new_decoder_architecture=False,
-        alibi=True,
-    )
+    cfg = A.ARCHS["falcon"].build().config
+    cfg.alibi, cfg.parallel_attn = True, False
     model = A._seeded(tf.FalconForCausalLM, cfg)
     ids = A.inputs("falcon", model)["input_ids"]
     sdpa, want = torch.nn.functional.scaled_dot_product_attention, []
