@@ -373,6 +373,8 @@ def test_probe_report_renders_the_alignment_section(tmp_path):
     html = probe.report(c, tmp_path / "r", progress=False).read_text()
     assert "Cross-attention alignment" in html and "diagonality" in html
     assert "<i>gestern sah der junge das hundehaus</i>" in html  # compound merged back into one word
+    assert "shifted decoder input and links by" in html  # words are not glued by the template's tags
+    assert html.count('class="probe-download"') >= 3  # each figure downloads as PNG
     minigpt = probe.capture(models.load("minigpt"), "attention")
     assert (
         "Cross-attention alignment" not in probe.report(minigpt, tmp_path / "m", progress=False).read_text()
