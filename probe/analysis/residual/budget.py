@@ -60,6 +60,8 @@ class Budget(TableExports):
     ``""`` outside the layers). ``total`` counts each shared tensor once and equals
     ``sum(p.numel() for p in model.parameters())``; ``matrices`` is the tutorial's total (token
     embedding, W_Q, W_K, W_V, W_O, MLP up and down, unembedding); ``journey`` the token's shapes.
+    ``tied_to``: a role whose weight is another role's tensor (a tied unembedding) -> the role it
+    is counted under; ``notes`` name every shared tensor.
     """
 
     params: Table
@@ -71,6 +73,7 @@ class Budget(TableExports):
     dims: dict[str, int]
     name: str = ""
     notes: list[str] = field(default_factory=list)
+    tied_to: dict[str, str] = field(default_factory=dict)
 
     def main_table(self) -> Table:
         """The table ``to_json``/``to_csv``/``to_pandas`` export."""
@@ -94,6 +97,7 @@ class Budget(TableExports):
             "by_layer": self.by_layer.to_dict(),
             "params": self.params.to_dict(),
             "notes": list(self.notes),
+            "tied_to": dict(self.tied_to),
         }
 
     def journey_text(self) -> str:
@@ -105,7 +109,9 @@ class Budget(TableExports):
         w = max(len(r) for r in ROLES)
         lines = [f"{self.name}  parameter budget" if self.name else "parameter budget"]
         for r in self.by_role:
-            lines.append(f"  {r['role']:{w}}  {r['parameters']:>20,}  {100 * r['share']:6.2f}%")
+            tied = self.tied_to.get(r["role"])
+            tie = f"  (tied: the {tied}, counted there)" if tied else ""
+            lines.append(f"  {r['role']:{w}}  {r['parameters']:>20,}  {100 * r['share']:6.2f}%{tie}")
         lines.append(f"  {'weight matrices':{w}}  {self.matrices:>20,}")
         lines.append(f"  {'total':{w}}  {self.total:>20,}")
         lines.append("journey: " + self.journey_text())
@@ -327,8 +333,12 @@ def budget(model_or_config: Any) -> Budget:
         row.update({r: c.get(r, 0) for r in ROLES})
         layer_rows.append(row)
     notes = []
+    tied_to: dict[str, str] = {}
+    first_role = {r["name"]: r["role"] for r in rows}
     for n, others in tied.items():
-        notes.append(f"{n} is shared with {', '.join(others)}: counted once")
+        notes.append(f"{n} is shared with {', '.join(others)}: counted once, as {first_role[n]}")
+        if unembed is not None and f"{unembed}.weight" in others and first_role[n] != "unembedding":
+            tied_to["unembedding"] = first_role[n]
     d_ff = _d_ff(per_layer, d)
     vocab_out = next((_proj_shape(m)[1] for mn, m in model.named_modules() if mn == unembed), None)
     has_tok = by_role.get("token embedding", 0) > 0
@@ -352,6 +362,7 @@ def budget(model_or_config: Any) -> Budget:
         dims,
         str(name or type(model).__name__),
         notes,
+        tied_to,
     )
 
 
