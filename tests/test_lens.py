@@ -145,14 +145,21 @@ def test_fused_decoder_no_final_norm():
     assert any("not split by head" in n for n in lens.attribution.notes)
 
 
-def test_translator_decoder():
-    model = models.load("translator")
+@pytest.mark.parametrize(
+    "name, source, target",
+    [
+        ("translator", "ich mochte ein bier", "S i want a beer"),
+        ("aligner", "gestern sah der junge das hundehaus", "S yesterday the boy saw the dog house"),
+    ],
+)
+def test_encoder_decoder_zoo_decoders(name, source, target):
+    model = models.load(name)
     tok = model.tokenizer
-    src = torch.tensor([tok.encode("ich mochte ein bier")])
-    tgt = torch.tensor([tok.target.encode("S i want a beer")])
+    src = torch.tensor([tok.encode(source)])
+    tgt = torch.tensor([tok.target.encode(target)])
     with torch.no_grad():
         logits = model(src, tgt)[0]
-    lens = probe.logit_lens(model, "ich mochte ein bier", target="S i want a beer")
+    lens = probe.logit_lens(model, source, target=target)
     _check_final_layer(lens, logits)
     _check_attribution_sum(lens.attribution, logits)
     assert lens.n_stream_rows == 1 + model.config.n_layers
