@@ -125,6 +125,18 @@ def test_minigpt_attribution_by_hand():
     assert rows["L1.self_attn.bias"] == pytest.approx(part(model.blocks[1].attn.proj.bias), abs=1e-5)
 
 
+def test_norm_and_unembedding_given_by_hand():
+    model = models.load("minigpt")
+    with torch.no_grad():
+        logits = model(torch.tensor([model.tokenizer.encode(TEXT)]))[0]
+    lens = probe.logit_lens(model, TEXT, norm=model.ln_f, unembed=model.lm_head)
+    _check_final_layer(lens, logits)
+    assert lens.readout == "ln_f -> lm_head"
+    # a read-out that does not give the model's logits is refused, never shown
+    with pytest.raises(probe.ProbeError, match="does not reproduce the model's logits"):
+        probe.logit_lens(model, TEXT, norm=None, unembed=model.lm_head)
+
+
 def test_a_cache_gives_the_same_lens():
     model = models.load("minigpt")
     cache = probe.capture(model, TEXT)
