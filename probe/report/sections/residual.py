@@ -42,7 +42,8 @@ def _norms_figure(ctx, stats) -> str:
         ax.set_xticks(range(len(layers)), [str(i) for i in layers])
         ax.set_xlabel(f"{stack} layer")
         ax.set_ylabel("mean L2 norm over tokens")
-        ax.legend(fontsize=8)
+        ax.set_ylim(0, 1.4 * max(max(bottom), max(post), 1e-9))  # room above for the legend
+        ax.legend(fontsize=8, loc="upper right", ncol=2)
     fig.tight_layout()
     return ctx.figure(fig, "residual norms per layer")
 
