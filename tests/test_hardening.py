@@ -387,7 +387,7 @@ def test_output_problems_are_found_before_the_model_runs(tmp_path, capsys, monke
     def no_model(args):
         raise AssertionError("the model was loaded before the output path was checked")
 
-    monkeypatch.setattr("probe.cli.load_model", no_model)
+    monkeypatch.setattr("probe.cli.common.load_model", no_model)
     (tmp_path / "dir.safetensors").mkdir()
     (tmp_path / "file").write_text("x")
     err = _one_line_error(capsys, ["capture", "at", "-o", str(tmp_path / "dir.safetensors")])
@@ -575,7 +575,7 @@ def wait(module, args):
     print("ready", flush=True)
     time.sleep(120)
 gpt.blocks[1].register_forward_pre_hook(wait)
-probe.cli._load_zoo = lambda name: gpt
+probe.cli.common._load_zoo = lambda name: gpt
 sys.exit(probe.cli.main(["capture", "at", "-o", sys.argv[1]]))
 """
 
@@ -655,7 +655,7 @@ def test_disk_full_during_the_header_rewrite(small_disk):
 def test_disk_full_on_the_command_line(small_disk, capsys, monkeypatch):
     lm, _ = _big()
     lm.tokenizer = type("T", (), {"encode": lambda s, t: [1] * 60, "decode": lambda s, i: "x"})()
-    monkeypatch.setattr("probe.cli.load_model", lambda args: (lm, lm.tokenizer))
+    monkeypatch.setattr("probe.cli.common.load_model", lambda args: (lm, lm.tokenizer))
     texts = ["x" * 60] * 4
     err = _one_line_error(capsys, ["capture", *texts, "-o", str(small_disk / "c.safetensors")])
     assert "No space left on device" in err

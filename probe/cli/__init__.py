@@ -1,0 +1,81 @@
+"""The ``probe`` command line: ``probe capture``, ``probe info``, ``probe report``, ``probe models``, ...
+
+Problems the user can fix are printed as one line (``probe: error: ...``) with exit code 2 and
+no traceback; nothing half-written is left behind.
+
+One module per command group (``capture`` also holds ``info`` and ``models``; ``residual`` holds
+``lens`` and ``budget``); what they share (``--model``/``--hf``, exports, the error boundary) is in
+``common``. Each module imports its heavy dependencies inside its command, so ``probe --help``
+stays fast.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+from probe.cli import align, capture, check, common, corpus, report, residual, stats
+from probe.cli.align import align_text, cmd_align
+from probe.cli.capture import cmd_capture, cmd_info, cmd_models, info_text
+from probe.cli.check import cmd_check
+from probe.cli.common import Terminated, add_model_args, load_model
+from probe.cli.corpus import cmd_corpus
+from probe.cli.report import cmd_report
+from probe.cli.residual import cmd_budget, cmd_lens, cmd_residual
+from probe.cli.stats import cmd_stats
+
+__all__ = [
+    "Terminated",
+    "add_model_args",
+    "align_text",
+    "build_parser",
+    "cmd_align",
+    "cmd_budget",
+    "cmd_capture",
+    "cmd_check",
+    "cmd_corpus",
+    "cmd_info",
+    "cmd_lens",
+    "cmd_models",
+    "cmd_report",
+    "cmd_residual",
+    "cmd_stats",
+    "info_text",
+    "load_model",
+    "main",
+]
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The argument parser of the ``probe`` command."""
+    parser = argparse.ArgumentParser(
+        prog="probe",
+        description="See what attention inside a transformer really does: capture every "
+        "attention pattern and residual delta into a safetensors cache.",
+    )
+    from probe import __version__
+
+    parser.add_argument("--version", action="version", version=f"probe {__version__}")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    sub.required = True
+    # in this order in `probe --help`
+    capture.add_capture_parser(sub)
+    capture.add_info_parser(sub)
+    corpus.add_parser(sub)
+    check.add_parser(sub)
+    report.add_parser(sub)
+    stats.add_parser(sub)
+    capture.add_models_parser(sub)
+    residual.add_parsers(sub)
+    align.add_parser(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of the ``probe`` console script; returns the exit code.
+
+    The one error boundary (:func:`probe.cli.common.run`): a :class:`ProbeError` or ``OSError``
+    becomes one line on stderr and exit code 2; a closed output pipe exits quietly (0); Ctrl-C
+    exits 130 and SIGTERM/SIGHUP 128 + the signal number, each after the temporary files are removed.
+    """
+    args = build_parser().parse_args(argv)
+    return common.run(args)

@@ -1,0 +1,168 @@
+"""``probe capture``, ``probe info`` and ``probe models``: write a cache, summarise one, list the zoo."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from probe.cli import common
+from probe.cli.common import _human, _ints, add_model_args
+from probe.errors import ProbeError
+
+
+def cmd_capture(args: argparse.Namespace) -> int:
+    import probe
+    from probe.cache.writer import check_output
+
+    out = Path(args.output)
+    if out.suffix != ".safetensors":
+        raise ProbeError(f"output {out} should end in .safetensors")
+    check_output(out)  # before loading the model and running the forward
+    model, tok = common.load_model(args)
+    text = args.text if len(args.text) > 1 else args.text[0]
+    target = None
+    if args.target is not None:
+        target = args.target if len(args.target) > 1 else args.target[0]
+    cache = probe.capture(
+        model,
+        text,
+        tokenizer=tok,
+        target=target,
+        out=out,
+        layers=args.layers,
+        heads=args.heads,
+        dtype=args.dtype,
+    )
+    n = len(cache.keys())
+    print(f"wrote {out} ({_human(out.stat().st_size)}, {n} tensors); inspect it with `probe info {out}`")
+    return 0
+
+
+def info_text(path: str | Path) -> str:
+    """A readable summary of the cache at ``path``: model, tokens, keys, shapes and sizes."""
+    import probe
+
+    cache = probe.load(path)
+    meta = cache.metadata
+    p = Path(path)
+    lines = [f"{p}  ({_human(p.stat().st_size)})"]
+    model = meta.get("model", {})
+    lines.append(
+        f"model:     {model.get('name', '?')}  ({model.get('class', '?')}, "
+        f"{model.get('parameters', 0):,} parameters)"
+    )
+    lines.append(
+        f"attention: {', '.join(meta.get('attention_implementations', [])) or '?'}"
+        f"   stored as {meta.get('dtype', '?')}"
+    )
+    lines.append(
+        f"format:    probe cache v{meta.get('format_version', '?')}, written by probe "
+        f"{meta.get('probe_version', '?')}"
+    )
+    stacks = meta.get("stacks", {})
+    for s in cache.stacks:
+        heads = {e.get("self_attn", {}).get("heads") for e in meta.get("layers", []) if e.get("stack") == s}
+        heads.discard(None)
+        hs = ", ".join(str(h) for h in sorted(heads)) or "?"
+        lines.append(
+            f"{s}:   {cache.n_layers(s)} of {stacks.get(s, {}).get('layers', '?')} "
+            f"layers captured, {hs} heads"
+        )
+    if meta.get("training"):
+        lines.append("mode:      train (patterns are the weights before dropout)")
+    no_deltas: dict[tuple[str, str], list[str]] = {}  # layers stored without deltas, by reason
+    for e in meta.get("layers", []):
+        if e.get("residual_note"):
+            no_deltas.setdefault((e.get("stack"), e["residual_note"]), []).append(str(e.get("layer")))
+    for (stack, note), idx in no_deltas.items():
+        lines.append(f"no deltas: {stack}.blocks.{','.join(idx)}: {note}")
+    texts = meta.get("texts") or []
+    for i, toks in enumerate(cache.tokens):
+        label = f"text {i}:" if texts else f"input {i}:"
+        shown = " | ".join(toks[:24]) + (" | ..." if len(toks) > 24 else "")
+        lines.append(f"{label:9} {len(toks)} tokens: {shown}")
+        if cache.target_tokens:
+            tt = cache.target_tokens[i]
+            lines.append(f"{'target:':9} {len(tt)} tokens: {' | '.join(tt[:24])}")
+    lines.append("")
+    width = max((len(k) for k in cache.keys()), default=10)
+    lines.append(f"{'key':{width}}  {'shape':22} {'size':>10}")
+    total = 0
+    for k in cache.keys():
+        nb = cache.nbytes(k)
+        total += nb
+        shape = "[" + ", ".join(str(d) for d in cache.shape(k)) + "]"
+        lines.append(f"{k:{width}}  {shape:22} {_human(nb):>10}")
+    lines.append(f"{len(cache.keys())} tensors, {_human(total)}")
+    return "\n".join(lines)
+
+
+def cmd_info(args: argparse.Namespace) -> int:
+    p = Path(args.path)
+    if p.is_dir() and ((p / "manifest.json").is_file() or (p / "config.json").is_file()):  # a corpus run
+        from probe.corpus import open_corpus
+
+        print(open_corpus(args.path).summary())
+        return 0
+    print(info_text(args.path))
+    return 0
+
+
+def cmd_models(args: argparse.Namespace) -> int:
+    import models
+
+    for name in models.names():
+        doc = (models.module(name).__doc__ or "").strip().splitlines()
+        print(f"{name:15} {doc[0] if doc else ''}")
+    return 0
+
+
+def add_capture_parser(sub) -> None:
+    """``probe capture``."""
+    p = sub.add_parser(
+        "capture",
+        help="run a model on text and write its attention cache",
+        description="Run a model from the bundled zoo (or a local Hugging Face folder) on TEXT and "
+        "stream every attention pattern and residual-stream delta into a safetensors cache.",
+        epilog="example: probe capture --model minigpt 'attention lets tokens read.' -o run.safetensors",
+    )
+    p.add_argument("text", nargs="+", metavar="TEXT", help="input text (several = one batch)")
+    add_model_args(p)
+    p.add_argument(
+        "--target",
+        "-t",
+        nargs="+",
+        default=None,
+        help="decoder text for encoder-decoders (teacher forcing); default: greedy decoding",
+    )
+    p.add_argument("-o", "--output", required=True, help="cache file to write (.safetensors)")
+    p.add_argument("--layers", type=_ints, default=None, help="layer indices to keep, e.g. 0,3")
+    p.add_argument("--heads", type=_ints, default=None, help="head indices to keep, e.g. 0,1")
+    p.add_argument(
+        "--dtype",
+        default=None,
+        choices=["float32", "float16", "bfloat16"],
+        help="store tensors in this dtype (default: as computed)",
+    )
+    p.set_defaults(func=cmd_capture)
+
+
+def add_info_parser(sub) -> None:
+    """``probe info``."""
+    p = sub.add_parser(
+        "info",
+        help="summarise a cache file",
+        description="Print a readable summary of a probe cache: model, tokens, keys, shapes and sizes.",
+    )
+    p.add_argument("path", help="a .safetensors cache written by probe, or a corpus run folder")
+    p.set_defaults(func=cmd_info)
+
+
+def add_models_parser(sub) -> None:
+    """``probe models``."""
+    p = sub.add_parser(
+        "models",
+        help="list the bundled model zoo",
+        description="List the textbook models bundled with probe.",
+    )
+    p.set_defaults(func=cmd_models)

@@ -1,0 +1,173 @@
+"""What every ``probe`` command shares: ``--model``/``--hf`` and loading the model, ``--csv``/``--json``
+exports, small argument parsers, and the error boundary (one line, exit 2, no traceback; signals
+clean up like Ctrl-C).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from probe.errors import ProbeError
+
+
+def _human(n: float) -> str:
+    for unit in ("B", "KB", "MB", "GB"):
+        if n < 1024 or unit == "GB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n:.1f} GB"
+
+
+def _ints(text: str) -> list[int]:
+    try:
+        return [int(p) for p in text.replace(" ", "").split(",") if p != ""]
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"expected comma-separated integers like 0,2,5, got {text!r}"
+        ) from None
+
+
+def _load_zoo(name: str):
+    import models
+
+    if name not in models.names():
+        raise ProbeError(
+            f"unknown model {name!r}; choose one of: {', '.join(models.names())} (see `probe models`)"
+        )
+    return models.load(name)
+
+
+def add_model_args(p: argparse.ArgumentParser, *, default: str | None = "minigpt") -> None:
+    """``--model NAME`` (zoo) and ``--hf PATH`` (a local Hugging Face model folder), one of them."""
+    g = p.add_mutually_exclusive_group()
+    g.add_argument(
+        "--model", "-m", default=None, help=f"zoo model name (see `probe models`; default: {default})"
+    )
+    g.add_argument("--hf", metavar="PATH", default=None, help="a local Hugging Face model folder (offline)")
+    p.set_defaults(default_model=default)
+
+
+def load_model(args: argparse.Namespace):
+    """The model named by ``--model`` / ``--hf``; returns ``(model, tokenizer)`` in eval mode."""
+    if getattr(args, "hf", None):
+        return _load_hf(args.hf)
+    name = args.model or args.default_model
+    if name is None:
+        raise ProbeError("no model given; pass --model NAME (see `probe models`) or --hf PATH")
+    model = _load_zoo(name)
+    return model, model.tokenizer
+
+
+def _load_hf(path: str):
+    import os
+
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    folder = Path(path)
+    if not folder.is_dir() or not (folder / "config.json").is_file():
+        raise ProbeError(
+            f"--hf {path}: not a Hugging Face model folder (no config.json); give a local folder"
+        )
+    try:
+        import transformers
+    except ImportError:
+        raise ProbeError("--hf needs transformers; install it with `pip install -e '.[hf]'`") from None
+    config = transformers.AutoConfig.from_pretrained(folder)
+    auto = transformers.AutoModel
+    if getattr(config, "is_encoder_decoder", False):
+        auto = transformers.AutoModelForSeq2SeqLM
+    elif any(a.endswith("ForCausalLM") for a in (config.architectures or [])):
+        auto = transformers.AutoModelForCausalLM
+    try:
+        tok = transformers.AutoTokenizer.from_pretrained(folder)
+        model = auto.from_pretrained(folder).eval()
+    except (OSError, ValueError) as e:
+        raise ProbeError(f"--hf {path}: could not load ({str(e).splitlines()[0]})") from None
+    return model, tok
+
+
+def _export(result, args: argparse.Namespace) -> None:
+    """Write ``--csv``/``--json`` exports of a result (atomically) and say where."""
+    for fmt in ("csv", "json"):
+        path = getattr(args, fmt, None)
+        if path:
+            getattr(result, f"to_{fmt}")(path)
+            print(f"wrote {path}")
+
+
+def _export_args(p: argparse.ArgumentParser, what: str) -> None:
+    p.add_argument("--csv", default=None, help=f"also write {what} to this CSV file")
+    p.add_argument("--json", default=None, help=f"also write {what} to this JSON file")
+
+
+# -- the error boundary --------------------------------------------------------------------------------------
+class Terminated(KeyboardInterrupt):
+    """SIGTERM or SIGHUP, raised like Ctrl-C so every ``finally`` and abort runs (no temp file left)."""
+
+
+def _on_signal(signum: int, frame: object) -> None:
+    raise Terminated(signum)
+
+
+def _catch_signals() -> dict:
+    import signal
+
+    old = {}
+    for name in ("SIGTERM", "SIGHUP"):
+        sig = getattr(signal, name, None)
+        if sig is not None and signal.getsignal(sig) in (signal.SIG_DFL, None):
+            try:
+                old[sig] = signal.signal(sig, _on_signal)
+            except ValueError:  # not the main thread: leave signals alone
+                pass
+    return old
+
+
+def _quiet_stdout() -> None:
+    # the reader of our output went away (`probe info x | head -1`): stop quietly; point stdout at
+    # /dev/null so the interpreter's final flush does not fail again
+    import os
+
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+    except (OSError, ValueError):
+        pass
+
+
+def run(args: argparse.Namespace) -> int:
+    """Run the parsed command ``args.func(args)`` inside the one error boundary; returns the exit code.
+
+    A :class:`ProbeError` or ``OSError`` becomes one line on stderr and exit code 2; a closed output
+    pipe exits quietly (0); Ctrl-C exits 130 and SIGTERM/SIGHUP 128 + the signal number, each after
+    the temporary files are removed.
+    """
+    import signal
+
+    from probe.errors import describe_os_error
+
+    old = _catch_signals()
+    try:
+        code = args.func(args)
+        sys.stdout.flush()
+        return code
+    except ProbeError as e:
+        print(f"probe: error: {e}", file=sys.stderr)
+        return 2
+    except BrokenPipeError:
+        _quiet_stdout()
+        return 0
+    except OSError as e:
+        print(f"probe: error: {describe_os_error(e, 'cannot use')}", file=sys.stderr)
+        return 2
+    except Terminated as e:
+        signum = e.args[0] if e.args else signal.SIGTERM
+        print(f"probe: stopped by {signal.Signals(signum).name}", file=sys.stderr)
+        return 128 + signum
+    except KeyboardInterrupt:
+        print("probe: interrupted", file=sys.stderr)
+        return 130
+    finally:
+        for sig, handler in old.items():
+            signal.signal(sig, handler)

@@ -1,0 +1,85 @@
+"""``probe corpus``: capture many texts, bounded memory, resumable, torchrun-aware."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from probe.cli import common
+from probe.cli.common import add_model_args
+from probe.errors import ProbeError
+
+
+def cmd_corpus(args: argparse.Namespace) -> int:
+    from probe.corpus import run_corpus
+
+    keep: object = args.keep
+    if args.layers is not None or args.heads is not None:
+        if args.keep not in (None, "patterns"):
+            raise ProbeError(
+                "--layers/--heads choose which patterns to keep; drop --keep or use --keep patterns"
+            )
+        keep = {"layers": args.layers, "heads": args.heads}
+    elif keep == "patterns":  # every pattern, no residuals ("all" stores both)
+        keep = {"layers": None, "heads": None}
+    elif keep is None:
+        keep = "stats"
+    if not Path(args.texts).is_file():
+        raise ProbeError(
+            f"--texts {args.texts}: no such file; give a .txt (one text per line) or .jsonl file"
+        )
+    model, tok = common.load_model(args)
+    corpus = run_corpus(
+        model,
+        args.texts,
+        args.output,
+        tokenizer=tok,
+        batch_size=args.batch_size,
+        keep=keep,
+        shard_size=args.shard_size,
+        field=args.field,
+        dtype=args.dtype,
+        progress=not args.quiet,
+    )
+    from probe.corpus.dist import rank_world
+
+    if rank_world()[0] == 0:
+        print(corpus.summary())
+    return 0
+
+
+def add_parser(sub) -> None:
+    """``probe corpus``."""
+    p = sub.add_parser(
+        "corpus",
+        help="capture a corpus: bounded memory, resumable, torchrun-aware",
+        description="Run a model over many texts: shards of cache files (or statistics only), a "
+        "manifest mapping every text to its shard and row (or its error), and merged per-head "
+        "statistics (head_stats.json/.csv). Rerun the same command to resume; launch it with "
+        "`torchrun --nproc_per_node=N -m probe corpus ...` to share the shards between processes.",
+        epilog="examples: probe corpus --model minigpt --texts texts.txt -o run/ | "
+        "probe corpus --hf ./gpt2 --texts data.jsonl --field text -o run/ --layers 0 5 --heads 1 2",
+    )
+    add_model_args(p, default=None)
+    p.add_argument("--texts", metavar="FILE", required=True, help="one text per line, or JSONL with --field")
+    p.add_argument("--field", default=None, help="JSONL field holding the text (default: text)")
+    p.add_argument("-o", "--output", required=True, help="output folder (resumed when it holds this run)")
+    p.add_argument("--batch-size", type=int, default=8, help="texts per forward pass (default 8)")
+    p.add_argument("--shard-size", type=int, default=256, help="texts per shard (default 256)")
+    p.add_argument(
+        "--keep",
+        choices=["stats", "all", "residuals", "patterns"],
+        default=None,
+        help="what to store: stats (default: statistics only), all (patterns and residuals), "
+        "residuals, or patterns (every pattern, or those chosen by --layers/--heads)",
+    )
+    p.add_argument("--layers", type=int, nargs="+", default=None, help="keep patterns of these layers")
+    p.add_argument("--heads", type=int, nargs="+", default=None, help="keep patterns of these heads")
+    p.add_argument(
+        "--dtype",
+        choices=["float16", "bfloat16"],
+        default=None,
+        help="store kept tensors in this precision (half the disk; statistics still read float32)",
+    )
+    p.add_argument("--quiet", "-q", action="store_true", help="no progress bar")
+    p.set_defaults(func=cmd_corpus)

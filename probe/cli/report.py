@@ -1,0 +1,71 @@
+"""``probe report``: the offline HTML report, from caches or from a model and text."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from probe.cli import common
+from probe.cli.common import _human, add_model_args
+from probe.errors import ProbeError
+
+
+def _report_name(text: str) -> str:
+    import re
+
+    return re.sub(r"[^A-Za-z0-9._-]+", "_", text).strip("._") or "report"
+
+
+def cmd_report(args: argparse.Namespace) -> int:
+    import probe
+
+    inputs = list(args.inputs)
+    model_given = bool(args.model or args.hf)
+    if not inputs:
+        raise ProbeError("nothing to report; give a cache file (run.safetensors) or --model NAME and a text")
+    if not model_given and all(i.endswith(".safetensors") for i in inputs):
+        caches = [probe.load(i) for i in inputs]
+        name = Path(inputs[0]).stem
+        model = tok = None
+    else:
+        if any(i.endswith(".safetensors") for i in inputs):
+            raise ProbeError(
+                "give either cache files (probe report run.safetensors) or texts with a model "
+                "(probe report --model minigpt 'text'), not both"
+            )
+        model, tok = common.load_model(args)
+        text = inputs if len(inputs) > 1 else inputs[0]
+        target = None
+        if args.target is not None:
+            target = args.target if len(args.target) > 1 else args.target[0]
+        caches = [probe.capture(model, text, tokenizer=tok, target=target)]
+        name = Path(args.hf).name if args.hf else (args.model or args.default_model)
+    out = Path(args.output) if args.output else Path("reports") / _report_name(name)
+    path = probe.report(caches, out, model=model, tokenizer=tok)
+    print(f"wrote {path} ({_human(path.stat().st_size)}); open it in a browser: {path.resolve().as_uri()}")
+    return 0
+
+
+def add_parser(sub) -> None:
+    """``probe report``."""
+    p = sub.add_parser(
+        "report",
+        help="write an offline HTML report (capture first when given a model and text)",
+        description="Write one self-contained index.html (no network needed to view it): model and "
+        "tokens, every head's attention (overview and explorer), cross-attention, the residual "
+        "stream and the analyses. Give cache files, or a model and text to capture first.",
+        epilog="examples: probe report --model minigpt 'attention lets tokens read.'   "
+        "probe report run.safetensors -o reports/run   probe report --hf ./my-bert 'some text'",
+    )
+    p.add_argument(
+        "inputs",
+        nargs="*",
+        metavar="CACHE_OR_TEXT",
+        help="cache files (.safetensors), or texts to capture with --model/--hf (default model: minigpt)",
+    )
+    add_model_args(p)
+    p.add_argument(
+        "--target", "-t", nargs="+", default=None, help="decoder text for encoder-decoders (teacher forcing)"
+    )
+    p.add_argument("-o", "--output", default=None, help="report folder (default: reports/<model or cache>/)")
+    p.set_defaults(func=cmd_report)
