@@ -196,7 +196,8 @@ def test_every_figure_has_a_download_link_to_its_own_png(chromium, minigpt_repor
         """Array.from(document.images).filter(i => !i.hidden).map(i => {
              const box = i.closest('figure') || i.parentElement.parentElement;
              const a = box.querySelector('a.probe-download');
-             return [i.closest('section').dataset.section, i.src === (a && a.href), i.naturalWidth, i.naturalHeight];
+             const sec = i.closest('section').dataset.section;
+             return [sec, i.src === (a && a.href), i.naturalWidth, i.naturalHeight];
            })"""
     )
     assert {p[0] for p in pairs} >= {"seeds", "residual_norms", "causal", "focus", "residual"}
