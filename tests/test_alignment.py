@@ -373,6 +373,8 @@ def test_probe_report_renders_the_alignment_section(tmp_path):
     html = probe.report(c, tmp_path / "r", progress=False).read_text()
     assert "Cross-attention alignment" in html and "diagonality" in html
     assert "<i>gestern sah der junge das hundehaus</i>" in html  # compound merged back into one word
+    assert "shifted decoder input and links by" in html  # words are not glued by the template's tags
+    assert html.count('class="probe-download"') >= 3  # each figure downloads as PNG
     # gold links given to the report: marked on the heatmap, AER per layer x head
     gold = "0-0 1-3 2-1 3-2 4p4 5-5 5-6\n"  # yesterday the boy saw the dog house; one possible link
     html = probe.report(c, tmp_path / "g", progress=False, gold=gold).read_text()

@@ -420,7 +420,8 @@ def test_report_section_renders_verdict_heatmaps_and_leaking_head(tmp_path):
     summary = html[j : html.index("</section>", j)]
     assert '<a href="#sec-causal"' in summary and "LEAK: 1 finding(s): unmasked_head" in summary
     assert "decoder layer 1 head 2" in sec  # the leaking head's figure
-    assert sec.count("data:image/png;base64,") == 2  # heatmaps + the outlined pattern
+    assert sec.count('<img src="data:image/png;base64,') == 2  # heatmaps + the outlined pattern
+    assert sec.count('class="probe-download"') == 2  # each downloads as PNG
     assert "http://" not in sec and "https://" not in sec
     # from a cache alone (no model): static checks only, the section still renders
     clean = probe.report(probe.capture(G.everywhere("ok"), G.IDS), tmp_path / "c").read_text()

@@ -51,10 +51,7 @@ def verdict(ctx) -> dict | None:
 
 
 def _heatmaps(ctx, report) -> list[dict]:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    from matplotlib.figure import Figure
     from matplotlib.patches import Rectangle
 
     out = []
@@ -74,9 +71,8 @@ def _heatmaps(ctx, report) -> list[dict]:
             else []
         )
         panels.append(("pad", "mass on padding keys"))
-        fig, axes = plt.subplots(
-            1, len(panels), figsize=(3.2 * len(panels) + 1, 0.45 * len(g["layers"]) + 1.4)
-        )
+        fig = Figure(figsize=(3.2 * len(panels) + 1, 0.45 * len(g["layers"]) + 1.4))
+        axes = fig.subplots(1, len(panels))
         axes = axes if len(panels) > 1 else [axes]
         for ax, (name, title) in zip(axes, panels, strict=True):
             data = g[name]
@@ -101,11 +97,8 @@ def _heatmaps(ctx, report) -> list[dict]:
 
 
 def _leaking_head(ctx, report) -> dict | None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
     import torch
+    from matplotlib.figure import Figure
     from matplotlib.patches import Rectangle
 
     from probe.analysis.causal import TOLERANCES
@@ -126,7 +119,8 @@ def _leaking_head(ctx, report) -> dict | None:
             pad = torch.tensor(mask[b]) == 0
         tol = TOLERANCES.get(report.dtype, TOLERANCES["float32"])["mass"]
         bad = ((fut | pad[None, :]) & (p.nan_to_num(0) > tol)) | ~torch.isfinite(p)
-        fig, ax = plt.subplots(figsize=(5.2, 4.6))
+        fig = Figure(figsize=(5.2, 4.6))
+        ax = fig.subplots()
         shown = p.nan_to_num(0)
         ax.imshow(shown.numpy(), cmap="Blues", vmin=0, vmax=max(float(shown.max()), 1e-6))
         toks = (cache.tokens or [[]])[b] if cache.tokens else []
