@@ -251,3 +251,38 @@ def test_metadata_dtype_says_what_was_stored():
     assert cache.pattern("decoder", 0).dtype == torch.float32
     assert cache["decoder.blocks.0.resid_pre"].dtype == torch.bfloat16
     assert cache.metadata["dtype"] == "bfloat16, float32"
+
+
+def test_kv_cached_softmax_over_cached_and_new_keys_is_recorded():
+    """A hand-written softmax over [new queries, cached + new keys] (a KV-cached decoding call) is a pattern.
+
+    Oracle: each layer's weights computed in the test from the attention module's own input and
+    the cached keys (q·kᵀ/√d, bottom-right causal mask, softmax).
+    """
+    from causal_gallery import D, H, TinyLM
+
+    model = TinyLM(["ok", "ok"])
+    ids = torch.tensor([[3, 7, 1, 9, 4, 2, 8, 5, 6, 11]])
+    n = 6
+    with torch.no_grad():
+        past = model(ids[:, :n], use_cache=True).past_key_values
+    seen = {}
+    hooks = [
+        b.attn.register_forward_pre_hook(lambda m, a, i=i: seen.__setitem__(i, (a[0], a[2])))
+        for i, b in enumerate(model.blocks)
+    ]
+    with torch.no_grad(), probe.trace(model) as t:
+        model(ids[:, n:], past_key_values=past, use_cache=True)
+    for h in hooks:
+        h.remove()
+    T, S = ids.shape[1] - n, ids.shape[1]
+    for i, b in enumerate(model.blocks):
+        x, (pk, _) = seen[i]
+        q, k, _ = b.attn.qkv(x).view(1, T, 3, H, D // H).permute(2, 0, 3, 1, 4)
+        k = torch.cat([pk, k], 2)
+        s = q @ k.transpose(-2, -1) / (D // H) ** 0.5
+        future = torch.arange(S)[None, :] > torch.arange(T)[:, None] + (S - T)
+        want = s.masked_fill(future, float("-inf")).softmax(-1)
+        got = t.cache.pattern("decoder", i)
+        assert got.shape == (1, H, T, S)
+        torch.testing.assert_close(got, want, rtol=0, atol=1e-6)

@@ -86,6 +86,18 @@ def _lengths(tensors: list[Tensor]) -> set[int]:
     return sizes
 
 
+def _cached_length(past: Any) -> int:
+    """Positions held in a KV cache: a transformers ``Cache`` or a tuple of per-layer ``(k, v)``."""
+    if past is None:
+        return 0
+    try:
+        if hasattr(past, "get_seq_length"):
+            return int(past.get_seq_length())
+        return int(past[0][0].shape[-2])
+    except Exception:  # an unknown cache layout: no hint, the lengths of the inputs still apply
+        return 0
+
+
 class _Mode(TorchFunctionMode):
     def __init__(self, tracer: Tracer) -> None:
         super().__init__()
@@ -199,6 +211,10 @@ class _Hooks:
             if parent is None:
                 self.root_calls += 1
                 self.lengths |= _lengths(inputs)
+                cached = _cached_length(kwargs.get("past_key_values"))
+                if cached:  # keys of a KV-cached call: the cached positions plus the new ones
+                    self.cached = cached
+                    self.lengths |= {cached + n for n in self.lengths}
             if self.layer is None and id(module) in self.container_of:
                 self._start_layer(call, *self.container_of[id(module)])
             elif parent is not None and (parent is self.layer_call or parent.wrapper):

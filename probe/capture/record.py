@@ -129,6 +129,12 @@ class _Recorder:
         q, k = pattern.shape[-2], pattern.shape[-1]
         cross = q != k
         p0 = a.primary
+        if cross and self.cached and k == self.cached + q:
+            # a KV-cached call: keys are the cached positions plus the new ones, the same sequence,
+            # unless a second sequence of that length was fed in (an encoder's output)
+            cross = any(
+                t.is_floating_point() and t.dim() == 3 and k in t.shape[:2] and t is not p0 for t in a.inputs
+            )
         if not cross and p0 is not None and not p0.is_nested and p0.dim() == 3:
             st = self.layer.stream if self.layer is not None else None
             for t in a.inputs:
@@ -147,10 +153,11 @@ class _Recorder:
         a.role = "cross" if cross else "self"
         if not cross and q > 1:
             # judged per text: a decoder's longest text has no pad queries (a pad query whose keys
-            # are all masked may come out uniform), an encoder's texts all see ahead
-            mid = q // 2
-            first = (pattern[:, :, 0, 1:] == 0).flatten(1).all(dim=1)
-            middle = (pattern[:, :, mid, mid + 1 :] == 0).flatten(1).all(dim=1)
+            # are all masked may come out uniform), an encoder's texts all see ahead; query i sits
+            # at key k - q + i (bottom-right, past a KV cache)
+            mid, off = q // 2, k - q
+            first = (pattern[:, :, 0, off + 1 :] == 0).flatten(1).all(dim=1)
+            middle = (pattern[:, :, mid, off + mid + 1 :] == 0).flatten(1).all(dim=1)
             a.causal = bool((first & middle).any())
         a.shape = tuple(pattern.shape)
         # recomputed weights are probe's own memory (the scratch is only reused once written);

@@ -88,6 +88,7 @@ class Tracer(_Hooks, _Layers, _Recorder):
         self.impls: set[str] = set()
         self.stored_dtypes: set[str] = set()
         self.lengths: set[int] = set()  # sizes that are sequence lengths in this forward
+        self.cached = 0  # positions in the KV cache the forward was given (keys = cached + queries)
         self.blind: list[str] = []  # attention kernels probe cannot look into, as seen
         self._sources: dict[type, bool] = {}
         self._param_counts: dict[int, int] = {}
