@@ -209,3 +209,37 @@ class Entangled(nn.Module):
 
 def entangled_lm():
     return seeded(lambda: LM([Entangled(), Block(SoftmaxAttention(), MLP())]), 7)
+
+
+class DeepNormBlock(nn.Module):
+    """Post-norm with the stream scaled before each residual add, ``ln(α·x + f(x))`` (DeepNet)."""
+
+    def __init__(self, alpha: float = 2.0, d: int = D):
+        super().__init__()
+        self.alpha = alpha
+        self.attn, self.ln1, self.mlp, self.ln2 = (
+            SoftmaxAttention(d),
+            nn.LayerNorm(d),
+            MLP(d),
+            nn.LayerNorm(d),
+        )
+
+    def forward(self, x):
+        x = self.ln1(self.alpha * x + self.attn(x))
+        return self.ln2(self.alpha * x + self.mlp(x))
+
+
+class ScaledStreamBlock(Block):
+    """Pre-norm whose second residual add takes the stream divided by a 0-d tensor constant."""
+
+    def forward(self, x):
+        x = x + self.attn(self.ln1(x))
+        return x / torch.tensor(0.5) + self.mlp(self.ln2(x))
+
+
+def deepnorm_lm():
+    return seeded(lambda: LM([DeepNormBlock(), DeepNormBlock()]), 8)
+
+
+def scaled_stream_lm():
+    return seeded(lambda: LM([ScaledStreamBlock(SoftmaxAttention(), MLP()) for _ in range(2)]), 9)

@@ -373,6 +373,16 @@ def test_probe_report_renders_the_alignment_section(tmp_path):
     html = probe.report(c, tmp_path / "r", progress=False).read_text()
     assert "Cross-attention alignment" in html and "diagonality" in html
     assert "<i>gestern sah der junge das hundehaus</i>" in html  # compound merged back into one word
+    assert "shifted decoder input and links by" in html  # words are not glued by the template's tags
+    assert html.count('class="probe-download"') >= 3  # each figure downloads as PNG
+    # gold links given to the report: marked on the heatmap, AER per layer x head
+    gold = "0-0 1-3 2-1 3-2 4p4 5-5 5-6\n"  # yesterday the boy saw the dog house; one possible link
+    html = probe.report(c, tmp_path / "g", progress=False, gold=gold).read_text()
+    assert "red squares gold sure links, orange circles gold possible links" in html
+    assert "AER per decoder layer" in html
+    with pytest.raises(probe.ProbeError, match="does not exist"):
+        probe.report(c, tmp_path / "x", progress=False, gold=tmp_path / "missing.talp")
+    assert not (tmp_path / "x").exists()  # refused before anything is written
     minigpt = probe.capture(models.load("minigpt"), "attention")
     assert (
         "Cross-attention alignment" not in probe.report(minigpt, tmp_path / "m", progress=False).read_text()
@@ -400,3 +410,36 @@ def test_threshold_and_two_direction_symmetrization_from_caches():
     assert got["grow-diag-final"] == {(0, 0), (0, 1), (1, 1)}  # both neighbours align a free word
     with pytest.raises(probe.ProbeError, match="other way round"):
         probe.align(fwd, reverse=fwd, method="union")
+
+
+def test_exports_and_cli_symmetrization_from_two_cache_files(tmp_path):
+    import json
+
+    fwd = _cache(
+        torch.tensor([[[0.8, 0.2], [0.6, 0.4]]])[None], [["a", "b<"]], [["x", "y"]], [[0, 0]], [[0, 0]]
+    )
+    rev = _cache(
+        torch.tensor([[[0.9, 0.1], [0.3, 0.7]]])[None], [["x", "y"]], [["a", "b<"]], [[0, 0]], [[0, 0]]
+    )
+    al = probe.align(fwd, reverse=rev, method="grow-diag-final", layer=0, head=0)
+    d = json.loads(json.dumps(al.to_dict()))  # plain data
+    assert d["selection"] == {"convention": "input", "layer": 0, "head": 0, "method": "grow-diag-final"}
+    # the links worked out by hand in the test above: a-x, a-y, b-y
+    assert d["pairs"] == [
+        {
+            "source": ["a", "b<"],
+            "target": ["x", "y"],
+            "links": [[0, 0], [0, 1], [1, 1]],
+            "pharaoh": "0-0 0-1 1-1",
+        }
+    ]
+    page = al._repr_html_()
+    assert "a→x" in page and "b&lt;→y" in page and "b<" not in page  # escaped
+    f, r = fwd.save(tmp_path / "fwd.safetensors"), rev.save(tmp_path / "rev.safetensors")
+    out = _cli("align", str(f), "--reverse", str(r), "--method", "grow-diag-final", "--layer", "0",
+               "--head", "0", "--pharaoh", "--json", str(tmp_path / "al.json"))  # fmt: skip
+    assert out.returncode == 0, out.stderr
+    assert out.stdout == "0-0 0-1 1-1\n"
+    assert json.loads((tmp_path / "al.json").read_text())["pairs"][0]["links"] == [[0, 0], [0, 1], [1, 1]]
+    bad = _cli("align", str(f), "--method", "union")
+    assert bad.returncode == 2 and "reverse" in bad.stderr and "Traceback" not in bad.stderr

@@ -3,7 +3,8 @@ probe never computes: attention weights from eager attention modules (hooked on 
 residual deltas from forward hooks on the sublayer modules (pre-norm, parallel) or from the
 stream the model hands on around a sublayer (post-norm), and clear errors where probe cannot see.
 
-``measure(name)`` returns the max deviations; ``python tests/test_architectures.py`` prints the table.
+``measure(name)`` and ``toy_deviation(build)`` return the max deviations;
+``python benchmarks/architectures.py`` prints them as the README's table.
 """
 
 from __future__ import annotations
@@ -28,6 +29,13 @@ def _module(root, path: str):
     for part in path.split("."):
         m = m[int(part)] if part.isdigit() else getattr(m, part)
     return m
+
+
+def _has(root, path: str) -> bool:
+    try:
+        return _module(root, path) is not None
+    except (AttributeError, IndexError):
+        return False
 
 
 def _first(o):
@@ -93,12 +101,19 @@ def measure(name: str) -> dict[str, float]:
     # deltas: hooks on the sublayers of the model itself (no probe)
     sub = {"self_attn", "mlp", "fc2", "attention", "sa_layer_norm", "self_attention", "encoder_attn"}
     sub |= {"self_attn_layer_norm", "post_attention_layernorm", "post_feedforward_layernorm", "attn"}
-    sub |= {"feed_forward"}
+    sub |= {
+        "feed_forward",
+        "self_attention.dense",
+        "mlp.dense_4h_to_h",
+        "ffn.down_proj",
+        "ffn1",
+        "conv_module",
+    }
     paths = []
     for lp in arch.layers.values():
         for i, layer in enumerate(_module(model, lp)):
             paths.append(f"{lp}.{i}")
-            paths += [f"{lp}.{i}.{s}" for s in sub if hasattr(layer, s)]
+            paths += [f"{lp}.{i}.{s}" for s in sub if _has(layer, s)]
     outs, ins = _hooked(model, paths, lambda: model(**x))
     dev_d = dev_chain = 0.0
     for stack, lp in arch.layers.items():
@@ -173,24 +188,29 @@ def _toy_oracle(model, ids, paths):
 
 
 def toy_deviation(build) -> dict[str, float]:
-    """Patterns vs the weights the toy's attention modules kept; deltas vs their sublayer hooks."""
+    """Patterns vs the weights the toy's attention modules kept; deltas vs their sublayer hooks;
+    the chain ``resid_pre + Σ deltas`` vs the block's own output (its hook)."""
     model = build()
     cache, ids = _toy_capture(model)
-    dev_p = dev_d = 0.0
+    dev_p = dev_d = dev_chain = 0.0
     paths = []
     for i, b in enumerate(model.blocks):
         if isinstance(b, toys.Block):
-            paths += [f"blocks.{i}.attn", f"blocks.{i}.mlp"]
-    outs, _ = _toy_oracle(model, ids, paths)
+            paths += [f"blocks.{i}", f"blocks.{i}.attn", f"blocks.{i}.mlp"]
+    outs, ins = _toy_oracle(model, ids, paths)
     for i, b in enumerate(model.blocks):
         if not isinstance(b, toys.Block):
             continue
         w = getattr(b.attn, "weights", None)
         if w is not None:
             dev_p = max(dev_p, float((cache.pattern("decoder", i) - w).abs().max()))
+        total = ins[f"blocks.{i}"]
         for part, path in (("self_attn", f"blocks.{i}.attn"), ("mlp", f"blocks.{i}.mlp")):
-            dev_d = max(dev_d, float((cache[f"decoder.blocks.{i}.{part}.delta"] - outs[path]).abs().max()))
-    return {"pattern": dev_p, "delta": dev_d}
+            got = cache[f"decoder.blocks.{i}.{part}.delta"]
+            dev_d = max(dev_d, float((got - outs[path]).abs().max()))
+            total = total + got
+        dev_chain = max(dev_chain, float((total - outs[f"blocks.{i}"]).abs().max()))
+    return {"pattern": dev_p, "delta": dev_d, "resid_pre+deltas-resid_post": dev_chain}
 
 
 def test_baddbmm_scores_are_restored_to_batch_heads():
@@ -198,14 +218,14 @@ def test_baddbmm_scores_are_restored_to_batch_heads():
     cache, _ = _toy_capture(model)
     assert cache.pattern("decoder", 0).shape == (2, toys.H, toys.T, toys.T)
     dev = toy_deviation(toys.baddbmm_lm)
-    assert dev["pattern"] == 0 and dev["delta"] == 0, dev
+    assert dev["pattern"] == 0 and dev["delta"] == 0 and dev["resid_pre+deltas-resid_post"] == 0, dev
 
 
 def test_moe_router_is_not_a_pattern_and_expert_sums_are_not_residual_adds():
     cache, _ = _toy_capture(toys.moe_lm())
     assert not any("cross" in k for k in cache.keys())
     dev = toy_deviation(toys.moe_lm)
-    assert dev["pattern"] == 0 and dev["delta"] == 0, dev
+    assert dev["pattern"] == 0 and dev["delta"] == 0 and dev["resid_pre+deltas-resid_post"] == 0, dev
 
 
 @pytest.mark.parametrize("build", [toys.router_lm, toys.probs_lm], ids=["moe-router", "softmax-output"])
@@ -252,7 +272,42 @@ def test_layer_probe_cannot_decompose_keeps_the_stream_and_says_why(tmp_path):
     assert cache.metadata["layers"][1]["deltas"] == {"self_attn": "sublayer output", "mlp": "sublayer output"}
     from probe.cli import info_text
 
-    assert "no deltas: decoder.blocks.0: the outputs of mlp and self_attn are mixed" in info_text(path)
+    assert (
+        "no deltas: decoder.blocks.0: the outputs of mlp and self_attn are mixed before they reach the "
+        "stream; probe cannot separate them (blocks.0.attn, blocks.0.mlp)"
+    ) in info_text(path)
+
+
+# DeepNorm hands on x1 = ln1(2·x + attn(x)) and the MLP's add takes 2·x1: the stream between the
+# sublayers is x1 (what ln1 returns), not 2·x1, so the factor belongs to the MLP's delta. Likewise
+# for a pre-norm block whose second add takes x1 / 0.5: attention's delta stays its output.
+@pytest.mark.parametrize(
+    "build, sub, definitions, oracle",
+    [
+        (
+            toys.deepnorm_lm,
+            "ln1",
+            {"self_attn": "stream difference", "mlp": "stream difference"},
+            lambda x, x1, y: {"self_attn": x1 - x, "mlp": y - x1},
+        ),
+        (
+            toys.scaled_stream_lm,
+            "attn",
+            {"self_attn": "sublayer output", "mlp": "stream difference"},
+            lambda x, a, y: {"self_attn": a, "mlp": y - (x + a)},
+        ),
+    ],
+    ids=["deepnorm", "prenorm-scaled-stream"],
+)
+def test_stream_rescaled_before_its_residual_add_is_not_a_sublayers_output(build, sub, definitions, oracle):
+    model = build()
+    cache, ids = _toy_capture(model)
+    outs, ins = _toy_oracle(model, ids, [p for i in range(2) for p in (f"blocks.{i}", f"blocks.{i}.{sub}")])
+    for i in range(2):
+        want = oracle(ins[f"blocks.{i}"], outs[f"blocks.{i}.{sub}"], outs[f"blocks.{i}"])
+        assert cache.metadata["layers"][i]["deltas"] == definitions
+        for k, v in want.items():
+            assert torch.equal(cache[f"decoder.blocks.{i}.{k}.delta"], v), (i, k)
 
 
 def test_flex_attention_layer_is_a_clear_error():
@@ -267,10 +322,49 @@ def test_hf_flex_attention_is_a_clear_error():
         probe.capture(model, torch.tensor([[5, 6, 7]]))
 
 
+def test_all_flex_model_says_flex_is_the_reason():
+    model = toys.seeded(lambda: toys.LM([toys.Block(toys.FlexAttention(), toys.MLP()) for _ in range(2)]))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # flex_attention's own "called without torch.compile"
+        with pytest.raises(ProbeError, match=r"blocks\.0 computes attention with flex_attention.*sdpa"):
+            _toy_capture(model)
+
+
+def test_weight_shared_layers_are_refused_and_the_named_fix_works():
+    import copy
+
+    model = A.albert()
+    ids = A.inputs("albert", model)
+    with pytest.raises(ProbeError, match=r"albert_layer_groups\.0 runs 3 times.*ALBERT.*copy\.deepcopy"):
+        probe.capture(model, ids["input_ids"])
+    with torch.no_grad():
+        want = A.eager_twin(model)(**ids, output_attentions=True).attentions
+    # the fix the message names: one module per layer (ALBERT picks group i for layer i)
+    shared = model.encoder.albert_layer_groups[0]
+    model.encoder.albert_layer_groups = torch.nn.ModuleList([copy.deepcopy(shared) for _ in range(3)])
+    model.config.num_hidden_groups = 3
+    cache = probe.capture(model, ids["input_ids"])
+    assert cache.n_layers("encoder") == 3
+    for i in range(3):
+        torch.testing.assert_close(cache.pattern("encoder", i), want[i], atol=PATTERN_TOL, rtol=0)
+
+
+def test_longformer_sliding_chunks_are_a_clear_error():
+    # its local attention is a softmax over [b, t, h, 2w+1] diagonals, not over a sequence of keys
+    model = A.longformer()
+    with pytest.raises(
+        ProbeError, match="no attention found in LongformerModel.*Longformer's sliding-window chunks"
+    ):
+        probe.capture(model, A.inputs("longformer", model)["input_ids"])
+
+
 def test_train_mode_is_recorded_and_warned():
     model = toys.dropout_lm().train()
-    with pytest.warns(UserWarning, match="train mode.*before dropout"):
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
         cache, _ = _toy_capture(model)
+    said = [str(w.message) for w in seen if "train mode" in str(w.message)]
+    assert len(said) == 1 and "before dropout" in said[0], said  # once per capture, not per layer
     assert cache.metadata["training"] is True
     model.eval()
     with warnings.catch_warnings():
@@ -313,43 +407,78 @@ def test_concurrent_captures_on_one_model_fail_clearly_and_separate_models_work(
         th.start()
     for th in threads:
         th.join(120)
-    assert results[0] == {"pattern": 0.0, "delta": 0.0} and results[1] == {"pattern": 0.0, "delta": 0.0}
+    for k in range(2):
+        assert results[k]["pattern"] == 0 and results[k]["delta"] == 0, results
 
 
-def test_roberta_left_padding_keeps_each_texts_positions(tmp_path):
+@pytest.fixture(scope="module")
+def left_tokenizer(tmp_path_factory):
     import hf_fixtures as H
 
-    tok = H.bpe_tokenizer(tmp_path / "bpe", vocab=300)
+    tok = H.bpe_tokenizer(tmp_path_factory.mktemp("bpe"), vocab=300)
     tok.pad_token = tok.eos_token
     tok.padding_side = "left"
-    arch = A.ARCHS["roberta"]
-    cfg = arch.build().config
+    return tok
+
+
+# RoBERTa/XLM-R count positions from padding_idx + 1, OPT and GPT-NeoX from 0 (OPT adds its own
+# offset inside); BLOOM takes no position ids (ALiBi), so probe pads it on the right instead
+@pytest.mark.parametrize(
+    "name, side", [("roberta", "left"), ("xlm-roberta", "left"), ("opt-prenorm", "left"), ("bloom", "right")]
+)
+def test_left_padding_keeps_each_texts_positions(left_tokenizer, name, side):
+    tok = left_tokenizer
+    cfg = A.ARCHS[name].build().config
     cfg.vocab_size = len(tok)
     cfg.pad_token_id = tok.pad_token_id
     torch.manual_seed(0)
-    import transformers as tf
-
-    model = tf.RobertaModel(cfg).eval()
+    model = type(A.ARCHS[name].build())(cfg).eval()
     texts = ["attention lets tokens read context.", "the model"]
     cache = probe.capture(model, texts, tokenizer=tok)
-    assert cache.metadata["padding_side"] == "left"
+    assert cache.metadata["padding_side"] == side
+    assert ("padding_note" in cache.metadata) == (side == "right")
+    stack = next(iter(cache.metadata["stacks"]))
     twin = A.eager_twin(model)
     for b, text in enumerate(texts):
         ids = torch.tensor([tok(text)["input_ids"]])
         with torch.no_grad():
             want = twin(input_ids=ids, output_attentions=True).attentions
         n = ids.shape[1]
+        real = slice(-n, None) if side == "left" else slice(0, n)
         for layer in range(2):
-            got = cache.pattern("encoder", layer)[b, :, -n:, -n:]
+            got = cache.pattern(stack, layer)[b, :, real, real]
             torch.testing.assert_close(got, want[layer][0], atol=PATTERN_TOL, rtol=0)
 
 
-if __name__ == "__main__":  # the table for the issue's closing note
-    for n in sorted(A.ARCHS):
-        print(n, measure(n))
-    for n, b in [
-        ("baddbmm", toys.baddbmm_lm),
-        ("moe-einsum-shared", toys.moe_lm),
-        ("hybrid", toys.hybrid_lm),
-    ]:
-        print(n, toy_deviation(b))
+def test_falcon_alibi_patterns_are_what_its_sdpa_path_computes(monkeypatch):
+    # transformers' Falcon with alibi scales (scores + alibi) on its eager path but adds alibi after
+    # scaling on its sdpa path (huggingface/transformers#29946): the two disagree, so the oracle
+    # here is a softmax of the arguments the model hands to scaled_dot_product_attention
+    import transformers as tf
+
+    cfg = A.ARCHS["falcon"].build().config
+    cfg.alibi, cfg.parallel_attn = True, False
+    model = A._seeded(tf.FalconForCausalLM, cfg)
+    ids = A.inputs("falcon", model)["input_ids"]
+    sdpa, want = torch.nn.functional.scaled_dot_product_attention, []
+
+    def spy(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, **kw):
+        s = q @ k.transpose(-1, -2) * (q.shape[-1] ** -0.5 if scale is None else scale)
+        if attn_mask is not None:
+            s = s.masked_fill(~attn_mask, float("-inf")) if attn_mask.dtype == torch.bool else s + attn_mask
+        if is_causal:
+            s = s.masked_fill(torch.ones(s.shape[-2:], dtype=torch.bool).triu(1), float("-inf"))
+        want.append(s.softmax(-1))
+        return sdpa(q, k, v, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal, scale=scale, **kw)
+
+    with monkeypatch.context() as m:
+        m.setattr(torch.nn.functional, "scaled_dot_product_attention", spy)
+        with torch.no_grad():
+            model(ids)
+    cache = probe.capture(model, ids)
+    assert len(want) == 2
+    for i in range(2):
+        torch.testing.assert_close(cache.pattern("decoder", i), want[i], atol=PATTERN_TOL, rtol=0)
+    with torch.no_grad():
+        eager = A.eager_twin(model)(ids, output_attentions=True).attentions
+    assert float((cache.pattern("decoder", 0) - eager[0]).abs().max()) > 1e-3  # the library's own gap

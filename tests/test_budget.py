@@ -79,12 +79,17 @@ def test_fused_decoder_single_block_and_fused_qkv():
 
 def test_hf_gpt2_tied_embedding_counted_once(tmp_path):
     model = H.gpt2(100)
+    assert model.lm_head.weight is model.transformer.wte.weight  # the oracle: one tensor, two roles
     b = probe.budget(model)
     assert b.total == _numel(model)
     assert b.total < sum(p.numel() for _, p in model.named_parameters(remove_duplicate=False))
     assert b.role("unembedding") == 0 and b.role("token embedding") == 100 * 64
     tied = [r for r in b.params if r["tied"]]
     assert [(r["name"], r["tied"]) for r in tied] == [("transformer.wte.weight", "lm_head.weight")]
+    assert b.tied_to == {"unembedding": "token embedding"}  # marked where a reader looks for it
+    line = next(x for x in b.to_text().splitlines() if x.strip().startswith("unembedding"))
+    assert line.split()[1] == "0" and "tied: the token embedding" in line
+    assert b.journey[-1] == ("unembedding", 100)  # the tied matrix still reads out the vocabulary
     assert b.role("W_Q") == 3 * 64 * 64 and b.role("MLP up") == 3 * 64 * 256
 
 

@@ -61,19 +61,53 @@ def test_gallery_bug_is_caught_and_located(mode, kind, per_head):
     assert heads == ({G.BAD_HEAD} if per_head else set(range(G.H)))
     assert {f.layer for f in r.findings} == {G.BAD_LAYER}  # layer 0 is correct and not blamed
     assert located(r, kind)
+    for f in r.findings:
+        if kind in ("pad_attention", "mask_over_queries"):
+            # the padding check pads a copy of the text on the left with T // 3 pads (text 1 of its
+            # batch): a real query there reads a pad key
+            k = G.IDS.shape[1] // 3
+            assert f.text == 1 and f.key < k <= f.query, (mode, f)
+        else:
+            assert (f.query, f.key) == expected_cell(mode, f.head), (mode, f)
+    # the gallery model takes a padding mask and a KV cache: those checks ran (a leak that cannot
+    # be localised is still a failed check, never a skipped one)
+    st = {c["check"]: c["status"] for c in r.checks}
+    assert st["padding"] != "skipped" and st["kv_cache"] != "skipped", r.checks
+
+
+def layer1_scores(m) -> torch.Tensor:
+    """[H, 16, 16] unmasked attention scores of the gallery model's layer 1 on IDS, by hand."""
+    with torch.no_grad():
+        x = m.emb(G.IDS) + m.pos(torch.arange(16))[None]
+        x, _ = m.blocks[0](x)
+        a = m.blocks[1].attn
+        q, k, _v = a.qkv(m.blocks[1].ln1(x)).view(1, 16, 3, G.H, G.D // G.H).permute(2, 0, 3, 1, 4)
+        return q[0] @ k[0].transpose(-2, -1) / (G.D // G.H) ** 0.5
+
+
+def expected_cell(mode: str, head: int) -> tuple[int, int]:
+    """Where the finding must point, from the bug as written in the gallery (not from probe)."""
+    T = G.IDS.shape[1]
+    if mode in ("after_softmax", "sdpa_nomask", "one_head", "swapped"):
+        s = layer1_scores(G.broken(mode))[head]
+        if mode == "swapped":  # tril(-1) hides the past: row q sees keys q..T-1
+            s = s.masked_fill(torch.ones(T, T, dtype=torch.bool).tril(-1), float("-inf"))
+        future = torch.softmax(s, -1).triu(1)  # the worst future cell
+        return divmod(int(future.argmax()), T)
+    if mode == "triu0":
+        return (0, 0)  # query 0 has no visible key: its row is NaN
+    if mode == "window_wide":
+        return (G.WINDOW, 0)  # the first query that reaches WINDOW + 1 keys back
+    if mode == "kv_is_causal":
+        return (T // 2, 1)  # the first query after T // 2 cached keys; top-left hides keys 1..
+    raise AssertionError(mode)
 
 
 def test_positions_of_a_future_leak_are_real_future_cells():
     (f,) = audit("one_head").findings
     assert f.key > f.query  # the worst cell lies above the diagonal
     # oracle: recompute the head's weights by hand from the model's own projections
-    m = G.broken("one_head")
-    with torch.no_grad():
-        x = m.emb(G.IDS) + m.pos(torch.arange(16))[None]
-        x, _ = m.blocks[0](x)
-        a = m.blocks[1].attn
-        q, k, _v = a.qkv(m.blocks[1].ln1(x)).view(1, 16, 3, G.H, G.D // G.H).permute(2, 0, 3, 1, 4)
-        w = torch.softmax(q[0, G.BAD_HEAD] @ k[0, G.BAD_HEAD].T / (G.D // G.H) ** 0.5, -1)
+    w = torch.softmax(layer1_scores(G.broken("one_head"))[G.BAD_HEAD], -1)
     future = w.triu(1)
     assert f.magnitude == pytest.approx(float(future.sum(-1).max()), rel=1e-5)
     assert (f.query, f.key) == divmod(int(future.argmax()), 16)
@@ -84,6 +118,7 @@ def test_token_shift_into_the_mlp_is_a_leak_outside_attention():
     assert r.kinds() == {"leak_outside_attention"}
     (f,) = r.findings
     assert (f.stack, f.layer, f.head) == ("decoder", G.BAD_LAYER, None)
+    assert f.key == f.query + 1  # roll(-1): position q reads position q + 1
     assert "MLP" in f.evidence
     st = {c["check"]: c["status"] for c in r.checks}
     assert st["suffix"] == "fail" and st["gradient"] == "fail"
@@ -95,7 +130,34 @@ def test_fp16_overflowing_fill_gives_nan_rows_and_is_clean_in_fp32():
     assert bad.dtype == "float16"
     assert bad.kinds() == {"non_finite"}
     assert {(f.layer, f.query) for f in bad.findings} == {(G.BAD_LAYER, 0)}
+    assert {f.head for f in bad.findings} == set(range(G.H))  # the fill is every head's
+    # oracle: -1e9 is -inf in fp16, so the additive mask is 0 * -inf = NaN on every visible key
+    assert torch.isinf(torch.tensor(-1e9, dtype=torch.float16)) and all(
+        f.magnitude == 16 for f in bad.findings
+    )
     assert check_causal(G.broken("fill_1e9"), G.IDS).ok
+
+
+def test_half_precision_keeps_the_kind_and_blames_only_what_is_there():
+    # bf16's loose output tolerance must not turn a weak unmasked head into "mask after softmax"
+    # (zeroing future weights that a head uses moves the outputs, in any dtype)
+    r = check_causal(G.broken("one_head").to(torch.bfloat16), G.IDS)
+    assert {(f.kind, f.layer, f.head) for f in r.findings} == {("unmasked_head", G.BAD_LAYER, G.BAD_HEAD)}
+    # bf16 cannot tell a non-renormalising mask-after-softmax from a renormalising one: it says so
+    r = check_causal(G.everywhere("after_softmax_renorm").to(torch.bfloat16), G.IDS)
+    assert r.ok and any("audit a float32 copy" in n for n in r.notes)
+    # fp16: the renormalised control divides by clamp_min(1e-30), which is 0 in half; left-padded
+    # pad rows become NaN and reach real tokens. That padding failure is real, and it does not make
+    # the (unused) future weights a mask_after_softmax finding.
+    m = G.everywhere("after_softmax_renorm").half()
+    k = G.IDS.shape[1] // 3
+    ids = torch.cat([torch.zeros(1, k, dtype=torch.long), G.IDS[:, :-k]], 1)
+    mask = torch.ones_like(ids)
+    mask[0, :k] = 0
+    with torch.no_grad():
+        assert not torch.isfinite(m(ids, attention_mask=mask).logits[0, k:]).all()  # the oracle
+    r = check_causal(m, G.IDS)
+    assert r.kinds() == {"padding_mismatch"} and "NaN/inf on real tokens" in r.findings[0].evidence
 
 
 # -- negative controls: zero false positives -----------------------------------------------------------
@@ -130,6 +192,16 @@ def test_translator_decoder_is_causal_encoder_and_cross_are_not_expected_to_be()
     torch.manual_seed(0)
     model = models.build("translator").eval()
     assert_encoder_decoder_clean(check_causal(model, "ich mochte ein bier"))
+
+
+def test_aligner_decoder_is_causal():
+    # the aligner's tokenizer has a larger source vocabulary (94) than target (64): suffix
+    # replacements must be drawn from the decoder's own embedding, not the tokenizer's size
+    import models
+
+    model = models.load("aligner")
+    assert model.tokenizer.vocab_size > model.decoder.tgt_emb.num_embeddings
+    assert_encoder_decoder_clean(check_causal(model, "gestern sah der junge das hundehaus"))
 
 
 def assert_encoder_decoder_clean(r):
@@ -173,6 +245,22 @@ def test_static_exact_zero_vs_tiny_future_mass():
     assert (f.kind, f.query, f.key, f.magnitude) == ("future_attention", 1, 2, pytest.approx(0.5))
 
 
+def test_exact_zero_and_tiny_future_weight_are_told_apart_in_the_notes():
+    from probe.cache import Cache
+
+    T = 5
+    c = torch.tril(torch.ones(T, T))
+    p = (c / c.sum(-1, keepdim=True))[None, None].repeat(1, 3, 1, 1)
+    p[0, 1, 0, 4] = 1e-7  # head 1: a finite fill's residue, under the fp32 tolerance 1e-6
+    cache = Cache({"decoder.blocks.0.self_attn.pattern": p}, {"tokens": [list("abcde")]})
+    r = check_causal(cache, expect="causal")
+    assert r.ok
+    (note,) = [n for n in r.notes if "later keys" in n]
+    assert "exactly 0 in 2 of 3 heads" in note and "tiny but non-zero in 1 (L0 H1; at most 1e-07" in note
+    clean = check_causal(Cache({"decoder.blocks.0.self_attn.pattern": p[:, [0, 2]]}, cache.metadata))
+    assert "decoder: weight on later keys is exactly 0 in 2 of 2 heads" in clean.notes
+
+
 def test_static_rows_padding_and_cached_alignment():
     T = 4
     p = (torch.tril(torch.ones(T, T)) * 0.9)[None, None]  # rows sum to 0.9, 1.8, 2.7, 3.6
@@ -210,6 +298,14 @@ def test_cache_only_audit_and_bidirectional_note():
     assert r2.checks == []
 
 
+def test_expect_a_window_size_on_a_cache_alone():
+    cache = probe.capture(G.broken("window_wide"), G.IDS)  # layer 1 reaches WINDOW + 1 keys back
+    r = check_causal(cache, expect=G.WINDOW)
+    assert r.kinds() == {"window_too_wide"} and r.expected == {"decoder": f"causal, window {G.WINDOW}"}
+    assert {(f.layer, f.query - f.key) for f in r.findings} == {(G.BAD_LAYER, G.WINDOW)}
+    assert check_causal(cache, expect=G.WINDOW + 1).ok
+
+
 def test_report_exports():
     r = audit("one_head")
     d = json.loads(r.to_json())
@@ -238,13 +334,32 @@ def bpe(tmp_path_factory):
 
 
 @pytest.mark.parametrize("arch", ["gpt2", "llama", "mistral"])
-def test_hf_decoders_pass_clean(arch, bpe):
+def test_hf_decoders_pass_clean(arch, bpe, monkeypatch):
     import hf_fixtures as H
 
     model = getattr(H, arch)(len(bpe))
     texts = ["the model is reading the tokens one by one.", "attention lets tokens read."]
-    r = check_causal(model, texts, tokenizer=bpe)
+    # the stated cost, counted independently: forwards of the model's top module (and of its
+    # backend twin, a copy of the same class), backward passes (torch.autograd.grad calls)
+    calls = {"forward": 0, "backward": 0}
+    mine = type(model)
+    grad = torch.autograd.grad
+
+    def counted_grad(*a, **kw):
+        calls["backward"] += 1
+        return grad(*a, **kw)
+
+    def count_forward(m, a, o):
+        calls["forward"] += type(m) is mine
+
+    monkeypatch.setattr(torch.autograd, "grad", counted_grad)
+    hook = torch.nn.modules.module.register_module_forward_hook(count_forward)
+    try:
+        r = check_causal(model, texts, tokenizer=bpe)
+    finally:
+        hook.remove()
     assert r.ok, str(r)
+    assert r.cost() == (calls["forward"], calls["backward"]) == (8, 1)
     assert {c["check"]: c["status"] for c in r.checks} == {
         "capture": "pass",
         "suffix": "pass",
@@ -255,6 +370,9 @@ def test_hf_decoders_pass_clean(arch, bpe):
     }
     if arch == "mistral":
         assert r.expected == {"decoder": "causal, window 4"}
+        # the window is exercised: the first text is longer than 4 tokens, and every head uses it
+        assert len(bpe(texts[0])["input_ids"]) > 4
+        assert r.grids["decoder"]["window"] == [[4.0] * model.config.num_attention_heads] * 2
 
 
 def test_hf_encoder_decoder_decoder_is_audited_encoder_and_cross_are_not(bpe):
@@ -297,12 +415,18 @@ def test_report_section_renders_verdict_heatmaps_and_leaking_head(tmp_path):
     i = html.index('id="sec-causal"')
     sec = html[i : html.index("</section>", i)]
     assert "LEAK: 1 finding(s): unmasked_head" in sec
+    # the verdict also sits in the summary, linking to the section
+    j = html.index('id="sec-summary"')
+    summary = html[j : html.index("</section>", j)]
+    assert '<a href="#sec-causal"' in summary and "LEAK: 1 finding(s): unmasked_head" in summary
     assert "decoder layer 1 head 2" in sec  # the leaking head's figure
-    assert sec.count("data:image/png;base64,") == 2  # heatmaps + the outlined pattern
+    assert sec.count('<img src="data:image/png;base64,') == 2  # heatmaps + the outlined pattern
+    assert sec.count('class="probe-download"') == 2  # each downloads as PNG
     assert "http://" not in sec and "https://" not in sec
     # from a cache alone (no model): static checks only, the section still renders
     clean = probe.report(probe.capture(G.everywhere("ok"), G.IDS), tmp_path / "c").read_text()
     assert "OK: no leak found (decoder: causal)" in clean
+    assert clean.index("OK: no leak found") < clean.index('id="sec-attention"')  # in the summary
 
 
 def test_section_build_with_a_stand_in_context():

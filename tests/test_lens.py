@@ -125,6 +125,18 @@ def test_minigpt_attribution_by_hand():
     assert rows["L1.self_attn.bias"] == pytest.approx(part(model.blocks[1].attn.proj.bias), abs=1e-5)
 
 
+def test_norm_and_unembedding_given_by_hand():
+    model = models.load("minigpt")
+    with torch.no_grad():
+        logits = model(torch.tensor([model.tokenizer.encode(TEXT)]))[0]
+    lens = probe.logit_lens(model, TEXT, norm=model.ln_f, unembed=model.lm_head)
+    _check_final_layer(lens, logits)
+    assert lens.readout == "ln_f -> lm_head"
+    # a read-out that does not give the model's logits is refused, never shown
+    with pytest.raises(probe.ProbeError, match="does not reproduce the model's logits"):
+        probe.logit_lens(model, TEXT, norm=None, unembed=model.lm_head)
+
+
 def test_a_cache_gives_the_same_lens():
     model = models.load("minigpt")
     cache = probe.capture(model, TEXT)
@@ -145,14 +157,21 @@ def test_fused_decoder_no_final_norm():
     assert any("not split by head" in n for n in lens.attribution.notes)
 
 
-def test_translator_decoder():
-    model = models.load("translator")
+@pytest.mark.parametrize(
+    "name, source, target",
+    [
+        ("translator", "ich mochte ein bier", "S i want a beer"),
+        ("aligner", "gestern sah der junge das hundehaus", "S yesterday the boy saw the dog house"),
+    ],
+)
+def test_encoder_decoder_zoo_decoders(name, source, target):
+    model = models.load(name)
     tok = model.tokenizer
-    src = torch.tensor([tok.encode("ich mochte ein bier")])
-    tgt = torch.tensor([tok.target.encode("S i want a beer")])
+    src = torch.tensor([tok.encode(source)])
+    tgt = torch.tensor([tok.target.encode(target)])
     with torch.no_grad():
         logits = model(src, tgt)[0]
-    lens = probe.logit_lens(model, "ich mochte ein bier", target="S i want a beer")
+    lens = probe.logit_lens(model, source, target=target)
     _check_final_layer(lens, logits)
     _check_attribution_sum(lens.attribution, logits)
     assert lens.n_stream_rows == 1 + model.config.n_layers

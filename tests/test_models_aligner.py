@@ -67,3 +67,38 @@ def test_shipped_aligner_translates_held_out_sentences():
     assert right.float().mean() >= 0.9
     assert model.translate(" ".join(held[0].source)) == " ".join(held[0].target) + " E"
     assert aligner.Config().max_len >= max(len(model.tokenizer.encode(" ".join(p.source))) for p in held)
+
+
+def test_word_order_and_article_phenomena_by_construction():
+    # the links each phenomenon must produce, written from the grammar (not read from the generator)
+    pairs = aligner_data.generate(3000, seed=2)
+    # verb-final subordinate clause: "weil die frau das buch las" -> "because the woman read the book":
+    # the clause's final verb and its object cross
+    conj = {"weil": "because", "als": "when", "obwohl": "although"}
+    sub = next(p for p in pairs if any(w in conj for w in p.source[1:]))
+    k = next(i for i, w in enumerate(sub.source) if i and w in conj)
+    assert (k, sub.target.index(conj[sub.source[k]])) in sub.sure
+    verb_i = len(sub.source) - 1
+    (verb_j,) = [j for i, j in sub.sure if i == verb_i]
+    obj_i = verb_i - 1  # the clause's object noun stands right before the final verb
+    obj_js = [j for i, j in sub.sure if i == obj_i]
+    assert obj_js and min(obj_js) > verb_j  # English puts the verb before its object
+    # adverb placement: "der mann sah oft den hund" -> "the man often saw the dog" (verb and adverb swap)
+    adv = next(
+        p
+        for p in pairs
+        if p.source[0] in ("der", "die", "das") and p.source[3] in ("oft", "nie", "immer", "selten")
+    )
+    assert (2, 3) in adv.sure and (3, 2) in adv.sure
+    # inflected adjectives: "den grossen hund" -> "the big dog"
+    adjs = {"gross": "big", "klein": "small", "alt": "old", "neu": "new", "rot": "red", "schoen": "nice"}
+    adj = next(p for p in pairs if any(w[: len(s)] == s and len(w) > len(s) for w in p.source for s in adjs))
+    i, stem = next(
+        (i, s) for i, w in enumerate(adj.source) for s in adjs if w[: len(s)] == s and len(w) > len(s)
+    )
+    assert [adj.target[j] for a, j in adj.sure if a == i] == [adjs[stem]]
+    # a dropped article: "nach dem essen" -> "after dinner": "dem" only possibly linked, to "dinner"
+    din = next(p for p in pairs if "dem" in p.source)
+    i = din.source.index("dem")
+    assert not [j for a, j in din.sure if a == i]
+    assert [din.target[j] for a, j in din.possible if a == i] == ["dinner"]

@@ -249,3 +249,29 @@ def test_cli_report_errors_are_one_line(tmp_path, args, message):
     r = _probe(*args, cwd=tmp_path)
     assert r.returncode == 2 and message in r.stderr and "Traceback" not in r.stderr
     assert not (tmp_path / "reports").exists()
+
+
+def test_a_report_leaves_the_users_matplotlib_alone(tmp_path):
+    # in a notebook the backend is the inline one and the user's figures are open: making a report
+    # (every section's figures: causal, focus, residual with the budget, alignment) must change neither
+    import matplotlib
+    import matplotlib.pyplot as plt
+
+    import models
+
+    old = matplotlib.get_backend()
+    matplotlib.use("svg")  # a backend no section would pick, standing in for the inline one
+    mine = plt.figure()
+    try:
+        model = models.load("aligner")
+        cache = probe.capture(
+            model, "gestern sah der junge das hundehaus", target="S yesterday the boy saw the dog house"
+        )
+        html = probe.report(
+            cache, tmp_path, model=model, tokenizer=model.tokenizer, progress=False
+        ).read_text()
+        assert "Parameter budget" in html and "Cross-attention alignment" in html
+        assert matplotlib.get_backend() == "svg" and plt.get_fignums() == [mine.number]
+    finally:
+        plt.close(mine)
+        matplotlib.use(old)

@@ -184,3 +184,35 @@ def test_cross_attention_view_is_rectangular_and_exact(chromium, tmp_path):
     assert _weight(hover_cell(page, 1, 4, 3)) == _weight(readout)
     _clean(log)
     page.close()
+
+
+def test_every_figure_has_a_download_link_to_its_own_png(chromium, minigpt_report, tmp_path):
+    from PIL import Image
+
+    _, path = minigpt_report
+    page, log = open_report(chromium, path)
+    # each visible figure: a "Download PNG" link in its figure (or its map switcher) giving its own bytes
+    pairs = page.evaluate(
+        """Array.from(document.images).filter(i => !i.hidden).map(i => {
+             const box = i.closest('figure') || i.parentElement.parentElement;
+             const a = box.querySelector('a.probe-download');
+             const sec = i.closest('section').dataset.section;
+             return [sec, i.src === (a && a.href), i.naturalWidth, i.naturalHeight];
+           })"""
+    )
+    assert {p[0] for p in pairs} >= {"seeds", "residual_norms", "causal", "focus", "residual"}
+    assert all(p[1] for p in pairs), [p for p in pairs if not p[1]]
+    # the focus section's map switcher: the link follows the chosen map, and downloads it
+    sel = page.locator("#sec-focus .probe-focus-select").first
+    sel.select_option("2")
+    group = sel.get_attribute("data-target")
+    shown = page.locator(f"#{group} img").nth(2)
+    link = page.locator(f"#{group}-png")
+    assert link.get_attribute("href") == shown.get_attribute("src")
+    with page.expect_download() as dl:
+        link.click()
+    out = tmp_path / dl.value.suggested_filename
+    dl.value.save_as(out)
+    assert Image.open(out).size == tuple(shown.evaluate("i => [i.naturalWidth, i.naturalHeight]"))
+    _clean(log)
+    page.close()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import json
 import operator
@@ -258,8 +259,9 @@ class Trace:
             raise ProbeError(
                 f"no attention found in {type(self.model).__name__}: probe saw no "
                 "softmax over a sequence, scaled_dot_product_attention or nn.MultiheadAttention in "
-                "its forward; give a model that computes attention (flex_attention and custom "
-                'kernels cannot be seen: use attn_implementation="sdpa" or "eager")'
+                "its forward; give a model that computes attention (flex_attention, custom kernels "
+                "and banded layouts such as Longformer's sliding-window chunks cannot be seen: "
+                'load transformers models with attn_implementation="sdpa" or "eager")'
             )
         most = max(tr.kept.values())
         missing = [i for i in self.layers or [] if i >= most]
@@ -272,6 +274,7 @@ class Trace:
                 f"choose indices from 0-{most - 1}"
             )
         records = tr.records + tr.plain_records()
+        _refuse_shared_layers(records)
         stacks = self._stacks(tr)
         offsets: dict[str, int] = {}
         base: dict[str, int] = {}
@@ -323,6 +326,22 @@ class Trace:
                 names, encode_metadata(meta), opener=lambda tmp: open_cache(tmp, shown=out)
             )
         return Cache(self._sink.finish(names, encode_metadata(meta)), meta)
+
+
+def _refuse_shared_layers(records: list) -> None:
+    # One module of a layer list run several times in one forward (ALBERT shares one layer's
+    # weights across all layers): its runs would share one key, so the cache could not say which
+    # run a tensor came from.
+    runs = collections.Counter((r.container, r.index) for r in records)
+    for r in records:
+        n = runs[(r.container, r.index)]
+        if n > 1:
+            raise ProbeError(
+                f"layer {r.module} runs {n} times in one forward (one layer's weights shared by "
+                "several layers, as in ALBERT); probe keeps one layer per module and does not support "
+                "weight-shared layers: to capture it, give each run its own module (a ModuleList of "
+                "copy.deepcopy of the shared layer)"
+            )
 
 
 def _positions_from_patterns(meta: dict[str, Any], tr: Tracer) -> None:

@@ -20,7 +20,9 @@ form a *combination* whose parts are remembered, so a later residual add can spl
 * **sublayer output**: when the add's stream operand is the stream before it and its result is
   the stream after it (pre-norm and parallel blocks), the delta is the tensor added, bit for bit;
 * **stream difference**: otherwise (post-norm: the sum is normalised before the next sublayer)
-  the delta is the difference of the stream values around the sublayer;
+  the delta is the difference of the stream values around the sublayer; a stream multiplied or
+  divided by a constant before its residual add (DeepNorm's ``α·x + f(x)``) counts as the stream
+  before that scaling, so the scaling is in the delta of the sublayer whose add it joins;
 * the deltas must add up to ``resid_post`` within float rounding, every sublayer whose output
   reached a stream-sized tensor must be accounted for by a residual add, and outputs of
   different kinds mixed before the add must have been seen as separate parts. If any of this
@@ -42,6 +44,23 @@ EMPTY: frozenset[int] = frozenset()
 _NO_LABEL = (False, EMPTY)
 ADD = {torch.add, Tensor.add, Tensor.__add__, Tensor.__radd__}
 ADD_INPLACE = {Tensor.add_, Tensor.__iadd__}
+# tensors whose values do not depend on their input's (only its shape): never the stream
+FRESH = {
+    torch.zeros_like,
+    torch.ones_like,
+    torch.empty_like,
+    torch.full_like,
+    torch.rand_like,
+    torch.randn_like,
+    torch.randint_like,
+    Tensor.new_zeros,
+    Tensor.new_ones,
+    Tensor.new_empty,
+    Tensor.new_full,
+    Tensor.new_tensor,
+}
+# a stream times (or over) a constant is not the stream a sublayer hands on (DeepNorm's α·x + f(x))
+SCALE = {torch.mul, Tensor.mul, Tensor.__mul__, Tensor.__rmul__, torch.div, Tensor.div, Tensor.__truediv__}
 
 
 class ByIdentity:
@@ -78,9 +97,13 @@ class ResidualAdd:
     sources: frozenset[int]
     parts: list[tuple[frozenset[int], Tensor]] | None
     versions: tuple[int, ...] = ()
+    base: Tensor | None = None  # the stream before a constant rescaled it into ``stream``
+
+    def held(self) -> tuple[Tensor, ...]:
+        return (self.stream, self.added, self.result) + ((self.base,) if self.base is not None else ())
 
     def intact(self) -> bool:
-        return self.versions == (self.stream._version, self.added._version, self.result._version)
+        return self.versions == tuple(t._version for t in self.held())
 
 
 def _same(x: Tensor, y: Tensor) -> bool:
@@ -137,6 +160,7 @@ class LayerStream:
         self.labels = ByIdentity()  # tensor -> (stream-derived, sources)
         self.labels.put(pre, (True, EMPTY))
         self.combos = ByIdentity()  # sum of sublayer outputs -> its parts
+        self.scaled = ByIdentity()  # stream times a constant -> the stream before it
         self.adds: list[ResidualAdd] = []
         self.touched: set[int] = set()  # sources whose output reached a stream-sized tensor
 
@@ -173,6 +197,8 @@ class LayerStream:
 
     def after_op(self, func: Any, args: tuple, kwargs: dict, out: Any, source: int | None) -> None:
         """Label what an operation inside the layer produced (``source``: the sublayer it ran in)."""
+        if func in FRESH:
+            return  # BLOOM's zeros_like(residual), summed into: not the stream, not a sublayer output
         if isinstance(out, Tensor):
             outs = [out]
         elif isinstance(out, (tuple, list)):
@@ -186,10 +212,27 @@ class LayerStream:
         lab = self._inputs_label(args, kwargs, source)
         if not lab[0] and not lab[1]:
             return
+        if func in SCALE and lab == (True, EMPTY) and len(outs) == 1 and self.sized(outs[0]):
+            self._note_scaled(args, outs[0])
         for o in outs:
             self.labels.put(o, lab)
             if lab[1] and self.sized(o):
                 self.touched |= lab[1]
+
+    def _note_scaled(self, args: tuple, out: Tensor) -> None:
+        # ``stream * c`` or ``stream / c`` with c a number or a 0-d tensor: remember the stream
+        # it came from, which is the value the previous sublayer handed on
+        if len(args) != 2:
+            return
+        t, c = args
+        if not isinstance(t, Tensor) or isinstance(c, Tensor) and c.dim() != 0:
+            t, c = c, t
+        if not (isinstance(t, Tensor) and self.sized(t)) or isinstance(c, Tensor) and c.dim() != 0:
+            return
+        if not isinstance(c, (int, float, Tensor)) or self.label(t) != (True, EMPTY):
+            return
+        base = self.scaled.get(t)
+        self.scaled.put(out, t if base is None else base)
 
     def mark(self, t: Any, stream: bool, source: int) -> None:
         """Label ``t``, an output computed where the tracer could not watch (a fused kernel)."""
@@ -241,7 +284,10 @@ class LayerStream:
         out = func(*args, **kwargs)
         r_val = out.detach().reshape(-1, w)
         rec = ResidualAdd(s_val, c_val, r_val, sources, list(held) if held is not None else None)
-        rec.versions = (s_val._version, c_val._version, r_val._version)
+        base = self.scaled.get(stream)
+        if base is not None:
+            rec.base = base.detach().reshape(-1, w)
+        rec.versions = tuple(t._version for t in rec.held())
         self.labels.put(out, (True, EMPTY))
         self.adds.append(rec)
         return out
@@ -281,13 +327,15 @@ class LayerStream:
                 continue
             part_kinds = [{kind_of(s) for s in srcs} for srcs, _ in a.parts or []]
             if not part_kinds or any(len(k) != 1 for k in part_kinds):
+                who = ", ".join(sorted(names(s) for s in a.sources))
                 none.note = (
                     f"the outputs of {' and '.join(sorted(kinds))} are mixed before they reach the "
-                    "stream; probe cannot separate them"
+                    f"stream; probe cannot separate them ({who})"
                 )
                 return none
             plans.append([(k.pop(), v) for k, (_, v) in zip(part_kinds, a.parts, strict=True)])
-        bounds = [pre] + [a.stream for a in self.adds[1:]] + [out]
+        # the stream between two sublayers: what the next residual add takes, before any rescaling
+        bounds = [pre] + [a.stream if a.base is None else a.base for a in self.adds[1:]] + [out]
         deltas: dict[str, Tensor] = {}
         definition: dict[str, str] = {}
         for k, (a, plan) in enumerate(zip(self.adds, plans, strict=True)):

@@ -1,7 +1,7 @@
 """Open a report in Debian's headless Chromium (Playwright) and take a screenshot.
 
-Used by the browser tests and by ``benchmarks/screenshot.py`` (which makes the README's
-``reports/screenshot.png``), so the committed picture comes from the tested code path.
+Used by the browser tests and by ``python -m probe.report.browser`` (:func:`main`, which makes
+the README's ``reports/screenshot.png``), so the committed picture comes from the tested code path.
 Needs the ``playwright`` Python package (``.[dev]``) and ``/usr/bin/chromium``
 (``apt-get install chromium``); ``playwright install`` is not needed.
 """

@@ -24,14 +24,17 @@ def safe_json(obj: Any) -> str:
 
 
 def figure_uri(fig: Any, *, dpi: int = 100) -> str:
-    """A matplotlib Figure as a ``data:image/png;base64,...`` URI; closes the figure."""
-    import matplotlib.pyplot as plt
-
+    """A matplotlib Figure as a ``data:image/png;base64,...`` URI; closes the figure if pyplot
+    manages it (sections build bare ``Figure`` objects, so the user's pyplot backend and open
+    figures are never touched: a report made in a notebook leaves its inline plotting working)."""
     buf = io.BytesIO()
     try:
         fig.savefig(buf, format="png", dpi=dpi, bbox_inches="tight")
     finally:
-        plt.close(fig)
+        if getattr(fig.canvas, "manager", None) is not None:
+            import matplotlib.pyplot as plt
+
+            plt.close(fig)
     return "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode("ascii")
 
 

@@ -153,15 +153,24 @@ def report(
     model: Any = None,
     tokenizer: Any = None,
     progress: bool = True,
+    gold: Any = None,
 ) -> Path:
     """Write a self-contained HTML report of ``cache_or_caches`` to ``out_dir/index.html``.
 
     ``cache_or_caches`` is a :class:`probe.Cache`, a cache file path, or a list of them; ``model``
-    and ``tokenizer`` are passed to sections that can use them (e.g. to run an analysis). The
+    and ``tokenizer`` are passed to sections that can use them (e.g. to run an analysis). ``gold``:
+    gold word alignments of the cached sentence pairs for the alignment section (a Pharaoh/talp
+    file or text, 0-indexed, or a list of :class:`probe.analysis.alignment.Gold`, e.g. from
+    ``read_gold(path, one_indexed=True)``): its heatmap then marks them and its map shows AER. The
     file is written atomically; returns its path. ``progress`` shows a tqdm bar on stderr.
     """
     from tqdm import tqdm
 
+    results: dict[str, Any] = {}
+    if gold is not None:  # read (and refused) before any section runs
+        from probe.analysis.alignment.gold import as_gold
+
+        results["alignment_gold"] = as_gold(gold)
     caches = _as_caches(cache_or_caches)
     out = check_report_dir(out_dir)
     sections = discover()
@@ -172,7 +181,9 @@ def report(
             bar.set_postfix_str(text)
             bar.update(1)
 
-        ctx = ReportContext(caches=caches, model=model, tokenizer=tokenizer, on_progress=on_progress)
+        ctx = ReportContext(
+            caches=caches, model=model, tokenizer=tokenizer, results=results, on_progress=on_progress
+        )
         text = render(ctx, sections, bar=bar)
         bar.set_postfix_str("writing")
         path = write_text_atomic(out / "index.html", text)

@@ -1,5 +1,9 @@
 """Causal checks that run the model (through :mod:`probe.forward` only) and catch leaks anywhere.
 
+:class:`Functional` holds one input, the tolerances and what the checks found; here are checks (a)
+suffix perturbation and (b) input gradient (does the past depend on the future?), in
+:mod:`.parity` checks (c)-(e) (does the same forward computed another way agree?).
+
 Cost on a clean model (the usual case), besides the capture that feeds the static checks:
 
 =========================  =============================================================
@@ -21,12 +25,12 @@ import torch
 
 from probe import forward
 from probe.analysis.causal.report import Finding
-from probe.analysis.causal.static import check_pattern
+from probe.errors import ProbeError
 
 N_REPLACEMENTS = 2
 
 
-def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+def relative_change(a: torch.Tensor, b: torch.Tensor) -> float:
     """max |a - b| relative to max |b| (0 for empty slices)."""
     if a.numel() == 0:
         return 0.0
@@ -71,10 +75,10 @@ class Functional:
         self.findings: list[Finding] = []
         self.checks: list[dict[str, Any]] = []
         self.leaked = False
-        self._out0: torch.Tensor | None = None
+        self.out0: torch.Tensor | None = None
 
     # -- helpers ---------------------------------------------------------------------------------
-    def _call(self, x, **kw):
+    def call(self, x, **kw):
         with torch.no_grad():
             return forward.outputs_of(forward.call(self.model, x, encoder_ids=self._enc(x), **kw))
 
@@ -91,7 +95,7 @@ class Functional:
             y[:, t + 1 :] = (y[:, t + 1 :] + shift) % max(self.vocab, 2)
         return y
 
-    def _record(self, check, ok, fw, bw=0, detail=""):
+    def record(self, check, ok, fw, bw=0, detail=""):
         self.checks.append(
             {
                 "check": check,
@@ -102,7 +106,7 @@ class Functional:
             }
         )
 
-    def _add(self, found: list[Finding], check: str) -> None:
+    def add(self, found: list[Finding], check: str) -> None:
         """Add localised findings from a functional check, except where the static checks already did."""
         for f in found:
             if (f.layer, f.head) in self.known:
@@ -116,9 +120,15 @@ class Functional:
             {"check": check, "status": "skipped", "forwards": 0, "backwards": 0, "detail": why}
         )
 
-    def _trace(self, run) -> Any:
-        with forward.trace(self.model) as tr, torch.no_grad():
-            run()
+    def trace(self, run, model=None) -> Any:
+        """The cache of one traced forward, or None when probe cannot trace it (the check's
+        verdict stands; the detail says the leak could not be localised, and why)."""
+        try:
+            with forward.trace(self.model if model is None else model) as tr, torch.no_grad():
+                run()
+        except ProbeError as e:
+            self.checks[-1]["detail"] += f"; not localised: {str(e).splitlines()[0][:160]}"
+            return None
         return tr.cache
 
     # -- (a) suffix perturbation -----------------------------------------------------------------
@@ -127,15 +137,15 @@ class Functional:
         ts = cut_points(self.T)
         rows = [(t, self._replace(self.x, t)) for t in ts for _ in range(N_REPLACEMENTS)]
         batch = torch.cat([self.x] + [r for _, r in rows])
-        out = self._call(batch)
-        self._out0 = out[:1]
+        out = self.call(batch)
+        self.out0 = out[:1]
         worst, where = 0.0, None
         for i, (t, _) in enumerate(rows):
-            d = _rel(out[i + 1, : t + 1], out[0, : t + 1])
+            d = relative_change(out[i + 1, : t + 1], out[0, : t + 1])
             if d > worst:
                 worst, where = d, (i, t)
         ok = worst <= self.tol["output"]
-        self._record(
+        self.record(
             "suffix",
             ok,
             1,
@@ -155,20 +165,27 @@ class Functional:
 
     def _localise(self, perturbed, t, q, worst, future_heads) -> None:
         pair = torch.cat([self.x, perturbed])
-        cache = self._trace(lambda: forward.call(self.model, pair, encoder_ids=self._enc(pair)))
+        cache = self.trace(lambda: forward.call(self.model, pair, encoder_ids=self._enc(pair)))
         self.checks[-1]["forwards"] += 1
-        stack = self.stack if self.stack in cache.stacks else cache.stacks[-1]
         first = None
-        for layer in range(cache.n_layers(stack)):
+        stack = None if cache is None else (self.stack if self.stack in cache.stacks else cache.stacks[-1])
+        for layer in range(cache.n_layers(stack) if cache is not None else 0):
             k = f"{stack}.blocks.{layer}.resid_post"
             if k not in cache:
                 continue
             s = cache[k]
-            if _rel(s[1, : t + 1], s[0, : t + 1]) > self.tol["stream"]:
+            if relative_change(s[1, : t + 1], s[0, : t + 1]) > self.tol["stream"]:
                 first = layer
                 break
         heads = [] if first is None else future_heads.get(first, [])
+        if cache is None and future_heads:
+            return  # the heads that look ahead are reported by the static checks already
         if first is None:
+            where = (
+                "probe could not trace the perturbed forward to place it"
+                if cache is None
+                else "no layer's residual stream does (the leak is after the last layer)"
+            )
             self.findings.append(
                 Finding(
                     "suffix_leak",
@@ -179,14 +196,16 @@ class Functional:
                     t + 1,
                     worst,
                     f"outputs at positions <= {t} change (by {worst:.3g}) when only tokens after {t} "
-                    "change; no layer's residual stream does (the leak is after the last layer)",
+                    f"change; {where}",
                     check="suffix",
                 )
             )
             return
         attn_k, mlp_k = f"{stack}.blocks.{first}.self_attn.delta", f"{stack}.blocks.{first}.mlp.delta"
-        d_attn = _rel(cache[attn_k][1, : t + 1], cache[attn_k][0, : t + 1]) if attn_k in cache else None
-        d_mlp = _rel(cache[mlp_k][1, : t + 1], cache[mlp_k][0, : t + 1]) if mlp_k in cache else None
+        d_attn, d_mlp = (
+            relative_change(cache[k][1, : t + 1], cache[k][0, : t + 1]) if k in cache else None
+            for k in (attn_k, mlp_k)
+        )
         if heads and any((first, h) in self.known for h in heads):
             self.checks[-1]["detail"] += f"; the stream first changes at layer {first}, heads {heads}"
             return
@@ -229,11 +248,14 @@ class Functional:
         )
 
     # -- (b) gradient ----------------------------------------------------------------------------
-    def gradient(self) -> None:
-        """d output_i / d input-embedding_j must be zero for j > i (one backward over a batch)."""
+    def gradient(self, explained: bool = False) -> None:
+        """d output_i / d input-embedding_j must be zero for j > i (one backward over a batch).
+
+        ``explained``: heads that attend to later keys are reported already; a failure then adds
+        no unlocalised finding of its own."""
         ts = cut_points(self.T)
         batch = self.x.expand(len(ts), *self.x.shape[1:]).clone()
-        out_shape = self._out0.shape if self._out0 is not None else self._call(self.x).shape
+        out_shape = self.out0.shape if self.out0 is not None else self.call(self.x).shape
         w = torch.randn((len(ts),) + tuple(out_shape[1:]), generator=self.gen)
         for b, t in enumerate(ts):
             w[b, t + 1 :] = 0
@@ -250,7 +272,7 @@ class Functional:
             if later.numel() and float(later.max()) > worst:
                 worst, where = float(later.max()), (t, t + 1 + int(later.argmax()))
         ok = worst <= self.tol["grad"]
-        self._record(
+        self.record(
             "gradient",
             ok,
             1,
@@ -259,7 +281,7 @@ class Functional:
         )
         if not ok:
             was, self.leaked = self.leaked, True
-            if not was:
+            if not was and not explained:
                 t, j = where
                 self.findings.append(
                     Finding(
@@ -275,185 +297,3 @@ class Functional:
                         check="gradient",
                     )
                 )
-
-    # -- (c) padding -----------------------------------------------------------------------------
-    def padding(self, expect) -> None:
-        """Left- and right-padded copies of a shorter text equal the unpadded run on real tokens."""
-        was = self.leaked
-        T = self.T
-        k = max(1, T // 3)
-        short = self.x[:, : T - k]
-        pad = torch.full((1, k), self.pad_id, dtype=self.x.dtype)
-        ids = torch.cat([self.x, torch.cat([pad, short], 1), torch.cat([short, pad], 1)])
-        mask = torch.ones_like(ids)
-        mask[1, :k] = 0
-        mask[2, T - k :] = 0
-        out = self._call(ids, attention_mask=mask)
-        ref = out[0, : T - k]
-        d_left, d_right = _rel(out[1, k:], ref), _rel(out[2, : T - k], ref)
-        ok = max(d_left, d_right) <= self.tol["output"]
-        self._record(
-            "padding",
-            ok,
-            1,
-            detail=f"batch 3: {k} pads left, right, none; change {d_left:.3g}, {d_right:.3g}",
-        )
-        if ok:
-            return
-        self.leaked = True
-        cache = self._trace(lambda: forward.call(self.model, ids, attention_mask=mask))
-        self.checks[-1]["forwards"] += 1
-        found = []
-        stack = cache.stacks[-1]
-        for layer in range(cache.n_layers(stack)):
-            try:
-                p = cache.pattern(stack, layer)
-            except KeyError:
-                continue
-            f, _ = check_pattern(
-                p, mask.bool(), mask.bool(), expect, self.tol, {"stack": stack, "layer": layer}
-            )
-            found += [x for x in f if x.kind in ("pad_attention", "mask_over_queries")]
-        if found:
-            self._add(found, "padding")
-            return
-        if was:
-            return  # explained by the leak found above
-        side = "left" if d_left > d_right else "right"
-        self.findings.append(
-            Finding(
-                "padding_mismatch",
-                None,
-                None,
-                None,
-                None,
-                None,
-                max(d_left, d_right),
-                f"{side}-padded outputs differ from the unpadded run by {max(d_left, d_right):.3g} "
-                "although no head attends to pads (positions shifted by padding?)",
-                check="padding",
-            )
-        )
-
-    # -- (d) KV cache ----------------------------------------------------------------------------
-    def kv_cache(self, expect) -> None:
-        """Prefix, then a chunk, then one token through the KV cache equal the full forward."""
-        was = self.leaked
-        T = self.T
-        n = T // 2
-        with torch.no_grad():
-            o1 = forward.call(self.model, self.x[:, :n], use_cache=True)
-            past = getattr(o1, "past_key_values", None)
-            if past is None:
-                self.skip("kv_cache", "the model returned no past_key_values")
-                return
-            o2 = forward.call(self.model, self.x[:, n : T - 1], past_key_values=past, use_cache=True)
-            o3 = forward.call(self.model, self.x[:, T - 1 :], past_key_values=o2.past_key_values)
-        inc = torch.cat([forward.outputs_of(o) for o in (o1, o2, o3)], 1)
-        full = self._out0 if self._out0 is not None else self._call(self.x)
-        d = _rel(inc, full)
-        ok = d <= self.tol["output"]
-        self._record(
-            "kv_cache", ok, 3, detail=f"prefix {n}, chunk {T - 1 - n}, then 1 token; max change {d:.3g}"
-        )
-        if ok:
-            return
-        self.leaked = True
-        with torch.no_grad():
-            past = forward.call(self.model, self.x[:, :n], use_cache=True).past_key_values
-        chunk = self.x[:, n : T - 1]
-        cache = self._trace(lambda: forward.call(self.model, chunk, past_key_values=past, use_cache=True))
-        self.checks[-1]["forwards"] += 2
-        found = []
-        for stack in cache.stacks:
-            for layer in range(cache.n_layers(stack)):
-                for kind in ("self", "cross"):
-                    try:
-                        p = cache.pattern(stack, layer, kind)
-                    except KeyError:
-                        continue
-                    ones_q = torch.ones(p.shape[0], p.shape[2], dtype=torch.bool)
-                    ones_k = torch.ones(p.shape[0], p.shape[3], dtype=torch.bool)
-                    f, _ = check_pattern(
-                        p, ones_q, ones_k, expect, self.tol, {"stack": self.stack, "layer": layer}
-                    )
-                    found += f
-        if found:
-            self._add(found, "kv_cache")
-            return
-        if was:
-            return
-        self.findings += [
-            Finding(
-                "kv_cache_mismatch",
-                self.label,
-                None,
-                None,
-                n,
-                None,
-                d,
-                f"decoding with the KV cache differs from the full forward by {d:.3g}",
-                check="kv_cache",
-            )
-        ]
-
-    # -- (e) backend parity ----------------------------------------------------------------------
-    def backend(self) -> None:
-        """Eager and SDPA attention give the same outputs (transformers models that offer both)."""
-        other = forward.other_backend(self.model)
-        if other is None:
-            self.skip("backend", "the model offers one attention backend")
-            return
-        current, name, twin = other
-        was = self.leaked
-        full = self._out0 if self._out0 is not None else self._call(self.x)
-        with torch.no_grad():
-            alt = forward.outputs_of(forward.call(twin, self.x))
-        d = _rel(alt, full)
-        ok = d <= self.tol["output"]
-        self._record("backend", ok, 1, detail=f"{current} vs {name}: max change {d:.3g}")
-        if ok:
-            return
-        self.leaked = True
-        if was:
-            return
-        caches = [self._trace(lambda m=m: forward.call(m, self.x)) for m in (self.model,)]
-        with forward.trace(twin) as tr, torch.no_grad():
-            forward.call(twin, self.x)
-        caches.append(tr.cache)
-        self.checks[-1]["forwards"] += 2
-        # compare layer by layer; each cache names its own lone stack (a leaky one looks like an encoder)
-        sa, sb = caches[0].stacks[-1], caches[1].stacks[-1]
-        for layer in range(min(caches[0].n_layers(sa), caches[1].n_layers(sb))):
-            a, b = caches[0].pattern(sa, layer), caches[1].pattern(sb, layer)
-            diff = (a.float() - b.float()).abs().amax(dim=(0, 2, 3))
-            if float(diff.max()) > self.tol["mass"] * 10:
-                h = int(diff.argmax())
-                self.findings.append(
-                    Finding(
-                        "backend_mismatch",
-                        self.label,
-                        layer,
-                        h,
-                        None,
-                        None,
-                        float(diff.max()),
-                        f"{current} and {name} attention differ (first at this layer, max weight "
-                        f"difference {float(diff.max()):.3g})",
-                        check="backend",
-                    )
-                )
-                return
-        self.findings.append(
-            Finding(
-                "backend_mismatch",
-                None,
-                None,
-                None,
-                None,
-                None,
-                d,
-                f"{current} and {name} outputs differ by {d:.3g}",
-                check="backend",
-            )
-        )

@@ -262,6 +262,26 @@ def display_name(cache: Any, stack: str, expected: dict[str, Expect]) -> str:
     return stack
 
 
+def _future_note(label: str, grid: dict, tol: dict[str, float]) -> str:
+    """Exactly zero vs. tiny but non-zero weight above the diagonal (heads over tolerance are findings)."""
+    cells = [
+        (layer, h, m)
+        for layer, row in zip(grid["layers"], grid["future"], strict=True)
+        for h, m in enumerate(row)
+    ]
+    tiny = [(layer, h, m) for layer, h, m in cells if 0 < m <= tol["mass"]]
+    zero = sum(m == 0 for _, _, m in cells)
+    if not tiny:
+        return f"{label}: weight on later keys is exactly 0 in {zero} of {len(cells)} heads"
+    worst = max(m for *_, m in tiny)
+    where = ", ".join(f"L{layer} H{h}" for layer, h, _ in tiny[:6]) + (" ..." if len(tiny) > 6 else "")
+    return (
+        f"{label}: weight on later keys is exactly 0 in {zero} of {len(cells)} heads; tiny but non-zero in "
+        f"{len(tiny)} ({where}; at most {worst:.3g} of a row, within the tolerance {tol['mass']:g}: the "
+        "residue of a finite mask fill, not a leak)"
+    )
+
+
 def check_cache(cache: Any, expected: dict[str, Expect], tol: dict[str, float]):
     """Run :func:`check_pattern` on every pattern in ``cache``.
 
@@ -314,7 +334,9 @@ def check_cache(cache: Any, expected: dict[str, Expect], tol: dict[str, float]):
                         f"{label} self-attention is bidirectional by design: not expected causal "
                         "(checked: padding, rows)"
                     )
-                elif isinstance(exp, int):
-                    used = max(max(r) for r in grids[label]["window"])
-                    notes.append(f"{label}: sliding window declared {exp} keys, widest used {int(used)}")
+                else:
+                    notes.append(_future_note(label, grids[label], tol))
+                    if isinstance(exp, int):
+                        used = max(max(r) for r in grids[label]["window"])
+                        notes.append(f"{label}: sliding window declared {exp} keys, widest used {int(used)}")
     return findings, grids, notes

@@ -7,10 +7,12 @@ parameters live (the budget). One idea per module:
 * :mod:`.lens`: :func:`logit_lens` -> :class:`LogitLens`
 * :mod:`.attribution`: direct logit attribution (:class:`Attribution`), computed with the lens
 * :mod:`.budget`: :func:`budget` -> :class:`Budget` (parameters by role and layer)
+* :mod:`.configs`: configs (and the ``gpt3`` preset) built on the ``meta`` device for the budget
 """
 
 from probe.analysis.residual.attribution import Attribution
-from probe.analysis.residual.budget import Budget, budget, gpt3_config
+from probe.analysis.residual.budget import Budget, budget
+from probe.analysis.residual.configs import gpt3_config
 from probe.analysis.residual.lens import LogitLens, logit_lens
 from probe.analysis.residual.stream import ResidualStats, residual
 

@@ -16,7 +16,8 @@ unembedding, other. They are read from the module tree, not from class names:
 * a parameter shared by several modules (tied embedding and unembedding) is counted once, under
   its first role, and marked ``tied`` with the other names.
 
-Works on models built on the ``meta`` device (no memory): only shapes are read.
+Works on models built on the ``meta`` device (no memory): only shapes are read; configs become
+such models in :mod:`.configs`.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ from typing import Any
 
 from torch import nn
 
+from probe.analysis.residual.configs import as_model
 from probe.analysis.residual.exports import TableExports
 from probe.analysis.table import Table
 from probe.errors import ProbeError
@@ -58,6 +60,8 @@ class Budget(TableExports):
     ``""`` outside the layers). ``total`` counts each shared tensor once and equals
     ``sum(p.numel() for p in model.parameters())``; ``matrices`` is the tutorial's total (token
     embedding, W_Q, W_K, W_V, W_O, MLP up and down, unembedding); ``journey`` the token's shapes.
+    ``tied_to``: a role whose weight is another role's tensor (a tied unembedding) -> the role it
+    is counted under; ``notes`` name every shared tensor.
     """
 
     params: Table
@@ -69,6 +73,7 @@ class Budget(TableExports):
     dims: dict[str, int]
     name: str = ""
     notes: list[str] = field(default_factory=list)
+    tied_to: dict[str, str] = field(default_factory=dict)
 
     def main_table(self) -> Table:
         """The table ``to_json``/``to_csv``/``to_pandas`` export."""
@@ -92,6 +97,7 @@ class Budget(TableExports):
             "by_layer": self.by_layer.to_dict(),
             "params": self.params.to_dict(),
             "notes": list(self.notes),
+            "tied_to": dict(self.tied_to),
         }
 
     def journey_text(self) -> str:
@@ -103,7 +109,9 @@ class Budget(TableExports):
         w = max(len(r) for r in ROLES)
         lines = [f"{self.name}  parameter budget" if self.name else "parameter budget"]
         for r in self.by_role:
-            lines.append(f"  {r['role']:{w}}  {r['parameters']:>20,}  {100 * r['share']:6.2f}%")
+            tied = self.tied_to.get(r["role"])
+            tie = f"  (tied: the {tied}, counted there)" if tied else ""
+            lines.append(f"  {r['role']:{w}}  {r['parameters']:>20,}  {100 * r['share']:6.2f}%{tie}")
         lines.append(f"  {'weight matrices':{w}}  {self.matrices:>20,}")
         lines.append(f"  {'total':{w}}  {self.total:>20,}")
         lines.append("journey: " + self.journey_text())
@@ -184,7 +192,7 @@ def budget(model_or_config: Any) -> Budget:
     A config (a ``transformers.PretrainedConfig``, a dict with ``model_type``, or a path to a
     ``config.json``) is built on the ``meta`` device, so even a GPT-3-sized model costs no memory.
     """
-    model = _as_model(model_or_config)
+    model = as_model(model_or_config)
     preset = isinstance(model_or_config, str) and model_or_config.lower() == "gpt3"
     layer_of = _stacks(model)
     d, cfg_vocab = _dims(model, layer_of)
@@ -325,8 +333,12 @@ def budget(model_or_config: Any) -> Budget:
         row.update({r: c.get(r, 0) for r in ROLES})
         layer_rows.append(row)
     notes = []
+    tied_to: dict[str, str] = {}
+    first_role = {r["name"]: r["role"] for r in rows}
     for n, others in tied.items():
-        notes.append(f"{n} is shared with {', '.join(others)}: counted once")
+        notes.append(f"{n} is shared with {', '.join(others)}: counted once, as {first_role[n]}")
+        if unembed is not None and f"{unembed}.weight" in others and first_role[n] != "unembedding":
+            tied_to["unembedding"] = first_role[n]
     d_ff = _d_ff(per_layer, d)
     vocab_out = next((_proj_shape(m)[1] for mn, m in model.named_modules() if mn == unembed), None)
     has_tok = by_role.get("token embedding", 0) > 0
@@ -350,6 +362,7 @@ def budget(model_or_config: Any) -> Budget:
         dims,
         str(name or type(model).__name__),
         notes,
+        tied_to,
     )
 
 
@@ -358,77 +371,4 @@ def _d_ff(per_layer, d: int) -> int | None:
     return c.most_common(1)[0][0] if c else None
 
 
-# -- configs on the meta device -----------------------------------------------------------------
-def gpt3_config():
-    """A GPT-3-shaped (175B) ``transformers.GPT2Config``: 96 layers, d_model 12,288, 96 heads of
-    128, d_ff 49,152, vocabulary 50,257, context 2,048, embedding and unembedding untied (the
-    tutorial counts them separately)."""
-    tf = _transformers()
-    return tf.GPT2Config(
-        n_layer=96,
-        n_embd=12288,
-        n_head=96,
-        n_inner=49152,
-        vocab_size=50257,
-        n_positions=2048,
-        tie_word_embeddings=False,
-    )
-
-
-def _transformers():
-    try:
-        import transformers
-    except ImportError:
-        raise ProbeError(
-            "budgets of configs need transformers; install it with `pip install -e '.[hf]'`"
-        ) from None
-    return transformers
-
-
-def _as_model(obj: Any) -> nn.Module:
-    if isinstance(obj, nn.Module):
-        return obj
-    import json
-    import os
-    from pathlib import Path
-
-    import torch
-
-    if isinstance(obj, str) and obj.lower() == "gpt3":
-        obj = gpt3_config()
-    tf = _transformers()
-    if isinstance(obj, (str, os.PathLike)):
-        path = Path(obj)
-        if path.is_dir():
-            path = path / "config.json"
-        if not path.is_file():
-            raise ProbeError(f"no config file at {obj}; give a config.json, a model folder or 'gpt3'")
-        try:
-            obj = json.loads(path.read_text())
-        except ValueError:
-            raise ProbeError(f"{path} is not JSON; give a Hugging Face config.json") from None
-    if isinstance(obj, dict):
-        d = dict(obj)
-        mt = d.pop("model_type", None)
-        if not mt:
-            raise ProbeError("the config has no model_type; give a Hugging Face config.json")
-        try:
-            obj = tf.AutoConfig.for_model(mt, **d)
-        except ValueError as e:
-            raise ProbeError(f"cannot read the config: {str(e).splitlines()[0]}") from None
-    if not isinstance(obj, tf.PretrainedConfig):
-        raise ProbeError(f"budget() takes a model, a config or 'gpt3', not {type(obj).__name__}")
-    archs = obj.architectures or []
-    auto = tf.AutoModelForCausalLM
-    if getattr(obj, "is_encoder_decoder", False):
-        auto = tf.AutoModelForSeq2SeqLM
-    elif archs and not any(a.endswith("ForCausalLM") or a.endswith("LMHeadModel") for a in archs):
-        auto = tf.AutoModel
-    with torch.device("meta"):
-        try:
-            return auto.from_config(obj)
-        except ValueError:
-            return tf.AutoModel.from_config(obj)
-
-
-__all__ = ["Budget", "budget", "gpt3_config", "ROLES", "MATRIX_ROLES"]
+__all__ = ["Budget", "budget", "ROLES", "MATRIX_ROLES"]

@@ -17,11 +17,12 @@ ORDER = 60
 
 
 def _heatmap(al, b: int):
-    import matplotlib.pyplot as plt
+    from matplotlib.figure import Figure
 
     M = al.matrix(b).numpy()
     src, tgt = al.source[b].words, al.target[b].words
-    fig, ax = plt.subplots(figsize=(1.2 + 0.55 * len(src), 1.0 + 0.45 * len(tgt)))
+    fig = Figure(figsize=(1.2 + 0.55 * len(src), 1.0 + 0.45 * len(tgt)))
+    ax = fig.subplots()
     im = ax.imshow(M, cmap="Blues", vmin=0, vmax=max(1e-9, float(M.max())), aspect="auto")
     ax.set_xticks(range(len(src)), src, rotation=45, ha="right")
     ax.set_yticks(range(len(tgt)), tgt)
@@ -53,11 +54,12 @@ def _heatmap(al, b: int):
 
 
 def _links(al, b: int):
-    import matplotlib.pyplot as plt
+    from matplotlib.figure import Figure
 
     src, tgt = al.source[b].words, al.target[b].words
     n = max(len(src), len(tgt), 1)
-    fig, ax = plt.subplots(figsize=(1.0 + 0.9 * n, 1.8))
+    fig = Figure(figsize=(1.0 + 0.9 * n, 1.8))
+    ax = fig.subplots()
     xs = [k * (n - 1) / max(len(src) - 1, 1) for k in range(len(src))]
     xt = [k * (n - 1) / max(len(tgt) - 1, 1) for k in range(len(tgt))]
     for k, w in enumerate(src):
@@ -81,11 +83,12 @@ def _links(al, b: int):
 
 
 def _map(al, values: dict, label: str):
-    import matplotlib.pyplot as plt
+    from matplotlib.figure import Figure
 
     heads = [*range(al.n_heads), "mean"]
     grid = [[values.get((layer, h), math.nan) for h in heads] for layer in al.layers]
-    fig, ax = plt.subplots(figsize=(1.5 + 0.55 * len(heads), 0.9 + 0.4 * len(al.layers)))
+    fig = Figure(figsize=(1.5 + 0.55 * len(heads), 0.9 + 0.4 * len(al.layers)))
+    ax = fig.subplots()
     im = ax.imshow(grid, cmap="viridis_r" if label == "AER" else "viridis", aspect="auto")
     ax.set_xticks(range(len(heads)), [str(h) for h in heads])
     ax.set_yticks(range(len(al.layers)), [str(x) for x in al.layers])

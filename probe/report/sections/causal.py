@@ -38,11 +38,20 @@ def _audit(ctx) -> Any:
     return report
 
 
-def _heatmaps(ctx, report) -> list[dict]:
-    import matplotlib
+def verdict(ctx) -> dict | None:
+    """The audit's one-line verdict for the report's summary: ``{"ok", "verdict"}``, or None when
+    the audit cannot run on this cache (its own section then says why)."""
+    from probe.errors import ProbeError
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    try:
+        report = _audit(ctx)
+    except ProbeError:
+        return None
+    return {"ok": report.ok, "verdict": report.verdict()}
+
+
+def _heatmaps(ctx, report) -> list[dict]:
+    from matplotlib.figure import Figure
     from matplotlib.patches import Rectangle
 
     out = []
@@ -62,9 +71,8 @@ def _heatmaps(ctx, report) -> list[dict]:
             else []
         )
         panels.append(("pad", "mass on padding keys"))
-        fig, axes = plt.subplots(
-            1, len(panels), figsize=(3.2 * len(panels) + 1, 0.45 * len(g["layers"]) + 1.4)
-        )
+        fig = Figure(figsize=(3.2 * len(panels) + 1, 0.45 * len(g["layers"]) + 1.4))
+        axes = fig.subplots(1, len(panels))
         axes = axes if len(panels) > 1 else [axes]
         for ax, (name, title) in zip(axes, panels, strict=True):
             data = g[name]
@@ -89,11 +97,8 @@ def _heatmaps(ctx, report) -> list[dict]:
 
 
 def _leaking_head(ctx, report) -> dict | None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
     import torch
+    from matplotlib.figure import Figure
     from matplotlib.patches import Rectangle
 
     from probe.analysis.causal import TOLERANCES
@@ -114,7 +119,8 @@ def _leaking_head(ctx, report) -> dict | None:
             pad = torch.tensor(mask[b]) == 0
         tol = TOLERANCES.get(report.dtype, TOLERANCES["float32"])["mass"]
         bad = ((fut | pad[None, :]) & (p.nan_to_num(0) > tol)) | ~torch.isfinite(p)
-        fig, ax = plt.subplots(figsize=(5.2, 4.6))
+        fig = Figure(figsize=(5.2, 4.6))
+        ax = fig.subplots()
         shown = p.nan_to_num(0)
         ax.imshow(shown.numpy(), cmap="Blues", vmin=0, vmax=max(float(shown.max()), 1e-6))
         toks = (cache.tokens or [[]])[b] if cache.tokens else []

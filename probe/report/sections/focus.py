@@ -55,13 +55,11 @@ ROLE_SHORT = {
 
 
 def _heatmap(ctx, values, title: str) -> str:
-    import matplotlib
-
-    matplotlib.use("Agg", force=False)
-    import matplotlib.pyplot as plt
+    from matplotlib.figure import Figure
 
     L, H = values.shape
-    fig, ax = plt.subplots(figsize=(max(3.0, 0.45 * H + 1.6), max(2.0, 0.4 * L + 1.0)))
+    fig = Figure(figsize=(max(3.0, 0.45 * H + 1.6), max(2.0, 0.4 * L + 1.0)))
+    ax = fig.subplots()
     im = ax.imshow(values.numpy(), cmap="viridis", aspect="auto")
     ax.set_xlabel("head")
     ax.set_ylabel("layer")

@@ -19,14 +19,12 @@ _COLORS = {"self_attn": "#4c72b0", "cross_attn": "#55a868", "mlp": "#dd8452", "l
 
 
 def _norms_figure(ctx, stats) -> str:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    from matplotlib.figure import Figure
 
     rows = list(stats.layers)
     stacks = sorted({r["stack"] for r in rows}, key=lambda s: s != "encoder")
-    fig, axes = plt.subplots(1, len(stacks), figsize=(5.5 * len(stacks), 3.4), squeeze=False)
+    fig = Figure(figsize=(5.5 * len(stacks), 3.4))
+    axes = fig.subplots(1, len(stacks), squeeze=False)
     for ax, stack in zip(axes[0], stacks, strict=True):
         mine = [r for r in rows if r["stack"] == stack]
         layers = sorted({r["layer"] for r in mine})
@@ -44,19 +42,18 @@ def _norms_figure(ctx, stats) -> str:
         ax.set_xticks(range(len(layers)), [str(i) for i in layers])
         ax.set_xlabel(f"{stack} layer")
         ax.set_ylabel("mean L2 norm over tokens")
-        ax.legend(fontsize=8)
+        ax.set_ylim(0, 1.4 * max(max(bottom), max(post), 1e-9))  # room above for the legend
+        ax.legend(fontsize=8, loc="upper right", ncol=2)
     fig.tight_layout()
     return ctx.figure(fig, "residual norms per layer")
 
 
 def _budget_figure(ctx, b) -> str:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    from matplotlib.figure import Figure
 
     rows = [r for r in b.by_role if r["parameters"] > 0]
-    fig, ax = plt.subplots(figsize=(6.5, 0.32 * len(rows) + 0.8))
+    fig = Figure(figsize=(6.5, 0.32 * len(rows) + 0.8))
+    ax = fig.subplots()
     ax.barh([r["role"] for r in rows][::-1], [100 * r["share"] for r in rows][::-1], color="#4c72b0")
     for i, r in enumerate(rows[::-1]):
         ax.text(100 * r["share"], i, f" {r['parameters']:,}", va="center", fontsize=8)

@@ -55,4 +55,9 @@ def build(ctx) -> dict:
                 "texts": texts,
             }
         )
-    return {"runs": runs}
+    out = {"runs": runs}
+    if hasattr(ctx, "results"):  # the causal-mask audit's verdict, up front (its section has the detail)
+        from probe.report.sections import causal
+
+        out["causal"] = causal.verdict(ctx)
+    return out
