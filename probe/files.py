@@ -14,6 +14,8 @@ import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
+from probe.errors import ProbeError
+
 
 def umask_mode() -> int:
     """The mode a new file gets under the user's umask (``0o644`` for umask ``022``)."""
@@ -25,10 +27,50 @@ def umask_mode() -> int:
 _umask_mode = umask_mode
 
 
+def check_writable(path: str | os.PathLike, example: str | None = None) -> Path:
+    """Refuse an output path that cannot be written, before any work is done; returns it as a Path.
+
+    Raises :class:`ProbeError` when ``path`` is an existing directory (suggesting ``path/example``
+    when given), when a part of its folder is a file, or when its folder (or the nearest existing
+    ancestor) is not writable.
+    """
+    path = Path(path)
+    if path.is_dir():
+        hint = f"such as {path / example}" if example else "inside it or elsewhere"
+        raise ProbeError(f"output {path} is a directory; give a file path {hint}")
+    folder = path.parent
+    while not folder.exists() and folder != folder.parent:
+        folder = folder.parent
+    if not folder.is_dir():
+        raise ProbeError(f"cannot write {path}: {folder} is a file, not a folder; choose another output path")
+    if not os.access(folder, os.W_OK | os.X_OK):
+        raise ProbeError(
+            f"cannot write {path}: no permission to write in {folder}; choose another output path"
+        )
+    return path
+
+
+def input_file(path: str | os.PathLike, what: str, give: str) -> Path:
+    """``path`` as a Path when it is an existing regular file; else a one-line :class:`ProbeError`
+    naming ``what`` (e.g. ``"--texts"``), what is wrong (missing, a folder, a pipe) and ``give``."""
+    p = Path(path)
+    if p.is_dir():
+        raise ProbeError(f"{what} {p} is a directory; {give}")
+    if not p.exists():
+        raise ProbeError(f"{what} {p}: no such file; {give}")
+    if not p.is_file():
+        raise ProbeError(f"{what} {p} is not a regular file; {give}")
+    return p
+
+
 @contextlib.contextmanager
 def atomic_path(path: str | os.PathLike) -> Iterator[Path]:
-    """Yield a temporary path beside ``path``; on success it is fsynced and renamed to ``path``."""
-    path = Path(path)
+    """Yield a temporary path beside ``path``; on success it is fsynced and renamed to ``path``.
+
+    A path that cannot be written (a folder, under a file, no permission) is a :class:`ProbeError`
+    before anything is created.
+    """
+    path = check_writable(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     os.close(fd)
@@ -57,4 +99,11 @@ def write_text_atomic(path: str | os.PathLike, text: str) -> Path:
     return write_bytes_atomic(path, text.encode("utf-8"))
 
 
-__all__ = ["atomic_path", "umask_mode", "write_bytes_atomic", "write_text_atomic"]
+__all__ = [
+    "atomic_path",
+    "check_writable",
+    "input_file",
+    "umask_mode",
+    "write_bytes_atomic",
+    "write_text_atomic",
+]

@@ -370,3 +370,30 @@ def test_a_datasets_dataset_is_read_by_column(work, tmp_path):
     assert _stats(tmp_path / "ds") == _stats(work / "ref")
     with pytest.raises(probe.ProbeError, match="no column 'body'.*field="):
         probe.run_corpus(load_model("minigpt"), ds, tmp_path / "bad", field="body", progress=False)
+
+
+@pytest.mark.parametrize(
+    "keep, what",
+    [({"layers": [99]}, "layers"), ({"layers": [1, 99]}, "layers"), ({"heads": [1, 99]}, "heads")],
+)
+def test_a_selection_the_model_lacks_is_refused_and_leaves_no_run(tmp_path, keep, what):
+    model = load_model("minigpt")
+    # the oracle: the model's own module tree (2 blocks of 4 heads), not probe's metadata
+    n_layers, n_heads = len(model.blocks), len(model.blocks[0].attn.heads)
+    n = n_layers if what == "layers" else n_heads
+    out = tmp_path / "run"
+    with pytest.raises(probe.ProbeError, match=rf"{what}.*; choose indices from 0-{n - 1}$"):
+        probe.run_corpus(model, ["the cat sat"], out, keep=keep, progress=False)
+    assert not out.exists()  # no config.json left to block the corrected command
+    fixed = {k: [i for i in v if i < n] or [0] for k, v in keep.items()}
+    cache, _ = probe.run_corpus(model, ["the cat sat"], out, keep=fixed, progress=False).cache_of(0)
+    layers = fixed.get("layers", range(n_layers))
+    assert cache.keys() == [f"decoder.blocks.{i}.self_attn.pattern" for i in layers]
+    assert {cache.shape(k)[1] for k in cache.keys()} == {len(fixed.get("heads", range(n_heads)))}
+
+
+@pytest.mark.parametrize("keep", [{"layers": []}, {"heads": []}])
+def test_an_empty_selection_is_refused_like_capture(tmp_path, keep):
+    with pytest.raises(probe.ProbeError, match=r"=\[\] selects no (layer|head); give indices"):
+        probe.run_corpus(load_model("minigpt"), ["the cat sat"], tmp_path / "run", keep=keep, progress=False)
+    assert not (tmp_path / "run").exists()

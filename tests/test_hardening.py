@@ -709,3 +709,122 @@ def test_long_text_error_ends_with_an_ellipsis():
     gpt = models.load("minigpt")
     with pytest.raises(ProbeError, match=r"text 'a{29}…' is 40 tokens"):
         probe.capture(gpt, "a" * 40)
+
+
+# -- the newer commands: the same promises (one line, exit 2, nothing written, checked first) -----
+
+
+@pytest.fixture(scope="module")
+def places(good_cache, tmp_path_factory) -> dict[str, str]:
+    """Bad places a new user gives: missing, a folder, not a cache, a file on the output's way."""
+    import models
+
+    root = tmp_path_factory.mktemp("places")
+    (root / "folder.safetensors").mkdir()
+    (root / "notes.safetensors").write_text("not a cache\n")
+    (root / "file").write_text("x")
+    (root / "texts.txt").write_text("the cat sat\n")
+    # the aligner: a small encoder-decoder with a shipped checkpoint (the translator trains on first use)
+    mt = probe.capture(models.load("aligner"), "gestern sah der mann den hund", out=root / "mt.safetensors")
+    return {
+        "good": str(good_cache),
+        "mt": str(mt.path),
+        "missing": str(root / "missing.safetensors"),
+        "folder": str(root / "folder.safetensors"),
+        "notes": str(root / "notes.safetensors"),
+        "file": str(root / "file"),
+        "under_file": str(root / "file" / "out"),
+        "texts": str(root / "texts.txt"),
+        "new": str(root / "new"),
+    }
+
+
+_BAD_INPUTS = [
+    (cmd, where, what)
+    for cmd in ("report", "check", "stats", "residual", "align")
+    for where, what in (
+        ("missing", "no such file"),
+        ("folder", "is a directory"),
+        ("notes", "not a safetensors file"),
+    )
+]
+
+
+@pytest.mark.parametrize("cmd, where, what", _BAD_INPUTS)
+def test_newer_commands_refuse_a_bad_cache_in_one_line(places, capsys, cmd, where, what):
+    before = sorted(Path(places["file"]).parent.iterdir())
+    err = _one_line_error(capsys, [cmd, places[where]])
+    assert what in err and Path(places[where]).name in err
+    assert sorted(Path(places["file"]).parent.iterdir()) == before  # nothing written, no temp file
+
+
+_BAD_OUTPUTS = [
+    (["report", "-m", "minigpt", "at", "-o", "{file}"], "is a file; give a directory for the report"),
+    (["report", "-m", "minigpt", "at", "-o", "{under_file}"], "file is a file, not a folder"),
+    (["lens", "-m", "minigpt", "at", "--csv", "{under_file}.csv"], "file is a file, not a folder"),
+    (["lens", "-m", "minigpt", "at", "--json", "{folder}"], "is a directory; give a file path such as"),
+    (["budget", "--csv", "{folder}"], "is a directory; give a file path such as"),
+    (["stats", "-m", "minigpt", "--texts", "{texts}", "--csv", "{under_file}"], "is a file, not a folder"),
+    (["corpus", "-m", "minigpt", "--texts", "{texts}", "-o", "{file}"], "is a file; give a directory"),
+    (["corpus", "-m", "minigpt", "--texts", "{texts}", "-o", "{under_file}"], "is a file, not a folder"),
+]
+
+
+@pytest.mark.parametrize("argv, what", _BAD_OUTPUTS, ids=lambda v: " ".join(v) if isinstance(v, list) else "")
+def test_newer_commands_check_outputs_before_the_model_runs(places, capsys, monkeypatch, argv, what):
+    def no_model(args):
+        raise AssertionError("the model was loaded before the output path was checked")
+
+    monkeypatch.setattr("probe.cli.common.load_model", no_model)
+    before = sorted(Path(places["file"]).parent.iterdir())
+    err = _one_line_error(capsys, [a.format(**places) for a in argv])
+    assert what in err
+    assert sorted(Path(places["file"]).parent.iterdir()) == before
+
+
+@pytest.mark.parametrize(
+    "argv, what",
+    [
+        (["stats", "{good}", "--csv", "{folder}"], "is a directory; give a file path such as"),
+        (["residual", "{good}", "--json", "{under_file}"], "is a file, not a folder"),
+        (["align", "{mt}", "--json", "{folder}"], "is a directory"),
+        (["align", "{mt}", "--layer", "9"], "decoder layers [0, 1, 2]"),
+        (["align", "{mt}", "--layer", "0", "--head", "9"], "heads 0..3"),
+        (["align", "{mt}", "--gold", "{folder}"], "gold file"),
+        (["stats", "-m", "minigpt", "--texts", "{folder}"], "--texts"),
+        (["corpus", "-m", "minigpt", "--texts", "{folder}", "-o", "{new}"], "--texts"),
+        (["corpus", "-m", "minigpt", "--texts", "{texts}", "-o", "{new}", "--layers", "9", "-q"], "0-1"),
+        (["corpus", "-m", "minigpt", "--texts", "{texts}", "-o", "{new}", "--heads", "9", "-q"], "0-3"),
+    ],
+)
+def test_newer_commands_refuse_bad_arguments_in_one_line(places, capsys, argv, what):
+    before = sorted(Path(places["file"]).parent.iterdir())
+    err = _one_line_error(capsys, [a.format(**places) for a in argv])
+    assert what in err
+    if "{folder}" in argv:
+        assert "is a directory" in err  # not "does not exist" or "no such file"
+    assert sorted(Path(places["file"]).parent.iterdir()) == before  # no run folder left behind
+
+
+def test_a_cache_without_read_permission(good_cache, capsys):
+    # root reads everything: drop to nobody's effective uid for the open (CI runs as root)
+    import shutil
+    import tempfile
+
+    folder = Path(tempfile.mkdtemp())
+    os.chmod(folder, 0o755)
+    p = folder / "secret.safetensors"
+    shutil.copy(good_cache, p)
+    os.chmod(p, 0)
+    root = os.geteuid() == 0
+    try:
+        if root:
+            os.seteuid(65534)
+        with pytest.raises(ProbeError, match=r"cannot open it \(Permission denied\)") as e:
+            probe.load(p)
+        err = _one_line_error(capsys, ["info", str(p)])
+    finally:
+        if root:
+            os.seteuid(0)
+        shutil.rmtree(folder)
+    assert "\n" not in str(e.value) and "permissions" in err

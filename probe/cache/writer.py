@@ -33,7 +33,7 @@ from safetensors import SafetensorError
 from safetensors.torch import save_file
 
 from probe.errors import ProbeError, describe_os_error
-from probe.files import atomic_path, umask_mode
+from probe.files import atomic_path, check_writable, umask_mode
 
 _DTYPES = {
     torch.float64: "F64",
@@ -87,24 +87,8 @@ class MemorySink:
 
 
 def check_output(path: str | os.PathLike) -> Path:
-    """Refuse an output path that cannot be written, before any work is done; returns it as a Path.
-
-    Raises :class:`ProbeError` when ``path`` is an existing directory, when a part of its folder
-    is a file, or when its folder (or the nearest existing ancestor) is not writable.
-    """
-    path = Path(path)
-    if path.is_dir():
-        raise ProbeError(f"output {path} is a directory; give a file path such as {path / 'run.safetensors'}")
-    folder = path.parent
-    while not folder.exists() and folder != folder.parent:
-        folder = folder.parent
-    if not folder.is_dir():
-        raise ProbeError(f"cannot write {path}: {folder} is a file, not a folder; choose another output path")
-    if not os.access(folder, os.W_OK | os.X_OK):
-        raise ProbeError(
-            f"cannot write {path}: no permission to write in {folder}; choose another output path"
-        )
-    return path
+    """:func:`probe.files.check_writable` for a cache: a folder gets ``folder/run.safetensors`` suggested."""
+    return check_writable(path, example="run.safetensors")
 
 
 def _unlink(p: Path | None) -> None:

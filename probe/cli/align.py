@@ -4,9 +4,6 @@ from __future__ import annotations
 
 import argparse
 import sys
-from pathlib import Path
-
-from probe.errors import ProbeError
 
 
 def _layer_arg(text: str):
@@ -63,10 +60,7 @@ def align_text(al) -> str:
 def cmd_align(args: argparse.Namespace) -> int:
     import probe
 
-    p = Path(args.path)
-    if not p.is_file():
-        raise ProbeError(f"{p} does not exist; give a cache written by `probe capture`")
-    cache = probe.load(p)
+    cache = probe.load(args.path)  # says what is wrong: missing, a folder, not a cache
     reverse = probe.load(args.reverse) if args.reverse else None
     al = probe.align(
         cache,

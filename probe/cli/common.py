@@ -96,6 +96,16 @@ def _export(result, args: argparse.Namespace) -> None:
             print(f"wrote {path}")
 
 
+def _check_exports(args: argparse.Namespace) -> None:
+    """``--csv FILE``/``--json FILE`` checked before the command runs (not after the work is done)."""
+    from probe.files import check_writable
+
+    for attr, example in (("csv", "table.csv"), ("json", "result.json")):
+        path = getattr(args, attr, None)
+        if isinstance(path, str):  # `probe stats --json` is a flag (print JSON), not a file
+            check_writable(path, example)
+
+
 def _export_args(p: argparse.ArgumentParser, what: str) -> None:
     p.add_argument("--csv", default=None, help=f"also write {what} to this CSV file")
     p.add_argument("--json", default=None, help=f"also write {what} to this JSON file")
@@ -149,6 +159,7 @@ def run(args: argparse.Namespace) -> int:
 
     old = _catch_signals()
     try:
+        _check_exports(args)
         code = args.func(args)
         sys.stdout.flush()
         return code

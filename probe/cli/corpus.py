@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 import argparse
-from pathlib import Path
 
 from probe.cli import common
 from probe.cli.common import add_model_args
 from probe.errors import ProbeError
+from probe.files import input_file
 
 
 def cmd_corpus(args: argparse.Namespace) -> int:
@@ -24,10 +24,10 @@ def cmd_corpus(args: argparse.Namespace) -> int:
         keep = {"layers": None, "heads": None}
     elif keep is None:
         keep = "stats"
-    if not Path(args.texts).is_file():
-        raise ProbeError(
-            f"--texts {args.texts}: no such file; give a .txt (one text per line) or .jsonl file"
-        )
+    input_file(args.texts, "--texts", "give a .txt (one text per line) or .jsonl file")
+    from probe.corpus.run import check_run_dir
+
+    check_run_dir(args.output)  # before loading the model
     model, tok = common.load_model(args)
     corpus = run_corpus(
         model,

@@ -23,24 +23,30 @@ def cmd_report(args: argparse.Namespace) -> int:
     model_given = bool(args.model or args.hf)
     if not inputs:
         raise ProbeError("nothing to report; give a cache file (run.safetensors) or --model NAME and a text")
-    if not model_given and all(i.endswith(".safetensors") for i in inputs):
-        caches = [probe.load(i) for i in inputs]
+    from_caches = not model_given and all(i.endswith(".safetensors") for i in inputs)
+    if not from_caches and any(i.endswith(".safetensors") for i in inputs):
+        raise ProbeError(
+            "give either cache files (probe report run.safetensors) or texts with a model "
+            "(probe report --model minigpt 'text'), not both"
+        )
+    if from_caches:
         name = Path(inputs[0]).stem
+    else:
+        name = Path(args.hf).name if args.hf else (args.model or args.default_model)
+    out = Path(args.output) if args.output else Path("reports") / _report_name(name)
+    from probe.report.html import check_report_dir
+
+    check_report_dir(out)  # before loading the model and running the forward
+    if from_caches:
+        caches = [probe.load(i) for i in inputs]
         model = tok = None
     else:
-        if any(i.endswith(".safetensors") for i in inputs):
-            raise ProbeError(
-                "give either cache files (probe report run.safetensors) or texts with a model "
-                "(probe report --model minigpt 'text'), not both"
-            )
         model, tok = common.load_model(args)
         text = inputs if len(inputs) > 1 else inputs[0]
         target = None
         if args.target is not None:
             target = args.target if len(args.target) > 1 else args.target[0]
         caches = [probe.capture(model, text, tokenizer=tok, target=target)]
-        name = Path(args.hf).name if args.hf else (args.model or args.default_model)
-    out = Path(args.output) if args.output else Path("reports") / _report_name(name)
     path = probe.report(caches, out, model=model, tokenizer=tok)
     print(f"wrote {path} ({_human(path.stat().st_size)}); open it in a browser: {path.resolve().as_uri()}")
     return 0

@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 import argparse
-from pathlib import Path
 
 from probe.cli import common
 from probe.cli.common import add_model_args
 from probe.errors import ProbeError
+from probe.files import input_file
 
 
 def cmd_stats(args: argparse.Namespace) -> int:
@@ -41,9 +41,7 @@ def _text_caches(args: argparse.Namespace):
     """Captures of the texts in ``--texts`` (one per line), ``--batch`` at a time, lazily."""
     from probe import forward
 
-    path = Path(args.texts)
-    if not path.is_file():
-        raise ProbeError(f"--texts {args.texts}: no such file; give a text file with one text per line")
+    path = input_file(args.texts, "--texts", "give a text file with one text per line")
     texts = [t for t in path.read_text(encoding="utf-8").splitlines() if t.strip()]
     if not texts:
         raise ProbeError(f"--texts {args.texts}: the file has no texts (one per line)")

@@ -17,6 +17,7 @@ done when its JSON exists (written atomically after its caches); a rerun skips d
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
@@ -32,7 +33,7 @@ from probe.capture import capture
 from probe.capture.engine import _dtype, model_info
 from probe.corpus.dist import Group
 from probe.errors import ProbeError
-from probe.files import write_text_atomic
+from probe.files import check_writable, input_file, write_text_atomic
 
 KEEPS = ("stats", "all", "residuals")
 
@@ -40,9 +41,7 @@ KEEPS = ("stats", "all", "residuals")
 def load_texts(texts: Any, *, field: str | None = None) -> list[str]:
     """The texts of a list, a text file (one per non-empty line), JSONL (``field``) or a Dataset."""
     if isinstance(texts, (str, os.PathLike)):
-        p = Path(texts)
-        if not p.is_file():
-            raise ProbeError(f"texts file {p} does not exist; give a .txt (one text per line) or .jsonl file")
+        p = input_file(texts, "texts file", "give a .txt (one text per line) or .jsonl file")
         lines = [ln for ln in p.read_text(encoding="utf-8").splitlines() if ln.strip()]
         if p.suffix == ".jsonl" or field is not None:
             key = field or "text"
@@ -85,6 +84,10 @@ def _keep_spec(keep: Any) -> Any:
             if v is not None:
                 if not isinstance(v, (list, tuple)) or not all(isinstance(i, int) and i >= 0 for i in v):
                     raise ProbeError(f"keep[{k!r}] should be a list of non-negative integers, not {v!r}")
+                if not v:  # as capture(layers=[]): an empty selection is a mistake, not "keep nothing"
+                    raise ProbeError(
+                        f"keep[{k!r}]=[] selects no {k[:-1]}; give indices like [0, 2], or None for all"
+                    )
                 v = sorted(set(v))
             out[k] = v
         return out
@@ -112,6 +115,7 @@ def _select(cache: Cache, keep: Any) -> Cache | None:
     if keep == "residuals":
         return Cache({k: cache[k] for k in cache.keys() if not k.endswith("_attn.pattern")}, meta)
     layers, heads = keep.get("layers"), keep.get("heads")
+    _check_selection(cache, layers, heads)
     tensors = {}
     for k in cache.keys():
         if not k.endswith("_attn.pattern"):
@@ -121,13 +125,31 @@ def _select(cache: Cache, keep: Any) -> Cache | None:
             continue
         t = cache[k]
         if heads is not None:
-            if max(heads) >= t.shape[1]:
-                raise ProbeError(f"keep heads {heads}: {k} has only {t.shape[1]} heads")
             t = t[:, heads].contiguous()
         tensors[k] = t
     meta["layers_captured"] = layers
     meta["heads_captured"] = heads
     return Cache(tensors, meta)
+
+
+def _check_selection(cache: Cache, layers: list[int] | None, heads: list[int] | None) -> None:
+    """Refuse ``keep`` layers or heads the model does not have (never store less than was asked)."""
+    patterns = [k for k in cache.keys() if k.endswith("_attn.pattern")]
+    if not patterns:
+        return
+    n_layers = 1 + max(int(k.split(".")[2]) for k in patterns)
+    missing = [i for i in layers or [] if i >= n_layers]
+    if missing:
+        raise ProbeError(
+            f"keep layers {layers} names layers {missing} that do not exist (the model has {n_layers} "
+            f"layers); choose indices from 0-{n_layers - 1}"
+        )
+    n_heads = min(cache.shape(k)[1] for k in patterns)
+    if heads is not None and max(heads) >= n_heads:
+        raise ProbeError(
+            f"keep heads {heads}: this model's attention has {n_heads} heads; "
+            f"choose indices from 0-{n_heads - 1}"
+        )
 
 
 def _config(model, texts: list[str], keep, batch_size: int, shard_size: int, stats: bool, dtype) -> dict:
@@ -145,9 +167,19 @@ def _config(model, texts: list[str], keep, batch_size: int, shard_size: int, sta
     }
 
 
+def check_run_dir(out_dir: str | os.PathLike) -> Path:
+    """``out_dir`` as a Path when a corpus run can be written there; else a one-line
+    :class:`ProbeError` (a file, a file on the way, no permission), raised before any work."""
+    out = Path(out_dir)
+    if out.exists() and not out.is_dir():
+        raise ProbeError(f"{out} is a file; give a directory for the corpus run")
+    check_writable(out / "config.json")
+    return out
+
+
 def _check_config(out: Path, cfg: dict) -> bool:
     """True when ``out`` already holds this run; ProbeError when it holds another one."""
-    p = out / "config.json"
+    p = check_run_dir(out) / "config.json"
     if not p.exists():
         if out.exists() and any(not f.name.startswith(".") for f in out.iterdir()):
             raise ProbeError(f"{out} is not empty and holds no corpus run; give a new or empty directory")
@@ -272,10 +304,11 @@ def run_corpus(
     tokenizer = tokenizer if tokenizer is not None else getattr(model, "tokenizer", None)
     out = Path(out_dir)
     cfg = _config(model, texts, keep, batch_size, shard_size, stats, dtype)
-    _check_config(out, cfg)  # every rank checks: they all refuse alike, none waits forever
+    resumed = _check_config(out, cfg)  # every rank checks: they all refuse alike, none waits forever
+    existed = out.exists()
     group = Group()
     try:
-        if group.rank == 0 and not (out / "config.json").exists():
+        if group.rank == 0 and not resumed:
             write_text_atomic(out / "config.json", json.dumps(cfg, indent=1, ensure_ascii=False))
         group.barrier()
         n_shards = -(-len(texts) // shard_size)
@@ -298,9 +331,25 @@ def run_corpus(
         if group.rank == 0:
             finish(out)
         group.barrier()
+    except ProbeError:
+        if group.rank == 0 and not resumed:
+            _undo_new_run(out, existed)
+        raise
     finally:
         group.close()
     return Corpus(out)
+
+
+def _undo_new_run(out: Path, existed: bool) -> None:
+    """Remove a new run refused before any shard finished (e.g. ``keep`` names a layer the model lacks),
+    so the corrected command starts afresh instead of meeting "holds a different corpus run"."""
+    shards = out / "shards"
+    if any(p.is_file() for p in shards.rglob("*")):
+        return  # something was written (a full disk mid-shard): keep the run, rerunning resumes it
+    (out / "config.json").unlink(missing_ok=True)
+    for folder in [*sorted(shards.glob("*"), reverse=True), shards] + ([] if existed else [out]):
+        with contextlib.suppress(OSError):
+            folder.rmdir()  # only when empty: nothing but what this call created is removed
 
 
 def finish(out: Path) -> dict:

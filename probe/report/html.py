@@ -22,7 +22,7 @@ from markupsafe import Markup
 
 from probe.cache import Cache, load
 from probe.errors import ProbeError
-from probe.files import write_text_atomic
+from probe.files import check_writable, write_text_atomic
 from probe.report.context import ReportContext
 
 SECTIONS_PACKAGE = "probe.report.sections"
@@ -136,6 +136,16 @@ def _version() -> str:
     return __version__
 
 
+def check_report_dir(out_dir: str | os.PathLike) -> Path:
+    """``out_dir`` as a Path when a report can be written there; else a one-line :class:`ProbeError`
+    (a file, a file on the way, no permission), raised before any work is done."""
+    out = Path(out_dir)
+    if out.exists() and not out.is_dir():
+        raise ProbeError(f"{out} is a file; give a directory for the report (index.html goes inside)")
+    check_writable(out / "index.html")
+    return out
+
+
 def report(
     cache_or_caches: Any,
     out_dir: str | os.PathLike,
@@ -162,9 +172,7 @@ def report(
 
         results["alignment_gold"] = as_gold(gold)
     caches = _as_caches(cache_or_caches)
-    out = Path(out_dir)
-    if out.exists() and not out.is_dir():
-        raise ProbeError(f"{out} is a file; give a directory for the report (index.html goes inside)")
+    out = check_report_dir(out_dir)
     sections = discover()
     with tqdm(total=len(sections) + 1, desc="report", unit="step", disable=not progress) as bar:
 

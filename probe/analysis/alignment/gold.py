@@ -11,9 +11,9 @@ from __future__ import annotations
 import os
 import re
 from dataclasses import dataclass, field
-from pathlib import Path
 
 from probe.errors import ProbeError
+from probe.files import input_file
 
 Links = set[tuple[int, int]]
 _LINK = re.compile(r"^(\d+)([-p])(\d+)$")
@@ -59,9 +59,7 @@ def parse_gold(text: str, *, one_indexed: bool = False, where: str = "gold") -> 
 
 def read_gold(path: str | os.PathLike, *, one_indexed: bool = False) -> list[Gold]:
     """:func:`parse_gold` of the file at ``path``."""
-    p = Path(path)
-    if not p.is_file():
-        raise ProbeError(f"gold file {p} does not exist; give a Pharaoh/talp file (one line per pair)")
+    p = input_file(path, "gold file", "give a Pharaoh/talp file (one line per pair)")
     return parse_gold(p.read_text(encoding="utf-8"), one_indexed=one_indexed, where=p.name)
 
 
