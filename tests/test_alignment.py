@@ -380,9 +380,32 @@ def test_probe_report_renders_the_alignment_section(tmp_path):
     html = probe.report(c, tmp_path / "g", progress=False, gold=gold).read_text()
     assert "red squares gold sure links, orange circles gold possible links" in html
     assert "AER per decoder layer" in html
-    with pytest.raises(probe.ProbeError, match="does not exist"):
+    with pytest.raises(probe.ProbeError, match="no such file"):
         probe.report(c, tmp_path / "x", progress=False, gold=tmp_path / "missing.talp")
     assert not (tmp_path / "x").exists()  # refused before anything is written
+    # the same from the command line: probe report CACHE --gold FILE (1-indexed here)
+    c.save(tmp_path / "run.safetensors")
+    (tmp_path / "g1.talp").write_text("1-1 2-4 3-2 4-3 5p5 6-6 6-7\n")
+    r = _cli(
+        "report",
+        str(tmp_path / "run.safetensors"),
+        "--gold",
+        str(tmp_path / "g1.talp"),
+        "--one-indexed",
+        "-o",
+        str(tmp_path / "cli"),
+    )
+    assert r.returncode == 0, r.stderr
+    assert "AER per decoder layer" in (tmp_path / "cli" / "index.html").read_text()
+    r = _cli(
+        "report",
+        str(tmp_path / "run.safetensors"),
+        "--gold",
+        str(tmp_path / "no.talp"),
+        "-o",
+        str(tmp_path / "c2"),
+    )
+    assert r.returncode == 2 and "Traceback" not in r.stderr and not (tmp_path / "c2").exists()
     minigpt = probe.capture(models.load("minigpt"), "attention")
     assert (
         "Cross-attention alignment" not in probe.report(minigpt, tmp_path / "m", progress=False).read_text()

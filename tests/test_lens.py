@@ -12,6 +12,7 @@ sublayer's part to the same bound.
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 
@@ -222,3 +223,18 @@ def test_cli_lens():
     assert r.returncode == 0, r.stderr
     assert "ln_f -> lm_head" in r.stdout and "max |diff| 0.00e+00" in r.stdout
     assert "at position 3" in r.stdout and "L1.self_attn.h0" in r.stdout
+
+
+def test_cli_lens_on_a_gpt2_folder(tmp_path):
+    """A saved GPT2LMHeadModel (architectures: GPT2LMHeadModel) loads with its LM head for --hf."""
+    tok = H.bpe_tokenizer(tmp_path / "g")
+    H.gpt2(len(tok)).save_pretrained(tmp_path / "g")
+    r = subprocess.run(
+        [sys.executable, "-m", "probe", "lens", "--hf", str(tmp_path / "g"), "attention lets tokens read"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, "HF_HUB_OFFLINE": "1"},
+    )
+    assert r.returncode == 0, r.stderr
+    assert "-> lm_head" in r.stdout and "max |diff|" in r.stdout

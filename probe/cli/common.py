@@ -77,7 +77,7 @@ def _load_hf(path: str):
     auto = transformers.AutoModel
     if getattr(config, "is_encoder_decoder", False):
         auto = transformers.AutoModelForSeq2SeqLM
-    elif any(a.endswith("ForCausalLM") for a in (config.architectures or [])):
+    elif any(a.endswith(("ForCausalLM", "LMHeadModel")) for a in (config.architectures or [])):
         auto = transformers.AutoModelForCausalLM
     try:
         tok = transformers.AutoTokenizer.from_pretrained(folder)

@@ -37,6 +37,11 @@ def cmd_report(args: argparse.Namespace) -> int:
     from probe.report.html import check_report_dir
 
     check_report_dir(out)  # before loading the model and running the forward
+    gold = None
+    if args.gold:  # read (and refused) before the model runs
+        from probe.analysis.alignment import read_gold
+
+        gold = read_gold(args.gold, one_indexed=args.one_indexed)
     if from_caches:
         caches = [probe.load(i) for i in inputs]
         model = tok = None
@@ -47,7 +52,7 @@ def cmd_report(args: argparse.Namespace) -> int:
         if args.target is not None:
             target = args.target if len(args.target) > 1 else args.target[0]
         caches = [probe.capture(model, text, tokenizer=tok, target=target)]
-    path = probe.report(caches, out, model=model, tokenizer=tok)
+    path = probe.report(caches, out, model=model, tokenizer=tok, gold=gold)
     print(f"wrote {path} ({_human(path.stat().st_size)}); open it in a browser: {path.resolve().as_uri()}")
     return 0
 
@@ -74,4 +79,11 @@ def add_parser(sub) -> None:
         "--target", "-t", nargs="+", default=None, help="decoder text for encoder-decoders (teacher forcing)"
     )
     p.add_argument("-o", "--output", default=None, help="report folder (default: reports/<model or cache>/)")
+    p.add_argument(
+        "--gold",
+        metavar="FILE",
+        help="gold word alignments (Pharaoh/talp: i-j sure, ipj possible, one line per sentence pair): "
+        "the alignment section marks them and maps AER per layer x head",
+    )
+    p.add_argument("--one-indexed", action="store_true", help="--gold counts words from 1")
     p.set_defaults(func=cmd_report)
