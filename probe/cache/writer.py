@@ -80,7 +80,10 @@ class MemorySink:
                     "kept in memory is no longer the one computed; stream the capture to a file "
                     "(out=...), which copies such tensors as they are recorded"
                 )
-        return {name: self._tensors[h] for h, name in names.items()}
+        out = {name: self._tensors[h] for h, name in names.items()}
+        # the cache owns them now: a dropped cache frees them whether or not this sink lives on
+        self._tensors, self._versions = [], []
+        return out
 
     def abort(self) -> None:
         self._tensors.clear()
