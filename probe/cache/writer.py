@@ -68,6 +68,10 @@ class MemorySink:
             self._versions.append((len(self._tensors) - 1, t._version))
         return len(self._tensors) - 1
 
+    def held(self) -> list[torch.Tensor]:
+        """The tensors stored so far (the sink's own list: do not modify)."""
+        return self._tensors
+
     def wait_written(self, tensor: torch.Tensor) -> None:
         """Nothing to wait for: memory is written at once."""
 

@@ -137,11 +137,12 @@ class _Layers:
             layer.calls.clear()
             layer.attns.clear()
             layer.stream = layer.fused = layer.resid_pre = None
-        if last and not self._reuse:
+        if last and not self._reuse and heap.heap_bytes(self.sink.held()) >= heap.MIN_BYTES:
             # Kept in memory, each layer's residuals stay in the C heap while the model's
             # temporaries come and go around them: the holes left are free but resident. Handed
             # back now, they do not add to what runs next (an LM head's logits are the plain
-            # forward's own peak): -120 MB of peak for GPT-2 small at T = 1024.
+            # forward's own peak): -100 MiB of peak for GPT-2 small at T = 1024. (Short inputs
+            # keep too little to leave holes worth the trim and the faults that follow it.)
             heap.trim()
 
     def _close_layer(self, layer: _Layer, call: _Call, out: Tensor | None) -> None:
