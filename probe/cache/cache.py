@@ -20,6 +20,7 @@ from probe.cache.format import (
     key,
     parse_key,
 )
+from probe.cache.heap import HeapTensors
 from probe.cache.validate import ITEMSIZE, check_consistency, check_header, check_metadata, read_header
 from probe.cache.writer import save_tensors
 from probe.errors import ProbeError
@@ -74,7 +75,8 @@ class Cache(Mapping[str, torch.Tensor]):
         path: str | os.PathLike | None = None,
         _reader: Any = None,
     ) -> None:
-        self._tensors = dict(tensors or {})
+        # dropped, it hands the freed heap back to the system (RSS falls at `del cache`)
+        self._tensors = HeapTensors(tensors or {})
         self._reader = _reader
         self._metadata = dict(metadata or {})
         self.path = Path(path) if path is not None else None

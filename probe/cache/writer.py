@@ -68,6 +68,10 @@ class MemorySink:
             self._versions.append((len(self._tensors) - 1, t._version))
         return len(self._tensors) - 1
 
+    def held(self) -> list[torch.Tensor]:
+        """The tensors stored so far (the sink's own list: do not modify)."""
+        return self._tensors
+
     def wait_written(self, tensor: torch.Tensor) -> None:
         """Nothing to wait for: memory is written at once."""
 
@@ -80,7 +84,10 @@ class MemorySink:
                     "kept in memory is no longer the one computed; stream the capture to a file "
                     "(out=...), which copies such tensors as they are recorded"
                 )
-        return {name: self._tensors[h] for h, name in names.items()}
+        out = {name: self._tensors[h] for h, name in names.items()}
+        # the cache owns them now: a dropped cache frees them whether or not this sink lives on
+        self._tensors, self._versions = [], []
+        return out
 
     def abort(self) -> None:
         self._tensors.clear()

@@ -1,0 +1,49 @@
+"""probe.cache.heap: a dropped cache frees its tensors, then trims the heap when they were big."""
+
+import gc
+import os
+import weakref
+
+import pytest
+import torch
+
+from probe.cache import heap
+
+
+def test_heap_bytes_counts_each_small_cpu_storage_once():
+    a = torch.zeros(1024, 256)  # 1 MiB
+    big = torch.zeros(heap.MMAP_ALWAYS // 4)  # its own mmapped block: freed straight to the system
+    # a view shares a's storage: counted once, as a's whole storage
+    assert heap.heap_bytes([a, a[:10], big, 3, "x"]) == 1024 * 256 * 4
+
+
+@pytest.mark.parametrize(("mib", "trims"), [(40, 1), (8, 0)])
+def test_dropped_tensors_are_freed_before_the_trim(monkeypatch, mib, trims):
+    calls = []
+    refs: list[weakref.ref] = []
+
+    def trim():
+        # at the trim, the tensors it is meant to return are already gone
+        calls.append([r() is None for r in refs])
+        return True
+
+    monkeypatch.setattr(heap, "trim", trim)
+    d = heap.HeapTensors({f"t{i}": torch.zeros(1 << 18) for i in range(mib)})  # 1 MiB each
+    refs.extend(weakref.ref(t) for t in d.values())
+    gc.disable()  # no collection may help: the dict's own refcount ends it
+    try:
+        del d
+    finally:
+        gc.enable()
+    assert len(calls) == trims
+    assert all(r() is None for r in refs)
+    if trims:
+        assert all(calls[0])
+
+
+def test_trim_is_glibc_malloc_trim_or_nothing(monkeypatch):
+    named = "CS_GNU_LIBC_VERSION" in getattr(os, "confstr_names", {})
+    glibc = named and (os.confstr("CS_GNU_LIBC_VERSION") or "").startswith("glibc")
+    assert heap.trim() is glibc
+    monkeypatch.setattr(heap, "ENABLED", False)
+    assert heap.trim() is False
