@@ -2,6 +2,8 @@
 
 import gc
 import os
+import subprocess
+import sys
 import weakref
 
 import pytest
@@ -47,3 +49,14 @@ def test_trim_is_glibc_malloc_trim_or_nothing(monkeypatch):
     assert heap.trim() is glibc
     monkeypatch.setattr(heap, "ENABLED", False)
     assert heap.trim() is False
+
+
+def test_a_trim_threshold_the_user_set_is_left_to_glibc():
+    """MALLOC_TRIM_THRESHOLD_ (or the glibc.malloc.trim_threshold tunable) set: probe does not trim."""
+    assert heap._user_tuned({"MALLOC_TRIM_THRESHOLD_": "1000000000000"})
+    assert heap._user_tuned({"GLIBC_TUNABLES": "glibc.malloc.mmap_max=0:glibc.malloc.trim_threshold=9"})
+    assert not heap._user_tuned({"GLIBC_TUNABLES": "glibc.malloc.mmap_max=0", "PATH": "/bin"})
+    code = "from probe.cache import heap; print(heap.ENABLED, heap.trim())"
+    env = {**os.environ, "MALLOC_TRIM_THRESHOLD_": "1000000000000"}
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
+    assert r.stdout.split() == ["False", "False"], r.stderr

@@ -25,9 +25,21 @@ MMAP_ALWAYS = 32 << 20
 # A dropped cache trims the heap when it held at least this much heap-sized CPU tensor memory
 # (below it, the trim's pages would mostly be faulted in again by the next capture for little gain).
 MIN_BYTES = 32 << 20
+
+
+def _user_tuned(env: Any = os.environ) -> bool:
+    """Whether the user told glibc when to trim (``MALLOC_TRIM_THRESHOLD_`` or its tunable).
+
+    Then probe leaves trimming to glibc: ``malloc_trim`` would override that choice (e.g. the
+    no-page-fault setting ``MALLOC_TRIM_THRESHOLD_=1000000000000`` that keeps freed memory).
+    """
+    return "MALLOC_TRIM_THRESHOLD_" in env or "glibc.malloc.trim_threshold" in env.get("GLIBC_TUNABLES", "")
+
+
 # Set False to keep freed memory in the process: RSS stays at its high-water mark, and the next
-# capture reuses those pages without faulting them in again.
-ENABLED = True
+# capture reuses those pages without faulting them in again. Off when the user set glibc's own
+# trim threshold (see _user_tuned).
+ENABLED = not _user_tuned()
 
 _UNRESOLVED: Any = object()
 _malloc_trim: Any = _UNRESOLVED

@@ -26,6 +26,12 @@
       setTimeout(function () { URL.revokeObjectURL(a.href); a.remove(); }, 2000);
     }, "image/png");
   };
+  // A figure's "Download PNG" link takes its figure's image when the page loads, so the file
+  // holds each image once.
+  document.querySelectorAll("a.probe-download[data-from-img]").forEach(function (a) {
+    const img = a.closest("figure").querySelector("img");
+    if (img) a.href = img.src;
+  });
   probe.safeName = function (s) { return String(s).replace(/[^A-Za-z0-9._-]+/g, "_"); };
 
   // Max over the adaptive blocks torch.nn.functional.adaptive_max_pool2d uses (same thumbnails as Python).
