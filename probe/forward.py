@@ -23,7 +23,7 @@ import torch
 from torch import nn
 
 from probe.capture.engine import Trace, capture, trace
-from probe.capture.inputs import Prepared, is_hf_model, model_name, prepare
+from probe.capture.inputs import Prepared, is_hf_model, model_name, past_length, prepare
 from probe.capture.tokenizers import adapt as adapt_tokenizer
 
 
@@ -101,7 +101,7 @@ def call(
     if past_key_values is not None:
         kwargs["past_key_values"] = past_key_values
         if "position_ids" not in kwargs and accepts(model, "position_ids"):
-            n = _past_length(past_key_values)
+            n = past_length(past_key_values)
             pos = torch.arange(n, n + x.shape[1], device=x.device)
             kwargs["position_ids"] = pos.unsqueeze(0).expand(x.shape[0], -1)
     if accepts(model, "use_cache"):
@@ -109,15 +109,6 @@ def call(
     if hf:
         return model(input_ids=x, **kwargs)
     return model(x, **kwargs)
-
-
-def _past_length(past: Any) -> int:
-    if hasattr(past, "get_seq_length"):
-        return int(past.get_seq_length())
-    t = past
-    while isinstance(t, (tuple, list)):
-        t = t[0]
-    return int(t.shape[-2])
 
 
 def supports_kv_cache(model: nn.Module) -> bool:

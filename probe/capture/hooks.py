@@ -19,6 +19,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.overrides import TorchFunctionMode
 
+from probe.capture.inputs import past_length
 from probe.capture.layers import _Call, _is_source
 from probe.capture.patterns import mha_weights, sdpa_weights
 from probe.capture.residual import ADD, ADD_INPLACE
@@ -87,14 +88,13 @@ def _lengths(tensors: list[Tensor]) -> set[int]:
 
 
 def _cached_length(past: Any) -> int:
-    """Positions held in a KV cache: a transformers ``Cache`` or a tuple of per-layer ``(k, v)``."""
+    """:func:`~probe.capture.inputs.past_length` of a forward's ``past_key_values``; 0 when there is
+    none or its layout is unknown (then only the inputs' lengths apply)."""
     if past is None:
         return 0
     try:
-        if hasattr(past, "get_seq_length"):
-            return int(past.get_seq_length())
-        return int(past[0][0].shape[-2])
-    except Exception:  # an unknown cache layout: no hint, the lengths of the inputs still apply
+        return past_length(past)
+    except Exception:
         return 0
 
 

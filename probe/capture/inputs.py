@@ -33,6 +33,16 @@ class Prepared:
     meta: dict[str, Any]
 
 
+def past_length(past: Any) -> int:
+    """Positions held in a KV cache: a transformers ``Cache``, or nested tuples of ``(k, v)`` per layer."""
+    if hasattr(past, "get_seq_length"):
+        return int(past.get_seq_length())
+    t = past
+    while isinstance(t, (tuple, list)):
+        t = t[0]
+    return int(t.shape[-2])
+
+
 def is_hf_model(model: nn.Module) -> bool:
     """Whether ``model`` is a ``transformers`` ``PreTrainedModel`` (without importing transformers)."""
     tf = sys.modules.get("transformers")
