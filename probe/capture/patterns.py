@@ -9,6 +9,7 @@ from the very same ``q``, ``k``, mask and scale, with SDPA's documented semantic
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -31,6 +32,7 @@ def sdpa_weights(
     out: Tensor | None = None,
     clean: bool = False,
     chunk: int = 128,
+    empty: Any = None,
 ) -> Tensor:
     """The attention weights ``F.scaled_dot_product_attention`` uses, as ``[..., heads, L, S]``.
 
@@ -46,7 +48,8 @@ def sdpa_weights(
     the work. ``clean``: the given ``out`` was last filled by a causal call of the same shape,
     so the keys no query can see already hold zeros. A freshly allocated ``out`` comes from
     :func:`probe.capture.arena.zeroed` where it can (huge pages, already zero: the unseen keys
-    are not written at all).
+    are not written at all), else from ``empty(shape, dtype, device)`` when given (a streaming
+    sink's block-aligned buffers), else ``torch.empty``.
     """
     L, S = query.size(-2), key.size(-2)
     scale = 1.0 / math.sqrt(query.size(-1)) if scale is None else scale
@@ -62,7 +65,7 @@ def sdpa_weights(
         out = zeroed(shape, torch.float32, query.device)
         fresh = out is not None
         if out is None:
-            out = torch.empty(shape, dtype=torch.float32, device=query.device)
+            out = (empty or torch.empty)(shape, dtype=torch.float32, device=query.device)
     mask = attn_mask
     if mask is not None and mask.dtype != torch.bool:
         mask = mask.float()
