@@ -37,6 +37,13 @@ STAGE = 4 << 20
 ENABLED = True
 
 
+def _pwrite(fd: int, data: memoryview, offset: int) -> int:
+    if hasattr(os, "pwrite"):
+        return os.pwrite(fd, data, offset)
+    os.lseek(fd, offset, os.SEEK_SET)  # Windows: no pwrite (and no O_DIRECT: one writer per fd)
+    return os.write(fd, data)
+
+
 def aligned_empty(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device | str) -> torch.Tensor:
     """``torch.empty(shape)`` whose first byte sits on an :data:`ALIGN` boundary (CPU; else plain).
 
@@ -124,7 +131,7 @@ class DataWriter:
         done = 0
         while done < len(data):
             try:
-                done += os.pwrite(self._fd, data[done:], offset + done)
+                done += _pwrite(self._fd, data[done:], offset + done)
             except OSError as e:
                 if not (self.direct and e.errno == errno.EINVAL):
                     raise

@@ -35,6 +35,9 @@ except ImportError:  # pragma: no cover - older torch
 _SOFTMAX = {F.softmax, torch.softmax, Tensor.softmax, torch.special.softmax}
 _SDPA = F.scaled_dot_product_attention
 _MHA_FN = F.multi_head_attention_forward
+_ADDS = ADD | ADD_INPLACE
+# the ops the mode handles itself; everything else goes to the residual tracking only
+_SEEN = frozenset(_SOFTMAX | {_SDPA, _MHA_FN} | ({_FLEX} if _FLEX is not None else set()))
 # torch modules whose fast paths are disabled by any active torch-function mode
 _SUSPEND = (nn.MultiheadAttention, nn.TransformerEncoderLayer, nn.TransformerEncoder)
 
@@ -110,6 +113,22 @@ class _Mode(TorchFunctionMode):
         tr = self._tracer()
         if tr is None or self.quiet or not tr.stack:
             return func(*args, **kwargs)
+        if func not in _SEEN:
+            # every other op: only the residual tracking of the layer running now looks at it
+            lay = tr.layer
+            if lay is None or lay.stream is None:
+                return func(*args, **kwargs)
+            if func in _ADDS:
+                return lay.stream.on_add(func, args, kwargs, tr.source_id())
+            out = func(*args, **kwargs)
+            if (
+                isinstance(out, Tensor)
+                or isinstance(out, (tuple, list))
+                and not isinstance(out, torch.Size)
+                or func is Tensor.__setitem__
+            ):  # sizes, flags and numbers carry no label: skip the bookkeeping
+                lay.stream.after_op(func, args, kwargs, out, tr.source_id())
+            return out
         if func in _SOFTMAX:
             out = func(*args, **kwargs)
             tr.on_softmax(args, kwargs, out)
@@ -132,17 +151,9 @@ class _Mode(TorchFunctionMode):
                 out = func(*args, **kwargs)
             tr.after_op(func, args, kwargs, out)
             return out
-        if func is _FLEX and _FLEX is not None:
-            # runs while torch.compile traces flex_attention: only record (dynamo replays appends)
-            tr.blind.append("flex_attention")
-            return func(*args, **kwargs)
-        lay = tr.layer
-        if lay is not None and lay.stream is not None:
-            if func in ADD or func in ADD_INPLACE:
-                return lay.stream.on_add(func, args, kwargs, tr.source_id())
-            out = func(*args, **kwargs)
-            lay.stream.after_op(func, args, kwargs, out, tr.source_id())
-            return out
+        # flex_attention (in _SEEN only where torch has it): runs while torch.compile traces it;
+        # only recorded (dynamo replays appends)
+        tr.blind.append("flex_attention")
         return func(*args, **kwargs)
 
 
@@ -203,7 +214,10 @@ class _Hooks:
     def _pre(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
         if self._replaying:
             return
+        # probe's own bookkeeping below calls tensor methods: off the mode stack, they cost a
+        # C call each instead of a trip through the mode's Python __torch_function__
         self._mode.quiet += 1
+        self._suspend()
         try:
             parent = self.stack[-1] if self.stack else None
             inputs = _tensors(args, kwargs)
@@ -233,12 +247,14 @@ class _Hooks:
                 call.suspended = True
                 self._suspend()
         finally:
+            self._resume()
             self._mode.quiet -= 1
 
     def _post(self, module: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
         if self._replaying:
             return
         self._mode.quiet += 1
+        self._suspend()
         try:
             if not self.stack or self.stack[-1].module is not module:
                 return  # a call that began before capture started
@@ -261,6 +277,7 @@ class _Hooks:
             if call is self.layer_call:
                 self._end_layer(call, _output_tensor(output))
         finally:
+            self._resume()
             self._mode.quiet -= 1
 
     def _n_params(self, module: nn.Module) -> int:

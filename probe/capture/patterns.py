@@ -57,7 +57,9 @@ def sdpa_weights(
         # grouped-query attention: each key head serves a contiguous group of query heads
         key = key.repeat_interleave(query.size(-3) // key.size(-3), dim=-3)
     q, kt = query.float(), key.float().transpose(-2, -1)
-    batch = torch.broadcast_shapes(q.shape[:-2], kt.shape[:-2])
+    batch = q.shape[:-2]
+    if kt.shape[:-2] != batch:
+        batch = torch.broadcast_shapes(batch, kt.shape[:-2])
     shape = batch + (L, S)
     # fresh: out is known to be zero where a causal query cannot see, so that part needs no pass
     fresh = clean
@@ -78,21 +80,31 @@ def sdpa_weights(
     else:
         q = q * scale
     rows = min(chunk, L)
-    # a contiguous scratch block: ATen's fused softmax may then write over its own input
-    scratch = torch.empty(n * rows * S, dtype=torch.float32, device=query.device)
-    # query r may not see keys after r: one upper-triangle mask serves every diagonal block
-    diag = torch.ones(rows, rows, dtype=torch.bool, device=query.device).triu_(1) if is_causal else None
+    scratch = None
+    # query r may not see keys after r: one upper triangle of -inf (0 elsewhere) serves every
+    # diagonal block; added, not masked_fill_ed (a broadcast boolean fill is ~10x slower), which
+    # gives the same scores (x + 0 is x; only -0.0 turns +0.0, and exp of either is 1)
+    diag = _upper(rows, query.device) if is_causal else None
     for i in range(0, L, chunk):
         e = min(L, i + chunk)
         kend = min(S, e) if is_causal else S
-        blk = scratch[: n * (e - i) * kend].view(batch + (e - i, kend))
+        # one block holding every query and key (a short sequence) is ``out`` itself: computed in
+        # place, no copy; otherwise a contiguous scratch block (ATen's fused softmax may then
+        # write over its own input), copied into ``out`` below
+        whole = i == 0 and e == L and kend == S
+        if whole:
+            blk = out
+        else:
+            if scratch is None:
+                scratch = torch.empty(n * rows * S, dtype=torch.float32, device=query.device)
+            blk = scratch[: n * (e - i) * kend].view(batch + (e - i, kend))
         if folded:
             b3 = blk.view(n, e - i, kend)
             torch.baddbmm(b3, q3[:, i:e], kt3[..., :kend], beta=0.0, alpha=scale, out=b3)
         else:
             torch.matmul(q[..., i:e, :], kt[..., :kend], out=blk)  # [..., rows, kend]
         if is_causal and kend > i:  # the diagonal block
-            blk[..., i:kend].masked_fill_(diag[: e - i, : kend - i], float("-inf"))
+            blk[..., i:kend].add_(diag[: e - i, : kend - i])
         if mask is not None:
             m = mask[..., i:e, :] if mask.size(-2) == L else mask
             m = m[..., :kend] if m.size(-1) == S else m
@@ -105,10 +117,27 @@ def sdpa_weights(
         # softmax gives NaN, and the row is all zeros
         if mask is not None and torch.isnan(blk[..., 0]).any():
             blk.nan_to_num_(nan=0.0)
-        out[..., i:e, :kend].copy_(blk)
+        if not whole:
+            out[..., i:e, :kend].copy_(blk)
         if kend < S and not fresh:
             out[..., i:e, kend:].zero_()
     return out
+
+
+_UPPER: dict[tuple[int, str], Tensor] = {}
+
+
+def _upper(n: int, device: torch.device) -> Tensor:
+    """``n x n`` float32: -inf above the diagonal, 0 elsewhere (cached: the same every layer)."""
+    k = (n, str(device))
+    m = _UPPER.get(k)
+    if m is None:
+        if len(_UPPER) > 16:
+            _UPPER.clear()
+        m = torch.zeros(n, n, dtype=torch.float32, device=device)
+        m.masked_fill_(torch.ones(n, n, dtype=torch.bool, device=device).triu_(1), float("-inf"))
+        _UPPER[k] = m
+    return m
 
 
 def mha_weights(module: torch.nn.MultiheadAttention, args: tuple, kwargs: dict) -> Tensor | None:

@@ -32,6 +32,7 @@ form a *combination* whose parts are remembered, so a later residual add can spl
 from __future__ import annotations
 
 import itertools
+import math
 import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -106,6 +107,17 @@ class ResidualAdd:
         return self.versions == tuple(t._version for t in self.held())
 
 
+def _is_param(t: Tensor) -> bool:
+    """``isinstance(t, nn.Parameter)`` without the metaclass's Python check for plain tensors and
+    parameters (the common cases); other subclasses ask it (custom tensors flagged ``_is_param``)."""
+    cls = type(t)
+    if cls is nn.Parameter:
+        return True
+    if cls is Tensor:
+        return bool(getattr(t, "_is_param", False))
+    return isinstance(t, nn.Parameter)
+
+
 def _same(x: Tensor, y: Tensor) -> bool:
     """``torch.equal`` with the shortcut of one memory (the stream handed on as a view)."""
     if x is y:
@@ -128,16 +140,6 @@ class Decomposition:
     definition: dict[str, str]
     note: str | None = None
     deviation: float = 0.0
-
-
-def _tensors_in(args: tuple, kwargs: dict):
-    for v in itertools.chain(args, kwargs.values()):
-        if isinstance(v, Tensor):
-            yield v
-        elif isinstance(v, (tuple, list)):
-            for t in v:
-                if isinstance(t, Tensor):
-                    yield t
 
 
 def _outputs(out: Any):
@@ -181,9 +183,36 @@ class LayerStream:
         return lab if lab is not None else _NO_LABEL
 
     def _inputs_label(self, args: tuple, kwargs: dict, source: int | None) -> tuple[bool, frozenset[int]]:
+        # runs for every op inside a layer: plain loops, and the cheap type tests first
         stream, sources, weight = False, EMPTY, False
-        for t in _tensors_in(args, kwargs):
-            if isinstance(t, nn.Parameter):
+        items = self.labels._items
+        for v in itertools.chain(args, kwargs.values()) if kwargs else args:
+            if not isinstance(v, Tensor):
+                if isinstance(v, (tuple, list)):
+                    s, src, w = self._inputs_label_seq(v)
+                    stream, weight = stream or s, weight or w
+                    if src and src is not sources:
+                        sources = src if not sources else sources | src
+                continue
+            if _is_param(v):
+                weight = weight or v.dim() >= 2
+                continue
+            held = items.get(id(v))
+            if held is not None and held[0]() is v:
+                lab = held[1]
+                stream = stream or lab[0]
+                if lab[1] and lab[1] is not sources:
+                    sources = lab[1] if not sources else sources | lab[1]
+        if weight and source is not None and source not in sources:
+            sources = sources | {source}
+        return stream, sources
+
+    def _inputs_label_seq(self, seq: tuple | list) -> tuple[bool, frozenset[int], bool]:
+        stream, sources, weight = False, EMPTY, False
+        for t in seq:
+            if not isinstance(t, Tensor):
+                continue
+            if _is_param(t):
                 weight = weight or t.dim() >= 2
                 continue
             lab = self.labels.get(t)
@@ -191,9 +220,7 @@ class LayerStream:
                 stream = stream or lab[0]
                 if lab[1] and lab[1] is not sources:
                     sources = lab[1] if not sources else sources | lab[1]
-        if weight and source is not None and source not in sources:
-            sources = sources | {source}
-        return stream, sources
+        return stream, sources, weight
 
     def after_op(self, func: Any, args: tuple, kwargs: dict, out: Any, source: int | None) -> None:
         """Label what an operation inside the layer produced (``source``: the sublayer it ran in)."""
@@ -354,10 +381,12 @@ class LayerStream:
                 how = "sublayer output" if exact else "stream difference"
                 definition[name] = how if definition.get(name, how) == how else "mixed"
         total = pre + sum(deltas.values())
-        dev = float((total.float() - out.float()).abs().max()) if out.numel() else 0.0
-        scale = (
-            max(float(out.float().abs().max()), float(pre.float().abs().max()), 1.0) if out.numel() else 1.0
-        )
+        dev, scale = 0.0, 1.0
+        if out.numel():  # max |x| in one pass each (the infinity norm)
+            top = torch.linalg.vector_norm
+            outf = out.float()
+            dev = float(top(total.float() - outf, math.inf))
+            scale = max(float(top(outf, math.inf)), float(top(pre.float(), math.inf)), 1.0)
         tol = 16 * len(self.adds) * torch.finfo(out.dtype).eps * scale
         if dev > tol:
             none.note = (
