@@ -32,7 +32,6 @@ form a *combination* whose parts are remembered, so a later residual add can spl
 from __future__ import annotations
 
 import itertools
-import math
 import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -116,6 +115,13 @@ def _is_param(t: Tensor) -> bool:
     if cls is Tensor:
         return bool(getattr(t, "_is_param", False))
     return isinstance(t, nn.Parameter)
+
+
+def _absmax(t: Tensor) -> float:
+    """``max |t|`` from one ``aminmax`` pass (NaN if ``t`` holds one): on CPU about half the time of
+    ``t.abs().max()`` and a tenth of ``linalg.vector_norm(t, inf)``."""
+    lo, hi = torch.aminmax(t)
+    return max(-float(lo), float(hi))
 
 
 def _same(x: Tensor, y: Tensor) -> bool:
@@ -380,13 +386,14 @@ class LayerStream:
                 deltas[name] = deltas[name] + piece if name in deltas else piece
                 how = "sublayer output" if exact else "stream difference"
                 definition[name] = how if definition.get(name, how) == how else "mixed"
-        total = pre + sum(deltas.values())
+        total = pre
+        for d in deltas.values():  # in the order the stream received them (no 0 + d first)
+            total = total + d
         dev, scale = 0.0, 1.0
-        if out.numel():  # max |x| in one pass each (the infinity norm)
-            top = torch.linalg.vector_norm
+        if out.numel():
             outf = out.float()
-            dev = float(top(total.float() - outf, math.inf))
-            scale = max(float(top(outf, math.inf)), float(top(pre.float(), math.inf)), 1.0)
+            dev = _absmax(total.float() - outf)
+            scale = max(_absmax(outf), _absmax(pre.float()), 1.0)
         tol = 16 * len(self.adds) * torch.finfo(out.dtype).eps * scale
         if dev > tol:
             none.note = (
