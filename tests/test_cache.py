@@ -8,7 +8,7 @@ import struct
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
-from toys import ToyLM, ToySeq2Seq
+from toys import ToyLM, ToySeq2Seq, streamed_both_ways
 
 import probe
 from probe import ProbeError
@@ -215,12 +215,8 @@ def test_io_thread_writes_the_same_bytes(kind, ids, tmp_path, monkeypatch):
 
     torch.manual_seed(0)
     lm = ToyLM(kind, n_layers=4).eval()
-    files = {}
-    for background in (False, True):
-        monkeypatch.setattr(writer, "BACKGROUND", background)
-        files[background] = tmp_path / f"{background}.safetensors"
-        probe.capture(lm, ids, out=files[background])
-    assert files[True].read_bytes() == files[False].read_bytes()
+    files = streamed_both_ways(lm, ids, tmp_path, monkeypatch, writer, "BACKGROUND")
+    assert files[True] == files[False]
 
 
 def test_io_thread_copies_what_the_model_overwrites_later(ids, tmp_path, monkeypatch):

@@ -8,8 +8,8 @@ import random
 
 import pytest
 import torch
-from safetensors.torch import load_file
-from toys import ToyLM
+from safetensors.torch import load
+from toys import ToyLM, streamed_both_ways
 
 import probe
 from probe.cache import direct
@@ -119,14 +119,10 @@ def test_streamed_capture_is_the_same_file_with_and_without_direct_io(tmp_path, 
     torch.manual_seed(0)
     lm = ToyLM("sdpa_causal", n_layers=3, d=64).eval()
     ids = torch.randint(0, 40, (2, 64))  # 2·4·64·64·4 = 128 KB patterns: whole blocks, written direct
-    files = {}
-    for enabled in (True, False):
-        monkeypatch.setattr(direct, "ENABLED", enabled)
-        files[enabled] = tmp_path / f"{enabled}.safetensors"
-        probe.capture(lm, ids, out=files[enabled])
-    assert files[True].read_bytes() == files[False].read_bytes()
+    files = streamed_both_ways(lm, ids, tmp_path, monkeypatch, direct, "ENABLED")
+    assert files[True] == files[False]
     memory = probe.capture(lm, ids)
-    loaded = load_file(files[True])
+    loaded = load(files[True])
     assert loaded.keys() == set(memory.keys())
     for k in memory.keys():
         assert torch.equal(loaded[k], memory[k])

@@ -229,3 +229,16 @@ class NoAttention(nn.Module):
         for layer in self.layers:
             x = torch.relu(layer(x))
         return x
+
+
+def streamed_both_ways(lm, ids, folder, monkeypatch, module, switch: str) -> dict[bool, bytes]:
+    """The bytes of ``probe.capture(lm, ids, out=...)`` with ``module.<switch>`` True and False."""
+    import probe
+
+    files = {}
+    for on in (True, False):
+        monkeypatch.setattr(module, switch, on)
+        path = folder / f"{switch}-{on}.safetensors"
+        probe.capture(lm, ids, out=path)
+        files[on] = path.read_bytes()
+    return files
