@@ -216,6 +216,25 @@ def test_layers_heads_and_dtype_filters():
     assert bf["decoder.blocks.0.resid_pre"].dtype == torch.bfloat16
 
 
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("streamed", [False, True])
+def test_recomputed_patterns_in_a_smaller_dtype_are_the_float32_weights_rounded(dtype, streamed, tmp_path):
+    # the weights are converted on their one copy into storage: the same rounding as .to(dtype)
+    # (torch's own cast is the oracle), also across chunks of query rows (T > 128) and the two
+    # reused buffers of a streamed capture
+    torch.manual_seed(9)
+    lm = ToyLM("sdpa_causal", n_layers=4).eval()
+    lm.pos = torch.nn.Embedding(200, 32)
+    ids = torch.randint(0, 40, (2, 200))
+    out = tmp_path / "c.safetensors" if streamed else None
+    small = probe.capture(lm, ids, dtype=dtype, out=out)
+    full = probe.capture(lm, ids)
+    for layer in range(4):
+        p = small.pattern("decoder", layer)
+        assert p.dtype == dtype
+        assert torch.equal(p, full.pattern("decoder", layer).to(dtype))
+
+
 def test_no_attention_is_a_clear_error():
     with pytest.raises(ProbeError, match="no attention found in NoAttention"):
         probe.capture(NoAttention(), torch.randn(1, 3, 8))

@@ -33,6 +33,7 @@ def sdpa_weights(
     clean: bool = False,
     chunk: int = 128,
     empty: Any = None,
+    dtype: torch.dtype | None = None,
 ) -> Tensor:
     """The attention weights ``F.scaled_dot_product_attention`` uses, as ``[..., heads, L, S]``.
 
@@ -49,7 +50,9 @@ def sdpa_weights(
     so the keys no query can see already hold zeros. A freshly allocated ``out`` comes from
     :func:`probe.capture.arena.zeroed` where it can (huge pages, already zero: the unseen keys
     are not written at all), else from ``empty(shape, dtype, device)`` when given (a streaming
-    sink's block-aligned buffers), else ``torch.empty``.
+    sink's block-aligned buffers), else ``torch.empty``. ``dtype`` (float32 when None): the
+    dtype ``out`` stores; the weights are still computed in float32 and converted on their one
+    copy into ``out`` (the same rounding as ``.to(dtype)``), never held in float32 as a whole.
     """
     L, S = query.size(-2), key.size(-2)
     scale = 1.0 / math.sqrt(query.size(-1)) if scale is None else scale
@@ -63,11 +66,12 @@ def sdpa_weights(
     shape = batch + (L, S)
     # fresh: out is known to be zero where a causal query cannot see, so that part needs no pass
     fresh = clean
-    if out is None or out.shape != shape or out.dtype != torch.float32 or not out.is_contiguous():
-        out = zeroed(shape, torch.float32, query.device)
+    dtype = dtype or torch.float32
+    if out is None or out.shape != shape or out.dtype != dtype or not out.is_contiguous():
+        out = zeroed(shape, dtype, query.device)
         fresh = out is not None
         if out is None:
-            out = (empty or torch.empty)(shape, dtype=torch.float32, device=query.device)
+            out = (empty or torch.empty)(shape, dtype=dtype, device=query.device)
     mask = attn_mask
     if mask is not None and mask.dtype != torch.bool:
         mask = mask.float()
@@ -91,7 +95,7 @@ def sdpa_weights(
         # one block holding every query and key (a short sequence) is ``out`` itself: computed in
         # place, no copy; otherwise a contiguous scratch block (ATen's fused softmax may then
         # write over its own input), copied into ``out`` below
-        whole = i == 0 and e == L and kend == S
+        whole = i == 0 and e == L and kend == S and dtype == torch.float32
         if whole:
             blk = out
         else:
