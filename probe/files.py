@@ -50,6 +50,17 @@ def check_writable(path: str | os.PathLike, example: str | None = None) -> Path:
     return path
 
 
+def check_writable_dir(path: str | os.PathLike, first: str, what: str) -> Path:
+    """``path`` as a Path when a folder of output can be written there (``first`` is the file
+    written first inside it); else a one-line :class:`ProbeError` (a file, a file on the way, no
+    permission) naming ``what`` goes there, raised before any work is done."""
+    out = Path(path)
+    if out.exists() and not out.is_dir():
+        raise ProbeError(f"{out} is a file; give a directory for {what}")
+    check_writable(out / first)
+    return out
+
+
 def input_file(path: str | os.PathLike, what: str, give: str) -> Path:
     """``path`` as a Path when it is an existing regular file; else a one-line :class:`ProbeError`
     naming ``what`` (e.g. ``"--texts"``), what is wrong (missing, a folder, a pipe) and ``give``."""
@@ -102,6 +113,7 @@ def write_text_atomic(path: str | os.PathLike, text: str) -> Path:
 __all__ = [
     "atomic_path",
     "check_writable",
+    "check_writable_dir",
     "input_file",
     "umask_mode",
     "write_bytes_atomic",

@@ -68,8 +68,6 @@ class DataWriter:
     """
 
     def __init__(self, path: str | os.PathLike, start: int, fd: int) -> None:
-        self.start = start
-        self.written = 0  # bytes handed to write()
         self._fd = self._buffered = fd
         self._align = 1
         self.direct = False
@@ -120,7 +118,6 @@ class DataWriter:
             rest = self._fill - whole
             self._view[:rest] = self._view[whole : self._fill]
             self._fill = rest
-        self.written += n
 
     def _flush_stage(self, length: int) -> None:
         self._pwrite(self._view[:length], self._pos)

@@ -138,9 +138,7 @@ class _Mode(TorchFunctionMode):
             out = func(*args, **kwargs)
             if tr.wants_pattern():
                 buf, clean = tr.scratch()
-                w = sdpa_weights(
-                    *args, **kwargs, out=buf, clean=clean, empty=tr.sink.empty, dtype=tr.pattern_dtype
-                )
+                w = sdpa_weights(*args, **kwargs, out=buf, clean=clean, empty=tr.sink.empty, dtype=tr.dtype)
                 tr.note_causal(len(args) > 5 and args[5] or kwargs.get("is_causal", False))
                 tr.on_pattern(w, "sdpa")
             else:

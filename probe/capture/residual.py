@@ -191,42 +191,27 @@ class LayerStream:
     def _inputs_label(self, args: tuple, kwargs: dict, source: int | None) -> tuple[bool, frozenset[int]]:
         # runs for every op inside a layer: plain loops, and the cheap type tests first
         stream, sources, weight = False, EMPTY, False
-        items = self.labels._items
         for v in itertools.chain(args, kwargs.values()) if kwargs else args:
-            if not isinstance(v, Tensor):
-                if isinstance(v, (tuple, list)):
-                    s, src, w = self._inputs_label_seq(v)
-                    stream, weight = stream or s, weight or w
-                    if src and src is not sources:
-                        sources = src if not sources else sources | src
+            if isinstance(v, Tensor):
+                group = (v,)
+            elif isinstance(v, (tuple, list)):  # tensors one level down (torch.cat's list)
+                group = v
+            else:
                 continue
-            if _is_param(v):
-                weight = weight or v.dim() >= 2
-                continue
-            held = items.get(id(v))
-            if held is not None and held[0]() is v:
-                lab = held[1]
-                stream = stream or lab[0]
-                if lab[1] and lab[1] is not sources:
-                    sources = lab[1] if not sources else sources | lab[1]
+            for t in group:
+                if not isinstance(t, Tensor):
+                    continue
+                if _is_param(t):
+                    weight = weight or t.dim() >= 2
+                    continue
+                lab = self.labels.get(t)
+                if lab is not None:
+                    stream = stream or lab[0]
+                    if lab[1] and lab[1] is not sources:
+                        sources = lab[1] if not sources else sources | lab[1]
         if weight and source is not None and source not in sources:
             sources = sources | {source}
         return stream, sources
-
-    def _inputs_label_seq(self, seq: tuple | list) -> tuple[bool, frozenset[int], bool]:
-        stream, sources, weight = False, EMPTY, False
-        for t in seq:
-            if not isinstance(t, Tensor):
-                continue
-            if _is_param(t):
-                weight = weight or t.dim() >= 2
-                continue
-            lab = self.labels.get(t)
-            if lab is not None:
-                stream = stream or lab[0]
-                if lab[1] and lab[1] is not sources:
-                    sources = lab[1] if not sources else sources | lab[1]
-        return stream, sources, weight
 
     def after_op(self, func: Any, args: tuple, kwargs: dict, out: Any, source: int | None) -> None:
         """Label what an operation inside the layer produced (``source``: the sublayer it ran in)."""

@@ -67,9 +67,7 @@ class Tracer(_Hooks, _Layers, _Recorder):
         self.sink = sink
         self.layers_wanted = None if layers is None else set(layers)
         self.heads = heads
-        self.dtype = dtype
-        # recomputed patterns are converted to dtype= in their one copy into storage
-        self.pattern_dtype = dtype if dtype is not None and dtype.is_floating_point else None
+        self.dtype = dtype  # None or a float dtype (checked by the engine)
         self.names = {id(m): n for n, m in model.named_modules(remove_duplicate=False)}
         # list element -> (the list's name, its index there): layers keep the model's own numbers
         self.container_of: dict[int, tuple[str, int]] = {}

@@ -29,11 +29,12 @@ from tqdm.auto import tqdm
 
 from probe.analysis.focus.stats import FocusAccumulator
 from probe.cache import Cache
+from probe.cache.format import parse_key
 from probe.capture import capture
 from probe.capture.engine import _dtype, model_info
 from probe.corpus.dist import Group
 from probe.errors import ProbeError
-from probe.files import check_writable, input_file, write_text_atomic
+from probe.files import check_writable_dir, input_file, write_text_atomic
 
 KEEPS = ("stats", "all", "residuals")
 
@@ -120,7 +121,7 @@ def _select(cache: Cache, keep: Any) -> Cache | None:
     for k in cache.keys():
         if not k.endswith("_attn.pattern"):
             continue
-        layer = int(k.split(".")[2])
+        layer = parse_key(k)[1]
         if layers is not None and layer not in layers:
             continue
         t = cache[k]
@@ -137,7 +138,7 @@ def _check_selection(cache: Cache, layers: list[int] | None, heads: list[int] | 
     patterns = [k for k in cache.keys() if k.endswith("_attn.pattern")]
     if not patterns:
         return
-    n_layers = 1 + max(int(k.split(".")[2]) for k in patterns)
+    n_layers = 1 + max(parse_key(k)[1] for k in patterns)
     missing = [i for i in layers or [] if i >= n_layers]
     if missing:
         raise ProbeError(
@@ -170,11 +171,7 @@ def _config(model, texts: list[str], keep, batch_size: int, shard_size: int, sta
 def check_run_dir(out_dir: str | os.PathLike) -> Path:
     """``out_dir`` as a Path when a corpus run can be written there; else a one-line
     :class:`ProbeError` (a file, a file on the way, no permission), raised before any work."""
-    out = Path(out_dir)
-    if out.exists() and not out.is_dir():
-        raise ProbeError(f"{out} is a file; give a directory for the corpus run")
-    check_writable(out / "config.json")
-    return out
+    return check_writable_dir(out_dir, "config.json", "the corpus run")
 
 
 def _check_config(out: Path, cfg: dict) -> bool:

@@ -22,7 +22,7 @@ from markupsafe import Markup
 
 from probe.cache import Cache, load
 from probe.errors import ProbeError
-from probe.files import check_writable, write_text_atomic
+from probe.files import check_writable_dir, write_text_atomic
 from probe.report.context import ReportContext
 
 SECTIONS_PACKAGE = "probe.report.sections"
@@ -139,11 +139,7 @@ def _version() -> str:
 def check_report_dir(out_dir: str | os.PathLike) -> Path:
     """``out_dir`` as a Path when a report can be written there; else a one-line :class:`ProbeError`
     (a file, a file on the way, no permission), raised before any work is done."""
-    out = Path(out_dir)
-    if out.exists() and not out.is_dir():
-        raise ProbeError(f"{out} is a file; give a directory for the report (index.html goes inside)")
-    check_writable(out / "index.html")
-    return out
+    return check_writable_dir(out_dir, "index.html", "the report (index.html goes inside)")
 
 
 def report(
