@@ -237,6 +237,20 @@ class ScaledStreamBlock(Block):
         return x / torch.tensor(0.5) + self.mlp(self.ln2(x))
 
 
+class InPlaceInputBlock(Block):
+    """Pre-norm that doubles its input in place (``x.mul_(2)``) before the first residual add."""
+
+    def forward(self, x):
+        x.mul_(2.0)
+        x = x + self.attn(self.ln1(x))
+        return x + self.mlp(self.ln2(x))
+
+
+def inplace_input_lm():
+    """One :class:`InPlaceInputBlock`: its input is the embedding's output, nobody else's tensor."""
+    return seeded(lambda: LM([InPlaceInputBlock(SoftmaxAttention(), MLP())]), 10)
+
+
 def deepnorm_lm():
     return seeded(lambda: LM([DeepNormBlock(), DeepNormBlock()]), 8)
 

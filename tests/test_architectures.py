@@ -310,6 +310,37 @@ def test_stream_rescaled_before_its_residual_add_is_not_a_sublayers_output(build
             assert torch.equal(cache[f"decoder.blocks.{i}.{k}.delta"], v), (i, k)
 
 
+def test_input_written_in_place_before_the_first_add_is_a_stream_difference():
+    # the first add's stream is the layer's input memory, but written since resid_pre was copied
+    # from it: its values are not resid_pre's, so attention's delta is the stream difference
+    model = toys.inplace_input_lm()
+    cache, ids = _toy_capture(model)
+    outs, _ = _toy_oracle(model, ids, ["blocks.0", "blocks.0.attn", "blocks.0.mlp"])
+    with torch.no_grad():
+        x0 = model.emb(ids)  # the layer's input before the layer doubled it
+    a, m, y = outs["blocks.0.attn"], outs["blocks.0.mlp"], outs["blocks.0"]
+    assert cache.metadata["layers"][0]["deltas"] == {"self_attn": "stream difference", "mlp": "sublayer output"}
+    assert torch.equal(cache["decoder.blocks.0.resid_pre"], x0)
+    assert torch.equal(cache["decoder.blocks.0.self_attn.delta"], (2.0 * x0 + a) - x0)
+    assert torch.equal(cache["decoder.blocks.0.mlp.delta"], m)
+    assert torch.equal(cache["decoder.blocks.0.resid_post"], y)
+
+
+def test_untouched_layer_input_needs_no_comparison_with_its_copy(monkeypatch):
+    # the first add's stream is the layer's input, unwritten since resid_pre was copied from it:
+    # known equal without comparing them value by value (still "sublayer output", still exact)
+    calls = []
+    equal = torch.equal
+    monkeypatch.setattr(torch, "equal", lambda a, b: calls.append(a.shape) or equal(a, b))
+    model = toys.seeded(lambda: toys.LM([toys.Block(toys.SdpaAttention(), toys.MLP()) for _ in range(2)]))
+    cache, ids = _toy_capture(model)
+    monkeypatch.undo()
+    assert calls == []
+    outs, _ = _toy_oracle(model, ids, ["blocks.1.attn"])
+    assert cache.metadata["layers"][1]["deltas"] == {"self_attn": "sublayer output", "mlp": "sublayer output"}
+    assert torch.equal(cache["decoder.blocks.1.self_attn.delta"], outs["blocks.1.attn"])
+
+
 def test_flex_attention_layer_is_a_clear_error():
     with pytest.raises(ProbeError, match=r"blocks\.1.*flex_attention.*attn_implementation=\"sdpa\""):
         _toy_capture(toys.flex_lm())

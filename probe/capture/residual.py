@@ -162,6 +162,9 @@ class LayerStream:
 
     def __init__(self, pre: Tensor) -> None:
         self.pre = pre.detach().clone()
+        # the tensor the copy was taken from and its version then: a residual add whose stream is
+        # that memory, unchanged since, holds the copy's values (decompose skips comparing them)
+        self.origin, self.origin_version = pre.detach(), pre._version
         self.shape = pre.shape
         self.numel = pre.numel()
         self.width = pre.shape[-1]
@@ -311,6 +314,19 @@ class LayerStream:
         return out
 
     # -- deltas --------------------------------------------------------------------------------
+    def _is_origin(self, a: ResidualAdd) -> bool:
+        """Whether ``a``'s stream is the layer's input itself, not written since ``pre`` was copied
+        from it (the same memory, layout and dtype, and the version it had then)."""
+        o, s = self.origin, a.stream
+        return (
+            s.data_ptr() == o.data_ptr()
+            and s.dtype == o.dtype
+            and s.shape == self.pre.reshape(-1, self.width).shape
+            and s.stride() == (self.width, 1)
+            and o.is_contiguous()
+            and a.versions[0] == self.origin_version
+        )
+
     def decompose(
         self, post: Tensor | None, kind_of: Callable[[int], str], names: Callable[[int], str]
     ) -> Decomposition:
@@ -357,7 +373,8 @@ class LayerStream:
         deltas: dict[str, Tensor] = {}
         definition: dict[str, str] = {}
         for k, (a, plan) in enumerate(zip(self.adds, plans, strict=True)):
-            exact = _same(a.stream, bounds[k]) and _same(a.result, bounds[k + 1])
+            first = k == 0 and self._is_origin(a)
+            exact = (first or _same(a.stream, bounds[k])) and _same(a.result, bounds[k + 1])
             if len(plan) > 1 and not exact:
                 none.note = (
                     "the sum of the parallel sublayers' outputs is normalised before it becomes the "
@@ -371,13 +388,20 @@ class LayerStream:
                 deltas[name] = deltas[name] + piece if name in deltas else piece
                 how = "sublayer output" if exact else "stream difference"
                 definition[name] = how if definition.get(name, how) == how else "mixed"
-        total = pre
+        total = None
         for d in deltas.values():  # in the order the stream received them (no 0 + d first)
-            total = total + d
+            if total is None or d.dtype != total.dtype or d.shape != total.shape:
+                total = pre + d if total is None else total + d
+            else:  # the sum is probe's own tensor from here: added in place, the same rounding
+                total.add_(d)
         dev, scale = 0.0, 1.0
         if out.numel():
             outf = out.float()
-            dev = _absmax(total.float() - outf)
+            if total is None:
+                total = pre.float()
+            elif total.dtype != torch.float32:
+                total = total.float()
+            dev = _absmax(total.sub_(outf) if total is not pre else total - outf)
             scale = max(_absmax(outf), _absmax(pre.float()), 1.0)
         tol = 16 * len(self.adds) * torch.finfo(out.dtype).eps * scale
         if dev > tol:
