@@ -6,17 +6,22 @@
   loop, reporting how much the loop slows down (the CPU the writing takes from the model).
 * ``pages``: first-touch faults of 576 MiB of fresh anonymous memory (one write per 4 KiB page)
   and unmapping it again: what a cache's fresh pattern memory costs under glibc's default
-  allocator, and what dropping it costs.
+  allocator, and what dropping it costs; then the same memory mapped as the opt-in huge-page
+  arena maps it (``MADV_HUGEPAGE``), round by round, with the kernel's huge-page fault and
+  compaction-stall counts (``/proc/vmstat``).
 * ``recompute``: the causal mask as ``masked_fill_`` of a broadcast boolean triangle against
   adding a float ``-inf`` triangle (``[12, 128, 128]``), and ``probe.capture.patterns.sdpa_weights``
   at T = 128 and 1024 into a preallocated output.
 * ``dispatch``: trips through probe's torch-function mode in one HF GPT-2 capture at T = 128: the
   model's own ops, and probe's own tensor calls (zero since the hooks run off the mode stack).
+* ``loop``: HF GPT-2 at T = 1024 under glibc's default allocator, round by round: a plain forward,
+  then a capture and ``del cache``, each with its time and minor page faults.
 * ``dtype``: HF GPT-2 at T = 1024, default allocator: a plain forward, ``probe.capture`` and
   ``probe.capture(dtype="float16")`` interleaved (medians of per-round ratios).
 
     python benchmarks/costs.py                 # all parts
     python benchmarks/costs.py --parts disk pages
+    python benchmarks/costs.py --parts pages loop --repeats 6
 """
 
 from __future__ import annotations
@@ -125,12 +130,15 @@ def disk(repeats: int) -> None:
 
 
 # -- pages -----------------------------------------------------------------------------------------
+_PRIVATE = mmap.MAP_PRIVATE | getattr(mmap, "MAP_ANONYMOUS", 0)
+
+
 def pages(repeats: int) -> None:
     size = BLOCKS * BLOCK
     fault, unmap = [], []
     for _ in range(repeats):
         t0 = time.perf_counter()
-        m = mmap.mmap(-1, size)
+        m = mmap.mmap(-1, size, flags=_PRIVATE)  # private and anonymous, as glibc maps large blocks
         t = torch.frombuffer(m, dtype=torch.uint8)
         t[::4096] = 1  # one write per page: a first-touch fault each
         t1 = time.perf_counter()
@@ -143,6 +151,40 @@ def pages(repeats: int) -> None:
     f = statistics.median(fault)
     print(f"pages: {size >> 20} MiB of fresh anonymous memory ({n} pages of 4 KiB), medians of {repeats}")
     print(f"  first touch {f:.3f} s ({f / n * 1e6:.2f} us a page); unmap {statistics.median(unmap):.3f} s")
+    if not hasattr(mmap, "MADV_HUGEPAGE"):
+        return
+    # the same memory as the opt-in arena maps it: 12 blocks with MADV_HUGEPAGE, each touched
+    # once per 2 MiB; the kernel's counters tell whether a slow round was the guest kernel
+    # compacting memory (compact_stall) or not (then the time went outside it)
+    rounds, stalls, thp = [], 0, 0
+    for _ in range(max(repeats, 8)):
+        v0 = _vmstat()
+        t0 = time.perf_counter()
+        maps = []
+        for _ in range(BLOCKS):
+            m = mmap.mmap(-1, BLOCK, flags=_PRIVATE)
+            m.madvise(mmap.MADV_HUGEPAGE)
+            torch.frombuffer(m, dtype=torch.uint8)[:: 2 << 20] = 1
+            maps.append(m)
+        rounds.append(time.perf_counter() - t0)
+        v1 = _vmstat()
+        stalls += v1.get("compact_stall", 0) - v0.get("compact_stall", 0)
+        thp += v1.get("thp_fault_alloc", 0) - v0.get("thp_fault_alloc", 0)
+        for m in maps:
+            m.close()
+    print(
+        f"  the same with MADV_HUGEPAGE ({len(rounds)} rounds): first touch "
+        + " / ".join(f"{r:.3f}" for r in rounds)
+        + f" s; {thp} huge-page faults, {stalls} compaction stalls in all"
+    )
+
+
+def _vmstat() -> dict[str, int]:
+    try:
+        lines = Path("/proc/vmstat").read_text().splitlines()
+        return {k: int(v) for k, v in (line.split() for line in lines)}
+    except OSError:
+        return {}
 
 
 # -- recompute ---------------------------------------------------------------------------------------
@@ -194,6 +236,47 @@ def dispatch(repeats: int) -> None:
         print(f"  {k}: {v}")
 
 
+# -- loop --------------------------------------------------------------------------------------------
+def loop(repeats: int) -> None:
+    """A research loop under glibc's default allocator: each round a plain forward, then a capture
+    and ``del cache``, each timed with the minor faults it took (to compare with ``pages``' cost a
+    fault in a tight loop, and with ``speed.py``'s no-fault ratio)."""
+    import resource
+
+    import speed
+
+    import probe
+
+    def faults() -> int:
+        return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+
+    bench = speed.Bench("hf", peers=False)
+    ids = bench.ids(1024)
+    model = bench.models["plain"]
+    print("loop: HF GPT-2 at T = 1024, glibc's default allocator; each round: plain forward, capture, del")
+    with torch.no_grad():
+        model(ids)
+        del_cache = probe.capture(model, ids)
+        del del_cache
+        for _ in range(repeats):
+            gc.collect()
+            f0, t0 = faults(), time.perf_counter()
+            model(ids)
+            plain, fp = time.perf_counter() - t0, faults() - f0
+            gc.collect()
+            f0, t0 = faults(), time.perf_counter()
+            cache = probe.capture(model, ids)
+            took, fc = time.perf_counter() - t0, faults() - f0
+            t1 = time.perf_counter()
+            del cache
+            gone = time.perf_counter() - t1
+            print(
+                f"  plain {plain:.3f} s ({fp} faults); capture {took:.3f} s ({fc} faults); "
+                f"del cache {gone:.3f} s; capture + del = {(took + gone) / plain:.2f}x plain, "
+                f"{fc - fp} more faults"
+            )
+
+
 # -- dtype -------------------------------------------------------------------------------------------
 def dtype(repeats: int) -> None:
     import speed
@@ -230,7 +313,14 @@ def dtype(repeats: int) -> None:
         print(f"  capture {m:8} {statistics.median(rs):.2f} (min {min(rs):.2f}, max {max(rs):.2f})")
 
 
-PARTS = {"disk": disk, "pages": pages, "recompute": recompute, "dispatch": dispatch, "dtype": dtype}
+PARTS = {
+    "disk": disk,
+    "pages": pages,
+    "recompute": recompute,
+    "dispatch": dispatch,
+    "loop": loop,
+    "dtype": dtype,
+}
 
 
 def main(argv: list[str] | None = None) -> None:

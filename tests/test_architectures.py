@@ -319,7 +319,8 @@ def test_input_written_in_place_before_the_first_add_is_a_stream_difference():
     with torch.no_grad():
         x0 = model.emb(ids)  # the layer's input before the layer doubled it
     a, m, y = outs["blocks.0.attn"], outs["blocks.0.mlp"], outs["blocks.0"]
-    assert cache.metadata["layers"][0]["deltas"] == {"self_attn": "stream difference", "mlp": "sublayer output"}
+    want = {"self_attn": "stream difference", "mlp": "sublayer output"}
+    assert cache.metadata["layers"][0]["deltas"] == want
     assert torch.equal(cache["decoder.blocks.0.resid_pre"], x0)
     assert torch.equal(cache["decoder.blocks.0.self_attn.delta"], (2.0 * x0 + a) - x0)
     assert torch.equal(cache["decoder.blocks.0.mlp.delta"], m)

@@ -23,11 +23,13 @@ import torch
 MIN_BYTES = 4 << 20
 _HUGE = 2 << 20
 AVAILABLE = hasattr(mmap, "MADV_HUGEPAGE") and hasattr(mmap, "MAP_ANONYMOUS")
-# Off by default: measured slower. HF GPT-2 at T = 1024, default allocator, in-memory capture,
-# interleaved in one process (benchmarks/switch_ab.py --switch arena, 5 rounds, three runs): 1.43x / 1.39x /
-# 1.51x the plain forward with the arena, 1.20x / 1.15x / 1.21x without. With the kernel's THP
-# ``defrag`` set to ``madvise`` (a common default), every huge-page fault of a MADV_HUGEPAGE map
-# may compact memory synchronously, which costs more than the 4 KB faults it saves.
+# Off by default: measured slower in three of four runs. HF GPT-2 at T = 1024, default
+# allocator, in-memory capture, interleaved in one process (benchmarks/switch_ab.py --switch
+# arena, 5 rounds): 1.43x / 1.39x / 1.51x the plain forward with the arena, 1.20x / 1.15x / 1.21x
+# without; a later, slower phase of the machine gave 1.36x with it, 1.52x without. On that
+# virtual machine a round of huge-page faults sometimes took up to 25x its usual time with no
+# compaction stall counted by the kernel (benchmarks/costs.py --parts pages): the cost lies
+# outside the guest, so it cannot be predicted from here.
 # Set ``probe.capture.arena.ENABLED = True`` to use it.
 ENABLED = False
 
