@@ -321,7 +321,7 @@ class LayerStream:
         return (
             s.data_ptr() == o.data_ptr()
             and s.dtype == o.dtype
-            and s.shape == self.pre.reshape(-1, self.width).shape
+            and s.shape == (self.numel // self.width, self.width)
             and s.stride() == (self.width, 1)
             and o.is_contiguous()
             and a.versions[0] == self.origin_version
@@ -397,11 +397,8 @@ class LayerStream:
         dev, scale = 0.0, 1.0
         if out.numel():
             outf = out.float()
-            if total is None:
-                total = pre.float()
-            elif total.dtype != torch.float32:
-                total = total.float()
-            dev = _absmax(total.sub_(outf) if total is not pre else total - outf)
+            # the sum (converted or not) is probe's own tensor: subtracted in place; pre is not
+            dev = _absmax(pre.float() - outf if total is None else total.float().sub_(outf))
             scale = max(_absmax(outf), _absmax(pre.float()), 1.0)
         tol = 16 * len(self.adds) * torch.finfo(out.dtype).eps * scale
         if dev > tol:
