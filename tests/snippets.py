@@ -4,7 +4,9 @@ The convention (written for authors in docs/writing-docs.md):
 
 - Every fenced ```python block runs. The blocks of one page run in order in one namespace and one
   temporary working directory, like the cells of a notebook; shell blocks of the page share that
-  directory.
+  directory, which links to the checkout's examples/, models/, benchmarks/, tests/ and
+  constraints.txt so that commands written for the repository root run as written. A block
+  whose only line is ``--8<-- "FILE"`` (pymdownx.snippets) shows FILE and runs it as a script.
 - Output of a Python block: a fenced ```text block that directly follows it (blank lines only in
   between) is what the block prints to stdout. A line ``expr  # -> VALUE`` checks ``repr(expr)``
   against VALUE (whitespace runs count as one space).
@@ -52,6 +54,9 @@ NO_RUN = re.compile(r"^<!--\s*no-run(?::.*)?\s*-->$")
 FENCE = re.compile(r"^(?P<indent>\s*)(?P<fence>`{3,}|~{3,})\s*(?P<info>[^`]*)$")
 PROGRESS = re.compile(r"\d+%\|.*\||\d+\w*\s*\[\d\d:\d\d|\bit/s\]|\?\w*/s[,\]]")
 ARROW = "# -> "
+INCLUDE = re.compile(r'^\s*-{2}8<-{2}\s+"([^"]+)"\s*$')  # pymdownx.snippets: a file shown in a block
+# what the working directory links to, so commands written for the repository root run as written
+LINKED = ("examples", "models", "benchmarks", "tests", "constraints.txt", "pyproject.toml")
 SHELL_META = {"|", "||", "&", "&&", ";", ">", ">>", "<", "<<", "(", ")"}
 
 
@@ -93,6 +98,7 @@ class Snippet:
     span: tuple[int, int] | None = None  # python: the output block's body lines in the file
     commands: list[Command] = field(default_factory=list)
     skip: str | None = None
+    source: Path | None = None  # the file a block shows with --8<-- "FILE" (then its code is that file)
 
     @property
     def id(self) -> str:
@@ -119,7 +125,7 @@ def blocks(lines: list[str]) -> list[Block]:
             if s.startswith(fence[0] * len(fence)) and set(s) == {fence[0]}:
                 break
             j += 1
-        body = [ln[len(indent):] if ln.startswith(indent) else ln.lstrip() for ln in lines[i + 1 : j]]
+        body = [ln[len(indent) :] if ln.startswith(indent) else ln.lstrip() for ln in lines[i + 1 : j]]
         prev = next((lines[k].strip() for k in range(i - 1, -1, -1) if lines[k].strip()), "")
         marker = prev if NO_RUN.match(prev) else None
         out.append(Block(lang, body, i + 1, i, indent, marker))
@@ -180,6 +186,10 @@ def extract(path: Path) -> list[Snippet]:
             snip.skip = b.no_run
         if b.lang == "python":
             snip.kind, snip.code = "python", "\n".join(b.lines)
+            included = [INCLUDE.match(ln) for ln in b.lines if ln.strip()]
+            if len(included) == 1 and included[0]:
+                snip.source = ROOT / included[0][1]
+                snip.code = snip.source.read_text(encoding="utf-8")
             nxt = bs[n + 1] if n + 1 < len(bs) else None
             if nxt and nxt.lang in OUTPUT_LANGS and _adjacent(lines, b, nxt):
                 if not any(ln.startswith("$ ") for ln in nxt.lines):
@@ -295,7 +305,7 @@ def _arrow_comments(code: str) -> dict[int, str]:
     out = {}
     for tok in tokenize.generate_tokens(io.StringIO(code).readline):
         if tok.type == tokenize.COMMENT and tok.string.startswith(ARROW):
-            out[tok.start[0]] = tok.string[len(ARROW):].strip()
+            out[tok.start[0]] = tok.string[len(ARROW) :].strip()
     return out
 
 
@@ -324,6 +334,9 @@ class Page:
     def __init__(self, path: Path, workdir: Path):
         self.path, self.workdir = path, workdir
         self.snippets = extract(path)
+        for name in LINKED:
+            if (ROOT / name).exists() and not (workdir / name).exists():
+                (workdir / name).symlink_to(ROOT / name)
         self.ns: dict = {"__name__": "__main__"}
         self.done = 0
         self.broken: str | None = None
@@ -369,29 +382,40 @@ class Page:
 
     # python -------------------------------------------------------------------------------------
     def run_python(self, snip: Snippet) -> None:
-        filename = str(snip.path)
+        filename = str(snip.source or snip.path)
         tree = ast.parse(snip.code, filename)
-        arrows = _arrow_comments(snip.code)
-        ast.increment_lineno(tree, snip.body_first)  # tracebacks point into the Markdown file
+        arrows = {} if snip.source else _arrow_comments(snip.code)
+        offset = 0 if snip.source else snip.body_first
+        ast.increment_lineno(tree, offset)  # tracebacks point into the Markdown file (or the shown file)
         out = io.StringIO()
         problems = []
-        with _in(self.workdir, self.env()), contextlib.redirect_stdout(out):
-            for stmt in tree.body:
-                rel = stmt.end_lineno - snip.body_first
-                if isinstance(stmt, ast.Expr) and rel in arrows:
-                    value = eval(compile(ast.Expression(stmt.value), filename, "eval"), self.ns)
-                    problems += self._check_arrow(snip, rel, arrows[rel], repr(value))
-                else:
-                    exec(compile(ast.Module([stmt], []), filename, "exec"), self.ns)
+        argv = sys.argv
+        sys.argv = [filename]  # a script shown on the page sees no pytest arguments
+        try:
+            with _in(self.workdir, self.env()), contextlib.redirect_stdout(out):
+                self._exec(tree, snip, filename, offset, arrows, problems)
+        finally:
+            sys.argv = argv
         if snip.expected is not None:
             actual = normalise(out.getvalue(), self.masks())
             if not matches(snip.expected, actual):
                 if update_mode():
-                    EDITS.append(Edit(snip.path, *snip.span, _indented(snip, regenerate(snip.expected, actual))))
+                    EDITS.append(
+                        Edit(snip.path, *snip.span, _indented(snip, regenerate(snip.expected, actual)))
+                    )
                 else:
                     problems.append(f"the output differs from the page:\n{diff(snip.expected, actual)}")
         if problems:
             raise SnippetFailure(f"{snip.id}: " + "\n".join(problems))
+
+    def _exec(self, tree, snip: Snippet, filename: str, offset: int, arrows: dict, problems: list) -> None:
+        for stmt in tree.body:
+            rel = stmt.end_lineno - offset
+            if isinstance(stmt, ast.Expr) and rel in arrows:
+                value = eval(compile(ast.Expression(stmt.value), filename, "eval"), self.ns)
+                problems += self._check_arrow(snip, rel, arrows[rel], repr(value))
+            else:
+                exec(compile(ast.Module([stmt], []), filename, "exec"), self.ns)
 
     def _check_arrow(self, snip: Snippet, rel: int, expected: str, actual: str) -> list[str]:
         actual = normalise(actual, self.masks())
@@ -418,7 +442,9 @@ class Page:
                 break
             if cmd.expected is not None and not matches(cmd.expected, actual):
                 if update_mode():
-                    EDITS.append(Edit(snip.path, *cmd.span, _indented(snip, regenerate(cmd.expected, actual))))
+                    EDITS.append(
+                        Edit(snip.path, *cmd.span, _indented(snip, regenerate(cmd.expected, actual)))
+                    )
                 else:
                     problems.append(f"line {cmd.line}: `{cmd.code}` printed:\n{diff(cmd.expected, actual)}")
         if problems:

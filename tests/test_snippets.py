@@ -41,7 +41,9 @@ def test_snippet(page, index, page_dirs):
     except snippets.SnippetSkipped as e:
         pytest.skip(str(e))
     if len(snippets.EDITS) > before:
-        warnings.warn(f"{PAGES[page].snippets[index].id}: expected output updated from this run", stacklevel=1)
+        warnings.warn(
+            f"{PAGES[page].snippets[index].id}: expected output updated from this run", stacklevel=1
+        )
 
 
 def test_convention_on_a_sample_page(tmp_path):
@@ -78,4 +80,6 @@ def test_wildcards_and_regeneration():
     assert snippets.regenerate(["wrote ... KB", "old"], ["wrote 12 KB", "new"]) == ["wrote ... KB", "new"]
     text = "bar:  50%|#####     | 1/2 [00:01<00:01]\rbar: 100%|##########| 2/2 [00:02<00:00]\ndone\n"
     assert snippets.normalise(text, {}) == ["done"]
-    assert snippets.normalise("saved /tmp/x/run.safetensors\n", {"/tmp/x": "..."}) == ["saved .../run.safetensors"]
+    assert snippets.normalise("saved /tmp/x/run.safetensors\n", {"/tmp/x": "..."}) == [
+        "saved .../run.safetensors"
+    ]
