@@ -19,6 +19,15 @@ PAGES: dict = {}
 
 @pytest.fixture(scope="module", autouse=True)
 def _write_updates():
+    # the translator trains on first use (into this session's $PROBE_CACHE_DIR, see conftest.py) and
+    # says so once; train it before any page runs, so that no page's output depends on running first
+    import contextlib
+    import io
+
+    import models
+
+    with contextlib.redirect_stderr(io.StringIO()):
+        models.load("translator")
     yield
     for where in snippets.apply_edits():
         print(f"snippets: rewrote the expected output at {where}")
