@@ -1,7 +1,7 @@
 """Every code snippet of README.md and docs/*.md runs as written and prints what the page shows.
 
 One test per snippet, named ``FILE:LINE`` (the line of its opening fence); the snippets of a page
-run in order in one namespace and one temporary folder. The convention is in tests/snippets.py
+run in order in one namespace and one temporary folder. The convention is in tests/snippet_pages.py
 and docs/writing-docs.md. ``PROBE_SNIPPETS_UPDATE=1 pytest tests/test_snippets.py`` rewrites the
 expected output that drifted.
 """
@@ -19,19 +19,23 @@ PAGES: dict = {}
 
 @pytest.fixture(scope="module", autouse=True)
 def _write_updates():
-    # the translator trains on first use (into this session's $PROBE_CACHE_DIR, see conftest.py) and
-    # says so once; train it before any page runs, so that no page's output depends on running first
-    import contextlib
-    import io
-
-    import models
-
-    with contextlib.redirect_stderr(io.StringIO()):
-        models.load("translator")
     yield
     for where in snippets.apply_edits():
         print(f"snippets: rewrote the expected output at {where}")
     PAGES.clear()
+
+
+def _translator_ready() -> None:
+    # the translator trains on first use (into this session's $PROBE_CACHE_DIR, see conftest.py) and
+    # says so once; train it before any page runs, so that no page's output depends on running first
+    if not PAGES:
+        import contextlib
+        import io
+
+        import models
+
+        with contextlib.redirect_stderr(io.StringIO()):
+            models.load("translator")
 
 
 @pytest.fixture(scope="module")
@@ -41,6 +45,7 @@ def page_dirs(tmp_path_factory):
 
 @pytest.mark.parametrize(("page", "index"), [c[:2] for c in CASES], ids=[c[2] for c in CASES])
 def test_snippet(page, index, page_dirs):
+    _translator_ready()
     if page not in PAGES:
         name = page.relative_to(snippets.ROOT).as_posix().replace("/", "-").removesuffix(".md")
         PAGES[page] = snippets.Page(page, page_dirs.mktemp(name))
