@@ -8,6 +8,7 @@ expected output that drifted.
 
 from __future__ import annotations
 
+import sys
 import warnings
 
 import pytest
@@ -19,10 +20,17 @@ PAGES: dict = {}
 
 @pytest.fixture(scope="module", autouse=True)
 def _write_updates():
+    # pages run in this process: leave no trace for the tests after this module (a page may put
+    # examples/ on sys.path or seed torch's global generator)
+    import torch
+
+    path, rng = list(sys.path), torch.get_rng_state()
     yield
     for where in snippets.apply_edits():
         print(f"snippets: rewrote the expected output at {where}")
     PAGES.clear()
+    sys.path[:] = path
+    torch.set_rng_state(rng)
 
 
 def _translator_ready() -> None:
