@@ -163,7 +163,7 @@ class PoswiseFeedForwardNet(nn.Module):
         residual = inputs  # (B, T, d_model)
         # A kernel-size-1 Conv1d is one matrix product per position: apply the convs' own weights
         # (d_out, d_in, 1) with F.linear. Same parameters and sums, without the CPU convolution's
-        # unfold path, which dominated the translator's training time (docs/performance.md).
+        # unfold path, which dominated the translator's training time.
         output = torch.relu(F.linear(inputs, self.conv1.weight.squeeze(-1), self.conv1.bias))
         output = F.linear(output, self.conv2.weight.squeeze(-1), self.conv2.bias)  # (B, T, d_model)
         return self.layer_norm(output + residual)
