@@ -196,13 +196,32 @@ def test_probe_report_is_callable_and_its_submodules_import():
     assert hasattr(probe, "plot") and callable(probe.plot.heatmap)
 
 
-def test_zoo_reports_show_the_tutorial_figures_and_residual_norms(tmp_path):
+def test_zoo_reports_show_the_tutorial_figures_and_residual_norms(tmp_path, monkeypatch):
     import models
 
     cache = probe.capture(models.load("minigpt"), "attention lets tokens read.")
-    text = probe.report(cache, tmp_path, progress=False).read_text(encoding="utf-8")
+    tutorial = probe.plot.seed_caches(["minigpt"])
+    # the report reads caches only: it neither loads a model nor captures while it is written
+    from probe import forward
+
+    def refuse(*a, **k):
+        raise AssertionError("the report loaded a model or ran a capture")
+
+    for owner, name in ((models, "load"), (probe, "capture"), (forward, "capture")):
+        monkeypatch.setattr(owner, name, refuse)
+    out = probe.report(cache, tmp_path / "a", progress=False, tutorial=tutorial)
+    text = out.read_text(encoding="utf-8")
     assert 'id="sec-seeds"' in text and 'download="minigpt_layer1_head1.png"' in text
     assert 'id="sec-residual_norms"' in text and 'alt="residual stream norms, text 1"' in text
+    # a cache of the tutorial's own text serves as its own tutorial capture
+    text = probe.report(tutorial["minigpt"], tmp_path / "b", progress=False).read_text(encoding="utf-8")
+    assert 'download="minigpt_layer1_head1.png"' in text
+    # without one, the section says how to get the figures (and draws none)
+    text = probe.report(cache, tmp_path / "c", progress=False).read_text(encoding="utf-8")
+    assert 'id="sec-seeds"' in text and "minigpt_layer1_head1" not in text
+    assert 'tutorial=probe.plot.seed_caches(["minigpt"])' in text
+    with pytest.raises(probe.ProbeError, match="tutorial= takes a probe.Cache"):
+        probe.report(cache, tmp_path / "d", progress=False, tutorial="attention lets tokens")
 
 
 def test_cache_repr_html_is_static_and_escaped():

@@ -16,6 +16,28 @@ def _report_name(text: str) -> str:
     return re.sub(r"[^A-Za-z0-9._-]+", "_", text).strip("._") or "report"
 
 
+def _tutorial_cache(cache, model):
+    """For a zoo model that re-creates a tutorial, a capture of the tutorial's own text for the
+    report's tutorial figures (None when the cache is that text already, or for other models).
+    ``model`` is the zoo model already loaded; from cache files, the zoo model is loaded only when
+    its checkpoint is on disk (a report never trains the translator)."""
+    from probe.report import seeds
+
+    name = (cache.metadata.get("model") or {}).get("name")
+    if name not in seeds.MODELS or seeds.is_tutorial_cache(cache, name):
+        return None
+    if model is None or getattr(model, "name", None) != name:
+        import models
+
+        if not models.checkpoint_path(name).exists():
+            return None
+        model = models.load(name)
+    import probe
+
+    text, target = seeds.TEXTS[name]
+    return probe.capture(model, text, target=target)
+
+
 def cmd_report(args: argparse.Namespace) -> int:
     import probe
 
@@ -52,7 +74,8 @@ def cmd_report(args: argparse.Namespace) -> int:
         if args.target is not None:
             target = args.target if len(args.target) > 1 else args.target[0]
         caches = [probe.capture(model, text, tokenizer=tok, target=target)]
-    path = probe.report(caches, out, model=model, tokenizer=tok, gold=gold)
+    tutorial = _tutorial_cache(caches[0], model if not args.hf else None)
+    path = probe.report(caches, out, model=model, tokenizer=tok, gold=gold, tutorial=tutorial)
     print(f"wrote {path} ({_human(path.stat().st_size)}); open it in a browser: {path.resolve().as_uri()}")
     return 0
 

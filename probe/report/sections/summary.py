@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 from probe.cache.format import real_token_flags
-from probe.report.sections._tokens import batch_size
 
 TITLE = "Summary"
 ORDER = 10
@@ -27,7 +26,7 @@ def build(ctx) -> dict:
             total = (meta.get("stacks") or {}).get(s, {}).get("layers", "?")
             stacks.append({"name": s, "captured": cache.n_layers(s), "layers": total, "heads": heads})
         texts = []
-        for b in range(batch_size(cache)):
+        for b in range(cache.n_texts):
             toks = (meta.get("tokens") or [[]])[b] if meta.get("tokens") else []
             entry = {
                 "text": (meta.get("texts") or [None] * (b + 1))[b] if meta.get("texts") else None,
