@@ -5,6 +5,8 @@ from __future__ import annotations
 import argparse
 import sys
 
+from probe.cli.common import examples
+
 
 def _layer_arg(text: str):
     if text == "mean":
@@ -95,8 +97,11 @@ def add_parser(sub) -> None:
         "pieces merged to words, special tokens left out. With --gold, score every layer and head "
         "(AER, precision, recall) and pick the best; without, report the alignment's shape "
         "(diagonality, monotonicity, coverage, entropy, jumps).",
-        epilog="example: probe capture -m aligner 'gestern sah der mann den hund' -o run.safetensors "
-        "&& probe align run.safetensors --pharaoh",
+        epilog=examples(
+            "probe capture -m aligner 'gestern sah der mann den hund' -o run.safetensors",
+            "probe align run.safetensors --pharaoh",
+            "probe align run.safetensors --gold gold.talp --one-indexed",
+        ),
     )
     p.add_argument("path", help="a .safetensors cache of an encoder-decoder, written by probe")
     p.add_argument(

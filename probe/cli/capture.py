@@ -6,7 +6,7 @@ import argparse
 from pathlib import Path
 
 from probe.cli import common
-from probe.cli.common import _human, _ints, add_model_args
+from probe.cli.common import _human, _ints, add_model_args, examples
 from probe.errors import ProbeError
 
 
@@ -124,7 +124,11 @@ def add_capture_parser(sub) -> None:
         help="run a model on text and write its attention cache",
         description="Run a model from the bundled zoo (or a local Hugging Face folder) on TEXT and "
         "stream every attention pattern and residual-stream delta into a safetensors cache.",
-        epilog="example: probe capture --model minigpt 'attention lets tokens read.' -o run.safetensors",
+        epilog=examples(
+            "probe capture --model minigpt 'attention lets tokens read.' -o run.safetensors",
+            "probe capture --model translator 'ich mochte ein bier' --target 'S i want a beer'",
+            "probe capture --hf ./my-model 'some text' --layers 0,1 -o run.safetensors",
+        ),
     )
     p.add_argument("text", nargs="+", metavar="TEXT", help="input text (several = one batch)")
     add_model_args(p)
@@ -153,6 +157,7 @@ def add_info_parser(sub) -> None:
         "info",
         help="summarise a cache file",
         description="Print a readable summary of a probe cache: model, tokens, keys, shapes and sizes.",
+        epilog=examples("probe info run.safetensors", "probe info run/  (a corpus run folder)"),
     )
     p.add_argument("path", help="a .safetensors cache written by probe, or a corpus run folder")
     p.set_defaults(func=cmd_info)
@@ -164,5 +169,6 @@ def add_models_parser(sub) -> None:
         "models",
         help="list the bundled model zoo",
         description="List the textbook models bundled with probe.",
+        epilog=examples("probe models", "probe report --model minigpt 'attention lets tokens read.'"),
     )
     p.set_defaults(func=cmd_models)

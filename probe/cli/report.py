@@ -6,7 +6,7 @@ import argparse
 from pathlib import Path
 
 from probe.cli import common
-from probe.cli.common import _human, add_model_args
+from probe.cli.common import _human, add_model_args, examples
 from probe.errors import ProbeError
 
 
@@ -88,8 +88,12 @@ def add_parser(sub) -> None:
         description="Write one self-contained index.html (no network needed to view it): model and "
         "tokens, every head's attention (overview and explorer), cross-attention, the residual "
         "stream and the analyses. Give cache files, or a model and text to capture first.",
-        epilog="examples: probe report --model minigpt 'attention lets tokens read.'   "
-        "probe report run.safetensors -o reports/run   probe report --hf ./my-bert 'some text'",
+        epilog=examples(
+            "probe report --model minigpt 'attention lets tokens read.'",
+            "probe report --model translator 'ich mochte ein bier P' --target 'S i want a beer'",
+            "probe report run.safetensors -o reports/run",
+            "probe report --hf ./my-bert 'some text'",
+        ),
     )
     p.add_argument(
         "inputs",
