@@ -152,7 +152,7 @@ def test_fused_decoder_no_final_norm():
         logits = model(torch.tensor([model.tokenizer.encode(text)]))[0]
     lens = probe.logit_lens(model, text)
     _check_final_layer(lens, logits)
-    assert lens.readout.startswith("(no final norm)")
+    assert lens.readout.endswith(", with no final norm")  # read as "read-out: lm_head, with no final norm"
     _check_attribution_sum(lens.attribution, logits)
     # its attention output is not a residual add: no exact head split, and it says so
     assert any("not split by head" in n for n in lens.attribution.notes)

@@ -98,7 +98,9 @@ def test_cross_is_rectangular_target_over_source(seq_cache):
     ax = fig.axes[0]
     assert ax.get_title() == "Decoder cross-attention, Layer 0, Head 1"
     assert (ax.get_xlabel(), ax.get_ylabel()) == ("Source (keys)", "Target (queries)")
-    assert ticks(ax.xaxis) == SRC[1] and ticks(ax.yaxis) == TGT[1]
+    # CJK key labels are stacked a character a line (upright), never rotated onto their side
+    assert ticks(ax.xaxis) == ["注\n意", "力"] and ticks(ax.yaxis) == TGT[1]
+    assert {t.get_rotation() for t in ax.xaxis.get_ticklabels()} == {0.0}
     np.testing.assert_array_equal(
         image(fig).data, seq_cache["decoder.blocks.0.cross_attn.pattern"][1, 1, :2, :2]
     )
@@ -107,6 +109,7 @@ def test_cross_is_rectangular_target_over_source(seq_cache):
     enc = plot.heatmap(seq_cache, 0, 1, stack="encoder")
     assert enc.axes[0].get_title() == "Encoder self-attention, Layer 0, Head 1"
     assert ticks(enc.axes[0].xaxis) == SRC[0]
+    assert {t.get_rotation() for t in enc.axes[0].xaxis.get_ticklabels()} == {90.0}  # Latin: rotated
     dec = plot.heatmap(seq_cache, 0)  # the decoder by default: target tokens on both axes
     assert ticks(dec.axes[0].xaxis) == TGT[0]
 

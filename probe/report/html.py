@@ -120,8 +120,10 @@ def render(ctx: ReportContext, sections: list[Section] | None = None, *, bar: An
                 rendered.append({"name": sec.name, "title": sec.title, "note": None, "html": Markup(body)})
         if bar is not None:
             bar.update(1)
+    from probe.report.labels import model_title
+
     meta = ctx.cache.metadata
-    model = (meta.get("model") or {}).get("name") or "model"
+    model = model_title(str((meta.get("model") or {}).get("name") or "model"))
     return env.get_template("base.html.j2").render(
         title=f"probe report: {model}",
         sections=rendered,

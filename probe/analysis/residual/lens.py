@@ -28,6 +28,14 @@ from probe.errors import ProbeError
 _MISSING = object()
 
 
+def _readout_name(ro: ReadOut) -> str:
+    """``"ln_f -> lm_head"``, or ``"projection, with no final norm"`` when the unembedding reads
+    the last stream itself."""
+    return (
+        f"{ro.norm_name} -> {ro.unembed_name}" if ro.norm_name else f"{ro.unembed_name}, with no final norm"
+    )
+
+
 @dataclass
 class Pass:
     """One recorded forward: the cache, the read-out, the model's logits and the stack read."""
@@ -244,7 +252,7 @@ def lens_from_pass(ps: Pass, k: int = 5) -> LogitLens:
                 # something acts between the unembedding and the output (a logits bias, a scale):
                 # every row would be off by it, so say so instead of showing a wrong lens
                 raise ProbeError(
-                    f"the read-out {ps.readout.norm_name or '(no final norm)'} -> {ps.readout.unembed_name} "
+                    f"the read-out {_readout_name(ps.readout)} "
                     f"does not reproduce the model's logits (max |diff| {final_error:.3g}); "
                     "pass norm= and unembed= the modules that map the last stream to the logits"
                 )
@@ -267,7 +275,7 @@ def lens_from_pass(ps: Pass, k: int = 5) -> LogitLens:
         torch.stack(tps),
         final_error,
         _vocab(ps.tokenizer, ps.logits.shape[-1]),
-        f"{ps.readout.norm_name or '(no final norm)'} -> {ps.readout.unembed_name}",
+        _readout_name(ps.readout),
         notes=notes,
     )
     lens.attribution = attribute(ps, lens)

@@ -18,6 +18,7 @@ import torch
 import torch.nn.functional as F
 
 from probe.cache import Cache
+from probe.report.labels import display
 
 FULL_BUDGET = 16 * 2**20  # cells embedded at full resolution, over the whole report
 FULL_BYTES = 3 * 2**20  # compressed bytes of full-resolution heads, over the whole report
@@ -74,7 +75,9 @@ def pattern_sets(caches: list[Cache], kinds: tuple[str, ...]) -> list[PatternSet
                         continue
                     q, k = cache.axes(stack, kind, b)
                     heads = cache.head_ids(stack, layers[0], kind)
-                    toks = (q.tokens, k.tokens, q.positions, k.positions)
+                    # tokens as everything probe draws shows them (whitespace visible: ␣ ↵ ⇥)
+                    shown = [display(t, None) for t in q.tokens], [display(t, None) for t in k.tokens]
+                    toks = (*shown, q.positions, k.positions)
                     sets.append(PatternSet(cache, ci, b, stack, kind, layers, len(heads), *toks, heads))
     return sets
 
