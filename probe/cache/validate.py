@@ -56,7 +56,7 @@ def read_header(f: IO[bytes], name: str, size: int) -> tuple[dict, int]:
     """The parsed JSON header of the safetensors file open as ``f`` (``size`` bytes) and its length."""
     head = f.read(8)
     if len(head) < 8:
-        raise _fail(name, f"not a probe cache: not even a safetensors file (only {size} bytes)", NOT_CACHE)
+        raise _fail(name, f"not a probe cache: not a safetensors file (only {size} bytes)", NOT_CACHE)
     (n,) = struct.unpack("<Q", head)
     if n > MAX_HEADER or n < 2:
         # a safetensors file starts with its header's length; these 8 bytes cannot be one

@@ -13,12 +13,13 @@ from __future__ import annotations
 
 import argparse
 
-from probe.cli import align, capture, check, common, corpus, report, residual, stats
+from probe.cli import align, capture, check, common, corpus, export, report, residual, stats
 from probe.cli.align import align_text, cmd_align
 from probe.cli.capture import cmd_capture, cmd_info, cmd_models, info_text
 from probe.cli.check import cmd_check
 from probe.cli.common import Terminated, add_model_args, load_model
 from probe.cli.corpus import cmd_corpus
+from probe.cli.export import cmd_export
 from probe.cli.report import cmd_report
 from probe.cli.residual import cmd_budget, cmd_lens, cmd_residual
 from probe.cli.stats import cmd_stats
@@ -33,6 +34,7 @@ __all__ = [
     "cmd_capture",
     "cmd_check",
     "cmd_corpus",
+    "cmd_export",
     "cmd_info",
     "cmd_lens",
     "cmd_models",
@@ -70,6 +72,7 @@ def build_parser() -> argparse.ArgumentParser:
     corpus.add_parser(sub)
     check.add_parser(sub)
     report.add_parser(sub)
+    export.add_parser(sub)
     stats.add_parser(sub)
     capture.add_models_parser(sub)
     residual.add_parsers(sub)
