@@ -132,6 +132,7 @@ COMMANDS = (
     "corpus",
     "check",
     "report",
+    "export",
     "stats",
     "models",
     "residual",
