@@ -41,6 +41,7 @@ def cmd_capture(args: argparse.Namespace) -> int:
 def info_text(path: str | Path) -> str:
     """A readable summary of the cache at ``path``: model, tokens, keys, shapes and sizes."""
     import probe
+    from probe.report.labels import display  # tokens shown as everywhere in probe (␣ for a space)
 
     cache = probe.load(path)
     meta = cache.metadata
@@ -79,11 +80,11 @@ def info_text(path: str | Path) -> str:
     texts = meta.get("texts") or []
     for i, toks in enumerate(cache.tokens):
         label = f"text {i}:" if texts else f"input {i}:"
-        shown = " | ".join(toks[:24]) + (" | ..." if len(toks) > 24 else "")
+        shown = " | ".join(display(t, None) for t in toks[:24]) + (" | ..." if len(toks) > 24 else "")
         lines.append(f"{label:9} {len(toks)} tokens: {shown}")
         if cache.target_tokens:
             tt = cache.target_tokens[i]
-            lines.append(f"{'target:':9} {len(tt)} tokens: {' | '.join(tt[:24])}")
+            lines.append(f"{'target:':9} {len(tt)} tokens: {' | '.join(display(t, None) for t in tt[:24])}")
     lines.append("")
     width = max((len(k) for k in cache.keys()), default=10)
     lines.append(f"{'key':{width}}  {'shape':22} {'size':>10}")

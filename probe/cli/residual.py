@@ -28,7 +28,9 @@ def cmd_lens(args: argparse.Namespace) -> int:
     lens = probe.logit_lens(model, text, tokenizer=tok, target=args.target, k=args.k)
     print(f"read-out: {lens.readout}; last layer vs the model's logits: max |diff| {lens.final_error:.2e}")
     print("top-1 token and p(final prediction) per layer (rows) and position (columns):")
-    print(lens.to_text(0))
+    import shutil
+
+    print(lens.to_text(0, width=shutil.get_terminal_size((100, 24)).columns))
     for n in lens.notes:
         print(f"note: {n}")
     att = lens.attribution
