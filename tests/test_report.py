@@ -356,7 +356,7 @@ def _translator_like(name: str = "translator") -> probe.Cache:
 
 
 def test_alignment_without_gold_says_heuristic_and_offers_the_diagonal_head():
-    from probe.report.sections.alignment import candidates
+    from probe.analysis.alignment import candidates
 
     cache = _translator_like()
     al = probe.align(cache)
@@ -364,7 +364,8 @@ def test_alignment_without_gold_says_heuristic_and_offers_the_diagonal_head():
     best = candidates(al)[0]
     # oracle: the head the test made diagonal, read under the output convention
     assert (best["convention"], best["layer"], best["head"]) == ("output", 0, 1)
-    assert best["diagonality"] == 1.0 and best["links"] == "ich→i, mochte→want, ein→a, bier→beer"
+    assert best["diagonality"] == 1.0 and best["text"] == "ich→i, mochte→want, ein→a, bier→beer"
+    assert best["links"] == [(0, 0), (1, 1), (2, 2), (3, 3)]
     sec = _section(render(cache), "alignment")
     assert "Without gold links this choice is a heuristic" in sec
     assert "ich→i, mochte→want, ein→a, bier→beer" in sec

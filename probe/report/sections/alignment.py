@@ -11,7 +11,8 @@ from __future__ import annotations
 import math
 
 from probe.analysis.alignment import align, cross_layers
-from probe.analysis.alignment.core import MEAN, hard_links
+from probe.analysis.alignment.core import MEAN
+from probe.analysis.alignment.diagonal import candidates
 
 TITLE = "Cross-attention alignment"
 ORDER = 60
@@ -29,37 +30,6 @@ def _head_name(head) -> str:
 
 def _layer_name(layer) -> str:
     return "mean of the layers" if layer == MEAN else f"layer {layer}"
-
-
-def candidates(al, n: int = N_CANDIDATES) -> list[dict]:
-    """Without gold: the ``n`` single heads (either convention) whose first-pair alignment is the
-    most diagonal, ties broken by monotonicity then coverage, each with its argmax links spelled
-    out (``ich→i``), for a reader to judge against the heuristic choice."""
-    rows = [r for r in al.stats if r["head"] != MEAN and r["layer"] != MEAN]
-
-    def score(r):
-        return tuple(
-            -(r[k] if not math.isnan(r[k]) else -1.0) for k in ("diagonality", "monotonicity", "coverage")
-        )
-
-    out = []
-    for r in sorted(rows, key=score)[:n]:
-        M = al.matrix(0, r["layer"], r["head"], r["convention"])
-        links = sorted(hard_links(M, "argmax"), key=lambda x: x[1])
-        src, tgt = al.source[0].words, al.target[0].words
-        out.append(
-            {
-                "convention": r["convention"],
-                "layer": r["layer"],
-                "head": r["head"],
-                "diagonality": r["diagonality"],
-                "monotonicity": r["monotonicity"],
-                "coverage": r["coverage"],
-                "links": ", ".join(f"{src[i]}→{tgt[j]}" for i, j in links),
-                "chosen": (r["convention"], r["layer"], r["head"]) == (al.convention, al.layer, al.head),
-            }
-        )
-    return out
 
 
 def _heatmap(al, b: int):
@@ -174,7 +144,7 @@ def build(ctx) -> dict | None:
     return {
         "selection": sel,
         "chosen_words": f"{_layer_name(al.layer)}, {_head_name(al.head)}, {CONVENTION_WORDS[al.convention]}",
-        "candidates": candidates(al) if al.gold is None else [],
+        "candidates": candidates(al, N_CANDIDATES) if al.gold is None else [],
         "chosen_links": ", ".join(
             f"{al.source[0].words[i]}→{al.target[0].words[j]}"
             for i, j in sorted(al.links[0], key=lambda x: x[1])
