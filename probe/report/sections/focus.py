@@ -219,7 +219,8 @@ def _table(rows: list[dict], several: bool) -> dict:
             cells.append({"text": text, "num": num, "tip": why_missing(c, r) if _nan(v) else None})
         table.append(cells)
     return {
-        "columns": [{"name": c, "help": COLUMN_HELP.get(c, "")} for c in cols],
+        "columns": cols,
+        "help": {c: COLUMN_HELP.get(c, "") for c in cols},
         "dropped": [{"name": c, "why": why_missing(c, rows[0])} for c in dropped],
         "table": table,
         "n_rows": len(rows),
