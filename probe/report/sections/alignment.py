@@ -13,6 +13,7 @@ import math
 from probe.analysis.alignment import align, cross_layers
 from probe.analysis.alignment.core import MEAN
 from probe.analysis.alignment.diagonal import candidates
+from probe.report.matrix import label_axis
 
 TITLE = "Cross-attention alignment"
 ORDER = 60
@@ -40,8 +41,8 @@ def _heatmap(al, b: int):
     fig = Figure(figsize=(1.2 + 0.55 * len(src), 1.0 + 0.45 * len(tgt)))
     ax = fig.subplots()
     im = ax.imshow(M, cmap="Blues", vmin=0, vmax=max(1e-9, float(M.max())), aspect="auto")
-    ax.set_xticks(range(len(src)), src, rotation=45, ha="right")
-    ax.set_yticks(range(len(tgt)), tgt)
+    label_axis(ax, "x", src)  # tokens shown as in every figure: whitespace visible, CJK upright
+    label_axis(ax, "y", tgt)
     ax.set_xlabel("source words")
     ax.set_ylabel("target words")
     if al.gold is not None:

@@ -119,6 +119,7 @@ def _leaking_head(ctx, report) -> dict | None:
     from matplotlib.patches import Rectangle
 
     from probe.analysis.causal import TOLERANCES
+    from probe.report.matrix import label_axis
 
     cache = ctx.cache
     grid_of = {label: g for label, g in report.grids.items() if g.get("kind") == "self"}
@@ -141,9 +142,9 @@ def _leaking_head(ctx, report) -> dict | None:
         shown = p.nan_to_num(0)
         ax.imshow(shown.numpy(), cmap="Blues", vmin=0, vmax=max(float(shown.max()), 1e-6))
         toks = (cache.tokens or [[]])[b] if cache.tokens else []
-        if len(toks) == K and K <= 40:
-            ax.set_xticks(range(K), toks, rotation=90, fontsize=7)
-            ax.set_yticks(range(Q), toks[K - Q :], fontsize=7)
+        if len(toks) == K:  # tokens as in every figure (␣, CJK upright), thinned when long
+            label_axis(ax, "x", toks)
+            label_axis(ax, "y", toks[K - Q :])
         ax.set_xlabel("key")
         ax.set_ylabel("query")
         if K <= MAX_CELLS:
