@@ -144,7 +144,7 @@ def build(ctx) -> dict | None:
     sel = al.selection()
     return {
         "selection": sel,
-        "chosen_words": f"{_layer_name(al.layer)}, {_head_name(al.head)}, {CONVENTION_WORDS[al.convention]}",
+        "chosen_words": f"{_layer_name(al.layer)}, {_head_name(al.head)}",
         "candidates": candidates(al, N_CANDIDATES) if al.gold is None else [],
         "chosen_links": ", ".join(
             f"{al.source[0].words[i]}→{al.target[0].words[j]}"
