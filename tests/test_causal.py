@@ -11,6 +11,7 @@ import functools
 import json
 import subprocess
 import sys
+from dataclasses import dataclass
 
 import causal_gallery as G
 import pytest
@@ -480,3 +481,43 @@ def test_cli_check_hf_folder(tmp_path, bpe, capsys):
     bpe.save_pretrained(folder)
     assert main(["check", "--hf", str(folder), "the model is reading the tokens."]) == 0
     assert "backend pass" in capsys.readouterr().out
+
+
+# -- KV cache: found under either name a forward takes it ----------------------------------------------
+@dataclass
+class _NewOut:
+    logits: torch.Tensor
+    cache: tuple | None = None
+
+
+class _CacheNamed(G.TinyLM):
+    """The gallery decoder with transformers >= 5.24's spelling: ``cache=`` in, ``.cache`` out."""
+
+    def forward(self, ids, attention_mask=None, position_ids=None, cache=None, use_cache=False):
+        out = super().forward(ids, attention_mask, position_ids, past_key_values=cache, use_cache=use_cache)
+        return _NewOut(out.logits, out.past_key_values)
+
+
+class _NoUseCache(G.TinyLM):
+    def forward(self, ids, attention_mask=None, position_ids=None, past_key_values=None):
+        return super().forward(ids, attention_mask, position_ids, past_key_values=past_key_values)
+
+
+def test_kv_cache_is_found_under_the_name_the_forward_takes():
+    from probe import forward
+
+    assert forward.kv_cache_arg(G.everywhere("ok")) == "past_key_values"
+    assert forward.kv_cache_arg(_CacheNamed(["ok", "ok"])) == "cache"
+    assert forward.kv_cache_arg(_NoUseCache(["ok", "ok"])) is None  # a cache it cannot be asked for
+    # oracle: the incremental run written here by hand equals the model's full forward
+    m = _CacheNamed(["ok", "ok"])
+    with torch.no_grad():
+        o1 = m(G.IDS[:, :8], use_cache=True)
+        o2 = forward.call(m, G.IDS[:, 8:], past_key_values=forward.kv_cache_of(o1), use_cache=True)
+        assert torch.allclose(torch.cat([o1.logits, o2.logits], 1), m(G.IDS).logits, atol=1e-5)
+    r = check_causal(m, G.IDS)
+    assert r.ok and {c["check"]: c["status"] for c in r.checks}["kv_cache"] == "pass", str(r)
+    # the same bug as the gallery's kv_is_causal, spelled the new way, still fails the check
+    bad = _CacheNamed(["ok", "kv_is_causal"])
+    st = {c["check"]: c["status"] for c in check_causal(bad, G.IDS).checks}
+    assert st["kv_cache"] == "fail"

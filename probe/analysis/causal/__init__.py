@@ -252,7 +252,7 @@ def _functional(report, model, inputs, cache, expected, tol, tokenizer) -> None:
     if why is None and forward.supports_kv_cache(model) and x.shape[1] >= 4:
         _optional(f, "kv_cache", lambda: parity.kv_cache(f, expected[stack]))
     else:
-        f.skip("kv_cache", why or "the model has no KV cache (past_key_values/use_cache)")
+        f.skip("kv_cache", why or "its forward takes no KV cache (cache/past_key_values with use_cache)")
     if why is None:
         _optional(f, "backend", lambda: parity.backend(f))
     else:
