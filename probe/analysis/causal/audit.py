@@ -64,12 +64,15 @@ def check_causal(
     )
     if model is None:
         report.notes.append("cache only: static checks; pass the model for the functional checks")
+        report.functional_skipped = "a cache alone (pass the model to run them)"
         return report
     report.checks.append(
         {"check": "capture", "status": "pass", "forwards": 1, "backwards": 0, "detail": "static checks"}
     )
     if functional:
         suite.run(report, model, inputs, cache, held, tol, tokenizer)
+    else:
+        report.functional_skipped = "functional=False"
     return report
 
 

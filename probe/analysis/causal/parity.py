@@ -153,7 +153,7 @@ def backend(fc: Functional) -> None:
     """Eager and SDPA attention give the same outputs (transformers models that offer both)."""
     other = forward.other_backend(fc.model)
     if other is None:
-        fc.skip("backend", "the model offers one attention backend")
+        fc.skip("backend", "the model has no eager/SDPA switch")
         return
     current, name, twin = other
     was = fc.leaked

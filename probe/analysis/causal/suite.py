@@ -36,11 +36,13 @@ def run(
     causal = [s for s, e in expected.items() if e != "bidirectional"]
     if not causal:
         report.notes.append("no stack is expected causal: functional checks skipped")
+        report.functional_skipped = "no stack is expected causal"
         return
     stack = causal[-1]
     x, enc = audited_input(cache.metadata, inputs)
     if x.shape[1] < 3:
         report.notes.append("fewer than 3 positions: functional checks skipped (give a longer text)")
+        report.functional_skipped = "fewer than 3 positions (give a longer text)"
         return
     label = display_name(cache, stack, expected)
     future_heads = _future_heads(report, label)
@@ -98,18 +100,18 @@ def why_not(model: nn.Module, x: torch.Tensor, enc: Any) -> dict[str, str | None
     model's own error (:func:`_optional`)."""
     why = None
     if x.is_floating_point():
-        why = "float inputs: no ids to pad or decode"
+        why = "float inputs have no ids to pad or decode"
     elif enc is not None:
-        why = "encoder-decoder: run on decoder-only models"
+        why = "an encoder-decoder (these run on decoder-only models)"
     out: dict[str, str | None] = {"padding": why, "kv_cache": why, "backend": why}
     if why is not None:
         return out
     if not (forward.is_hf_model(model) or forward.accepts(model, "attention_mask")):
-        out["padding"] = "the model takes no padding mask"
+        out["padding"] = "the model takes no attention_mask"
     if not forward.supports_kv_cache(model):
-        out["kv_cache"] = "its forward takes no KV cache (cache/past_key_values with use_cache)"
+        out["kv_cache"] = "the model takes no KV cache (cache or past_key_values, with use_cache)"
     elif x.shape[1] < 4:
-        out["kv_cache"] = "fewer than 4 positions to split into prefix, chunk and token"
+        out["kv_cache"] = "fewer than 4 positions (prefix, chunk and one token)"
     return out
 
 
