@@ -280,14 +280,13 @@ def run_corpus(
     ``dtype`` (``"float16"``/``"bfloat16"``) casts what is stored, halving the disk; statistics are
     computed from the float32 patterns either way (default: stored as captured, patterns float32).
     ``shard_size`` texts per shard, batches of ``batch_size`` texts of similar length. A text that
-    fails (ProbeError: too long, out of vocabulary) is recorded in the manifest and skipped.
+    fails (ProbeError: too long, out of vocabulary) is recorded in the manifest (``Corpus.errors``)
+    and skipped.
     Rerunning the same call resumes; another configuration in ``out_dir`` is refused. Under
     ``torchrun`` rank ``r`` takes shards ``i`` with ``i % world == r``; rank 0 merges.
 
-    Returns a :class:`probe.corpus.read.Corpus` over ``out_dir`` (every rank gets it). When every
-    text failed, raises :class:`CorpusFailed` (a ProbeError; the CLI exits 2 with its one line)
-    after writing the manifest, which lists each text's error; ``.corpus`` holds the run. A run
-    with some texts captured returns normally (``Corpus.errors`` lists the failures).
+    Returns a :class:`probe.corpus.read.Corpus` over ``out_dir`` (every rank gets it), or raises
+    :class:`CorpusFailed` (a ProbeError: CLI exit 2) when every text failed, its manifest written.
     """
     from probe.corpus.read import Corpus
 
