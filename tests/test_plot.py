@@ -324,6 +324,87 @@ def test_no_cjk_font_warns_once_and_still_renders(monkeypatch, tmp_path, seq_cac
     assert mpimg.imread(p1).size and mpimg.imread(p2).size
 
 
+# -- fonts installed after matplotlib built its font cache ----------------------------------------------
+_FONT_PROBE = """
+import json, sys, warnings
+warnings.simplefilter("always")
+from matplotlib import font_manager
+listed = sorted({e.name for e in font_manager.fontManager.ttflist if "CJK" in e.name})
+from probe.report import fonts, seeds
+from probe.report.context import figure_uri
+from probe import plot
+import numpy as np
+with warnings.catch_warnings(record=True) as english:
+    for _ in range(3):
+        figure_uri(plot.matrix(np.eye(2), ["attention", "lets"], ["tokens", "read"]))
+with warnings.catch_warnings(record=True) as chinese:
+    for _ in range(3):
+        for f in seeds.figures_for(names=["minigpt"]):  # the tutorial's Chinese axis labels
+            figure_uri(f.figure)
+        figure_uri(plot.matrix(np.eye(2), ["注意", "力"], ["啤酒", "力"]))
+font = fonts.cjk_font()
+print(json.dumps({
+    "listed_at_start": listed,
+    "font": None if font is None else [font.name, font.path],
+    "english": [str(w.message) for w in english],
+    "chinese": [str(w.message) for w in chinese],
+}))
+"""
+
+
+@pytest.fixture(scope="module")
+def stale_mplconfig(tmp_path_factory):
+    """An MPLCONFIGDIR whose font cache was built before the CJK fonts were installed: this
+    process's font list with every CJK entry removed, written where matplotlib reads its cache."""
+    import copy
+
+    from matplotlib import font_manager
+
+    assert any("Noto Sans CJK" in e.name for e in font_manager.fontManager.ttflist), fonts.INSTALL_HINT
+    d = tmp_path_factory.mktemp("mplconfig")
+    stale = copy.copy(font_manager.fontManager)
+    stale.ttflist = [e for e in font_manager.fontManager.ttflist if "CJK" not in e.name]
+    font_manager.json_dump(stale, d / f"fontlist-v{font_manager.FontManager.__version__}.json")
+    return d
+
+
+def _font_probe(mplconfig, **env) -> dict:
+    import json
+    import os
+    import subprocess
+    import sys
+
+    out = subprocess.run(
+        [sys.executable, "-c", _FONT_PROBE],
+        env={**os.environ, "MPLCONFIGDIR": str(mplconfig), **env},
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert out.returncode == 0, out.stderr
+    return json.loads(out.stdout.splitlines()[-1])
+
+
+def test_fonts_installed_after_matplotlib_built_its_cache_are_found(stale_mplconfig):
+    from matplotlib.ft2font import FT2Font
+
+    r = _font_probe(stale_mplconfig)
+    assert r["listed_at_start"] == []  # matplotlib read the stale cache: it lists no CJK font
+    name, path = r["font"]
+    assert name.startswith("Noto Sans CJK")
+    assert all(FT2Font(path).get_char_index(ord(c)) != 0 for c in "注意力啤酒")  # real glyphs
+    assert r["english"] == [] and r["chinese"] == []  # a font exists: nothing to warn about
+
+
+def test_without_any_cjk_font_one_warning_and_only_for_cjk_labels(stale_mplconfig):
+    # matplotlib told to ignore the system's fonts: no CJK font anywhere
+    r = _font_probe(stale_mplconfig, MPL_IGNORE_SYSTEM_FONTS="1")
+    assert r["font"] is None
+    assert r["english"] == []  # English labels need no CJK glyph: no warning at all
+    # CJK labels in 9 figures: probe's one warning naming the fix, no per-glyph warnings
+    assert len(r["chinese"]) == 1 and fonts.INSTALL_HINT in r["chinese"][0], r["chinese"]
+
+
 def test_seed_figures_minigpt_and_fused(tmp_path):
     caches = plot.seed_caches(["minigpt", "fused_decoder"])
     figs = seeds.figures_for(caches)
