@@ -17,22 +17,19 @@ from probe.cache.format import (
     FORMAT_VERSION,
     KEY_NAMES,
     STACKS,
+    attention_name,
     key,
     parse_key,
+    parse_name,
 )
 from probe.cache.heap import HeapTensors
+from probe.cache.queries import CacheKeyError, CacheQueries
 from probe.cache.validate import ITEMSIZE, check_consistency, check_header, check_metadata, read_header
 from probe.cache.writer import save_tensors
 from probe.errors import ProbeError
 
 _STACK_ORDER = {s: i for i, s in enumerate(STACKS)}
 _NAME_ORDER = {n: i for i, n in enumerate(KEY_NAMES)}
-
-
-class CacheKeyError(ProbeError, KeyError):
-    """A key or pattern that is not in the cache (a :class:`ProbeError` and a ``KeyError``)."""
-
-    __str__ = BaseException.__str__  # KeyError would quote the message
 
 
 def _parsed(k: str) -> tuple[str, int, str] | None:
@@ -42,12 +39,32 @@ def _parsed(k: str) -> tuple[str, int, str] | None:
         return None
 
 
-def _sort_key(k: str) -> tuple:
+def _name_order(name: str) -> tuple:
+    # version 1 names in their order; then the other fields of each attention, grouped by attention
+    if name in _NAME_ORDER:
+        return (_NAME_ORDER[name], -1, "")
+    n = parse_name(name)
+    group = _NAME_ORDER.get(f"{n.role}_attn.pattern", len(_NAME_ORDER)) if n.role else len(_NAME_ORDER)
+    return (group, -1 if n.index is None else n.index, name)
+
+
+def _stack_order(meta: Mapping[str, Any]) -> dict[str, int]:
+    """Stacks in the order the metadata lists them (the order the model ran them), else encoder first."""
+    listed = meta.get("stacks")
+    order = dict(_STACK_ORDER)
+    if isinstance(listed, dict):
+        names = list(listed)
+        if not set(names) <= set(STACKS):
+            order = {s: i for i, s in enumerate(names)}
+    return order
+
+
+def _sort_key(k: str, order: Mapping[str, int] = _STACK_ORDER) -> tuple:
     try:
         stack, layer, name = parse_key(k)
     except ValueError:
-        return (9, 0, 0, k)
-    return (_STACK_ORDER[stack], layer, _NAME_ORDER[name], k)
+        return (9, "", 0, (), k)
+    return (order.get(stack, len(order)), stack, layer, _name_order(name), k)
 
 
 def encode_metadata(meta: Mapping[str, Any]) -> dict[str, str]:
@@ -59,7 +76,7 @@ def encode_metadata(meta: Mapping[str, Any]) -> dict[str, str]:
     }
 
 
-class Cache(Mapping[str, torch.Tensor]):
+class Cache(CacheQueries, Mapping[str, torch.Tensor]):
     """Captured attention patterns and residual-stream tensors of one forward pass.
 
     Keys are ``<stack>.blocks.<i>.<name>`` (see :mod:`probe.cache.format`). A cache made by
@@ -81,7 +98,8 @@ class Cache(Mapping[str, torch.Tensor]):
         self._metadata = dict(metadata or {})
         self.path = Path(path) if path is not None else None
         names = list(self._reader.keys()) if self._reader is not None else list(self._tensors)
-        self._keys = sorted(names, key=_sort_key)
+        self._stack_order = _stack_order(self._metadata)
+        self._keys = sorted(names, key=lambda k: _sort_key(k, self._stack_order))
 
     # -- mapping -------------------------------------------------------------------------------
     def keys(self) -> list[str]:  # type: ignore[override]
@@ -130,9 +148,23 @@ class Cache(Mapping[str, torch.Tensor]):
 
     @property
     def stacks(self) -> list[str]:
-        """The stacks present, ``encoder`` before ``decoder``."""
+        """The stacks present: ``encoder`` before ``decoder``, others in the order the model ran them."""
         found = {p[0] for p in map(_parsed, self._keys) if p is not None}
-        return sorted(found, key=_STACK_ORDER.get)
+        return sorted(found, key=lambda s: (self._stack_order.get(s, len(self._stack_order)), s))
+
+    def attentions(self, stack: str, layer: int) -> list[tuple[str, int | None]]:
+        """The attentions of ``layer`` in ``stack`` that have a stored pattern, as ``(kind, index)``:
+        ``[("self", None), ("cross", None)]`` for a usual decoder layer; ``index`` numbers the
+        attentions of one kind when a layer computes several (``[("self", 0), ("self", 1)]``)."""
+        found = []
+        for k in self._keys:
+            p = _parsed(k)
+            if p is None or p[0] != stack or p[1] != layer:
+                continue
+            n = parse_name(p[2])
+            if n.field == "pattern":
+                found.append((n.role, n.index))
+        return found
 
     def layer_indices(self, stack: str, name: str | None = None) -> list[int]:
         """The layer indices captured in ``stack`` (holding key ``name`` when given), ascending."""
@@ -161,10 +193,12 @@ class Cache(Mapping[str, torch.Tensor]):
         *,
         head: int | slice | None = None,
         batch: int | slice | None = None,
+        index: int | None = None,
     ) -> torch.Tensor:
         """The attention pattern of ``layer`` in ``stack``.
 
-        ``kind`` is ``"self"`` or ``"cross"``. Returns ``[batch, head, query, key]``, with the
+        ``kind`` is ``"self"`` or ``"cross"``; ``index`` picks one of several attentions of that
+        kind in the layer (see :meth:`attentions`). Returns ``[batch, head, query, key]``, with the
         ``batch`` and ``head`` dimensions dropped when those are given as integers (a slice, such
         as ``head=slice(0, 4)``, keeps the dimension). On a loaded cache only the requested slice
         is read from disk.
@@ -177,9 +211,17 @@ class Cache(Mapping[str, torch.Tensor]):
             )
         if isinstance(layer, bool) or not isinstance(layer, int):
             raise ProbeError(f"layer must be an integer index, not {layer!r}")
-        name = f"{kind}_attn.pattern"
+        if index is not None and (isinstance(index, bool) or not isinstance(index, int) or index < 0):
+            raise ProbeError(f"index must be a non-negative integer, not {index!r}")
+        name = attention_name(kind, "pattern", index)
         k = key(stack, layer, name)
         if k not in self:
+            several = sorted(i for r, i in self.attentions(stack, layer) if r == kind and i is not None)
+            if several and index is None:
+                raise CacheKeyError(
+                    f"layer {layer} of the {stack} computes {len(several)} {kind}-attentions; "
+                    f"choose one with index= (0-{several[-1]})"
+                )
             have = self.layer_indices(stack, name)
             where = f"layers {_ranges(have)}" if have else "no layer"
             raise CacheKeyError(
@@ -206,69 +248,9 @@ class Cache(Mapping[str, torch.Tensor]):
         """A static summary for notebooks: model, per-stack layers and heads, the tokens, and a
         thumbnail of the first pattern (inline PNG). No scripts, no network: the same in Jupyter,
         JupyterLab and VS Code. Every string from the model or the user is escaped."""
-        import base64
-        import html
-        import io
+        from probe.cache.display import repr_html
 
-        esc = html.escape
-        meta = self._metadata
-        model = meta.get("model") or {}
-        params = model.get("parameters")
-        rows = [
-            (
-                "model",
-                f"<b>{esc(str(model.get('name', '?')))}</b> <code>{esc(str(model.get('class', '?')))}</code>"
-                + (f", {params:,} parameters" if isinstance(params, int) else ""),
-            ),
-            (
-                "stored",
-                f"{len(self)} tensors, {esc(str(meta.get('dtype', '?')))}"
-                + (f", <code>{esc(str(self.path))}</code>" if self.path else ""),
-            ),
-        ]
-        for s in self.stacks:
-            heads = sorted(
-                {e.get("self_attn", {}).get("heads") for e in meta.get("layers", []) if e.get("stack") == s}
-                - {None}
-            )
-            rows.append((s, f"{self.n_layers(s)} layers, {', '.join(map(str, heads)) or '?'} heads"))
-        tok_style = "border:1px solid #ccc;border-radius:3px;padding:0 3px;margin:1px;white-space:pre"
-
-        def strip(toks: list[str]) -> str:
-            shown = "".join(f'<span style="{tok_style}">{esc(t)}</span>' for t in toks[:64])
-            return shown + (f" … ({len(toks)} tokens)" if len(toks) > 64 else "")
-
-        for i, toks in enumerate(self.tokens[:4]):
-            rows.append((f"text {i}", strip(toks)))
-            if self.target_tokens:
-                rows.append(("target", strip(self.target_tokens[i])))
-        img = ""
-        first = next((k for k in self._keys if k.endswith("attn.pattern")), None)
-        if first is not None:
-            import matplotlib.image
-            import torch.nn.functional as F
-
-            p = self[first][0, 0].float().cpu()
-            n = len(self.tokens[0]) if self.tokens and p.shape[0] == p.shape[1] else None
-            p = p[:n, :n] if n else p
-            p = F.adaptive_max_pool2d(p[None, None], (min(p.shape[0], 96), min(p.shape[1], 96)))[0, 0]
-            buf = io.BytesIO()
-            matplotlib.image.imsave(buf, p.clamp(0, 1).numpy(), cmap="viridis", vmin=0, vmax=1, format="png")
-            uri = "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode("ascii")
-            img = (
-                f'<figure style="margin:0 0 0 1em"><img src="{uri}" alt="attention pattern" '
-                f'style="width:128px;image-rendering:pixelated;border:1px solid #ccc">'
-                f'<figcaption style="font-size:11px">{esc(first)}, head 0</figcaption></figure>'
-            )
-        body = "".join(
-            f'<tr><th style="text-align:left;padding-right:1em">{esc(k)}</th>'
-            f'<td style="text-align:left">{v}</td></tr>'
-            for k, v in rows
-        )
-        return (
-            f'<div style="display:flex;align-items:flex-start"><table><caption style="text-align:left">'
-            f"probe.Cache</caption>{body}</table>{img}</div>"
-        )
+        return repr_html(self)
 
     def __repr__(self) -> str:
         where = f" at {self.path}" if self.path else ""
