@@ -9,6 +9,7 @@ import ast
 import contextlib
 import io
 import os
+import re
 import shlex
 import subprocess
 import sys
@@ -187,6 +188,12 @@ class Page:
     def run_shell(self, snip: Snippet) -> None:
         problems = []
         for cmd in snip.commands:
+            if re.search(r"\b(pip|apt-get|apt)\s+install\b", cmd.code):
+                # installing from a page's temporary folder would re-point the editable install
+                raise SnippetFailure(
+                    f"{snip.id}: line {cmd.line}: `{cmd.code}` installs packages; mark the block "
+                    "<!-- no-run: installs packages --> (the set-up commands run in CI as .ci/run)"
+                )
             code, output = self.run_command(cmd.code)
             actual = normalise(output, self.masks())
             if code != cmd.exit:
