@@ -67,7 +67,7 @@ def test_induction_heads(tmp_path):
 def test_audit_mask(tmp_path):
     out = run("audit_mask.py", cwd=tmp_path)
     fixed, unmasked, shifted = out.split("== ")[1:]
-    assert fixed.startswith("fixed: causal") and "OK: no leak found" in fixed
+    assert fixed.startswith("fixed: causal") and "OK on " in fixed and "no leak found" in fixed
     # the planted bugs, by construction: layer 1, head 2 unmasked; layer 1's MLP reads the next token
     row = re.search(r"^1\s+unmasked_head\s+decoder\s+(\d+)\s+(\d+)\s+(\d+)\s+(\d+)", unmasked, re.M)
     assert row and (int(row[1]), int(row[2])) == (1, 2) and int(row[4]) > int(row[3])  # key after query

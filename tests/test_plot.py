@@ -339,7 +339,7 @@ with warnings.catch_warnings(record=True) as english:
         figure_uri(plot.matrix(np.eye(2), ["attention", "lets"], ["tokens", "read"]))
 with warnings.catch_warnings(record=True) as chinese:
     for _ in range(3):
-        for f in seeds.figures_for(names=["minigpt"]):  # the tutorial's Chinese axis labels
+        for f in seeds.figures_for(plot.seed_caches(["minigpt"]), names=["minigpt"]):  # the tutorial's Chinese axis labels
             figure_uri(f.figure)
         figure_uri(plot.matrix(np.eye(2), ["注意", "力"], ["啤酒", "力"]))
 font = fonts.cjk_font()
