@@ -20,7 +20,7 @@ from probe.cache.format import (
     key,
     parse_key,
 )
-from probe.cache.heap import HeapTensors
+from probe.cache.perf.heap import HeapTensors
 from probe.cache.validate import ITEMSIZE, check_consistency, check_header, check_metadata, read_header
 from probe.cache.writer import save_tensors
 from probe.errors import ProbeError
