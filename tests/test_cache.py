@@ -11,8 +11,8 @@ from safetensors.torch import load_file, save_file
 from toys import ToyLM, ToySeq2Seq, streamed_both_ways
 
 import probe
-from probe import ProbeError
-from probe.cache.format import FORMAT_VERSION, key, parse_key
+from probe import Cache, ProbeError
+from probe.cache.format import FORMAT_VERSION, key, parse_key, parse_name
 
 
 @pytest.fixture(scope="module")
@@ -31,9 +31,101 @@ def test_key_scheme():
     assert key("decoder", 3, "self_attn.pattern") == "decoder.blocks.3.self_attn.pattern"
     assert parse_key("encoder.blocks.11.resid_post") == ("encoder", 11, "resid_post")
     with pytest.raises(ValueError):
-        key("middle", 0, "resid_pre")
+        key("two words", 0, "resid_pre")  # a stack is encoder, decoder or a module path
+    with pytest.raises(ValueError):
+        key("decoder", 0, "attn")
     with pytest.raises(ValueError):
         parse_key("blocks.0.attn")
+
+
+@pytest.mark.parametrize(
+    "k, stack, layer, name, role, index, field",
+    [
+        ("decoder.blocks.3.self_attn.pattern", "decoder", 3, "self_attn.pattern", "self", None, "pattern"),
+        ("decoder.blocks.0.cross_attn.1.sink", "decoder", 0, "cross_attn.1.sink", "cross", 1, "sink"),
+        # a stack named by its module path, which may itself hold ".blocks.<i>."
+        (
+            "enc.blocks.0.blocks.2.self_attn.0.pattern",
+            "enc.blocks.0",
+            2,
+            "self_attn.0.pattern",
+            "self",
+            0,
+            "pattern",
+        ),
+        (
+            "a.layer.blocks.1.self_attn.stat.entropy",
+            "a.layer",
+            1,
+            "self_attn.stat.entropy",
+            "self",
+            None,
+            "stat.entropy",
+        ),
+        ("decoder.blocks.1.self_attn.delta", "decoder", 1, "self_attn.delta", "self", None, None),
+        ("decoder.blocks.1.mlp.delta.norm", "decoder", 1, "mlp.delta.norm", None, None, None),
+    ],
+)
+def test_key_scheme_version_2(k, stack, layer, name, role, index, field):
+    assert parse_key(k) == (stack, layer, name)
+    assert key(stack, layer, name) == k
+    n = parse_name(name)
+    assert (n.role, n.index, n.field) == (role, index, field)
+
+
+@pytest.mark.parametrize(
+    "bad",
+    [
+        "decoder.blocks.0.self_attn.0.delta",  # deltas are per role, not per attention
+        "decoder.blocks.0.self_attn.weights",  # not a field of the format
+        "decoder.blocks.0.mlp.pattern",
+        "decoder.blocks.x.self_attn.pattern",
+        "9stack.blocks.0.resid_pre",
+    ],
+)
+def test_key_scheme_refuses(bad):
+    with pytest.raises(ValueError):
+        parse_key(bad)
+
+
+def test_several_attentions_of_a_kind(tmp_path):
+    # a layer with two self-attentions: each under its own number, chosen with index=
+    p0, p1 = torch.rand(1, 2, 3, 3).softmax(-1), torch.rand(1, 2, 3, 3).softmax(-1)
+    meta = {
+        "tokens": [["a", "b", "c"]],
+        "stacks": {"decoder": {"layers": 1}},
+        "layers": [
+            {"stack": "decoder", "layer": 0, "self_attn.0": {"heads": 2}, "self_attn.1": {"heads": 2}}
+        ],
+    }
+    tensors = {"decoder.blocks.0.self_attn.0.pattern": p0, "decoder.blocks.0.self_attn.1.pattern": p1}
+    for cache in (Cache(tensors, meta), Cache(tensors, meta).save(tmp_path / "c.safetensors")):
+        cache = probe.load(cache) if not isinstance(cache, Cache) else cache
+        assert cache.attentions("decoder", 0) == [("self", 0), ("self", 1)]
+        assert torch.equal(cache.pattern("decoder", 0, index=1), p1)
+        with pytest.raises(ProbeError, match="computes 2 self-attentions; choose one with index="):
+            cache.pattern("decoder", 0)
+
+
+def test_stacks_named_by_module_path_keep_the_model_order(tmp_path):
+    meta = {
+        "tokens": [["a", "b"]],
+        "stacks": {
+            "initial.layer": {"layers": 1, "module": "initial.layer", "tokens": "source"},
+            "pooled.layer": {"layers": 1, "module": "pooled.layer", "tokens": None},
+        },
+        "layers": [],
+    }
+    x = torch.rand(1, 2, 4)
+    tensors = {
+        "pooled.layer.blocks.0.resid_pre": torch.rand(1, 1, 4),  # one position: not tokens
+        "initial.layer.blocks.0.resid_pre": x,
+    }
+    cache = probe.load(Cache(tensors, meta).save(tmp_path / "c.safetensors"))
+    assert cache.stacks == ["initial.layer", "pooled.layer"]
+    bad = dict(meta, stacks=dict(meta["stacks"], **{"pooled.layer": {"layers": 1, "tokens": "source"}}))
+    with pytest.raises(ProbeError, match="spans \\[1\\] positions but the metadata has \\[2\\] tokens"):
+        probe.load(Cache(tensors, bad).save(tmp_path / "d.safetensors"))
 
 
 def test_keys_shapes_and_metadata(lm, ids):

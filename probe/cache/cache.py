@@ -17,8 +17,10 @@ from probe.cache.format import (
     FORMAT_VERSION,
     KEY_NAMES,
     STACKS,
+    attention_name,
     key,
     parse_key,
+    parse_name,
 )
 from probe.cache.perf.heap import HeapTensors
 from probe.cache.validate import ITEMSIZE, check_consistency, check_header, check_metadata, read_header
@@ -42,12 +44,32 @@ def _parsed(k: str) -> tuple[str, int, str] | None:
         return None
 
 
-def _sort_key(k: str) -> tuple:
+def _name_order(name: str) -> tuple:
+    # version 1 names in their order; then the other fields of each attention, grouped by attention
+    if name in _NAME_ORDER:
+        return (_NAME_ORDER[name], -1, "")
+    n = parse_name(name)
+    group = _NAME_ORDER.get(f"{n.role}_attn.pattern", len(_NAME_ORDER)) if n.role else len(_NAME_ORDER)
+    return (group, -1 if n.index is None else n.index, name)
+
+
+def _stack_order(meta: Mapping[str, Any]) -> dict[str, int]:
+    """Stacks in the order the metadata lists them (the order the model ran them), else encoder first."""
+    listed = meta.get("stacks")
+    order = dict(_STACK_ORDER)
+    if isinstance(listed, dict):
+        names = list(listed)
+        if not set(names) <= set(STACKS):
+            order = {s: i for i, s in enumerate(names)}
+    return order
+
+
+def _sort_key(k: str, order: Mapping[str, int] = _STACK_ORDER) -> tuple:
     try:
         stack, layer, name = parse_key(k)
     except ValueError:
-        return (9, 0, 0, k)
-    return (_STACK_ORDER[stack], layer, _NAME_ORDER[name], k)
+        return (9, "", 0, (), k)
+    return (order.get(stack, len(order)), stack, layer, _name_order(name), k)
 
 
 def encode_metadata(meta: Mapping[str, Any]) -> dict[str, str]:
@@ -81,7 +103,8 @@ class Cache(Mapping[str, torch.Tensor]):
         self._metadata = dict(metadata or {})
         self.path = Path(path) if path is not None else None
         names = list(self._reader.keys()) if self._reader is not None else list(self._tensors)
-        self._keys = sorted(names, key=_sort_key)
+        self._stack_order = _stack_order(self._metadata)
+        self._keys = sorted(names, key=lambda k: _sort_key(k, self._stack_order))
 
     # -- mapping -------------------------------------------------------------------------------
     def keys(self) -> list[str]:  # type: ignore[override]
@@ -130,9 +153,23 @@ class Cache(Mapping[str, torch.Tensor]):
 
     @property
     def stacks(self) -> list[str]:
-        """The stacks present, ``encoder`` before ``decoder``."""
+        """The stacks present: ``encoder`` before ``decoder``, others in the order the model ran them."""
         found = {p[0] for p in map(_parsed, self._keys) if p is not None}
-        return sorted(found, key=_STACK_ORDER.get)
+        return sorted(found, key=lambda s: (self._stack_order.get(s, len(self._stack_order)), s))
+
+    def attentions(self, stack: str, layer: int) -> list[tuple[str, int | None]]:
+        """The attentions of ``layer`` in ``stack`` that have a stored pattern, as ``(kind, index)``:
+        ``[("self", None), ("cross", None)]`` for a usual decoder layer; ``index`` numbers the
+        attentions of one kind when a layer computes several (``[("self", 0), ("self", 1)]``)."""
+        found = []
+        for k in self._keys:
+            p = _parsed(k)
+            if p is None or p[0] != stack or p[1] != layer:
+                continue
+            n = parse_name(p[2])
+            if n.field == "pattern":
+                found.append((n.role, n.index))
+        return found
 
     def layer_indices(self, stack: str, name: str | None = None) -> list[int]:
         """The layer indices captured in ``stack`` (holding key ``name`` when given), ascending."""
@@ -161,10 +198,12 @@ class Cache(Mapping[str, torch.Tensor]):
         *,
         head: int | slice | None = None,
         batch: int | slice | None = None,
+        index: int | None = None,
     ) -> torch.Tensor:
         """The attention pattern of ``layer`` in ``stack``.
 
-        ``kind`` is ``"self"`` or ``"cross"``. Returns ``[batch, head, query, key]``, with the
+        ``kind`` is ``"self"`` or ``"cross"``; ``index`` picks one of several attentions of that
+        kind in the layer (see :meth:`attentions`). Returns ``[batch, head, query, key]``, with the
         ``batch`` and ``head`` dimensions dropped when those are given as integers (a slice, such
         as ``head=slice(0, 4)``, keeps the dimension). On a loaded cache only the requested slice
         is read from disk.
@@ -177,9 +216,17 @@ class Cache(Mapping[str, torch.Tensor]):
             )
         if isinstance(layer, bool) or not isinstance(layer, int):
             raise ProbeError(f"layer must be an integer index, not {layer!r}")
-        name = f"{kind}_attn.pattern"
+        if index is not None and (isinstance(index, bool) or not isinstance(index, int) or index < 0):
+            raise ProbeError(f"index must be a non-negative integer, not {index!r}")
+        name = attention_name(kind, "pattern", index)
         k = key(stack, layer, name)
         if k not in self:
+            several = sorted(i for r, i in self.attentions(stack, layer) if r == kind and i is not None)
+            if several and index is None:
+                raise CacheKeyError(
+                    f"layer {layer} of the {stack} computes {len(several)} {kind}-attentions; "
+                    f"choose one with index= (0-{several[-1]})"
+                )
             have = self.layer_indices(stack, name)
             where = f"layers {_ranges(have)}" if have else "no layer"
             raise CacheKeyError(

@@ -17,7 +17,7 @@ import struct
 from collections.abc import Callable, Mapping
 from typing import IO, Any
 
-from probe.cache.format import FORMAT_MARKER, FORMAT_VERSION, PATTERN_NAMES, STACKS, parse_key
+from probe.cache.format import FORMAT_MARKER, FORMAT_VERSION, is_stack_name, parse_key, parse_name, token_side
 from probe.errors import ProbeError
 
 ITEMSIZE = {
@@ -197,12 +197,27 @@ _FIELDS: dict[str, tuple[Callable[[Any], bool], str]] = {
     "input_shape": (_INTS, "a list of integers"),
     "padding_side": (_str, "a string"),
 }
+_STACK_FIELDS = {
+    "module": (_str, "a string"),
+    "tokens": (lambda v: v in ("source", "target", None), '"source", "target" or null'),
+    "chain": (lambda v: isinstance(v, bool), "true or false"),
+}
 _MODEL_FIELDS = {
     "name": (_str, "a string"),
     "class": (_str, "a string"),
     "parameters": (_is_int, "an integer"),
     "config": (lambda v: v is None or isinstance(v, dict), "an object or null"),
 }
+
+
+def _attention_entries(entry: dict) -> list[str]:
+    """The keys of a ``layers[i]`` entry that describe an attention: ``self_attn``, ``cross_attn.1``, ..."""
+    found = []
+    for k in entry:
+        role, _, n = k.partition(".")
+        if role in ("self_attn", "cross_attn") and (not n or n.isdigit()):
+            found.append(k)
+    return found
 
 
 def _check_fields(obj: dict, fields: dict, name: str, where: str) -> None:
@@ -225,17 +240,24 @@ def check_metadata(raw: str, name: str) -> dict[str, Any]:
     _check_fields(meta, _FIELDS, name, "")
     _check_fields(meta.get("model", {}), _MODEL_FIELDS, name, "model.")
     for s, v in meta.get("stacks", {}).items():
-        if s not in STACKS or not isinstance(v, dict) or not _is_int(v.get("layers")) or v["layers"] < 0:
+        if not is_stack_name(s) or not isinstance(v, dict) or not _is_int(v.get("layers")) or v["layers"] < 0:
             raise _fail(name, f"metadata field stacks.{s[:20]} is malformed (expected {{'layers': count}})")
+        _check_fields(v, _STACK_FIELDS, name, f"stacks.{s[:20]}.")
     for i, e in enumerate(meta.get("layers", [])):
-        if e.get("stack") not in STACKS or not _is_int(e.get("layer")) or not 0 <= e["layer"] < MAX_LAYERS:
+        listed = meta.get("stacks")
+        if (
+            not is_stack_name(e.get("stack"))
+            or isinstance(listed, dict) and e["stack"] not in listed
+            or not _is_int(e.get("layer"))
+            or not 0 <= e["layer"] < MAX_LAYERS
+        ):
             raise _fail(name, f"metadata field layers[{i}] has no valid stack and layer index")
         if "module" in e and not isinstance(e["module"], str):
             raise _fail(name, f"metadata field layers[{i}].module should be a string")
-        for role in ("self_attn", "cross_attn"):
+        if "call" in e and not (_is_int(e["call"]) and e["call"] >= 0):
+            raise _fail(name, f"metadata field layers[{i}].call should be a call index (an integer >= 0)")
+        for role in _attention_entries(e):
             a = e.get(role)
-            if a is None:
-                continue
             impl = a.get("impl") if isinstance(a, dict) else None
             if (
                 not isinstance(a, dict)
@@ -255,7 +277,7 @@ def _length(rows: list[list]) -> int:
 
 def check_consistency(shapes: Mapping[str, tuple], meta: dict[str, Any], name: str) -> None:
     """Check tensor shapes against the metadata: ranks, batch size, token counts, layer indices."""
-    tokens, target = meta.get("tokens"), meta.get("target_tokens")
+    target = meta.get("target_tokens")
     stacks = meta.get("stacks")
     _check_rows(meta, "", name)
     if target is not None:
@@ -271,28 +293,41 @@ def check_consistency(shapes: Mapping[str, tuple], meta: dict[str, Any], name: s
                 )
         elif layer >= MAX_LAYERS:
             raise _fail(name, f"tensor {k}: layer index {layer} is not plausible")
-        rank = 4 if what in PATTERN_NAMES else 3
-        if len(shape) != rank:
-            raise _fail(name, f"tensor {k} has shape {list(shape)}, expected {rank} dimensions")
-        if tokens is None:
-            continue
-        side = target if (target is not None and stack == "decoder") else tokens
-        if shape[0] != len(side) and not (rank == 3 and shape[1] == len(side)):
-            raise _fail(name, f"tensor {k} holds {shape[0]} texts, the metadata {len(side)}")
-        n = _length(side)
-        if what == "cross_attn.pattern":
-            want = (n, _length(tokens))
-            got = (shape[2], shape[3])
-        elif rank == 4:
-            want, got = (n, n), (shape[2], shape[3])
-        elif (shape[0], shape[1]) == (n, len(side)):
-            continue  # a sequence-first model's residual stream ([pos, batch, d_model]) as it ran
-        else:
-            want, got = (n,), (shape[1],)
-        if got != want:
-            raise _fail(
-                name, f"tensor {k} spans {list(got)} positions but the metadata has {list(want)} tokens"
-            )
+        _check_shape(k, shape, parse_name(what), token_side(meta, stack), meta, name)
+
+
+_SIDES = {"source": "tokens", "target": "target_tokens"}
+
+
+def _check_shape(k: str, shape: tuple, what: Any, side: str | None, meta: dict[str, Any], name: str) -> None:
+    """One tensor's shape against its layout and, where the stack's positions are tokens, the tokens."""
+    layout = what.layout
+    if len(shape) != len(layout):
+        raise _fail(name, f"tensor {k} has shape {list(shape)}, expected {len(layout)} dimensions")
+    tokens = meta.get("tokens")
+    if tokens is None:
+        return
+    own = meta.get(_SIDES[side]) if side is not None else None
+    rows = own if own is not None else tokens
+    sequence_first = layout == ("batch", "pos", "d_model") and shape[0] != len(rows) and shape[1] == len(rows)
+    if shape[0] != len(rows) and not sequence_first:
+        raise _fail(name, f"tensor {k} holds {shape[0]} texts, the metadata {len(rows)}")
+    if own is None:
+        return  # positions that are not tokens (pooled, patches): only the batch is checked
+    if sequence_first:
+        if shape[0] != _length(own):
+            n = _length(own)
+            raise _fail(name, f"tensor {k} spans {[shape[0]]} positions but the metadata has {[n]} tokens")
+        return  # a sequence-first model's residual stream ([pos, batch, d_model]) as it ran
+    keys = tokens if what.role == "cross" else own
+    want = {"query": _length(own), "pos": _length(own), "key": _length(keys)}
+    for axis, size in zip(layout, shape, strict=True):
+        if axis in want and size != want[axis]:
+            got = [s for a, s in zip(layout, shape, strict=True) if a in want]
+            exp = [want[a] for a in layout if a in want]
+            raise _fail(name, f"tensor {k} spans {got} positions but the metadata has {exp} tokens")
+        if axis == "k" and size > want["key"]:
+            raise _fail(name, f"tensor {k} keeps {size} keys per row, more than the {want['key']} tokens")
 
 
 def _check_rows(meta: dict[str, Any], prefix: str, name: str) -> None:
