@@ -16,7 +16,7 @@ from probe.cache.cache import Cache
 from probe.cache.format import parse_key
 from probe.errors import ProbeError
 
-_PATTERN = "_attn.pattern"
+_PATTERN = ".pattern"  # the pattern of any attention: self_attn.pattern, cross_attn.1.pattern
 
 
 def _indices(values: Any, what: str, one: str) -> list[int] | None:
