@@ -30,7 +30,16 @@ import torch
 from . import checkpoint
 from .checkpoint import TrainStats, cache_dir
 
-__all__ = ["names", "load", "build", "module", "train_and_save", "checkpoint_path", "cache_dir"]
+__all__ = [
+    "names",
+    "load",
+    "build",
+    "module",
+    "train_and_save",
+    "checkpoint_path",
+    "checkpoint_bytes",
+    "cache_dir",
+]
 
 _ZOO = ("single_head", "minigpt", "fused_decoder", "translator", "aligner")
 SHIPPED = ("single_head", "minigpt", "fused_decoder", "aligner")  # small enough for git
@@ -85,7 +94,8 @@ def load(name: str, *, cache_dir: str | os.PathLike | None = None) -> torch.nn.M
     """The trained model `name`, in eval mode, with `tokenizer` and `train_info` attached.
 
     If no checkpoint exists yet (the translator on first use), the recipe runs now, with a
-    one-line notice and a progress bar on stderr, and the checkpoint is written to the cache.
+    one-line notice (what it trains, the checkpoint's size and where it goes) and a progress bar
+    on stderr, and the checkpoint is written to the cache.
     `cache_dir` overrides `$PROBE_CACHE_DIR` / `~/.cache/probe`.
     """
     path = checkpoint_path(name, cache_dir)
@@ -97,10 +107,24 @@ def load(name: str, *, cache_dir: str | os.PathLike | None = None) -> torch.nn.M
                 raise
             reason = f"the cached checkpoint {path} is unusable ({err}); retraining"
     else:
-        reason = f"first use of {name}: training it once (under a minute on a laptop CPU)"
-    print(f"probe: {reason}, saving to {path}", file=sys.stderr, flush=True)
+        recipe = getattr(module(name), "RECIPE_SUMMARY", "its deterministic recipe")
+        reason = f"first use of {name}: training it once ({recipe}; progress below)"
+    size = _human_bytes(checkpoint_bytes(name))
+    print(f"probe: {reason}, then saving its {size} checkpoint to {path}", file=sys.stderr, flush=True)
     model, _, _ = train_and_save(name, path, progress=True)
     return model
+
+
+def checkpoint_bytes(name: str) -> int:
+    """The size of `name`'s weights as a checkpoint stores them (float32 tensors), in bytes,
+    counted on the meta device (nothing is allocated or initialised)."""
+    with torch.device("meta"):
+        model = module(name).build()
+    return sum(t.numel() * t.element_size() for t in model.state_dict().values())
+
+
+def _human_bytes(n: int) -> str:
+    return f"{n / 1e6:.0f} MB" if n >= 1e6 else f"{n / 1e3:.0f} kB"
 
 
 def _from_file(name: str, path: Path) -> torch.nn.Module:

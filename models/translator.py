@@ -20,8 +20,8 @@ so a pad adds nothing but its (masked) word embedding. The table has `max_len + 
 `context_length == max_len` tokens fit in a sequence.
 
 Training (about 30 Adam steps at 1e-4, seed 2026, full batch on the one sentence, stop once the
-loss < 1e-4) runs on first use of `models.load("translator")`; the ~176 MB checkpoint goes to
-the cache directory, not into git.
+loss < 1e-4) runs on first use of `models.load("translator")`, with a progress bar; the 177 MB
+checkpoint (44 M float32 parameters) goes to the cache directory, not into git.
 """
 
 from __future__ import annotations
@@ -33,6 +33,7 @@ from dataclasses import dataclass, field
 
 import torch
 import torch.nn as nn
+import torch.nn.functional as F
 from einops import rearrange
 from tqdm.auto import tqdm
 
@@ -45,6 +46,12 @@ SRC_VOCAB = {"P": 0, "ich": 1, "mochte": 2, "ein": 3, "bier": 4}
 TGT_VOCAB = {"P": 0, "i": 1, "want": 2, "a": 3, "beer": 4, "S": 5, "E": 6}
 PAD = 0  # "P" in both vocabularies
 SENTENCES = ("ich mochte ein bier P", "S i want a beer", "i want a beer E")
+# What the recipe took with torch 2.13 on x86-64 CPUs (31 steps); other builds and thread counts
+# round differently and may stop a step or two earlier or later. Sets the progress bar's length.
+EXPECTED_STEPS = 31
+RECIPE_SUMMARY = (
+    f"Adam on the tutorial's one sentence until the loss is below 1e-4, about {EXPECTED_STEPS} steps"
+)
 
 
 @dataclass
@@ -154,8 +161,11 @@ class PoswiseFeedForwardNet(nn.Module):
 
     def forward(self, inputs: torch.Tensor) -> torch.Tensor:
         residual = inputs  # (B, T, d_model)
-        output = torch.relu(self.conv1(inputs.transpose(1, 2)))  # Conv1d wants (B, d_model, T)
-        output = self.conv2(output).transpose(1, 2)  # (B, T, d_model)
+        # A kernel-size-1 Conv1d is one matrix product per position: apply the convs' own weights
+        # (d_out, d_in, 1) with F.linear. Same parameters and sums, without the CPU convolution's
+        # unfold path, which dominated the translator's training time.
+        output = torch.relu(F.linear(inputs, self.conv1.weight.squeeze(-1), self.conv1.bias))
+        output = F.linear(output, self.conv2.weight.squeeze(-1), self.conv2.bias)  # (B, T, d_model)
         return self.layer_norm(output + residual)
 
 
@@ -316,6 +326,16 @@ def make_batch(tokenizer: TranslatorTokenizer, sentences=SENTENCES):
     )
 
 
+def _adam(params, lr: float) -> torch.optim.Adam:
+    """Adam with the fused kernel (one pass over each tensor per step) where this torch has it on
+    CPU; the same update as the default loop, which makes ~13 passes over 44 M parameters."""
+    params = list(params)
+    try:
+        return torch.optim.Adam(params, lr=lr, fused=True)
+    except (RuntimeError, ValueError):  # torch < 2.4 has no fused Adam for CPU tensors
+        return torch.optim.Adam(params, lr=lr)
+
+
 def train(
     config: Config | None = None,
     *,
@@ -340,8 +360,13 @@ def train(
         model = build(config)
         enc_inputs, dec_inputs, target = make_batch(model.tokenizer)
         criterion = nn.CrossEntropyLoss(ignore_index=PAD)
-        optimizer = torch.optim.Adam(model.parameters(), lr=lr)
-        bar = tqdm(desc=f"{NAME}: steps until loss < {stop_loss:g}", unit="step", disable=not progress)
+        optimizer = _adam(model.parameters(), lr)
+        bar = tqdm(
+            desc=f"{NAME}: steps until loss < {stop_loss:g}",
+            total=EXPECTED_STEPS,
+            unit="step",
+            disable=not progress,
+        )
         steps = 0
         while True:
             optimizer.zero_grad()
@@ -356,7 +381,11 @@ def train(
             loss.backward()
             optimizer.step()
             steps += 1
+            if steps > bar.total:  # a build that rounds differently: let the bar grow with it
+                bar.total = steps
             bar.update()
+        bar.total = steps  # stopped: the bar ends full, whether early or late
+        bar.refresh()
         bar.close()
     if log:
         log(f"stopped after {steps} steps, loss {losses[-1]:.6f}")

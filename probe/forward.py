@@ -85,8 +85,9 @@ def call(
 
     ``attention_mask`` (1 = real token) is passed where the model takes it, with position ids
     counted over real tokens when there is left padding; ``encoder_ids`` makes ``x`` the decoder
-    input of an encoder-decoder; ``past_key_values``/``use_cache`` drive a KV cache (transformers
-    convention). Returns the model's own output.
+    input of an encoder-decoder; ``past_key_values`` (a KV cache, as :func:`kv_cache_of` returns
+    it) and ``use_cache`` drive incremental decoding: the cache is passed under the name the
+    model's forward takes (:func:`kv_cache_arg`). Returns the model's own output.
     """
     hf = is_hf_model(model)
     kwargs: dict[str, Any] = {}
@@ -99,7 +100,11 @@ def call(
         if accepts(model, "position_ids") and bool((attention_mask[:, 0] == 0).any()):
             kwargs["position_ids"] = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
     if past_key_values is not None:
-        kwargs["past_key_values"] = past_key_values
+        name = kv_cache_arg(model)
+        if name is None:
+            names = " or ".join(KV_CACHE_ARGS)
+            raise TypeError(f"{model_name(model)} takes no KV cache (no {names} argument)")
+        kwargs[name] = past_key_values
         if "position_ids" not in kwargs and accepts(model, "position_ids"):
             n = past_length(past_key_values)
             pos = torch.arange(n, n + x.shape[1], device=x.device)
@@ -111,9 +116,42 @@ def call(
     return model(x, **kwargs)
 
 
+# The names a forward takes its KV cache under, newest first: transformers renamed
+# ``past_key_values`` to ``cache`` in 5.24 (the old name is a deprecated alias there, and gone
+# from the signature); older releases and most hand-written decoders use ``past_key_values``.
+KV_CACHE_ARGS = ("cache", "past_key_values")
+
+
+def kv_cache_arg(model: nn.Module) -> str | None:
+    """The argument name under which ``model.forward`` takes a KV cache (one of
+    :data:`KV_CACHE_ARGS`), or None when it takes none.
+
+    A transformers model's ``cache`` is only a KV cache where the model can also be asked for
+    one (``use_cache``); for any model the name must be an explicit parameter of ``forward``."""
+    if not accepts(model, "use_cache"):
+        return None
+    return next((name for name in KV_CACHE_ARGS if accepts(model, name)), None)
+
+
+def kv_cache_of(out: Any) -> Any:
+    """The KV cache a model call returned (``out.cache`` in transformers >= 5.24, else
+    ``out.past_key_values``; either key of a dict), or None when it returned none."""
+    for name in KV_CACHE_ARGS:
+        if isinstance(out, dict):
+            # a transformers ModelOutput is a dict whose ``past_key_values`` key is a deprecated
+            # alias of ``cache`` (it logs a warning): read the real key only
+            if name in dict.keys(out):
+                return dict.__getitem__(out, name)
+            continue
+        got = getattr(out, name, None)
+        if got is not None:
+            return got
+    return None
+
+
 def supports_kv_cache(model: nn.Module) -> bool:
-    """Whether ``model`` takes ``past_key_values`` and ``use_cache`` (the transformers convention)."""
-    return accepts(model, "past_key_values") and accepts(model, "use_cache")
+    """Whether ``model`` takes a KV cache and ``use_cache`` (:func:`kv_cache_arg` is not None)."""
+    return kv_cache_arg(model) is not None
 
 
 def input_gradient(
@@ -230,6 +268,9 @@ __all__ += [
     "outputs_of",
     "call",
     "supports_kv_cache",
+    "kv_cache_arg",
+    "kv_cache_of",
+    "KV_CACHE_ARGS",
     "input_gradient",
     "run_future_zeroed",
     "reading_embedding",

@@ -279,6 +279,29 @@ def test_cli_align_prints_links_scores_and_pharaoh(tmp_path):
     assert r.returncode == 2 and "outside" in r.stderr and "Traceback" not in r.stderr
 
 
+def test_without_gold_the_heuristic_is_named_and_diagonal_heads_offered(tmp_path):
+    # three decoder layers of two heads: layer 0 head 1 reads the source in order (the oracle);
+    # the others read it back to front, so the gold-free default (layer 1, mean) is wrong here
+    rev = torch.eye(3).flip(-1)[None].expand(2, 3, 3).clone()
+    P = torch.stack([rev, rev, rev])  # [layer, head, target row, source]
+    P[0, 1] = torch.eye(3)
+    meta_cache = _cache(P[0][None], [["a", "b", "c"]], [["x", "y", "z"]], [[0, 0, 0]], [[0, 0, 0]])
+    tensors = {f"decoder.blocks.{i}.cross_attn.pattern": P[i][None] for i in range(3)}
+    c = Cache(tensors, meta_cache.metadata)
+    al = probe.align(c)
+    assert (al.layer, al.head) == (1, "mean") and al.links[0] == {(2, 0), (1, 1), (0, 2)}
+    (best, *rest) = probe.analysis.alignment.candidates(al)
+    assert (best["convention"], best["layer"], best["head"]) == ("input", 0, 1)
+    assert best["diagonality"] == 1.0 and best["text"] == "a→x, b→y, c→z" and not best["chosen"]
+    assert all(r["diagonality"] <= best["diagonality"] for r in rest)
+    r = _cli("align", str(c.save(tmp_path / "run.safetensors")))
+    assert r.returncode == 0, r.stderr
+    assert "without gold links this layer and head are a heuristic" in r.stdout
+    assert "input  layer 0 head 1: diagonality 1.000, monotonicity 1.000: a→x, b→y, c→z" in r.stdout
+    r = _cli("align", str(tmp_path / "run.safetensors"), "--layer", "0", "--head", "1")
+    assert "heuristic" not in r.stdout  # a chosen head is not a guess
+
+
 # -- Hugging Face encoder-decoders -------------------------------------------------------------------
 
 

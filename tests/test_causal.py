@@ -11,6 +11,8 @@ import functools
 import json
 import subprocess
 import sys
+from dataclasses import dataclass
+from html import escape
 
 import causal_gallery as G
 import pytest
@@ -359,6 +361,7 @@ def test_hf_decoders_pass_clean(arch, bpe, monkeypatch):
     finally:
         hook.remove()
     assert r.ok, str(r)
+    assert r.complete and r.verdict().startswith("OK: no leak found (decoder: causal")
     assert r.cost() == (calls["forward"], calls["backward"]) == (8, 1)
     assert {c["check"]: c["status"] for c in r.checks} == {
         "capture": "pass",
@@ -425,8 +428,13 @@ def test_report_section_renders_verdict_heatmaps_and_leaking_head(tmp_path):
     assert "http://" not in sec and "https://" not in sec
     # from a cache alone (no model): static checks only, the section still renders
     clean = probe.report(probe.capture(G.everywhere("ok"), G.IDS), tmp_path / "c").read_text()
-    assert "OK: no leak found (decoder: causal)" in clean
-    assert clean.index("OK: no leak found") < clean.index('id="sec-attention"')  # in the summary
+    # the functional checks did not run, and the verdict says so (section and summary alike)
+    verdict = (
+        "OK on 1 of 6 checks: no leak found (decoder: causal); suffix, gradient, padding, kv_cache, "
+        "backend not run: a cache alone (pass the model to run them)"
+    )
+    assert clean.count(verdict) == 2
+    assert clean.index(verdict) < clean.index('id="sec-attention"')  # in the summary
 
 
 def test_section_build_with_a_stand_in_context():
@@ -454,7 +462,11 @@ def test_cli_check_zoo_model_exit_0():
         timeout=300,
     )
     assert out.returncode == 0, out.stderr
-    assert "OK: no leak found" in out.stdout
+    # minigpt's forward is (idx, targets): no padding mask, no KV cache, no eager/SDPA switch
+    first = out.stdout.splitlines()[0]
+    assert first.startswith("causal-mask audit of minigpt: OK on 3 of 6 checks: no leak found")
+    for check in ("padding", "kv_cache", "backend"):
+        assert f"; {check} not run: " in first
 
 
 def test_cli_check_cache_leak_exit_1_and_bad_input_exit_2(tmp_path, capsys):
@@ -480,3 +492,103 @@ def test_cli_check_hf_folder(tmp_path, bpe, capsys):
     bpe.save_pretrained(folder)
     assert main(["check", "--hf", str(folder), "the model is reading the tokens."]) == 0
     assert "backend pass" in capsys.readouterr().out
+
+
+# -- KV cache: found under either name a forward takes it ----------------------------------------------
+@dataclass
+class _NewOut:
+    logits: torch.Tensor
+    cache: tuple | None = None
+
+
+class _CacheNamed(G.TinyLM):
+    """The gallery decoder with transformers >= 5.24's spelling: ``cache=`` in, ``.cache`` out."""
+
+    def forward(self, ids, attention_mask=None, position_ids=None, cache=None, use_cache=False):
+        out = super().forward(ids, attention_mask, position_ids, past_key_values=cache, use_cache=use_cache)
+        return _NewOut(out.logits, out.past_key_values)
+
+
+class _NoUseCache(G.TinyLM):
+    def forward(self, ids, attention_mask=None, position_ids=None, past_key_values=None):
+        return super().forward(ids, attention_mask, position_ids, past_key_values=past_key_values)
+
+
+def test_kv_cache_is_found_under_the_name_the_forward_takes():
+    from probe import forward
+
+    assert forward.kv_cache_arg(G.everywhere("ok")) == "past_key_values"
+    assert forward.kv_cache_arg(_CacheNamed(["ok", "ok"])) == "cache"
+    assert forward.kv_cache_arg(_NoUseCache(["ok", "ok"])) is None  # a cache it cannot be asked for
+    # oracle: the incremental run written here by hand equals the model's full forward
+    m = _CacheNamed(["ok", "ok"])
+    with torch.no_grad():
+        o1 = m(G.IDS[:, :8], use_cache=True)
+        o2 = forward.call(m, G.IDS[:, 8:], past_key_values=forward.kv_cache_of(o1), use_cache=True)
+        assert torch.allclose(torch.cat([o1.logits, o2.logits], 1), m(G.IDS).logits, atol=1e-5)
+    r = check_causal(m, G.IDS)
+    assert r.ok and {c["check"]: c["status"] for c in r.checks}["kv_cache"] == "pass", str(r)
+    # the same bug as the gallery's kv_is_causal, spelled the new way, still fails the check
+    bad = _CacheNamed(["ok", "kv_is_causal"])
+    st = {c["check"]: c["status"] for c in check_causal(bad, G.IDS).checks}
+    assert st["kv_cache"] == "fail"
+
+
+# -- the verdict: a check that did not run is never a clean pass ----------------------------------------
+class _KVBroken(G.TinyLM):
+    """Takes a KV cache by signature but cannot decode with one (raises on a cached call)."""
+
+    def forward(self, ids, attention_mask=None, position_ids=None, past_key_values=None, use_cache=False):
+        if past_key_values is not None:
+            raise RuntimeError("cached decoding is not implemented")
+        return super().forward(ids, attention_mask, position_ids, use_cache=use_cache)
+
+
+def test_verdict_names_every_check_that_did_not_run():
+    import inspect
+
+    import models
+
+    m = models.load("minigpt")
+    taken = set(inspect.signature(m.forward).parameters)  # the oracle: what its forward takes
+    assert not taken & {"attention_mask", "past_key_values", "cache", "use_cache"}
+    r = check_causal(m, "attention lets tokens read.")
+    assert r.ok and not r.complete
+    assert set(r.not_run) == {"padding", "kv_cache", "backend"}
+    assert r.verdict() == (
+        "OK on 3 of 6 checks: no leak found (decoder: causal); "
+        "padding not run: the model takes no attention_mask; "
+        "kv_cache not run: the model takes no KV cache (cache or past_key_values, with use_cache); "
+        "backend not run: the model has no eager/SDPA switch"
+    )
+    # every face of the report carries the same verdict
+    d = json.loads(r.to_json())
+    assert d["verdict"] == r.verdict() and d["complete"] is False and d["not_run"] == r.not_run
+    assert str(r).splitlines()[0] == f"causal-mask audit of minigpt: {r.verdict()}"
+    assert "kv_cache not run;" in str(r)  # the checks line
+    assert escape(r.verdict()) in r._repr_html_()
+    # the gallery decoder takes all but the backend switch: a leak keeps the not-run part
+    leak = audit("one_head")
+    assert leak.verdict() == (
+        "LEAK: 1 finding(s): unmasked_head; backend not run: the model has no eager/SDPA switch"
+    )
+
+
+def test_verdict_when_the_functional_checks_do_not_run_at_all():
+    m = G.everywhere("ok")
+    off = check_causal(m, G.IDS, functional=False)
+    assert off.verdict() == (
+        "OK on 1 of 6 checks: no leak found (decoder: causal); "
+        "suffix, gradient, padding, kv_cache, backend not run: functional=False"
+    )
+    short = check_causal(m, G.IDS[:, :2])
+    assert short.not_run == dict.fromkeys(
+        ["suffix", "gradient", "padding", "kv_cache", "backend"],
+        "fewer than 3 positions (give a longer text)",
+    )
+    # a check the model takes by signature but cannot run is not run, with the model's error
+    r = check_causal(_KVBroken(["ok", "ok"]), G.IDS)
+    assert r.ok and r.not_run["kv_cache"] == (
+        "the model could not run it (RuntimeError: cached decoding is not implemented)"
+    )
+    assert "; kv_cache not run: the model could not run it (RuntimeError: cached decoding" in r.verdict()

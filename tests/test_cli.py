@@ -124,3 +124,69 @@ def test_hf_folder_errors_are_one_line(tmp_path):
         "capture", "--hf", str(tmp_path), "--model", "minigpt", "x", "-o", str(tmp_path / "a.safetensors")
     )
     assert r.returncode == 2 and "not allowed with" in r.stderr
+
+
+COMMANDS = (
+    "capture",
+    "info",
+    "corpus",
+    "check",
+    "report",
+    "export",
+    "stats",
+    "models",
+    "residual",
+    "lens",
+    "budget",
+    "align",
+)
+
+
+@pytest.mark.parametrize("command", COMMANDS)
+def test_help_lists_examples_one_per_line(command):
+    r = run(command, "--help")
+    assert r.returncode == 0, r.stderr
+    lines = r.stdout.splitlines()
+    assert "examples:" in lines, r.stdout
+    examples = lines[lines.index("examples:") + 1 :]
+    # every example is its own line, starting with the command (none run into a paragraph)
+    assert examples and all(line.startswith(("  probe ", "  torchrun ")) for line in examples)
+    assert all(line.count("probe ") == 1 for line in examples)
+
+
+def test_an_unknown_flag_shows_the_commands_usage():
+    r = run("report", "--model", "minigpt", "--bogus", "text")
+    assert r.returncode == 2 and "Traceback" not in r.stderr
+    assert r.stderr.startswith("usage: probe report ")
+    assert "probe report: error: unrecognized arguments: --bogus" in r.stderr
+
+
+def test_info_on_a_file_that_is_no_cache_says_what_it_is(tmp_path):
+    source = tmp_path / "some.py"
+    source.write_text('"""A Python file."""\nprint("hello")\n')
+    r = run("info", str(source))
+    assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1
+    assert "not a probe cache: not a safetensors file (it looks like a text file)" in r.stderr
+    assert "header length" not in r.stderr
+    model = tmp_path / "model.pt"
+    torch.save({"w": torch.zeros(2)}, model)
+    assert "a zip archive, e.g. a torch.save .pt or .bin file" in run("info", str(model)).stderr
+
+
+def test_stats_lines_fit_the_width(tmp_path):
+    import json
+
+    path = tmp_path / "run.safetensors"
+    assert run("capture", "--model", "minigpt", "attention lets tokens", "-o", str(path)).returncode == 0
+    every = list(json.loads(run("stats", str(path), "--json").stdout)["rows"][0])
+    r = run("stats", str(path), "--columns", "all", "--width", "80")
+    assert r.returncode == 0, r.stderr
+    lines = r.stdout.splitlines()
+    assert max(len(line) for line in lines) <= 80
+    # the blocks' headers hold every column, each block led by layer and head
+    headers = [lines[i - 1].split() for i, line in enumerate(lines) if line.startswith("-----")]
+    assert len(headers) > 1 and all(h[:4] == ["stack", "layer", "head", "kind"] for h in headers)
+    assert {c for h in headers for c in h} == set(every)
+    # by default: the main columns and a pointer to the rest
+    r = run("stats", str(path), "--width", "200")
+    assert "layer" in r.stdout and "dup_matches" not in r.stdout and "--columns all" in r.stdout

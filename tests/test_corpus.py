@@ -397,3 +397,41 @@ def test_an_empty_selection_is_refused_like_capture(tmp_path, keep):
     with pytest.raises(probe.ProbeError, match=r"=\[\] selects no (layer|head); give indices"):
         probe.run_corpus(load_model("minigpt"), ["the cat sat"], tmp_path / "run", keep=keep, progress=False)
     assert not (tmp_path / "run").exists()
+
+
+# -- a run in which every text failed -----------------------------------------------------------------
+BAD = ["bad b text", "t" * 40, "b"]  # 'b' is outside minigpt's vocabulary; 40 > its 32 positions
+
+
+def test_a_run_with_every_text_failed_raises_and_keeps_its_manifest(tmp_path):
+    from probe.corpus import CorpusFailed
+
+    model = load_model("minigpt")
+    for t in BAD:  # the oracle: each text alone is refused by capture itself
+        with pytest.raises(probe.ProbeError):
+            probe.capture(model, t)
+    with pytest.raises(CorpusFailed, match=r"^no text captured: all 3 texts failed \(text 0: ") as e:
+        probe.run_corpus(model, BAD, tmp_path / "run", batch_size=2, shard_size=2, progress=False)
+    assert isinstance(e.value, probe.ProbeError) and "\n" not in str(e.value)
+    assert sorted(e.value.corpus.errors) == [0, 1, 2]
+    manifest = json.loads((tmp_path / "run" / "manifest.json").read_text())
+    assert (manifest["n_ok"], manifest["n_failed"]) == (0, 3)
+    # rerunning the finished run says the same; one good text among them makes it a normal run
+    with pytest.raises(CorpusFailed):
+        probe.run_corpus(model, BAD, tmp_path / "run", batch_size=2, shard_size=2, progress=False)
+    ok = probe.run_corpus(model, [*BAD, "a cat"], tmp_path / "mixed", progress=False)
+    assert sorted(ok.errors) == [0, 1, 2] and ok.manifest["n_ok"] == 1
+
+
+def test_cli_corpus_with_every_text_failed_exits_2_with_one_line(tmp_path):
+    (tmp_path / "t.txt").write_text("\n".join(BAD) + "\n", encoding="utf-8")
+    r = subprocess.run(
+        [sys.executable, "-m", "probe", "corpus", "--model", "minigpt", "--texts", tmp_path / "t.txt",
+         "-o", tmp_path / "c", "-q"],
+        env=_env(), capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert r.returncode == 2, (r.stdout, r.stderr)
+    assert r.stdout == ""
+    (line,) = r.stderr.strip().splitlines()
+    assert line.startswith("probe: error: no text captured: all 3 texts failed (text 0: ")
+    assert line.endswith(f"each error is in {tmp_path / 'c' / 'manifest.json'}")

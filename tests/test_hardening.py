@@ -404,8 +404,8 @@ def test_heads_out_of_range_on_the_command_line(tmp_path, capsys):
 
 
 def test_the_capture_help_example_runs(tmp_path, capsys):
-    sub = build_parser()._subparsers._group_actions[0].choices["capture"]
-    example = sub.epilog.split("example: ", 1)[1]
+    sub = build_parser().commands["capture"]
+    example = sub.epilog.split("examples:\n", 1)[1].splitlines()[0].strip()  # the first, one a line
     import shlex
 
     argv = shlex.split(example)[1:]

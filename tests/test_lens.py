@@ -152,7 +152,7 @@ def test_fused_decoder_no_final_norm():
         logits = model(torch.tensor([model.tokenizer.encode(text)]))[0]
     lens = probe.logit_lens(model, text)
     _check_final_layer(lens, logits)
-    assert lens.readout.startswith("(no final norm)")
+    assert lens.readout.endswith(", with no final norm")  # read as "read-out: lm_head, with no final norm"
     _check_attribution_sum(lens.attribution, logits)
     # its attention output is not a residual add: no exact head split, and it says so
     assert any("not split by head" in n for n in lens.attribution.notes)
@@ -238,3 +238,18 @@ def test_cli_lens_on_a_gpt2_folder(tmp_path):
     )
     assert r.returncode == 0, r.stderr
     assert "-> lm_head" in r.stdout and "max |diff|" in r.stdout
+
+
+def test_text_grid_wraps_to_a_width():
+    text = "attention lets tokens read"
+    lens = probe.logit_lens(models.load("minigpt"), text)
+    wide = lens.to_text()
+    assert len(wide.splitlines()) == 5  # tokens, embed, L0, L1, final: one line each
+    narrow = lens.to_text(width=60)
+    lines = narrow.splitlines()
+    assert max(len(line) for line in lines) <= 60
+    # every position appears once, in order, across the blocks; each block has the row labels again
+    heads = [line for line in lines if line.strip().startswith("pos ")]
+    positions = [int(x) for line in heads for x in line.split()[1::2]]
+    assert positions == list(range(len(text)))
+    assert sum(line.startswith("embed ") for line in lines) == len(heads) > 1

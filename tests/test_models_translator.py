@@ -79,6 +79,14 @@ def test_first_use_trains_into_the_cache_dir_with_a_notice(first_use):
     notice = [line for line in stderr.splitlines() if line.startswith("probe:")]
     assert len(notice) == 1 and "translator" in notice[0] and str(path) in notice[0]
     assert "steps until loss" in stderr  # the progress bar
+    # the notice says how big the checkpoint will be: the architecture's parameters in float32
+    trainable, frozen = expected_parameters(model.config)
+    size = 4 * (trainable + frozen)
+    assert f"its {size / 1e6:.0f} MB checkpoint" in notice[0]
+    assert size < path.stat().st_size < size + 100_000  # the file: tensors plus a small header
+    # the bar ends full at the steps taken, whatever its expected length was
+    steps = model.train_info["steps"]
+    assert f"{steps}/{steps} [" in stderr.split("\r")[-1]
 
 
 def test_training_stopped_at_the_tutorials_threshold(model):
@@ -214,3 +222,29 @@ def test_main_job_shows_every_model(first_use, monkeypatch, capsys):
     assert "x (4, 8, 32) -> out (4, 8, 16), wei (4, 8, 8)" in out
     assert '160 characters sampled after "at"' in out
     assert "next-digit predictions for 3141592653" in out
+
+
+def test_feed_forward_is_the_tutorials_two_conv1d(model):
+    # the FFN applies its convs' weights with F.linear; oracle: the Conv1d modules themselves
+    ffn = model.encoder.layers[2].pos_ffn
+    x = torch.randn(2, 5, 512, generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        want = ffn.layer_norm(ffn.conv2(torch.relu(ffn.conv1(x.transpose(1, 2)))).transpose(1, 2) + x)
+        torch.testing.assert_close(ffn(x), want, atol=1e-5, rtol=1e-5)
+
+
+def test_training_optimizer_makes_adams_update():
+    # the recipe's optimizer (fused where torch has it) against torch's default Adam loop
+    torch.manual_seed(0)
+    a = torch.nn.Linear(8, 4)
+    b = torch.nn.Linear(8, 4)
+    b.load_state_dict(a.state_dict())
+    opt_a, opt_b = translator._adam(a.parameters(), 1e-2), torch.optim.Adam(b.parameters(), lr=1e-2)
+    x = torch.randn(3, 8)
+    for _ in range(3):
+        for m, opt in ((a, opt_a), (b, opt_b)):
+            opt.zero_grad()
+            m(x).square().sum().backward()
+            opt.step()
+    for pa, pb in zip(a.parameters(), b.parameters(), strict=True):
+        torch.testing.assert_close(pa, pb, atol=1e-6, rtol=1e-6)

@@ -58,7 +58,7 @@ def test_heatmap_title_labels_and_every_cell(gpt_cache):
     fig = plot.heatmap(gpt_cache, 1, 2)
     assert isinstance(fig, Figure)
     ax = fig.axes[0]
-    assert ax.get_title() == "Layer 2, Head 3"  # 0-based arguments, 1-based title
+    assert ax.get_title() == "Layer 1, Head 2"  # 0-based arguments and titles, as cache.pattern
     assert (ax.get_xlabel(), ax.get_ylabel()) == ("Key", "Query")
     shown = [t if t != " " else "␣" for t in "attention lets tokens"]
     assert ticks(ax.xaxis) == shown and ticks(ax.yaxis) == shown
@@ -96,17 +96,20 @@ def test_padding_is_cropped(gpt_cache):
 def test_cross_is_rectangular_target_over_source(seq_cache):
     fig = plot.cross(seq_cache, 0, head=1, batch=1)
     ax = fig.axes[0]
-    assert ax.get_title() == "Decoder cross-attention, Layer 1, Head 2"
+    assert ax.get_title() == "Decoder cross-attention, Layer 0, Head 1"
     assert (ax.get_xlabel(), ax.get_ylabel()) == ("Source (keys)", "Target (queries)")
-    assert ticks(ax.xaxis) == SRC[1] and ticks(ax.yaxis) == TGT[1]
+    # CJK key labels are stacked a character a line (upright), never rotated onto their side
+    assert ticks(ax.xaxis) == ["注\n意", "力"] and ticks(ax.yaxis) == TGT[1]
+    assert {t.get_rotation() for t in ax.xaxis.get_ticklabels()} == {0.0}
     np.testing.assert_array_equal(
         image(fig).data, seq_cache["decoder.blocks.0.cross_attn.pattern"][1, 1, :2, :2]
     )
     fig = plot.cross(seq_cache, 0, head=0, batch=0)
     np.testing.assert_array_equal(image(fig).data, seq_cache["decoder.blocks.0.cross_attn.pattern"][0, 0])
     enc = plot.heatmap(seq_cache, 0, 1, stack="encoder")
-    assert enc.axes[0].get_title() == "Encoder self-attention, Layer 1, Head 2"
+    assert enc.axes[0].get_title() == "Encoder self-attention, Layer 0, Head 1"
     assert ticks(enc.axes[0].xaxis) == SRC[0]
+    assert {t.get_rotation() for t in enc.axes[0].xaxis.get_ticklabels()} == {90.0}  # Latin: rotated
     dec = plot.heatmap(seq_cache, 0)  # the decoder by default: target tokens on both axes
     assert ticks(dec.axes[0].xaxis) == TGT[0]
 
@@ -131,7 +134,7 @@ def test_captured_head_subset_keeps_model_head_numbers():
     meta = {"tokens": [["a", "b", "c"]], "heads_captured": [1, 3]}
     cache = probe.Cache({"decoder.blocks.4.self_attn.pattern": w}, meta)
     fig = plot.heatmap(cache, 4, 3)
-    assert fig.axes[0].get_title() == "Layer 5, Head 4"
+    assert fig.axes[0].get_title() == "Layer 4, Head 3"
     np.testing.assert_array_equal(image(fig).data, w[0, 1])
     with pytest.raises(probe.ProbeError, match=r"has heads \[1, 3\]"):
         plot.heatmap(cache, 4, 0)
@@ -152,7 +155,7 @@ def test_overview_grid(gpt_cache):
     fig = plot.overview(gpt_cache, batch=1)
     ax = fig.axes[0]
     assert len(fig.axes) == 2  # one image and its colour bar
-    assert ticks(ax.xaxis) == ["H1", "H2", "H3", "H4"] and ticks(ax.yaxis) == ["L1", "L2"]
+    assert ticks(ax.xaxis) == ["H0", "H1", "H2", "H3"] and ticks(ax.yaxis) == ["L0", "L1"]
     cells = _cells(image(fig).filled(np.nan))
     assert [len(row) for row in cells] == [4, 4]
     for r in range(2):
@@ -212,7 +215,7 @@ def test_residual_norms_oracle(gpt_cache):
             for i in (0, 1)
         ]
         np.testing.assert_allclose(lines[label].get_ydata(), torch.stack(want).numpy(), rtol=1e-6)
-        np.testing.assert_array_equal(lines[label].get_xdata(), [1, 2])
+        np.testing.assert_array_equal(lines[label].get_xdata(), [0, 1])  # layers from 0
 
 
 def test_long_inputs_thin_their_labels(tmp_path):
@@ -321,15 +324,101 @@ def test_no_cjk_font_warns_once_and_still_renders(monkeypatch, tmp_path, seq_cac
     assert mpimg.imread(p1).size and mpimg.imread(p2).size
 
 
+# -- fonts installed after matplotlib built its font cache ----------------------------------------------
+_FONT_PROBE = """
+import json, sys, warnings
+warnings.simplefilter("always")
+from matplotlib import font_manager
+listed = sorted({e.name for e in font_manager.fontManager.ttflist if "CJK" in e.name})
+from probe.report import fonts, seeds
+from probe.report.context import figure_uri
+from probe import plot
+import numpy as np
+with warnings.catch_warnings(record=True) as english:
+    for _ in range(3):
+        figure_uri(plot.matrix(np.eye(2), ["attention", "lets"], ["tokens", "read"]))
+with warnings.catch_warnings(record=True) as chinese:
+    for _ in range(3):
+        for f in seeds.figures_for(names=["minigpt"]):  # the tutorial's Chinese axis labels
+            figure_uri(f.figure)
+        figure_uri(plot.matrix(np.eye(2), ["注意", "力"], ["啤酒", "力"]))
+font = fonts.cjk_font()
+print(json.dumps({
+    "listed_at_start": listed,
+    "font": None if font is None else [font.name, font.path],
+    "english": [str(w.message) for w in english],
+    "chinese": [str(w.message) for w in chinese],
+}))
+"""
+
+
+@pytest.fixture(scope="module")
+def stale_mplconfig(tmp_path_factory):
+    """An MPLCONFIGDIR whose font cache was built before the CJK fonts were installed: this
+    process's font list with every CJK entry removed, written where matplotlib reads its cache."""
+    import copy
+
+    from matplotlib import font_manager
+
+    assert any("Noto Sans CJK" in e.name for e in font_manager.fontManager.ttflist), fonts.INSTALL_HINT
+    d = tmp_path_factory.mktemp("mplconfig")
+    stale = copy.copy(font_manager.fontManager)
+    stale.ttflist = [e for e in font_manager.fontManager.ttflist if "CJK" not in e.name]
+    font_manager.json_dump(stale, d / f"fontlist-v{font_manager.FontManager.__version__}.json")
+    return d
+
+
+def _font_probe(mplconfig, **env) -> dict:
+    import json
+    import os
+    import subprocess
+    import sys
+
+    out = subprocess.run(
+        [sys.executable, "-c", _FONT_PROBE],
+        env={**os.environ, "MPLCONFIGDIR": str(mplconfig), **env},
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert out.returncode == 0, out.stderr
+    return json.loads(out.stdout.splitlines()[-1])
+
+
+def test_fonts_installed_after_matplotlib_built_its_cache_are_found(stale_mplconfig):
+    from matplotlib.ft2font import FT2Font
+
+    r = _font_probe(stale_mplconfig)
+    assert r["listed_at_start"] == []  # matplotlib read the stale cache: it lists no CJK font
+    name, path = r["font"]
+    assert name.startswith("Noto Sans CJK")
+    assert all(FT2Font(path).get_char_index(ord(c)) != 0 for c in "注意力啤酒")  # real glyphs
+    assert r["english"] == [] and r["chinese"] == []  # a font exists: nothing to warn about
+
+
+def test_without_any_cjk_font_one_warning_and_only_for_cjk_labels(stale_mplconfig):
+    # matplotlib told to ignore the system's fonts: no CJK font anywhere
+    r = _font_probe(stale_mplconfig, MPL_IGNORE_SYSTEM_FONTS="1")
+    assert r["font"] is None
+    assert r["english"] == []  # English labels need no CJK glyph: no warning at all
+    # CJK labels in 9 figures: probe's one warning naming the fix, no per-glyph warnings
+    assert len(r["chinese"]) == 1 and fonts.INSTALL_HINT in r["chinese"][0], r["chinese"]
+
+
 def test_seed_figures_minigpt_and_fused(tmp_path):
-    figs = seeds.figures_for(names=["minigpt", "fused_decoder"])
+    caches = plot.seed_caches(["minigpt", "fused_decoder"])
+    figs = seeds.figures_for(caches)
     assert [f.name for f in figs] == [
         "minigpt_layer1_head1",
         "fused_decoder_head0",
         "fused_decoder_over_time",
     ]
     ax = figs[0].figure.axes[0]
-    assert ax.get_title() == "Layer 1, Head 1 attention weights"
+    # the tutorial's own title, saying in place which probe layer and head it is
+    assert ax.get_title() == (
+        "Layer 1, Head 1 attention weights\n(the tutorial counts from 1: probe's layer 0, head 0)"
+    )
+    assert "被读取的位置 'the position being read'" in figs[0].caption  # the Chinese labels explained
     assert (ax.get_xlabel(), ax.get_ylabel()) == ("Key / 被读取的位置", "Query / 当前预测的位置")
     assert ticks(ax.xaxis) == [t if t != " " else "␣" for t in seeds.MINIGPT_TEXT]
     # the tutorial's printed rows: first row 1, 0, 0, ...; each row sums to 1 over keys <= query
@@ -339,7 +428,7 @@ def test_seed_figures_minigpt_and_fused(tmp_path):
     assert ticks(figs[1].figure.axes[0].xaxis) == [str(i) for i in range(10)]
     legend = [t.get_text() for t in figs[2].figure.axes[0].get_legend().get_texts()]
     assert legend == [f"Query t={t}: {seeds.FUSED_TEXT[t]}" for t in (0, 2, 4, 6, 8)]
-    paths = seeds.seed_figures(tmp_path, names=["minigpt"])
+    paths = plot.seed_figures(tmp_path, names=["minigpt"], caches=caches)
     assert [p.name for p in paths] == ["minigpt_layer1_head1.png"] and paths[0].stat().st_size > 5000
 
 
@@ -347,9 +436,9 @@ def test_seed_figures_translator_layout(seq_cache):
     figs = seeds.figures_for({"translator": seq_cache}, names=["translator"])
     titles = [f.figure.axes[0].get_title() for f in figs]
     assert titles == [
-        "Encoder self-attention, Layer 1, Head 1",
-        "Decoder self-attention, Layer 1, Head 1",
-        "Decoder cross-attention, Layer 1, Head 1",
+        "Encoder self-attention, Layer 0, Head 0",
+        "Decoder self-attention, Layer 0, Head 0",
+        "Decoder cross-attention, Layer 0, Head 0",
     ]
     np.testing.assert_array_equal(
         image(figs[2].figure).data, seq_cache["decoder.blocks.0.cross_attn.pattern"][0, 0]

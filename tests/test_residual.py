@@ -172,7 +172,9 @@ def test_report_with_minigpt_shows_lens_attribution_and_budget(tmp_path):
     # the grid's bottom row is the model's own prediction at every position
     final_row = html[html.index("<th>final</th>") :].split("</tr>")[0]
     assert final_row.count("<b>") == len(TEXT)
-    pred = [model.tokenizer.decode([i]) for i in _argmax(model, TEXT)]
+    from probe.report.labels import display  # tokens shown as everywhere in probe (␣ for a space)
+
+    pred = [display(model.tokenizer.decode([i]), None) for i in _argmax(model, TEXT)]
     assert final_row.replace("<td><b>", "|").replace("</b></td>", "").split("|")[1:] == pred
     assert html.count("<details") >= len(TEXT) + 1  # one attribution per position, and the table
     assert "104,598 parameters" in html

@@ -132,16 +132,34 @@ class Table:
             raise ProbeError("to_pandas() needs pandas; install it with `pip install pandas`") from None
         return pd.DataFrame(self.rows, columns=self.columns)
 
-    def to_text(self, max_rows: int = 40) -> str:
-        """A fixed-width text table (the CLI prints this)."""
+    def select(self, columns: Sequence[str]) -> Table:
+        """The same rows with only ``columns``, in that order (each must be a column)."""
+        for c in columns:
+            self._check_column(c)
+        return Table(self.rows, list(columns), self.title)
+
+    def to_text(self, max_rows: int = 40, width: int | None = None, keys: Sequence[str] = ()) -> str:
+        """A fixed-width text table (the CLI prints this).
+
+        With ``width``, a table wider than ``width`` characters is printed as blocks of columns
+        that fit, one under the other, each block repeating the ``keys`` columns (e.g. layer and
+        head) so every row can be read on its own.
+        """
         rows = self.rows[:max_rows]
         cells = [self.columns] + [[_fmt(r.get(c)) for c in self.columns] for r in rows]
         widths = [max(len(row[i]) for row in cells) for i in range(len(self.columns))]
-        lines = ["  ".join(v.ljust(w) for v, w in zip(row, widths, strict=True)).rstrip() for row in cells]
-        lines.insert(1, "  ".join("-" * w for w in widths))
+        blocks = [list(range(len(self.columns)))]
+        if width is not None and sum(widths) + 2 * (len(widths) - 1) > width:
+            blocks = _column_blocks(self.columns, widths, keys, width)
+        parts = []
+        for cols in blocks:
+            lines = ["  ".join(row[i].ljust(widths[i]) for i in cols).rstrip() for row in cells]
+            lines.insert(1, "  ".join("-" * widths[i] for i in cols))
+            parts.append("\n".join(lines))
+        text = "\n\n".join(parts)
         if len(self.rows) > max_rows:
-            lines.append(f"... {len(self.rows) - max_rows} more rows")
-        return "\n".join(lines)
+            text += f"\n... {len(self.rows) - max_rows} more rows"
+        return text
 
     def __str__(self) -> str:
         return (self.title + "\n" if self.title else "") + self.to_text()
@@ -159,6 +177,27 @@ class Table:
         more = f"<p>… {len(self.rows) - max_rows} more rows</p>" if len(self.rows) > max_rows else ""
         title = f"<p><b>{html.escape(self.title)}</b></p>" if self.title else ""
         return f"{title}<table><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>{more}"
+
+
+def _column_blocks(
+    columns: Sequence[str], widths: list[int], keys: Sequence[str], width: int
+) -> list[list[int]]:
+    """Column indices in blocks of at most ``width`` characters, each led by the ``keys`` columns
+    (a column wider than a block on its own gets a block of its own)."""
+    lead = [i for i, c in enumerate(columns) if c in keys]
+    used = sum(widths[i] + 2 for i in lead)
+    blocks: list[list[int]] = []
+    cur, size = list(lead), used
+    for i, w in enumerate(widths):
+        if i in lead:
+            continue
+        if len(cur) > len(lead) and size + w > width:
+            blocks.append(cur)
+            cur, size = list(lead), used
+        cur.append(i)
+        size += w + 2
+    blocks.append(cur)
+    return blocks
 
 
 def _csv_value(v: Any) -> Any:

@@ -23,18 +23,13 @@ from probe.cache.format import (
     parse_name,
 )
 from probe.cache.perf.heap import HeapTensors
+from probe.cache.queries import CacheKeyError, CacheQueries
 from probe.cache.validate import ITEMSIZE, check_consistency, check_header, check_metadata, read_header
 from probe.cache.writer import save_tensors
 from probe.errors import ProbeError
 
 _STACK_ORDER = {s: i for i, s in enumerate(STACKS)}
 _NAME_ORDER = {n: i for i, n in enumerate(KEY_NAMES)}
-
-
-class CacheKeyError(ProbeError, KeyError):
-    """A key or pattern that is not in the cache (a :class:`ProbeError` and a ``KeyError``)."""
-
-    __str__ = BaseException.__str__  # KeyError would quote the message
 
 
 def _parsed(k: str) -> tuple[str, int, str] | None:
@@ -81,7 +76,7 @@ def encode_metadata(meta: Mapping[str, Any]) -> dict[str, str]:
     }
 
 
-class Cache(Mapping[str, torch.Tensor]):
+class Cache(CacheQueries, Mapping[str, torch.Tensor]):
     """Captured attention patterns and residual-stream tensors of one forward pass.
 
     Keys are ``<stack>.blocks.<i>.<name>`` (see :mod:`probe.cache.format`). A cache made by
@@ -253,69 +248,9 @@ class Cache(Mapping[str, torch.Tensor]):
         """A static summary for notebooks: model, per-stack layers and heads, the tokens, and a
         thumbnail of the first pattern (inline PNG). No scripts, no network: the same in Jupyter,
         JupyterLab and VS Code. Every string from the model or the user is escaped."""
-        import base64
-        import html
-        import io
+        from probe.cache.display import repr_html
 
-        esc = html.escape
-        meta = self._metadata
-        model = meta.get("model") or {}
-        params = model.get("parameters")
-        rows = [
-            (
-                "model",
-                f"<b>{esc(str(model.get('name', '?')))}</b> <code>{esc(str(model.get('class', '?')))}</code>"
-                + (f", {params:,} parameters" if isinstance(params, int) else ""),
-            ),
-            (
-                "stored",
-                f"{len(self)} tensors, {esc(str(meta.get('dtype', '?')))}"
-                + (f", <code>{esc(str(self.path))}</code>" if self.path else ""),
-            ),
-        ]
-        for s in self.stacks:
-            heads = sorted(
-                {e.get("self_attn", {}).get("heads") for e in meta.get("layers", []) if e.get("stack") == s}
-                - {None}
-            )
-            rows.append((s, f"{self.n_layers(s)} layers, {', '.join(map(str, heads)) or '?'} heads"))
-        tok_style = "border:1px solid #ccc;border-radius:3px;padding:0 3px;margin:1px;white-space:pre"
-
-        def strip(toks: list[str]) -> str:
-            shown = "".join(f'<span style="{tok_style}">{esc(t)}</span>' for t in toks[:64])
-            return shown + (f" … ({len(toks)} tokens)" if len(toks) > 64 else "")
-
-        for i, toks in enumerate(self.tokens[:4]):
-            rows.append((f"text {i}", strip(toks)))
-            if self.target_tokens:
-                rows.append(("target", strip(self.target_tokens[i])))
-        img = ""
-        first = next((k for k in self._keys if k.endswith("attn.pattern")), None)
-        if first is not None:
-            import matplotlib.image
-            import torch.nn.functional as F
-
-            p = self[first][0, 0].float().cpu()
-            n = len(self.tokens[0]) if self.tokens and p.shape[0] == p.shape[1] else None
-            p = p[:n, :n] if n else p
-            p = F.adaptive_max_pool2d(p[None, None], (min(p.shape[0], 96), min(p.shape[1], 96)))[0, 0]
-            buf = io.BytesIO()
-            matplotlib.image.imsave(buf, p.clamp(0, 1).numpy(), cmap="viridis", vmin=0, vmax=1, format="png")
-            uri = "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode("ascii")
-            img = (
-                f'<figure style="margin:0 0 0 1em"><img src="{uri}" alt="attention pattern" '
-                f'style="width:128px;image-rendering:pixelated;border:1px solid #ccc">'
-                f'<figcaption style="font-size:11px">{esc(first)}, head 0</figcaption></figure>'
-            )
-        body = "".join(
-            f'<tr><th style="text-align:left;padding-right:1em">{esc(k)}</th>'
-            f'<td style="text-align:left">{v}</td></tr>'
-            for k, v in rows
-        )
-        return (
-            f'<div style="display:flex;align-items:flex-start"><table><caption style="text-align:left">'
-            f"probe.Cache</caption>{body}</table>{img}</div>"
-        )
+        return repr_html(self)
 
     def __repr__(self) -> str:
         where = f" at {self.path}" if self.path else ""

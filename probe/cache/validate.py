@@ -56,10 +56,11 @@ def read_header(f: IO[bytes], name: str, size: int) -> tuple[dict, int]:
     """The parsed JSON header of the safetensors file open as ``f`` (``size`` bytes) and its length."""
     head = f.read(8)
     if len(head) < 8:
-        raise _fail(name, f"not a safetensors file (only {size} bytes)", NOT_CACHE)
+        raise _fail(name, f"not a probe cache: not a safetensors file (only {size} bytes)", NOT_CACHE)
     (n,) = struct.unpack("<Q", head)
     if n > MAX_HEADER or n < 2:
-        raise _fail(name, f"not a safetensors file (header length {n})", NOT_CACHE)
+        # a safetensors file starts with its header's length; these 8 bytes cannot be one
+        raise _fail(name, f"not a probe cache: not a safetensors file ({_looks_like(head)})", NOT_CACHE)
     if 8 + n > size:
         raise _fail(name, f"truncated (header needs {8 + n} bytes, file has {size})")
     raw = f.read(n)
@@ -69,6 +70,21 @@ def read_header(f: IO[bytes], name: str, size: int) -> tuple[dict, int]:
     if not isinstance(header, dict):
         raise _fail(name, "not a safetensors file (its header is not a JSON object)", NOT_CACHE)
     return header, n
+
+
+def _looks_like(head: bytes) -> str:
+    """What a file's first bytes suggest, for an error message."""
+    if head.startswith(b"PK\x03\x04"):
+        return "it is a zip archive, e.g. a torch.save .pt or .bin file"
+    if head.startswith(b"\x80"):
+        return "it looks like a pickle"
+    try:
+        text = head.decode("utf-8")
+    except UnicodeDecodeError:
+        return "it does not start with a safetensors header"
+    if all(c.isprintable() or c in "\t\r\n" for c in text):
+        return "it looks like a text file"
+    return "it does not start with a safetensors header"
 
 
 def _is_int(v: Any) -> bool:

@@ -13,12 +13,13 @@ from __future__ import annotations
 
 import argparse
 
-from probe.cli import align, capture, check, common, corpus, report, residual, stats
+from probe.cli import align, capture, check, common, corpus, export, report, residual, stats
 from probe.cli.align import align_text, cmd_align
 from probe.cli.capture import cmd_capture, cmd_info, cmd_models, info_text
 from probe.cli.check import cmd_check
 from probe.cli.common import Terminated, add_model_args, load_model
 from probe.cli.corpus import cmd_corpus
+from probe.cli.export import cmd_export
 from probe.cli.report import cmd_report
 from probe.cli.residual import cmd_budget, cmd_lens, cmd_residual
 from probe.cli.stats import cmd_stats
@@ -33,6 +34,7 @@ __all__ = [
     "cmd_capture",
     "cmd_check",
     "cmd_corpus",
+    "cmd_export",
     "cmd_info",
     "cmd_lens",
     "cmd_models",
@@ -51,6 +53,13 @@ def build_parser() -> argparse.ArgumentParser:
         prog="probe",
         description="See what attention inside a transformer really does: capture every "
         "attention pattern and residual delta into a safetensors cache.",
+        epilog=common.examples(
+            "probe models",
+            "probe report --model minigpt 'attention lets tokens read.'",
+            "probe capture --model minigpt 'attention lets tokens read.' -o run.safetensors",
+            "probe COMMAND --help",
+        ),
+        formatter_class=common.HelpFormatter,
     )
     from probe import __version__
 
@@ -63,11 +72,25 @@ def build_parser() -> argparse.ArgumentParser:
     corpus.add_parser(sub)
     check.add_parser(sub)
     report.add_parser(sub)
+    export.add_parser(sub)
     stats.add_parser(sub)
     capture.add_models_parser(sub)
     residual.add_parsers(sub)
     align.add_parser(sub)
+    for p in sub.choices.values():  # every command's --help: wrapped text, examples one a line
+        p.formatter_class = common.HelpFormatter
+    parser.commands = sub.choices  # name -> the command's parser (for its own usage in errors)
     return parser
+
+
+def parse(argv: list[str] | None = None) -> argparse.Namespace:
+    """The parsed command line; a flag the command does not know is reported with that command's
+    usage (``probe report --bogus``), not the top-level one; exits 2 like argparse."""
+    parser = build_parser()
+    args, extra = parser.parse_known_args(argv)
+    if extra:
+        parser.commands[args.command].error(f"unrecognized arguments: {' '.join(extra)}")
+    return args
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -77,5 +100,4 @@ def main(argv: list[str] | None = None) -> int:
     becomes one line on stderr and exit code 2; a closed output pipe exits quietly (0); Ctrl-C
     exits 130 and SIGTERM/SIGHUP 128 + the signal number, each after the temporary files are removed.
     """
-    args = build_parser().parse_args(argv)
-    return common.run(args)
+    return common.run(parse(argv))

@@ -5,6 +5,8 @@ from __future__ import annotations
 import argparse
 import sys
 
+from probe.cli.common import examples
+
 
 def _layer_arg(text: str):
     if text == "mean":
@@ -15,8 +17,10 @@ def _layer_arg(text: str):
         raise argparse.ArgumentTypeError(f"expected a layer/head index or 'mean', got {text!r}") from None
 
 
-def align_text(al) -> str:
-    """A readable summary of a :class:`probe.Alignment`: selection, links per pair, scores."""
+def align_text(al, heuristic: bool = False) -> str:
+    """A readable summary of a :class:`probe.Alignment`: selection, links per pair, scores;
+    ``heuristic``: the selection is the gold-free default, so say so and list the most diagonal
+    single heads to compare it with."""
     sel = al.selection()
     as_ = "shifted decoder input" if sel["convention"] == "input" else "decoder output"
     lines = [
@@ -54,6 +58,17 @@ def align_text(al) -> str:
         )
     )
     lines += [f"note: {n}" for n in al.notes]
+    if heuristic and al.gold is None:
+        from probe.analysis.alignment import candidates
+        from probe.analysis.alignment.diagonal import HEURISTIC
+
+        lines.append(f"note: {HEURISTIC}; compare the most diagonal single heads (pair 0):")
+        for c in candidates(al):
+            lines.append(
+                f"  {c['convention']:6} layer {c['layer']} head {c['head']}: diagonality "
+                f"{c['diagonality']:.3f}, monotonicity {c['monotonicity']:.3f}: {c['text']}"
+            )
+        lines.append("  (choose one with --layer L --head H --convention C, or score them with --gold FILE)")
     return "\n".join(lines)
 
 
@@ -82,7 +97,7 @@ def cmd_align(args: argparse.Namespace) -> int:
     if args.pharaoh:
         sys.stdout.write(al.pharaoh(one_indexed=args.one_indexed))
     else:
-        print(align_text(al))
+        print(align_text(al, heuristic=args.layer is None and args.head is None))
     return 0
 
 
@@ -95,8 +110,11 @@ def add_parser(sub) -> None:
         "pieces merged to words, special tokens left out. With --gold, score every layer and head "
         "(AER, precision, recall) and pick the best; without, report the alignment's shape "
         "(diagonality, monotonicity, coverage, entropy, jumps).",
-        epilog="example: probe capture -m aligner 'gestern sah der mann den hund' -o run.safetensors "
-        "&& probe align run.safetensors --pharaoh",
+        epilog=examples(
+            "probe capture -m aligner 'gestern sah der mann den hund' -o run.safetensors",
+            "probe align run.safetensors --pharaoh",
+            "probe align run.safetensors --gold gold.talp --one-indexed",
+        ),
     )
     p.add_argument("path", help="a .safetensors cache of an encoder-decoder, written by probe")
     p.add_argument(

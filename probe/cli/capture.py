@@ -6,7 +6,7 @@ import argparse
 from pathlib import Path
 
 from probe.cli import common
-from probe.cli.common import _human, _ints, add_model_args
+from probe.cli.common import _human, _ints, add_model_args, examples
 from probe.errors import ProbeError
 
 
@@ -41,6 +41,7 @@ def cmd_capture(args: argparse.Namespace) -> int:
 def info_text(path: str | Path) -> str:
     """A readable summary of the cache at ``path``: model, tokens, keys, shapes and sizes."""
     import probe
+    from probe.report.labels import display  # tokens shown as everywhere in probe (␣ for a space)
 
     cache = probe.load(path)
     meta = cache.metadata
@@ -79,11 +80,11 @@ def info_text(path: str | Path) -> str:
     texts = meta.get("texts") or []
     for i, toks in enumerate(cache.tokens):
         label = f"text {i}:" if texts else f"input {i}:"
-        shown = " | ".join(toks[:24]) + (" | ..." if len(toks) > 24 else "")
+        shown = " | ".join(display(t, None) for t in toks[:24]) + (" | ..." if len(toks) > 24 else "")
         lines.append(f"{label:9} {len(toks)} tokens: {shown}")
         if cache.target_tokens:
             tt = cache.target_tokens[i]
-            lines.append(f"{'target:':9} {len(tt)} tokens: {' | '.join(tt[:24])}")
+            lines.append(f"{'target:':9} {len(tt)} tokens: {' | '.join(display(t, None) for t in tt[:24])}")
     lines.append("")
     width = max((len(k) for k in cache.keys()), default=10)
     lines.append(f"{'key':{width}}  {'shape':22} {'size':>10}")
@@ -124,7 +125,11 @@ def add_capture_parser(sub) -> None:
         help="run a model on text and write its attention cache",
         description="Run a model from the bundled zoo (or a local Hugging Face folder) on TEXT and "
         "stream every attention pattern and residual-stream delta into a safetensors cache.",
-        epilog="example: probe capture --model minigpt 'attention lets tokens read.' -o run.safetensors",
+        epilog=examples(
+            "probe capture --model minigpt 'attention lets tokens read.' -o run.safetensors",
+            "probe capture --model translator 'ich mochte ein bier' --target 'S i want a beer'",
+            "probe capture --hf ./my-model 'some text' --layers 0,1 -o run.safetensors",
+        ),
     )
     p.add_argument("text", nargs="+", metavar="TEXT", help="input text (several = one batch)")
     add_model_args(p)
@@ -153,6 +158,7 @@ def add_info_parser(sub) -> None:
         "info",
         help="summarise a cache file",
         description="Print a readable summary of a probe cache: model, tokens, keys, shapes and sizes.",
+        epilog=examples("probe info run.safetensors", "probe info run/  (a corpus run folder)"),
     )
     p.add_argument("path", help="a .safetensors cache written by probe, or a corpus run folder")
     p.set_defaults(func=cmd_info)
@@ -164,5 +170,6 @@ def add_models_parser(sub) -> None:
         "models",
         help="list the bundled model zoo",
         description="List the textbook models bundled with probe.",
+        epilog=examples("probe models", "probe report --model minigpt 'attention lets tokens read.'"),
     )
     p.set_defaults(func=cmd_models)

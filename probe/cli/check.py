@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 
 from probe.cli import common
-from probe.cli.common import add_model_args
+from probe.cli.common import add_model_args, examples
 from probe.errors import ProbeError
 
 
@@ -42,8 +42,11 @@ def add_parser(sub) -> None:
         description="Prove a model never attends to the future or to padding, or show where it does: "
         "static checks on the captured patterns, then (with a model) suffix perturbation, input "
         "gradients, padding parity, KV-cache decoding and eager-vs-SDPA parity.",
-        epilog="examples: probe check --model minigpt 'attention lets tokens read.'   "
-        "probe check run.safetensors --expect causal   probe check --hf ./my-model 'some text'",
+        epilog=examples(
+            "probe check --model minigpt 'attention lets tokens read.'",
+            "probe check run.safetensors --expect causal",
+            "probe check --hf ./my-model 'some text'",
+        ),
     )
     p.add_argument("inputs", nargs="*", metavar="TEXT|CACHE", help="text(s) for the model, or one cache file")
     add_model_args(p)

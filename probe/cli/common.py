@@ -12,6 +12,21 @@ from pathlib import Path
 from probe.errors import ProbeError
 
 
+class HelpFormatter(argparse.HelpFormatter):
+    """``--help`` of every command: descriptions wrapped to the terminal like argparse does; an
+    epilog with line breaks (the examples, :func:`examples`) kept as written, one per line."""
+
+    def _fill_text(self, text: str, width: int, indent: str) -> str:
+        if "\n" in text:
+            return "".join(indent + line for line in text.splitlines(keepends=True))
+        return super()._fill_text(text, width, indent)
+
+
+def examples(*lines: str) -> str:
+    """An epilog listing example command lines, one per line under "examples:"."""
+    return "examples:\n" + "\n".join(f"  {line}" for line in lines)
+
+
 def _human(n: float) -> str:
     for unit in ("B", "KB", "MB", "GB"):
         if n < 1024 or unit == "GB":

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 
 from probe.cli import common
-from probe.cli.common import add_model_args
+from probe.cli.common import add_model_args, examples
 from probe.errors import ProbeError
 from probe.files import input_file
 
@@ -57,8 +57,11 @@ def add_parser(sub) -> None:
         "manifest mapping every text to its shard and row (or its error), and merged per-head "
         "statistics (head_stats.json/.csv). Rerun the same command to resume; launch it with "
         "`torchrun --nproc_per_node=N -m probe corpus ...` to share the shards between processes.",
-        epilog="examples: probe corpus --model minigpt --texts texts.txt -o run/ | "
-        "probe corpus --hf ./gpt2 --texts data.jsonl --field text -o run/ --layers 0 5 --heads 1 2",
+        epilog=examples(
+            "probe corpus --model minigpt --texts texts.txt -o run/",
+            "probe corpus --hf ./gpt2 --texts data.jsonl --field text -o run/ --layers 0 5 --heads 1 2",
+            "torchrun --nproc_per_node=2 -m probe corpus --model minigpt --texts texts.txt -o run/",
+        ),
     )
     add_model_args(p, default=None)
     p.add_argument("--texts", metavar="FILE", required=True, help="one text per line, or JSONL with --field")

@@ -6,7 +6,7 @@ import argparse
 from pathlib import Path
 
 from probe.cli import common
-from probe.cli.common import _human, add_model_args
+from probe.cli.common import _human, add_model_args, examples
 from probe.errors import ProbeError
 
 
@@ -14,6 +14,28 @@ def _report_name(text: str) -> str:
     import re
 
     return re.sub(r"[^A-Za-z0-9._-]+", "_", text).strip("._") or "report"
+
+
+def _tutorial_cache(cache, model):
+    """For a zoo model that re-creates a tutorial, a capture of the tutorial's own text for the
+    report's tutorial figures (None when the cache is that text already, or for other models).
+    ``model`` is the zoo model already loaded; from cache files, the zoo model is loaded only when
+    its checkpoint is on disk (a report never trains the translator)."""
+    from probe.report import seeds
+
+    name = (cache.metadata.get("model") or {}).get("name")
+    if name not in seeds.MODELS or seeds.is_tutorial_cache(cache, name):
+        return None
+    if model is None or getattr(model, "name", None) != name:
+        import models
+
+        if not models.checkpoint_path(name).exists():
+            return None
+        model = models.load(name)
+    import probe
+
+    text, target = seeds.TEXTS[name]
+    return probe.capture(model, text, target=target)
 
 
 def cmd_report(args: argparse.Namespace) -> int:
@@ -52,7 +74,8 @@ def cmd_report(args: argparse.Namespace) -> int:
         if args.target is not None:
             target = args.target if len(args.target) > 1 else args.target[0]
         caches = [probe.capture(model, text, tokenizer=tok, target=target)]
-    path = probe.report(caches, out, model=model, tokenizer=tok, gold=gold)
+    tutorial = _tutorial_cache(caches[0], model if not args.hf else None)
+    path = probe.report(caches, out, model=model, tokenizer=tok, gold=gold, tutorial=tutorial)
     print(f"wrote {path} ({_human(path.stat().st_size)}); open it in a browser: {path.resolve().as_uri()}")
     return 0
 
@@ -65,8 +88,12 @@ def add_parser(sub) -> None:
         description="Write one self-contained index.html (no network needed to view it): model and "
         "tokens, every head's attention (overview and explorer), cross-attention, the residual "
         "stream and the analyses. Give cache files, or a model and text to capture first.",
-        epilog="examples: probe report --model minigpt 'attention lets tokens read.'   "
-        "probe report run.safetensors -o reports/run   probe report --hf ./my-bert 'some text'",
+        epilog=examples(
+            "probe report --model minigpt 'attention lets tokens read.'",
+            "probe report --model translator 'ich mochte ein bier P' --target 'S i want a beer'",
+            "probe report run.safetensors -o reports/run",
+            "probe report --hf ./my-bert 'some text'",
+        ),
     )
     p.add_argument(
         "inputs",

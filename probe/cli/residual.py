@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 
 from probe.cli import common
-from probe.cli.common import _export, _export_args, add_model_args
+from probe.cli.common import _export, _export_args, add_model_args, examples
 from probe.errors import ProbeError
 
 
@@ -28,7 +28,9 @@ def cmd_lens(args: argparse.Namespace) -> int:
     lens = probe.logit_lens(model, text, tokenizer=tok, target=args.target, k=args.k)
     print(f"read-out: {lens.readout}; last layer vs the model's logits: max |diff| {lens.final_error:.2e}")
     print("top-1 token and p(final prediction) per layer (rows) and position (columns):")
-    print(lens.to_text(0))
+    import shutil
+
+    print(lens.to_text(0, width=shutil.get_terminal_size((100, 24)).columns))
     for n in lens.notes:
         print(f"note: {n}")
     att = lens.attribution
@@ -77,7 +79,7 @@ def add_parsers(sub) -> None:
         help="residual-stream statistics of a cache (|E|, |ΔE|, ratio, cosine per sublayer)",
         description="Per layer and sublayer: the mean |E| and |ΔE| (L2), |ΔE|/|E|, cos(ΔE, E) and how "
         "often the sublayer writes most, from a cache written by `probe capture`.",
-        epilog="example: probe residual run.safetensors --csv residual.csv",
+        epilog=examples("probe residual run.safetensors --csv residual.csv"),
     )
     p.add_argument("path", help="a .safetensors cache written by probe")
     p.add_argument("--tokens", action="store_true", help="export one row per token instead of per layer")
@@ -90,7 +92,7 @@ def add_parsers(sub) -> None:
         description="Read every layer's residual stream through the model's own final norm and "
         "unembedding (the logit lens), and split the predicted token's logit among the embedding, "
         "each sublayer and each head (direct logit attribution, final norm's scale frozen).",
-        epilog='example: probe lens --model minigpt "attention lets tokens read"',
+        epilog=examples('probe lens --model minigpt "attention lets tokens read"'),
     )
     p.add_argument("text", nargs="+", metavar="TEXT", help="input text (the first is shown)")
     add_model_args(p)
@@ -106,7 +108,7 @@ def add_parsers(sub) -> None:
         description="Count a model's parameters by role and layer from its module tree; tied weights "
         "counted once. --config builds a Hugging Face config on the meta device (no memory); "
         "--config gpt3 is the tutorial's GPT-3 (175B).",
-        epilog="examples: probe budget --model translator;  probe budget --config gpt3",
+        epilog=examples("probe budget --model translator", "probe budget --config gpt3"),
     )
     add_model_args(p, default="minigpt")
     p.add_argument("--config", default=None, metavar="FILE", help="a config.json, or the preset gpt3")

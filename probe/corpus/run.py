@@ -235,11 +235,13 @@ def run_corpus(
     ``dtype`` (``"float16"``/``"bfloat16"``) casts what is stored, halving the disk; statistics are
     computed from the float32 patterns either way (default: stored as captured, patterns float32).
     ``shard_size`` texts per shard, batches of ``batch_size`` texts of similar length. A text that
-    fails (ProbeError: too long, out of vocabulary) is recorded in the manifest and skipped.
+    fails (ProbeError: too long, out of vocabulary) is recorded in the manifest (``Corpus.errors``)
+    and skipped.
     Rerunning the same call resumes; another configuration in ``out_dir`` is refused. Under
     ``torchrun`` rank ``r`` takes shards ``i`` with ``i % world == r``; rank 0 merges.
 
-    Returns a :class:`probe.corpus.read.Corpus` over ``out_dir`` (every rank gets it).
+    Returns a :class:`probe.corpus.read.Corpus` over ``out_dir`` (every rank gets it), or raises
+    :class:`CorpusFailed` (a ProbeError: CLI exit 2) when every text failed, its manifest written.
     """
     from probe.corpus.read import Corpus
 
@@ -289,7 +291,33 @@ def run_corpus(
         raise
     finally:
         group.close()
-    return Corpus(out)
+    return _result(Corpus(out))
+
+
+class CorpusFailed(ProbeError):
+    """A corpus run in which every text failed: nothing was captured.
+
+    The run itself is complete on disk (its manifest records each text's error), so the failure
+    is raised instead of returning an empty corpus that would only fail later; ``.corpus`` is the
+    :class:`~probe.corpus.read.Corpus` for inspecting the errors (``.corpus.errors``)."""
+
+    def __init__(self, corpus: Any) -> None:
+        m = corpus.manifest
+        i, err = next(iter(corpus.errors.items()))
+        first = (str(err).splitlines() or [""])[0]
+        first = first if len(first) <= 160 else first[:157] + "..."
+        super().__init__(
+            f"no text captured: all {m['n_texts']:,} texts failed (text {i}: {first}); "
+            f"each error is in {corpus.path / 'manifest.json'}"
+        )
+        self.corpus = corpus
+
+
+def _result(corpus: Any) -> Any:
+    """``corpus``, or :class:`CorpusFailed` raised when it holds texts and captured none."""
+    if corpus.manifest["n_texts"] and not corpus.manifest["n_ok"]:
+        raise CorpusFailed(corpus)
+    return corpus
 
 
 def _undo_new_run(out: Path, existed: bool) -> None:

@@ -27,9 +27,12 @@ def figure_uri(fig: Any, *, dpi: int = 100) -> str:
     """A matplotlib Figure as a ``data:image/png;base64,...`` URI; closes the figure if pyplot
     manages it (sections build bare ``Figure`` objects, so the user's pyplot backend and open
     figures are never touched: a report made in a notebook leaves its inline plotting working)."""
+    from probe.report.fonts import quiet_missing_glyphs
+
     buf = io.BytesIO()
     try:
-        fig.savefig(buf, format="png", dpi=dpi, bbox_inches="tight")
+        with quiet_missing_glyphs():  # without a CJK font, fonts.context warned once already
+            fig.savefig(buf, format="png", dpi=dpi, bbox_inches="tight")
     finally:
         if getattr(fig.canvas, "manager", None) is not None:
             import matplotlib.pyplot as plt

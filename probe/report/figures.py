@@ -5,12 +5,14 @@ nothing touches global pyplot state or the user's backend, nothing is shown, and
 compose them (``ax=``) and save them as PNG, SVG or PDF (:func:`save`). In Jupyter a returned
 Figure displays inline.
 
-Index convention: ``layer`` and ``head`` arguments are 0-based model indices, as in cache keys
-and ``cache.pattern``; titles count from 1 like the tutorials ("Layer 1, Head 1" is
-``heatmap(cache, 0, 0)``). Keys are on x, queries on y, row 0 at the top; every cell is drawn
-with its value, the masked upper triangle included (a causal leak shows up as colour there).
-Padding positions (``attention_mask`` 0) of the chosen batch row are cropped. Tick labels are the
-tokens; past what fits (about 90 labels per axis) every k-th is shown and the axis label says so.
+Index convention, the same in everything probe draws (figures, the report, its explorer): layers
+and heads count from 0, as in cache keys and ``cache.pattern`` ("Layer 0, Head 0" is
+``heatmap(cache, 0, 0)``, the first layer's first head). Only the tutorials' own figures
+(:mod:`probe.report.seeds`) keep their 1-based titles, and say so in the title. Keys are on x,
+queries on y, row 0 at the top; every cell is drawn with its value, the masked upper triangle
+included (a causal leak shows up as colour there). Padding positions (``attention_mask`` 0) of
+the chosen batch row are cropped. Tick labels are the tokens (whitespace made visible: ``␣``);
+past what fits (about 90 labels per axis) every k-th is shown and the axis label says so.
 """
 
 from __future__ import annotations
@@ -23,7 +25,8 @@ import torch
 from matplotlib.axes import Axes
 from matplotlib.figure import Figure
 
-from probe.cache.format import key, parse_key
+from probe.cache.axes import Axis
+from probe.cache.format import key
 from probe.errors import ProbeError
 from probe.report import fonts
 from probe.report import labels as lab
@@ -32,79 +35,30 @@ from probe.report.matrix import DPI, axis_title, label_axis, matrix, side_inches
 _MAX_LINES = 8  # over_time: default number of query rows drawn
 
 
-# -- reading heads out of a cache ------------------------------------------------------------
-def _default_stack(cache, stack: str | None, kind: str) -> str:
-    stacks = cache.stacks
-    if not stacks:
-        raise ProbeError("this cache holds no attention patterns; capture a model with probe.capture")
-    if stack is not None:
-        if stack not in stacks:
-            raise ProbeError(f"stack {stack!r} is not in this cache; it has {', '.join(stacks)}")
-        return stack
-    return "decoder" if kind == "cross" or "decoder" in stacks else stacks[0]
-
-
-def _pattern_layers(cache, stack: str, kind: str) -> list[int]:
-    name = f"{kind}_attn.pattern"
-    found = []
-    for k in cache.keys():
-        try:
-            s, layer, n = parse_key(k)
-        except ValueError:
-            continue
-        if s == stack and n == name:
-            found.append(layer)
-    return sorted(found)
-
-
-def _check_layer(cache, stack: str, layer: int, kind: str) -> None:
-    if kind not in ("self", "cross"):
-        raise ProbeError(f"kind must be 'self' or 'cross', not {kind!r}")
-    if key(stack, layer, f"{kind}_attn.pattern") in cache:
-        return
-    have = _pattern_layers(cache, stack, kind)
-    if not have:
-        what = "cross-attention (it is not an encoder-decoder)" if kind == "cross" else f"{kind}-attention"
-        raise ProbeError(f"this cache has no {what} in the {stack} stack")
-    raise ProbeError(f"layer {layer} of the {stack} stack is not in this cache; it has layers {have}")
-
-
+# -- reading heads out of a cache (the queries are the cache's own) -----------------------------
 def head_ids(cache, stack: str, layer: int, kind: str = "self") -> list[int]:
     """The model's head indices of the cached pattern's head axis (all, or those captured)."""
-    n = cache.shape(key(stack, layer, f"{kind}_attn.pattern"))[1]
-    captured = cache.metadata.get("heads_captured")
-    return list(captured) if captured and len(captured) == n else list(range(n))
+    return cache.head_ids(stack, layer, kind)
 
 
 def head_matrix(
     cache, layer: int, head: int = 0, *, stack: str | None = None, kind: str = "self", batch: int = 0
 ):
-    """One head's weights with padding cropped: ``(weights [n_query, n_key], query Side, key Side)``.
-
-    ``stack`` defaults to the decoder (or the only stack); ``head`` is the model's head index.
-    """
-    stack = _default_stack(cache, stack, kind)
-    _check_layer(cache, stack, layer, kind)
-    ids = head_ids(cache, stack, layer, kind)
-    if head not in ids:
-        raise ProbeError(f"head {head} is not in this cache's {stack} layer {layer}; it has heads {ids}")
-    k = key(stack, layer, f"{kind}_attn.pattern")
-    n_batch, _, n_q, n_k = cache.shape(k)
-    if not 0 <= batch < n_batch:
-        raise ProbeError(f"batch {batch} is out of range: the cache holds {n_batch} text(s)")
-    q_side, k_side = lab.sides(cache.metadata, stack, kind, batch, (n_q, n_k))
-    w = cache.pattern(stack, layer, kind, head=ids.index(head), batch=batch).float().numpy()
-    return w[np.ix_(q_side.positions, k_side.positions)], q_side, k_side
+    """One head's weights with padding cropped: ``(weights [n_query, n_key], query Axis, key Axis)``
+    (:meth:`probe.Cache.head_pattern` as a numpy array). ``stack`` defaults to the decoder (or the
+    only stack); ``head`` is the model's head index."""
+    w, q, k = cache.head_pattern(layer, head, stack=stack, kind=kind, batch=batch)
+    return w.numpy(), q, k
 
 
 def _title(cache, stack: str, layer: int, head: int, kind: str) -> str:
-    base = f"Layer {layer + 1}, Head {head + 1}"
+    base = f"Layer {layer}, Head {head}"
     if len(cache.stacks) > 1 or kind == "cross":
         return f"{stack.capitalize()} {kind}-attention, {base}"
     return base
 
 
-def _tick_names(side: lab.Side, ticks: str) -> list[str]:
+def _tick_names(side: Axis, ticks: str) -> list[str]:
     if ticks == "tokens":
         return side.tokens
     if ticks == "positions":
@@ -132,12 +86,13 @@ def heatmap(
 ) -> Figure:
     """One head's attention pattern: keys on x, queries on y, token labels, colour bar.
 
-    Title "Layer L, Head H" (1-based; prefixed with the stack for encoder-decoders) unless
-    ``title`` is given. The colour scale runs from ``vmin`` (0) to ``vmax`` (the head's largest
-    weight). ``ticks="positions"`` labels positions 0.. instead of tokens. Returns the Figure.
+    Title "Layer L, Head H" (0-based, as the arguments; prefixed with the stack for
+    encoder-decoders) unless ``title`` is given. The colour scale runs from ``vmin`` (0) to
+    ``vmax`` (the head's largest weight). ``ticks="positions"`` labels positions 0.. instead of
+    tokens. Returns the Figure.
     """
     w, q_side, k_side = head_matrix(cache, layer, head, stack=stack, kind=kind, batch=batch)
-    stack = _default_stack(cache, stack, kind)
+    stack = cache.pattern_stack(stack, kind)
     return matrix(
         w,
         _tick_names(k_side, ticks),
@@ -202,11 +157,9 @@ def overview(
     """
     if scale not in ("head", "shared"):
         raise ProbeError(f"scale must be 'head' or 'shared', not {scale!r}")
-    stack = _default_stack(cache, stack, kind)
-    layers = _pattern_layers(cache, stack, kind)
-    if not layers:
-        _check_layer(cache, stack, 0, kind)
-    heads = head_ids(cache, stack, layers[0], kind)
+    stack = cache.pattern_stack(stack, kind)
+    layers = cache.pattern_layers(stack, kind)
+    heads = cache.head_ids(stack, layers[0] if layers else 0, kind)  # a one-line error if none
     n_q, n_k = head_matrix(cache, layers[0], heads[0], stack=stack, kind=kind, batch=batch)[0].shape
     cell = max(8, max_pixels // max(len(layers), len(heads)))
     b = -(-max(n_q, n_k) // cell)
@@ -214,7 +167,7 @@ def overview(
     gap = max(1, round(max(h, w) / 12))
     grid = np.full((len(layers) * (h + gap) - gap, len(heads) * (w + gap) - gap), np.nan, dtype=np.float32)
     for r, layer in enumerate(layers):
-        for c, head in enumerate(head_ids(cache, stack, layer, kind)):
+        for c, head in enumerate(cache.head_ids(stack, layer, kind)):
             m = head_matrix(cache, layer, head, stack=stack, kind=kind, batch=batch)[0]
             if scale == "head":
                 m = m / max(float(np.nanmax(m)), np.finfo(np.float32).tiny)
@@ -233,8 +186,8 @@ def overview(
         interpolation="nearest" if max(grid.shape) <= pixels else "antialiased",
     )
     ax.xaxis.tick_top()
-    ax.set_xticks([c * (w + gap) + (w - 1) / 2 for c in range(len(heads))], [f"H{x + 1}" for x in heads])
-    ax.set_yticks([r * (h + gap) + (h - 1) / 2 for r in range(len(layers))], [f"L{x + 1}" for x in layers])
+    ax.set_xticks([c * (w + gap) + (w - 1) / 2 for c in range(len(heads))], [f"H{x}" for x in heads])
+    ax.set_yticks([r * (h + gap) + (h - 1) / 2 for r in range(len(layers))], [f"L{x}" for x in layers])
     ax.tick_params(length=0, labelsize=8 if max(len(heads), len(layers)) <= 16 else 6)
     for spine in ax.spines.values():
         spine.set_visible(False)
@@ -277,7 +230,7 @@ def over_time(
     if bad:
         raise ProbeError(f"queries {bad} are out of range: this row has {n_q} query positions (0..{n_q - 1})")
     title = (
-        f"Attention over time, {_title(cache, _default_stack(cache, stack, kind), layer, head, kind)}"
+        f"Attention over time, {_title(cache, cache.pattern_stack(stack, kind), layer, head, kind)}"
         if title is None
         else title
     )
@@ -324,38 +277,24 @@ def residual_norm_values(cache, stack: str, batch: int = 0) -> dict[str, tuple[l
     sublayer deltas, ``(layers, values)`` where a value is the L2 norm over d_model averaged over
     the row's real (unpadded) tokens. Series the cache lacks are left out."""
     out: dict[str, tuple[list[int], np.ndarray]] = {}
-    positions = None
+    positions = torch.as_tensor(cache.stream_axis(stack, batch).positions)
     for name, *_ in _RESIDUAL_SERIES:
-        layers, values = [], []
-        for k in cache.keys():
-            try:
-                s, layer, n = parse_key(k)
-            except ValueError:
-                continue
-            if s != stack or n != name:
-                continue
-            t = cache[k][batch].float()  # [pos, d_model]
-            if positions is None:
-                n_pos = t.shape[0]
-                positions = lab.sides(cache.metadata, stack, "self", batch, (n_pos, n_pos))[0].positions
-            layers.append(layer)
-            values.append(float(t[torch.as_tensor(positions)].norm(dim=-1).mean()))
+        layers = cache.layer_indices(stack, name)
+        values = [
+            float(cache[key(stack, i, name)][batch, positions].float().norm(dim=-1).mean()) for i in layers
+        ]
         if layers:
-            order = np.argsort(layers)
-            out[name] = ([layers[i] for i in order], np.asarray(values)[order])
+            out[name] = (layers, np.asarray(values))
     return out
 
 
 def residual_norms(cache, batch: int = 0) -> Figure:
     """|E| per layer (entering and leaving) and |ΔE| per sublayer (L2 over d_model, mean over real
-    tokens), one panel per stack, layers counted from 1. Returns the Figure."""
-    resid = [parse_key(k) for k in cache.keys() if k.endswith(("resid_pre", "resid_post", ".delta"))]
-    stacks = [s for s in cache.stacks if any(r[0] == s for r in resid)]
+    tokens), one panel per stack, layers counted from 0. Returns the Figure."""
+    names = [n for n, *_ in _RESIDUAL_SERIES]
+    stacks = [s for s in cache.stacks if any(cache.layer_indices(s, n) for n in names)]
     if not stacks:
         raise ProbeError("this cache holds no residual-stream tensors; capture without restricting them")
-    n_texts = cache.shape(key(*resid[0]))[0]
-    if not 0 <= batch < n_texts:
-        raise ProbeError(f"batch {batch} is out of range: the cache holds {n_texts} text(s)")
     fig = Figure(figsize=(6.0 * len(stacks), 4.2), dpi=DPI, layout="constrained")
     axes = fig.subplots(1, len(stacks), squeeze=False)[0]
     for ax, stack in zip(axes, stacks, strict=True):
@@ -363,10 +302,9 @@ def residual_norms(cache, batch: int = 0) -> Figure:
         for name, label, marker, style in _RESIDUAL_SERIES:
             if name in series:
                 layers, values = series[name]
-                ax.plot([l + 1 for l in layers], values, marker=marker, linestyle=style, label=label)
-        all_layers = sorted({l for layers, _ in series.values() for l in layers})
-        ax.set_xticks([l + 1 for l in all_layers])
-        ax.set_xlabel("Layer")
+                ax.plot(layers, values, marker=marker, linestyle=style, label=label)
+        ax.set_xticks(sorted({l for layers, _ in series.values() for l in layers}))
+        ax.set_xlabel(f"{stack} layer" if len(cache.stacks) > 1 else "layer")
         ax.set_ylabel("L2 norm (mean over tokens)")
         ax.set_title(f"Residual stream, {stack}" if len(cache.stacks) > 1 else "Residual stream")
         ax.set_ylim(bottom=0)

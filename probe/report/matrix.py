@@ -58,6 +58,12 @@ def label_axis(ax: Axes, which: str, names: Sequence[str]) -> int:
     idx = np.arange(0, n, k)
     shown = [lab.display(names[i]) for i in idx]
     if which == "x":
+        if any(fonts.has_cjk(s) for s in shown):
+            # rotated text would turn CJK characters on their side: stack every label's characters
+            # one above the other instead (upright, read top to bottom)
+            stacked = ["\n".join(s) for s in shown]
+            ax.set_xticks(idx, stacked, fontsize=size, parse_math=False, linespacing=1.0)
+            return k
         rotation = 90 if any(len(s) > 1 for s in shown) else 0
         ax.set_xticks(idx, shown, fontsize=size, rotation=rotation, parse_math=False)
     else:

@@ -12,6 +12,11 @@ What a student compares with the textbook (texts, titles and axis labels as in t
 
 Tutorial 004 labels all three of its plots with the source words on x and the target words on y;
 here each axis carries the tokens that really are its queries and keys.
+
+This module draws from caches only: the captures on the tutorials' texts (:data:`TEXTS`) are the
+caller's (``probe.plot.seed_caches`` makes them; ``probe report --model`` does it with the model it
+loaded). Titles follow probe's convention (layers and heads from 0) except tutorial 001's, which
+keeps the tutorial's "Layer 1, Head 1" and says in the title which probe layer and head it is.
 """
 
 from __future__ import annotations
@@ -33,6 +38,12 @@ MINIGPT_TEXT = "attention lets tokens"
 FUSED_TEXT = "3141592653"
 TRANSLATOR_SOURCE = "ich mochte ein bier P"
 TRANSLATOR_TARGET = "S i want a beer"
+# what each model is captured on: (text, decoder target text or None)
+TEXTS: dict[str, tuple[str, str | None]] = {
+    "minigpt": (MINIGPT_TEXT, None),
+    "fused_decoder": (FUSED_TEXT, None),
+    "translator": (TRANSLATOR_SOURCE, TRANSLATOR_TARGET),
+}
 
 
 @dataclass
@@ -46,26 +57,20 @@ class SeedFigure:
     figure: Figure
 
 
-def seed_caches(names: Iterable[str] = MODELS) -> dict:
-    """Capture each named zoo model on its tutorial's text: ``{name: probe.Cache}``.
+def _check_name(name: str) -> None:
+    if name not in MODELS:
+        raise ProbeError(f"no tutorial figures for model {name!r}; choose from {', '.join(MODELS)}")
 
-    The translator is trained on first use (about a minute) and cached by ``models.load``.
-    """
-    import models  # the zoo ships beside probe; imported only when seed figures are asked for
-    from probe.forward import capture
 
-    out = {}
-    for name in names:
-        if name not in MODELS:
-            raise ProbeError(f"no tutorial figures for model {name!r}; choose from {', '.join(MODELS)}")
-        model = models.load(name)
-        if name == "minigpt":
-            out[name] = capture(model, MINIGPT_TEXT)
-        elif name == "fused_decoder":
-            out[name] = capture(model, FUSED_TEXT)
-        else:
-            out[name] = capture(model, TRANSLATOR_SOURCE, target=TRANSLATOR_TARGET)
-    return out
+def is_tutorial_cache(cache, name: str | None = None) -> bool:
+    """Whether ``cache`` is zoo model ``name`` (default: the cache's own model) captured on its
+    tutorial's text, one text (and for the translator the tutorial's target)."""
+    meta = cache.metadata
+    name = name or (meta.get("model") or {}).get("name")
+    if name not in TEXTS or (meta.get("model") or {}).get("name") != name:
+        return False
+    text, target = TEXTS[name]
+    return meta.get("texts") == [text] and (target is None or meta.get("target_texts") == [target])
 
 
 def _minigpt(cache) -> list[SeedFigure]:
@@ -73,15 +78,17 @@ def _minigpt(cache) -> list[SeedFigure]:
         cache,
         0,
         0,
-        title="Layer 1, Head 1 attention weights",
+        title="Layer 1, Head 1 attention weights\n(the tutorial counts from 1: probe's layer 0, head 0)",
         xlabel="Key / 被读取的位置",
         ylabel="Query / 当前预测的位置",
         cmap="Blues",
     )
     caption = (
         "Tutorial 001, section 9: the trained mini-GPT's first layer, first head on "
-        f"'{MINIGPT_TEXT}'. Row i is what position i reads; the causal mask makes every cell "
-        "right of the diagonal 0."
+        f"'{_text(cache, MINIGPT_TEXT)}'. Row i is what position i reads; the causal mask makes every "
+        "cell right of the diagonal 0. The axis labels are the tutorial's own, in English and "
+        "Chinese: 被读取的位置 'the position being read' (the keys), 当前预测的位置 'the position "
+        "being predicted' (the queries). ␣ marks a space."
     )
     return [SeedFigure("minigpt_layer1_head1", "001", caption, fig)]
 
@@ -111,7 +118,7 @@ def _fused(cache) -> list[SeedFigure]:
         SeedFigure(
             "fused_decoder_head0",
             "003",
-            f"Tutorial 003: head 0 of the fused-QKV masked decoder on the digits {FUSED_TEXT}; "
+            f"Tutorial 003: head 0 of the fused-QKV masked decoder on the digits {_text(cache, FUSED_TEXT)}; "
             "the upper triangle (future keys) is 0.",
             heat,
         ),
@@ -126,8 +133,9 @@ def _fused(cache) -> list[SeedFigure]:
 
 
 def _translator(cache) -> list[SeedFigure]:
-    last = cache.n_layers("decoder") - 1
-    enc = figures.heatmap(cache, cache.n_layers("encoder") - 1, 0, stack="encoder", cmap="viridis")
+    last = cache.pattern_layers("decoder")[-1]
+    enc_last = cache.pattern_layers("encoder")[-1]
+    enc = figures.heatmap(cache, enc_last, 0, stack="encoder", cmap="viridis")
     dec = figures.heatmap(cache, last, 0, stack="decoder", cmap="viridis")
     crs = figures.heatmap(
         cache,
@@ -143,22 +151,25 @@ def _translator(cache) -> list[SeedFigure]:
         SeedFigure(
             "translator_enc_self_attn",
             "004",
-            f"Tutorial 004, first figure: last encoder layer, first head, over '{TRANSLATOR_SOURCE}'. "
-            "The P (padding) column is 0: the pad mask hides it.",
+            f"Tutorial 004, first figure: the last encoder layer ({enc_last}), first head (0), over "
+            f"'{_text(cache, TRANSLATOR_SOURCE)}'. P is the padding word: its column is 0, the pad "
+            "mask hides it.",
             enc,
         ),
         SeedFigure(
             "translator_dec_self_attn",
             "004",
-            f"Tutorial 004, second figure: last decoder layer, first head, over '{TRANSLATOR_TARGET}'. "
-            "The upper triangle is 0: the subsequent mask hides future words.",
+            f"Tutorial 004, second figure: the last decoder layer ({last}), first head (0), over "
+            f"'{_text(cache, TRANSLATOR_TARGET, 'target_texts')}'. S is the start token the decoder "
+            "reads first (teacher forcing). The upper triangle is 0: the subsequent mask hides "
+            "future words.",
             dec,
         ),
         SeedFigure(
             "translator_dec_enc_attn",
             "004",
-            "Tutorial 004, third figure: decoder-encoder attention of the last layer, first head: "
-            "English queries over German keys; the P column is 0.",
+            f"Tutorial 004, third figure: decoder-encoder attention of the last layer ({last}), first "
+            "head (0): English queries (S = start) over German keys; the P (padding) column is 0.",
             crs,
         ),
     ]
@@ -167,33 +178,41 @@ def _translator(cache) -> list[SeedFigure]:
 _BUILDERS = {"minigpt": _minigpt, "fused_decoder": _fused, "translator": _translator}
 
 
-def figures_for(
-    caches: Mapping[str, object] | None = None, names: Iterable[str] = MODELS
-) -> list[SeedFigure]:
-    """The tutorials' figures (see the module docstring), in tutorial order.
+def _text(cache, default: str, field: str = "texts") -> str:
+    """The first text the cache was captured on (the tutorial's ``default`` if it holds none)."""
+    texts = cache.metadata.get(field) or []
+    return str(texts[0]) if texts and texts[0] is not None else default
 
-    ``caches`` maps model name to a cache captured on the tutorial's text (:func:`seed_caches`
-    makes them; pass your own to skip the captures). Returns a list of :class:`SeedFigure`.
+
+def figures_for(caches: Mapping[str, object], names: Iterable[str] | None = None) -> list[SeedFigure]:
+    """The tutorials' figures (see the module docstring), in tutorial order, drawn from ``caches``.
+
+    ``caches`` maps a zoo model name to a cache of that model captured on the tutorial's text
+    (:data:`TEXTS`; ``probe.plot.seed_caches`` makes them); ``names`` picks some (default: every
+    name in ``caches``). Returns a list of :class:`SeedFigure`.
     """
-    names = list(names)
-    if caches is None:
-        caches = seed_caches(names)
+    names = [n for n in MODELS if n in caches] if names is None else list(names)
     out: list[SeedFigure] = []
     for name in names:
-        if name not in _BUILDERS:
-            raise ProbeError(f"no tutorial figures for model {name!r}; choose from {', '.join(MODELS)}")
+        _check_name(name)
+        if name not in caches:
+            raise ProbeError(
+                f"no cache for {name!r}; capture it on its tutorial's text first "
+                f"(probe.plot.seed_caches([{name!r}]))"
+            )
         out.extend(_BUILDERS[name](caches[name]))
     return out
 
 
-def seed_figures(
-    out_dir: str | os.PathLike, *, names: Iterable[str] = MODELS, fmt: str = "png", caches=None
+def write_figures(
+    out_dir: str | os.PathLike,
+    caches: Mapping[str, object],
+    names: Iterable[str] | None = None,
+    fmt: str = "png",
 ) -> list[Path]:
-    """Write the tutorials' figures into ``out_dir`` as ``<name>.<fmt>``; returns the paths."""
-    paths = []
-    for seed in figures_for(caches, names):
-        paths.append(save(seed.figure, Path(out_dir) / f"{seed.name}.{fmt}"))
-    return paths
+    """Write the tutorials' figures of ``caches`` into ``out_dir`` as ``<name>.<fmt>``; returns
+    the paths."""
+    return [save(f.figure, Path(out_dir) / f"{f.name}.{fmt}") for f in figures_for(caches, names)]
 
 
-__all__ = ["SeedFigure", "seed_caches", "figures_for", "seed_figures", "MODELS"]
+__all__ = ["SeedFigure", "figures_for", "write_figures", "is_tutorial_cache", "MODELS", "TEXTS"]

@@ -7,10 +7,13 @@
 
 Modules: :mod:`.words` (tokens -> words, special tokens), :mod:`.gold` (Pharaoh/talp IO),
 :mod:`.metrics` (AER, precision, recall, diagonality, monotonicity, coverage, entropy, jumps,
-symmetrization), :mod:`.core` (soft matrices, :class:`Alignment`, :func:`align`).
+symmetrization), :mod:`.core` (soft matrices, :class:`Alignment`, :func:`align`),
+:mod:`.diagonal` (without gold: the most diagonal single heads, to compare with the heuristic
+default).
 """
 
 from probe.analysis.alignment.core import Alignment, align, cross_layers, hard_links, soft_matrices
+from probe.analysis.alignment.diagonal import candidates
 from probe.analysis.alignment.gold import Gold, parse_gold, pharaoh, read_gold
 from probe.analysis.alignment.metrics import kendall_tau_b, scores, shape_stats, symmetrize
 from probe.analysis.alignment.words import Words, group_words, special_positions
@@ -18,6 +21,7 @@ from probe.analysis.alignment.words import Words, group_words, special_positions
 __all__ = [
     "Alignment",
     "align",
+    "candidates",
     "cross_layers",
     "hard_links",
     "soft_matrices",

@@ -164,88 +164,72 @@ class Functional:
         self._localise(rows[i][1], t, q, worst, future_heads)
 
     def _localise(self, perturbed, t, q, worst, future_heads) -> None:
+        """Trace the text and its ``perturbed`` copy (one forward) to name the first layer whose
+        residual stream at positions <= ``t`` changes, and the heads or sublayer to blame."""
         pair = torch.cat([self.x, perturbed])
         cache = self.trace(lambda: forward.call(self.model, pair, encoder_ids=self._enc(pair)))
         self.checks[-1]["forwards"] += 1
-        first = None
-        stack = None if cache is None else (self.stack if self.stack in cache.stacks else cache.stacks[-1])
-        for layer in range(cache.n_layers(stack) if cache is not None else 0):
-            k = f"{stack}.blocks.{layer}.resid_post"
-            if k not in cache:
-                continue
-            s = cache[k]
-            if relative_change(s[1, : t + 1], s[0, : t + 1]) > self.tol["stream"]:
-                first = layer
-                break
-        heads = [] if first is None else future_heads.get(first, [])
         if cache is None and future_heads:
             return  # the heads that look ahead are reported by the static checks already
+        stack = None if cache is None else (self.stack if self.stack in cache.stacks else cache.stacks[-1])
+        first = None if cache is None else self._first_changed(cache, stack, "resid_post", t)
+        found = Finding("suffix_leak", self.label, first, None, q, t + 1, worst, check="suffix")
         if first is None:
             where = (
                 "probe could not trace the perturbed forward to place it"
                 if cache is None
                 else "no layer's residual stream does (the leak is after the last layer)"
             )
-            self.findings.append(
-                Finding(
-                    "suffix_leak",
-                    self.label,
-                    None,
-                    None,
-                    q,
-                    t + 1,
-                    worst,
-                    f"outputs at positions <= {t} change (by {worst:.3g}) when only tokens after {t} "
-                    f"change; {where}",
-                    check="suffix",
-                )
+            found.evidence = (
+                f"outputs at positions <= {t} change (by {worst:.3g}) when only tokens after {t} "
+                f"change; {where}"
             )
+            self.findings.append(found)
             return
-        attn_k, mlp_k = f"{stack}.blocks.{first}.self_attn.delta", f"{stack}.blocks.{first}.mlp.delta"
-        d_attn, d_mlp = (
-            relative_change(cache[k][1, : t + 1], cache[k][0, : t + 1]) if k in cache else None
-            for k in (attn_k, mlp_k)
-        )
+        heads = future_heads.get(first, [])
         if heads and any((first, h) in self.known for h in heads):
             self.checks[-1]["detail"] += f"; the stream first changes at layer {first}, heads {heads}"
             return
         if heads:
-            self.findings.append(
-                Finding(
-                    "suffix_leak",
-                    self.label,
-                    first,
-                    heads[0],
-                    q,
-                    t + 1,
-                    worst,
-                    f"outputs at positions <= {t} change by {worst:.3g} when only later tokens change; "
-                    f"the residual stream first changes at layer {first}, where heads {heads} "
-                    "attend to later keys",
-                    check="suffix",
-                )
+            found.head = heads[0]
+            found.evidence = (
+                f"outputs at positions <= {t} change by {worst:.3g} when only later tokens change; "
+                f"the residual stream first changes at layer {first}, where heads {heads} "
+                "attend to later keys"
             )
+            self.findings.append(found)
             return
-        earlier = sorted(layer for layer in future_heads if layer < first)
-        if earlier:
+        if any(layer < first for layer in future_heads):
             return  # explained by an earlier layer's heads (already reported statically)
-        part = "the MLP sublayer" if (d_mlp or 0) > self.tol["stream"] >= (d_attn or 0) else "this layer"
-        self.findings.append(
-            Finding(
-                "leak_outside_attention",
-                self.label,
-                first,
-                None,
-                q,
-                t + 1,
-                worst,
-                f"no head attends to later keys, yet the residual stream at positions <= {t} first "
-                f"changes in layer {first}, in {part} (attention delta changed {d_attn or 0:.3g}, "
-                f"MLP delta {d_mlp or 0:.3g}): something mixes positions outside attention, "
-                "e.g. a token shift in the wrong direction",
-                check="suffix",
-            )
+        d_attn, d_mlp = (
+            self._change(cache, f"{stack}.blocks.{first}.{part}.delta", t) for part in ("self_attn", "mlp")
         )
+        part = "the MLP sublayer" if d_mlp > self.tol["stream"] >= d_attn else "this layer"
+        found.kind = "leak_outside_attention"
+        found.evidence = (
+            f"no head attends to later keys, yet the residual stream at positions <= {t} first "
+            f"changes in layer {first}, in {part} (attention delta changed {d_attn:.3g}, "
+            f"MLP delta {d_mlp:.3g}): something mixes positions outside attention, "
+            "e.g. a token shift in the wrong direction"
+        )
+        self.findings.append(found)
+
+    def _first_changed(self, cache, stack: str, name: str, t: int) -> int | None:
+        """The first layer whose ``name`` tensor (text 0 vs text 1 of ``cache``) changes at
+        positions <= ``t`` by more than the stream tolerance, or None."""
+        for layer in range(cache.n_layers(stack)):
+            if self._change(cache, f"{stack}.blocks.{layer}.{name}", t) > self.tol["stream"]:
+                return layer
+        return None
+
+    @staticmethod
+    def _change(cache, key: str, t: int) -> float:
+        """:func:`relative_change` of ``cache[key]`` between its texts 1 and 0 at positions <= ``t``
+        (0 when the cache lacks the key)."""
+        if key not in cache:
+            return 0.0
+        s = cache[key]
+        return relative_change(s[1, : t + 1], s[0, : t + 1])
 
     # -- (b) gradient ----------------------------------------------------------------------------
     def gradient(self, explained: bool = False) -> None:

@@ -101,18 +101,18 @@ def kv_cache(fc: Functional, expect) -> None:
     n = T // 2
     with torch.no_grad():
         o1 = forward.call(fc.model, fc.x[:, :n], use_cache=True)
-        past = getattr(o1, "past_key_values", None)
+        past = forward.kv_cache_of(o1)
         if past is None:
-            fc.skip("kv_cache", "the model returned no past_key_values")
+            fc.skip("kv_cache", "asked with use_cache=True, the model returned no KV cache")
             return
         o2 = forward.call(fc.model, fc.x[:, n : T - 1], past_key_values=past, use_cache=True)
-        o3 = forward.call(fc.model, fc.x[:, T - 1 :], past_key_values=o2.past_key_values)
+        o3 = forward.call(fc.model, fc.x[:, T - 1 :], past_key_values=forward.kv_cache_of(o2))
     inc = torch.cat([forward.outputs_of(o) for o in (o1, o2, o3)], 1)
     d = _agrees(fc, "kv_cache", inc, 3, f"prefix {n}, chunk {T - 1 - n}, then 1 token; ")
     if d is None:
         return
     with torch.no_grad():
-        past = forward.call(fc.model, fc.x[:, :n], use_cache=True).past_key_values
+        past = forward.kv_cache_of(forward.call(fc.model, fc.x[:, :n], use_cache=True))
     chunk = fc.x[:, n : T - 1]
     cache = fc.trace(lambda: forward.call(fc.model, chunk, past_key_values=past, use_cache=True))
     fc.checks[-1]["forwards"] += 2
@@ -153,7 +153,7 @@ def backend(fc: Functional) -> None:
     """Eager and SDPA attention give the same outputs (transformers models that offer both)."""
     other = forward.other_backend(fc.model)
     if other is None:
-        fc.skip("backend", "the model offers one attention backend")
+        fc.skip("backend", "the model has no eager/SDPA switch")
         return
     current, name, twin = other
     was = fc.leaked

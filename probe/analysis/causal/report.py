@@ -74,6 +74,11 @@ class Finding:
         return " ".join(parts) or "model"
 
 
+# The checks of one audit: the static checks read the capture (its check record is "capture"); the
+# functional ones run the model. A check that did not run is named in the verdict with the reason.
+CHECKS = ("static", "suffix", "gradient", "padding", "kv_cache", "backend")
+FUNCTIONAL = CHECKS[1:]
+
 COLUMNS = ["kind", "stack", "layer", "head", "query", "key", "magnitude", "check", "evidence"]
 CHECK_COLUMNS = ["check", "status", "forwards", "backwards", "detail"]
 
@@ -87,7 +92,9 @@ class CausalReport:
     forwards and backwards; ``expected`` is what each stack was held to (``causal``,
     ``bidirectional`` or ``window N``); ``notes`` are things worth knowing that are not leaks;
     ``grids[stack]`` holds per layer x head ``future`` and ``pad`` mass (max over rows) and the
-    ``window`` actually used, for the report's heatmaps.
+    ``window`` actually used, for the report's heatmaps. ``functional_skipped`` says why the
+    functional checks did not run at all (a cache alone, ``functional=False``, no causal stack,
+    too short a text), None when they ran; :attr:`not_run` names every check that did not run.
     """
 
     findings: list[Finding] = field(default_factory=list)
@@ -97,10 +104,12 @@ class CausalReport:
     grids: dict[str, dict[str, list[list[float]]]] = field(default_factory=dict)
     dtype: str = "float32"
     model: str = "?"
+    functional_skipped: str | None = None
 
     @property
     def ok(self) -> bool:
-        """True when the audit found no leak and no broken row."""
+        """True when the audit found no leak and no broken row (:attr:`complete` says whether
+        every check ran; the verdict names those that did not)."""
         return not self.findings
 
     @property
@@ -125,15 +134,39 @@ class CausalReport:
             sum(int(c.get("backwards") or 0) for c in self.checks),
         )
 
+    @property
+    def not_run(self) -> dict[str, str]:
+        """``{check: why}`` for each of :data:`CHECKS` that did not run, in that order (empty when
+        the audit is complete). The static checks always run."""
+        skipped = {c["check"]: str(c.get("detail") or "") for c in self.checks if c["status"] == "skipped"}
+        ran = {c["check"] for c in self.checks if c["status"] != "skipped"}
+        out = {}
+        for check in FUNCTIONAL:
+            if check in skipped:
+                out[check] = skipped[check]
+            elif check not in ran:
+                out[check] = self.functional_skipped or "not reached"
+        return out
+
+    @property
+    def complete(self) -> bool:
+        """True when every one of :data:`CHECKS` ran (:attr:`not_run` is empty)."""
+        return not self.not_run
+
     def to_dict(self) -> dict[str, Any]:
-        """Plain data: ok, model, dtype, expected, findings, checks, notes, grids, tolerances."""
+        """Plain data: ok, complete, verdict, model, dtype, expected, findings, checks, not_run
+        (``{check: why}``), functional_skipped, notes, grids, tolerances."""
         return {
             "ok": self.ok,
+            "complete": self.complete,
+            "verdict": self.verdict(),
             "model": self.model,
             "dtype": self.dtype,
             "expected": dict(self.expected),
             "findings": [asdict(f) for f in self.findings],
             "checks": list(self.checks),
+            "not_run": self.not_run,
+            "functional_skipped": self.functional_skipped,
             "notes": list(self.notes),
             "grids": self.grids,
             "tolerances": TOLERANCES.get(self.dtype, TOLERANCES["float32"]),
@@ -144,12 +177,23 @@ class CausalReport:
         return json.dumps(self.to_dict(), indent=indent, ensure_ascii=False)
 
     def verdict(self) -> str:
-        """One line: causal, or how many problems of which kinds."""
-        if self.ok:
-            held = ", ".join(f"{s}: {e}" for s, e in self.expected.items())
+        """One line: what was found, and every check that did not run with the reason.
+
+        ``OK: no leak found (decoder: causal)`` when all :data:`CHECKS` ran;
+        ``OK on 5 of 6 checks: no leak found (decoder: causal); kv_cache not run: <why>`` when some
+        did not (checks with the same reason share it: ``padding, kv_cache not run: <why>``);
+        ``LEAK: 2 finding(s): <kinds>``, followed by the same ``; <check> not run: <why>`` parts."""
+        missing = self.not_run
+        by_reason: dict[str, list[str]] = {}
+        for check, why in missing.items():
+            by_reason.setdefault(why, []).append(check)
+        gaps = "".join(f"; {', '.join(checks)} not run: {why}" for why, checks in by_reason.items())
+        if not self.ok:
+            return f"LEAK: {len(self.findings)} finding(s): {', '.join(sorted(self.kinds()))}{gaps}"
+        held = ", ".join(f"{s}: {e}" for s, e in self.expected.items())
+        if not missing:
             return f"OK: no leak found ({held})"
-        kinds = sorted(self.kinds())
-        return f"LEAK: {len(self.findings)} finding(s): {', '.join(kinds)}"
+        return f"OK on {len(CHECKS) - len(missing)} of {len(CHECKS)} checks: no leak found ({held}){gaps}"
 
     def __str__(self) -> str:
         lines = [f"causal-mask audit of {self.model}: {self.verdict()}"]
@@ -159,7 +203,7 @@ class CausalReport:
             lines.append(Table(rows, ["#"] + short).to_text(max_rows=20))
             lines.extend(f"  {i + 1}. {f.evidence}" for i, f in enumerate(self.findings[:20]))
         fw, bw = self.cost()
-        ran = [f"{c['check']} {c['status']}" for c in self.checks]
+        ran = [f"{c['check']} {'not run' if c['status'] == 'skipped' else c['status']}" for c in self.checks]
         if ran:
             lines.append(f"checks: {'; '.join(ran)}  (cost: {fw} forwards, {bw} backward)")
         lines.extend(f"note: {n}" for n in self.notes)
@@ -169,7 +213,7 @@ class CausalReport:
         return f"<CausalReport ok={self.ok} findings={len(self.findings)} model={self.model!r}>"
 
     def _repr_html_(self) -> str:
-        colour = "#1a7f37" if self.ok else "#cf222e"
+        colour = ("#1a7f37" if self.complete else "#9a6700") if self.ok else "#cf222e"
         parts = [
             f'<div class="probe-causal"><p style="color:{colour};font-weight:bold">'
             f"{html.escape(self.verdict())}</p>"

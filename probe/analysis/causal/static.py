@@ -9,13 +9,13 @@ Bidirectional stacks and cross-attention get the padding and row checks only.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
+from probe.analysis.causal.expect import Expect
 from probe.analysis.causal.report import Finding
-
-Expect = Any  # "causal", "bidirectional" or an int window
 
 
 def _key_mask(meta: dict, stack: str, kind: str, batch: int, n: int, cross_stack: bool) -> torch.Tensor:
@@ -43,6 +43,67 @@ def _query_mask(meta: dict, stack: str, kind: str, batch: int, n: int) -> torch.
     return torch.ones(batch, n, dtype=torch.bool)
 
 
+@dataclass
+class _Pattern:
+    """One layer's pattern [batch, head, query, key] and what every check reads from it."""
+
+    p0: torch.Tensor  # the pattern in float32, NaN/inf set to 0
+    finite: torch.Tensor  # [B, H, Q] rows without NaN/inf
+    rows: torch.Tensor  # [B, H, Q] real query rows
+    qmask: torch.Tensor  # [B, Q] real queries
+    padkey: torch.Tensor  # [B, 1, 1, K] padding keys
+    expect: Expect
+    tol: dict[str, float]
+    offset: int  # a KV cache: query i sits at position offset + i (bottom-right alignment)
+    future: torch.Tensor  # [Q, K] keys after the query
+    past: torch.Tensor  # [Q, K] keys before the query
+    fmass: torch.Tensor  # [B, H, Q] mass on later keys (0 when not held to causal)
+    pad_mass: torch.Tensor  # [B, H, Q] mass on padding keys
+    first: torch.Tensor  # [B, H, Q] the earliest real, non-future key with weight (K: none)
+    span: torch.Tensor  # [B, H, Q] keys back from the query to ``first``, itself included
+    exact: list[bool]  # per head: every future cell of every real row exactly 0
+
+    @property
+    def causal(self) -> bool:
+        return self.expect != "bidirectional"
+
+
+def _measure(p, qmask, kmask, expect, tol) -> _Pattern:
+    """The masks and per-row masses of pattern ``p`` that the checks share."""
+    p = p.float()
+    B, H, Q, K = p.shape
+    offset = K - Q
+    qpos = torch.arange(Q)[:, None] + offset
+    kpos = torch.arange(K)[None, :]
+    future = kpos > qpos
+    rows = qmask[:, None, :].expand(B, H, Q)
+    p0 = torch.nan_to_num(p, nan=0.0, posinf=0.0, neginf=0.0)
+    padkey = ~kmask[:, None, None, :]
+    causal = expect != "bidirectional"
+    fmass = (p0 * future).sum(-1).masked_fill(~rows, 0) if causal else torch.zeros(B, H, Q)
+    # the window actually used: how far back the earliest real key with weight lies
+    nz = (p0 > tol["mass"]) & kmask[:, None, None, :] & ~future & rows[..., None]
+    seen = nz.any(-1)
+    first = torch.where(seen, nz.to(torch.uint8).argmax(-1), K)  # argmax: the first True key
+    return _Pattern(
+        p0=p0,
+        finite=torch.isfinite(p).all(-1),
+        rows=rows,
+        qmask=qmask,
+        padkey=padkey,
+        expect=expect,
+        tol=tol,
+        offset=offset,
+        future=future,
+        past=kpos < qpos,
+        fmass=fmass,
+        pad_mass=(p0 * padkey).sum(-1).masked_fill(~rows, 0),
+        first=first,
+        span=(qpos[:, 0] - first + 1).masked_fill(~seen, 0),
+        exact=(~((p0 * future != 0) & rows[..., None]).flatten(2).any(-1).any(0)).tolist(),
+    )
+
+
 def check_pattern(
     p: torch.Tensor,
     qmask: torch.Tensor,
@@ -55,180 +116,161 @@ def check_pattern(
 
     ``qmask``/``kmask`` [batch, query]/[batch, key] mark real tokens. The stats dict has
     ``future``, ``pad`` (max mass over real rows, per head) and ``window`` (keys back used, per head).
+    Per head, in this order: the row checks (top-left KV alignment, a masked diagonal, NaN/inf
+    rows, row sums), weight on later keys, a window wider than expected, weight on padding.
     """
-    p = p.float()
-    B, H, Q, K = p.shape
-    offset = K - Q  # a KV cache: query i sits at position offset + i (bottom-right alignment)
-    qpos = torch.arange(Q)[:, None] + offset
-    kpos = torch.arange(K)[None, :]
-    future = kpos > qpos  # [Q, K]
-    past = kpos < qpos
-    causal = expect != "bidirectional"
-    rows = qmask[:, None, :].expand(B, H, Q)  # real query rows
-    finite = torch.isfinite(p).all(-1)
-    p0 = torch.nan_to_num(p, nan=0.0, posinf=0.0, neginf=0.0)
-    padkey = ~kmask[:, None, None, :]
-    pad_mass = (p0 * padkey).sum(-1).masked_fill(~rows, 0)
-    stats: dict[str, list[float]] = {"future": [0.0] * H, "pad": [0.0] * H, "window": [0.0] * H}
+    m = _measure(p, qmask, kmask, expect, tol)
+    H = p.shape[1]
+    stats = {
+        "future": [float(m.fmass[:, h].max()) for h in range(H)],
+        "pad": [float(m.pad_mass[:, h].max()) for h in range(H)],
+        "window": [float(m.span[:, h].max()) for h in range(H)],
+    }
     found: list[Finding] = []
-
-    def add(kind, h, b, q, k, mag, ev):
-        found.append(Finding(kind, where["stack"], where["layer"], h, q, k, float(mag), ev, text=b))
-
-    fmass = (p0 * future).sum(-1).masked_fill(~rows, 0) if causal else torch.zeros(B, H, Q)
-    # the window actually used: how far back the earliest real key with weight lies
-    nz = (p0 > tol["mass"]) & kmask[:, None, None, :] & ~future & rows[..., None]
-    seen = nz.any(-1)
-    first = torch.where(seen, nz.to(torch.uint8).argmax(-1), K)  # argmax: the first True key
-    span = (qpos[:, 0] - first + 1).masked_fill(~seen, 0)  # [B, H, Q]
-    # per head: every future cell of every real row exactly 0
-    exact = (~((p0 * future != 0) & rows[..., None]).flatten(2).any(-1).any(0)).tolist()
-    row_sums = p0.sum(-1)
     for h in range(H):
-        stats["future"][h] = float(fmass[:, h].max())
-        stats["pad"][h] = float(pad_mass[:, h].max())
-        stats["window"][h] = float(span[:, h].max())
-    for h in range(H):
-        r = rows[:, h]
-        bad_rows = r & ~finite[:, h]
-        diag_zero = top_left = False
-        if causal and offset > 0:
-            # KV cache: query i (position offset+i) must see keys up to offset+i. Top-left alignment
-            # (is_causal=True with q_len != k_len) hides keys i+1 .. offset+i instead.
-            tl_hidden = (kpos > torch.arange(Q)[:, None]) & ~future
-            seen = (p0[:, h] * tl_hidden).masked_fill(~r[..., None], 0).sum(-1)
-            top_left = bool(r.any()) and bool((seen[r] <= tol["mass"]).all())
-        if top_left:
-            b, q = _first(r)
-            add(
-                "kv_alignment",
-                h,
-                b,
-                q + offset,
-                q + 1,
-                float(offset),
-                f"with {offset} cached keys, query {q + offset} sees keys 0..{q} only: the causal "
-                "mask is aligned top-left (is_causal=True with a KV cache); align it bottom-right",
-            )
-        elif causal and Q > 1:
-            d = p0[:, h, torch.arange(Q), (torch.arange(Q) + offset)]  # [B, Q]
-            ok_rows = r & finite[:, h]
-            diag_zero = bool(ok_rows.any()) and bool((d[ok_rows] == 0).all())
-        if diag_zero:
-            b, q = _first(bad_rows) if bad_rows.any() else _first(r)
-            n_nan = int(bad_rows.sum())
-            add(
-                "masked_diagonal",
-                h,
-                b,
-                q,
-                q + offset,
-                n_nan,
-                f"no query attends to itself; {n_nan} row(s) have no visible key and are NaN "
-                "(mask built with triu(diagonal=0); use diagonal=1)",
-            )
-        elif bad_rows.any():
-            b, q = _first(bad_rows)
-            add(
-                "non_finite",
-                h,
-                b,
-                q,
-                None,
-                int(bad_rows.sum()),
-                f"{int(bad_rows.sum())} attention row(s) hold NaN/inf, first at text {b} query {q} "
-                "(a mask fill that overflows this dtype, or a fully masked row)",
-            )
-        sums = row_sums[:, h]
-        dev = (sums - 1).abs().masked_fill(~(r & finite[:, h]), 0)
-        if float(dev.max()) > tol["rowsum"]:
-            b, q = _argmax2(dev)
-            add(
-                "rows_not_normalised",
-                h,
-                b,
-                q,
-                None,
-                float(dev.max()),
-                f"row sums range {float(sums[r & finite[:, h]].min()):.4g}..."
-                f"{float(sums[r & finite[:, h]].max()):.4g} (should be 1)",
-            )
-        fm = float(fmass[:, h].max())
-        if causal and fm > tol["mass"]:
-            cells = (p0[:, h] * future).masked_fill(~r[..., None], 0)
-            b, q, k = _argmax3(cells)
-            n_rows = int((fmass[:, h] > tol["mass"]).sum())
-            lower_zero = bool(((p0[:, h] * past)[r] == 0).all()) and Q > 1
-            others = [g for g in range(H) if g != h and exact[g]]
-            if lower_zero:
-                kind, why = "swapped_mask", "every earlier key has weight exactly 0 while later keys are seen"
-            elif others and not bool((p0[:, h].masked_select(future & r[..., None]) == 0).any()):
-                kind, why = (
-                    "unmasked_head",
-                    f"heads {others} of this layer are exactly causal, this one is not",
-                )
-            else:
-                kind, why = "future_attention", "weight above the diagonal"
-            add(
-                kind,
-                h,
-                b,
-                q,
-                k,
-                fm,
-                f"{why}: up to {fm:.3g} of a row's mass on later keys ({n_rows} row(s)); "
-                f"worst cell query {q} -> key {k} = {float(cells[b, q, k]):.3g}",
-            )
-        if isinstance(expect, int) and not isinstance(expect, bool):
-            used = int(span[:, h].max())
-            if used > expect:
-                b, q = _argmax2(span[:, h].float())
-                k = int(first[b, h, q])
-                add(
-                    "window_too_wide",
-                    h,
-                    b,
-                    q + offset,
-                    k,
-                    used,
-                    f"declared window {expect} keys, but query {q + offset} attends key {k} "
-                    f"({used} keys back incl. itself)",
-                )
-        pm = float(pad_mass[:, h].max())
-        if pm > tol["mass"]:
-            b, q = _argmax2(pad_mass[:, h])
-            k = int((p0[b, h, q] * padkey[b, 0, 0]).argmax())
-            padq = (~qmask).nonzero()
-            over_q = False
-            if len(padq):
-                pr = p0[padq[:, 0], h, padq[:, 1]]
-                fin = finite[padq[:, 0], h, padq[:, 1]]
-                wide = (pr > 0).sum(-1) >= 2  # a row with one visible key is trivially uniform
-                uniform = (pr.amax(-1) - _min_nonzero(pr)) < 1e-6
-                over_q = bool((~fin).all()) or (bool(wide.any()) and bool(uniform[wide & fin].all()))
-            if over_q:
-                add(
-                    "mask_over_queries",
-                    h,
-                    b,
-                    q + offset,
-                    k,
-                    pm,
-                    f"real tokens put up to {pm:.3g} of their mass on pad keys while pad queries "
-                    "are fully masked: the padding mask is broadcast over queries, not keys",
-                )
-            else:
-                add(
-                    "pad_attention",
-                    h,
-                    b,
-                    q + offset,
-                    k,
-                    pm,
-                    f"real tokens put up to {pm:.3g} of their mass on padding keys (the padding mask "
-                    "is not applied)",
-                )
+        for step in (_broken_rows, _unnormalised_rows, _future_weight, _too_wide, _padding_weight):
+            for kind, b, q, k, mag, ev in step(m, h):
+                found.append(Finding(kind, where["stack"], where["layer"], h, q, k, float(mag), ev, text=b))
     return found, stats
+
+
+# Each step below yields (kind, text, query, key, magnitude, evidence) for head h of one pattern.
+
+
+def _top_left(m: _Pattern, h: int) -> bool:
+    """With a KV cache (offset > 0), whether every real row of head ``h`` hides the keys a top-left
+    aligned causal mask hides: query i (position offset + i) must see keys up to offset + i, and
+    ``is_causal=True`` with q_len != k_len hides keys i + 1 .. offset + i instead."""
+    r = m.rows[:, h]
+    if not m.causal or m.offset <= 0 or not bool(r.any()):
+        return False
+    Q, K = m.future.shape
+    tl_hidden = (torch.arange(K)[None, :] > torch.arange(Q)[:, None]) & ~m.future
+    seen = (m.p0[:, h] * tl_hidden).masked_fill(~r[..., None], 0).sum(-1)
+    return bool((seen[r] <= m.tol["mass"]).all())
+
+
+def _broken_rows(m: _Pattern, h: int):
+    """A top-left aligned KV-cache mask or a masked diagonal; NaN/inf rows (unless a masked
+    diagonal explains them)."""
+    r = m.rows[:, h]
+    bad_rows = r & ~m.finite[:, h]
+    off = m.offset
+    Q = m.future.shape[0]
+    diag_zero = False
+    if _top_left(m, h):
+        b, q = _first(r)
+        yield (
+            "kv_alignment", b, q + off, q + 1, float(off),
+            f"with {off} cached keys, query {q + off} sees keys 0..{q} only: the causal "
+            "mask is aligned top-left (is_causal=True with a KV cache); align it bottom-right",
+        )  # fmt: skip
+    elif m.causal and Q > 1:
+        d = m.p0[:, h, torch.arange(Q), (torch.arange(Q) + off)]  # [B, Q]
+        ok_rows = r & m.finite[:, h]
+        diag_zero = bool(ok_rows.any()) and bool((d[ok_rows] == 0).all())
+    n_bad = int(bad_rows.sum())
+    if diag_zero:
+        b, q = _first(bad_rows) if bad_rows.any() else _first(r)
+        yield (
+            "masked_diagonal", b, q, q + off, n_bad,
+            f"no query attends to itself; {n_bad} row(s) have no visible key and are NaN "
+            "(mask built with triu(diagonal=0); use diagonal=1)",
+        )  # fmt: skip
+    elif n_bad:
+        b, q = _first(bad_rows)
+        yield (
+            "non_finite", b, q, None, n_bad,
+            f"{n_bad} attention row(s) hold NaN/inf, first at text {b} query {q} "
+            "(a mask fill that overflows this dtype, or a fully masked row)",
+        )  # fmt: skip
+
+
+def _unnormalised_rows(m: _Pattern, h: int):
+    """Finite real rows whose sum is off 1 by more than the tolerance."""
+    ok = m.rows[:, h] & m.finite[:, h]
+    sums = m.p0[:, h].sum(-1)
+    dev = (sums - 1).abs().masked_fill(~ok, 0)
+    if float(dev.max()) > m.tol["rowsum"]:
+        b, q = _argmax2(dev)
+        yield (
+            "rows_not_normalised", b, q, None, float(dev.max()),
+            f"row sums range {float(sums[ok].min()):.4g}...{float(sums[ok].max()):.4g} (should be 1)",
+        )  # fmt: skip
+
+
+def _future_weight(m: _Pattern, h: int):
+    """Weight on later keys, told apart: a swapped mask, one unmasked head, or plain future weight."""
+    fm = float(m.fmass[:, h].max())
+    if not m.causal or fm <= m.tol["mass"]:
+        return
+    r = m.rows[:, h]
+    ph = m.p0[:, h]
+    cells = (ph * m.future).masked_fill(~r[..., None], 0)
+    b, q, k = _argmax3(cells)
+    n_rows = int((m.fmass[:, h] > m.tol["mass"]).sum())
+    lower_zero = bool(((ph * m.past)[r] == 0).all()) and m.future.shape[0] > 1
+    others = [g for g in range(len(m.exact)) if g != h and m.exact[g]]
+    if lower_zero:
+        kind, why = "swapped_mask", "every earlier key has weight exactly 0 while later keys are seen"
+    elif others and not bool((ph.masked_select(m.future & r[..., None]) == 0).any()):
+        kind, why = "unmasked_head", f"heads {others} of this layer are exactly causal, this one is not"
+    else:
+        kind, why = "future_attention", "weight above the diagonal"
+    yield (
+        kind, b, q, k, fm,
+        f"{why}: up to {fm:.3g} of a row's mass on later keys ({n_rows} row(s)); "
+        f"worst cell query {q} -> key {k} = {float(cells[b, q, k]):.3g}",
+    )  # fmt: skip
+
+
+def _too_wide(m: _Pattern, h: int):
+    """A head that reaches further back than the expected sliding window."""
+    if not isinstance(m.expect, int) or isinstance(m.expect, bool):
+        return
+    used = int(m.span[:, h].max())
+    if used > m.expect:
+        b, q = _argmax2(m.span[:, h].float())
+        k = int(m.first[b, h, q])
+        yield (
+            "window_too_wide", b, q + m.offset, k, used,
+            f"declared window {m.expect} keys, but query {q + m.offset} attends key {k} "
+            f"({used} keys back incl. itself)",
+        )  # fmt: skip
+
+
+def _padding_weight(m: _Pattern, h: int):
+    """Weight on padding keys: a mask broadcast over queries, or no padding mask at all."""
+    pm = float(m.pad_mass[:, h].max())
+    if pm <= m.tol["mass"]:
+        return
+    b, q = _argmax2(m.pad_mass[:, h])
+    k = int((m.p0[b, h, q] * m.padkey[b, 0, 0]).argmax())
+    if _mask_over_queries(m, h):
+        yield (
+            "mask_over_queries", b, q + m.offset, k, pm,
+            f"real tokens put up to {pm:.3g} of their mass on pad keys while pad queries "
+            "are fully masked: the padding mask is broadcast over queries, not keys",
+        )  # fmt: skip
+    else:
+        yield (
+            "pad_attention", b, q + m.offset, k, pm,
+            f"real tokens put up to {pm:.3g} of their mass on padding keys (the padding mask "
+            "is not applied)",
+        )  # fmt: skip
+
+
+def _mask_over_queries(m: _Pattern, h: int) -> bool:
+    """Whether the pad query rows of head ``h`` are fully masked (NaN, or uniform over several
+    keys): the signature of a padding mask broadcast over queries instead of keys."""
+    padq = (~m.qmask).nonzero()
+    if not len(padq):
+        return False
+    pr = m.p0[padq[:, 0], h, padq[:, 1]]
+    fin = m.finite[padq[:, 0], h, padq[:, 1]]
+    wide = (pr > 0).sum(-1) >= 2  # a row with one visible key is trivially uniform
+    uniform = (pr.amax(-1) - _min_nonzero(pr)) < 1e-6
+    return bool((~fin).all()) or (bool(wide.any()) and bool(uniform[wide & fin].all()))
 
 
 def _min_nonzero(rows: torch.Tensor) -> torch.Tensor:

@@ -28,6 +28,14 @@ from probe.errors import ProbeError
 _MISSING = object()
 
 
+def _readout_name(ro: ReadOut) -> str:
+    """``"ln_f -> lm_head"``, or ``"projection, with no final norm"`` when the unembedding reads
+    the last stream itself."""
+    return (
+        f"{ro.norm_name} -> {ro.unembed_name}" if ro.norm_name else f"{ro.unembed_name}, with no final norm"
+    )
+
+
 @dataclass
 class Pass:
     """One recorded forward: the cache, the read-out, the model's logits and the stack read."""
@@ -183,23 +191,31 @@ class LogitLens(TableExports):
             d["attribution"] = self.attribution.table.to_dict()
         return d
 
-    def to_text(self, batch: int = 0) -> str:
-        """The grid as text: one line per row, the top-1 token and p(final prediction) per position."""
+    def to_text(self, batch: int = 0, width: int | None = None) -> str:
+        """The grid as text: one line per row, the top-1 token and p(final prediction) per position.
+
+        With ``width``, positions that do not fit on ``width`` characters go to further blocks
+        below, each with the row labels again (position numbers head each block's columns)."""
         labels, toks, p, tops = self.grid(batch)
-        w = max(len(x) for x in labels)
-        lines = [f"{'':{w}}  " + "  ".join(f"{t!r:>12}" for t in toks)]
-        for i, lab in enumerate(labels):
-            cells = "  ".join(f"{tops[i][j]!r:>6} {p[i, j].item():.2f}".rjust(12) for j in range(len(toks)))
-            lines.append(f"{lab:{w}}  {cells}")
-        lines.append(
-            f"{'final':{w}}  "
-            + "  ".join(
-                f"{self.token(int(self.predicted[batch, t]))!r:>12}"
-                for t in range(self.mask.shape[1])
-                if self.mask[batch, t]
-            )
-        )
-        return "\n".join(lines)
+        final = [
+            self.token(int(self.predicted[batch, t]))
+            for t in range(self.mask.shape[1])
+            if self.mask[batch, t]
+        ]
+        w = max(len(x) for x in [*labels, "final"])
+        per = len(toks) if width is None else max(1, (width - w - 2) // 14)
+        blocks = []
+        for a in range(0, len(toks), per):
+            cols = range(a, min(a + per, len(toks)))
+            lines = [f"{'':{w}}  " + "  ".join(f"{t!r:>12}" for t in toks[a : cols.stop])]
+            if width is not None and per < len(toks):
+                lines.insert(0, f"{'':{w}}  " + "  ".join(f"{'pos ' + str(j):>12}" for j in cols))
+            for i, lab in enumerate(labels):
+                cells = "  ".join(f"{tops[i][j]!r:>6} {p[i, j].item():.2f}".rjust(12) for j in cols)
+                lines.append(f"{lab:{w}}  {cells}")
+            lines.append(f"{'final':{w}}  " + "  ".join(f"{final[j]!r:>12}" for j in cols))
+            blocks.append("\n".join(lines))
+        return "\n\n".join(blocks)
 
     def __str__(self) -> str:
         return (
@@ -244,7 +260,7 @@ def lens_from_pass(ps: Pass, k: int = 5) -> LogitLens:
                 # something acts between the unembedding and the output (a logits bias, a scale):
                 # every row would be off by it, so say so instead of showing a wrong lens
                 raise ProbeError(
-                    f"the read-out {ps.readout.norm_name or '(no final norm)'} -> {ps.readout.unembed_name} "
+                    f"the read-out {_readout_name(ps.readout)} "
                     f"does not reproduce the model's logits (max |diff| {final_error:.3g}); "
                     "pass norm= and unembed= the modules that map the last stream to the logits"
                 )
@@ -267,7 +283,7 @@ def lens_from_pass(ps: Pass, k: int = 5) -> LogitLens:
         torch.stack(tps),
         final_error,
         _vocab(ps.tokenizer, ps.logits.shape[-1]),
-        f"{ps.readout.norm_name or '(no final norm)'} -> {ps.readout.unembed_name}",
+        _readout_name(ps.readout),
         notes=notes,
     )
     lens.attribution = attribute(ps, lens)

@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 
 from probe.cache import Cache
-from probe.report.sections._tokens import batch_size, query_key_sides, real_positions, side_tokens
+from probe.report.labels import display
 
 FULL_BUDGET = 16 * 2**20  # cells embedded at full resolution, over the whole report
 FULL_BYTES = 3 * 2**20  # compressed bytes of full-resolution heads, over the whole report
@@ -67,28 +67,18 @@ def pattern_sets(caches: list[Cache], kinds: tuple[str, ...]) -> list[PatternSet
     """The pattern sets of ``kinds`` (``"self"``/``"cross"``) in every cache and text, in order."""
     sets = []
     for ci, cache in enumerate(caches):
-        heads_meta = cache.metadata.get("heads_captured")
-        for b in range(batch_size(cache)):
+        for b in range(cache.n_texts):
             for stack in cache.stacks:
                 for kind in kinds:
-                    name = f"{kind}_attn.pattern"
-                    keys = [k for k in cache.keys() if k.startswith(f"{stack}.") and k.endswith(name)]
-                    layers = sorted({int(k.split(".")[2]) for k in keys})
+                    layers = cache.pattern_layers(stack, kind)
                     if not layers:
                         continue
-                    shape = cache.shape(f"{stack}.blocks.{layers[0]}.{name}")
-                    qs, ks = query_key_sides(cache, stack, kind)
-                    q_tok, q_mask = side_tokens(cache, b, qs)
-                    k_tok, k_mask = side_tokens(cache, b, ks)
-                    q_pos = real_positions(q_mask, len(q_tok), shape[2])
-                    k_pos = real_positions(k_mask, len(k_tok), shape[3])
-                    q_tok = q_tok or [str(i) for i in q_pos]
-                    k_tok = k_tok or [str(i) for i in k_pos]
-                    labels = list(range(shape[1]))
-                    if heads_meta and len(heads_meta) == shape[1]:
-                        labels = list(heads_meta)
-                    toks = (q_tok, k_tok, q_pos, k_pos)
-                    sets.append(PatternSet(cache, ci, b, stack, kind, layers, shape[1], *toks, labels))
+                    q, k = cache.axes(stack, kind, b)
+                    heads = cache.head_ids(stack, layers[0], kind)
+                    # tokens as everything probe draws shows them (whitespace visible: ␣ ↵ ⇥)
+                    shown = [display(t, None) for t in q.tokens], [display(t, None) for t in k.tokens]
+                    toks = (*shown, q.positions, k.positions)
+                    sets.append(PatternSet(cache, ci, b, stack, kind, layers, len(heads), *toks, heads))
     return sets
 
 

@@ -11,9 +11,26 @@ from __future__ import annotations
 import math
 
 from probe.analysis.alignment import align, cross_layers
+from probe.analysis.alignment.core import MEAN
+from probe.analysis.alignment.diagonal import candidates
+from probe.report.matrix import label_axis
 
 TITLE = "Cross-attention alignment"
 ORDER = 60
+N_CANDIDATES = 5
+# which decoder row stands for target word j (see probe.analysis.alignment.core)
+CONVENTION_WORDS = {
+    "input": "input convention (row j: the decoder reading word j)",
+    "output": "output convention (row j: the decoder predicting word j)",
+}
+
+
+def _head_name(head) -> str:
+    return "mean of the heads" if head == MEAN else f"head {head}"
+
+
+def _layer_name(layer) -> str:
+    return "mean of the layers" if layer == MEAN else f"layer {layer}"
 
 
 def _heatmap(al, b: int):
@@ -24,8 +41,8 @@ def _heatmap(al, b: int):
     fig = Figure(figsize=(1.2 + 0.55 * len(src), 1.0 + 0.45 * len(tgt)))
     ax = fig.subplots()
     im = ax.imshow(M, cmap="Blues", vmin=0, vmax=max(1e-9, float(M.max())), aspect="auto")
-    ax.set_xticks(range(len(src)), src, rotation=45, ha="right")
-    ax.set_yticks(range(len(tgt)), tgt)
+    label_axis(ax, "x", src)  # tokens shown as in every figure: whitespace visible, CJK upright
+    label_axis(ax, "y", tgt)
     ax.set_xlabel("source words")
     ax.set_ylabel("target words")
     if al.gold is not None:
@@ -82,7 +99,7 @@ def _links(al, b: int):
     return fig
 
 
-def _map(al, values: dict, label: str):
+def _map(al, values: dict, label: str, convention: str):
     from matplotlib.figure import Figure
 
     heads = [*range(al.n_heads), "mean"]
@@ -94,6 +111,7 @@ def _map(al, values: dict, label: str):
     ax.set_yticks(range(len(al.layers)), [str(x) for x in al.layers])
     ax.set_xlabel("head")
     ax.set_ylabel("decoder layer")
+    ax.set_title(f"{label}, {CONVENTION_WORDS[convention]}", fontsize=9)
     for r, row in enumerate(grid):
         for c, v in enumerate(row):
             if not math.isnan(v):
@@ -123,8 +141,15 @@ def build(ctx) -> dict | None:
         r for r in al.stats if r["convention"] == conv and r["layer"] == al.layer and r["head"] == al.head
     )
     top = table.top(label.lower(), 8, descending=label != "AER")
+    sel = al.selection()
     return {
-        "selection": al.selection(),
+        "selection": sel,
+        "chosen_words": f"{_layer_name(al.layer)}, {_head_name(al.head)}",
+        "candidates": candidates(al, N_CANDIDATES) if al.gold is None else [],
+        "chosen_links": ", ".join(
+            f"{al.source[0].words[i]}→{al.target[0].words[j]}"
+            for i, j in sorted(al.links[0], key=lambda x: x[1])
+        ),
         "source": " ".join(al.source[0].words),
         "target": " ".join(al.target[0].words),
         "pairs": len(al.links),
@@ -132,9 +157,10 @@ def build(ctx) -> dict | None:
         "best": al.best,
         "heatmap": ctx.figure(_heatmap(al, 0), "soft word alignment with gold links"),
         "links": ctx.figure(_links(al, 0), "chosen alignment links"),
-        "map": ctx.figure(_map(al, values, label), f"{label} per layer and head"),
+        "map": ctx.figure(_map(al, values, label, conv), f"{label} per layer and head"),
+        "convention_words": CONVENTION_WORDS[conv],
         "map_label": label,
-        "table_html": top._repr_html_(),
+        "table_html": top._repr_html_() if al.gold is not None else "",
         "pharaoh": al.pharaoh().splitlines()[:20],
         "stats": {
             k: round(v, 3) if isinstance(v, float) and not math.isnan(v) else v for k, v in stats.items()

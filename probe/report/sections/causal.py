@@ -71,14 +71,20 @@ def _heatmaps(ctx, report) -> list[dict]:
             else []
         )
         panels.append(("pad", "mass on padding keys"))
+        # a panel that is exactly 0 in every cell and has no finding says nothing a sentence cannot
+        zero = [n for n, _ in panels if not boxed[n] and max(max(r) for r in g[n]) == 0]
+        if zero:
+            out.append({"label": label, "fig": None, "zero": [t for n, t in panels if n in zero]})
+        panels = [p for p in panels if p[0] not in zero]
+        if not panels:
+            continue
         fig = Figure(figsize=(3.2 * len(panels) + 1, 0.45 * len(g["layers"]) + 1.4))
         axes = fig.subplots(1, len(panels))
         axes = axes if len(panels) > 1 else [axes]
         for ax, (name, title) in zip(axes, panels, strict=True):
             data = g[name]
-            im = ax.imshow(
-                data, cmap="Reds", vmin=0, vmax=max(1e-6, max(max(r) for r in data)), aspect="auto"
-            )
+            top = max(max(r) for r in data)
+            im = ax.imshow(data, cmap="Reds", vmin=0, vmax=max(1e-6, top), aspect="auto")
             ax.set_title(title, fontsize=9)
             ax.set_xlabel("head")
             ax.set_ylabel("layer")
@@ -88,12 +94,23 @@ def _heatmaps(ctx, report) -> list[dict]:
                 for h in range(len(data[0])):
                     if (layer, h) in boxed[name]:
                         ax.add_patch(Rectangle((h - 0.5, row - 0.5), 1, 1, fill=False, ec="black", lw=2))
-            fig.colorbar(im, ax=ax, shrink=0.8)
+            _mass_colorbar(fig, im, ax, top)
         fig.suptitle(f"{label}: max over rows (boxed: a finding)", fontsize=9)
         fig.tight_layout()
         alt = f"{label} future and pad mass per layer and head"
-        out.append({"label": label, "fig": ctx.figure(fig, alt), "alt": alt})
+        out.append({"label": label, "fig": ctx.figure(fig, alt), "alt": alt, "zero": []})
     return out
+
+
+def _mass_colorbar(fig, im, ax, top: float) -> None:
+    """A colour bar whose ticks carry their own exponent (no offset text above the bar, which
+    overlapped the frame) and a label that says when every cell is exactly 0."""
+    from matplotlib.ticker import FuncFormatter
+
+    cbar = fig.colorbar(im, ax=ax, shrink=0.8)
+    cbar.ax.yaxis.set_major_formatter(FuncFormatter(lambda v, _: "0" if v == 0 else f"{v:.2g}"))
+    cbar.ax.tick_params(labelsize=7)
+    cbar.set_label("all exactly 0" if top == 0 else "attention mass", fontsize=7)
 
 
 def _leaking_head(ctx, report) -> dict | None:
@@ -102,6 +119,7 @@ def _leaking_head(ctx, report) -> dict | None:
     from matplotlib.patches import Rectangle
 
     from probe.analysis.causal import TOLERANCES
+    from probe.report.matrix import label_axis
 
     cache = ctx.cache
     grid_of = {label: g for label, g in report.grids.items() if g.get("kind") == "self"}
@@ -124,9 +142,9 @@ def _leaking_head(ctx, report) -> dict | None:
         shown = p.nan_to_num(0)
         ax.imshow(shown.numpy(), cmap="Blues", vmin=0, vmax=max(float(shown.max()), 1e-6))
         toks = (cache.tokens or [[]])[b] if cache.tokens else []
-        if len(toks) == K and K <= 40:
-            ax.set_xticks(range(K), toks, rotation=90, fontsize=7)
-            ax.set_yticks(range(Q), toks[K - Q :], fontsize=7)
+        if len(toks) == K:  # tokens as in every figure (␣, CJK upright), thinned when long
+            label_axis(ax, "x", toks)
+            label_axis(ax, "y", toks[K - Q :])
         ax.set_xlabel("key")
         ax.set_ylabel("query")
         if K <= MAX_CELLS:

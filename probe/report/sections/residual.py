@@ -8,9 +8,11 @@ logit attribution bars per position, and the parameter budget as a chart and a t
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 from probe.errors import ProbeError
+from probe.report.labels import display
 
 TITLE = "Residual stream and anatomy"
 ORDER = 50
@@ -65,6 +67,8 @@ def _budget_figure(ctx, b) -> str:
 
 def _lens(ctx, lens) -> dict[str, Any]:
     labels, toks, p, tops = lens.grid(0)
+    toks = [display(t, None) for t in toks]
+    tops = [[display(t, None) for t in row] for row in tops]
     grid = [
         {
             "label": lab,
@@ -73,7 +77,7 @@ def _lens(ctx, lens) -> dict[str, Any]:
         for i, lab in enumerate(labels)
     ]
     real = [t for t in range(lens.mask.shape[1]) if lens.mask[0, t]]  # positions of text 0's tokens
-    pred = [lens.token(int(lens.predicted[0, t])) for t in real]
+    pred = [display(lens.token(int(lens.predicted[0, t])), None) for t in real]
     out = {
         "tokens": toks,
         "grid": grid,
@@ -98,8 +102,25 @@ def _lens(ctx, lens) -> dict[str, Any]:
                     "bars": [{"name": n, "v": v, "w": round(50 * abs(v) / scale, 1)} for n, v in bars],
                 }
             )
-        out["attribution"] = {"positions": positions, "error": att.max_error, "notes": att.notes}
+        out["attribution"] = {"positions": positions, "error": att.max_error, "notes": group_notes(att.notes)}
     return out
+
+
+def group_notes(notes: list[str]) -> list[str]:
+    """Notes that differ only in their ``L<i>.<sublayer>:`` prefix, merged into one note that
+    names them all (a 12-layer encoder-decoder gave the same sentence 12 times); others as given."""
+    out: list[str] = []
+    merged: dict[str, list[str]] = {}
+    for n in notes:
+        m = re.match(r"^(L\d+\.\w+): (.*)$", n, re.S)
+        if m is None:
+            out.append(n)
+        elif m[2] in merged:
+            merged[m[2]].append(m[1])
+        else:
+            merged[m[2]] = [m[1]]
+            out.append(m[2])  # placeholder, filled below in first-seen order
+    return [f"{', '.join(merged[n])}: {n}" if n in merged else n for n in out]
 
 
 def build(ctx) -> dict | None:
@@ -130,7 +151,7 @@ def build(ctx) -> dict | None:
             )
             ctx.results["logit_lens"] = lens
             s["lens"] = _lens(ctx, lens)
-            s["notes"] += lens.notes
+            s["notes"] += group_notes(lens.notes)
         except ProbeError as e:
             s["notes"].append(f"no logit lens: {e}")
         b = probe.budget(ctx.model)

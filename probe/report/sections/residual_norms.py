@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from probe.report.sections._tokens import batch_size
-
 TITLE = "Residual stream norms"
 ORDER = 25
 MAX_TEXTS = 4  # figures per cache; the rest are left out (the section says so)
@@ -17,7 +15,7 @@ def build(ctx) -> dict | None:
     for ci, cache in enumerate(ctx.caches):
         if not any(k.endswith(("resid_pre", "resid_post", ".delta")) for k in cache.keys()):
             continue
-        n = batch_size(cache)
+        n = cache.n_texts
         left_out += max(0, n - MAX_TEXTS)
         for b in range(min(n, MAX_TEXTS)):
             ctx.progress(f"residual norms, text {b + 1}")

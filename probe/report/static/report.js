@@ -53,6 +53,15 @@
     return out;
   }
   function blockRange(i, n, t) { return [Math.floor((i * n) / t), Math.ceil(((i + 1) * n) / t) - 1]; }
+  // Labels longer than this are shortened with an ellipsis (figures do the same).
+  const LABEL_CHARS = 12;
+  function shortLabel(t) { const c = Array.from(t); return c.length > LABEL_CHARS ? c.slice(0, LABEL_CHARS - 1).join("") + "\u2026" : t; }
+  let measurer = null;
+  function textWidth(text, px) {
+    measurer = measurer || document.createElement("canvas").getContext("2d");
+    measurer.font = px + 'px ui-monospace, "DejaVu Sans Mono", "Noto Sans Mono CJK SC", monospace';
+    return measurer.measureText(text).width;
+  }
 
   class AttnView {
     constructor(root) {
@@ -71,7 +80,7 @@
       const selSet = this.el(".sel-set");
       data.sets.forEach((s, i) => selSet.add(new Option(s.label, String(i))));
       selSet.addEventListener("change", () => this.selectSet(+selSet.value));
-      this.el(".sel-gamma").addEventListener("change", (e) => { this.gamma = +e.target.value; this.drawAll(); });
+      this.el(".sel-gamma").addEventListener("change", (e) => { this.gamma = +e.target.value; this.drawAll(); this.drawScales(); });
       this.el(".sel-layer").addEventListener("change", (e) => this.selectHead(+e.target.value, this.hi));
       this.el(".sel-head").addEventListener("change", (e) => this.selectHead(this.li, +e.target.value));
       this.el(".btn-png-overview").addEventListener("click", () => this.downloadOverview());
@@ -79,7 +88,43 @@
       this.bindMatrix();
       this.bindOverview();
       this.bindTokens();
+      this.drawScales();
       this.ready = this.selectSet(0);
+    }
+
+    // The colour of weight w (0..1) under the current scale: what every cell of this view uses.
+    colourOf(w) {
+      let x = Math.min(1, Math.max(0, w));
+      if (this.gamma !== 1) x = Math.pow(x, this.gamma);
+      const c = 3 * Math.min(255, Math.max(0, Math.round(x * 255)));
+      return [this.lut[c], this.lut[c + 1], this.lut[c + 2]];
+    }
+
+    // Colour bars (one above the overview, one above the explorer): weight 0 to 1 left to right,
+    // with ticks at round weights, placed where the current scale (linear / square root) puts them.
+    drawScales() {
+      this.root.querySelectorAll(".probe-colorbar").forEach((cv) => {
+        const ctx = cv.getContext("2d"), w = cv.width, bar = 14, left = 6, right = w - 6;
+        ctx.fillStyle = "#fff"; ctx.fillRect(0, 0, w, cv.height);
+        for (let x = left; x < right; x++) {
+          const weight = Math.pow((x - left + 0.5) / (right - left), 1 / this.gamma);
+          const [r, g, b] = this.colourOf(weight);
+          ctx.fillStyle = "rgb(" + r + "," + g + "," + b + ")";
+          ctx.fillRect(x, 0, 1, bar);
+        }
+        ctx.fillStyle = "#333"; ctx.font = "11px sans-serif"; ctx.textBaseline = "top";
+        const ticks = this.gamma === 1 ? [0, 0.25, 0.5, 0.75, 1] : [0, 0.05, 0.25, 0.5, 1];
+        ticks.forEach((t) => {
+          const x = left + Math.pow(t, this.gamma) * (right - left);
+          ctx.fillRect(Math.round(x) - (t === 1 ? 1 : 0), bar, 1, 4);
+          const label = String(t);
+          const tw = ctx.measureText(label).width;
+          ctx.fillText(label, Math.min(Math.max(0, x - tw / 2), w - tw), bar + 5);
+        });
+      });
+      this.root.querySelectorAll(".probe-colorbar-label").forEach((e) => {
+        e.textContent = "attention weight, " + (this.gamma === 1 ? "linear scale" : "square-root scale (faint weights brighter)");
+      });
     }
 
     async decode(si) {
@@ -156,7 +201,7 @@
         span.className = "tok";
         span.textContent = t;
         span.dataset.i = String(i);
-        span.title = "position " + i;
+        span.title = "position " + i + (t.length > LABEL_CHARS ? ": " + t : "");
         frag.appendChild(span);
       });
       box.appendChild(frag);
@@ -240,7 +285,8 @@
       cv.getContext("2d").putImageData(this.paint(m, m.vals, m.nk, m.nq), 0, 0);
       // cells of a whole pixel each, the matrix within 640 px and (with its labels) the window
       const room = Math.min(640, Math.max(200, window.innerHeight * 0.8 - 90));
-      const z = Math.max(1, Math.floor(room / Math.max(m.nq, m.nk)));
+      // at most 40 px a cell: a 5-token sentence stays a compact figure, not a 600 px wall
+      const z = Math.max(1, Math.min(40, Math.floor(room / Math.max(m.nq, m.nk))));
       this.zoom = z;
       cv.style.width = m.nk * z + "px"; cv.style.height = m.nq * z + "px";
       const note = this.el(".explorer-note");
@@ -251,32 +297,42 @@
       this.q = Math.min(this.q, this.set.nq - 1); this.k = Math.min(this.k, this.set.nk - 1);
       this.axisLabels(m, z);
       this.el(".strip-row").style.marginLeft = this.pad[0] + "px";
+      this.el(".strip-col").style.marginLeft = this.pad[0] + "px";
       this.el(".strip-row").width = this.set.nk * (m.exact ? z : 1);
       this.el(".strip-col").width = this.set.nq * (m.exact ? z : 1);
       this.focusCell(this.q, this.k, null);
     }
 
     // Token labels beside rows (queries) and above columns (keys) when cells are big enough to read.
+    // The margins fit the longest label (measured, up to 12 characters, the rest in its tooltip, as
+    // in figures); key labels run top to bottom with CJK characters upright (vertical writing).
     axisLabels(m, z) {
       const wrap = this.el(".probe-canvas-wrap"), s = this.set;
       wrap.querySelectorAll(".axis-label").forEach((e) => e.remove());
       const show = m.exact && z >= 10;
-      const padL = show ? 90 : 0, padT = show ? 70 : 0;
+      const fs = Math.min(13, z - 2);
+      const qShown = s.qTokens.map(shortLabel), kShown = s.kTokens.map(shortLabel);
+      const longest = (labels) => Math.max(0, ...labels.map((t) => textWidth(t, fs)));
+      const padL = show ? Math.ceil(Math.max(70, longest(qShown) + 10)) : 0;
+      const padT = show ? Math.ceil(Math.max(40, longest(kShown) + 10)) : 0;
       wrap.style.paddingLeft = padL + "px"; wrap.style.paddingTop = padT + "px";
       this.pad = [padL, padT];
       if (!show) return;
-      const frag = document.createDocumentFragment(), fs = Math.min(13, z - 2) + "px";
-      const label = (text, cls, css) => {
+      const frag = document.createDocumentFragment();
+      const label = (text, full, cls, css) => {
         const e = document.createElement("span");
         e.className = "axis-label tok " + cls;
         e.textContent = text;
-        Object.assign(e.style, css, { fontSize: fs });
+        if (full !== text) e.title = full;
+        Object.assign(e.style, css, { fontSize: fs + "px" });
         frag.appendChild(e);
       };
-      s.qTokens.forEach((t, q) => label(t, "axis-q", { top: padT + q * z + "px", height: z + "px", width: padL - 4 + "px", left: "0px" }));
-      s.kTokens.forEach((t, k) => label(t, "axis-k", { left: padL + k * z + "px", width: z + "px", height: padT - 4 + "px", top: "0px" }));
-      label("key \u2192", "axis-corner", { left: "0px", top: padT - 36 + "px", width: padL - 4 + "px", height: "16px" });
-      label("query \u2193", "axis-corner", { left: "0px", top: padT - 18 + "px", width: padL - 4 + "px", height: "16px" });
+      qShown.forEach((t, q) => label(t, s.qTokens[q], "axis-q", { top: padT + q * z + "px", height: z + "px", width: padL - 4 + "px", left: "0px" }));
+      // one-character keys stand upright (as figures leave them unrotated); longer ones run top to bottom
+      const kCls = kShown.every((t) => Array.from(t).length <= 1) ? "axis-k axis-upright" : "axis-k";
+      kShown.forEach((t, k) => label(t, s.kTokens[k], kCls, { left: padL + k * z + "px", width: z + "px", height: padT - 4 + "px", top: "0px" }));
+      label("key \u2192", "key \u2192", "axis-corner", { left: "0px", top: Math.max(0, padT - 36) + "px", width: padL - 4 + "px", height: "16px" });
+      label("query \u2193", "query \u2193", "axis-corner", { left: "0px", top: Math.max(16, padT - 18) + "px", width: padL - 4 + "px", height: "16px" });
       wrap.appendChild(frag);
     }
 
@@ -306,9 +362,11 @@
       // bands over the displayed matrix (CSS pixels)
       const cv = this.el(".probe-matrix"), zx = cv.clientWidth / s.nk, zy = cv.clientHeight / s.nq;
       const [px, py] = this.pad || [0, 0];
-      this.band(".band-row", px, py + this.q * zy, cv.clientWidth, Math.max(1, zy));
-      this.band(".band-col", px + this.k * zx, py, Math.max(1, zx), cv.clientHeight);
-      this.band(".band-cell", px + this.k * zx - 1, py + this.q * zy - 1, Math.max(1, zx) + 2, Math.max(1, zy) + 2);
+      // outlines around the row, the column and the cell (their insides stay transparent, so the
+      // colours under them are the weights' own)
+      this.band(".band-row", px - 1, py + this.q * zy - 1, cv.clientWidth + 2, Math.max(1, zy) + 2);
+      this.band(".band-col", px + this.k * zx - 1, py - 1, Math.max(1, zx) + 2, cv.clientHeight + 2);
+      this.band(".band-cell", px + this.k * zx - 2, py + this.q * zy - 2, Math.max(1, zx) + 4, Math.max(1, zy) + 4);
       this.markToken(".tokens-q", "q", this.q);
       this.markToken(".tokens-k", "k", this.k);
       this.drawStrips(m);
