@@ -1,14 +1,12 @@
 """Benchmark: the costs behind the speed tables, each measured on its own.
 
 * ``disk``: 12 blocks of 48 MB (GPT-2 small's patterns at T = 1024) written durably by probe's
-  streaming writer (``probe.cache.direct.DataWriter``) with direct I/O, and through the page cache
+  streaming writer (``probe.cache.perf.direct.DataWriter``) with direct I/O, and through the page cache
   with the streaming sink's flush every 64 MB, interleaved; then each beside a 2-thread matmul
   loop, reporting how much the loop slows down (the CPU the writing takes from the model).
 * ``pages``: first-touch faults of 576 MiB of fresh anonymous memory (one write per 4 KiB page)
   and unmapping it again: what a cache's fresh pattern memory costs under glibc's default
-  allocator, and what dropping it costs; then the same memory mapped as the opt-in huge-page
-  arena maps it (``MADV_HUGEPAGE``), round by round, with the kernel's huge-page fault and
-  compaction-stall counts (``/proc/vmstat``).
+  allocator, and what dropping it costs.
 * ``recompute``: the causal mask as ``masked_fill_`` of a broadcast boolean triangle against
   adding a float ``-inf`` triangle (``[12, 128, 128]``), and ``probe.capture.patterns.sdpa_weights``
   at T = 128 and 1024 into a preallocated output.
@@ -58,32 +56,30 @@ def _median_ms(f, n: int, warm: int = 3) -> float:
 
 # -- disk ------------------------------------------------------------------------------------------
 def _write_blocks(folder: Path, direct_io: bool, bufs: list[torch.Tensor]) -> None:
-    from probe.cache import direct, writer
+    from probe.cache.perf import OPTIONS, direct, using
 
     path = folder / "blocks.bin"
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    saved = direct.ENABLED
-    direct.ENABLED = direct_io
     try:
-        os.write(fd, b"\0" * direct.ALIGN)
-        w = direct.DataWriter(path, direct.ALIGN, fd)
+        with using(direct_io=direct_io):
+            os.write(fd, b"\0" * direct.ALIGN)
+            w = direct.DataWriter(path, direct.ALIGN, fd)
         unsynced = 0
         for i in range(BLOCKS):
             w.write(bufs[i % 2])
             unsynced += BLOCK
-            if not w.direct and unsynced >= writer.SYNC_EVERY:  # as the streaming sink does
+            if not w.direct and unsynced >= OPTIONS.sync_every:  # as the streaming sink does
                 getattr(os, "fdatasync", os.fsync)(fd)
                 unsynced = 0
         w.close()
         os.fsync(fd)
     finally:
-        direct.ENABLED = saved
         os.close(fd)
         path.unlink()
 
 
 def disk(repeats: int) -> None:
-    from probe.cache.direct import aligned_empty
+    from probe.cache.perf.direct import aligned_empty
 
     folder = Path(tempfile.mkdtemp(prefix="probe-costs-"))
     bufs = [aligned_empty((BLOCK,), torch.uint8, "cpu").fill_(i + 1) for i in range(2)]
@@ -151,40 +147,6 @@ def pages(repeats: int) -> None:
     f = statistics.median(fault)
     print(f"pages: {size >> 20} MiB of fresh anonymous memory ({n} pages of 4 KiB), medians of {repeats}")
     print(f"  first touch {f:.3f} s ({f / n * 1e6:.2f} us a page); unmap {statistics.median(unmap):.3f} s")
-    if not hasattr(mmap, "MADV_HUGEPAGE"):
-        return
-    # the same memory as the opt-in arena maps it: 12 blocks with MADV_HUGEPAGE, each touched
-    # once per 2 MiB; the kernel's counters tell whether a slow round was the guest kernel
-    # compacting memory (compact_stall) or not (then the time went outside it)
-    rounds, stalls, thp = [], 0, 0
-    for _ in range(max(repeats, 8)):
-        v0 = _vmstat()
-        t0 = time.perf_counter()
-        maps = []
-        for _ in range(BLOCKS):
-            m = mmap.mmap(-1, BLOCK, flags=_PRIVATE)
-            m.madvise(mmap.MADV_HUGEPAGE)
-            torch.frombuffer(m, dtype=torch.uint8)[:: 2 << 20] = 1
-            maps.append(m)
-        rounds.append(time.perf_counter() - t0)
-        v1 = _vmstat()
-        stalls += v1.get("compact_stall", 0) - v0.get("compact_stall", 0)
-        thp += v1.get("thp_fault_alloc", 0) - v0.get("thp_fault_alloc", 0)
-        for m in maps:
-            m.close()
-    print(
-        f"  the same with MADV_HUGEPAGE ({len(rounds)} rounds): first touch "
-        + " / ".join(f"{r:.3f}" for r in rounds)
-        + f" s; {thp} huge-page faults, {stalls} compaction stalls in all"
-    )
-
-
-def _vmstat() -> dict[str, int]:
-    try:
-        lines = Path("/proc/vmstat").read_text().splitlines()
-        return {k: int(v) for k, v in (line.split() for line in lines)}
-    except OSError:
-        return {}
 
 
 # -- recompute ---------------------------------------------------------------------------------------
@@ -214,23 +176,22 @@ def dispatch(repeats: int) -> None:
     import peers
 
     import probe
-    from probe.capture import hooks
+    from probe.capture import watch
 
     model = peers.gpt2("sdpa", n_positions=2048)
     ids = torch.randint(0, 50257, (1, 128), generator=torch.Generator().manual_seed(128))
     counts = {"model ops": 0, "probe's own calls": 0}
-    real = hooks._Mode.__torch_function__
+    real = watch._Mode.__torch_function__
 
     def counting(self, func, types, args=(), kwargs=None):
-        tr = self._tracer()
-        counts["probe's own calls" if self.quiet or tr is None or not tr.stack else "model ops"] += 1
+        counts["probe's own calls" if self.quiet or not self.stack else "model ops"] += 1
         return real(self, func, types, args, kwargs)
 
-    hooks._Mode.__torch_function__ = counting
+    watch._Mode.__torch_function__ = counting
     try:
         probe.capture(model, ids)
     finally:
-        hooks._Mode.__torch_function__ = real
+        watch._Mode.__torch_function__ = real
     print("dispatch: trips through the torch-function mode in one HF GPT-2 capture at T = 128")
     for k, v in counts.items():
         print(f"  {k}: {v}")

@@ -112,9 +112,9 @@ def child_release(name: str, T: int, trim: bool) -> dict:
     import torch
 
     import probe
-    from probe.cache import heap
+    from probe.cache.perf import OPTIONS
 
-    heap.ENABLED = trim
+    OPTIONS.heap_trim = trim
     m, ids, _, _ = _build(name, T)
     with torch.no_grad():
         probe.capture(m, ids)

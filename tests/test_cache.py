@@ -159,12 +159,12 @@ def test_save_load_roundtrip_is_exact_and_lazy(lm, ids, tmp_path):
 
 
 def test_streamed_capture_equals_in_memory_and_writes_as_it_goes(lm, ids, tmp_path, monkeypatch):
-    from probe.cache import writer
+    from probe.cache.perf import OPTIONS
 
     # written in the capture's own thread, so what layers 0-2 put is in the file when layer 3
     # starts (less than one 4096-byte block may wait for the next tensor, fewer bytes than the
     # header's reservation); the I/O thread's lag is covered by the tests below
-    monkeypatch.setattr(writer, "BACKGROUND", False)
+    monkeypatch.setattr(OPTIONS, "io_thread", False)
     out = tmp_path / "stream.safetensors"
     sizes = []
 
@@ -309,11 +309,11 @@ def _inplace_lm():
 
 @pytest.mark.parametrize("kind", ["sdpa_causal", "F.softmax"])
 def test_io_thread_writes_the_same_bytes(kind, ids, tmp_path, monkeypatch):
-    from probe.cache import writer
+    from probe.cache.perf import OPTIONS
 
     torch.manual_seed(0)
     lm = ToyLM(kind, n_layers=4).eval()
-    files = streamed_both_ways(lm, ids, tmp_path, monkeypatch, writer, "BACKGROUND")
+    files = streamed_both_ways(lm, ids, tmp_path, monkeypatch, OPTIONS, "io_thread")
     assert files[True] == files[False]
 
 

@@ -1,4 +1,4 @@
-"""Direct I/O for streamed captures (probe.cache.direct): the same bytes as through the page cache."""
+"""Direct I/O for streamed captures (probe.cache.perf.direct): the same bytes as through the page cache."""
 
 from __future__ import annotations
 
@@ -12,8 +12,8 @@ from safetensors.torch import load
 from toys import ToyLM, streamed_both_ways
 
 import probe
-from probe.cache import direct
-from probe.cache.direct import ALIGN, DataWriter, aligned_empty
+from probe.cache.perf import OPTIONS, direct
+from probe.cache.perf.direct import ALIGN, DataWriter, aligned_empty
 
 
 def _tensors(rng: random.Random) -> list[torch.Tensor]:
@@ -66,7 +66,7 @@ def test_direct_writes_the_bytes_the_page_cache_writes(seed, tmp_path, monkeypat
     data, used = _write(tmp_path / "direct.bin", tensors)
     if not used:
         pytest.skip("this file system refuses O_DIRECT: only the page-cache path runs here")
-    monkeypatch.setattr(direct, "ENABLED", False)
+    monkeypatch.setattr(OPTIONS, "direct_io", False)
     buffered, used_b = _write(tmp_path / "buffered.bin", tensors)
     assert not used_b
     assert data == buffered == _expected(tensors)  # also: cut back to its true length
@@ -119,7 +119,7 @@ def test_streamed_capture_is_the_same_file_with_and_without_direct_io(tmp_path, 
     torch.manual_seed(0)
     lm = ToyLM("sdpa_causal", n_layers=3, d=64).eval()
     ids = torch.randint(0, 40, (2, 64))  # 2·4·64·64·4 = 128 KB patterns: whole blocks, written direct
-    files = streamed_both_ways(lm, ids, tmp_path, monkeypatch, direct, "ENABLED")
+    files = streamed_both_ways(lm, ids, tmp_path, monkeypatch, OPTIONS, "direct_io")
     assert files[True] == files[False]
     memory = probe.capture(lm, ids)
     loaded = load(files[True])

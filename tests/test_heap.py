@@ -1,4 +1,4 @@
-"""probe.cache.heap: a dropped cache frees its tensors, then trims the heap when they were big."""
+"""probe.cache.perf.heap: a dropped cache frees its tensors, then trims the heap when they were big."""
 
 import gc
 import os
@@ -9,7 +9,7 @@ import weakref
 import pytest
 import torch
 
-from probe.cache import heap
+from probe.cache.perf import OPTIONS, heap, options
 
 
 def test_heap_bytes_counts_each_small_cpu_storage_once():
@@ -47,16 +47,16 @@ def test_trim_is_glibc_malloc_trim_or_nothing(monkeypatch):
     named = "CS_GNU_LIBC_VERSION" in getattr(os, "confstr_names", {})
     glibc = named and (os.confstr("CS_GNU_LIBC_VERSION") or "").startswith("glibc")
     assert heap.trim() is glibc
-    monkeypatch.setattr(heap, "ENABLED", False)
+    monkeypatch.setattr(OPTIONS, "heap_trim", False)
     assert heap.trim() is False
 
 
 def test_a_trim_threshold_the_user_set_is_left_to_glibc():
     """MALLOC_TRIM_THRESHOLD_ (or the glibc.malloc.trim_threshold tunable) set: probe does not trim."""
-    assert heap._user_tuned({"MALLOC_TRIM_THRESHOLD_": "1000000000000"})
-    assert heap._user_tuned({"GLIBC_TUNABLES": "glibc.malloc.mmap_max=0:glibc.malloc.trim_threshold=9"})
-    assert not heap._user_tuned({"GLIBC_TUNABLES": "glibc.malloc.mmap_max=0", "PATH": "/bin"})
-    code = "from probe.cache import heap; print(heap.ENABLED, heap.trim())"
+    assert options._user_tuned({"MALLOC_TRIM_THRESHOLD_": "1000000000000"})
+    assert options._user_tuned({"GLIBC_TUNABLES": "glibc.malloc.mmap_max=0:glibc.malloc.trim_threshold=9"})
+    assert not options._user_tuned({"GLIBC_TUNABLES": "glibc.malloc.mmap_max=0", "PATH": "/bin"})
+    code = "from probe.cache.perf import OPTIONS, heap; print(OPTIONS.heap_trim, heap.trim())"
     env = {**os.environ, "MALLOC_TRIM_THRESHOLD_": "1000000000000"}
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
     assert r.stdout.split() == ["False", "False"], r.stderr

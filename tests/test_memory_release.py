@@ -94,7 +94,7 @@ def test_hf_model_rss_returns_after_del_cache_without_gc():
     # the heap is trimmed (measured +256-297 MB here without it). The heap is trimmed before the
     # measurement too, so the capture starts from the state of a fresh process, the hardest case.
     tf = pytest.importorskip("transformers")
-    from probe.cache import heap
+    from probe.cache.perf import heap
 
     if not heap.trim():
         pytest.skip("the C library is not glibc: no malloc_trim")
@@ -137,6 +137,7 @@ def test_streamed_capture_holds_a_bounded_number_of_layers(background, monkeypat
     # receives, count what is still alive: patterns ([1, 12, T, T]) and stream-sized tensors
     # ([1, T, d]). A capture that kept each layer until the end would grow with the layer count.
     from probe.cache import writer
+    from probe.cache.perf import OPTIONS
 
     n_layers, T, d = 6, 256, 48
     torch.manual_seed(0)
@@ -151,7 +152,7 @@ def test_streamed_capture_holds_a_bounded_number_of_layers(background, monkeypat
         return put(self, tensor, *args, **kwargs)
 
     monkeypatch.setattr(writer.FileSink, "put", counting_put)
-    monkeypatch.setattr(writer, "BACKGROUND", background)
+    monkeypatch.setattr(OPTIONS, "io_thread", background)
     gc.collect()
     gc.disable()
     try:
@@ -172,7 +173,7 @@ def test_streamed_capture_holds_a_bounded_number_of_layers(background, monkeypat
 def test_streamed_pattern_buffers_are_let_go_after_the_last_layer(monkeypatch, tmp_path):
     # what runs after the layers (here a head; an LM head's logits are a forward's peak) must not
     # run beside probe's two reused pattern buffers
-    from probe.cache import writer
+    from probe.cache.perf import OPTIONS
 
     T, d = 256, 48
     torch.manual_seed(0)
@@ -181,7 +182,7 @@ def test_streamed_pattern_buffers_are_let_go_after_the_last_layer(monkeypatch, t
     alive = []
     head.register_forward_pre_hook(lambda m, a: alive.append(_live_storages(12 * T * T)[0]))
     wrapped = nn.Sequential(model, head)
-    monkeypatch.setattr(writer, "BACKGROUND", False)  # written at once: nothing left in flight
+    monkeypatch.setattr(OPTIONS, "io_thread", False)  # written at once: nothing left in flight
     gc.collect()
     gc.disable()
     try:

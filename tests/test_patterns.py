@@ -119,14 +119,10 @@ def test_reuses_a_given_buffer(qkv):
     assert sdpa_weights(q, k, v, out=wrong).shape == (2, 3, 300, 300)
 
 
-@pytest.mark.parametrize("use_arena", [True, False])
 @pytest.mark.parametrize("fresh", [True, False])
-def test_causal_into_fresh_huge_page_storage_or_a_dirty_buffer(fresh, use_arena, monkeypatch):
-    from probe.capture import arena
-
-    monkeypatch.setattr(arena, "ENABLED", use_arena)
-    # large enough for the zero-filled arena (> 4 MB): the unseen keys are then never written,
-    # so they must come out zero from the fresh map; a reused dirty buffer is zeroed instead
+def test_causal_into_fresh_storage_or_a_dirty_buffer(fresh):
+    # the keys a causal query never sees must come out zero, in fresh memory (uninitialised) as
+    # in a reused dirty buffer
     g = torch.Generator().manual_seed(2)
     q, k, v = (torch.randn(1, 4, 700, 8, generator=g) for _ in range(3))
     out = None if fresh else torch.full((1, 4, 700, 700), float("nan"))
@@ -147,3 +143,23 @@ def test_clean_buffer_keeps_its_zeros_and_a_mismatched_one_is_replaced(qkv):
     dirty = torch.full((2, 3, 300, 299), float("nan"))
     w = sdpa_weights(q, k, v, is_causal=True, out=dirty, clean=True)
     torch.testing.assert_close(w, oracle(q, k, allowed=allowed), atol=1e-6, rtol=0)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_row_blocks_cover_the_pattern_block_by_block(qkv, causal):
+    # each block holds its rows over the keys they may see; keys after it are zero in the oracle
+    q, k, v = qkv
+    mask = torch.rand(2, 1, 300, 300, generator=torch.Generator().manual_seed(3)) > 0.2
+    allowed = mask & torch.ones(300, 300, dtype=torch.bool).tril() if causal else mask
+    want = oracle(q, k, allowed=allowed)
+    from probe.capture.patterns import sdpa_blocks
+
+    seen = []
+    for start, end, block in sdpa_blocks(q, k, v, attn_mask=mask, is_causal=causal, chunk=128):
+        kend = block.shape[-1]
+        assert block.shape == (2, 3, end - start, kend) and block.dtype == torch.float32
+        assert kend == (min(300, end) if causal else 300)
+        torch.testing.assert_close(block, want[..., start:end, :kend], atol=1e-6, rtol=0)
+        assert torch.count_nonzero(want[..., start:end, kend:]) == 0
+        seen.append((start, end))
+    assert seen == [(0, 128), (128, 256), (256, 300)]

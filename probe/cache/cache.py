@@ -22,7 +22,7 @@ from probe.cache.format import (
     parse_key,
     parse_name,
 )
-from probe.cache.heap import HeapTensors
+from probe.cache.perf.heap import HeapTensors
 from probe.cache.queries import CacheKeyError, CacheQueries
 from probe.cache.validate import ITEMSIZE, check_consistency, check_header, check_metadata, read_header
 from probe.cache.writer import save_tensors

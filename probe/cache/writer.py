@@ -1,14 +1,12 @@
 """Where captured tensors go while a capture runs: memory, or a safetensors file streamed to disk.
 
-The streaming sink hands each tensor to a background I/O thread as soon as it is produced: the
-model computes layer l+1 while layer l is written, with at most two layers' worth of bytes in
-flight (``put`` waits beyond that), so peak memory stays about two layers of patterns. The
-thread writes in the order tensors were put, so the file is byte-identical to a synchronous
-write; an error in the thread is raised as :class:`ProbeError` by the next ``put`` or ``finish``.
-Where the file system allows it the data is written with direct I/O (:mod:`probe.cache.direct`):
+The streaming sink hands each tensor to a background I/O thread as soon as it is produced
+(:mod:`probe.cache.perf.iothread`): the model computes layer l+1 while layer l is written, with
+at most two layers' worth of bytes in flight, so peak memory stays about two layers of patterns;
+an error in the thread is raised as :class:`ProbeError` by the next ``put`` or ``finish``. Where
+the file system allows it the data is written with direct I/O (:mod:`probe.cache.perf.direct`):
 the device reads the tensors' memory itself, without a copy into the page cache and its later
-write-back, which on a 2-core machine took CPU time from the model (streamed GPT-2 at T = 1024:
-1.67x the plain forward through the page cache, 1.16x direct).
+write-back. Both are switched in :data:`probe.cache.perf.OPTIONS`.
 
 Safetensors puts its JSON header *before* the data, and the final key names are only known
 when the capture ends, so the sink reserves room for the header at the start of a temporary
@@ -24,11 +22,9 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import queue
 import re
 import struct
 import tempfile
-import threading
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -37,7 +33,9 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import save_file
 
-from probe.cache.direct import ALIGN, DataWriter, aligned_empty
+from probe.cache.perf.direct import ALIGN, DataWriter, aligned_empty
+from probe.cache.perf.iothread import IOThread
+from probe.cache.perf.options import OPTIONS
 from probe.errors import ProbeError, describe_os_error
 from probe.files import atomic_path, check_writable, umask_mode
 
@@ -128,17 +126,10 @@ def _fsync_dir(folder: Path) -> None:
 
 # A reservation far larger than the header is trimmed by rewriting the file (a copy of the data)
 # only when the spare bytes are a noticeable part of the file: more than TRIM_SLACK bytes and more
-# than 1/TRIM_RATIO of the data. A streamed GPT-2 capture at T = 128 (14 MB, ~12 KB spare) is
-# kept as written: its rewrite cost 40 ms, a tenth of the forward.
+# than 1/TRIM_RATIO of the data (a small file's few spare kilobytes are not worth a copy).
 TRIM_SLACK = 4096
 TRIM_RATIO = 64
 
-# Write streamed tensors on a background thread (False: in the caller's thread, as put is called).
-BACKGROUND = True
-
-
-# The I/O thread flushes the file to disk every this many bytes (the final fsync has less left).
-SYNC_EVERY = 64 << 20
 _datasync = getattr(os, "fdatasync", os.fsync)
 
 
@@ -176,16 +167,8 @@ class FileSink:
         self._entries: list[tuple[str, list[int], int, int]] = []
         self._offset = 0
         self.bytes_written = 0
-        # the I/O thread: started by the first put, fed in order, bounded by bytes in flight
-        self._background = BACKGROUND
-        self._jobs: queue.SimpleQueue = queue.SimpleQueue()
-        self._thread: threading.Thread | None = None
-        self._cond = threading.Condition()
-        self._pending = 0  # bytes queued and not yet written
-        self._limit = 0  # twice the largest tensor seen: about two layers in flight
-        self._inflight: dict[int, int] = {}  # storage address -> queued tensors using it
-        self._error: BaseException | None = None
-        self._unsynced = 0  # bytes the I/O thread wrote since its last flush to disk
+        # the I/O thread (None: each tensor is written in the caller's thread as it is put)
+        self._thread = IOThread(self._write, self._sync) if OPTIONS.io_thread else None
 
     def put(self, tensor: torch.Tensor, owned: bool = False) -> int:
         """Queue ``tensor``'s bytes for the file (written now without the I/O thread); returns a handle.
@@ -201,7 +184,7 @@ class FileSink:
             raise TypeError(f"cannot store dtype {t.dtype} in a probe cache")
         nbytes = t.numel() * t.element_size()
         if nbytes:
-            if not self._background:
+            if self._thread is None:
                 try:
                     self._write(t)
                 except OSError as e:
@@ -210,7 +193,8 @@ class FileSink:
             else:
                 if not owned and t.device == src.device and _storage(t) == _storage(src):
                     t = aligned_empty(t.shape, t.dtype, t.device).copy_(t)
-                self._enqueue(t, nbytes)
+                self._thread.put(t, nbytes)
+                self._raise_if_failed()
         self._entries.append((_DTYPES[t.dtype], list(t.shape), self._offset, self._offset + nbytes))
         self._offset += nbytes
         self.bytes_written += nbytes
@@ -224,66 +208,22 @@ class FileSink:
         """An uninitialised tensor the I/O thread can write without a copy (block-aligned memory)."""
         return aligned_empty(shape, dtype, device)
 
-    def _enqueue(self, t: torch.Tensor, nbytes: int) -> None:
-        ptr = _storage(t)
-        with self._cond:
-            self._limit = max(self._limit, 2 * nbytes)
-            while self._pending and self._pending + nbytes > self._limit and self._error is None:
-                self._cond.wait()
-            self._pending += nbytes
-            self._inflight[ptr] = self._inflight.get(ptr, 0) + 1
-        if self._thread is None:
-            self._thread = threading.Thread(target=self._run, name="probe-writer", daemon=True)
-            self._thread.start()
-        self._jobs.put((t, nbytes, ptr))
-        self._raise_if_failed()
-
-    def _run(self) -> None:
-        while True:
-            job = self._jobs.get()
-            if job is None:
-                return
-            t, nbytes, ptr = job
-            job = None
-            try:
-                if self._error is None:
-                    self._write(t)
-                    self._unsynced += nbytes
-                    if self._unsynced >= SYNC_EVERY and not self._io.direct:
-                        # flush to disk here, while the model computes, rather than all of it in
-                        # the final fsync on the caller's thread
-                        self._f.flush()
-                        _datasync(self._f.fileno())
-                        self._unsynced = 0
-            except BaseException as e:  # handed to the main thread; later jobs are only drained
-                with self._cond:
-                    self._error = e
-            finally:
-                t = None  # the memory is free before anyone waiting for it is woken
-                with self._cond:
-                    self._pending -= nbytes
-                    left = self._inflight.pop(ptr) - 1
-                    if left:
-                        self._inflight[ptr] = left
-                    self._cond.notify_all()
+    def _sync(self) -> bool:
+        """Flush what the page cache holds of the file to disk (the I/O thread calls it as it goes);
+        returns False for a direct-I/O file, which has nothing there."""
+        if self._io.direct:
+            return False
+        self._f.flush()
+        _datasync(self._f.fileno())
+        return True
 
     def wait_written(self, tensor: torch.Tensor) -> None:
         """Block until no queued write still reads ``tensor``'s memory (so it may be reused)."""
-        if not self._inflight:
-            return
-        ptr = _storage(tensor)
-        with self._cond:
-            while self._inflight.get(ptr) and self._error is None:
-                self._cond.wait()
-
-    def _stop_thread(self) -> None:
         if self._thread is not None:
-            self._jobs.put(None)
-            self._thread.join()
-            self._thread = None
+            self._thread.wait_written(tensor)
 
     def _raise_if_failed(self) -> None:
-        e = self._error
+        e = self._thread.error if self._thread is not None else None
         if e is None:
             return
         self.abort()
@@ -304,7 +244,8 @@ class FileSink:
         if another process writes ``path`` at the same moment.
         """
         try:
-            self._stop_thread()  # every queued tensor is in the file (or an error says why not)
+            if self._thread is not None:
+                self._thread.stop()  # every queued tensor is in the file (or an error says why not)
         except BaseException:
             self.abort()
             raise
@@ -371,8 +312,7 @@ class FileSink:
         """Close and delete the temporary file; nothing is left at ``path``. Safe to call twice."""
         try:
             if getattr(self, "_thread", None) is not None:
-                self._error = self._error or ProbeError("the capture was aborted")  # skip what is queued
-                self._stop_thread()
+                self._thread.abort(ProbeError("the capture was aborted"))  # skip what is queued
             io = getattr(self, "_io", None)
             if io is not None:
                 with contextlib.suppress(OSError):

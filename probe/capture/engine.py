@@ -1,11 +1,15 @@
-"""``probe.trace`` (capture whatever forward runs inside a ``with`` block) and ``probe.capture``."""
+"""``probe.trace`` (capture whatever forward runs inside a ``with`` block) and ``probe.capture``.
+
+:class:`Trace` is the lifecycle: it checks the arguments, claims the model (one capture per
+model object at a time), opens the sink (memory, or a file streamed layer by layer), runs a
+:class:`~probe.capture.tracer.Tracer` around the forward, then has :mod:`probe.capture.naming`
+name what was captured and writes the :class:`~probe.Cache`. Any failure aborts the sink: no
+half-written file is left.
+"""
 
 from __future__ import annotations
 
-import collections
-import dataclasses
 import json
-import operator
 import os
 import threading
 import warnings
@@ -15,12 +19,12 @@ from typing import Any
 import torch
 from torch import nn
 
-from probe import __version__
 from probe.cache import Cache
 from probe.cache.cache import encode_metadata, open_cache
-from probe.cache.format import FORMAT_VERSION, key
+from probe.cache.selection import Selection
 from probe.cache.writer import FileSink, MemorySink, check_output
 from probe.capture.inputs import model_name, prepare
+from probe.capture.naming import check_forward, model_info, name
 from probe.capture.tracer import Tracer
 from probe.errors import ProbeError
 
@@ -36,49 +40,13 @@ _DTYPES = {
 }
 
 
-def _dtype(dtype: Any) -> torch.dtype | None:
+def parse_dtype(dtype: Any) -> torch.dtype | None:
+    """``dtype=`` as a torch float dtype (None: as computed); a one-line ProbeError otherwise."""
     if dtype is None or isinstance(dtype, torch.dtype) and dtype in _DTYPES.values():
         return dtype
     if isinstance(dtype, str) and dtype.lower() in _DTYPES:
         return _DTYPES[dtype.lower()]
     raise ProbeError(f"dtype {dtype!r} is not supported; use float32, float16 or bfloat16")
-
-
-def _selection(values: Any, what: str, one: str) -> list[int] | None:
-    """``layers=``/``heads=``: None (all) or a non-empty list of distinct non-negative indices."""
-    if values is None:
-        return None
-    if isinstance(values, int) and not isinstance(values, bool):
-        values = [values]
-    if isinstance(values, (str, bytes)) or not hasattr(values, "__iter__"):
-        raise ProbeError(f"{what} must be a list of {one} indices like [0, 2], not {values!r}")
-    raw = list(values)
-    if not raw:
-        raise ProbeError(f"{what}=[] selects no {one}; give indices like [0, 2], or None for all")
-    values = []
-    for v in raw:
-        try:
-            i = -1 if isinstance(v, bool) else operator.index(v)
-        except TypeError:
-            i = -1
-        if i < 0:
-            raise ProbeError(f"{what} must be non-negative {one} indices like [0, 2]; {v!r} is not one")
-        values.append(i)
-    if len(set(values)) != len(values):
-        raise ProbeError(f"{what}={values} names a {one} twice; give each index once")
-    return values
-
-
-def _jsonable(obj: Any) -> Any:
-    if obj is None:
-        return None
-    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
-        obj = dataclasses.asdict(obj)
-    elif hasattr(obj, "to_dict"):
-        obj = obj.to_dict()
-    elif not isinstance(obj, dict):
-        return None
-    return json.loads(json.dumps(obj, default=str))
 
 
 # models a capture is running on (one capture per model object at a time: hooks are per module)
@@ -110,17 +78,6 @@ def _blind_attention(model: nn.Module) -> str | None:
     return None
 
 
-def model_info(model: nn.Module) -> dict[str, Any]:
-    """Name, class and config of ``model`` for the cache metadata."""
-    cls = type(model)
-    return {
-        "name": model_name(model),
-        "class": f"{cls.__module__}.{cls.__qualname__}",
-        "parameters": sum(p.numel() for p in model.parameters()),
-        "config": _jsonable(getattr(model, "config", None)),
-    }
-
-
 class Trace:
     """Capture the attention of the forward pass that runs inside ``with probe.trace(model):``.
 
@@ -143,14 +100,13 @@ class Trace:
     ) -> None:
         if not isinstance(model, nn.Module):
             raise ProbeError(f"probe captures torch.nn.Module models, not {type(model).__name__}")
-        layers = _selection(layers, "layers", "layer")
-        heads = _selection(heads, "heads", "head")
+        self.selection = Selection.parse(layers, heads)
         if out is not None:
             check_output(out)
         self.model = model
         self.out = out
-        self.layers, self.heads = layers, heads
-        self.dtype = _dtype(dtype)
+        self.layers, self.heads = self.selection.layers, self.selection.heads
+        self.dtype = parse_dtype(dtype)
         self.metadata: dict[str, Any] = dict(metadata or {})
         self.cache: Cache | None = None
         self._extra_reserve = int(reserve)
@@ -191,7 +147,7 @@ class Trace:
 
     def _enter(self) -> None:
         self._sink = FileSink(self.out, reserve=self._header_estimate()) if self.out else MemorySink()
-        self._tracer = Tracer(self.model, self._sink, layers=self.layers, heads=self.heads, dtype=self.dtype)
+        self._tracer = Tracer(self.model, self._sink, selection=self.selection, dtype=self.dtype)
         try:
             self._tracer.__enter__()
         except BaseException:
@@ -216,109 +172,9 @@ class Trace:
             raise
         return False
 
-    # -- naming --------------------------------------------------------------------------------
-    def _stacks(self, tr: Tracer) -> dict[str, str]:
-        containers = list(tr.kept)
-        info: dict[str, dict[str, Any]] = {c: {"cross": False, "causal": []} for c in containers}
-        for r in tr.records:
-            for role, _h, _shape, _impl, causal in r.patterns:
-                if role == "cross":
-                    info[r.container]["cross"] = True
-                elif causal is not None:
-                    info[r.container]["causal"].append(causal)
-        if len(containers) == 1:
-            c = containers[0]
-            flags = info[c]["causal"]
-            if info[c]["cross"]:
-                decoder = True
-            elif flags:
-                decoder = all(flags)
-            else:
-                decoder = hasattr(self.model, "generate")
-            return {c: "decoder" if decoder else "encoder"}
-        with_cross = [c for c in containers if info[c]["cross"]]
-        if not with_cross:
-            return {c: ("encoder" if i == 0 else "decoder") for i, c in enumerate(containers)}
-        return {c: ("decoder" if c in with_cross else "encoder") for c in containers}
-
     def _finish(self) -> Cache:
-        tr = self._tracer
-        if tr.root_calls == 0:
-            raise ProbeError("the model did not run inside probe.trace; call it inside the with block")
-        if tr.root_calls > 1:
-            raise ProbeError(
-                f"the model ran {tr.root_calls} forward passes inside probe.trace; "
-                "capture one forward pass at a time"
-            )
-        if tr.blind:
-            raise ProbeError(
-                f"{type(self.model).__name__} computes attention with {tr.blind[0]}, which probe cannot "
-                'look into; load it with attn_implementation="sdpa" (or "eager") to capture it'
-            )
-        if not tr.kept:
-            raise ProbeError(
-                f"no attention found in {type(self.model).__name__}: probe saw no "
-                "softmax over a sequence, scaled_dot_product_attention or nn.MultiheadAttention in "
-                "its forward; give a model that computes attention (flex_attention, custom kernels "
-                "and banded layouts such as Longformer's sliding-window chunks cannot be seen: "
-                'load transformers models with attn_implementation="sdpa" or "eager")'
-            )
-        most = max(tr.kept.values())
-        missing = [i for i in self.layers or [] if i >= most]
-        if missing or not tr.records:
-            # never record a layer that was not captured: refuse the selection as a whole
-            counts = " and ".join(f"{n}" for n in tr.kept.values())
-            what = "selects no layer" if not tr.records else f"names layers {missing} that do not exist"
-            raise ProbeError(
-                f"layers={self.layers} {what} (the model has {counts} layers); "
-                f"choose indices from 0-{most - 1}"
-            )
-        records = tr.records + tr.plain_records()
-        _refuse_shared_layers(records)
-        stacks = self._stacks(tr)
-        offsets: dict[str, int] = {}
-        base: dict[str, int] = {}
-        for c in tr.kept:  # several lists mapped to one stack are numbered one after another
-            s = stacks[c]
-            base[c] = offsets.get(s, 0)
-            offsets[s] = base[c] + tr.kept[c]
-        names: dict[int, str] = {}
-        layer_meta: list[dict[str, Any]] = []
-        for r in sorted(records, key=lambda r: (base[r.container], r.container, r.index)):
-            stack, idx = stacks[r.container], base[r.container] + r.index
-            entry: dict[str, Any] = {"stack": stack, "layer": idx, "module": r.module}
-            for role, handle, shape, impl, _causal in r.patterns:
-                k = key(stack, idx, f"{role}_attn.pattern")
-                if k in names.values():
-                    raise ProbeError(
-                        f"layer {r.module} computes two {role}-attention patterns; "
-                        "probe records one per role and layer"
-                    )
-                names[handle] = k
-                entry[f"{role}_attn"] = {"impl": impl, "heads": shape[1]}
-            for name, handle in r.residuals:
-                names[handle] = key(stack, idx, name)
-            entry.update(r.notes)
-            layer_meta.append(entry)
-        meta = dict(self.metadata)
-        meta.setdefault("model", model_info(self.model))
-        if meta.get("input_kind") == "tensor":
-            _positions_from_patterns(meta, tr)
-        meta.update(
-            {
-                "probe_version": __version__,
-                "format_version": FORMAT_VERSION,
-                "attention_implementations": sorted(tr.impls),
-                # what was stored: one dtype, or several ("float32, bfloat16": patterns are
-                # computed in float32 while a bf16 model's residual stream stays bf16)
-                "dtype": ", ".join(sorted(tr.stored_dtypes)),
-                "stacks": {s: {"layers": n} for s, n in offsets.items()},
-                "layers_captured": self.layers,
-                "training": bool(self.model.training),
-                "heads_captured": self.heads,
-                "layers": layer_meta,
-            }
-        )
+        check_forward(self._tracer, self.model, self.selection)
+        names, meta = name(self._tracer, self.model, self.metadata, self.selection)
         if isinstance(self._sink, FileSink):
             # opened before the rename: the Cache returned is the file this call wrote
             out = self._sink.path
@@ -326,33 +182,6 @@ class Trace:
                 names, encode_metadata(meta), opener=lambda tmp: open_cache(tmp, shown=out)
             )
         return Cache(self._sink.finish(names, encode_metadata(meta)), meta)
-
-
-def _refuse_shared_layers(records: list) -> None:
-    # One module of a layer list run several times in one forward (ALBERT shares one layer's
-    # weights across all layers): its runs would share one key, so the cache could not say which
-    # run a tensor came from.
-    runs = collections.Counter((r.container, r.index) for r in records)
-    for r in records:
-        n = runs[(r.container, r.index)]
-        if n > 1:
-            raise ProbeError(
-                f"layer {r.module} runs {n} times in one forward (one layer's weights shared by "
-                "several layers, as in ALBERT); probe keeps one layer per module and does not support "
-                "weight-shared layers: to capture it, give each run its own module (a ModuleList of "
-                "copy.deepcopy of the shared layer)"
-            )
-
-
-def _positions_from_patterns(meta: dict[str, Any], tr: Tracer) -> None:
-    # A float input's "tokens" are its positions. Which input axis is the sequence is the model's
-    # business (sequence-first modules take [pos, batch, d]); the self-attention patterns
-    # ([batch, head, query, key]) say it for sure, so the metadata agrees with what is stored.
-    for r in tr.records:
-        for role, _h, shape, _impl, _causal in r.patterns:
-            if role == "self":
-                meta["tokens"] = [[str(i) for i in range(shape[2])] for _ in range(shape[0])]
-                return
 
 
 def trace(model: nn.Module, **kwargs: Any) -> Trace:
@@ -385,13 +214,19 @@ def capture(
     Returns a :class:`~probe.Cache` with keys ``<stack>.blocks.<i>.<name>``.
     """
     # arguments first: a bad selection or output path is refused before any forward runs
-    layers = _selection(layers, "layers", "layer")
-    heads = _selection(heads, "heads", "head")
-    _dtype(dtype)
+    selection = Selection.parse(layers, heads)
+    parse_dtype(dtype)
     if out is not None:
         check_output(out)
     prepared = prepare(model, inputs, tokenizer=tokenizer, target=target)
-    t = Trace(model, out=out, layers=layers, heads=heads, dtype=dtype, metadata=prepared.meta)
+    t = Trace(
+        model,
+        out=out,
+        layers=selection.layers,
+        heads=selection.heads,
+        dtype=dtype,
+        metadata=prepared.meta,
+    )
     with torch.no_grad(), t:
         prepared.run()
     return t.cache

@@ -1,187 +1,203 @@
-"""Recording attention patterns: parts gathered per sublayer, then flushed to the sink.
+"""Recording attention: each attention event, the sublayer it belongs to, and its pattern consumer.
 
-A sublayer's pattern may arrive in parts (one softmax per head module) and in torch's
-``[batch·heads, q, k]`` layout: when the sublayer returns, the parts are checked untouched,
-restored to ``[batch, heads, q, k]`` (the batch size read from the stream handed to the
-sublayer), stacked, cut to ``heads=``, judged self/cross and causal, and handed to the sink
-(converted to ``dtype=`` on the way). Streamed captures recompute SDPA weights into two scratch
-buffers used in turn.
+The :class:`Recorder` handles the ops the watcher's mode hands it (every ``softmax``,
+``F.scaled_dot_product_attention`` and ``flex_attention`` call) and the weights of torch's fused
+modules recomputed after they return. A softmax over the last dimension is a pattern when its
+last two axes are sequence lengths (lengths of the model's inputs or of a layer's stream):
+routers over experts, output probabilities and softmaxes over features are not. Each event of a
+layer being captured is counted, then assigned to an :class:`~probe.capture.calls.Attention`,
+one per sublayer call (several softmaxes of separate head modules are its parts; a differently
+shaped attention in the same call opens a new one). When the sublayer returns the Attention is
+closed: judged *self* or *cross* (:func:`is_cross`), then handed to the consumer.
+
+The pattern-consumer seam
+-------------------------
+What becomes of the weights is the consumer's business, one object with three calls
+(:class:`PatternConsumer`), each receiving the open :class:`~probe.capture.calls.Attention`:
+
+* ``weights(attn, pattern, impl)``: a pattern that exists whole (a softmax output, the model's
+  own tensor; or weights recomputed for a fused module), ``[batch, (heads,) q, k]`` or torch's
+  ``[batch·heads, q, k]``. Consumers must not modify it.
+* ``sdpa(attn, args, kwargs)``: an SDPA call that ran; its weights do not exist yet. The consumer
+  recomputes what it needs from the call's own arguments: whole with
+  :func:`~probe.capture.patterns.sdpa_weights`, or row block by row block with
+  :func:`~probe.capture.patterns.sdpa_blocks` (never holding the whole pattern).
+* ``close(attn)``: the sublayer returned; every part has arrived and ``attn.role`` is set. A
+  consumer that stores a pattern sets ``attn.handle`` (its sink handle), ``attn.shape`` and
+  ``attn.causal``; the layer's record lists the Attentions with a handle.
+
+The default consumer, :class:`~probe.capture.keep.KeepPatterns`, stores every pattern whole. A
+consumer that keeps statistics, selected rows or the top-k keys implements the same three calls
+(reading row blocks in ``sdpa`` and slicing rows out of ``weights``) and is handed to the
+:class:`~probe.capture.tracer.Tracer` in its place.
 """
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Protocol
 
 import torch
-from torch import Tensor
+import torch.nn.functional as F
+from torch import Tensor, nn
 
-from probe.capture.layers import _Attn
-from probe.errors import ProbeError
+from probe.capture.calls import Attention, Forward
+from probe.capture.fused import mha_weights
+from probe.capture.layers import LayerTracker
+from probe.capture.residual import LayerStream
+
+try:  # the higher-order op flex_attention runs; its scores never exist outside the kernel
+    from torch._higher_order_ops.flex_attention import flex_attention as FLEX
+except ImportError:  # pragma: no cover - older torch
+    FLEX = None
+
+SOFTMAX = frozenset({F.softmax, torch.softmax, Tensor.softmax, torch.special.softmax})
+SDPA = F.scaled_dot_product_attention
 
 
-class _Recorder:
-    """The :class:`~probe.capture.tracer.Tracer`'s attention events and storage."""
+class PatternConsumer(Protocol):
+    """Receives the attention of every layer being captured (see the module docstring)."""
 
-    # -- attention events ----------------------------------------------------------------------
-    def wants_pattern(self) -> bool:
-        """Whether the attention about to be seen belongs to a layer being captured."""
-        if not self.stack:
-            return False
-        return self._current_layer().wanted
+    def weights(self, attn: Attention, pattern: Tensor, impl: str) -> None: ...
 
-    def note_event(self) -> None:
-        for c in self.stack:
-            c.events += 1
-        self._current_layer().events += 1
+    def sdpa(self, attn: Attention, args: tuple, kwargs: dict) -> None: ...
 
-    def on_softmax(self, args: tuple, kwargs: dict, out: Tensor) -> None:
+    def close(self, attn: Attention) -> None: ...
+
+
+def is_cross(attn: Attention, cached: int, stream: LayerStream | None) -> bool:
+    """Whether ``attn`` is cross-attention: its queries and keys differ in length (other than by a
+    KV cache's ``cached`` positions), or its sublayer was handed a second stream-shaped tensor that
+    is not derived from the layer's own ``stream`` (an encoder's output; not the residual handed to
+    an attention module, as BLOOM does)."""
+    q, k = attn.qk
+    cross = q != k
+    p0 = attn.primary
+    if cross and cached and k == cached + q:
+        # a KV-cached call: keys are the cached positions plus the new ones, the same sequence,
+        # unless a second sequence of that length was fed in (an encoder's output)
+        cross = any(
+            t.is_floating_point() and t.dim() == 3 and k in t.shape[:2] and t is not p0 for t in attn.inputs
+        )
+    if not cross and p0 is not None and not p0.is_nested and p0.dim() == 3:
+        for t in attn.inputs:
+            if (
+                t is not p0
+                and not t.is_nested
+                and t.dim() == 3
+                and t.is_floating_point()
+                and t.shape[0] == p0.shape[0]
+                and t.shape[-1] == p0.shape[-1]
+                and t.data_ptr() != p0.data_ptr()
+                and not (stream is not None and stream.label(t)[0])  # the layer's own stream
+            ):
+                return True
+    return cross
+
+
+class Recorder:
+    """Attention events of one capture, read against ``layers``, handed to ``consumer``."""
+
+    def __init__(self, layers: LayerTracker, forward: Forward, consumer: PatternConsumer) -> None:
+        self.layers = layers
+        self.stack = layers.stack
+        self.forward = forward
+        self.consumer = consumer
+        self.impls: set[str] = set()  # how the patterns were computed: softmax, sdpa, mha
+
+    # -- the ops the watcher's mode hands on: each handler runs the op and returns its output --
+    def softmax(self, func: Any, args: tuple, kwargs: dict) -> Any:
+        out = func(*args, **kwargs)
+        if self._over_sequence(args, kwargs, out):
+            if self.wants():
+                self._weights(out, "softmax")
+            else:
+                self.note_event()
+        self.layers.after_op(func, args, kwargs, out)
+        return out
+
+    def _over_sequence(self, args: tuple, kwargs: dict, out: Any) -> bool:
+        """Whether a softmax's output is attention: over its last axis, the last two sequence lengths."""
         if not isinstance(out, Tensor) or out.dim() < 3:
-            return
+            return False
         dim = args[1] if len(args) > 1 else kwargs.get("dim")
         if dim is None or dim not in (-1, out.dim() - 1):
+            return False
+        lengths = self.forward.lengths
+        return out.shape[-1] in lengths and out.shape[-2] in lengths
+
+    def sdpa(self, func: Any, args: tuple, kwargs: dict) -> Any:
+        out = func(*args, **kwargs)
+        if self.wants():
+            query = args[0] if args else kwargs["query"]
+            key = args[1] if len(args) > 1 else kwargs["key"]
+            self.consumer.sdpa(self._open((query.size(-2), key.size(-2)), "sdpa"), args, kwargs)
+        else:
+            self.note_event()  # a layer left out by `layers=`: count it, skip the work
+        self.layers.after_op(func, args, kwargs, out)
+        return out
+
+    def flex(self, func: Any, args: tuple, kwargs: dict) -> Any:
+        # runs while torch.compile traces it; only recorded (dynamo replays appends)
+        self.forward.blind.append("flex_attention")
+        return func(*args, **kwargs)
+
+    # -- torch's fused modules, after they returned (the watcher calls these) ------------------
+    def mha_module(self, module: nn.MultiheadAttention, args: tuple, kwargs: dict) -> None:
+        """An ``nn.MultiheadAttention`` call that ran with the mode off: its weights recomputed."""
+        if not self.wants():
+            self.note_event()
             return
-        if out.shape[-1] not in self.lengths or out.shape[-2] not in self.lengths:
-            return  # over experts, classes or features: not attention over a sequence
-        if self.wants_pattern():
-            self.on_pattern(out, "softmax")
+        with torch.no_grad():
+            w = mha_weights(module, args, kwargs)
+        if w is not None:
+            self._weights(w, "mha")
+
+    def pattern(self, weights: Tensor, impl: str) -> None:
+        """A pattern computed outside the mode (a replayed fused layer's weights)."""
+        if self.wants():
+            self._weights(weights, impl)
         else:
             self.note_event()
 
-    def scratch(self) -> tuple[Tensor | None, bool]:
-        """A buffer the next recomputed pattern may be written into (or None), and whether it is
-        clean (last filled by a causal call: its unseen keys are zeros already)."""
-        if not self._reuse or self._scratch_busy:
-            return None, False
-        buf = self._scratches[self._turn]
-        if buf is not None:
-            self.sink.wait_written(buf)  # its previous pattern may still be on its way to disk
-        return buf, buf is not None and self._clean[self._turn]
+    # -- events --------------------------------------------------------------------------------
+    def wants(self) -> bool:
+        """Whether the attention about to be seen belongs to a layer being captured."""
+        if not self.stack:
+            return False
+        return self.layers.current().wanted
 
-    def note_causal(self, causal: Any) -> None:
-        """Whether the SDPA call about to be recorded was ``is_causal`` (keeps a scratch clean)."""
-        self._causal_call = bool(causal)
+    def note_event(self) -> None:
+        """Count an attention event on every call running and on the layer."""
+        for c in self.stack:
+            c.events += 1
+        self.layers.current().events += 1
 
-    def on_pattern(self, pattern: Tensor, impl: str) -> None:
-        """Record an attention pattern ``[batch, (head,) query, key]`` computed now."""
+    def _weights(self, pattern: Tensor, impl: str) -> None:
+        self.consumer.weights(self._open(tuple(pattern.shape[-2:]), impl), pattern, impl)
+
+    def _open(self, qk: tuple[int, int], impl: str) -> Attention:
+        """The open Attention of the sublayer running now for a ``qk``-shaped pattern (an event)."""
         self.note_event()
-        layer = self._current_layer()
-        sub = self._sublayer_call()
-        if sub.attn is None:
-            a = _Attn(inputs=sub.inputs, primary=sub.primary)
-            sub.attn = a
-            layer.attns.append(a)
+        layer = self.layers.current()
+        sub = self.layers.sublayer_call()
         a = sub.attn
-        if a.parts and a.parts[0][0].shape[-2:] != pattern.shape[-2:]:
-            # a second, differently shaped attention in the same sublayer: record it on its own
-            self._flush_attn(a)
-            a = _Attn(inputs=sub.inputs, primary=sub.primary)
+        if a is None or a.qk != qk:
+            if a is not None:
+                # a second, differently shaped attention in the same sublayer: recorded on its own
+                self.close(a)
+            a = Attention(inputs=sub.inputs, primary=sub.primary, qk=qk)
             sub.attn = a
             layer.attns.append(a)
-        p = pattern.detach()
-        if self._reuse and not self._scratch_busy and impl == "sdpa":
-            self._scratches[self._turn], self._scratch_busy = p, True
-            # same shape next time: sdpa_weights writes the same causal region, the rest stays 0
-            self._clean[self._turn] = self._causal_call
-        a.parts.append((p, p._version))
         a.impl.add(impl)
         self.impls.add(impl)
+        return a
 
-    def _batch_size(self, a: _Attn, q: int) -> int | None:
-        """The batch size of the stream handed to the sublayer: ``[batch, q, d]`` or ``[q, batch, d]``."""
-        p = a.primary
-        if p is None or p.is_nested or p.dim() != 3:
-            return None
-        if p.shape[1] == q:
-            return p.shape[0]
-        return p.shape[1] if p.shape[0] == q else None
-
-    def _flush_attn(self, a: _Attn) -> None:
-        if not a.parts or a.handle is not None:
+    def close(self, attn: Attention) -> None:
+        """Everything of ``attn`` arrived (its sublayer returned): judge its role, hand it on."""
+        if attn.closed:
             return
-        for p, v in a.parts:
-            if p._version != v:
-                raise RuntimeError(
-                    "an attention pattern was modified in place after softmax; "
-                    "probe cannot capture it exactly"
-                )
-        batch = self._batch_size(a, a.parts[0][0].shape[-2])
-        parts = []
-        for p, _ in a.parts:
-            if p.dim() == 3 and batch is not None and p.shape[0] != batch:
-                # scores laid out [batch·heads, q, k] (bmm/baddbmm): batch-major, as torch's own
-                if p.shape[0] % batch:
-                    raise ProbeError(
-                        f"attention weights of shape {list(p.shape)} do not split into batch "
-                        f"{batch} x heads; lay the scores out as [batch, heads, query, key]"
-                    )
-                p = p.reshape(batch, p.shape[0] // batch, *p.shape[1:])
-            parts.append(p if p.dim() >= 4 else p.unsqueeze(-3))
-        pattern = parts[0] if len(parts) == 1 else torch.cat(parts, dim=-3)
-        if pattern.dim() > 4:
-            pattern = pattern.flatten(1, -4)
-        if self.heads is not None:
-            if max(self.heads) >= pattern.shape[1]:
-                n = pattern.shape[1]
-                raise ProbeError(
-                    f"heads={self.heads}: this model's attention has {n} heads; choose indices from 0-{n - 1}"
-                )
-            pattern = pattern[:, self.heads]
-        q, k = pattern.shape[-2], pattern.shape[-1]
-        cross = q != k
-        p0 = a.primary
-        if cross and self.cached and k == self.cached + q:
-            # a KV-cached call: keys are the cached positions plus the new ones, the same sequence,
-            # unless a second sequence of that length was fed in (an encoder's output)
-            cross = any(
-                t.is_floating_point() and t.dim() == 3 and k in t.shape[:2] and t is not p0 for t in a.inputs
-            )
-        if not cross and p0 is not None and not p0.is_nested and p0.dim() == 3:
-            st = self.layer.stream if self.layer is not None else None
-            for t in a.inputs:
-                if (
-                    t is not p0
-                    and not t.is_nested
-                    and t.dim() == 3
-                    and t.is_floating_point()
-                    and t.shape[0] == p0.shape[0]
-                    and t.shape[-1] == p0.shape[-1]
-                    and t.data_ptr() != p0.data_ptr()
-                    and not (st is not None and st.label(t)[0])  # the layer's own stream (BLOOM's residual)
-                ):
-                    cross = True
-                    break
-        a.role = "cross" if cross else "self"
-        if not cross and q > 1:
-            # judged per text: a decoder's longest text has no pad queries (a pad query whose keys
-            # are all masked may come out uniform), an encoder's texts all see ahead; query i sits
-            # at key k - q + i (bottom-right, past a KV cache)
-            mid, off = q // 2, k - q
-            first = (pattern[:, :, 0, off + 1 :] == 0).flatten(1).all(dim=1)
-            middle = (pattern[:, :, mid, off + mid + 1 :] == 0).flatten(1).all(dim=1)
-            a.causal = bool((first & middle).any())
-        a.shape = tuple(pattern.shape)
-        # recomputed weights are probe's own memory (the scratch is only reused once written);
-        # softmax outputs are the model's
-        mine = a.impl <= {"sdpa", "mha"} or all(
-            pattern.untyped_storage().data_ptr() != p.untyped_storage().data_ptr() for p, _ in a.parts
-        )  # stacked heads or selected heads are a copy
-        a.handle = self._put(pattern, owned=mine)
-        if self._scratch_busy and any(p is self._scratches[self._turn] for p, _ in a.parts):
-            self._scratch_busy = False
-            self._turn ^= 1
-        a.parts.clear()
-
-    # -- storage -------------------------------------------------------------------------------
-    def _put(self, t: Tensor, owned: bool = False) -> int:
-        """Hand ``t`` to the sink; a converted copy is probe's own memory."""
-        stored = self._store(t)
-        if not owned and stored.device == t.device and not stored.is_nested and not t.is_nested:
-            owned = stored.untyped_storage().data_ptr() != t.untyped_storage().data_ptr()
-        return self.sink.put(stored, owned=owned)
-
-    def _store(self, t: Tensor) -> Tensor:
-        t = t.detach()
-        if self.dtype is not None and t.is_floating_point() and t.dtype != self.dtype:
-            t = t.to(self.dtype)
-        self.stored_dtypes.add(str(t.dtype).replace("torch.", ""))
-        return t
+        attn.closed = True
+        layer = self.layers.layer
+        cross = is_cross(attn, self.forward.cached, layer.stream if layer is not None else None)
+        attn.role = "cross" if cross else "self"
+        self.consumer.close(attn)

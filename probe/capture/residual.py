@@ -1,6 +1,6 @@
 """The residual stream of one layer: which tensors are the stream, which are sublayer outputs.
 
-The tracer reports every operation it sees inside a layer; this module follows the data flow
+The watcher hands on every operation it sees inside a layer; this module follows the data flow
 with labels instead of guessing from the order of ``+`` operands:
 
 * a tensor is *stream-derived* when it is computed from the layer's input (``resid_pre``);
@@ -15,25 +15,13 @@ sources) and the other is a sublayer output (some sources); its result is the st
 Two sublayer outputs added together (parallel attention + MLP, expert sums, shared experts)
 form a *combination* whose parts are remembered, so a later residual add can split it.
 
-:meth:`LayerStream.decompose` turns the residual adds into deltas and verifies them:
-
-* **sublayer output**: when the add's stream operand is the stream before it and its result is
-  the stream after it (pre-norm and parallel blocks), the delta is the tensor added, bit for bit;
-* **stream difference**: otherwise (post-norm: the sum is normalised before the next sublayer)
-  the delta is the difference of the stream values around the sublayer; a stream multiplied or
-  divided by a constant before its residual add (DeepNorm's ``α·x + f(x)``) counts as the stream
-  before that scaling, so the scaling is in the delta of the sublayer whose add it joins;
-* the deltas must add up to ``resid_post`` within float rounding, every sublayer whose output
-  reached a stream-sized tensor must be accounted for by a residual add, and outputs of
-  different kinds mixed before the add must have been seen as separate parts. If any of this
-  fails, no deltas are stored and the reason is returned for the cache metadata.
+:func:`probe.capture.deltas.decompose` turns the residual adds into verified deltas.
 """
 
 from __future__ import annotations
 
 import itertools
 import weakref
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -115,37 +103,6 @@ def _is_param(t: Tensor) -> bool:
     if cls is Tensor:
         return bool(getattr(t, "_is_param", False))
     return isinstance(t, nn.Parameter)
-
-
-def _absmax(t: Tensor) -> float:
-    """``max |t|`` from one ``aminmax`` pass (NaN if ``t`` holds one): on CPU about half the time of
-    ``t.abs().max()`` and a tenth of ``linalg.vector_norm(t, inf)``."""
-    lo, hi = torch.aminmax(t)
-    return max(-float(lo), float(hi))
-
-
-def _same(x: Tensor, y: Tensor) -> bool:
-    """``torch.equal`` with the shortcut of one memory (the stream handed on as a view)."""
-    if x is y:
-        return True
-    if (
-        x.shape == y.shape
-        and x.dtype == y.dtype
-        and x.data_ptr() == y.data_ptr()
-        and x.stride() == y.stride()
-    ):
-        return True
-    return torch.equal(x, y)
-
-
-@dataclass
-class Decomposition:
-    """Deltas by sublayer name (``self_attn``/``cross_attn``/``mlp``), or the reason there are none."""
-
-    deltas: dict[str, Tensor] | None
-    definition: dict[str, str]
-    note: str | None = None
-    deviation: float = 0.0
 
 
 def _outputs(out: Any):
@@ -314,98 +271,3 @@ class LayerStream:
         return out
 
     # -- deltas --------------------------------------------------------------------------------
-    def _is_origin(self, a: ResidualAdd) -> bool:
-        """Whether ``a``'s stream is the layer's input itself, not written since ``pre`` was copied
-        from it (the same memory, layout and dtype, and the version it had then)."""
-        o, s = self.origin, a.stream
-        return (
-            s.data_ptr() == o.data_ptr()
-            and s.dtype == o.dtype
-            and s.shape == (self.numel // self.width, self.width)
-            and s.stride() == (self.width, 1)
-            and o.is_contiguous()
-            and a.versions[0] == self.origin_version
-        )
-
-    def decompose(
-        self, post: Tensor | None, kind_of: Callable[[int], str], names: Callable[[int], str]
-    ) -> Decomposition:
-        """Deltas of this layer ending in ``post`` (see the module docstring), each shaped like the stream.
-
-        ``kind_of(source)`` names a sublayer's delta (``self_attn``/``cross_attn``/``mlp``);
-        ``names(source)`` is its module path, for notes.
-        """
-        none = Decomposition(None, {})
-        if post is None or not self.sized(post):
-            none.note = "the layer's output is not shaped like its input, so it has no residual deltas"
-            return none
-        if not self.adds:
-            none.note = "probe saw no residual addition (stream + sublayer output) in this layer"
-            return none
-        if not all(a.intact() for a in self.adds):
-            none.note = "the layer overwrote a residual sum in place after adding it; no deltas stored"
-            return none
-        w = self.width
-        pre, out = self.pre.reshape(-1, w), post.detach().reshape(-1, w)
-        added = set().union(*(a.sources for a in self.adds))
-        missing = sorted(self.touched - added)
-        if missing:
-            who = ", ".join(names(s) for s in missing)
-            none.note = f"the output of {who} reaches the stream in a way probe does not follow"
-            return none
-        plans = []
-        for a in self.adds:
-            kinds = {kind_of(s) for s in a.sources}
-            if len(kinds) == 1:
-                plans.append([(kinds.pop(), None)])
-                continue
-            part_kinds = [{kind_of(s) for s in srcs} for srcs, _ in a.parts or []]
-            if not part_kinds or any(len(k) != 1 for k in part_kinds):
-                who = ", ".join(sorted(names(s) for s in a.sources))
-                none.note = (
-                    f"the outputs of {' and '.join(sorted(kinds))} are mixed before they reach the "
-                    f"stream; probe cannot separate them ({who})"
-                )
-                return none
-            plans.append([(k.pop(), v) for k, (_, v) in zip(part_kinds, a.parts, strict=True)])
-        # the stream between two sublayers: what the next residual add takes, before any rescaling
-        bounds = [pre] + [a.stream if a.base is None else a.base for a in self.adds[1:]] + [out]
-        deltas: dict[str, Tensor] = {}
-        definition: dict[str, str] = {}
-        for k, (a, plan) in enumerate(zip(self.adds, plans, strict=True)):
-            first = k == 0 and self._is_origin(a)
-            exact = (first or _same(a.stream, bounds[k])) and _same(a.result, bounds[k + 1])
-            if len(plan) > 1 and not exact:
-                none.note = (
-                    "the sum of the parallel sublayers' outputs is normalised before it becomes the "
-                    "stream; probe cannot separate their deltas"
-                )
-                return none
-            pieces = (
-                [(plan[0][0], a.added if exact else bounds[k + 1] - bounds[k])] if len(plan) == 1 else plan
-            )
-            for name, piece in pieces:
-                deltas[name] = deltas[name] + piece if name in deltas else piece
-                how = "sublayer output" if exact else "stream difference"
-                definition[name] = how if definition.get(name, how) == how else "mixed"
-        total = None
-        for d in deltas.values():  # in the order the stream received them (no 0 + d first)
-            if total is None or d.dtype != total.dtype or d.shape != total.shape:
-                total = pre + d if total is None else total + d
-            else:  # the sum is probe's own tensor from here: added in place, the same rounding
-                total.add_(d)
-        dev, scale = 0.0, 1.0
-        if out.numel():
-            outf = out.float()
-            # the sum (converted or not) is probe's own tensor: subtracted in place; pre is not
-            dev = _absmax(pre.float() - outf if total is None else total.float().sub_(outf))
-            scale = max(_absmax(outf), _absmax(pre.float()), 1.0)
-        tol = 16 * len(self.adds) * torch.finfo(out.dtype).eps * scale
-        if dev > tol:
-            none.note = (
-                f"the residual additions probe followed do not add up to the layer's output "
-                f"(off by {dev:.2g}); no deltas stored"
-            )
-            return none
-        shape = post.shape
-        return Decomposition({n: d.reshape(shape) for n, d in deltas.items()}, definition, None, dev)

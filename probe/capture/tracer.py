@@ -1,35 +1,26 @@
-"""The capture engine: module hooks plus a ``TorchFunctionMode`` that sees attention being computed.
+"""The tracer: one capture's parts, assembled.
 
-How it works, in one pass over the unmodified model:
+How a capture works, in one pass over the unmodified model (``docs/architecture-capture.md``
+has the picture):
 
-* **Where attention happens.** While the model runs, a ``TorchFunctionMode`` sees every
-  ``softmax`` (``F.softmax``, ``torch.softmax``, ``Tensor.softmax``), every
-  ``F.scaled_dot_product_attention`` and every ``F.multi_head_attention_forward`` call. A softmax
-  over the last dimension is a pattern when its last two axes are sequence lengths (lengths of
-  the model's inputs or of a layer's stream): routers over experts, output probabilities and
-  softmaxes over features are not. Scores laid out ``[batch·heads, q, k]`` are restored to
-  ``[batch, heads, q, k]``. For SDPA the fused kernel runs untouched and the weights are
-  computed beside it from the same ``q``, ``k``, mask and scale (:mod:`probe.capture.patterns`).
-  ``nn.MultiheadAttention`` (and torch's encoder layers), whose fast paths switch off whenever a
-  torch-function mode is active, run with the mode suspended; their weights are recomputed from
-  the module's parameters. ``flex_attention`` computes inside a compiled kernel probe cannot see:
-  a layer that uses it is an error naming the fix, never a silently dropped layer.
-* **Layers** are found in the module tree: a layer is the outermost module on the call stack that
-  is an element of an ``nn.ModuleList`` (or of an ``nn.Sequential`` of one module type). Its index
-  is its index in that list, so ``blocks.3`` is ``list[3]`` also when some elements compute no
-  attention (hybrids); those keep ``resid_pre``/``resid_post`` only. A model without such a list
-  has one layer: the top-level child that computes attention (or the model itself).
-* **Sublayers and roles.** Attention computed inside one child call of the layer is one
-  attention sublayer; softmaxes of separate head modules (``[batch, q, k]`` each) are stacked as
-  its heads. A sublayer is *cross*-attention when its queries and keys differ in length or it
-  is handed a second stream-shaped tensor that is not derived from the layer's own stream (the
-  encoder output); the residual handed to an attention module (BLOOM) is not.
-* **Stacks.** A list of layers with cross-attention is the ``decoder``; another list beside it is
-  the ``encoder``. A lone list is the ``decoder`` when its self-attention is causal, else the
-  ``encoder``.
-* **Residual stream.** ``resid_pre``/``resid_post`` are the layer's input and output; the deltas
-  come from following the data flow inside the layer (:mod:`probe.capture.residual`) and are
-  verified against the stream before they are stored, or left out with a note saying why.
+* :class:`~probe.capture.watch.Watcher` watches the model's calls (module hooks keep a call
+  stack) and ops (a ``TorchFunctionMode`` routes each torch call), suspending the mode around
+  torch's fused modules, whose fast paths switch off under any mode.
+* :class:`~probe.capture.layers.LayerTracker` says which call is a layer (the outermost element
+  of an ``nn.ModuleList`` or one-type ``nn.Sequential`` on the stack; else the top-level child
+  computing attention) and which of its child calls are sublayers, follows the layer's residual
+  stream (:mod:`probe.capture.residual`) and hands it off as ``resid_pre``, deltas and
+  ``resid_post`` (:mod:`probe.capture.deltas`) when the layer returns.
+* :class:`~probe.capture.record.Recorder` turns softmax, SDPA and fused-module events into one
+  :class:`~probe.capture.calls.Attention` per attention sublayer call, judges it self or cross,
+  and hands it to a *pattern consumer* (the seam, documented in :mod:`probe.capture.record`):
+  by default :class:`~probe.capture.keep.KeepPatterns`, which recomputes SDPA weights
+  (:mod:`probe.capture.patterns`), restores ``[batch, heads, q, k]``, cuts ``heads=``, judges
+  causality and stores the pattern.
+* :class:`~probe.capture.store.Store` hands every tensor to the sink, converted to ``dtype=``,
+  with reused pattern buffers for streamed captures.
+
+What the tracer learnt is then named by :mod:`probe.capture.naming` (stacks, keys, metadata).
 """
 
 from __future__ import annotations
@@ -37,21 +28,23 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-from torch import Tensor, nn
+from torch import nn
 
-from probe.cache.writer import MemorySink
-from probe.capture.hooks import _Hooks, _Mode
-from probe.capture.layers import LayerRecord, _Call, _Layer, _Layers
-from probe.capture.record import _Recorder
+from probe.cache.selection import Selection
+from probe.capture.calls import Call, Forward
+from probe.capture.keep import KeepPatterns
+from probe.capture.layers import LayerRecord, LayerTracker
+from probe.capture.record import PatternConsumer, Recorder
+from probe.capture.store import Store
+from probe.capture.watch import Watcher
 
 
-class Tracer(_Hooks, _Layers, _Recorder):
-    """Hooks a model for one capture; see the module docstring for what it records.
+class Tracer:
+    """Hooks ``model`` for one capture into ``sink``; ``with tracer: model(...)``.
 
-    The state lives here; the methods come in three parts, one module each:
-    :mod:`probe.capture.hooks` (the torch-function mode and module hooks that watch the forward),
-    :mod:`probe.capture.layers` (per-layer bookkeeping and residuals) and
-    :mod:`probe.capture.record` (attention patterns: gathering, layout, storing).
+    ``consumer`` receives every attention (default: :class:`~probe.capture.keep.KeepPatterns`,
+    whole patterns stored). After the forward: :attr:`records`, :meth:`plain_records`,
+    :attr:`kept`, :attr:`impls`, :attr:`stored_dtypes` and the :attr:`forward`'s facts.
     """
 
     def __init__(
@@ -59,50 +52,44 @@ class Tracer(_Hooks, _Layers, _Recorder):
         model: nn.Module,
         sink: Any,
         *,
-        layers: list[int] | None = None,
-        heads: list[int] | None = None,
+        selection: Selection | None = None,
         dtype: torch.dtype | None = None,
+        consumer: PatternConsumer | None = None,
     ) -> None:
-        self.model = model
-        self.sink = sink
-        self.layers_wanted = None if layers is None else set(layers)
-        self.heads = heads
-        self.dtype = dtype  # None or a float dtype (checked by the engine)
-        self.names = {id(m): n for n, m in model.named_modules(remove_duplicate=False)}
-        # list element -> (the list's name, its index there): layers keep the model's own numbers
-        self.container_of: dict[int, tuple[str, int]] = {}
-        self.container_len: dict[str, int] = {}
-        for n, m in model.named_modules():
-            homogeneous = isinstance(m, nn.Sequential) and len({type(c) for c in m}) == 1
-            if isinstance(m, nn.ModuleList) or homogeneous:
-                self.container_len.setdefault(n, len(m))
-                for i, child in enumerate(m.children()):
-                    self.container_of.setdefault(id(child), (n, i))
-        self.stack: list[_Call] = []
-        self.layer: _Layer | None = None
-        self.layer_call: _Call | None = None
-        self.records: list[LayerRecord] = []
-        self.plain: list[tuple[str, int, str, Tensor, Tensor]] = []  # list elements without attention
-        self.kept: dict[str, int] = {}  # list with attention -> its number of elements
-        self.root_calls = 0
-        self.impls: set[str] = set()
-        self.stored_dtypes: set[str] = set()
-        self.lengths: set[int] = set()  # sizes that are sequence lengths in this forward
-        self.cached = 0  # positions in the KV cache the forward was given (keys = cached + queries)
-        self.blind: list[str] = []  # attention kernels probe cannot look into, as seen
-        self._sources: dict[type, bool] = {}
-        self._param_counts: dict[int, int] = {}
-        self._mode = _Mode(self)
-        self._handles: list[Any] = []
-        self._suspended = 0
-        self._fast_layers: set[int] = set()
-        self._replaying = False
-        # Streaming to disk: recomputed patterns go into two buffers used in turn (the I/O thread
-        # writes one while the next layer fills the other), which saves allocating and
-        # page-faulting a fresh one every layer.
-        self._reuse = not isinstance(sink, MemorySink)
-        self._scratches: list[Tensor | None] = [None, None]
-        self._clean = [False, False]  # last filled by a causal call: zeros above the diagonal stay
-        self._turn = 0
-        self._causal_call = False
-        self._scratch_busy = False
+        selection = selection or Selection()
+        stack: list[Call] = []
+        self.forward = Forward()
+        self.store = Store(sink, dtype)
+        self.layers = LayerTracker(model, stack, selection, self.store, self.forward)
+        consumer = consumer if consumer is not None else KeepPatterns(self.store, selection)
+        self.recorder = Recorder(self.layers, self.forward, consumer)
+        self.watcher = Watcher(model, stack, self.layers, self.recorder, self.forward)
+
+    def __enter__(self) -> Tracer:
+        self.watcher.install()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.watcher.remove(*exc)
+
+    @property
+    def records(self) -> list[LayerRecord]:
+        """The captured layers that computed attention, in the order they returned."""
+        return self.layers.records
+
+    def plain_records(self) -> list[LayerRecord]:
+        """The list elements without attention in lists with attention (their residuals stored now)."""
+        return self.layers.plain_records()
+
+    @property
+    def kept(self) -> dict[str, int]:
+        """Each layer list with attention -> its number of elements."""
+        return self.layers.kept
+
+    @property
+    def impls(self) -> set[str]:
+        return self.recorder.impls
+
+    @property
+    def stored_dtypes(self) -> set[str]:
+        return self.store.dtypes

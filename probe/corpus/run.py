@@ -29,9 +29,10 @@ from tqdm.auto import tqdm
 
 from probe.analysis.focus.stats import FocusAccumulator
 from probe.cache import Cache
-from probe.cache.format import parse_key
+from probe.cache.selection import Selection
 from probe.capture import capture
-from probe.capture.engine import _dtype, model_info
+from probe.capture.engine import parse_dtype
+from probe.capture.naming import model_info
 from probe.corpus.dist import Group
 from probe.errors import ProbeError
 from probe.files import check_writable_dir, input_file, write_text_atomic
@@ -79,19 +80,8 @@ def _keep_spec(keep: Any) -> Any:
             raise ProbeError(f"keep={keep!r}: use one of {KEEPS} or {{'layers': [...], 'heads': [...]}}")
         return keep
     if isinstance(keep, dict) and set(keep) <= {"layers", "heads"} and keep:
-        out = {}
-        for k in ("layers", "heads"):
-            v = keep.get(k)
-            if v is not None:
-                if not isinstance(v, (list, tuple)) or not all(isinstance(i, int) and i >= 0 for i in v):
-                    raise ProbeError(f"keep[{k!r}] should be a list of non-negative integers, not {v!r}")
-                if not v:  # as capture(layers=[]): an empty selection is a mistake, not "keep nothing"
-                    raise ProbeError(
-                        f"keep[{k!r}]=[] selects no {k[:-1]}; give indices like [0, 2], or None for all"
-                    )
-                v = sorted(set(v))
-            out[k] = v
-        return out
+        sel = Selection.from_keep(keep)
+        return {"layers": sel.layers, "heads": sel.heads}
     raise ProbeError(f"keep={keep!r}: use one of {KEEPS} or {{'layers': [...], 'heads': [...]}}")
 
 
@@ -100,7 +90,7 @@ def _kept(cache: Cache, keep: Any, dtype: Any = None) -> Cache | None:
     part = _select(cache, keep)
     if part is None or dtype is None:
         return part
-    dt = _dtype(dtype)
+    dt = parse_dtype(dtype)
     tensors = {k: part[k].to(dt) if part[k].is_floating_point() else part[k] for k in part.keys()}
     meta = dict(part.metadata)
     meta["dtype"] = ", ".join(sorted({str(t.dtype).replace("torch.", "") for t in tensors.values()}))
@@ -112,45 +102,10 @@ def _select(cache: Cache, keep: Any) -> Cache | None:
         return None
     if keep == "all":
         return cache
-    meta = dict(cache.metadata)
     if keep == "residuals":
-        return Cache({k: cache[k] for k in cache.keys() if not k.endswith("_attn.pattern")}, meta)
-    layers, heads = keep.get("layers"), keep.get("heads")
-    _check_selection(cache, layers, heads)
-    tensors = {}
-    for k in cache.keys():
-        if not k.endswith("_attn.pattern"):
-            continue
-        layer = parse_key(k)[1]
-        if layers is not None and layer not in layers:
-            continue
-        t = cache[k]
-        if heads is not None:
-            t = t[:, heads].contiguous()
-        tensors[k] = t
-    meta["layers_captured"] = layers
-    meta["heads_captured"] = heads
-    return Cache(tensors, meta)
-
-
-def _check_selection(cache: Cache, layers: list[int] | None, heads: list[int] | None) -> None:
-    """Refuse ``keep`` layers or heads the model does not have (never store less than was asked)."""
-    patterns = [k for k in cache.keys() if k.endswith("_attn.pattern")]
-    if not patterns:
-        return
-    n_layers = 1 + max(parse_key(k)[1] for k in patterns)
-    missing = [i for i in layers or [] if i >= n_layers]
-    if missing:
-        raise ProbeError(
-            f"keep layers {layers} names layers {missing} that do not exist (the model has {n_layers} "
-            f"layers); choose indices from 0-{n_layers - 1}"
-        )
-    n_heads = min(cache.shape(k)[1] for k in patterns)
-    if heads is not None and max(heads) >= n_heads:
-        raise ProbeError(
-            f"keep heads {heads}: this model's attention has {n_heads} heads; "
-            f"choose indices from 0-{n_heads - 1}"
-        )
+        kept = {k: cache[k] for k in cache.keys() if not k.endswith("_attn.pattern")}
+        return Cache(kept, dict(cache.metadata))
+    return Selection.from_keep(keep).patterns(cache)
 
 
 def _config(model, texts: list[str], keep, batch_size: int, shard_size: int, stats: bool, dtype) -> dict:
@@ -296,7 +251,7 @@ def run_corpus(
         raise ProbeError(f"shard_size={shard_size!r}: give a positive integer")
     keep = _keep_spec(keep)
     if dtype is not None:
-        dtype = str(_dtype(dtype)).replace("torch.", "")  # one spelling in config.json: "float16"
+        dtype = str(parse_dtype(dtype)).replace("torch.", "")  # one spelling in config.json: "float16"
     if keep == "stats" and not stats:
         raise ProbeError("keep='stats' with stats=False would store nothing; keep patterns or compute stats")
     texts = load_texts(texts, field=field)

@@ -1,12 +1,10 @@
 """Writing a streamed cache's data with direct I/O (``O_DIRECT``), where the file system has it.
 
-A streamed capture writes hundreds of MB (GPT-2 small at T = 1024: 48 MB of patterns per layer).
-Through the page cache every byte is first copied into kernel pages, and the flushes to disk
-that make the file durable then write those pages back; on a 2-core machine the copying and the
-write-back take CPU time from the model's own threads. With ``O_DIRECT`` the device reads the
-tensor's memory itself: on this project's test machine 576 MB written durably took 0.29-0.33 s
-direct against 1.1-1.9 s through the page cache (``dd``), and beside a 2-thread matmul loop the
-loop slowed by 0.33 s direct against 1.12 s buffered with the sink's periodic flushes.
+A streamed capture writes hundreds of MB. Through the page cache every byte is first copied
+into kernel pages, and the flushes to disk that make the file durable then write those pages
+back; on a machine with few cores the copying and the write-back take CPU time from the model's
+own threads. With ``O_DIRECT`` the device reads the tensor's memory itself (the measurements are
+in ``docs/performance.md``: ``benchmarks/costs.py --parts disk``).
 
 Direct I/O needs the file offset, the length and the memory address of every write aligned to
 the device's block size. :class:`DataWriter` writes a tensor straight from its memory when its
@@ -16,7 +14,7 @@ which is flushed in whole blocks after every tensor (at most one block stays beh
 grows as the capture runs). The last partial block is written padded and the file cut
 back to its true length. Where ``O_DIRECT`` is missing or refused (macOS, Windows, some network
 or FUSE file systems) the same bytes are written through the page cache: the file is
-byte-identical either way.
+byte-identical either way. Switched by ``OPTIONS.direct_io`` (:mod:`probe.cache.perf.options`).
 """
 
 from __future__ import annotations
@@ -29,12 +27,12 @@ import os
 
 import torch
 
+from probe.cache.perf.options import OPTIONS
+
 # Block alignment for direct writes: a multiple of every common logical block size (512, 4096).
 ALIGN = 4096
 # The staging buffer for bytes that do not line up (small tensors, tails, odd sizes).
 STAGE = 4 << 20
-# Use direct I/O where the system has it (False: always through the page cache).
-ENABLED = True
 
 
 def _pwrite(fd: int, data: memoryview, offset: int) -> int:
@@ -76,7 +74,7 @@ class DataWriter:
         self._view: memoryview | None = None
         self._fill = 0
         flag = getattr(os, "O_DIRECT", 0)
-        if ENABLED and flag and start % ALIGN == 0:
+        if OPTIONS.direct_io and flag and start % ALIGN == 0:
             try:
                 self._fd = os.open(path, os.O_WRONLY | flag | getattr(os, "O_CLOEXEC", 0))
             except OSError:

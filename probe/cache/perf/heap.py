@@ -4,10 +4,10 @@ glibc serves tensors under its mmap threshold (which it raises up to 32 MiB as l
 freed) from its heap, and returns freed heap memory to the system only from the heap's top. A
 capture keeps every layer's residual tensors (a few MiB each, the model's own) while the
 model's temporaries come and go around them, so when the cache is dropped its residuals and the
-holes between them are free but stay resident: +300 MB of RSS after ``del cache`` for GPT-2 small
-at T = 1024. ``malloc_trim(0)`` releases free pages anywhere in the heap; it costs about as much
-as the kernel's work of unmapping them (tens of ms for a few hundred MB) and next to nothing when
-little is free. Only on glibc; elsewhere :func:`trim` does nothing.
+holes between them are free but stay resident. ``malloc_trim(0)`` releases free pages anywhere
+in the heap; it costs about as much as the kernel's work of unmapping them, and next to nothing
+when little is free. Only on glibc; elsewhere :func:`trim` does nothing. Switched by
+``OPTIONS.heap_trim`` (:mod:`probe.cache.perf.options`).
 """
 
 from __future__ import annotations
@@ -19,6 +19,8 @@ from typing import Any
 
 import torch
 
+from probe.cache.perf.options import OPTIONS
+
 # Tensors at or above this size are their own mmapped blocks, returned to the system when freed
 # (glibc's largest dynamic mmap threshold on 64-bit systems); smaller ones may sit in the heap.
 MMAP_ALWAYS = 32 << 20
@@ -26,20 +28,6 @@ MMAP_ALWAYS = 32 << 20
 # (below it, the trim's pages would mostly be faulted in again by the next capture for little gain).
 MIN_BYTES = 32 << 20
 
-
-def _user_tuned(env: Any = os.environ) -> bool:
-    """Whether the user told glibc when to trim (``MALLOC_TRIM_THRESHOLD_`` or its tunable).
-
-    Then probe leaves trimming to glibc: ``malloc_trim`` would override that choice (e.g. the
-    no-page-fault setting ``MALLOC_TRIM_THRESHOLD_=1000000000000`` that keeps freed memory).
-    """
-    return "MALLOC_TRIM_THRESHOLD_" in env or "glibc.malloc.trim_threshold" in env.get("GLIBC_TUNABLES", "")
-
-
-# Set False to keep freed memory in the process: RSS stays at its high-water mark, and the next
-# capture reuses those pages without faulting them in again. Off when the user set glibc's own
-# trim threshold (see _user_tuned).
-ENABLED = not _user_tuned()
 
 _UNRESOLVED: Any = object()
 _malloc_trim: Any = _UNRESOLVED
@@ -61,10 +49,10 @@ def trim() -> bool:
     """Return the heap's free pages to the system (glibc's ``malloc_trim(0)``).
 
     Returns whether the call was made (False where the C library is not glibc, or when
-    :data:`ENABLED` is False).
+    ``OPTIONS.heap_trim`` is False).
     """
     global _malloc_trim
-    if not ENABLED:
+    if not OPTIONS.heap_trim:
         return False
     if _malloc_trim is _UNRESOLVED:
         _malloc_trim = _resolve()
@@ -83,6 +71,15 @@ def heap_bytes(tensors: Iterable[Any]) -> int:
             if s.nbytes() < MMAP_ALWAYS:
                 seen[s.data_ptr()] = s.nbytes()
     return sum(seen.values())
+
+
+def trim_if_held(tensors: Iterable[Any]) -> bool:
+    """:func:`trim` when ``tensors`` hold at least :data:`MIN_BYTES` of heap-sized CPU memory
+    (less leaves too few holes to be worth the trim and the page faults that follow it).
+
+    Returns whether the trim was made.
+    """
+    return heap_bytes(tensors) >= MIN_BYTES and trim()
 
 
 class HeapTensors(dict):

@@ -1,0 +1,139 @@
+"""What the capture's parts share: module calls, the attention seen inside one, the forward's facts.
+
+These are plain records. The :class:`~probe.capture.watch.Watcher` makes a :class:`Call` for
+every module call it sees and keeps them on the call stack; the
+:class:`~probe.capture.layers.LayerTracker` marks which calls are layers and sublayers; the
+:class:`~probe.capture.record.Recorder` opens one :class:`Attention` per attention sublayer call
+and hands it to its pattern consumer. :class:`Forward` holds what is learnt about the forward as
+a whole (which sizes are sequence lengths, the KV cache's length, kernels probe cannot see).
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass, field
+from typing import Any
+
+from torch import Tensor, nn
+
+from probe.capture.inputs import past_length
+
+
+@dataclass
+class Attention:
+    """The attention computed inside one sublayer call (one pattern per role and layer).
+
+    Set by the recorder: ``inputs``/``primary`` (the tensors handed to the sublayer, the first
+    one), ``qk`` (query and key lengths), ``impl`` (how the parts were computed), ``role``
+    (``"self"``/``"cross"``, at close). Set by the pattern consumer: ``parts`` (its working
+    state), ``handle`` (the sink handle of the stored pattern, None when none was stored),
+    ``shape`` (the stored ``[batch, heads, q, k]``) and ``causal`` (None when not judged).
+    """
+
+    inputs: list[Tensor] = field(default_factory=list)
+    primary: Tensor | None = None
+    qk: tuple[int, int] = (0, 0)
+    impl: set[str] = field(default_factory=set)
+    role: str | None = None
+    closed: bool = False
+    parts: list[Any] = field(default_factory=list)
+    handle: int | None = None
+    shape: tuple[int, ...] = ()
+    causal: bool | None = None
+
+
+@dataclass
+class Call:
+    """One module call on the stack (``primary``: its first tensor argument, the stream it gets)."""
+
+    module: nn.Module
+    parent: Call | None
+    primary: Tensor | None
+    inputs: list[Tensor]
+    layer: Any = None  # the Layer this call is (layer calls only)
+    attn: Attention | None = None  # the attention computed inside this call, until it returns
+    suspended: bool = False  # torch's fused module: runs with the mode off
+    source: bool = False  # a sublayer of the layer being captured
+    wrapper: bool = False  # holds all of the layer's weights (TransformerLens' bridge): look inside
+    events: int = 0  # attention events seen inside this call
+
+
+@dataclass
+class Forward:
+    """Facts about the forward being captured, written where they are seen."""
+
+    lengths: set[int] = field(default_factory=set)  # sizes that are sequence lengths in this forward
+    cached: int = 0  # positions in the KV cache the forward was given (keys = cached + queries)
+    root_calls: int = 0  # forward calls of the model itself
+    blind: list[str] = field(default_factory=list)  # attention kernels probe cannot look into, as seen
+
+    def note_root(self, inputs: list[Tensor], kwargs: dict) -> None:
+        """The model's own call: its inputs' sizes, and a KV cache's length, are sequence lengths."""
+        self.root_calls += 1
+        self.lengths |= _lengths(inputs)
+        cached = _cached_length(kwargs.get("past_key_values"))
+        if cached:  # keys of a KV-cached call: the cached positions plus the new ones
+            self.cached = cached
+            self.lengths |= {cached + n for n in self.lengths}
+
+
+def first_tensor(args: tuple, kwargs: dict) -> Tensor | None:
+    """The tensor a module call is about: its first positional tensor, else the usual keywords."""
+    for a in args:
+        if isinstance(a, Tensor):
+            return a
+    for name in ("hidden_states", "x", "input", "inputs", "query", "src", "tgt"):
+        if isinstance(kwargs.get(name), Tensor):
+            return kwargs[name]
+    for v in kwargs.values():
+        if isinstance(v, Tensor):
+            return v
+    return None
+
+
+def output_tensor(out: Any) -> Tensor | None:
+    """The main tensor of a module's output (a tensor, a tuple's first, ``last_hidden_state``)."""
+    if isinstance(out, Tensor):
+        return out
+    if isinstance(out, (tuple, list)) and out and isinstance(out[0], Tensor):
+        return out[0]
+    first = getattr(out, "last_hidden_state", None)
+    if isinstance(first, Tensor):
+        return first
+    if isinstance(out, dict):
+        for v in out.values():
+            if isinstance(v, Tensor):
+                return v
+    return None
+
+
+def tensors(args: tuple, kwargs: dict) -> list[Tensor]:
+    """The tensors of a call's arguments (and of tuples or lists among them)."""
+    found = []
+    for v in itertools.chain(args, kwargs.values()):
+        if isinstance(v, Tensor):
+            found.append(v)
+        elif isinstance(v, (tuple, list)):
+            found.extend(t for t in v if isinstance(t, Tensor))
+    return found
+
+
+def _lengths(tensors: list[Tensor]) -> set[int]:
+    """Sizes that may be sequence lengths: every axis of id tensors and masks, all but the last of floats."""
+    sizes: set[int] = set()
+    for t in tensors:
+        if t.is_nested or t.dim() == 0:
+            continue
+        sizes.update(t.shape if not t.is_floating_point() else t.shape[:-1])
+    return sizes
+
+
+def _cached_length(past: Any) -> int:
+    """:func:`~probe.capture.inputs.past_length` of a forward's ``past_key_values``; 0 when there is
+    none or its layout is unknown (then only the inputs' lengths apply)."""
+    if past is None:
+        return 0
+    try:
+        return past_length(past)
+    except Exception:
+        return 0
