@@ -23,16 +23,34 @@ from typing import Any
 
 import torch
 
+from probe.analysis.alignment.choose import (
+    CONVENTIONS,
+    MEAN,
+    check_gold,
+    choose,
+    gold_scores,
+    hard_links,
+    links_and_stats,
+    select,
+    selections,
+)
 from probe.analysis.alignment.gold import Gold, Links, as_gold, pharaoh
-from probe.analysis.alignment.metrics import scores, shape_stats, symmetrize
 from probe.analysis.alignment.words import Words, group_words, special_positions
 from probe.analysis.table import Table
 from probe.cache.format import parse_key
 from probe.errors import ProbeError
 
-CONVENTIONS = ("input", "output")
 METHODS = ("argmax", "threshold", "intersect", "union", "grow-diag-final")
-MEAN = "mean"
+__all__ = [
+    "Alignment",
+    "align",
+    "cross_layers",
+    "hard_links",
+    "soft_matrices",
+    "CONVENTIONS",
+    "METHODS",
+    "MEAN",
+]
 
 
 def cross_layers(cache) -> list[int]:
@@ -124,24 +142,6 @@ def _soft_one(cache, convention: str) -> tuple[list[int], list[torch.Tensor]]:
     return layers, [W[b, :, :, : len(tgt[b]), : len(src[b])].contiguous() for b in range(B)]
 
 
-def hard_links(M: torch.Tensor, method: str = "argmax", threshold: float = 0.1) -> Links:
-    """Links ``(source word, target word)`` of one soft word matrix ``M`` [target, source]."""
-    if M.numel() == 0:
-        return set()
-    if method == "argmax":
-        best, sums = M.argmax(-1).tolist(), M.sum(-1).tolist()
-        return {(i, j) for j, i in enumerate(best) if sums[j] > 0}  # a word with no row: no link
-    if method == "threshold":
-        return {(int(i), int(j)) for j, i in (M >= threshold).nonzero().tolist()}
-    raise ProbeError(f"method {method!r} is unknown here; use argmax or threshold")
-
-
-def _select(soft: torch.Tensor, layer: Any, head: Any, layers: list[int]) -> torch.Tensor:
-    """The [target, source] matrix of (layer, head) from [L, H, T, S]; MEAN averages."""
-    x = soft.mean(0) if layer == MEAN else soft[layers.index(layer)]
-    return x.mean(0) if head == MEAN else x[head]
-
-
 @dataclass
 class Alignment:
     """Word alignments of every sentence pair in a cache, with their scores.
@@ -174,7 +174,7 @@ class Alignment:
         """The soft word matrix [target word, source word] of pair ``b`` (default: the chosen selection)."""
         layer = self.layer if layer is None else layer
         head = self.head if head is None else head
-        return _select(self.soft[convention or self.convention][b], layer, head, self.layers)
+        return select(self.soft[convention or self.convention][b], layer, head, self.layers)
 
     def pharaoh(self, *, one_indexed: bool = False) -> str:
         """The chosen links in Pharaoh form, one line per sentence pair."""
@@ -224,24 +224,6 @@ class Alignment:
         return "".join(parts)
 
 
-def _selections(layers: list[int], n_heads: int) -> list[tuple[Any, Any]]:
-    sel = [(layer, h) for layer in layers for h in [*range(n_heads), MEAN]]
-    return sel + [(MEAN, MEAN)]
-
-
-def _check_gold(gold: list[Gold], src: list[Words], tgt: list[Words]) -> None:
-    if len(gold) != len(src):
-        raise ProbeError(f"the gold has {len(gold)} lines but the cache holds {len(src)} sentence pairs")
-    for b, (g, s, t) in enumerate(zip(gold, src, tgt, strict=True)):
-        for i, j in g.possible:
-            if i >= len(s) or j >= len(t):
-                raise ProbeError(
-                    f"gold line {b + 1}: link {i}-{j} is outside the pair's {len(s)} source x "
-                    f"{len(t)} target words (0-indexed; use --one-indexed / one_indexed=True if "
-                    "the file counts from 1)"
-                )
-
-
 def align(
     cache,
     *,
@@ -268,94 +250,28 @@ def align(
     ``threshold``), or ``intersect`` / ``union`` / ``grow-diag-final`` with ``reverse``, a cache
     of a model translating the other way on the same pairs. Returns an :class:`Alignment`.
     """
-    if method not in METHODS:
-        raise ProbeError(f"method {method!r} is unknown; use one of: {', '.join(METHODS)}")
-    if method in METHODS[2:] and reverse is None:
-        raise ProbeError(f"method {method!r} needs reverse=, a cache of the other translation direction")
-    if head is not None and layer is None:
-        raise ProbeError("a head needs its layer: pass layer= (an index or 'mean') with head=")
-    if convention is not None and convention not in CONVENTIONS:
-        raise ProbeError(f"convention {convention!r} is unknown; use 'input' (shifted) or 'output'")
-    chosen_conv = convention or "input"
+    _check_args(method, reverse, layer, head, convention)
     soft, layers = {}, []
     for conv in CONVENTIONS:
         layers, soft[conv] = soft_matrices(cache, conv)
     src, tgt = _words(cache)
     n_heads = soft["input"][0].shape[1] if soft["input"] else 0
-    valid = _selections(layers, n_heads)
+    valid = selections(layers, n_heads)
     notes = []
     if any(p and p[0] == 0 for w in tgt for p in w.pieces):
         notes.append(
             "a target word sits at decoder position 0, so no row predicted it: under the output "
             "convention it has no link"
         )
-
-    rev = None
-    if reverse is not None:
-        r_layers, r_soft = soft_matrices(reverse, chosen_conv)
-        r_src, r_tgt = _words(reverse)
-        if [w.words for w in r_src] != [w.words for w in tgt] or [w.words for w in r_tgt] != [
-            w.words for w in src
-        ]:
-            raise ProbeError(
-                "reverse= must hold the same pairs the other way round (its source = our target)"
-            )
-        rev = (r_layers, r_soft)
-
-    def links_of(conv: str, sel: tuple[Any, Any]) -> list[Links]:
-        out = []
-        for b, s in enumerate(soft[conv]):
-            M = _select(s, sel[0], sel[1], layers)
-            if method in ("argmax", "threshold"):
-                out.append(hard_links(M, method, threshold))
-                continue
-            r_layers, r_soft = rev
-            r_sel = (
-                sel
-                if sel[0] in r_layers + [MEAN] and (sel[1] == MEAN or sel[1] < r_soft[b].shape[1])
-                else (MEAN, MEAN)
-            )
-            back = {(i, j) for j, i in hard_links(_select(r_soft[b], *r_sel, r_layers), "argmax")}
-            out.append(symmetrize(hard_links(M, "argmax"), back, method))
-        return out
-
-    golds = None
-    table = stats = best = None
-    rows, stat_rows = [], []
-    all_links: dict[tuple, list[Links]] = {}
-    for conv in CONVENTIONS:
-        for sel in valid:
-            all_links[(conv, *sel)] = L = links_of(conv, sel)
-            mats = [_select(s, *sel, layers) for s in soft[conv]]
-            stat_rows.append(
-                {"convention": conv, "layer": sel[0], "head": sel[1], **shape_stats(L, mats, little=little)}
-            )
+    rev = None if reverse is None else _reverse(reverse, convention or "input", src, tgt)
+    all_links, stats = links_and_stats(soft, layers, valid, method, threshold, rev, little)
+    golds = table = best = None
+    rows: list[dict] = []
     if gold is not None:
         golds = as_gold(gold, one_indexed=one_indexed)
-        _check_gold(golds, src, tgt)
-        for (conv, lay, hd), L in all_links.items():
-            rows.append({"convention": conv, "layer": lay, "head": hd, **scores(L, golds)})
-        table = Table(rows, title="alignment error rate per layer and head")
-        ranked = [r for r in rows if r["aer"] == r["aer"]]
-        if ranked:
-            b = min(ranked, key=lambda r: (r["aer"], r["convention"] != chosen_conv))
-            best = {k: b[k] for k in ("convention", "layer", "head", "aer", "precision", "recall")}
-    stats = Table(stat_rows, title="alignment shape per layer and head (no gold needed)")
-
-    if layer is None and best is not None:  # the lowest AER (under `convention` if one was given)
-        mine = [
-            r for r in rows if r["convention"] == (convention or best["convention"]) and r["aer"] == r["aer"]
-        ]
-        b = min(mine, key=lambda r: r["aer"])
-        layer, head, chosen_conv = b["layer"], b["head"], b["convention"]
-    elif layer is None:
-        layer, head = (layers[-2] if len(layers) > 1 else layers[0]), MEAN
-    head = MEAN if head is None else head
-    if (layer, head) not in valid:
-        raise ProbeError(
-            f"layer {layer!r} head {head!r} is not in the cache: decoder layers {layers}, heads "
-            f"0..{n_heads - 1}, or 'mean'"
-        )
+        check_gold(golds, src, tgt)
+        rows, table, best = gold_scores(golds, all_links, convention or "input")
+    layer, head, chosen_conv = choose(layer, head, convention, rows, best, layers, n_heads, valid)
     return Alignment(
         source=src,
         target=tgt,
@@ -373,3 +289,26 @@ def align(
         best=best,
         notes=notes,
     )
+
+
+def _check_args(method: str, reverse, layer: Any, head: Any, convention: str | None) -> None:
+    """Raise a ProbeError for an unknown method/convention, a missing reverse, or a head without layer."""
+    if method not in METHODS:
+        raise ProbeError(f"method {method!r} is unknown; use one of: {', '.join(METHODS)}")
+    if method in METHODS[2:] and reverse is None:
+        raise ProbeError(f"method {method!r} needs reverse=, a cache of the other translation direction")
+    if head is not None and layer is None:
+        raise ProbeError("a head needs its layer: pass layer= (an index or 'mean') with head=")
+    if convention is not None and convention not in CONVENTIONS:
+        raise ProbeError(f"convention {convention!r} is unknown; use 'input' (shifted) or 'output'")
+
+
+def _reverse(reverse, conv: str, src: list[Words], tgt: list[Words]) -> tuple[list[int], list[torch.Tensor]]:
+    """The reverse direction's (layers, soft matrices) under ``conv``, checked to hold the same pairs."""
+    r_layers, r_soft = soft_matrices(reverse, conv)
+    r_src, r_tgt = _words(reverse)
+    if [w.words for w in r_src] != [w.words for w in tgt] or [w.words for w in r_tgt] != [
+        w.words for w in src
+    ]:
+        raise ProbeError("reverse= must hold the same pairs the other way round (its source = our target)")
+    return r_layers, r_soft
