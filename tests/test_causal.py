@@ -308,6 +308,47 @@ def test_expect_a_window_size_on_a_cache_alone():
     assert check_causal(cache, expect=G.WINDOW + 1).ok
 
 
+def test_cache_of_some_layers_and_heads_names_the_models_layer_and_head():
+    # the gallery's bug sits at (BAD_LAYER, BAD_HEAD); a cache that kept some layers and heads must
+    # name that place by the model's indices, not by the position in what the cache holds
+    m = G.broken("one_head")
+    assert G.BAD_LAYER != 0 and G.BAD_HEAD != 1
+    for layers, heads in (([G.BAD_LAYER], None), ([G.BAD_LAYER], [G.BAD_HEAD]), (None, [0, G.BAD_HEAD])):
+        cache = probe.capture(m, G.IDS, layers=layers, heads=heads)
+        r = check_causal(cache, expect="causal")
+        assert {(f.layer, f.head) for f in r.findings} == {(G.BAD_LAYER, G.BAD_HEAD)}, (layers, heads)
+        grid = r.grids["decoder"]
+        assert grid["layers"] == (layers or [0, 1]) and grid["heads"] == (heads or list(range(G.H)))
+    # the evidence names the exactly causal heads by the model's indices too
+    r = check_causal(probe.capture(m, G.IDS, heads=[0, G.BAD_HEAD, 3]), expect="causal")
+    assert "heads [0, 3] of this layer are exactly causal" in r.findings[0].evidence
+
+
+def test_report_of_a_cache_of_some_heads_outlines_the_models_head(tmp_path):
+    m = G.broken("one_head")
+    cache = probe.capture(m, G.IDS, heads=[0, G.BAD_HEAD])
+    # the audit re-captures the model (all heads); the figure reads the head from this cache
+    html = probe.report(cache, tmp_path / "r", model=m).read_text()
+    i = html.index('id="sec-causal"')
+    sec = html[i : html.index("</section>", i)]
+    assert f"decoder layer {G.BAD_LAYER} head {G.BAD_HEAD}" in sec  # the leaking head's figure
+    assert sec.count('<img src="data:image/png;base64,') == 2  # heatmaps + the outlined pattern
+
+
+def test_cost_line_counts_passes_in_the_right_number():
+    from probe.analysis.causal import CausalReport
+
+    def line(checks):
+        return next(
+            x for x in str(CausalReport(checks=checks, model="m")).splitlines() if x.startswith("checks:")
+        )
+
+    one = [{"check": "capture", "status": "pass", "forwards": 1, "backwards": 0}]
+    assert line(one).endswith("(cost: 1 forward, 0 backwards)")
+    two = one + [{"check": "gradient", "status": "pass", "forwards": 1, "backwards": 1}]
+    assert line(two).endswith("(cost: 2 forwards, 1 backward)")
+
+
 def test_report_exports():
     r = audit("one_head")
     d = json.loads(r.to_json())

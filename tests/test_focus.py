@@ -317,6 +317,43 @@ def test_induction_scores_on_minigpt():
     assert all(0 <= r["induction_prefix"] <= 1 for r in t)
 
 
+def test_induction_scores_vocab_size_is_used_and_checked():
+    import causal_gallery as G
+
+    import models
+
+    seen = []
+
+    def record(model):
+        model.register_forward_pre_hook(
+            lambda m, args, kwargs: seen.append(args[0] if args else kwargs["ids"]), with_kwargs=True
+        )
+        return model
+
+    # a model that tells no vocabulary: vocab_size= is what makes it work (it used to be refused)
+    t = probe.induction_scores(
+        record(G.TinyLM(["ok", "ok"])), vocab_size=G.V, length=8, seeds=2, progress=False
+    )
+    assert len(t) == 2 * G.H
+    ids = seen[-1]
+    assert ids.shape == (2, 16) and torch.equal(ids[:, :8], ids[:, 8:]) and int(ids.max()) < G.V
+    # a smaller vocabulary than the model's: only ids below it are drawn
+    seen.clear()
+    probe.induction_scores(record(models.load("minigpt")), vocab_size=6, length=5, seeds=3, progress=False)
+    assert 0 < int(seen[-1].max()) < 6
+    # a larger one than the model has, or no vocabulary, is refused in one line
+    for bad, match in (
+        (23, "exceeds the model's vocabulary of 22"),
+        (1, "at least 2"),
+        (True, "at least 2"),
+        ("9", "at least 2"),
+    ):
+        with pytest.raises(probe.ProbeError, match=match):
+            probe.induction_scores(models.load("minigpt"), vocab_size=bad, progress=False)
+    with pytest.raises(probe.ProbeError, match="pass vocab_size="):
+        probe.induction_scores(G.TinyLM(["ok", "ok"]), length=8, progress=False)
+
+
 def _cli(*args):
     return subprocess.run([sys.executable, "-m", "probe", *args], capture_output=True, text=True)
 

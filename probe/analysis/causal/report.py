@@ -205,7 +205,9 @@ class CausalReport:
         fw, bw = self.cost()
         ran = [f"{c['check']} {'not run' if c['status'] == 'skipped' else c['status']}" for c in self.checks]
         if ran:
-            lines.append(f"checks: {'; '.join(ran)}  (cost: {fw} forwards, {bw} backward)")
+            lines.append(
+                f"checks: {'; '.join(ran)}  (cost: {_passes(fw, 'forward')}, {_passes(bw, 'backward')})"
+            )
         lines.extend(f"note: {n}" for n in self.notes)
         return "\n".join(line for line in lines if line)
 
@@ -225,3 +227,8 @@ class CausalReport:
             parts.append("<ul>" + "".join(f"<li>{html.escape(n)}</li>" for n in self.notes) + "</ul>")
         parts.append("</div>")
         return "".join(parts)
+
+
+def _passes(n: int, what: str) -> str:
+    """``1 forward``, ``3 forwards``, ``0 backwards``."""
+    return f"{n} {what}" if n == 1 else f"{n} {what}s"

@@ -9,13 +9,14 @@ Bidirectional stacks and cross-attention get the padding and row checks only.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
 from probe.analysis.causal.expect import Expect
 from probe.analysis.causal.report import Finding
+from probe.errors import ProbeError
 
 
 def _key_mask(meta: dict, stack: str, kind: str, batch: int, n: int, cross_stack: bool) -> torch.Tensor:
@@ -62,6 +63,7 @@ class _Pattern:
     first: torch.Tensor  # [B, H, Q] the earliest real, non-future key with weight (K: none)
     span: torch.Tensor  # [B, H, Q] keys back from the query to ``first``, itself included
     exact: list[bool]  # per head: every future cell of every real row exactly 0
+    ids: list[int] = field(default_factory=list)  # the model's head index of each head entry
 
     @property
     def causal(self) -> bool:
@@ -114,13 +116,19 @@ def check_pattern(
 ) -> tuple[list[Finding], dict[str, list[float]]]:
     """Check one layer's pattern ``p`` [batch, head, query, key]; returns findings and per-head stats.
 
-    ``qmask``/``kmask`` [batch, query]/[batch, key] mark real tokens. The stats dict has
+    ``qmask``/``kmask`` [batch, query]/[batch, key] mark real tokens. ``where`` names the stack
+    and layer for the findings and may give ``heads``, the model's head index of each entry of the
+    head axis (a cache that captured some heads, see ``Cache.head_ids``; default 0..H-1): findings
+    and evidence name those. The stats dict has
     ``future``, ``pad`` (max mass over real rows, per head) and ``window`` (keys back used, per head).
     Per head, in this order: the row checks (top-left KV alignment, a masked diagonal, NaN/inf
     rows, row sums), weight on later keys, a window wider than expected, weight on padding.
     """
     m = _measure(p, qmask, kmask, expect, tol)
     H = p.shape[1]
+    m.ids = list(where.get("heads") or range(H))
+    if len(m.ids) != H:
+        raise ProbeError(f"where['heads'] names {len(m.ids)} heads for a pattern of {H}")
     stats = {
         "future": [float(m.fmass[:, h].max()) for h in range(H)],
         "pad": [float(m.pad_mass[:, h].max()) for h in range(H)],
@@ -130,7 +138,9 @@ def check_pattern(
     for h in range(H):
         for step in (_broken_rows, _unnormalised_rows, _future_weight, _too_wide, _padding_weight):
             for kind, b, q, k, mag, ev in step(m, h):
-                found.append(Finding(kind, where["stack"], where["layer"], h, q, k, float(mag), ev, text=b))
+                found.append(
+                    Finding(kind, where["stack"], where["layer"], m.ids[h], q, k, float(mag), ev, text=b)
+                )
     return found, stats
 
 
@@ -210,7 +220,7 @@ def _future_weight(m: _Pattern, h: int):
     b, q, k = _argmax3(cells)
     n_rows = int((m.fmass[:, h] > m.tol["mass"]).sum())
     lower_zero = bool(((ph * m.past)[r] == 0).all()) and m.future.shape[0] > 1
-    others = [g for g in range(len(m.exact)) if g != h and m.exact[g]]
+    others = [m.ids[g] for g in range(len(m.exact)) if g != h and m.exact[g]]
     if lower_zero:
         kind, why = "swapped_mask", "every earlier key has weight exactly 0 while later keys are seen"
     elif others and not bool((ph.masked_select(m.future & r[..., None]) == 0).any()):
@@ -328,7 +338,8 @@ def check_cache(cache: Any, expected: dict[str, Expect], tol: dict[str, float]):
     """Run :func:`check_pattern` on every pattern in ``cache``.
 
     ``expected[stack]`` is what that stack's self-attention is held to. Returns
-    ``(findings, grids, notes)``; ``grids[label]`` has per layer x head ``future``/``pad``/``window``.
+    ``(findings, grids, notes)``; ``grids[label]`` has per layer x head ``future``/``pad``/``window``,
+    the ``layers`` of its rows and the model's ``heads`` of its columns (a cache may hold some of them).
     """
     meta = cache.metadata
     findings: list[Finding] = []
@@ -356,7 +367,10 @@ def check_cache(cache: Any, expected: dict[str, Expect], tol: dict[str, float]):
                 kmask = _key_mask(
                     meta, "encoder" if kind == "cross" and has_encoder else stack, "self", B, K, has_encoder
                 )
-                f, stats = check_pattern(p, qmask, kmask, exp, tol, {"stack": shown, "layer": layer})
+                ids = cache.head_ids(stack, layer, kind)
+                f, stats = check_pattern(
+                    p, qmask, kmask, exp, tol, {"stack": shown, "layer": layer, "heads": ids}
+                )
                 findings += f
                 g = grids.setdefault(
                     label,
@@ -365,6 +379,7 @@ def check_cache(cache: Any, expected: dict[str, Expect], tol: dict[str, float]):
                 for name in ("future", "pad", "window"):
                     g[name].append(stats[name])
                 g["layers"].append(layer)
+                g["heads"] = ids  # one head selection per cache: the same for every layer
             if label in grids:
                 if kind == "cross" and not (not has_encoder and exp != "bidirectional"):
                     notes.append(

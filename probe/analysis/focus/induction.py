@@ -23,10 +23,25 @@ from probe.errors import ProbeError
 COLUMNS = ("induction_prefix", "induction_score", "dup_prefix", "prev_score")
 
 
-def _vocab_and_bos(model: nn.Module, tokenizer: Any) -> tuple[int, set[int], int | None]:
+def _vocab_and_bos(
+    model: nn.Module, tokenizer: Any, vocab_size: Any = None
+) -> tuple[int, set[int], int | None]:
+    """``(vocabulary size, special ids, BOS id or None)``; ``vocab_size`` (checked) overrides the
+    size the model's config or tokenizer tells, and may not exceed it."""
     cfg = getattr(model, "config", None)
-    vocab = getattr(cfg, "vocab_size", None) or getattr(tokenizer, "vocab_size", None)
-    if not isinstance(vocab, int) or vocab < 2:
+    known = getattr(cfg, "vocab_size", None) or getattr(tokenizer, "vocab_size", None)
+    known = known if isinstance(known, int) and known >= 2 else None
+    if vocab_size is not None:
+        if isinstance(vocab_size, bool) or not isinstance(vocab_size, int) or vocab_size < 2:
+            raise ProbeError(
+                f"vocab_size={vocab_size!r}: give an integer of at least 2 (the token ids drawn)"
+            )
+        if known is not None and vocab_size > known:
+            raise ProbeError(
+                f"vocab_size={vocab_size} exceeds the model's vocabulary of {known}; give at most {known}"
+            )
+    vocab = vocab_size or known
+    if vocab is None:
         raise ProbeError("cannot tell the vocabulary size of this model; pass vocab_size=")
     special = set(getattr(tokenizer, "all_special_ids", []) or [])
     for attr in ("pad_id", "bos_id", "eos_id"):
@@ -80,11 +95,12 @@ def induction_scores(
     mean over ``seeds`` sequences of ``induction_prefix`` (prefix matching: attention from a
     second-copy token to the token after its first occurrence), ``induction_score`` (the "mul"
     form Σ(A⊙D)/ΣA), ``dup_prefix`` and ``prev_score``, each with ``_std`` across seeds.
-    ``length`` defaults to min(50, what the context allows).
+    ``length`` defaults to min(50, what the context allows). ``vocab_size``: draw token ids from
+    ``0..vocab_size-1`` (default and upper bound: the vocabulary the config or tokenizer tells;
+    required when neither tells one).
     """
     tokenizer = tokenizer if tokenizer is not None else getattr(model, "tokenizer", None)
-    vocab, special, bos = _vocab_and_bos(model, tokenizer)
-    vocab = vocab_size or vocab
+    vocab, special, bos = _vocab_and_bos(model, tokenizer, vocab_size)
     limit = getattr(model, "context_length", None) or getattr(
         getattr(model, "config", None), "block_size", None
     )

@@ -88,11 +88,12 @@ def _heatmaps(ctx, report) -> list[dict]:
             ax.set_title(title, fontsize=9)
             ax.set_xlabel("head")
             ax.set_ylabel("layer")
-            ax.set_xticks(range(len(data[0])))
+            heads = g.get("heads") or list(range(len(data[0])))  # the model's head of each column
+            ax.set_xticks(range(len(data[0])), [str(h) for h in heads])
             ax.set_yticks(range(len(g["layers"])), [str(layer) for layer in g["layers"]])
             for row, layer in enumerate(g["layers"]):
                 for h in range(len(data[0])):
-                    if (layer, h) in boxed[name]:
+                    if (layer, heads[h]) in boxed[name]:
                         ax.add_patch(Rectangle((h - 0.5, row - 0.5), 1, 1, fill=False, ec="black", lw=2))
             _mass_colorbar(fig, im, ax, top)
         fig.suptitle(f"{label}: max over rows (boxed: a finding)", fontsize=9)
@@ -128,7 +129,11 @@ def _leaking_head(ctx, report) -> dict | None:
             continue
         stack = grid_of[f.stack]["cache_stack"]
         b = f.text or 0
-        p = cache.pattern(stack, f.layer, head=f.head, batch=b).float()
+        ids = cache.head_ids(stack, f.layer) if f.layer in cache.pattern_layers(stack) else []
+        if f.head not in ids:
+            continue  # the audit re-captured the model; the report's cache holds other layers/heads
+        column = ids.index(f.head)  # f.head is the model's head index, ids those the cache holds
+        p = cache.pattern(stack, f.layer, head=column, batch=b).float()
         Q, K = p.shape
         fut = torch.arange(K)[None, :] > (torch.arange(Q)[:, None] + K - Q)
         mask = cache.metadata.get("attention_mask")
