@@ -100,8 +100,7 @@ def attribute(ps, lens) -> Attribution | None:
             "so its scale cannot be frozen; pass norm= a LayerNorm/RMSNorm"
         )
         return None
-    cache, stack = ps.cache, ps.stack
-    final = cache[f"{stack}.blocks.{ps.layers[-1]}.resid_post"].float()
+    final = ps.cache[f"{ps.stack}.blocks.{ps.layers[-1]}.resid_post"].float()
     scale = ro.frozen.scale(final)
     pred = lens.predicted
     w = ro.W[pred]  # [B, T, d]: the predicted token's unembedding direction
@@ -114,6 +113,19 @@ def attribute(ps, lens) -> Attribution | None:
         const = const + (ro.frozen.bias * w).sum(-1)
     if ro.b is not None:
         const = const + ro.b[pred]
+    comps, notes, total = _components(ps, score, pred.shape)
+    total = total + const
+    logit = ps.logits.gather(-1, pred.unsqueeze(-1)).squeeze(-1)
+    err = (total - logit).abs()[ps.mask].max().item()
+    rows = _rows(ps, lens, comps)
+    return Attribution(Table(rows, COLUMNS, "direct logit attribution"), logit, const, total, err, notes)
+
+
+def _components(ps, score, shape) -> tuple[list[tuple[str, int | None, str, str, Tensor]], list[str], Tensor]:
+    """``(components, notes, total)``: every part's score [B, T] (embedding, each sublayer, each
+    head and the projection bias where the attention delta splits by head), and the sum of the
+    embedding and sublayer scores (the head rows split a sublayer's score, they are not added)."""
+    cache, stack = ps.cache, ps.stack
     heads_of = {
         (e.get("stack"), e.get("layer"), r): e[f"{r}_attn"]["heads"]
         for e in cache.metadata.get("layers", [])
@@ -122,7 +134,7 @@ def attribute(ps, lens) -> Attribution | None:
     }
     comps: list[tuple[str, int | None, str, str, Tensor]] = []
     notes: list[str] = []
-    total = torch.zeros(pred.shape)
+    total = torch.zeros(shape)
     if ps.layers[0] != 0:
         notes.append("layer 0 is not in the cache: the embedding part is missing from the sum")
     for i in ps.layers:
@@ -149,13 +161,15 @@ def attribute(ps, lens) -> Attribution | None:
             for h, hp in enumerate(hparts):
                 comps.append((f"L{i}.{sub}.h{h}", i, sub, str(h), score(hp)))
             comps.append((f"L{i}.{sub}.bias", i, sub, "bias", score(bias)))
-    total = total + const
-    logit = ps.logits.gather(-1, pred.unsqueeze(-1)).squeeze(-1)
-    real = ps.mask
-    err = (total - logit).abs()[real].max().item()
+    return comps, notes, total
+
+
+def _rows(ps, lens, comps) -> list[dict]:
+    """One row per real (batch, position) and component, in :data:`COLUMNS`."""
+    pred, real = lens.predicted, ps.mask
+    vals = [(name, layer, sub, head, s.tolist()) for name, layer, sub, head, s in comps]
     rows = []
     B, T = pred.shape
-    vals = [(name, layer, sub, head, s.tolist()) for name, layer, sub, head, s in comps]
     for b in range(B):
         for t in range(T):
             if not real[b, t]:
@@ -174,7 +188,7 @@ def attribute(ps, lens) -> Attribution | None:
                         "contribution": s[b][t],
                     }
                 )
-    return Attribution(Table(rows, COLUMNS, "direct logit attribution"), logit, const, total, err, notes)
+    return rows
 
 
 __all__ = ["Attribution", "attribute"]
