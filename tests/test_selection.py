@@ -79,3 +79,24 @@ def test_patterns_cuts_layers_and_heads_from_a_cache():
         kept = part[f"decoder.blocks.{i}.self_attn.pattern"]
         assert torch.equal(kept, torch.stack([full[:, 1], full[:, 3]], 1))
     assert part.metadata["layers_captured"] == [0, 2] and part.metadata["heads_captured"] == [1, 3]
+
+
+def test_head_stats_read_the_layers_a_cache_holds_by_their_index():
+    # a cache of some layers keeps the model's layer numbers; head statistics must read exactly
+    # those layers (not 0..n-1, which dropped layer 2 here) with the numbers the full cache gives
+    import causal_gallery as G
+
+    import probe
+
+    model = G.TinyLM(["ok", "ok", "ok"])
+    full = probe.head_stats(probe.capture(model, G.IDS), progress=False).table
+    part = probe.head_stats(probe.capture(model, G.IDS, layers=[1, 2]), progress=False).table
+    assert sorted({r["layer"] for r in part}) == [1, 2] and len(part) == 2 * G.H
+    want = {(r["layer"], r["head"]): r for r in full if r["layer"] in (1, 2)}
+    for r in part:
+        for c in ("entropy", "prev", "self", "first"):
+            assert r[c] == pytest.approx(want[(r["layer"], r["head"])][c], abs=1e-6), (
+                r["layer"],
+                r["head"],
+                c,
+            )
