@@ -180,6 +180,20 @@ def test_gold_scores_every_head_and_picks_the_best():
     assert al.best["convention"] == "output" and al.best["head"] == 0 and al.best["aer"] == 0.0
 
 
+def test_a_cache_of_some_heads_is_refused_unless_its_heads_are_the_first():
+    # the hand-built cache of the test above; its two head entries are said to be model heads 1, 3:
+    # an alignment would name them 0 and 1, so it refuses (heads 0, 1 are named right: accepted)
+    diag = torch.tensor([[0.9, 0.1], [0.1, 0.9], [0.2, 0.8]])
+    anti = torch.tensor([[0.1, 0.9], [0.9, 0.1], [0.8, 0.2]])
+    P = torch.stack([torch.cat([diag, torch.zeros(3, 1)], 1), torch.cat([anti, torch.zeros(3, 1)], 1)])[None]
+    c = _cache(P, [["ich", "bier", "P"]], [["S", "i", "beer"]], [[0, 0, 0]], [[0, 0, 0]], name="translator")
+    c.metadata["heads_captured"] = [1, 3]
+    with pytest.raises(probe.ProbeError, match=r"holds heads \[1, 3\] only"):
+        probe.align(c)
+    c.metadata["heads_captured"] = [0, 1]
+    assert probe.align(c, gold="0-0 1-1\n").best["head"] == 0
+
+
 def test_errors_name_the_problem():
     c = Cache({"decoder.blocks.0.self_attn.pattern": torch.ones(1, 1, 2, 2)}, {"tokens": [["a", "b"]]})
     with pytest.raises(probe.ProbeError, match="no cross-attention"):

@@ -123,6 +123,13 @@ def _soft_one(cache, convention: str) -> tuple[list[int], list[torch.Tensor]]:
             "this cache has no cross-attention (no decoder cross_attn patterns); capture an "
             "encoder-decoder such as the translator or a BART/T5/Marian model"
         )
+    captured = cache.metadata.get("heads_captured")
+    if captured and list(captured) != list(range(len(captured))):
+        # alignments name heads by their place on the pattern's head axis; here that is not the model's
+        raise ProbeError(
+            f"this cache holds heads {list(captured)} only, so alignment could not name them by the "
+            "model's head index; capture without --heads (or with heads 0..k)"
+        )
     src, tgt = _words_one(cache)
     P = torch.stack([cache.pattern("decoder", layer, "cross").float() for layer in layers])  # [L, B, H, T, S]
     B, T, S = P.shape[1], P.shape[3], P.shape[4]
