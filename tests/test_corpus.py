@@ -42,25 +42,25 @@ RUN = dict(batch_size=4, shard_size=4, keep="all")
 SCRIPT = textwrap.dedent(
     """
     import os, signal, sys
-    import probe, probe.corpus.run as run
+    import probe, probe.corpus.shards as shards
     from models import load
     die = os.environ.get("DIE_RANK")
     delay = float(os.environ.get("SHARD_DELAY", "0"))
     if delay:  # stretch each shard so that a kill at a random time lands inside the run
         import time
-        real_shard = run._run_shard
+        real_shard = shards.run_shard
         def slow(*a, **k):
             time.sleep(delay)
             return real_shard(*a, **k)
-        run._run_shard = slow
+        shards.run_shard = slow
     if die is not None and os.environ.get("RANK", "0") == die:
-        real, calls = run._run_shard, []
+        real, calls = shards.run_shard, []
         def dying(*a, **k):
             calls.append(1)
             if len(calls) == 2:  # after one finished shard: die like an OOM kill, no cleanup
                 os.kill(os.getpid(), signal.SIGKILL)
             return real(*a, **k)
-        run._run_shard = dying
+        shards.run_shard = dying
     probe.run_corpus(load("minigpt"), sys.argv[1], sys.argv[2], batch_size=4, shard_size=4, keep="all",
                      progress=False)
     """

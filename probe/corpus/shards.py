@@ -1,0 +1,123 @@
+"""A corpus run's shards: capture one shard's texts into its folder and record it; merge the records.
+
+Text ``i`` lands in shard ``i // shard_size``; a shard's batches depend only on its texts. A shard is
+done when its JSON record exists (:func:`shard_done`); :func:`finish` merges the records into
+``manifest.json`` and the head statistics. The layout is described in :mod:`probe.corpus.run`.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from probe.analysis.focus.stats import FocusAccumulator
+from probe.cache import Cache
+from probe.capture import capture
+from probe.corpus.keep import kept
+from probe.errors import ProbeError
+from probe.files import write_text_atomic
+
+
+def shard_done(path: Path) -> bool:
+    """Whether the shard record at ``path`` exists and is complete JSON."""
+    try:
+        json.loads(path.read_text(encoding="utf-8"))
+        return True
+    except (OSError, json.JSONDecodeError):
+        return False
+
+
+def remove_stale(folder: Path, *patterns: str) -> None:
+    """Delete the files of ``folder`` matching ``patterns``: temp files a killed write left."""
+    for pattern in patterns:
+        for stale in folder.glob(pattern) if folder.exists() else ():
+            stale.unlink(missing_ok=True)
+
+
+def run_shard(model, tokenizer, texts, start, folder: Path, keep, batch_size, stats, bar, dtype) -> dict:
+    """Capture one shard's texts (bucketed by length) and return its JSON record."""
+    # left by a killed writer: our temp files (.NAME.XXXX.tmp) and safetensors' own (.tmpXXXXXX,
+    # which its save_file writes before renaming onto ours)
+    remove_stale(folder, ".*.tmp", ".tmp*")
+    order = sorted(range(len(texts)), key=lambda i: (len(texts[i]), i))
+    batches = [order[j : j + batch_size] for j in range(0, len(order), batch_size)]
+    acc = FocusAccumulator()
+    entries: list[dict | None] = [None] * len(texts)
+    n_files = 0
+
+    def store(cache: Cache, rows: list[int]) -> None:
+        nonlocal n_files
+        if stats:
+            acc.add(cache)
+        part = kept(cache, keep, dtype)  # statistics above read the float32 patterns
+        rel = None
+        if part is not None:
+            rel = f"shards/{folder.name}/b{n_files:03d}.safetensors"
+            part.save(folder.parent.parent / rel)
+            n_files += 1
+        for r, i in enumerate(rows):
+            entries[i] = {"shard": int(folder.name), "file": rel, "row": r}
+
+    for rows in batches:
+        try:
+            caches = [(capture(model, [texts[i] for i in rows], tokenizer=tokenizer), rows)]
+        except ProbeError:
+            # one bad text fails the batch: isolate it (each text alone), record it, go on
+            caches = []
+            for i in rows:
+                try:
+                    caches.append((capture(model, [texts[i]], tokenizer=tokenizer), [i]))
+                except ProbeError as e:
+                    entries[i] = {"shard": int(folder.name), "error": str(e)}
+        for cache, got in caches:  # errors past capture are probe's or the disk's: they stop the run
+            store(cache, got)
+        del caches
+        bar.update(len(rows))
+    return {
+        "shard": int(folder.name),
+        "start": start,
+        "texts": entries,
+        "files": n_files,
+        "stats": acc.to_dict() if stats and acc.n_texts else None,
+    }
+
+
+def finish(out: Path) -> dict:
+    """Merge the shard records of ``out`` (in shard order) into manifest.json and head_stats.*."""
+    cfg = json.loads((out / "config.json").read_text(encoding="utf-8"))
+    # a killed run's half-written config, manifest or statistics; no other rank writes here now
+    remove_stale(out, ".*.tmp")
+    n_shards = -(-cfg["n_texts"] // cfg["shard_size"])
+    entries: list[dict] = []
+    acc = FocusAccumulator()
+    files: list[str] = []
+    for i in range(n_shards):
+        p = out / "shards" / f"{i:05d}.json"
+        if not shard_done(p):
+            raise ProbeError(f"shard {i} of {out} is not finished; rerun the same command to complete it")
+        rec = json.loads(p.read_text(encoding="utf-8"))
+        entries += rec["texts"]
+        files += [f"shards/{i:05d}/b{j:03d}.safetensors" for j in range(rec["files"])]
+        if rec["stats"]:
+            acc.merge(FocusAccumulator.from_dict(rec["stats"]))
+    failed = sum("error" in e for e in entries)
+    manifest = {
+        "format": "probe-corpus/1",
+        "config": cfg,
+        "n_texts": len(entries),
+        "n_ok": len(entries) - failed,
+        "n_failed": failed,
+        "n_shards": n_shards,
+        "files": files,
+        "texts": entries,
+    }
+    if cfg["stats"] and acc.n_texts:
+        write_text_atomic(out / "stats.json", json.dumps(acc.to_dict()))
+        hs = acc.result()
+        hs.to_json(out / "head_stats.json")
+        hs.to_csv(out / "head_stats.csv")
+    write_text_atomic(out / "manifest.json", json.dumps(manifest, indent=1, ensure_ascii=False))
+    return manifest
+
+
+__all__ = ["finish", "remove_stale", "run_shard", "shard_done"]
