@@ -28,6 +28,11 @@ class Attention:
     (``"self"``/``"cross"``, at close). Set by the pattern consumer: ``parts`` (its working
     state), ``handle`` (the sink handle of the stored pattern, None when none was stored),
     ``shape`` (the stored ``[batch, heads, q, k]``) and ``causal`` (None when not judged).
+
+    Beside the pattern: ``sinks`` (set by the recorder: the mass of a learned sink column joined
+    to the scores, one ``[batch, (heads,) q]`` tensor per part, in the parts' order), ``kind``
+    (what the pattern is when it is not one plain softmax, said in the metadata) and ``fields``
+    (set by the consumer: the other stored fields of this attention, field name -> sink handle).
     """
 
     inputs: list[Tensor] = field(default_factory=list)
@@ -40,6 +45,9 @@ class Attention:
     handle: int | None = None
     shape: tuple[int, ...] = ()
     causal: bool | None = None
+    sinks: list[Tensor] = field(default_factory=list)
+    kind: str | None = None
+    fields: dict[str, int] = field(default_factory=dict)
 
 
 @dataclass

@@ -111,3 +111,19 @@ class KeepPatterns:
         attn.handle = self.store.put(pattern, owned=mine)
         self.store.stored(parts)
         attn.parts.clear()
+        if attn.sinks:
+            self._sinks(attn, len(parts))
+
+    def _sinks(self, attn: Attention, n_parts: int) -> None:
+        """Store the sink column's mass of every head, ``[batch, heads, q]``, as field ``sink``."""
+        if len(attn.sinks) != n_parts:
+            raise ProbeError(
+                "an attention mixes softmaxes with and without a sink column; probe cannot "
+                "line its sink up with its heads"
+            )
+        cols = [s.unsqueeze(-1) for s in attn.sinks]
+        sink = restore_layout(cols, batch_size(attn.primary, attn.qk[0]))[..., 0]
+        if self.selection.heads is not None:
+            sink = sink[:, self.selection.heads]
+        attn.fields["sink"] = self.store.put(sink)
+        attn.sinks.clear()

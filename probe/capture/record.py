@@ -52,6 +52,7 @@ except ImportError:  # pragma: no cover - older torch
 
 SOFTMAX = frozenset({F.softmax, torch.softmax, Tensor.softmax, torch.special.softmax})
 SDPA = F.scaled_dot_product_attention
+SINK_KIND = "softmax over the keys and a learned sink column; sink holds the column's mass"
 
 
 class PatternConsumer(Protocol):
@@ -107,23 +108,38 @@ class Recorder:
     # -- the ops the watcher's mode hands on: each handler runs the op and returns its output --
     def softmax(self, func: Any, args: tuple, kwargs: dict) -> Any:
         out = func(*args, **kwargs)
-        if self._over_sequence(args, kwargs, out):
-            if self.wants():
-                self._weights(out, "softmax")
-            else:
+        kind = self._over_sequence(args, kwargs, out)
+        if kind is not None:
+            if not self.wants():
                 self.note_event()
+            elif kind == "sink":
+                # the keys plus one learned sink column (GPT-OSS): the pattern over the real keys,
+                # the sink's mass beside it
+                a = self._open((out.shape[-2], out.shape[-1] - 1), "softmax")
+                a.sinks.append(out[..., -1])
+                a.kind = SINK_KIND
+                self.consumer.weights(a, out[..., :-1], "softmax")
+            else:
+                self._weights(out, "softmax")
         self.layers.after_op(func, args, kwargs, out)
         return out
 
-    def _over_sequence(self, args: tuple, kwargs: dict, out: Any) -> bool:
-        """Whether a softmax's output is attention: over its last axis, the last two sequence lengths."""
+    def _over_sequence(self, args: tuple, kwargs: dict, out: Any) -> str | None:
+        """Whether a softmax's output is attention: over its last axis, the last two sequence
+        lengths (``"pattern"``), or the keys and one more column, a sink (``"sink"``); else None."""
         if not isinstance(out, Tensor) or out.dim() < 3:
-            return False
+            return None
         dim = args[1] if len(args) > 1 else kwargs.get("dim")
         if dim is None or dim not in (-1, out.dim() - 1):
-            return False
+            return None
         lengths = self.forward.lengths
-        return out.shape[-1] in lengths and out.shape[-2] in lengths
+        q, k = out.shape[-2], out.shape[-1]
+        if q not in lengths:
+            return None
+        if k in lengths:
+            return "pattern"
+        # one column more than a sequence's keys: a sink column joined to the scores
+        return "sink" if k - 1 in lengths else None
 
     def sdpa(self, func: Any, args: tuple, kwargs: dict) -> Any:
         out = func(*args, **kwargs)
