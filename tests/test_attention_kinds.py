@@ -10,9 +10,7 @@ import os
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-import pytest  # noqa: E402
 import torch  # noqa: E402
-import torch.nn.functional as F  # noqa: E402
 import transformers as tf  # noqa: E402
 from torch import nn  # noqa: E402
 
@@ -118,3 +116,104 @@ def test_hand_written_sink_against_a_softmax_written_here():
         sink = model[0].sink.double().exp().view(1, -1, 1) / z[..., 0]
     _close(t.cache["decoder.blocks.0.self_attn.pattern"], (e / z).float())
     _close(t.cache["decoder.blocks.0.self_attn.sink"], sink.float())
+
+
+# -- flex_attention -----------------------------------------------------------------------------
+class FlexBlock(nn.Module):
+    """flex_attention with a score_mod (a per-head distance bias read from a buffer) and a block
+    mask (causal, a window of ``window`` keys), grouped-query heads."""
+
+    def __init__(self, d=32, heads=4, kv_heads=2, window=5):
+        super().__init__()
+        self.h, self.kv, self.dh, self.window = heads, kv_heads, d // heads, window
+        self.q = nn.Linear(d, d)
+        self.kv_proj = nn.Linear(d, 2 * kv_heads * self.dh)
+        self.o = nn.Linear(d, d)
+        self.register_buffer("slope", torch.linspace(0.1, 0.8, heads))
+
+    def qk(self, x):
+        b, t, _ = x.shape
+        q = self.q(x).view(b, t, self.h, self.dh).transpose(1, 2)
+        k, v = self.kv_proj(x).view(b, t, 2, self.kv, self.dh).permute(2, 0, 3, 1, 4)
+        return q, k, v
+
+    def forward(self, x):
+        from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+        q, k, v = self.qk(x)
+        slope, window = self.slope, self.window
+
+        def score_mod(s, b, h, qi, ki):
+            return s - slope[h] * (qi - ki)
+
+        def mask_mod(b, h, qi, ki):
+            return (qi >= ki) & (qi - ki < window)
+
+        T = x.size(1)
+        mask = create_block_mask(mask_mod, None, None, T, T, device=x.device, BLOCK_SIZE=8)
+        y = flex_attention(q, k, v, score_mod=score_mod, block_mask=mask, enable_gqa=True)
+        return x + self.o(y.transpose(1, 2).flatten(2))
+
+
+def _masked_softmax(q, k, bias, allowed):
+    """softmax(q kᵀ/√d + bias) over allowed keys, float64; key heads repeated to the query heads."""
+    k = k.repeat_interleave(q.size(1) // k.size(1), dim=1)
+    s = q.double() @ k.double().transpose(-1, -2) / math.sqrt(q.size(-1)) + bias
+    return torch.softmax(s.masked_fill(~allowed, float("-inf")), -1).float()
+
+
+def test_hand_written_flex_attention_with_score_mod_and_block_mask():
+    import warnings
+
+    torch.manual_seed(2)
+    model = nn.Sequential(FlexBlock(), FlexBlock()).eval()
+    x = torch.randn(2, 19, 32)  # 19 rows: blocks of 8 with a ragged last one
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # flex_attention's own "called without torch.compile"
+        with torch.no_grad():
+            want_out = model(x)
+            with probe.trace(model) as t:
+                got_out = model(x)
+    assert torch.equal(got_out, want_out)  # the model ran as without probe
+    i, j = torch.arange(19)[:, None], torch.arange(19)[None]
+    h = x
+    with torch.no_grad():
+        for layer, block in enumerate(model):
+            q, k, _ = block.qk(h)
+            bias = -block.slope.double().view(1, -1, 1, 1) * (i - j)
+            want = _masked_softmax(q, k, bias, (i >= j) & (i - j < 5))
+            _close(t.cache[f"decoder.blocks.{layer}.self_attn.pattern"], want)
+            h = block(h)
+    assert t.cache.metadata["attention_implementations"] == ["flex"]
+
+
+def test_transformers_flex_attention_model_against_eager():
+    import warnings
+
+    cfg = tf.LlamaConfig(
+        vocab_size=96,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+    )
+    torch.manual_seed(0)
+    model = tf.LlamaForCausalLM._from_config(cfg, attn_implementation="flex_attention").eval()
+    eager = tf.LlamaForCausalLM._from_config(cfg, attn_implementation="eager").eval()
+    eager.load_state_dict(model.state_dict())
+    ids, mask = _ids()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        with torch.no_grad(), probe.trace(model) as t:
+            model(input_ids=ids, attention_mask=mask)
+    with torch.no_grad():
+        want = eager(input_ids=ids, attention_mask=mask, output_attentions=True).attentions
+    for i in range(2):
+        got = t.cache[f"decoder.blocks.{i}.self_attn.pattern"]
+        _close(got[0], want[i][0])
+        _close(got[1, :, 2:], want[i][1, :, 2:])  # text 1's real queries (2 pads on the left)
+        assert float(got[1, :, 2:, :2].abs().max()) == 0  # real queries give padding no weight
+    deltas = {"self_attn": "sublayer output", "mlp": "sublayer output"}
+    assert t.cache.metadata["layers"][0]["deltas"] == deltas

@@ -105,7 +105,7 @@ class KeepPatterns:
         attn.shape = tuple(pattern.shape)
         # recomputed weights are probe's own memory (a reused buffer only once written); softmax
         # outputs are the model's, unless stacking or selecting heads copied them
-        mine = attn.impl <= {"sdpa", "mha"} or all(
+        mine = attn.impl <= {"sdpa", "mha", "flex"} or all(
             pattern.untyped_storage().data_ptr() != p.untyped_storage().data_ptr() for p in parts
         )
         attn.handle = self.store.put(pattern, owned=mine)

@@ -258,7 +258,8 @@ class LayerTracker:
         items, notes = layer_residuals(layer, call, out, self.name_of)
         residuals = [(n, self.store.put(t)) for n, t in items]
         name = self.name_of(call.module)
-        self.records.append(LayerRecord(layer.container, layer.index, name, patterns, residuals, notes, extras))
+        record = LayerRecord(layer.container, layer.index, name, patterns, residuals, notes, extras)
+        self.records.append(record)
 
     def plain_records(self) -> list[LayerRecord]:
         """Records of list elements without attention in lists that have attention (hybrids)."""

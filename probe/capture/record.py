@@ -43,6 +43,7 @@ from torch import Tensor, nn
 from probe.capture.calls import Attention, Forward
 from probe.capture.fused import mha_weights
 from probe.capture.layers import LayerTracker
+from probe.capture.patterns import flex_weights
 from probe.capture.residual import LayerStream
 
 try:  # the higher-order op flex_attention runs; its scores never exist outside the kernel
@@ -103,7 +104,9 @@ class Recorder:
         self.stack = layers.stack
         self.forward = forward
         self.consumer = consumer
-        self.impls: set[str] = set()  # how the patterns were computed: softmax, sdpa, mha
+        self.impls: set[str] = set()  # how the patterns were computed: softmax, sdpa, mha, flex
+        self.flex_calls: list[tuple[tuple, dict, Any]] = []  # flex_attention calls traced, not yet seen
+        self._flex_done: list[Tensor] = []  # the queries of flex_attention calls recomputed as they ran
 
     # -- the ops the watcher's mode hands on: each handler runs the op and returns its output --
     def softmax(self, func: Any, args: tuple, kwargs: dict) -> Any:
@@ -153,9 +156,37 @@ class Recorder:
         return out
 
     def flex(self, func: Any, args: tuple, kwargs: dict) -> Any:
-        # runs while torch.compile traces it; only recorded (dynamo replays appends)
-        self.forward.blind.append("flex_attention")
-        return func(*args, **kwargs)
+        out = func(*args, **kwargs)
+        if torch.compiler.is_compiling():
+            # flex_attention runs its operator under torch.compile, which traces this body: one
+            # list append, which dynamo replays with the call's real arguments once the compiled
+            # call returned; flush() recomputes the weights at the next op or module return
+            self.flex_calls.append((args, kwargs, out))
+        else:
+            # the operator itself, run eagerly (or by a compiled graph run eagerly): recomputed
+            # now; the replayed append of the same call, if one follows, is skipped
+            self._flex(args, kwargs, out)
+            self._flex_done.append(args[0])
+        return out
+
+    def flush(self) -> None:
+        """Recompute the weights of the flex_attention calls traced by torch.compile since the
+        last flush (the watcher calls this at the next op or module return after them)."""
+        calls, done = list(self.flex_calls), self._flex_done
+        self.flex_calls.clear()
+        self._flex_done = []
+        for args, kwargs, out in calls:
+            if not any(args[0] is q for q in done):
+                self._flex(args, kwargs, out)
+
+    def _flex(self, args: tuple, kwargs: dict, out: Any) -> None:
+        if self.wants():
+            query, key = args[0], args[1]
+            attn = self._open((query.size(-2), key.size(-2)), "flex")
+            self.consumer.weights(attn, flex_weights(*args, **kwargs), "flex")
+        else:
+            self.note_event()
+        self.layers.after_op(FLEX, args, kwargs, out)
 
     # -- torch's fused modules, after they returned (the watcher calls these) ------------------
     def mha_module(self, module: nn.MultiheadAttention, args: tuple, kwargs: dict) -> None:
