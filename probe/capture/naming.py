@@ -68,9 +68,9 @@ def check_forward(tr: Tracer, model: nn.Module, selection: Selection) -> None:
     if not tr.kept:
         raise ProbeError(
             f"no attention found in {type(model).__name__}: probe saw no "
-            "softmax over a sequence, scaled_dot_product_attention or nn.MultiheadAttention in "
-            "its forward; give a model that computes attention (flex_attention, custom kernels "
-            "and banded layouts such as Longformer's sliding-window chunks cannot be seen: "
+            "softmax over a sequence, scaled_dot_product_attention, flex_attention or "
+            "nn.MultiheadAttention in its forward; give a model that computes attention (custom "
+            "kernels and banded layouts such as Longformer's sliding-window chunks cannot be seen: "
             'load transformers models with attn_implementation="sdpa" or "eager")'
         )
     # never record a layer that was not captured: refuse the selection as a whole
