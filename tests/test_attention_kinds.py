@@ -217,3 +217,40 @@ def test_transformers_flex_attention_model_against_eager():
         assert float(got[1, :, 2:, :2].abs().max()) == 0  # real queries give padding no weight
     deltas = {"self_attn": "sublayer output", "mlp": "sublayer output"}
     assert t.cache.metadata["layers"][0]["deltas"] == deltas
+
+
+# -- differential attention ---------------------------------------------------------------------
+def test_diffllama_stores_the_models_heads_as_combined_maps_with_their_parts():
+    cfg = tf.DiffLlamaConfig(
+        vocab_size=96,
+        hidden_size=64,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=8,
+        num_key_value_heads=4,
+        max_position_embeddings=64,
+    )
+    torch.manual_seed(0)
+    model = tf.DiffLlamaForCausalLM(cfg).eval()  # default implementation (sdpa)
+    eager = tf.DiffLlamaForCausalLM._from_config(cfg, attn_implementation="eager").eval()
+    eager.load_state_dict(model.state_dict())
+    ids, mask = _ids()
+    with torch.no_grad(), probe.trace(model) as t:
+        model(input_ids=ids, attention_mask=mask)
+    with torch.no_grad():
+        soft = eager(input_ids=ids, attention_mask=mask, output_attentions=True).attentions
+    for i, layer in enumerate(eager.model.layers):
+        att = layer.self_attn
+        # λ as the paper and the module define it, written out here
+        lam = (
+            torch.exp((att.lambda_q1 * att.lambda_k1).sum())
+            - torch.exp((att.lambda_q2 * att.lambda_k2).sum())
+        ).item() + att.lambda_init
+        a1, a2 = soft[i][:, :4], soft[i][:, 4:]  # head h pairs query heads h and h + 4
+        got = t.cache[f"decoder.blocks.{i}.self_attn.pattern"]
+        assert got.shape == (2, 4, 7, 7)  # the model's 4 differential heads, not 8 softmaxes
+        _close(got[0], (a1 - lam * a2)[0])
+        _close(got[1, :, 2:], (a1 - lam * a2)[1, :, 2:])  # text 1's real queries
+        parts = t.cache[f"decoder.blocks.{i}.self_attn.parts"]
+        _close(parts[0], torch.stack([a1, a2], 2)[0])
+        assert "differential" in t.cache.metadata["layers"][i]["self_attn"]["kind"]

@@ -33,6 +33,8 @@ class Attention:
     to the scores, one ``[batch, (heads,) q]`` tensor per part, in the parts' order), ``kind``
     (what the pattern is when it is not one plain softmax, said in the metadata) and ``fields``
     (set by the consumer: the other stored fields of this attention, field name -> sink handle).
+    ``diff_lambda``: the λ of a differential attention's sublayer (DiffLlama), whose heads pair
+    up as ``a1 - λ·a2``.
     """
 
     inputs: list[Tensor] = field(default_factory=list)
@@ -47,6 +49,7 @@ class Attention:
     causal: bool | None = None
     sinks: list[Tensor] = field(default_factory=list)
     kind: str | None = None
+    diff_lambda: float | None = None  # differential attention: pattern = parts[0] - lambda * parts[1]
     fields: dict[str, int] = field(default_factory=dict)
 
 

@@ -56,6 +56,25 @@ SDPA = F.scaled_dot_product_attention
 SINK_KIND = "softmax over the keys and a learned sink column; sink holds the column's mass"
 
 
+DIFF_KIND = (
+    "differential attention: each head is a1 - lambda * a2 of two softmaxes (query heads h and "
+    "h + heads), the pattern is the combined map and parts holds [a1, a2]"
+)
+
+
+def differential_lambda(module: nn.Module) -> float | None:
+    """λ of a differential-attention module (DiffLlama's ``lambda_q1/k1/q2/k2`` and
+    ``lambda_init``), computed as the module does; None for any other module."""
+    names = ("lambda_q1", "lambda_k1", "lambda_q2", "lambda_k2", "lambda_init")
+    if not all(hasattr(module, n) for n in names):
+        return None
+    with torch.no_grad():
+        l1 = torch.exp(torch.sum(module.lambda_q1 * module.lambda_k1, dim=-1, dtype=torch.float32))
+        l2 = torch.exp(torch.sum(module.lambda_q2 * module.lambda_k2, dim=-1, dtype=torch.float32))
+        dtype = module.lambda_q1.dtype
+        return float(l1.to(dtype) - l2.to(dtype) + module.lambda_init)
+
+
 class PatternConsumer(Protocol):
     """Receives the attention of every layer being captured (see the module docstring)."""
 
@@ -233,6 +252,9 @@ class Recorder:
                 # a second, differently shaped attention in the same sublayer: recorded on its own
                 self.close(a)
             a = Attention(inputs=sub.inputs, primary=sub.primary, qk=qk)
+            a.diff_lambda = differential_lambda(sub.module)
+            if a.diff_lambda is not None:
+                a.kind = DIFF_KIND
             sub.attn = a
             layer.attns.append(a)
         a.impl.add(impl)
