@@ -254,3 +254,68 @@ def test_diffllama_stores_the_models_heads_as_combined_maps_with_their_parts():
         parts = t.cache[f"decoder.blocks.{i}.self_attn.parts"]
         _close(parts[0], torch.stack([a1, a2], 2)[0])
         assert "differential" in t.cache.metadata["layers"][i]["self_attn"]["kind"]
+
+
+# -- several attentions per layer ---------------------------------------------------------------
+def test_minimax_lightning_layer_returns_a_state_not_a_pattern():
+    # MiniMax's eager output_attentions has an entry for its linear-attention layer too: the
+    # [head_dim, head_dim] key-value state, not weights over keys; probe stores the softmax
+    # layer's pattern exactly and says the linear layer has no attention
+    cfg = tf.MiniMaxConfig(
+        vocab_size=96,
+        hidden_size=32,
+        intermediate_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=6,
+        num_local_experts=2,
+        num_experts_per_tok=1,
+        max_position_embeddings=64,
+        block_size=4,
+        layer_types=["full_attention", "linear_attention"],
+    )
+    torch.manual_seed(0)
+    model = tf.MiniMaxForCausalLM(cfg).eval()
+    eager = tf.MiniMaxForCausalLM._from_config(cfg, attn_implementation="eager").eval()
+    eager.load_state_dict(model.state_dict())
+    ids, _ = _ids()
+    with torch.no_grad(), probe.trace(model) as t:
+        model(input_ids=ids)
+    with torch.no_grad():
+        want = eager(input_ids=ids, output_attentions=True).attentions
+    _close(t.cache["decoder.blocks.0.self_attn.pattern"], want[0])
+    assert want[1].shape[-2:] == (6, 6)  # head_dim x head_dim: a state, not [query, key]
+    assert "decoder.blocks.1.self_attn.pattern" not in t.cache
+    assert "no attention" in t.cache.metadata["layers"][1]["residual_note"]
+
+
+def test_deepseek_v4_several_softmaxes_per_layer_are_refused_not_stored():
+    import pytest
+
+    from probe.errors import ProbeError
+
+    cfg = tf.DeepseekV4Config(
+        vocab_size=96,
+        hidden_size=32,
+        moe_intermediate_size=16,
+        head_dim=16,
+        q_lora_rank=16,
+        o_lora_rank=16,
+        n_routed_experts=4,
+        num_experts_per_tok=2,
+        max_position_embeddings=64,
+        sliding_window=4,
+        index_head_dim=8,
+        index_topk=4,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=1,
+        qk_rope_head_dim=8,
+        o_groups=2,
+        layer_types=["heavily_compressed_attention", "compressed_sparse_attention"],
+    )
+    torch.manual_seed(0)
+    model = tf.DeepseekV4ForCausalLM(cfg).eval()
+    with pytest.raises(ProbeError, match=r"model\.layers\.0 computes \d self-attention patterns"):
+        probe.capture(model, torch.randint(3, 96, (2, 9)))

@@ -147,6 +147,15 @@ def _name_attentions(r: LayerRecord, stack: str, idx: int, entry: dict[str, Any]
     ``entry``. Several attentions of one role are numbered in the order they ran
     (``self_attn.0``, ``self_attn.1``); a lone one has no number."""
     per_role = collections.Counter(role for role, *_ in r.patterns)
+    for role, n in per_role.items():
+        if n > 1:
+            # numbering them is what the format allows (self_attn.0, self_attn.1), but the models
+            # seen with several softmaxes per layer (DeepSeek-V4) mix in softmaxes that are not
+            # weights over keys: refuse rather than store them as attention
+            raise ProbeError(
+                f"layer {r.module} computes {n} {role}-attention patterns; probe records one per "
+                "role and layer and cannot yet tell which of them are attention weights"
+            )
     seen: collections.Counter = collections.Counter()
     names: dict[int, str] = {}
     for role, handle, shape, impl, _causal in r.patterns:
