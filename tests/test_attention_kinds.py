@@ -319,3 +319,33 @@ def test_deepseek_v4_several_softmaxes_per_layer_are_refused_not_stored():
     model = tf.DeepseekV4ForCausalLM(cfg).eval()
     with pytest.raises(ProbeError, match=r"model\.layers\.0 computes \d self-attention patterns"):
         probe.capture(model, torch.randint(3, 96, (2, 9)))
+
+
+# -- CpmAnt -------------------------------------------------------------------------------------
+def test_cpmant_patterns_cover_its_prompt_slots_and_match_eager_on_the_tokens():
+    # CpmAnt runs its layers over prompt_length learned prompt slots ahead of the tokens and its
+    # output_attentions drops them ([prompt:, prompt:]); probe stores what the layers computed,
+    # prompt slots included, so the tokens' block is the eager weights
+    cfg = tf.CpmAntConfig(
+        vocab_size=96,
+        hidden_size=32,
+        num_attention_heads=4,
+        dim_head=8,
+        dim_ff=64,
+        num_hidden_layers=2,
+        prompt_length=4,
+        position_bias_num_buckets=16,
+        position_bias_max_distance=32,
+    )
+    torch.manual_seed(0)
+    model = tf.CpmAntModel(cfg).eval()
+    ids = torch.randint(3, 96, (2, 7), generator=torch.Generator().manual_seed(0))
+    mask = torch.ones_like(ids)
+    mask[1, 5:] = 0
+    cache, out = _capture(model, input_ids=ids, attention_mask=mask)
+    stack = cache.stacks[0]
+    for i in range(2):
+        got = cache[f"{stack}.blocks.{i}.self_attn.pattern"]
+        assert got.shape == (2, 4, 4 + 7, 4 + 7)
+        _close(got[:, :, 4:, 4:], out.attentions[i])
+        assert torch.allclose(got.sum(-1)[0], torch.ones(4, 11))  # rows over prompt + tokens sum to 1
