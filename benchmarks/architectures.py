@@ -61,16 +61,9 @@ def _refused() -> dict[str, tuple[str, object]]:
     def hf(model, name):
         return lambda: probe.capture(model(), A.inputs(name, None)["input_ids"])
 
-    def hf_flex():
-        model = A.ARCHS["mistral"].build()
-        model.config._attn_implementation = "flex_attention"
-        return probe.capture(model, torch.tensor([[5, 6, 7]]))
-
     return {
         "MoE router, no attention": ("softmax over `[b, t, n_experts]`", toy(toys.router_lm)),
         "MLP LM returning probabilities": ("softmax over the vocabulary", toy(toys.probs_lm)),
-        "SDPA + flex_attention layers": ("layer 1 on `flex_attention`", toy(toys.flex_lm)),
-        'transformers, `attn_implementation="flex_attention"`': ("Mistral", hf_flex),
         "ALBERT": ("one layer module run for every layer", hf(A.albert, "albert")),
         "Longformer": ("local attention over sliding-window chunks", hf(A.longformer, "longformer")),
     }

@@ -342,24 +342,21 @@ def test_untouched_layer_input_needs_no_comparison_with_its_copy(monkeypatch):
     assert torch.equal(cache["decoder.blocks.1.self_attn.delta"], outs["blocks.1.attn"])
 
 
-def test_flex_attention_layer_is_a_clear_error():
-    with pytest.raises(ProbeError, match=r"blocks\.1.*flex_attention.*attn_implementation=\"sdpa\""):
-        _toy_capture(toys.flex_lm())
-
-
-def test_hf_flex_attention_is_a_clear_error():
-    model = A.ARCHS["mistral"].build()
-    model.config._attn_implementation = "flex_attention"
-    with pytest.raises(ProbeError, match="flex_attention.*sdpa"):
-        probe.capture(model, torch.tensor([[5, 6, 7]]))
-
-
-def test_all_flex_model_says_flex_is_the_reason():
-    model = toys.seeded(lambda: toys.LM([toys.Block(toys.FlexAttention(), toys.MLP()) for _ in range(2)]))
+def test_flex_attention_layer_is_captured_exactly():
+    # flex_attention's weights are recomputed from its own q, k (tests/test_attention_kinds.py
+    # covers score_mod, block masks and a transformers model); here: one flex layer among SDPA ones
+    model = toys.flex_lm()
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # flex_attention's own "called without torch.compile"
-        with pytest.raises(ProbeError, match=r"blocks\.0 computes attention with flex_attention.*sdpa"):
-            _toy_capture(model)
+        cache, ids = _toy_capture(model)
+        _, ins = _toy_oracle(model, ids, ["blocks.1.attn"])
+    with torch.no_grad():
+        q, k, _ = model.blocks[1].attn.heads(ins["blocks.1.attn"])
+        want = torch.softmax(q.double() @ k.double().transpose(-1, -2) / q.size(-1) ** 0.5, -1)
+    # layer 1 sees every key, layer 0 is causal: the list is named as an encoder
+    got = cache[f"{cache.stacks[0]}.blocks.1.self_attn.pattern"]
+    assert float((got - want.float()).abs().max()) <= 1e-6
+    assert cache.metadata["layers"][1]["self_attn"]["impl"] == ["flex"]
 
 
 def test_weight_shared_layers_are_refused_and_the_named_fix_works():

@@ -28,6 +28,13 @@ class Attention:
     (``"self"``/``"cross"``, at close). Set by the pattern consumer: ``parts`` (its working
     state), ``handle`` (the sink handle of the stored pattern, None when none was stored),
     ``shape`` (the stored ``[batch, heads, q, k]``) and ``causal`` (None when not judged).
+
+    Beside the pattern: ``sinks`` (set by the recorder: the mass of a learned sink column joined
+    to the scores, one ``[batch, (heads,) q]`` tensor per part, in the parts' order), ``kind``
+    (what the pattern is when it is not one plain softmax, said in the metadata) and ``fields``
+    (set by the consumer: the other stored fields of this attention, field name -> sink handle).
+    ``diff_lambda``: the λ of a differential attention's sublayer (DiffLlama), whose heads pair
+    up as ``a1 - λ·a2``.
     """
 
     inputs: list[Tensor] = field(default_factory=list)
@@ -40,6 +47,10 @@ class Attention:
     handle: int | None = None
     shape: tuple[int, ...] = ()
     causal: bool | None = None
+    sinks: list[Tensor] = field(default_factory=list)
+    kind: str | None = None
+    diff_lambda: float | None = None  # differential attention: pattern = parts[0] - lambda * parts[1]
+    fields: dict[str, int] = field(default_factory=dict)
 
 
 @dataclass

@@ -69,15 +69,6 @@ def _release(model: nn.Module) -> None:
         _RUNNING.discard(model)
 
 
-def _blind_attention(model: nn.Module) -> str | None:
-    """The attention implementation of a transformers model that probe cannot look into, if any."""
-    for m in model.modules():
-        impl = getattr(getattr(m, "config", None), "_attn_implementation", None)
-        if isinstance(impl, str) and "flex" in impl:
-            return impl
-    return None
-
-
 class Trace:
     """Capture the attention of the forward pass that runs inside ``with probe.trace(model):``.
 
@@ -124,12 +115,6 @@ class Trace:
         return known + 1024 * max(lists, 1) + 2048 + self._extra_reserve
 
     def __enter__(self) -> Trace:
-        blind = _blind_attention(self.model)
-        if blind is not None:
-            raise ProbeError(
-                f"{model_name(self.model)} computes attention with {blind}, which probe cannot look "
-                'into; load it with attn_implementation="sdpa" (or "eager") to capture it'
-            )
         if self.model.training:
             warnings.warn(
                 f"{model_name(self.model)} is in train mode: captured patterns are the attention "

@@ -63,6 +63,22 @@ def is_causal(pattern: Tensor) -> bool:
     return bool((first & middle).any())
 
 
+def differential(pattern: Tensor, calls: int, lam: float) -> tuple[Tensor, Tensor]:
+    """A differential attention's ``(combined [batch, H/2, q, k], parts [batch, H/2, 2, q, k])``
+    from its softmaxes ``[batch, calls·H, q, k]`` (DiffLlama runs one softmax over H query heads
+    once per value half, the same weights each time; its head ``i`` is ``a[i] - λ·a[i + H/2]``)."""
+    if calls < 1 or pattern.shape[1] % calls:
+        raise ProbeError(f"a differential attention's {calls} softmaxes do not split its heads")
+    runs = pattern.chunk(calls, dim=1)
+    if any(not torch.equal(r, runs[0]) for r in runs[1:]) or runs[0].shape[1] % 2:
+        raise ProbeError(
+            "a differential attention's softmaxes differ between its calls (or its heads do not "
+            "pair up); probe cannot tell which of them combine"
+        )
+    a1, a2 = runs[0].float().chunk(2, dim=1)
+    return a1 - lam * a2, torch.stack([a1, a2], dim=2)
+
+
 class KeepPatterns:
     """Stores each attention's whole pattern through ``store``, cut to ``selection``'s heads.
 
@@ -96,6 +112,9 @@ class KeepPatterns:
                 )
         parts = [p for p, _ in attn.parts]
         pattern = restore_layout(parts, batch_size(attn.primary, attn.qk[0]))
+        diff = None
+        if attn.diff_lambda is not None:
+            pattern, diff = differential(pattern, len(parts), attn.diff_lambda)
         heads = self.selection.heads
         if heads is not None:
             self.selection.check_heads(pattern.shape[1])
@@ -105,9 +124,27 @@ class KeepPatterns:
         attn.shape = tuple(pattern.shape)
         # recomputed weights are probe's own memory (a reused buffer only once written); softmax
         # outputs are the model's, unless stacking or selecting heads copied them
-        mine = attn.impl <= {"sdpa", "mha"} or all(
+        mine = attn.impl <= {"sdpa", "mha", "flex"} or all(
             pattern.untyped_storage().data_ptr() != p.untyped_storage().data_ptr() for p in parts
         )
-        attn.handle = self.store.put(pattern, owned=mine)
+        attn.handle = self.store.put(pattern, owned=mine or diff is not None)
+        if diff is not None:
+            attn.fields["parts"] = self.store.put(diff if heads is None else diff[:, heads], owned=True)
         self.store.stored(parts)
         attn.parts.clear()
+        if attn.sinks:
+            self._sinks(attn, len(parts))
+
+    def _sinks(self, attn: Attention, n_parts: int) -> None:
+        """Store the sink column's mass of every head, ``[batch, heads, q]``, as field ``sink``."""
+        if len(attn.sinks) != n_parts:
+            raise ProbeError(
+                "an attention mixes softmaxes with and without a sink column; probe cannot "
+                "line its sink up with its heads"
+            )
+        cols = [s.unsqueeze(-1) for s in attn.sinks]
+        sink = restore_layout(cols, batch_size(attn.primary, attn.qk[0]))[..., 0]
+        if self.selection.heads is not None:
+            sink = sink[:, self.selection.heads]
+        attn.fields["sink"] = self.store.put(sink)
+        attn.sinks.clear()

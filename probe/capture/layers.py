@@ -64,6 +64,8 @@ class LayerRecord:
     patterns: list[tuple[str, int, tuple[int, ...], list[str], bool | None]]
     residuals: list[tuple[str, int]]
     notes: dict[str, Any] = field(default_factory=dict)
+    # pattern handle -> (its attention's other stored fields: name -> handle, what it is or None)
+    extras: dict[int, tuple[dict[str, int], str | None]] = field(default_factory=dict)
 
 
 class LayerTracker:
@@ -252,11 +254,12 @@ class LayerTracker:
             for a in layer.attns
             if a.handle is not None
         ]
+        extras = {a.handle: (dict(a.fields), a.kind) for a in layer.attns if a.handle is not None}
         items, notes = layer_residuals(layer, call, out, self.name_of)
         residuals = [(n, self.store.put(t)) for n, t in items]
-        self.records.append(
-            LayerRecord(layer.container, layer.index, self.name_of(call.module), patterns, residuals, notes)
-        )
+        name = self.name_of(call.module)
+        record = LayerRecord(layer.container, layer.index, name, patterns, residuals, notes, extras)
+        self.records.append(record)
 
     def plain_records(self) -> list[LayerRecord]:
         """Records of list elements without attention in lists that have attention (hybrids)."""

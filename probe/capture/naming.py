@@ -18,7 +18,7 @@ from typing import Any
 from torch import nn
 
 from probe import __version__
-from probe.cache.format import FORMAT_VERSION, key
+from probe.cache.format import FORMAT_VERSION, attention_name, key
 from probe.cache.selection import Selection
 from probe.capture.inputs import model_name
 from probe.capture.layers import LayerRecord
@@ -68,9 +68,9 @@ def check_forward(tr: Tracer, model: nn.Module, selection: Selection) -> None:
     if not tr.kept:
         raise ProbeError(
             f"no attention found in {type(model).__name__}: probe saw no "
-            "softmax over a sequence, scaled_dot_product_attention or nn.MultiheadAttention in "
-            "its forward; give a model that computes attention (flex_attention, custom kernels "
-            "and banded layouts such as Longformer's sliding-window chunks cannot be seen: "
+            "softmax over a sequence, scaled_dot_product_attention, flex_attention or "
+            "nn.MultiheadAttention in its forward; give a model that computes attention (custom "
+            "kernels and banded layouts such as Longformer's sliding-window chunks cannot be seen: "
             'load transformers models with attn_implementation="sdpa" or "eager")'
         )
     # never record a layer that was not captured: refuse the selection as a whole
@@ -134,20 +134,42 @@ def name_layers(
     for r in sorted(records, key=lambda r: (base[r.container], r.container, r.index)):
         stack, idx = stack_of[r.container], base[r.container] + r.index
         entry: dict[str, Any] = {"stack": stack, "layer": idx, "module": r.module}
-        for role, handle, shape, impl, _causal in r.patterns:
-            k = key(stack, idx, f"{role}_attn.pattern")
-            if k in names.values():
-                raise ProbeError(
-                    f"layer {r.module} computes two {role}-attention patterns; "
-                    "probe records one per role and layer"
-                )
-            names[handle] = k
-            entry[f"{role}_attn"] = {"impl": impl, "heads": shape[1]}
+        names.update(_name_attentions(r, stack, idx, entry))
         for name, handle in r.residuals:
             names[handle] = key(stack, idx, name)
         entry.update(r.notes)
         layer_meta.append(entry)
     return names, layer_meta, offsets
+
+
+def _name_attentions(r: LayerRecord, stack: str, idx: int, entry: dict[str, Any]) -> dict[int, str]:
+    """The keys of layer ``r``'s attention fields (handle -> key), its attentions described in
+    ``entry``. Several attentions of one role are numbered in the order they ran
+    (``self_attn.0``, ``self_attn.1``); a lone one has no number."""
+    per_role = collections.Counter(role for role, *_ in r.patterns)
+    for role, n in per_role.items():
+        if n > 1:
+            # numbering them is what the format allows (self_attn.0, self_attn.1), but the models
+            # seen with several softmaxes per layer (DeepSeek-V4) mix in softmaxes that are not
+            # weights over keys: refuse rather than store them as attention
+            raise ProbeError(
+                f"layer {r.module} computes {n} {role}-attention patterns; probe records one per "
+                "role and layer and cannot yet tell which of them are attention weights"
+            )
+    seen: collections.Counter = collections.Counter()
+    names: dict[int, str] = {}
+    for role, handle, shape, impl, _causal in r.patterns:
+        n = seen[role] if per_role[role] > 1 else None
+        seen[role] += 1
+        fields, kind = r.extras.get(handle, ({}, None))
+        names[handle] = key(stack, idx, attention_name(role, "pattern", n))
+        for field, h in fields.items():
+            names[h] = key(stack, idx, attention_name(role, field, n))
+        info: dict[str, Any] = {"impl": impl, "heads": shape[1]}
+        if kind is not None:
+            info["kind"] = kind
+        entry[attention_name(role, "pattern", n).removesuffix(".pattern")] = info
+    return names
 
 
 def name(

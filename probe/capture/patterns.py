@@ -189,3 +189,88 @@ def _upper(n: int, device: torch.device) -> Tensor:
         m.masked_fill_(torch.ones(n, n, dtype=torch.bool, device=device).triu_(1), float("-inf"))
         _UPPER[k] = m
     return m
+
+
+# -- flex_attention ------------------------------------------------------------------------------
+def _vmap_bhqk(fn: Any, prefix: int) -> Any:
+    """``fn`` vectorised over ``[b, h, q, k]`` index tensors (``prefix`` leading mapped arguments,
+    the scores), as flex_attention applies its ``score_mod`` and ``mask_mod``."""
+    for dims in ((None, None, None, 0), (None, None, 0, None), (None, 0, None, None), (0, None, None, None)):
+        fn = torch.vmap(fn, in_dims=(0,) * prefix + dims)
+    return fn
+
+
+def _block_allowed(block_mask: tuple, m: Tensor, n: Tensor) -> tuple[Tensor, Tensor]:
+    """``(partial, full)``: whether the block of each ``[.., .., m, n]`` position is computed with
+    ``mask_mod`` applied (partial) or whole (full), from a ``BlockMask.as_tuple()``."""
+    kv_num, kv_idx, full_num, full_idx = block_mask[2:6]
+    kv_block, q_block = block_mask[-3], block_mask[-2]
+
+    def dense(num: Tensor | None, idx: Tensor | None) -> Tensor:
+        if num is None:
+            return torch.zeros((1, 1, m.numel(), n.numel()), dtype=torch.bool, device=m.device)
+        cols = torch.arange(idx.size(-1), device=idx.device)
+        valid = cols < num.unsqueeze(-1)  # [B, H, q_blocks, slots]
+        n_kv = max(int(idx.max()) + 1 if idx.numel() else 1, int(n.max() // kv_block) + 1)
+        d = torch.zeros(*idx.shape[:-1], n_kv + 1, dtype=torch.bool, device=idx.device)
+        d.scatter_(-1, torch.where(valid, idx.long(), n_kv), True)
+        d = d[..., :n_kv]
+        return d[:, :, (m // q_block).long()][..., (n // kv_block).long()]
+
+    return dense(kv_num, kv_idx), dense(full_num, full_idx)
+
+
+@torch.no_grad()
+def flex_weights(
+    query: Tensor,
+    key: Tensor,
+    value: Tensor | None,
+    score_mod: Any,
+    block_mask: tuple,
+    scale: float,
+    kernel_options: Any = None,
+    score_mod_other_buffers: tuple = (),
+    mask_mod_other_buffers: tuple = (),
+    *,
+    chunk: int = 128,
+) -> Tensor:
+    """The attention weights a ``flex_attention`` call uses, float32 ``[batch, heads, L, S]``.
+
+    Takes the arguments of torch's flex_attention operator (what ``flex_attention(q, k, v,
+    score_mod, block_mask, scale)`` hands it: ``block_mask`` as ``BlockMask.as_tuple()``, the
+    scale resolved) with its semantics: scores ``q kᵀ · scale`` (float32, float64 for float64
+    inputs), then ``score_mod(score, b, h, q_idx, kv_idx)``; a position is kept where its block
+    is a full block of the block mask, or a partial block whose ``mask_mod(b, h, q_idx, kv_idx)``
+    is true; softmax over the kept keys, rows with none all zeros. Grouped-query key heads serve
+    contiguous groups of query heads. Computed ``chunk`` query rows at a time.
+    """
+    try:  # tensor indexing inside score_mod/mask_mod under vmap, as flex's own reference does
+        from torch._dynamo._trace_wrapped_higher_order_op import TransformGetItemToIndex
+    except ImportError:  # pragma: no cover - older torch
+        import contextlib
+
+        TransformGetItemToIndex = contextlib.nullcontext  # noqa: N806
+    B, H, L, _ = query.shape
+    if key.size(1) != H:
+        key = key.repeat_interleave(H // key.size(1), dim=1)
+    key = key.expand(B, *key.shape[1:])
+    work = torch.float64 if query.dtype == torch.float64 else torch.float32
+    q, kt = query.to(work), key.to(work).transpose(-2, -1)
+    S = kt.size(-1)
+    dev = query.device
+    b, h, n = (torch.arange(x, device=dev) for x in (B, H, S))
+    mask_mod = block_mask[-1]
+    smod = _vmap_bhqk(lambda s, *i: score_mod(s, *i, *score_mod_other_buffers), 1)
+    mmod = _vmap_bhqk(lambda *i: mask_mod(*i, *mask_mod_other_buffers), 0)
+    out = torch.empty(B, H, L, S, dtype=torch.float32, device=dev)
+    for i in range(0, L, chunk):
+        e = min(L, i + chunk)
+        m = torch.arange(i, e, device=dev)
+        scores = (q[:, :, i:e] @ kt) * scale
+        partial, full = _block_allowed(block_mask, m, n)
+        with TransformGetItemToIndex():
+            mod = smod(scores, b, h, m, n).to(work)
+            keep = full | (partial & mmod(b, h, m, n))
+        w = torch.softmax(mod.masked_fill(~keep, float("-inf")), dim=-1)
+        out[:, :, i:e] = torch.nan_to_num(w, nan=0.0)
+    return out

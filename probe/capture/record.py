@@ -43,6 +43,7 @@ from torch import Tensor, nn
 from probe.capture.calls import Attention, Forward
 from probe.capture.fused import mha_weights
 from probe.capture.layers import LayerTracker
+from probe.capture.patterns import flex_weights
 from probe.capture.residual import LayerStream
 
 try:  # the higher-order op flex_attention runs; its scores never exist outside the kernel
@@ -52,6 +53,26 @@ except ImportError:  # pragma: no cover - older torch
 
 SOFTMAX = frozenset({F.softmax, torch.softmax, Tensor.softmax, torch.special.softmax})
 SDPA = F.scaled_dot_product_attention
+SINK_KIND = "softmax over the keys and a learned sink column; sink holds the column's mass"
+
+
+DIFF_KIND = (
+    "differential attention: each head is a1 - lambda * a2 of two softmaxes (query heads h and "
+    "h + heads), the pattern is the combined map and parts holds [a1, a2]"
+)
+
+
+def differential_lambda(module: nn.Module) -> float | None:
+    """λ of a differential-attention module (DiffLlama's ``lambda_q1/k1/q2/k2`` and
+    ``lambda_init``), computed as the module does; None for any other module."""
+    names = ("lambda_q1", "lambda_k1", "lambda_q2", "lambda_k2", "lambda_init")
+    if not all(hasattr(module, n) for n in names):
+        return None
+    with torch.no_grad():
+        l1 = torch.exp(torch.sum(module.lambda_q1 * module.lambda_k1, dim=-1, dtype=torch.float32))
+        l2 = torch.exp(torch.sum(module.lambda_q2 * module.lambda_k2, dim=-1, dtype=torch.float32))
+        dtype = module.lambda_q1.dtype
+        return float(l1.to(dtype) - l2.to(dtype) + module.lambda_init)
 
 
 class PatternConsumer(Protocol):
@@ -102,28 +123,45 @@ class Recorder:
         self.stack = layers.stack
         self.forward = forward
         self.consumer = consumer
-        self.impls: set[str] = set()  # how the patterns were computed: softmax, sdpa, mha
+        self.impls: set[str] = set()  # how the patterns were computed: softmax, sdpa, mha, flex
+        self.flex_calls: list[tuple[tuple, dict, Any]] = []  # flex_attention calls traced, not yet seen
+        self._flex_done: list[Tensor] = []  # the queries of flex_attention calls recomputed as they ran
 
     # -- the ops the watcher's mode hands on: each handler runs the op and returns its output --
     def softmax(self, func: Any, args: tuple, kwargs: dict) -> Any:
         out = func(*args, **kwargs)
-        if self._over_sequence(args, kwargs, out):
-            if self.wants():
-                self._weights(out, "softmax")
-            else:
+        kind = self._over_sequence(args, kwargs, out)
+        if kind is not None:
+            if not self.wants():
                 self.note_event()
+            elif kind == "sink":
+                # the keys plus one learned sink column (GPT-OSS): the pattern over the real keys,
+                # the sink's mass beside it
+                a = self._open((out.shape[-2], out.shape[-1] - 1), "softmax")
+                a.sinks.append(out[..., -1])
+                a.kind = SINK_KIND
+                self.consumer.weights(a, out[..., :-1], "softmax")
+            else:
+                self._weights(out, "softmax")
         self.layers.after_op(func, args, kwargs, out)
         return out
 
-    def _over_sequence(self, args: tuple, kwargs: dict, out: Any) -> bool:
-        """Whether a softmax's output is attention: over its last axis, the last two sequence lengths."""
+    def _over_sequence(self, args: tuple, kwargs: dict, out: Any) -> str | None:
+        """Whether a softmax's output is attention: over its last axis, the last two sequence
+        lengths (``"pattern"``), or the keys and one more column, a sink (``"sink"``); else None."""
         if not isinstance(out, Tensor) or out.dim() < 3:
-            return False
+            return None
         dim = args[1] if len(args) > 1 else kwargs.get("dim")
         if dim is None or dim not in (-1, out.dim() - 1):
-            return False
+            return None
         lengths = self.forward.lengths
-        return out.shape[-1] in lengths and out.shape[-2] in lengths
+        q, k = out.shape[-2], out.shape[-1]
+        if q not in lengths:
+            return None
+        if k in lengths:
+            return "pattern"
+        # one column more than a sequence's keys: a sink column joined to the scores
+        return "sink" if k - 1 in lengths else None
 
     def sdpa(self, func: Any, args: tuple, kwargs: dict) -> Any:
         out = func(*args, **kwargs)
@@ -137,9 +175,37 @@ class Recorder:
         return out
 
     def flex(self, func: Any, args: tuple, kwargs: dict) -> Any:
-        # runs while torch.compile traces it; only recorded (dynamo replays appends)
-        self.forward.blind.append("flex_attention")
-        return func(*args, **kwargs)
+        out = func(*args, **kwargs)
+        if torch.compiler.is_compiling():
+            # flex_attention runs its operator under torch.compile, which traces this body: one
+            # list append, which dynamo replays with the call's real arguments once the compiled
+            # call returned; flush() recomputes the weights at the next op or module return
+            self.flex_calls.append((args, kwargs, out))
+        else:
+            # the operator itself, run eagerly (or by a compiled graph run eagerly): recomputed
+            # now; the replayed append of the same call, if one follows, is skipped
+            self._flex(args, kwargs, out)
+            self._flex_done.append(args[0])
+        return out
+
+    def flush(self) -> None:
+        """Recompute the weights of the flex_attention calls traced by torch.compile since the
+        last flush (the watcher calls this at the next op or module return after them)."""
+        calls, done = list(self.flex_calls), self._flex_done
+        self.flex_calls.clear()
+        self._flex_done = []
+        for args, kwargs, out in calls:
+            if not any(args[0] is q for q in done):
+                self._flex(args, kwargs, out)
+
+    def _flex(self, args: tuple, kwargs: dict, out: Any) -> None:
+        if self.wants():
+            query, key = args[0], args[1]
+            attn = self._open((query.size(-2), key.size(-2)), "flex")
+            self.consumer.weights(attn, flex_weights(*args, **kwargs), "flex")
+        else:
+            self.note_event()
+        self.layers.after_op(FLEX, args, kwargs, out)
 
     # -- torch's fused modules, after they returned (the watcher calls these) ------------------
     def mha_module(self, module: nn.MultiheadAttention, args: tuple, kwargs: dict) -> None:
@@ -186,6 +252,9 @@ class Recorder:
                 # a second, differently shaped attention in the same sublayer: recorded on its own
                 self.close(a)
             a = Attention(inputs=sub.inputs, primary=sub.primary, qk=qk)
+            a.diff_lambda = differential_lambda(sub.module)
+            if a.diff_lambda is not None:
+                a.kind = DIFF_KIND
             sub.attn = a
             layer.attns.append(a)
         a.impl.add(impl)

@@ -61,6 +61,8 @@ class _Mode(TorchFunctionMode):
         kwargs = kwargs or {}
         if self.quiet or not self.stack:
             return func(*args, **kwargs)
+        if self.recorder.flex_calls and not torch.compiler.is_compiling():
+            self.recorder.flush()  # flex_attention calls torch.compile traced, now run
         if func not in _SEEN:
             # every other op: only the residual tracking of the layer running now looks at it
             layers = self.layers
@@ -187,6 +189,8 @@ class Watcher:
             if not self.stack or self.stack[-1].module is not module:
                 return  # a call that began before capture started
             call = self.stack[-1]
+            if self.recorder.flex_calls or self.recorder._flex_done:  # flex_attention ran inside this call
+                self.recorder.flush()
             if call.suspended:
                 self._resume()
                 self._fused_returned(call, args, kwargs, output)
