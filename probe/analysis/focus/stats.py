@@ -61,7 +61,7 @@ class FocusAccumulator:
         layers = [
             (s, i, kind)
             for s in cache.stacks
-            for i in range(cache.n_layers(s))
+            for i in cache.layer_indices(s)
             for kind in ("self", "cross")
             if f"{s}.blocks.{i}.{kind}_attn.pattern" in cache
         ]

@@ -1,0 +1,208 @@
+"""probe.compare, `probe diff` and the side-by-side report.
+
+Oracles: differences computed here from the raw cached tensors (``cache[key]``) and the attention
+masks in the metadata, row by row in float64; models edited by hand (one head's query weights
+perturbed in a copy), where every head before the edit must match exactly.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import math
+
+import pytest
+import torch
+
+import probe
+from probe.analysis.compare import pattern_difference
+from probe.errors import ProbeError
+
+TEXT_A = "attention lets tokens read."
+TEXT_B = "attention lets tokens reed."  # same length, one character changed
+
+
+@pytest.fixture(scope="module")
+def minigpt():
+    import models
+
+    return models.load("minigpt")
+
+
+def _perturbed(model, layer=1, head=2, scale=0.5, seed=0):
+    """A copy of minigpt with the query weights of one head perturbed (nothing else changes)."""
+    twin = copy.deepcopy(model)
+    q = twin.blocks[layer].attn.heads[head].query.weight
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        q.add_(scale * torch.randn(q.shape, generator=g))
+    return twin
+
+
+def _real(meta, t, n):
+    mask = meta.get("attention_mask")
+    return list(range(n)) if mask is None else [i for i, m in enumerate(mask[t]) if m]
+
+
+def _oracle(a, b, key, ha, hb, texts):
+    """(max_abs, mean_abs, tv, js) of head ``ha`` of A vs ``hb`` of B, by hand over ``texts``."""
+    A, B = a[key].double(), b[key].double()
+    maxes, means, tvs, jss = [], [], [], []
+    for t in texts:
+        ra, rb = _real(a.metadata, t, A.shape[2]), _real(b.metadata, t, B.shape[2])
+        cells, rows_tv, rows_js, biggest = [], [], [], 0.0
+        for qa, qb in zip(ra, rb, strict=True):
+            tv = js = 0.0
+            for ka, kb in zip(ra, rb, strict=True):
+                p, q = A[t, ha, qa, ka].item(), B[t, hb, qb, kb].item()
+                cells.append(abs(p - q))
+                biggest = max(biggest, abs(p - q))
+                tv += abs(p - q) / 2
+                m = (p + q) / 2
+                js += 0.5 * p * math.log(p / m) if p > 0 else 0.0
+                js += 0.5 * q * math.log(q / m) if q > 0 else 0.0
+            rows_tv.append(tv)
+            rows_js.append(js)
+        maxes.append(biggest)
+        means.append(sum(cells) / len(cells))
+        tvs.append(sum(rows_tv) / len(rows_tv))
+        jss.append(sum(rows_js) / len(rows_js))
+    n = len(texts)
+    return max(maxes), sum(means) / n, sum(tvs) / n, sum(jss) / n
+
+
+def _check_against_oracle(c, a, b, stack="decoder", texts=(0,)):
+    for r in c.heads:
+        key = f"{stack}.blocks.{r['layer']}.self_attn.pattern"
+        want = _oracle(a, b, key, r["head"], r["head"], texts)
+        got = (r["max_abs"], r["mean_abs"], r["tv"], r["js"])
+        assert got == pytest.approx(want, abs=1e-9), (r["layer"], r["head"])
+
+
+def test_pattern_difference_by_hand():
+    p = torch.tensor([[[1.0, 0.0], [0.5, 0.5]]])
+    q = torch.tensor([[[0.0, 1.0], [0.5, 0.5]]])
+    d = pattern_difference(p, q)
+    assert d["max_abs"].tolist() == [1.0]
+    assert d["mean_abs"].tolist() == [0.5]  # |Δ| = 1, 1, 0, 0
+    assert d["tv"].tolist() == [0.5]  # row TVs 1 and 0
+    assert d["js"].item() == pytest.approx(math.log(2) / 2)  # disjoint rows reach log 2
+    with pytest.raises(ProbeError, match="cannot be compared"):
+        pattern_difference(p, q[..., :1])
+
+
+def test_two_prompts_of_the_same_length(minigpt):
+    a, b = probe.capture(minigpt, TEXT_A), probe.capture(minigpt, TEXT_B)
+    c = probe.compare(a, b)
+    assert len(c.heads) == 8 and c.skipped == [] and not c.same_tokens
+    assert all(r["n_texts"] == 1 for r in c.heads)
+    _check_against_oracle(c, a, b)
+    # the changed character is position 23: every query before it reads the same prefix
+    for layer in (0, 1):
+        P, Q = a.pattern("decoder", layer, batch=0), b.pattern("decoder", layer, batch=0)
+        assert torch.equal(P[:, :23], Q[:, :23])
+    top = c.top(3)
+    tvs = sorted((r["tv"] for r in c.heads), reverse=True)
+    assert [r["tv"] for r in top] == tvs[:3]
+
+
+def test_a_perturbed_head_is_the_only_change_up_to_its_layer(minigpt):
+    twin = _perturbed(minigpt, layer=1, head=2)
+    a, b = probe.capture(minigpt, TEXT_A), probe.capture(twin, TEXT_A)
+    c = probe.compare(a, b)
+    assert c.same_tokens
+    _check_against_oracle(c, a, b)
+    for r in c.heads:
+        changed = (r["layer"], r["head"]) == (1, 2)
+        assert (r["max_abs"] > 0.01) if changed else (r["max_abs"] == 0.0), (r["layer"], r["head"])
+        # statistics: identical patterns give identical statistics, exactly
+        if not changed:
+            assert all(r[f"d_{m}"] == 0.0 for m in ("entropy", "first", "prev"))
+    (t,) = c.top(1)
+    assert (t["layer"], t["head"]) == (1, 2)
+    # the long statistics table: b - a, and a/b are each cache's own head_stats
+    sa = probe.head_stats(a, progress=False).table
+    sb = probe.head_stats(b, progress=False).table
+    (ra,) = [r for r in sa if r["layer"] == 1 and r["head"] == 2]
+    (rb,) = [r for r in sb if r["layer"] == 1 and r["head"] == 2]
+    rows = {r["metric"]: r for r in c.stats if r["layer"] == 1 and r["head"] == 2}
+    assert rows["entropy"]["a"] == ra["entropy"] and rows["entropy"]["b"] == rb["entropy"]
+    assert rows["entropy"]["delta"] == rb["entropy"] - ra["entropy"]
+    m = c.map("tv")
+    assert m.shape == (2, 4) and m[1, 2] == t["tv"] and m[0].abs().sum() == 0
+
+
+def test_hf_gpt2_batch_with_padding(tmp_path):
+    import hf_fixtures as H
+
+    tok = H.bpe_tokenizer(tmp_path / "bpe")
+    model = H.gpt2(len(tok))
+    twin = copy.deepcopy(model)
+    with torch.no_grad():  # layer 1's c_attn: columns 0..63 are the queries, head 3 is 48..63
+        twin.transformer.h[1].attn.c_attn.weight[:, 48:64] += 0.3
+    texts = ["the model is reading", "attention lets tokens read context here."]
+    a, b = probe.capture(model, texts, tokenizer=tok), probe.capture(twin, texts, tokenizer=tok)
+    assert 0 in a.metadata["attention_mask"][0]  # the short text is padded
+    a.save(tmp_path / "a.safetensors")
+    b.save(tmp_path / "b.safetensors")
+    c = probe.compare(tmp_path / "a.safetensors", tmp_path / "b.safetensors")
+    assert c.labels == ("a.safetensors", "b.safetensors")
+    assert len(c.heads) == 12 and all(r["n_texts"] == 2 for r in c.heads)
+    _check_against_oracle(c, probe.load(tmp_path / "a.safetensors"), b, texts=(0, 1))
+    for r in c.heads:
+        assert (r["max_abs"] > 0) == ((r["layer"], r["head"]) == (1, 3) or r["layer"] == 2)
+
+
+def test_what_does_not_match_is_listed(minigpt):
+    full = probe.capture(minigpt, TEXT_A)
+    part = probe.capture(minigpt, TEXT_A, layers=[1], heads=[0, 2])
+    c = probe.compare(full, part)
+    assert [(r["layer"], r["head"]) for r in c.heads] == [(1, 0), (1, 2)]
+    assert "decoder self-attention layers 0 only in A" in c.skipped
+    assert "decoder self-attention layer 1 heads 1, 3 only in A" in c.skipped
+    assert all(r["max_abs"] == 0.0 for r in c.heads)
+    # head_stats of a cache holding layer 1 only (it used to look for layer 0) equal the full one's
+    assert all(r["delta"] == 0 or (math.isnan(r["a"]) and math.isnan(r["b"])) for r in c.stats)
+    # different lengths: statistics compared, patterns not, and the reason is listed
+    short = probe.capture(minigpt, "short text")
+    c = probe.compare(full, short)
+    assert not c.compared_patterns and all(math.isnan(r["tv"]) for r in c.heads)
+    assert any("27×27" in s and "10×10" in s for s in c.skipped)
+    with pytest.raises(ProbeError, match="no patterns were compared"):
+        c.top(3)
+    assert len(c.top(3, by="d_entropy")) == 3
+    # different numbers of texts
+    c = probe.compare(full, probe.capture(minigpt, [TEXT_A, TEXT_B]))
+    assert any("A holds 1 text(s), B 2" in s for s in c.skipped) and not c.compared_patterns
+
+
+def test_nothing_comparable_is_an_error(minigpt):
+    a = probe.capture(minigpt, TEXT_A, layers=[0])
+    b = probe.capture(minigpt, TEXT_A, layers=[1])
+    with pytest.raises(ProbeError, match="nothing to compare.*layers 0 only in A"):
+        probe.compare(a, b)
+    with pytest.raises(ProbeError, match="two probe.Cache objects"):
+        probe.compare(a, 3)
+    with pytest.raises(ProbeError, match="no such file"):
+        probe.compare(a, "missing.safetensors")
+
+
+def test_exports(minigpt, tmp_path):
+    pd = pytest.importorskip("pandas")
+    a, b = probe.capture(minigpt, TEXT_A), probe.capture(_perturbed(minigpt), TEXT_A)
+    c = probe.compare(a, b)
+    d = json.loads(c.to_json(tmp_path / "c.json"))
+    assert d["heads"]["rows"] == json.loads(c.heads.to_json())["rows"]
+    assert json.loads((tmp_path / "c.json").read_text()) == d
+    assert len(d["stats"]["rows"]) == 8 * 26 and d["labels"] == list(c.labels)
+    text = c.to_csv()
+    assert text.splitlines()[0].startswith("stack,layer,head,kind,n_texts,max_abs")
+    assert len(text.splitlines()) == 9
+    df = c.to_pandas()
+    assert isinstance(df, pd.DataFrame) and df["tv"].tolist() == c.heads.column("tv")
+    h = c._repr_html_()
+    assert "<table>" in h and "<script" not in h
+    with pytest.raises(ProbeError, match="cannot rank"):
+        c.top(3, by="role_a")
+    with pytest.raises(ProbeError, match="no numeric column"):
+        c.map("bogus")
