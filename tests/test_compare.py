@@ -206,3 +206,45 @@ def test_exports(minigpt, tmp_path):
         c.top(3, by="role_a")
     with pytest.raises(ProbeError, match="no numeric column"):
         c.map("bogus")
+
+
+def _cli(*args):
+    import subprocess
+    import sys
+
+    return subprocess.run([sys.executable, "-m", "probe", *args], capture_output=True, text=True)
+
+
+def test_cli_diff(minigpt, tmp_path, capsys):
+    from probe.cli import main
+
+    a = probe.capture(minigpt, TEXT_A).save(tmp_path / "a.safetensors")
+    b = probe.capture(_perturbed(minigpt), TEXT_A).save(tmp_path / "b.safetensors")
+    r = _cli("diff", str(a), str(b), "--top", "2", "--csv", str(tmp_path / "d.csv"))
+    assert r.returncode == 0, r.stderr
+    want = probe.compare(a, b).top(2)
+    lines = r.stdout.splitlines()
+    assert lines[0] == "a.safetensors vs b.safetensors: 8 heads compared"
+    table = lines[lines.index("") + 1 :]
+    first = table[2].split()  # header, rule, then the heads in order
+    assert first[:4] == ["decoder", "1", "2", "self"] and float(first[7]) == pytest.approx(
+        want[0]["tv"], rel=1e-3
+    )
+    assert table[3].split()[:3] == ["decoder", str(want[1]["layer"]), str(want[1]["head"])]
+    assert (tmp_path / "d.csv").read_text() == probe.compare(a, b).to_csv()
+    assert main(["diff", str(a), str(b), "--json", str(tmp_path / "d.json")]) == 0
+    d = json.loads((tmp_path / "d.json").read_text())
+    assert len(d["heads"]["rows"]) == 8 and len(d["stats"]["rows"]) == 8 * 26
+    capsys.readouterr()
+    for bad, msg in (
+        (["diff", str(a), str(tmp_path / "none.safetensors")], "no such file"),
+        (["diff", str(a), str(b), "--by", "nope"], "--by nope: choose one of"),
+        (["diff", str(a), str(b), "--top", "0"], "--top 0"),
+    ):
+        assert main(bad) == 2
+        err = capsys.readouterr().err
+        assert msg in err and "Traceback" not in err and len(err.strip().splitlines()) == 1
+    r = _cli("diff", "--help")
+    assert r.returncode == 0 and "probe diff before.safetensors after.safetensors" in r.stdout
+    r = _cli("diff", str(a))
+    assert r.returncode == 2 and "Traceback" not in r.stderr
