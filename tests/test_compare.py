@@ -248,3 +248,116 @@ def test_cli_diff(minigpt, tmp_path, capsys):
     assert r.returncode == 0 and "probe diff before.safetensors after.safetensors" in r.stdout
     r = _cli("diff", str(a))
     assert r.returncode == 2 and "Traceback" not in r.stderr
+
+
+# -- the side-by-side report -----------------------------------------------------------------------
+def _views(text):
+    import re
+
+    blocks = re.findall(
+        r'<div class="probe-attn" data-view="([\w-]+)">\s*<script[^>]*>(.*?)</script>', text, re.S
+    )
+    return {name: json.loads(data) for name, data in blocks}
+
+
+def _weights(view, si=0):
+    import base64
+    import zlib
+
+    import numpy as np
+
+    s = view["sets"][si]
+    q = np.frombuffer(
+        zlib.decompress(base64.b64decode(s["full"])), dtype="<u2" if view["bytes"] == 2 else "u1"
+    )
+    return q.reshape(s["nFull"], s["nq"], s["nk"]) / view["scale"]
+
+
+@pytest.fixture(scope="module")
+def pair_report(minigpt, tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("pair")
+    a = probe.capture(minigpt, TEXT_A).save(tmp / "before.safetensors")
+    b = probe.capture(_perturbed(minigpt), TEXT_A).save(tmp / "after.safetensors")
+    return probe.load(a), probe.load(b), probe.report([a, b], tmp / "out", progress=False)
+
+
+def test_report_of_two_caches_shows_them_side_by_side(pair_report):
+    import re
+
+    a, b, path = pair_report
+    text = path.read_text(encoding="utf-8")
+    anchors = re.findall(r'<section class="probe-section" id="sec-(\w+)"', text)
+    assert "compare" in anchors and anchors.index("attention") < anchors.index("compare")
+    section = text[text.index('id="sec-compare"') :]
+    section = section[: section.index("</section>")]
+    assert "before.safetensors" in section and "after.safetensors" in section
+    assert section.count("<img") == 5  # the total-variation map and four statistic maps
+    # the table of heads that changed most starts with the perturbed head
+    first_row = re.search(r"<tbody><tr>(.*?)</tr>", section).group(1)
+    assert re.findall(r"<td>(.*?)</td>", first_row)[:4] == ["decoder", "1", "2", "self"]
+    # each side's explorer holds its own cache's weights, within half a quantisation step
+    views = _views(section)
+    assert set(views) == {"compare-a", "compare-b"}
+    for name, cache in (("compare-a", a), ("compare-b", b)):
+        v = views[name]
+        got = _weights(v).reshape(2, 4, 27, 27)
+        want = torch.stack([cache.pattern("decoder", layer, batch=0) for layer in (0, 1)]).numpy()
+        assert abs(got - want).max() <= 0.5 / v["scale"] + 1e-9
+
+
+def test_report_of_one_cache_has_no_comparison_and_uncomparable_pairs_say_why(minigpt, tmp_path):
+    a = probe.capture(minigpt, TEXT_A, layers=[0])
+    text = probe.report(a, tmp_path / "one", progress=False).read_text(encoding="utf-8")
+    assert 'id="sec-compare"' not in text
+    b = probe.capture(minigpt, TEXT_A, layers=[1])
+    text = probe.report([a, b], tmp_path / "two", progress=False).read_text(encoding="utf-8")
+    assert "This section could not be built: nothing to compare" in text
+
+
+def test_cli_report_of_two_caches(pair_report, tmp_path):
+    a, b, _ = pair_report
+    r = _cli("report", str(a.path), str(b.path), "-o", str(tmp_path / "r"))
+    assert r.returncode == 0, r.stderr
+    assert 'id="sec-compare"' in (tmp_path / "r" / "index.html").read_text(encoding="utf-8")
+
+
+def test_the_two_explorers_move_in_step_in_a_browser(pair_report):
+    import re
+
+    from probe.report.browser import browser, hover_cell, open_report
+
+    a, b, path = pair_report
+    with browser() as chromium:
+        page, log = open_report(chromium, path)
+        ia = page.evaluate("probe.views.findIndex(v => v.root.dataset.view === 'compare-a')")
+        ib = page.evaluate("probe.views.findIndex(v => v.root.dataset.view === 'compare-b')")
+        side = ".probe-pair-side[data-side={}] "
+        # choose layer 1, head 2 in A: B shows the same head
+        page.select_option(side.format("A") + ".sel-layer", "1")
+        page.select_option(side.format("A") + ".sel-head", "2")
+        assert page.evaluate(f"[probe.views[{ib}].li, probe.views[{ib}].hi]") == [1, 2]
+        # hover a cell in A: B's readout is the same cell, with B's cached weight
+        for q, k in [(25, 23), (26, 0), (10, 9)]:
+            hover_cell(page, ia, q, k)
+            ro_b = page.locator(side.format("B") + ".probe-readout").text_content()
+            assert f"Layer 1, Head 2: query {q} " in ro_b and f"key {k} " in ro_b
+            scale = page.evaluate(f"probe.views[{ib}].scale")
+            wb = float(re.search(r"weight ([0-9.]+)", ro_b).group(1))
+            assert abs(wb - b.pattern("decoder", 1, head=2, batch=0)[q, k].item()) <= 0.5 / scale + 1e-6
+            delta = page.locator(".probe-pair-delta")
+            wa_shown, wb_shown = float(delta.get_attribute("data-a")), float(delta.get_attribute("data-b"))
+            assert abs(wa_shown - a.pattern("decoder", 1, head=2, batch=0)[q, k].item()) <= 0.5 / scale + 1e-6
+            assert abs(wb_shown - wb) <= 1e-6
+            assert f"query {q}, key {k}: A " in delta.text_content()
+        # B drives A too: the keyboard in B's explorer changes the head and moves the cell
+        page.locator(side.format("B") + ".probe-matrix").focus()
+        page.keyboard.press("]")
+        page.keyboard.press("ArrowUp")
+        assert page.evaluate(f"[probe.views[{ia}].li, probe.views[{ia}].hi]") == [1, 3]
+        assert page.evaluate(f"[probe.views[{ia}].q, probe.views[{ia}].k]") == [9, 9]
+        page.select_option(side.format("B") + ".sel-layer", "0")
+        assert page.evaluate(f"[probe.views[{ia}].li, probe.views[{ia}].hi]") == [0, 3]
+        # the Attention section's own explorer is not paired
+        assert page.evaluate("probe.views.find(v => v.root.dataset.view === 'attention').li") == 0
+        assert log.errors == [] and [m for m in log.console if m[0] in ("error", "warning")] == []
+        assert [u for u in log.requests if not u.startswith(("file:", "data:", "blob:"))] == []
