@@ -9,7 +9,7 @@ from probe.cli.common import _export, _export_args, examples
 from probe.errors import ProbeError
 
 KEYS = ("stack", "layer", "head", "kind")
-SHOWN = (*KEYS, "n_texts", "max_abs", "mean_abs", "tv", "js", "role_a", "role_b", "d_entropy", "d_first")
+SHOWN = (*KEYS, "n_texts", "max_abs", "mean_abs", "tv", "js", "role_a", "role_b", "d_entropy")
 
 
 def cmd_diff(args: argparse.Namespace) -> int:
