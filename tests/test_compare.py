@@ -361,3 +361,41 @@ def test_the_two_explorers_move_in_step_in_a_browser(pair_report):
         assert page.evaluate("probe.views.find(v => v.root.dataset.view === 'attention').li") == 0
         assert log.errors == [] and [m for m in log.console if m[0] in ("error", "warning")] == []
         assert [u for u in log.requests if not u.startswith(("file:", "data:", "blob:"))] == []
+
+
+def test_encoder_decoder_cross_attention_is_compared_between_real_tokens():
+    import models
+
+    model = models.load("aligner")
+    twin = copy.deepcopy(model)
+    n_heads = model.config.n_heads
+    d = model.config.d_model // n_heads
+    with torch.no_grad():  # the queries of decoder layer 1's cross-attention, head 2
+        twin.decoder.layers[1].dec_enc_attn.W_Q.weight[2 * d : 3 * d] *= 3.0
+    src = ["das kind ging nach hause", "er sah den hund"]  # the second source is padded
+    tgt = ["S the child went home", "S he saw the dog"]
+    a, b = probe.capture(model, src, target=tgt), probe.capture(twin, src, target=tgt)
+    c = probe.compare(a, b)
+    assert c.skipped == [] and {(r["stack"], r["kind"]) for r in c.heads} == {
+        ("encoder", "self"),
+        ("decoder", "self"),
+        ("decoder", "cross"),
+    }
+    meta = a.metadata
+    for r in c.heads:
+        key = f"{r['stack']}.blocks.{r['layer']}.{r['kind']}_attn.pattern"
+        q_mask = meta["target_attention_mask"] if r["stack"] == "decoder" else meta["attention_mask"]
+        k_mask = meta["attention_mask"] if r["kind"] == "cross" or r["stack"] == "encoder" else q_mask
+        P, Q = a[key].double(), b[key].double()
+        tvs, maxes = [], []
+        for t in range(2):
+            qs = [i for i, m in enumerate(q_mask[t]) if m]
+            ks = [j for j, m in enumerate(k_mask[t]) if m]
+            D = (P[t, r["head"]][qs][:, ks] - Q[t, r["head"]][qs][:, ks]).abs()
+            tvs.append(sum(0.5 * D[i].sum().item() for i in range(len(qs))) / len(qs))
+            maxes.append(D.max().item())
+        assert (r["tv"], r["max_abs"]) == pytest.approx((sum(tvs) / 2, max(maxes)), abs=1e-9), key
+        changed = (r["stack"], r["layer"], r["kind"], r["head"]) == ("decoder", 1, "cross", 2)
+        before_edit = r["stack"] == "encoder" or r["layer"] == 0 or (r["layer"] == 1 and not changed)
+        assert (r["max_abs"] == 0.0) if before_edit else (r["max_abs"] > 0), key
+    assert c.map("tv", "decoder", "cross")[1, 2] > 0
