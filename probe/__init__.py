@@ -16,6 +16,7 @@ __version__ = "0.1.0"
 from probe import report  # noqa: E402
 from probe.analysis.alignment import Alignment, align  # noqa: E402
 from probe.analysis.causal import CausalReport, check_causal  # noqa: E402
+from probe.analysis.compare import Comparison, compare  # noqa: E402
 from probe.analysis.focus import HeadStats, head_stats, induction_scores  # noqa: E402
 from probe.analysis.residual import budget, logit_lens, residual  # noqa: E402
 from probe.cache import Cache, load  # noqa: E402
@@ -35,6 +36,8 @@ __all__ += [
     "budget",
     "align",
     "Alignment",
+    "compare",
+    "Comparison",
 ]
 __all__ += ["run_corpus", "open_corpus", "Corpus"]
 

@@ -139,6 +139,7 @@ COMMANDS = (
     "lens",
     "budget",
     "align",
+    "diff",
 )
 
 

@@ -126,3 +126,29 @@ def test_corpus_to_csv(tmp_path):
     first /= len(TEXTS)
     got = torch.tensor(heads.sort_values(["layer", "head"])["first"].to_numpy(), dtype=torch.float32)
     torch.testing.assert_close(got.view(6, 12), first, atol=1e-4, rtol=0)
+
+
+def test_compare_checkpoints(tmp_path):
+    import probe
+
+    out = run("compare_checkpoints.py", cwd=tmp_path)
+    before, after = probe.load(tmp_path / "before.safetensors"), probe.load(tmp_path / "after.safetensors")
+    # oracle 1: the edit by construction. Zero queries give equal scores: the head reads every
+    # visible token alike (1 / (i + 1) at query i); the other heads of layer 0 are untouched.
+    A0, B0 = before["decoder.blocks.0.self_attn.pattern"], after["decoder.blocks.0.self_attn.pattern"]
+    mask = before.metadata["attention_mask"]
+    for t in range(2):
+        n = sum(mask[t])
+        uniform = torch.tril(torch.ones(n, n)) / torch.arange(1, n + 1)[:, None]
+        torch.testing.assert_close(B0[t, 1, :n, :n], uniform, atol=1e-6, rtol=0)
+    assert all(torch.equal(A0[:, h], B0[:, h]) for h in (0, 2, 3))
+    # oracle 2: the printed total variation of that head, by hand from the two caches
+    tv = 0.0
+    for t in range(2):
+        n = sum(mask[t])
+        rows = [0.5 * (A0[t, 1, i, :n] - B0[t, 1, i, :n]).abs().double().sum().item() for i in range(n)]
+        tv += sum(rows) / n / 2
+    assert "most changed: decoder layer 0 head 1 (self)" in out
+    row = re.search(r"^0\s+1\s+([\d.]+)\s+[\d.]+\s+[\d.]+\s+\S+\s+broad/uniform", out, re.M)
+    assert row and float(row[1]) == pytest.approx(tv, rel=1e-3)
+    assert 'id="sec-compare"' in (tmp_path / "reports" / "compare" / "index.html").read_text(encoding="utf-8")

@@ -13,12 +13,13 @@ from __future__ import annotations
 
 import argparse
 
-from probe.cli import align, capture, check, common, corpus, export, report, residual, stats
+from probe.cli import align, capture, check, common, corpus, diff, export, report, residual, stats
 from probe.cli.align import align_text, cmd_align
 from probe.cli.capture import cmd_capture, cmd_info, cmd_models, info_text
 from probe.cli.check import cmd_check
 from probe.cli.common import Terminated, add_model_args, load_model
 from probe.cli.corpus import cmd_corpus
+from probe.cli.diff import cmd_diff
 from probe.cli.export import cmd_export
 from probe.cli.report import cmd_report
 from probe.cli.residual import cmd_budget, cmd_lens, cmd_residual
@@ -34,6 +35,7 @@ __all__ = [
     "cmd_capture",
     "cmd_check",
     "cmd_corpus",
+    "cmd_diff",
     "cmd_export",
     "cmd_info",
     "cmd_lens",
@@ -72,6 +74,7 @@ def build_parser() -> argparse.ArgumentParser:
     corpus.add_parser(sub)
     check.add_parser(sub)
     report.add_parser(sub)
+    diff.add_parser(sub)
     export.add_parser(sub)
     stats.add_parser(sub)
     capture.add_models_parser(sub)

@@ -87,11 +87,13 @@ def add_parser(sub) -> None:
         help="write an offline HTML report (capture first when given a model and text)",
         description="Write one self-contained index.html (no network needed to view it): model and "
         "tokens, every head's attention (overview and explorer), cross-attention, the residual "
-        "stream and the analyses. Give cache files, or a model and text to capture first.",
+        "stream and the analyses. Give cache files, or a model and text to capture first. Two cache "
+        "files are also shown side by side: per-head differences and their head explorers in step.",
         epilog=examples(
             "probe report --model minigpt 'attention lets tokens read.'",
             "probe report --model translator 'ich mochte ein bier P' --target 'S i want a beer'",
             "probe report run.safetensors -o reports/run",
+            "probe report before.safetensors after.safetensors -o reports/diff",
             "probe report --hf ./my-bert 'some text'",
         ),
     )

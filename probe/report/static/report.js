@@ -471,6 +471,53 @@
     hideTip() { this.tooltip.style.display = "none"; }
   }
 
+  // Two views in one .probe-pair (two captures side by side) move in step: the same pattern set
+  // (by its label), the same layer and head (by the model's numbers) and the same cell; the pair's
+  // .probe-pair-delta line gives both weights of the cell and B - A.
+  function pairViews() {
+    document.querySelectorAll(".probe-pair").forEach((box) => {
+      const views = probe.views.filter((v) => box.contains(v.root));
+      if (views.length !== 2) return;
+      let busy = false;
+      const step = (fn) => { if (busy) return; busy = true; try { fn(); } finally { busy = false; } };
+      const weight = (v) => (v.cur && v.cur.exact ? v.cur.vals[v.q * v.cur.nk + v.k] / v.cur.scale : null);
+      const delta = () => {
+        const [a, b] = views, line = box.parentNode.querySelector(".probe-pair-delta");
+        if (!line || !a.cur || !b.cur) return;
+        const wa = weight(a), wb = weight(b), err = 0.5 / a.cur.scale + 0.5 / b.cur.scale;
+        const where = "Layer " + a.set.layers[a.li] + ", Head " + a.set.heads[a.hi] + ", query " + a.q + ", key " + a.k;
+        const same = b.set.layers[b.li] === a.set.layers[a.li] && b.set.heads[b.hi] === a.set.heads[a.hi] && b.q === a.q && b.k === a.k;
+        line.dataset.a = wa === null ? "" : String(wa); line.dataset.b = wb === null ? "" : String(wb);
+        line.textContent = !same ? where + ": B has no such head or cell" : wa === null || wb === null
+          ? where + ": not embedded at full resolution in both"
+          : where + ": A " + wa.toFixed(4) + ", B " + wb.toFixed(4) + ", B \u2212 A " + (wb - wa).toFixed(4) + " (\u00b1" + err.toPrecision(2) + ")";
+      };
+      views.forEach((v, i) => {
+        const o = views[1 - i];
+        const selectHead = v.selectHead.bind(v), focusCell = v.focusCell.bind(v), selectSet = v.selectSet.bind(v);
+        v.selectHead = (li, hi) => {
+          selectHead(li, hi);
+          step(() => {
+            const ol = o.set.layers.indexOf(v.set.layers[v.li]), oh = o.set.heads.indexOf(v.set.heads[v.hi]);
+            if (ol >= 0 && oh >= 0) o.selectHead(ol, oh);
+          });
+          delta();
+        };
+        v.focusCell = (q, k, ev) => { focusCell(q, k, ev); step(() => o.focusCell(v.q, v.k, null)); delta(); };
+        v.selectSet = async (si) => {
+          await selectSet(si);
+          const j = o.data.sets.findIndex((s) => s.label === v.set.label);
+          if (!busy && j >= 0 && j !== o.si) {
+            busy = true;
+            try { o.el(".sel-set").value = String(j); await o.selectSet(j); } finally { busy = false; }
+          }
+          delta();
+        };
+      });
+      views[1].selectHead(views[0].li, views[0].hi);
+    });
+  }
+
   probe.views = [];
   probe.ready = Promise.all(
     Array.from(document.querySelectorAll(".probe-attn")).map((root) => {
@@ -478,5 +525,5 @@
       probe.views.push(v);
       return v.ready;
     })
-  ).then(() => { document.documentElement.dataset.probeReady = "1"; });
+  ).then(() => { pairViews(); document.documentElement.dataset.probeReady = "1"; });
 })();
