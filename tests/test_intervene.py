@@ -1,0 +1,298 @@
+"""probe.ablate / probe.patch: every intervention against an edit of the model written here (a
+hook on a module the test names itself: the head's slice of the output projection's input, a
+sublayer's output), on the zoo, HF GPT-2, Llama (GQA), BERT (all-MiniLM-L6-v2) and BART
+(cross-attention), float32, on the models' default (SDPA) attention."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+sys.path.insert(0, str(Path(__file__).parent))
+
+import hf_fixtures as hf  # noqa: E402
+
+import models  # noqa: E402
+import probe  # noqa: E402
+from probe.errors import ProbeError  # noqa: E402
+from probe.forward import outputs_of  # noqa: E402
+
+TEXT = "attention lets tokens read"
+TOL = dict(rtol=0, atol=1e-6)
+
+
+def _slice_hook(module, head, d_head, value=None):
+    """The oracle: a pre-hook on ``module`` replacing head ``head``'s slice of its input."""
+
+    def hook(mod, args):
+        x = args[0].clone()
+        sl = slice(head * d_head, (head + 1) * d_head)
+        x[..., sl] = 0 if value is None else value(x[..., sl])
+        return (x,) + args[1:]
+
+    return module.register_forward_pre_hook(hook)
+
+
+def _run_with(model, run, hooks):
+    handles = [h() for h in hooks]
+    try:
+        with torch.no_grad():
+            return run()
+    finally:
+        for h in handles:
+            h.remove()
+
+
+def _logits(out):
+    return outputs_of(out).float()
+
+
+@pytest.fixture(scope="module")
+def minigpt():
+    return models.load("minigpt")
+
+
+def _ids(model):
+    return torch.tensor([model.tokenizer.encode(TEXT)])
+
+
+def test_no_intervention_is_bit_identical(minigpt):
+    ids = _ids(minigpt)
+    r = probe.ablate(minigpt, ids)
+    with torch.no_grad():
+        plain = minigpt(ids)
+    assert torch.equal(r.outputs[0], plain[0]) and torch.equal(r.clean[0], plain[0])
+    assert len(r.table) == 0
+
+
+def test_minigpt_zero_head(minigpt):
+    ids = _ids(minigpt)
+    r = probe.ablate(minigpt, ids, heads=[(0, 1), (1, 3)])
+    proj0, proj1 = minigpt.blocks[0].attn.proj, minigpt.blocks[1].attn.proj
+    want = _run_with(
+        minigpt, lambda: minigpt(ids), [lambda: _slice_hook(proj0, 1, 16), lambda: _slice_hook(proj1, 3, 16)]
+    )
+    torch.testing.assert_close(_logits(r.outputs), _logits(want), **TOL)
+    assert r.table.column("component") == ["decoder.L0.H1", "decoder.L1.H3"]
+    assert r.summary["max_abs_change"] > 0.01  # the edit changed something
+    assert r.table.column("module") == ["blocks.0.attn.proj", "blocks.1.attn.proj"]
+
+
+def _recorded_input(module, run):
+    got = {}
+    h = module.register_forward_pre_hook(lambda m, a: got.setdefault("x", a[0].detach().clone()))
+    try:
+        with torch.no_grad():
+            run()
+    finally:
+        h.remove()
+    return got["x"]
+
+
+def test_minigpt_mean_and_resample(minigpt):
+    tok = minigpt.tokenizer
+    ids = _ids(minigpt)
+    n = ids.shape[1]
+    ref = torch.tensor([tok.encode("graph neural networks pass messages")[:n], tok.encode("transformers use self attention")[:n]])
+    assert ref.shape[1] == ids.shape[1]
+    proj = minigpt.blocks[1].attn.proj
+    x_ref = _recorded_input(proj, lambda: minigpt(ref))[..., 32:48]
+    mean = x_ref.reshape(-1, 16).mean(0)
+    r = probe.ablate(minigpt, ids, heads=[(1, 2)], how="mean", reference=ref)
+    want = _run_with(minigpt, lambda: minigpt(ids), [lambda: _slice_hook(proj, 2, 16, lambda s: mean.expand_as(s))])
+    torch.testing.assert_close(_logits(r.outputs), _logits(want), **TOL)
+    # resample: text 0 takes reference text 0
+    r = probe.ablate(minigpt, ids, heads=[(1, 2)], how="resample", reference=ref)
+    want = _run_with(minigpt, lambda: minigpt(ids), [lambda: _slice_hook(proj, 2, 16, lambda s: x_ref[:1])])
+    torch.testing.assert_close(_logits(r.outputs), _logits(want), **TOL)
+    # mean over the inputs themselves when no reference is given
+    x_own = _recorded_input(proj, lambda: minigpt(ids))[..., 32:48].reshape(-1, 16).mean(0)
+    r = probe.ablate(minigpt, ids, heads=[(1, 2)], how="mean")
+    want = _run_with(minigpt, lambda: minigpt(ids), [lambda: _slice_hook(proj, 2, 16, lambda s: x_own.expand_as(s))])
+    torch.testing.assert_close(_logits(r.outputs), _logits(want), **TOL)
+
+
+def _zero_output(module):
+    def hook(mod, args, out):
+        if isinstance(out, tuple):
+            return (torch.zeros_like(out[0]),) + out[1:]
+        return torch.zeros_like(out)
+
+    return module.register_forward_hook(hook)
+
+
+def test_minigpt_sublayers(minigpt):
+    ids = _ids(minigpt)
+    r = probe.ablate(minigpt, ids, sublayers=[(0, "attn"), (1, "mlp")])
+    # the oracle zeroes what each sublayer module returns (its write to the residual stream)
+    want = _run_with(
+        minigpt,
+        lambda: minigpt(ids),
+        [lambda: _zero_output(minigpt.blocks[0].attn), lambda: _zero_output(minigpt.blocks[1].ffwd)],
+    )
+    torch.testing.assert_close(_logits(r.outputs), _logits(want), **TOL)
+    assert r.table.column("component") == ["decoder.L0.attn", "decoder.L1.mlp"]
+
+
+def test_gpt2_sdpa_heads():
+    model = hf.gpt2(100)
+    assert model.config._attn_implementation == "sdpa"
+    ids = torch.randint(1, 100, (2, 9), generator=torch.Generator().manual_seed(0))
+    r = probe.ablate(model, ids, heads=[(0, 2), (2, 0)])
+    h = model.transformer.h
+    want = _run_with(
+        model,
+        lambda: model(ids),
+        [lambda: _slice_hook(h[0].attn.c_proj, 2, 16), lambda: _slice_hook(h[2].attn.c_proj, 0, 16)],
+    )
+    torch.testing.assert_close(_logits(r.outputs), _logits(want), **TOL)
+    assert model.config._attn_implementation == "sdpa"
+    # the eager twin gives the same ablated logits: the edit does not depend on the kernel
+    twin = hf.eager_twin(model)
+    r2 = probe.ablate(twin, ids, heads=[(0, 2), (2, 0)])
+    torch.testing.assert_close(_logits(r2.outputs), _logits(want), rtol=0, atol=1e-5)
+
+
+def test_gpt2_mlp_and_attention_sublayers():
+    model = hf.gpt2(100)
+    ids = torch.randint(1, 100, (1, 8), generator=torch.Generator().manual_seed(1))
+    r = probe.ablate(model, ids, sublayers=[(1, "mlp"), (2, "attn")])
+    h = model.transformer.h
+    want = _run_with(model, lambda: model(ids), [lambda: _zero_output(h[1].mlp), lambda: _zero_output(h[2].attn)])
+    torch.testing.assert_close(_logits(r.outputs), _logits(want), **TOL)
+
+
+def test_llama_gqa_heads():
+    model = hf.llama(100)
+    ids = torch.randint(1, 100, (2, 7), generator=torch.Generator().manual_seed(2))
+    r = probe.ablate(model, ids, heads=[(1, 5), (1, 6), (0, 0)])
+    L = model.model.layers
+    want = _run_with(
+        model,
+        lambda: model(ids),
+        [
+            lambda: _slice_hook(L[1].self_attn.o_proj, 5, 8),
+            lambda: _slice_hook(L[1].self_attn.o_proj, 6, 8),
+            lambda: _slice_hook(L[0].self_attn.o_proj, 0, 8),
+        ],
+    )
+    torch.testing.assert_close(_logits(r.outputs), _logits(want), **TOL)
+
+
+def test_bert_minilm_heads_with_padding():
+    model, tok, _ = hf.minilm()
+    texts = ["attention lets tokens read context.", "graph networks"]
+    r = probe.ablate(model, texts, heads=[(3, 7)], tokenizer=tok, how="mean")
+    enc = tok(texts, return_tensors="pt", padding=True)
+    dense = model.encoder.layer[3].attention.output.dense
+    x = _recorded_input(dense, lambda: model(**enc))[..., 7 * 32 : 8 * 32]
+    mean = x[enc["attention_mask"].bool()].mean(0)  # over real tokens only
+    want = _run_with(model, lambda: model(**enc), [lambda: _slice_hook(dense, 7, 32, lambda s: mean.expand_as(s))])
+    torch.testing.assert_close(r.outputs.last_hidden_state, want.last_hidden_state, **TOL)
+
+
+def test_bart_cross_and_encoder_heads():
+    model = hf.bart(100)
+    src = torch.randint(3, 100, (2, 8), generator=torch.Generator().manual_seed(3))
+    tgt = torch.randint(3, 100, (2, 5), generator=torch.Generator().manual_seed(4))
+
+    def run():
+        return model(input_ids=src, decoder_input_ids=tgt, use_cache=False)
+
+    heads = [("decoder", 1, "cross", 2), ("encoder", 0, 3), ("decoder", 2, "self", 1)]
+    r = _ablate_bart(model, src, tgt, heads)
+    m = model.model
+    want = _run_with(
+        model,
+        run,
+        [
+            lambda: _slice_hook(m.decoder.layers[1].encoder_attn.out_proj, 2, 16),
+            lambda: _slice_hook(m.encoder.layers[0].self_attn.out_proj, 3, 16),
+            lambda: _slice_hook(m.decoder.layers[2].self_attn.out_proj, 1, 16),
+        ],
+    )
+    torch.testing.assert_close(_logits(r.outputs), _logits(want), **TOL)
+    assert r.table.column("component") == ["decoder.L1.cross.H2", "encoder.L0.H3", "decoder.L2.H1"]
+    with pytest.raises(ProbeError, match="stacks"):
+        _ablate_bart(model, src, tgt, [(0, 1)])
+
+
+def _ablate_bart(model, src, tgt, heads):
+    """BART on ids: the decoder input is given as the target ids (teacher forcing)."""
+    from probe.intervene.core import Prepared, parse_heads
+    from probe.intervene.ablate import build_edits
+    from probe.intervene.edits import applied
+    from probe.intervene.locate import locate
+    from probe.capture.engine import Trace
+
+    class P:
+        meta: dict = {}
+
+        @staticmethod
+        def run():
+            return model(input_ids=src, decoder_input_ids=tgt, use_cache=False)
+
+    t = Trace(model)
+    with torch.no_grad(), t:
+        P.run()
+    prep = Prepared(model, P.run, {}, P.run(), locate(model, P, t.cache))
+    edits = build_edits(prep, parse_heads(prep, heads, None), [], "zero")
+    with torch.no_grad(), applied(model, edits):
+        out = P.run()
+
+    class R:
+        outputs = out
+        table = probe.analysis.table.Table(
+            [{"component": __import__("probe.intervene.core", fromlist=["x"]).site_label(s, h)} for s, h in parse_heads(prep, heads, None)]
+        )
+
+    return R
+
+
+class _FusedLM(nn.Module):
+    """torch's fused nn.TransformerEncoderLayer: its out_proj runs inside one kernel call."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb = nn.Embedding(20, 16)
+        self.enc = nn.TransformerEncoder(
+            nn.TransformerEncoderLayer(16, 2, 32, dropout=0.0, batch_first=True), 2, enable_nested_tensor=False
+        )
+        self.out = nn.Linear(16, 20)
+
+    def forward(self, x):
+        return self.out(self.enc(self.emb(x)))
+
+
+def test_fused_attention_is_refused_naming_the_layer():
+    torch.manual_seed(0)
+    model = _FusedLM().eval()
+    ids = torch.randint(0, 20, (1, 6))
+    with pytest.raises(ProbeError, match=r"layer 1.*(fused|projection)"):
+        probe.ablate(model, ids, heads=[(1, 0)])
+
+
+def test_bad_requests(minigpt):
+    ids = _ids(minigpt)
+    with pytest.raises(ProbeError, match="4 heads"):
+        probe.ablate(minigpt, ids, heads=[(0, 4)])
+    with pytest.raises(ProbeError, match="how="):
+        probe.ablate(minigpt, ids, heads=[(0, 1)], how="half")
+    with pytest.raises(ProbeError, match="no self attention|attention layers"):
+        probe.ablate(minigpt, ids, heads=[(5, 1)])
+    with pytest.raises(ProbeError, match="a head is"):
+        probe.ablate(minigpt, ids, heads=[3])
+    with pytest.raises(ProbeError, match="kind"):
+        probe.ablate(minigpt, ids, sublayers=[(0, "ffn")])
+
+
+def test_exports(minigpt, tmp_path):
+    r = probe.ablate(minigpt, _ids(minigpt), heads=[(0, 1)])
+    d = r.to_dict()
+    assert d["table"]["rows"][0]["head"] == 1 and "mean_kl" in d["summary"]
+    assert "decoder.L0.H1" in r.to_csv() and "<table>" in r._repr_html_()
+    assert r.to_pandas().shape == (1, 7)
