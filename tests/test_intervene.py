@@ -97,13 +97,20 @@ def test_minigpt_mean_and_resample(minigpt):
     tok = minigpt.tokenizer
     ids = _ids(minigpt)
     n = ids.shape[1]
-    ref = torch.tensor([tok.encode("graph neural networks pass messages")[:n], tok.encode("transformers use self attention")[:n]])
+    ref = torch.tensor(
+        [
+            tok.encode("graph neural networks pass messages")[:n],
+            tok.encode("transformers use self attention")[:n],
+        ]
+    )
     assert ref.shape[1] == ids.shape[1]
     proj = minigpt.blocks[1].attn.proj
     x_ref = _recorded_input(proj, lambda: minigpt(ref))[..., 32:48]
     mean = x_ref.reshape(-1, 16).mean(0)
     r = probe.ablate(minigpt, ids, heads=[(1, 2)], how="mean", reference=ref)
-    want = _run_with(minigpt, lambda: minigpt(ids), [lambda: _slice_hook(proj, 2, 16, lambda s: mean.expand_as(s))])
+    want = _run_with(
+        minigpt, lambda: minigpt(ids), [lambda: _slice_hook(proj, 2, 16, lambda s: mean.expand_as(s))]
+    )
     torch.testing.assert_close(_logits(r.outputs), _logits(want), **TOL)
     # resample: text 0 takes reference text 0
     r = probe.ablate(minigpt, ids, heads=[(1, 2)], how="resample", reference=ref)
@@ -112,7 +119,9 @@ def test_minigpt_mean_and_resample(minigpt):
     # mean over the inputs themselves when no reference is given
     x_own = _recorded_input(proj, lambda: minigpt(ids))[..., 32:48].reshape(-1, 16).mean(0)
     r = probe.ablate(minigpt, ids, heads=[(1, 2)], how="mean")
-    want = _run_with(minigpt, lambda: minigpt(ids), [lambda: _slice_hook(proj, 2, 16, lambda s: x_own.expand_as(s))])
+    want = _run_with(
+        minigpt, lambda: minigpt(ids), [lambda: _slice_hook(proj, 2, 16, lambda s: x_own.expand_as(s))]
+    )
     torch.testing.assert_close(_logits(r.outputs), _logits(want), **TOL)
 
 
@@ -162,7 +171,9 @@ def test_gpt2_mlp_and_attention_sublayers():
     ids = torch.randint(1, 100, (1, 8), generator=torch.Generator().manual_seed(1))
     r = probe.ablate(model, ids, sublayers=[(1, "mlp"), (2, "attn")])
     h = model.transformer.h
-    want = _run_with(model, lambda: model(ids), [lambda: _zero_output(h[1].mlp), lambda: _zero_output(h[2].attn)])
+    want = _run_with(
+        model, lambda: model(ids), [lambda: _zero_output(h[1].mlp), lambda: _zero_output(h[2].attn)]
+    )
     torch.testing.assert_close(_logits(r.outputs), _logits(want), **TOL)
 
 
@@ -191,7 +202,9 @@ def test_bert_minilm_heads_with_padding():
     dense = model.encoder.layer[3].attention.output.dense
     x = _recorded_input(dense, lambda: model(**enc))[..., 7 * 32 : 8 * 32]
     mean = x[enc["attention_mask"].bool()].mean(0)  # over real tokens only
-    want = _run_with(model, lambda: model(**enc), [lambda: _slice_hook(dense, 7, 32, lambda s: mean.expand_as(s))])
+    want = _run_with(
+        model, lambda: model(**enc), [lambda: _slice_hook(dense, 7, 32, lambda s: mean.expand_as(s))]
+    )
     torch.testing.assert_close(r.outputs.last_hidden_state, want.last_hidden_state, **TOL)
 
 
@@ -204,7 +217,7 @@ def test_bart_cross_and_encoder_heads():
         return model(input_ids=src, decoder_input_ids=tgt, use_cache=False)
 
     heads = [("decoder", 1, "cross", 2), ("encoder", 0, 3), ("decoder", 2, "self", 1)]
-    r = _ablate_bart(model, src, tgt, heads)
+    r = probe.ablate(model, {"input_ids": src, "decoder_input_ids": tgt, "use_cache": False}, heads)
     m = model.model
     want = _run_with(
         model,
@@ -218,39 +231,7 @@ def test_bart_cross_and_encoder_heads():
     torch.testing.assert_close(_logits(r.outputs), _logits(want), **TOL)
     assert r.table.column("component") == ["decoder.L1.cross.H2", "encoder.L0.H3", "decoder.L2.H1"]
     with pytest.raises(ProbeError, match="stacks"):
-        _ablate_bart(model, src, tgt, [(0, 1)])
-
-
-def _ablate_bart(model, src, tgt, heads):
-    """BART on ids: the decoder input is given as the target ids (teacher forcing)."""
-    from probe.intervene.core import Prepared, parse_heads
-    from probe.intervene.ablate import build_edits
-    from probe.intervene.edits import applied
-    from probe.intervene.locate import locate
-    from probe.capture.engine import Trace
-
-    class P:
-        meta: dict = {}
-
-        @staticmethod
-        def run():
-            return model(input_ids=src, decoder_input_ids=tgt, use_cache=False)
-
-    t = Trace(model)
-    with torch.no_grad(), t:
-        P.run()
-    prep = Prepared(model, P.run, {}, P.run(), locate(model, P, t.cache))
-    edits = build_edits(prep, parse_heads(prep, heads, None), [], "zero")
-    with torch.no_grad(), applied(model, edits):
-        out = P.run()
-
-    class R:
-        outputs = out
-        table = probe.analysis.table.Table(
-            [{"component": __import__("probe.intervene.core", fromlist=["x"]).site_label(s, h)} for s, h in parse_heads(prep, heads, None)]
-        )
-
-    return R
+        probe.ablate(model, {"input_ids": src, "decoder_input_ids": tgt}, [(0, 1)])
 
 
 class _FusedLM(nn.Module):
@@ -260,7 +241,9 @@ class _FusedLM(nn.Module):
         super().__init__()
         self.emb = nn.Embedding(20, 16)
         self.enc = nn.TransformerEncoder(
-            nn.TransformerEncoderLayer(16, 2, 32, dropout=0.0, batch_first=True), 2, enable_nested_tensor=False
+            nn.TransformerEncoderLayer(16, 2, 32, dropout=0.0, batch_first=True),
+            2,
+            enable_nested_tensor=False,
         )
         self.out = nn.Linear(16, 20)
 

@@ -19,10 +19,9 @@ from torch import Tensor, nn
 
 from probe.analysis.residual.exports import TableExports
 from probe.analysis.table import Table
-from probe.capture.inputs import prepare
 from probe.errors import ProbeError
 from probe.forward import outputs_of
-from probe.intervene.core import Prepared, parse_heads, parse_sublayers, prepare_sites, site_label
+from probe.intervene.core import Prepared, _prepare, parse_heads, parse_sublayers, prepare_sites, site_label
 from probe.intervene.edits import Edit, applied, recording
 from probe.intervene.locate import Site
 
@@ -68,13 +67,15 @@ def _reference_values(
     if reference is None:
         run, meta = prep.run, prep.meta
     else:
-        p = prepare(model, reference, tokenizer=tokenizer, target=target)
+        p = _prepare(model, reference, tokenizer, target)
         run, meta = p.run, p.meta
     with torch.no_grad(), recording(model, targets) as got:
         run()
     missing = [site_label(s) for i, (s, w) in enumerate(targets) if (i, w) not in got]
     if missing:
-        raise ProbeError(f"the reference run did not reach {', '.join(missing)}; give a reference like the inputs")
+        raise ProbeError(
+            f"the reference run did not reach {', '.join(missing)}; give a reference like the inputs"
+        )
     ref = Prepared(model, run, meta, None, prep.sites)
     return [got[(i, w)] for i, (_, w) in enumerate(targets)], ref
 
@@ -122,7 +123,7 @@ def build_edits(
     if how != "zero" and places:
         fulls, ref = _reference_values(prep, [(s, w) for s, w, _ in places], reference, tokenizer, target)
     edits = []
-    for (s, where, cols), full in zip(places, fulls):
+    for (s, where, cols), full in zip(places, fulls, strict=True):
         mask = ref.mask(full, s.stack) if full is not None else None
         edits.append(Edit(s, where, cols, _value(how, full, cols, mask, s.stack)))
     return edits
@@ -173,17 +174,33 @@ def ablate(
     with torch.no_grad(), applied(model, edits):
         outputs = prep.run()
     rows = [
-        {"component": site_label(s, h), "stack": s.stack, "layer": s.layer, "role": s.role, "head": h,
-         "how": how, "module": s.name}
+        {
+            "component": site_label(s, h),
+            "stack": s.stack,
+            "layer": s.layer,
+            "role": s.role,
+            "head": h,
+            "how": how,
+            "module": s.name,
+        }
         for s, h in hs
     ] + [
-        {"component": site_label(s), "stack": s.stack, "layer": s.layer, "role": s.role, "head": None,
-         "how": how, "module": s.name}
+        {
+            "component": site_label(s),
+            "stack": s.stack,
+            "layer": s.layer,
+            "role": s.role,
+            "head": None,
+            "how": how,
+            "module": s.name,
+        }
         for s in subs
     ]
     logits = outputs_of(prep.outputs) if _has_tensor(prep.outputs) else None
     mask = prep.mask(logits, "decoder") if logits is not None and logits.dim() >= 2 else None
-    return Ablation(outputs, prep.outputs, Table(rows, COLUMNS, "ablation"), effect(prep.outputs, outputs, mask))
+    return Ablation(
+        outputs, prep.outputs, Table(rows, COLUMNS, "ablation"), effect(prep.outputs, outputs, mask)
+    )
 
 
 def _has_tensor(out: Any) -> bool:

@@ -66,7 +66,7 @@ def prepare_sites(model: nn.Module, inputs: Any, *, tokenizer: Any = None, targe
     """The :class:`Prepared` of ``model`` on ``inputs`` (three forwards, none of them edited)."""
     if not isinstance(model, nn.Module):
         raise ProbeError(f"probe intervenes on torch.nn.Module models, not {type(model).__name__}")
-    p = prepare(model, inputs, tokenizer=tokenizer, target=target)
+    p = _prepare(model, inputs, tokenizer, target)
     with torch.no_grad():
         outputs = p.run()
     t = Trace(model, metadata=p.meta)
@@ -78,12 +78,34 @@ def prepare_sites(model: nn.Module, inputs: Any, *, tokenizer: Any = None, targe
     return Prepared(model, p.run, p.meta, outputs, sites)
 
 
+def _prepare(model: nn.Module, inputs: Any, tokenizer: Any, target: Any) -> Any:
+    """:func:`probe.capture`'s forward call, or ``model(**inputs)`` for a dict of keyword arguments
+    (e.g. ``input_ids`` and ``decoder_input_ids`` of an encoder-decoder)."""
+    if not isinstance(inputs, dict):
+        return prepare(model, inputs, tokenizer=tokenizer, target=target)
+    if target is not None:
+        raise ProbeError("target= is for texts; with a dict of model arguments give decoder_input_ids in it")
+    meta = {}
+    for k in ("attention_mask", "decoder_attention_mask"):
+        if isinstance(inputs.get(k), Tensor):
+            meta["target_attention_mask" if k.startswith("decoder") else k] = inputs[k].tolist()
+    return _Call(lambda: model(**inputs), meta)
+
+
+@dataclass
+class _Call:
+    run: Any
+    meta: dict
+
+
 def _stack(prep: Prepared, stack: str | None) -> str:
     stacks = prep.sites.stacks
     if stack is None:
         if len(stacks) == 1:
             return stacks[0]
-        raise ProbeError(f"the model has stacks {', '.join(stacks)}; pass stack= or name the stack in each item")
+        raise ProbeError(
+            f"the model has stacks {', '.join(stacks)}; pass stack= or name the stack in each item"
+        )
     if stack not in stacks:
         raise ProbeError(f"no stack {stack!r}; the model's stacks are {', '.join(stacks)}")
     return stack
@@ -94,7 +116,9 @@ def parse_heads(prep: Prepared, heads: Any, stack: str | None) -> list[tuple[Sit
     out = []
     for item in heads or []:
         if not isinstance(item, (tuple, list)) or not 2 <= len(item) <= 4:
-            raise ProbeError(f"a head is (layer, head), (stack, layer, head) or (stack, layer, role, head), not {item!r}")
+            raise ProbeError(
+                f"a head is (layer, head), (stack, layer, head) or (stack, layer, role, head), not {item!r}"
+            )
         item = tuple(item)
         role = "self"
         if len(item) == 2:
@@ -113,7 +137,14 @@ def parse_heads(prep: Prepared, heads: Any, stack: str | None) -> list[tuple[Sit
     return out
 
 
-_KINDS = {"attn": "self", "self_attn": "self", "attention": "self", "cross_attn": "cross", "cross": "cross", "mlp": "mlp"}
+_KINDS = {
+    "attn": "self",
+    "self_attn": "self",
+    "attention": "self",
+    "cross_attn": "cross",
+    "cross": "cross",
+    "mlp": "mlp",
+}
 
 
 def parse_sublayers(prep: Prepared, sublayers: Any, stack: str | None) -> list[Site]:
@@ -135,7 +166,9 @@ def site_label(site: Site, head: int | None = None) -> str:
     role = "" if site.role == "self" else f".{site.role}"
     if head is not None:
         return f"{site.stack}.L{site.layer}{role}.H{head}"
-    return f"{site.stack}.L{site.layer}" + (".mlp" if site.role == "mlp" else f"{role}.attn".replace(".self", ""))
+    return f"{site.stack}.L{site.layer}" + (
+        ".mlp" if site.role == "mlp" else f"{role}.attn".replace(".self", "")
+    )
 
 
 __all__ = ["Prepared", "prepare_sites", "parse_heads", "parse_sublayers", "site_label"]

@@ -14,7 +14,6 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 
-import torch
 from torch import Tensor, nn
 
 from probe.intervene.locate import Site

@@ -48,7 +48,8 @@ class Site:
     """One attention's output projection: ``module``'s ``call``-th call in a forward.
 
     ``heads`` and ``d_head``: its input is ``[..., heads * d_head]``. ``layout`` says how the head
-    order was checked (``"heads whole"`` (a [batch, heads, q, d_head] output), ``"per-head modules"``, or ``""``: not checkable).
+    order was checked: ``"heads whole"`` (against a ``[batch, heads, q, d_head]`` attention
+    output), ``"per-head modules"`` (against one output per head), ``""`` (not checkable).
     """
 
     stack: str
@@ -111,7 +112,11 @@ class _Scan(TorchFunctionMode):
             for t in _tensors(out)[:1]:
                 self.mark(t, OUTPUT, [("sdpa", t)])
         elif name in _MATMUL or name in _SHAPE:
-            ins = [a for a in list(args) + list(kwargs.values()) for a in ([a] if isinstance(a, Tensor) else _tensors(a))]
+            ins = [
+                a
+                for a in list(args) + list(kwargs.values())
+                for a in ([a] if isinstance(a, Tensor) else _tensors(a))
+            ]
             levels = [self.of(a) for a in ins]
             top = max((lv for lv, _ in levels), default=0)
             if top:
@@ -140,8 +145,12 @@ def scan(model: nn.Module, run, layer_paths: set[str]) -> list[tuple]:
     handles = []
     for name, m in model.named_modules(remove_duplicate=False):
         if name in layer_paths:
-            handles.append(m.register_forward_pre_hook(lambda mod, a, _n=name: mode.events.append(("enter", _n))))
-            handles.append(m.register_forward_hook(lambda mod, a, o, _n=name: mode.events.append(("exit", _n))))
+            handles.append(
+                m.register_forward_pre_hook(lambda mod, a, _n=name: mode.events.append(("enter", _n)))
+            )
+            handles.append(
+                m.register_forward_hook(lambda mod, a, o, _n=name: mode.events.append(("exit", _n)))
+            )
         if _weighted_leaf(m):
 
             def hook(mod, args, out, _n=name):
@@ -238,7 +247,11 @@ def locate(model: nn.Module, prepared: Any, cache: Any) -> Sites:
                 for role, _ in _roles(e):
                     sites.refused[(stack, layer, role)] = "its layer module was not seen running"
                 continue
-            pre = cache[f"{stack}.blocks.{layer}.resid_pre"] if f"{stack}.blocks.{layer}.resid_pre" in cache else None
+            pre = (
+                cache[f"{stack}.blocks.{layer}.resid_pre"]
+                if f"{stack}.blocks.{layer}.resid_pre" in cache
+                else None
+            )
             d_model = pre.shape[-1] if pre is not None else None
             projs, leaves = _attention_sites(calls[k], d_model or -1)
             _place_attention(sites, e, projs)
@@ -258,8 +271,8 @@ def _place_attention(sites: Sites, e: dict, projs: list[tuple]) -> None:
         for role, _ in roles:
             sites.refused[(stack, layer, role)] = why
         return
-    for (role, heads), p in zip(roles, projs):
-        _, name, mod, call, x, out, lv, srcs = p
+    for (role, heads), p in zip(roles, projs, strict=True):
+        _, name, mod, call, x, _out, _lv, srcs = p
         width = x.shape[-1]
         if width % heads:
             sites.refused[(stack, layer, role)] = (
@@ -273,7 +286,9 @@ def _place_attention(sites: Sites, e: dict, projs: list[tuple]) -> None:
                 f"the input of {name} is not the heads side by side in order (head layout check failed)"
             )
             continue
-        sites.attention[(stack, layer, role)] = Site(stack, layer, role, mod, name, call, heads, width // heads, layout)
+        sites.attention[(stack, layer, role)] = Site(
+            stack, layer, role, mod, name, call, heads, width // heads, layout
+        )
 
 
 def _place_mlp(sites: Sites, e: dict, leaves: list[tuple], cache: Any) -> None:
@@ -283,7 +298,7 @@ def _place_mlp(sites: Sites, e: dict, leaves: list[tuple], cache: Any) -> None:
         sites.refused[(stack, layer, "mlp")] = "the cache has no MLP delta that is a sublayer's output"
         return
     delta = cache[k]
-    for _, name, mod, call, x, out, lv, srcs in reversed(leaves):
+    for _, name, mod, call, _x, out, _lv, _srcs in reversed(leaves):
         if isinstance(out, Tensor) and out.shape == delta.shape and torch.equal(out.to(delta.dtype), delta):
             sites.mlp[(stack, layer)] = Site(stack, layer, "mlp", mod, name, call)
             return
