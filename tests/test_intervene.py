@@ -279,3 +279,108 @@ def test_exports(minigpt, tmp_path):
     assert d["table"]["rows"][0]["head"] == 1 and "mean_kl" in d["summary"]
     assert "decoder.L0.H1" in r.to_csv() and "<table>" in r._repr_html_()
     assert r.to_pandas().shape == (1, 7)
+
+
+# -- activation patching ---------------------------------------------------------------------
+
+
+def _swap_hook(module, clean_x, pos=None, cols=None, output=False):
+    """The oracle for patching: replace (part of) ``module``'s input/output by the clean value."""
+
+    def put(x):
+        x = x.clone()
+        p = slice(None) if pos is None else pos
+        c = slice(None) if cols is None else cols
+        x[:, p, c] = clean_x[:, p, c]
+        return x
+
+    if output:
+        return module.register_forward_hook(lambda m, a, o: put(o))
+    return module.register_forward_pre_hook(lambda m, a: (put(a[0]),) + a[1:])
+
+
+def test_patch_resid_minigpt(minigpt):
+    tok = minigpt.tokenizer
+    clean, corrupt = "attention lets tokens read", "attention lets tokens send"
+    a, b = tok.encode(" ")[0], tok.encode("t")[0]
+    ci, xi = torch.tensor([tok.encode(clean)]), torch.tensor([tok.encode(corrupt)])
+
+    def ld(out):
+        last = out[0][0, -1]
+        return (last[a] - last[b]).item()
+
+    with torch.no_grad():
+        m_clean, m_corr = ld(minigpt(ci)), ld(minigpt(xi))
+    r = probe.patch(
+        minigpt, clean, corrupt, what="resid", metric="logit_diff", answer=" ", wrong="t", positions=[24, -1]
+    )
+    assert r.clean == pytest.approx(m_clean, abs=1e-6) and r.corrupted == pytest.approx(m_corr, abs=1e-6)
+    block = minigpt.blocks[1]
+    x_clean = _recorded_input(block, lambda: minigpt(ci))
+    for pos in (24, 25):
+        want = ld(_run_with(minigpt, lambda: minigpt(xi), [lambda p=pos: _swap_hook(block, x_clean, p)]))
+        row = next(x for x in r.table if x["layer"] == 1 and x["pos"] == pos)
+        assert row["metric"] == pytest.approx(want, abs=1e-5)
+        assert row["normalised"] == pytest.approx((want - m_corr) / (m_clean - m_corr), abs=1e-5)
+    assert r.grid.shape == (2, 2) and r.rows == ["L0", "L1"]
+    # patching everything before the last layer at every position restores the clean run exactly
+    x0 = _recorded_input(minigpt.blocks[0], lambda: minigpt(ci))
+    full = ld(_run_with(minigpt, lambda: minigpt(xi), [lambda: _swap_hook(minigpt.blocks[0], x0)]))
+    assert full == pytest.approx(m_clean, abs=1e-5)
+
+
+def test_patch_heads_gpt2_prob():
+    model = hf.gpt2(100)
+    g = torch.Generator().manual_seed(5)
+    ci = torch.randint(1, 100, (1, 8), generator=g)
+    xi = ci.clone()
+    xi[0, 2] = (ci[0, 2] + 7) % 100
+    answer = 42
+
+    def prob(out):
+        return out.logits[0, -1].float().softmax(-1)[answer].item()
+
+    r = probe.patch(model, ci, xi, what="heads", metric="prob", answer=answer)
+    assert r.grid.shape == (3, 4)
+    proj = model.transformer.h[1].attn.c_proj
+    x_clean = _recorded_input(proj, lambda: model(ci))
+    want = prob(_run_with(model, lambda: model(xi), [lambda: _swap_hook(proj, x_clean, cols=slice(32, 48))]))
+    row = next(x for x in r.table if x["layer"] == 1 and x["head"] == 2)
+    assert row["metric"] == pytest.approx(want, abs=1e-6)
+    with torch.no_grad():
+        assert r.corrupted == pytest.approx(prob(model(xi)), abs=1e-6)
+
+
+def test_patch_mlp_llama_loss():
+    model = hf.llama(100)
+    g = torch.Generator().manual_seed(6)
+    ci = torch.randint(1, 100, (1, 6), generator=g)
+    xi = torch.randint(1, 100, (1, 6), generator=g)
+
+    def loss(out):
+        return torch.nn.functional.cross_entropy(out.logits[0, :-1].float(), ci[0, 1:]).item()
+
+    r = probe.patch(model, ci, xi, what="mlp", metric="loss", positions=[3])
+    mlp = model.model.layers[0].mlp
+    got = {}
+    h = mlp.register_forward_hook(lambda m, a, o: got.setdefault("o", o.detach().clone()))
+    with torch.no_grad():
+        model(ci)
+    h.remove()
+    want = loss(_run_with(model, lambda: model(xi), [lambda: _swap_hook(mlp, got["o"], pos=3, output=True)]))
+    row = next(x for x in r.table if x["layer"] == 0)
+    assert row["metric"] == pytest.approx(want, abs=1e-6)
+
+
+def test_patch_bad_requests(minigpt):
+    with pytest.raises(ProbeError, match="same number of tokens"):
+        probe.patch(minigpt, "attention lets", "attention", what="resid", metric="loss", positions=[0])
+    with pytest.raises(ProbeError, match="what="):
+        probe.patch(minigpt, "at", "ac", what="neurons")
+    with pytest.raises(ProbeError, match="answer="):
+        probe.patch(minigpt, "at", "ac", metric="logit_diff", answer="a")
+    with pytest.raises(ProbeError, match="one of"):
+        probe.patch(minigpt, "at", "ac", metric="accuracy")
+    r = probe.patch(minigpt, "at", "at", what="attn", metric="loss")
+    assert r.notes and "nothing to normalise" in r.notes[0]
+    assert "grid" in r.to_dict() and "<table>" in r._repr_html_()

@@ -6,5 +6,6 @@ its own code on its own attention path; nothing is forced onto eager attention.
 """
 
 from probe.intervene.ablate import Ablation, ablate
+from probe.intervene.patch import Patching, patch
 
-__all__ = ["ablate", "Ablation"]
+__all__ = ["ablate", "Ablation", "patch", "Patching"]

@@ -21,19 +21,24 @@ from probe.intervene.locate import Site
 
 @dataclass
 class Edit:
-    """Replace ``site``'s ``where`` tensor's features ``cols`` by ``value(current_cols)``."""
+    """Replace ``site``'s ``where`` tensor's features ``cols`` (at position ``pos``, or all) by
+    ``value(current)``."""
 
     site: Site
     where: str  # "input" | "output"
     cols: slice | None
     value: Callable[[Tensor], Tensor]
+    pos: int | None = None  # only this position (dim 1 of a [batch, pos, ...] tensor)
 
 
 def _replace(x: Tensor, edits: list[Edit]) -> Tensor:
     y = x.clone()
     for e in edits:
         cols = e.cols if e.cols is not None else slice(None)
-        y[..., cols] = e.value(x[..., cols]).to(y.dtype)
+        if e.pos is None:
+            y[..., cols] = e.value(x[..., cols]).to(y.dtype)
+        else:
+            y[:, e.pos, cols] = e.value(x[:, e.pos, cols]).to(y.dtype)
     return y
 
 

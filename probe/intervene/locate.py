@@ -69,6 +69,7 @@ class Sites:
 
     attention: dict[tuple[str, int, str], Site] = field(default_factory=dict)
     mlp: dict[tuple[str, int], Site] = field(default_factory=dict)
+    layers: dict[tuple[str, int], Site] = field(default_factory=dict)  # input = resid_pre
     refused: dict[tuple[str, int, str], str] = field(default_factory=dict)
     stacks: list[str] = field(default_factory=list)
     heads: dict[tuple[str, int, str], int] = field(default_factory=dict)
@@ -137,16 +138,16 @@ def _weighted_leaf(m: nn.Module) -> bool:
 
 
 def scan(model: nn.Module, run, layer_paths: set[str]) -> list[tuple]:
-    """Run ``run()`` once, returning the ordered events: ``("enter"|"exit", path)`` of layer
-    modules, ``("attn",)`` for each attention op, and ``("leaf", name, module, call, x, out,
-    level, sources)`` for each weighted leaf call."""
+    """Run ``run()`` once, returning the ordered events: ``("enter", path, module, args)`` and
+    ``("exit", path)`` of layer modules, ``("attn",)`` for each attention op, and ``("leaf",
+    name, module, call, x, out, level, sources)`` for each weighted leaf call."""
     mode = _Scan()
     counts: dict[int, int] = {}
     handles = []
     for name, m in model.named_modules(remove_duplicate=False):
         if name in layer_paths:
             handles.append(
-                m.register_forward_pre_hook(lambda mod, a, _n=name: mode.events.append(("enter", _n)))
+                m.register_forward_pre_hook(lambda mod, a, _n=name: mode.events.append(("enter", _n, mod, a)))
             )
             handles.append(
                 m.register_forward_hook(lambda mod, a, o, _n=name: mode.events.append(("exit", _n)))
@@ -194,11 +195,13 @@ def _roles(entry: dict) -> list[tuple[str, int]]:
 def _layer_calls(events: list[tuple], path: str) -> list[list[tuple]]:
     """The events inside each call of the layer module ``path`` (nested calls of it included once)."""
     calls, depth, cur = [], 0, None
+    starts = []
     for e in events:
         if e[0] == "enter" and e[1] == path:
             depth += 1
             if depth == 1:
                 cur = []
+                starts.append(e)
             continue
         if e[0] == "exit" and e[1] == path:
             depth -= 1
@@ -207,7 +210,7 @@ def _layer_calls(events: list[tuple], path: str) -> list[list[tuple]]:
             continue
         if depth:
             cur.append(e)
-    return calls
+    return list(zip(starts, calls, strict=False))
 
 
 def _attention_sites(inner: list[tuple], d_model: int) -> tuple[list[tuple], list[tuple]]:
@@ -253,7 +256,9 @@ def locate(model: nn.Module, prepared: Any, cache: Any) -> Sites:
                 else None
             )
             d_model = pre.shape[-1] if pre is not None else None
-            projs, leaves = _attention_sites(calls[k], d_model or -1)
+            start, inner = calls[k]
+            _place_layer(sites, e, start, k, pre)
+            projs, leaves = _attention_sites(inner, d_model or -1)
             _place_attention(sites, e, projs)
             _place_mlp(sites, e, leaves, cache)
     return sites
@@ -303,3 +308,20 @@ def _place_mlp(sites: Sites, e: dict, leaves: list[tuple], cache: Any) -> None:
             sites.mlp[(stack, layer)] = Site(stack, layer, "mlp", mod, name, call)
             return
     sites.refused[(stack, layer, "mlp")] = "no weighted module's output is exactly the MLP's delta"
+
+
+def _place_layer(sites: Sites, e: dict, start: tuple, call: int, pre: Tensor | None) -> None:
+    """The layer module as a site whose first argument is ``resid_pre`` (checked bit for bit)."""
+    _, path, mod, args = start
+    x = args[0] if args else None
+    if (
+        pre is None
+        or not isinstance(x, Tensor)
+        or x.shape != pre.shape
+        or not torch.equal(x.to(pre.dtype), pre)
+    ):
+        sites.refused[(e["stack"], e["layer"], "resid")] = (
+            "its layer module's first argument is not the residual stream"
+        )
+        return
+    sites.layers[(e["stack"], e["layer"])] = Site(e["stack"], e["layer"], "resid", mod, path, call)
