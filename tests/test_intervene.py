@@ -384,3 +384,61 @@ def test_patch_bad_requests(minigpt):
     r = probe.patch(minigpt, "at", "at", what="attn", metric="loss")
     assert r.notes and "nothing to normalise" in r.notes[0]
     assert "grid" in r.to_dict() and "<table>" in r._repr_html_()
+
+
+# -- the command line ------------------------------------------------------------------------
+
+
+def _cli(*args):
+    import subprocess
+
+    return subprocess.run([sys.executable, "-m", "probe", *args], capture_output=True, text=True, timeout=600)
+
+
+def test_cli_ablate_and_patch(tmp_path, minigpt):
+    out = _cli("ablate", "--model", "minigpt", TEXT, "--heads", "0.1", "--csv", str(tmp_path / "a.csv"))
+    assert out.returncode == 0, out.stderr
+    assert "decoder.L0.H1" in out.stdout and "mean_kl" in out.stdout
+    r = probe.ablate(minigpt, TEXT, heads=[(0, 1)])
+    assert f"{r.summary['mean_kl']:.4g}" in out.stdout  # the same numbers as the Python call
+    assert (tmp_path / "a.csv").read_text().startswith("component,stack,layer")
+    clean, corrupt = "attention lets tokens read", "attention lets tokens send"
+    out = _cli(
+        "patch",
+        "--model",
+        "minigpt",
+        "--clean",
+        clean,
+        "--corrupted",
+        corrupt,
+        "--answer",
+        " ",
+        "--wrong",
+        "t",
+        "--positions",
+        "25",
+        "--json",
+        str(tmp_path / "p.json"),
+    )
+    assert out.returncode == 0, out.stderr
+    import json
+
+    rows = json.loads((tmp_path / "p.json").read_text())["rows"]
+    want = probe.patch(minigpt, clean, corrupt, answer=" ", wrong="t", positions=[25])
+    assert [x["normalised"] for x in rows] == pytest.approx([x["normalised"] for x in want.table], abs=1e-9)
+    for cmd in ("ablate", "patch"):
+        h = _cli(cmd, "--help")
+        assert h.returncode == 0 and "example" in h.stdout.lower()
+
+
+def test_cli_bad_input_exits_2():
+    for args in (
+        ("ablate", "--model", "minigpt", TEXT, "--heads", "0.9"),
+        ("ablate", "--model", "minigpt", TEXT),
+        ("ablate", "--model", "minigpt", TEXT, "--heads", "7"),
+        ("patch", "--model", "minigpt", "--clean", "attention", "--corrupted", "at", "--metric", "loss"),
+    ):
+        out = _cli(*args)
+        assert out.returncode == 2 and "Traceback" not in out.stderr and out.stderr.count("\n") == 1, (
+            out.stderr
+        )

@@ -144,13 +144,13 @@ def patch(
             "the metric is the same on the clean and the corrupted inputs: nothing to normalise by (NaN)"
         )
     rows, grid = [], {}
-    for k, (si, head, pos) in enumerate(cells):
+    for si, head, pos in cells:
         s, full = sites[si], saved[si]
         cols = slice(head * s.d_head, (head + 1) * s.d_head) if head is not None else None
         edit = Edit(s, where, cols, _from_clean(full, cols, pos), pos)
         with torch.no_grad(), applied(model, [edit]):
             m = fn(corr.run())
-        norm = (m - m_corr) / denom if denom != 0 else math.nan
+        norm = (m - m_corr) / denom + 0.0 if denom != 0 else math.nan  # + 0.0: no -0.0
         grid[(si, head if what == "heads" else pos)] = norm
         comp = (
             f"L{s.layer}."
