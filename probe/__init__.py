@@ -22,7 +22,7 @@ from probe.cache import Cache, load  # noqa: E402
 from probe.capture import Trace, capture, trace  # noqa: E402
 from probe.corpus import Corpus, open_corpus, run_corpus  # noqa: E402
 from probe.errors import ProbeError  # noqa: E402
-from probe.intervene import Ablation, Patching, ablate, patch  # noqa: E402
+from probe.intervene import Ablation, HeadImportance, Patching, ablate, head_importance, patch  # noqa: E402
 
 __all__ = ["capture", "trace", "Trace", "load", "Cache", "ProbeError", "report", "plot", "__version__"]
 __all__ += [
@@ -38,7 +38,7 @@ __all__ += [
     "Alignment",
 ]
 __all__ += ["run_corpus", "open_corpus", "Corpus"]
-__all__ += ["ablate", "Ablation", "patch", "Patching"]
+__all__ += ["ablate", "Ablation", "patch", "Patching", "head_importance", "HeadImportance"]
 
 
 def __getattr__(name: str):

@@ -442,3 +442,37 @@ def test_cli_bad_input_exits_2():
         assert out.returncode == 2 and "Traceback" not in out.stderr and out.stderr.count("\n") == 1, (
             out.stderr
         )
+
+
+# -- head importance -------------------------------------------------------------------------
+
+
+def test_head_importance_minigpt(minigpt):
+    ids = _ids(minigpt)
+
+    def loss(out):
+        return torch.nn.functional.cross_entropy(out[0][0, :-1].float(), ids[0, 1:])
+
+    r = probe.head_importance(minigpt, ids, metric="loss")
+    assert r.grid.shape == (2, 4)
+    with torch.no_grad():
+        base = loss(minigpt(ids)).item()
+    proj = minigpt.blocks[1].attn.proj
+    ablated = loss(_run_with(minigpt, lambda: minigpt(ids), [lambda: _slice_hook(proj, 2, 16)])).item()
+    assert r.grid[1, 2].item() == pytest.approx(ablated - base, abs=1e-6)
+    # the gradient of Michel et al.: a gate on the head's output, differentiated by autograd
+    gate = torch.ones((), requires_grad=True)
+
+    def gated(mod, args):
+        x = args[0]
+        return (torch.cat([x[..., :32], x[..., 32:48] * gate, x[..., 48:]], -1),)
+
+    h = proj.register_forward_pre_hook(gated)
+    try:
+        (g,) = torch.autograd.grad(loss(minigpt(ids)), [gate])
+    finally:
+        h.remove()
+    assert r.gradients[1, 2].item() == pytest.approx(g.item(), abs=1e-6)
+    assert all(p.grad is None for p in minigpt.parameters())  # parameters untouched
+    with pytest.raises(ProbeError, match="how="):
+        probe.head_importance(minigpt, ids, how="resample")

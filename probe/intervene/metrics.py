@@ -60,8 +60,25 @@ def make_metric(
     tokenizer: Any = None,
 ) -> tuple[str, Callable[[Any], float]]:
     """``(name, fn)``: ``fn(outputs) -> float`` for the metric asked for (see the module docstring)."""
+    name, fn = metric_tensor(
+        model, metric, answer=answer, wrong=wrong, ids=ids, mask=mask, tokenizer=tokenizer
+    )
+    return name, lambda out: float(fn(out))
+
+
+def metric_tensor(
+    model: Any,
+    metric: Any,
+    *,
+    answer: Any = None,
+    wrong: Any = None,
+    ids: Tensor | None = None,
+    mask: Tensor | None = None,
+    tokenizer: Any = None,
+) -> tuple[str, Callable[[Any], Tensor]]:
+    """As :func:`make_metric`, with ``fn`` returning a 0-d tensor (differentiable)."""
     if callable(metric):
-        return getattr(metric, "__name__", "metric"), lambda out: float(metric(out))
+        return getattr(metric, "__name__", "metric"), lambda out: torch.as_tensor(metric(out))
     if metric not in METRICS:
         raise ProbeError(
             f"metric= is one of {', '.join(METRICS)} or a function of the outputs, not {metric!r}"
@@ -70,12 +87,12 @@ def make_metric(
         if ids is None:
             raise ProbeError("metric='loss' needs token ids (texts or an id tensor) as the clean inputs")
 
-        def loss(out: Any) -> float:
+        def loss(out: Any) -> Tensor:
             logits = outputs_of(out).float()[:, :-1]
             tgt = ids[:, 1:].to(logits.device)
             nll = torch.nn.functional.cross_entropy(logits.transpose(1, 2), tgt, reduction="none")
             keep = mask[:, 1:].bool() if mask is not None else torch.ones_like(nll, dtype=torch.bool)
-            return nll[keep].mean().item()
+            return nll[keep].mean()
 
         return "loss", loss
     if answer is None or (metric == "logit_diff" and wrong is None):
@@ -97,4 +114,4 @@ def make_metric(
     )
 
 
-__all__ = ["make_metric", "token_id", "METRICS"]
+__all__ = ["make_metric", "metric_tensor", "token_id", "METRICS"]

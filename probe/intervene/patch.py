@@ -201,8 +201,20 @@ def _same_shape(a: Any, b: Any) -> None:
 
 
 def _ids(meta: dict) -> Tensor | None:
+    """The token ids ``[batch, pos]`` of the inputs (the decoder's for an encoder-decoder), padded
+    with 0 (padding is masked out wherever ids are used)."""
     ids = meta.get("target_ids") or meta.get("ids")
-    return torch.tensor(ids) if ids else None
+    if not ids:
+        return None
+    T = max(len(r) for r in ids)
+    mask = meta.get("target_attention_mask") if meta.get("target_ids") else meta.get("attention_mask")
+    out = torch.zeros(len(ids), T, dtype=torch.long)
+    for b, r in enumerate(ids):
+        if mask is not None and len(mask[b]) == T and mask[b][0] == 0:  # left padding
+            out[b, T - len(r) :] = torch.tensor(r)
+        else:
+            out[b, : len(r)] = torch.tensor(r)
+    return out
 
 
 def _cells(what: str, sites: list[Site], T: int, positions: list[int] | None) -> list[tuple]:
