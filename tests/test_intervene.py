@@ -476,3 +476,50 @@ def test_head_importance_minigpt(minigpt):
     assert all(p.grad is None for p in minigpt.parameters())  # parameters untouched
     with pytest.raises(ProbeError, match="how="):
         probe.head_importance(minigpt, ids, how="resample")
+
+
+# -- attention knockout ----------------------------------------------------------------------
+
+
+def test_knockout_minigpt_one_head_against_its_own_mask_edited(minigpt):
+    import copy
+
+    ids = _ids(minigpt)
+    T = ids.shape[1]
+    r = probe.knockout(minigpt, ids, edges=[(-1, range(10, 21))], layers=[1], heads=[2])
+    twin = copy.deepcopy(minigpt)
+    twin.blocks[1].attn.heads[2].tril[T - 1, 10:21] = 0  # the head's own causal mask, edited by hand
+    with torch.no_grad():
+        want = twin(ids)
+    torch.testing.assert_close(_logits(r.outputs), _logits(want), **TOL)
+    assert r.table.rows == [{"stack": "decoder", "layer": 1, "role": "self", "head": 2, "ops": 1}]
+    assert r.summary["max_abs_change"] > 1e-3
+
+
+def test_knockout_llama_sdpa_against_a_4d_mask():
+    model = hf.llama(100)
+    ids = torch.randint(1, 100, (2, 9), generator=torch.Generator().manual_seed(0))
+    r = probe.knockout(model, ids, edges=[(-1, range(2, 6)), (5, [0])])
+    T = 9
+    mask = torch.zeros(T, T).masked_fill(~torch.ones(T, T, dtype=torch.bool).tril(), float("-inf"))
+    mask[-1, 2:6] = float("-inf")
+    mask[5, 0] = float("-inf")
+    with torch.no_grad():
+        want = model(ids, attention_mask=mask[None, None].expand(2, 1, T, T))
+    torch.testing.assert_close(_logits(r.outputs), _logits(want), **TOL)
+    assert len(r.table) == 2 * 8  # every head of both layers
+    assert model.config._attn_implementation == "sdpa"
+
+
+def test_knockout_gpt2_sdpa_equals_eager_softmax_path():
+    model = hf.gpt2(100)
+    ids = torch.randint(1, 100, (1, 9), generator=torch.Generator().manual_seed(1))
+    kw = dict(edges=[(-1, range(2, 6))], layers=[1], heads=[0, 3])
+    r1 = probe.knockout(model, ids, **kw)
+    r2 = probe.knockout(hf.eager_twin(model), ids, **kw)  # -inf added to the softmax input there
+    torch.testing.assert_close(_logits(r1.outputs), _logits(r2.outputs), **TOL)
+    assert r1.summary["max_abs_change"] > 1e-4
+    with pytest.raises(ProbeError, match="no key"):
+        probe.knockout(model, ids, edges=[(0, 0)])
+    with pytest.raises(ProbeError, match="4 heads"):
+        probe.knockout(model, ids, edges=[(-1, 0)], heads=[4])

@@ -7,6 +7,16 @@ its own code on its own attention path; nothing is forced onto eager attention.
 
 from probe.intervene.ablate import Ablation, ablate
 from probe.intervene.importance import HeadImportance, head_importance
+from probe.intervene.knockout import Knockout, knockout
 from probe.intervene.patch import Patching, patch
 
-__all__ = ["ablate", "Ablation", "patch", "Patching", "head_importance", "HeadImportance"]
+__all__ = [
+    "ablate",
+    "Ablation",
+    "patch",
+    "Patching",
+    "head_importance",
+    "HeadImportance",
+    "knockout",
+    "Knockout",
+]

@@ -70,6 +70,8 @@ class Sites:
     attention: dict[tuple[str, int, str], Site] = field(default_factory=dict)
     mlp: dict[tuple[str, int], Site] = field(default_factory=dict)
     layers: dict[tuple[str, int], Site] = field(default_factory=dict)  # input = resid_pre
+    # (stack, layer) -> (layer module, which call, [(role, heads), ...])
+    layer_calls: dict[tuple[str, int], tuple[nn.Module, int, list]] = field(default_factory=dict)
     refused: dict[tuple[str, int, str], str] = field(default_factory=dict)
     stacks: list[str] = field(default_factory=list)
     heads: dict[tuple[str, int, str], int] = field(default_factory=dict)
@@ -257,6 +259,7 @@ def locate(model: nn.Module, prepared: Any, cache: Any) -> Sites:
             )
             d_model = pre.shape[-1] if pre is not None else None
             start, inner = calls[k]
+            sites.layer_calls[(stack, layer)] = (start[2], k, _roles(e))
             _place_layer(sites, e, start, k, pre)
             projs, leaves = _attention_sites(inner, d_model or -1)
             _place_attention(sites, e, projs)
