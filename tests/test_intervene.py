@@ -523,3 +523,11 @@ def test_knockout_gpt2_sdpa_equals_eager_softmax_path():
         probe.knockout(model, ids, edges=[(0, 0)])
     with pytest.raises(ProbeError, match="4 heads"):
         probe.knockout(model, ids, edges=[(-1, 0)], heads=[4])
+
+
+def test_knockout_in_a_fused_layer_is_refused():
+    torch.manual_seed(0)
+    model = _FusedLM().eval()
+    ids = torch.randint(0, 20, (1, 6))
+    with pytest.raises(ProbeError, match=r"layer \d"):
+        probe.knockout(model, ids, edges=[(-1, 0)])

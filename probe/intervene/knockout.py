@@ -221,6 +221,7 @@ def knockout(
         }
     mode = _Knock(plan, edges)
     outputs = _run(model, prep.run, mode, plan)
+    _check_placed(plan, mode.counts)
     rows = [
         {"stack": s, "layer": i, "role": r, "head": h, "ops": n}
         for (s, i, r, h), n in sorted(mode.counts.items())
@@ -229,6 +230,20 @@ def knockout(
     mask = prep.mask(logits, "decoder") if logits is not None and logits.dim() >= 2 else None
     table = Table(rows, COLUMNS, "knockout")
     return Knockout(outputs, prep.outputs, table, effect(prep.outputs, outputs, mask))
+
+
+def _check_placed(plan: dict[int, dict], counts: dict) -> None:
+    """Every chosen head must have had its scores edited; otherwise say which layer was not."""
+    for entry in plan.values():
+        for spec in entry["calls"].values():
+            for role, _, chosen in spec["roles"]:
+                for h in sorted(chosen):
+                    if (spec["stack"], spec["layer"], role, h) not in counts:
+                        raise ProbeError(
+                            f"cannot place a knockout in {spec['stack']} layer {spec['layer']} "
+                            f"({role}-attention head {h}): probe saw no SDPA or softmax of that head "
+                            "it can edit (a fused kernel?)"
+                        )
 
 
 def _run(model: nn.Module, run, mode: _Knock, plan: dict[int, dict]) -> Any:
