@@ -531,3 +531,20 @@ def test_knockout_in_a_fused_layer_is_refused():
     ids = torch.randint(0, 20, (1, 6))
     with pytest.raises(ProbeError, match=r"layer \d"):
         probe.knockout(model, ids, edges=[(-1, 0)])
+
+
+def test_knockout_bart_cross_attention_against_the_encoder_mask():
+    model = hf.bart(100)
+    src = torch.randint(3, 100, (1, 8), generator=torch.Generator().manual_seed(7))
+    tgt = torch.randint(3, 100, (1, 5), generator=torch.Generator().manual_seed(8))
+    inputs = {"input_ids": src, "decoder_input_ids": tgt, "use_cache": False}
+    r = probe.knockout(model, inputs, edges=[(None, [2, 3])], stack="decoder", role="cross")
+    # the oracle: the same encoder states, and an encoder mask hiding keys 2 and 3 from every
+    # cross-attention (the decoder's self-attention does not read the encoder mask)
+    with torch.no_grad():
+        enc = model.model.encoder(input_ids=src)
+        mask = torch.ones_like(src)
+        mask[0, 2:4] = 0
+        want = model(encoder_outputs=enc, attention_mask=mask, decoder_input_ids=tgt, use_cache=False)
+    torch.testing.assert_close(_logits(r.outputs), _logits(want), **TOL)
+    assert {row["role"] for row in r.table} == {"cross"} and len(r.table) == 3 * 4
