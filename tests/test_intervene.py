@@ -206,6 +206,7 @@ def test_bert_minilm_heads_with_padding():
         model, lambda: model(**enc), [lambda: _slice_hook(dense, 7, 32, lambda s: mean.expand_as(s))]
     )
     torch.testing.assert_close(r.outputs.last_hidden_state, want.last_hidden_state, **TOL)
+    assert set(r.summary) == {"max_abs_change"}  # hidden states, not logits: no KL over them
 
 
 def test_bart_cross_and_encoder_heads():
@@ -426,9 +427,14 @@ def test_cli_ablate_and_patch(tmp_path, minigpt):
     rows = json.loads((tmp_path / "p.json").read_text())["rows"]
     want = probe.patch(minigpt, clean, corrupt, answer=" ", wrong="t", positions=[25])
     assert [x["normalised"] for x in rows] == pytest.approx([x["normalised"] for x in want.table], abs=1e-9)
-    for cmd in ("ablate", "patch"):
+    for cmd in ("ablate", "patch"):  # as tests/test_cli.py checks every command's --help
         h = _cli(cmd, "--help")
-        assert h.returncode == 0 and "example" in h.stdout.lower()
+        assert h.returncode == 0, h.stderr
+        lines = h.stdout.splitlines()
+        examples = lines[lines.index("examples:") + 1 :]
+        assert examples and all(
+            line.startswith("  probe ") and line.count("probe ") == 1 for line in examples
+        )
 
 
 def test_cli_bad_input_exits_2():

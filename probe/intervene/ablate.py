@@ -129,14 +129,15 @@ def build_edits(
     return edits
 
 
-def effect(clean: Any, outputs: Any, mask: Tensor | None) -> dict[str, float]:
-    """``max_abs_change``, and ``mean_kl``/``top1_agreement`` over real positions (see :class:`Ablation`)."""
+def effect(clean: Any, outputs: Any, mask: Tensor | None, d_model: int | None = None) -> dict[str, float]:
+    """``max_abs_change``, and ``mean_kl``/``top1_agreement`` over real positions (see :class:`Ablation`)
+    when the output is logits (its last dimension is not the stream's width ``d_model``)."""
     try:
         a, b = outputs_of(clean).float(), outputs_of(outputs).float()
     except TypeError:
         return {}
     out = {"max_abs_change": (a - b).abs().max().item() if a.numel() else 0.0}
-    if a.dim() >= 2 and a.shape[-1] > 1 and a.shape == b.shape:
+    if a.dim() >= 2 and a.shape[-1] > 1 and a.shape == b.shape and a.shape[-1] != d_model:
         la, lb = a.log_softmax(-1), b.log_softmax(-1)
         kl = (la.exp() * (la - lb)).sum(-1)
         same = (a.argmax(-1) == b.argmax(-1)).float()
@@ -199,7 +200,10 @@ def ablate(
     logits = outputs_of(prep.outputs) if _has_tensor(prep.outputs) else None
     mask = prep.mask(logits, "decoder") if logits is not None and logits.dim() >= 2 else None
     return Ablation(
-        outputs, prep.outputs, Table(rows, COLUMNS, "ablation"), effect(prep.outputs, outputs, mask)
+        outputs,
+        prep.outputs,
+        Table(rows, COLUMNS, "ablation"),
+        effect(prep.outputs, outputs, mask, prep.sites.d_model),
     )
 
 

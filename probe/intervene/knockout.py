@@ -229,7 +229,7 @@ def knockout(
     logits = outputs_of(prep.outputs) if _has_tensor(prep.outputs) else None
     mask = prep.mask(logits, "decoder") if logits is not None and logits.dim() >= 2 else None
     table = Table(rows, COLUMNS, "knockout")
-    return Knockout(outputs, prep.outputs, table, effect(prep.outputs, outputs, mask))
+    return Knockout(outputs, prep.outputs, table, effect(prep.outputs, outputs, mask, prep.sites.d_model))
 
 
 def _check_placed(plan: dict[int, dict], counts: dict) -> None:

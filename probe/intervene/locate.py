@@ -75,6 +75,7 @@ class Sites:
     refused: dict[tuple[str, int, str], str] = field(default_factory=dict)
     stacks: list[str] = field(default_factory=list)
     heads: dict[tuple[str, int, str], int] = field(default_factory=dict)
+    d_model: int | None = None  # the residual stream's width
 
 
 def _tensors(x: Any) -> list[Tensor]:
@@ -258,6 +259,7 @@ def locate(model: nn.Module, prepared: Any, cache: Any) -> Sites:
                 else None
             )
             d_model = pre.shape[-1] if pre is not None else None
+            sites.d_model = sites.d_model or d_model
             start, inner = calls[k]
             sites.layer_calls[(stack, layer)] = (start[2], k, _roles(e))
             _place_layer(sites, e, start, k, pre)
