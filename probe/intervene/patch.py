@@ -138,12 +138,37 @@ def patch(
     row0 = tokens[0] if tokens else [str(i) for i in range(T)]
     cells = _cells(what, sites, T, positions)
     notes = []
-    denom = m_clean - m_corr
-    if denom == 0:
+    if m_clean == m_corr:
         notes.append(
             "the metric is the same on the clean and the corrupted inputs: nothing to normalise by (NaN)"
         )
+    rows, grid = _run_cells(model, corr, fn, what, where, sites, saved, cells, st, row0, m_clean, m_corr)
+    col_keys = sorted({c for _, c in grid}, key=lambda c: -1 if c is None else c)
+    g = torch.full((len(sites), len(col_keys)), math.nan)
+    for (si, c), v in grid.items():
+        g[si, col_keys.index(c)] = v
+    col_names = [
+        f"H{c}" if what == "heads" else (f"{c}:{row0[c]}" if c < len(row0) else str(c)) for c in col_keys
+    ]
+    return Patching(
+        what,
+        name,
+        m_clean,
+        m_corr,
+        Table(rows, COLUMNS, f"patching {what}"),
+        g,
+        [f"L{s.layer}" for s in sites],
+        col_names,
+        notes,
+    )
+
+
+def _run_cells(
+    model, corr, fn, what, where, sites, saved, cells, st, row0, m_clean, m_corr
+) -> tuple[list, dict]:
+    """One patched corrupted run per cell: the table rows and ``{(site, column): normalised}``."""
     rows, grid = [], {}
+    denom = m_clean - m_corr
     for si, head, pos in cells:
         s, full = sites[si], saved[si]
         cols = slice(head * s.d_head, (head + 1) * s.d_head) if head is not None else None
@@ -169,24 +194,7 @@ def patch(
                 "normalised": norm,
             }
         )
-    col_keys = sorted({c for _, c in grid}, key=lambda c: -1 if c is None else c)
-    g = torch.full((len(sites), len(col_keys)), math.nan)
-    for (si, c), v in grid.items():
-        g[si, col_keys.index(c)] = v
-    col_names = [
-        f"H{c}" if what == "heads" else (f"{c}:{row0[c]}" if c < len(row0) else str(c)) for c in col_keys
-    ]
-    return Patching(
-        what,
-        name,
-        m_clean,
-        m_corr,
-        Table(rows, COLUMNS, f"patching {what}"),
-        g,
-        [f"L{s.layer}" for s in sites],
-        col_names,
-        notes,
-    )
+    return rows, grid
 
 
 def _same_shape(a: Any, b: Any) -> None:
