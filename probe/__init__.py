@@ -23,6 +23,16 @@ from probe.cache import Cache, load  # noqa: E402
 from probe.capture import Trace, capture, trace  # noqa: E402
 from probe.corpus import Corpus, open_corpus, run_corpus  # noqa: E402
 from probe.errors import ProbeError  # noqa: E402
+from probe.intervene import (  # noqa: E402
+    Ablation,
+    HeadImportance,
+    Knockout,
+    Patching,
+    ablate,
+    head_importance,
+    knockout,
+    patch,
+)
 
 __all__ = ["capture", "trace", "Trace", "load", "Cache", "ProbeError", "report", "plot", "__version__"]
 __all__ += [
@@ -40,6 +50,8 @@ __all__ += [
     "Comparison",
 ]
 __all__ += ["run_corpus", "open_corpus", "Corpus"]
+__all__ += ["ablate", "Ablation", "patch", "Patching", "head_importance", "HeadImportance"]
+__all__ += ["knockout", "Knockout"]
 
 
 def __getattr__(name: str):

@@ -140,6 +140,8 @@ COMMANDS = (
     "budget",
     "align",
     "diff",
+    "ablate",
+    "patch",
 )
 
 

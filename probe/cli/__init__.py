@@ -13,7 +13,19 @@ from __future__ import annotations
 
 import argparse
 
-from probe.cli import align, capture, check, common, corpus, diff, export, report, residual, stats
+from probe.cli import (
+    align,
+    capture,
+    check,
+    common,
+    corpus,
+    diff,
+    export,
+    intervene,
+    report,
+    residual,
+    stats,
+)
 from probe.cli.align import align_text, cmd_align
 from probe.cli.capture import cmd_capture, cmd_info, cmd_models, info_text
 from probe.cli.check import cmd_check
@@ -21,6 +33,7 @@ from probe.cli.common import Terminated, add_model_args, load_model
 from probe.cli.corpus import cmd_corpus
 from probe.cli.diff import cmd_diff
 from probe.cli.export import cmd_export
+from probe.cli.intervene import cmd_ablate, cmd_patch
 from probe.cli.report import cmd_report
 from probe.cli.residual import cmd_budget, cmd_lens, cmd_residual
 from probe.cli.stats import cmd_stats
@@ -30,6 +43,7 @@ __all__ = [
     "add_model_args",
     "align_text",
     "build_parser",
+    "cmd_ablate",
     "cmd_align",
     "cmd_budget",
     "cmd_capture",
@@ -40,6 +54,7 @@ __all__ = [
     "cmd_info",
     "cmd_lens",
     "cmd_models",
+    "cmd_patch",
     "cmd_report",
     "cmd_residual",
     "cmd_stats",
@@ -80,6 +95,7 @@ def build_parser() -> argparse.ArgumentParser:
     capture.add_models_parser(sub)
     residual.add_parsers(sub)
     align.add_parser(sub)
+    intervene.add_parsers(sub)
     for p in sub.choices.values():  # every command's --help: wrapped text, examples one a line
         p.formatter_class = common.HelpFormatter
     parser.commands = sub.choices  # name -> the command's parser (for its own usage in errors)

@@ -1,0 +1,22 @@
+"""Interventions on any model probe can capture: head and sublayer ablation, activation patching.
+
+The edits go where probe finds them (:mod:`probe.intervene.locate`): a head's slice of its
+attention's output-projection input, a sublayer's output on the residual stream. The model runs
+its own code on its own attention path; nothing is forced onto eager attention.
+"""
+
+from probe.intervene.ablate import Ablation, ablate
+from probe.intervene.importance import HeadImportance, head_importance
+from probe.intervene.knockout import Knockout, knockout
+from probe.intervene.patch import Patching, patch
+
+__all__ = [
+    "ablate",
+    "Ablation",
+    "patch",
+    "Patching",
+    "head_importance",
+    "HeadImportance",
+    "knockout",
+    "Knockout",
+]
