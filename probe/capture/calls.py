@@ -27,7 +27,9 @@ class Attention:
     one), ``qk`` (query and key lengths), ``impl`` (how the parts were computed), ``role``
     (``"self"``/``"cross"``, at close). Set by the pattern consumer: ``parts`` (its working
     state), ``handle`` (the sink handle of the stored pattern, None when none was stored),
-    ``shape`` (the stored ``[batch, heads, q, k]``) and ``causal`` (None when not judged).
+    ``fields`` (other stored fields of the attention, e.g. ``rows`` -> their sink handles),
+    ``shape`` (the ``[batch, heads, q, k]`` of the pattern, stored or not) and ``causal`` (None
+    when not judged).
     """
 
     inputs: list[Tensor] = field(default_factory=list)
@@ -38,6 +40,7 @@ class Attention:
     closed: bool = False
     parts: list[Any] = field(default_factory=list)
     handle: int | None = None
+    fields: dict[str, int] = field(default_factory=dict)
     shape: tuple[int, ...] = ()
     causal: bool | None = None
 

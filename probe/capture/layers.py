@@ -50,18 +50,24 @@ class Layer:
     calls: dict[int, Call] = field(default_factory=dict)  # sublayer id -> its Call
 
 
+def _fields(a: Attention) -> dict[str, int]:
+    """The stored fields of an attention: its pattern's handle and any others."""
+    return ({} if a.handle is None else {"pattern": a.handle}) | a.fields
+
+
 @dataclass
 class LayerRecord:
     """What the tracer captured for one layer (before stack names are settled).
 
-    ``patterns``: ``(role, handle, shape, impls, causal)`` per stored pattern; ``residuals``:
+    ``patterns``: ``(role, fields, shape, impls, causal)`` per attention with stored fields
+    (``fields``: field name, e.g. ``pattern`` or ``rows``, -> sink handle); ``residuals``:
     ``(name, handle)``; ``notes``: metadata (``residual_note``, ``deltas``).
     """
 
     container: str
     index: int
     module: str
-    patterns: list[tuple[str, int, tuple[int, ...], list[str], bool | None]]
+    patterns: list[tuple[str, dict[str, int], tuple[int, ...], list[str], bool | None]]
     residuals: list[tuple[str, int]]
     notes: dict[str, Any] = field(default_factory=dict)
 
@@ -248,9 +254,9 @@ class LayerTracker:
         if not layer.wanted:
             return
         patterns = [
-            (a.role or "self", a.handle, a.shape, sorted(a.impl), a.causal)
+            (a.role or "self", _fields(a), a.shape, sorted(a.impl), a.causal)
             for a in layer.attns
-            if a.handle is not None
+            if a.handle is not None or a.fields
         ]
         items, notes = layer_residuals(layer, call, out, self.name_of)
         residuals = [(n, self.store.put(t)) for n, t in items]

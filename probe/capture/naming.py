@@ -134,14 +134,15 @@ def name_layers(
     for r in sorted(records, key=lambda r: (base[r.container], r.container, r.index)):
         stack, idx = stack_of[r.container], base[r.container] + r.index
         entry: dict[str, Any] = {"stack": stack, "layer": idx, "module": r.module}
-        for role, handle, shape, impl, _causal in r.patterns:
-            k = key(stack, idx, f"{role}_attn.pattern")
-            if k in names.values():
-                raise ProbeError(
-                    f"layer {r.module} computes two {role}-attention patterns; "
-                    "probe records one per role and layer"
-                )
-            names[handle] = k
+        for role, fields, shape, impl, _causal in r.patterns:
+            for field, handle in fields.items():
+                k = key(stack, idx, f"{role}_attn.{field}")
+                if k in names.values():
+                    raise ProbeError(
+                        f"layer {r.module} computes two {role}-attention patterns; "
+                        "probe records one per role and layer"
+                    )
+                names[handle] = k
             entry[f"{role}_attn"] = {"impl": impl, "heads": shape[1]}
         for name, handle in r.residuals:
             names[handle] = key(stack, idx, name)
