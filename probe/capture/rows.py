@@ -159,7 +159,7 @@ class KeepRows(_Kept):
         self._judge(attn, [p for _, p, _ in attn.parts])
         idx = attn.parts[0][2]
         attn.fields["rows"] = self.store.put(rows, owned=True)
-        attn.fields["row_index"] = self.store.put(idx.cpu(), owned=True)
+        attn.fields["row_index"] = self.store.put(idx.cpu().clone(), owned=True)  # one per attention
         attn.parts.clear()
 
 

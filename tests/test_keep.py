@@ -1,0 +1,280 @@
+"""probe.capture(..., keep=...): selected query rows and the top-k keys of every row.
+
+Oracles: the model's own weights (HF eager ``output_attentions``, the toys' hand-written softmax),
+a full-pattern capture of the same forward, ``torch.topk`` on those weights, the real positions
+read off the attention mask in the test itself, and a plain safetensors reader.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import hf_fixtures as H
+import pytest
+import torch
+from safetensors import safe_open
+from toys import ALL_KINDS, SOFTMAX_KINDS, ToyLM
+
+import models
+import probe
+from probe.capture.kept import parse_keep, parse_keep_arg
+from probe.errors import ProbeError
+
+TEXTS = ["attention lets tokens read context.", "the model is reading"]
+ROWS = [-1, 0, 2, -2]
+K = 3
+
+
+def expected_rows(mask: torch.Tensor, rows: list[int]) -> torch.Tensor:
+    """[batch, R]: row r of text b is its r-th real position (Python indexing over the real ones)."""
+    out = []
+    for m in mask.bool():
+        real = torch.nonzero(m).flatten().tolist()
+        out.append([real[r] for r in rows])
+    return torch.tensor(out)
+
+
+def gather_rows(pattern: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """pattern [B, H, Q, K] at query rows index [B, R] -> [B, H, R, K]."""
+    B, H, _, K = pattern.shape
+    return pattern.gather(2, index[:, None, :, None].expand(B, H, index.size(1), K))
+
+
+def check_topk(weights: torch.Tensor, values, indices, mass, k: int, real=None, atol: float = 1e-6) -> None:
+    """Top-k fields against the weights they come from: torch.topk's values, the weights at the
+    stored indices (ties may pick other keys of equal weight), the mass their sum. ``real``
+    ([batch, query] bool): compare those query rows only (a padded query's row is a convention:
+    uniform in eager attention, zeros in probe's recompute of SDPA)."""
+    assert indices.dtype == torch.int32 and values.shape == indices.shape == weights.shape[:-1] + (k,)
+    if real is not None:
+        pick = real.bool()[:, None, :].expand(weights.shape[:-1])
+        weights, values, indices, mass = weights[pick], values[pick], indices[pick], mass[pick]
+    ref = torch.topk(weights.float(), k, dim=-1)
+    torch.testing.assert_close(values.float(), ref.values, atol=atol, rtol=0)
+    torch.testing.assert_close(weights.float().gather(-1, indices.long()), values.float(), atol=atol, rtol=0)
+    distinct = torch.sort(indices.long(), dim=-1).values.diff(dim=-1)
+    assert bool((distinct > 0).all()), "a key is listed twice in one row"
+    torch.testing.assert_close(mass, ref.values.sum(-1), atol=atol, rtol=0)
+
+
+# -- toys: every way attention gets written -----------------------------------------------------
+
+
+@pytest.mark.parametrize("kind", ALL_KINDS)
+def test_toys_rows_and_topk_match_full_patterns(kind):
+    torch.manual_seed(0)
+    model = ToyLM(kind, n_kv_heads=2 if kind == "sdpa_gqa" else None).eval()
+    ids = torch.randint(0, 40, (2, 13))
+    full = probe.capture(model, ids)
+    rows = probe.capture(model, ids, keep={"rows": ROWS})
+    top = probe.capture(model, ids, keep={"topk": K})
+    assert rows.metadata["keep"] == {"rows": ROWS} and top.metadata["keep"] == {"topk": K}
+    assert rows.stacks == top.stacks == ["decoder"]  # causal judged from the kept parts
+    index = expected_rows(torch.ones(2, 13), ROWS)
+    for layer in range(3):
+        if kind in SOFTMAX_KINDS:  # the model's own weights, kept by the toy
+            with torch.no_grad():
+                model(ids)
+            oracle = model.blocks[layer].attn.weights
+            torch.testing.assert_close(full.pattern("decoder", layer), oracle, atol=1e-6, rtol=0)
+        else:
+            oracle = full.pattern("decoder", layer)
+        at = f"decoder.blocks.{layer}.self_attn."
+        assert torch.equal(rows[at + "row_index"], index)
+        torch.testing.assert_close(rows[at + "rows"], gather_rows(oracle, index), atol=1e-6, rtol=0)
+        check_topk(oracle, top[at + "topk_values"], top[at + "topk_indices"], top[at + "topk_mass"], K)
+        assert not any(k.endswith(".pattern") for k in rows.keys() + top.keys())
+
+
+def test_heads_and_layers_selection_apply():
+    torch.manual_seed(0)
+    model = ToyLM("sdpa_causal").eval()
+    ids = torch.randint(0, 40, (1, 9))
+    full = probe.capture(model, ids)
+    rows = probe.capture(model, ids, keep={"rows": [-1]}, heads=[1, 3], layers=[2])
+    assert rows.layer_indices("decoder", "self_attn.rows") == [2]
+    got = rows["decoder.blocks.2.self_attn.rows"]
+    torch.testing.assert_close(got, full.pattern("decoder", 2)[:, [1, 3], -1:], atol=1e-6, rtol=0)
+    top = probe.capture(model, ids, keep={"topk": 50})  # more than the 9 keys: cut to 9
+    values = top["decoder.blocks.0.self_attn.topk_values"]
+    assert values.shape[-1] == 9
+    check_topk(
+        full.pattern("decoder", 0),
+        values,
+        top["decoder.blocks.0.self_attn.topk_indices"],
+        top["decoder.blocks.0.self_attn.topk_mass"],
+        9,
+    )
+    torch.testing.assert_close(
+        top["decoder.blocks.0.self_attn.topk_mass"], torch.ones(1, 4, 9), atol=1e-6, rtol=0
+    )
+
+
+# -- the zoo's minigpt: a padded batch ---------------------------------------------------------
+
+
+def test_minigpt_padded_batch():
+    model = models.load("minigpt")
+    texts = ["attention lets tokens read.", "hi there"]
+    full = probe.capture(model, texts)
+    rows = probe.capture(model, texts, keep={"rows": ROWS})
+    top = probe.capture(model, texts, keep={"topk": K})
+    mask = torch.tensor(full.metadata["attention_mask"])
+    assert not mask.all()  # the batch is padded
+    index = expected_rows(mask, ROWS)
+    for layer in range(full.n_layers("decoder")):
+        at = f"decoder.blocks.{layer}.self_attn."
+        p = full.pattern("decoder", layer)
+        assert torch.equal(rows[at + "row_index"], index)
+        torch.testing.assert_close(rows[at + "rows"], gather_rows(p, index), atol=1e-6, rtol=0)
+        check_topk(p, top[at + "topk_values"], top[at + "topk_indices"], top[at + "topk_mass"], K)
+
+
+# -- Hugging Face models against their own eager weights ---------------------------------------
+
+
+@pytest.fixture(scope="module")
+def bpe(tmp_path_factory):
+    tok = H.bpe_tokenizer(tmp_path_factory.mktemp("tok") / "bpe")
+    tok.pad_token = tok.eos_token
+    return tok
+
+
+def eager_weights(model, tok, side: str):
+    """(inputs, eager output_attentions) of TEXTS padded on ``side``: the library's own weights."""
+    old = tok.padding_side
+    tok.padding_side = side
+    try:
+        enc = dict(tok(TEXTS, padding=True, return_tensors="pt"))
+    finally:
+        tok.padding_side = old
+    enc.pop("token_type_ids", None)
+    with torch.no_grad():
+        out = H.eager_twin(model)(**enc, output_attentions=True)
+    return enc, out.attentions
+
+
+def traced(model, enc, keep):
+    """A probe.trace of the library's own forward on ``enc``, told its attention mask."""
+    meta = {"attention_mask": enc["attention_mask"].tolist()}
+    with torch.no_grad(), probe.trace(model, keep=keep, metadata=meta) as t:
+        model(**enc)
+    return t.cache
+
+
+@pytest.mark.parametrize(
+    "name,side", [("gpt2", "right"), ("llama", "right"), ("llama", "left"), ("minilm", "right")]
+)
+def test_hf_rows_and_topk_match_eager_output_attentions(bpe, name, side):
+    if name == "minilm":
+        model, tok, _ = H.minilm()
+    else:
+        model, tok = (H.gpt2 if name == "gpt2" else H.llama)(len(bpe)), bpe
+    assert model.config._attn_implementation == "sdpa"
+    enc, oracle = eager_weights(model, tok, side)
+    assert not enc["attention_mask"].all()
+    rows = traced(model, enc, {"rows": ROWS})
+    top = traced(model, enc, {"topk": K})
+    stack = "encoder" if name == "minilm" else "decoder"
+    assert rows.stacks == top.stacks == [stack]
+    assert rows.metadata["attention_implementations"] == ["sdpa"]
+    index = expected_rows(enc["attention_mask"], ROWS)
+    # eager attention sums in another order than the recompute of SDPA's weights: 1e-5, as the
+    # full patterns are checked against it (test_hf.py); 1e-6 against a full-pattern capture
+    full = traced(model, enc, None)
+    real = enc["attention_mask"]
+    for layer, w in enumerate(oracle):
+        at = f"{stack}.blocks.{layer}.self_attn."
+        assert torch.equal(rows[at + "row_index"], index)
+        torch.testing.assert_close(rows[at + "rows"], gather_rows(w, index), atol=1e-5, rtol=0)
+        p = full.pattern(stack, layer)
+        torch.testing.assert_close(rows[at + "rows"], gather_rows(p, index), atol=1e-6, rtol=0)
+        fields = top[at + "topk_values"], top[at + "topk_indices"], top[at + "topk_mass"]
+        check_topk(w, *fields, K, real, atol=1e-5)
+        check_topk(p, *fields, K, real)
+
+
+@pytest.mark.parametrize("side", ["left", "right"])
+def test_hf_capture_padded_matches_full_capture(bpe, side):
+    model = H.llama(len(bpe))
+    old = bpe.padding_side
+    bpe.padding_side = side
+    try:
+        full = probe.capture(model, TEXTS, tokenizer=bpe)
+        rows = probe.capture(model, TEXTS, tokenizer=bpe, keep={"rows": [-1, 0]})
+    finally:
+        bpe.padding_side = old
+    index = expected_rows(torch.tensor(full.metadata["attention_mask"]), [-1, 0])
+    for layer in range(2):
+        at = f"decoder.blocks.{layer}.self_attn."
+        assert torch.equal(rows[at + "row_index"], index)
+        got = rows[at + "rows"]
+        torch.testing.assert_close(got, gather_rows(full.pattern("decoder", layer), index), atol=1e-6, rtol=0)
+
+
+# -- the file cache ----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("keep", [{"rows": [-1, 1]}, {"topk": 4}])
+def test_round_trip_through_a_file(tmp_path, keep):
+    model = models.load("minigpt")
+    texts = ["attention lets tokens read.", "hi there"]
+    mem = probe.capture(model, texts, keep=keep)
+    streamed = probe.capture(model, texts, keep=keep, out=tmp_path / "s.safetensors")
+    mem.save(tmp_path / "m.safetensors")
+    for path in ("s.safetensors", "m.safetensors"):
+        loaded = probe.load(tmp_path / path)
+        assert loaded.keys() == mem.keys() and loaded.metadata["keep"] == keep
+        with safe_open(str(tmp_path / path), "pt") as f:  # any safetensors reader
+            for k in mem.keys():
+                assert torch.equal(f.get_tensor(k), mem[k]), k
+    assert set(streamed.keys()) == set(mem.keys())
+
+
+# -- refusals ----------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "keep,words",
+    [
+        ({"rows": []}, "keeps no row"),
+        ({"rows": [1, 1]}, "twice"),
+        ({"rows": ["a"]}, "integer row indices"),
+        ({"topk": 0}, "positive"),
+        ({"topk": 2.5}, "positive"),
+        ("everything", "not supported"),
+        ({"rows": [1], "topk": 2}, "not supported"),
+    ],
+)
+def test_bad_keep_is_one_line_error(keep, words):
+    with pytest.raises(ProbeError, match=words) as e:
+        parse_keep(keep)
+    assert "\n" not in str(e.value)
+
+
+def test_row_past_a_text_is_refused_before_the_model_runs():
+    model = models.load("minigpt")
+    with pytest.raises(ProbeError, match=r"row -9 does not exist in text 1, which has 8 real positions"):
+        probe.capture(model, ["attention lets tokens read.", "hi there"], keep={"rows": [-9]})
+
+
+def test_cli_keep_parsing_and_bad_keep_exits_2(tmp_path):
+    assert parse_keep_arg("rows:-1,-2") == parse_keep({"rows": [-1, -2]})
+    assert parse_keep_arg("topk:32") == parse_keep({"topk": 32})
+    assert parse_keep_arg("patterns").default
+    for bad in ("rows:", "rows:a", "topk:x", "topk:0", "all"):
+        with pytest.raises(ProbeError):
+            parse_keep_arg(bad)
+    out = tmp_path / "c.safetensors"
+    run = [sys.executable, "-m", "probe", "capture", "--model", "minigpt", "hi there", "-o", str(out)]
+    bad = subprocess.run(run + ["--keep", "rows:x"], capture_output=True, text=True)
+    assert bad.returncode == 2 and "Traceback" not in bad.stderr and "--keep rows:x" in bad.stderr
+    assert not out.exists()
+    ok = subprocess.run(run + ["--keep", "rows:-1"], capture_output=True, text=True)
+    assert ok.returncode == 0, ok.stderr
+    cache = probe.load(out)
+    assert cache.metadata["keep"] == {"rows": [-1]}
+    full = probe.capture(models.load("minigpt"), "hi there")
+    got = cache["decoder.blocks.1.self_attn.rows"]
+    torch.testing.assert_close(got, full.pattern("decoder", 1)[:, :, -1:], atol=1e-6, rtol=0)
