@@ -278,3 +278,35 @@ def test_cli_keep_parsing_and_bad_keep_exits_2(tmp_path):
     full = probe.capture(models.load("minigpt"), "hi there")
     got = cache["decoder.blocks.1.self_attn.rows"]
     torch.testing.assert_close(got, full.pattern("decoder", 1)[:, :, -1:], atol=1e-6, rtol=0)
+
+
+# -- the Cache API and the analyses on a rows or top-k cache ------------------------------------
+
+
+def test_cache_api_reads_rows_and_topk_and_refuses_patterns(tmp_path):
+    model = models.load("minigpt")
+    texts = ["attention lets tokens read.", "hi there"]
+    full = probe.capture(model, texts)
+    rows = probe.capture(model, texts, keep={"rows": [-1]})
+    top = probe.capture(model, texts, keep={"topk": 2}, out=tmp_path / "t.safetensors")
+    assert full.kept == "patterns" and not full.partial
+    assert rows.kept == {"rows": [-1]} and top.kept == {"topk": 2} and rows.partial and top.partial
+    index = expected_rows(torch.tensor(full.metadata["attention_mask"]), [-1])
+    assert torch.equal(rows.row_index("decoder", 1), index)
+    want = gather_rows(full.pattern("decoder", 1), index)
+    torch.testing.assert_close(rows.rows("decoder", 1), want, atol=1e-6, rtol=0)
+    torch.testing.assert_close(rows.rows("decoder", 1, head=2, batch=1), want[1, 2], atol=1e-6, rtol=0)
+    t = top.topk("decoder", 0, batch=0)
+    check_topk(full.pattern("decoder", 0, batch=0), t.values, t.indices, t.mass, 2)
+    with pytest.raises(
+        ProbeError, match=r"kept query rows \[-1\] .* not whole attention patterns.*--keep patterns"
+    ):
+        rows.pattern("decoder", 0)
+    with pytest.raises(ProbeError, match=r"kept the top 2 keys .* cache.topk"):
+        top.head_pattern(0)
+    with pytest.raises(ProbeError, match="holds no query rows"):
+        top.rows("decoder", 0)
+    with pytest.raises(ProbeError, match="holds no top-k"):
+        full.topk("decoder", 0)
+    with pytest.raises(ProbeError, match="causal-mask audit"):
+        probe.check_causal(rows)
