@@ -310,3 +310,27 @@ def test_cache_api_reads_rows_and_topk_and_refuses_patterns(tmp_path):
         full.topk("decoder", 0)
     with pytest.raises(ProbeError, match="causal-mask audit"):
         probe.check_causal(rows)
+
+
+@pytest.mark.parametrize("keep", [{"rows": [-1, 0]}, {"topk": 3}])
+def test_report_shows_what_was_kept_and_says_what_was_not(tmp_path, keep):
+    model = models.load("minigpt")
+    cache = probe.capture(model, ["attention lets tokens read.", "hi there"], keep=keep)
+    probe.report(cache, tmp_path / "r")
+    page = (tmp_path / "r" / "index.html").read_text()
+    said = (
+        "query rows [-1, 0] of every text over every key"
+        if "rows" in keep
+        else "the top 3 keys of every query row"
+    )
+    assert f"This cache kept {said}, not whole attention patterns." in page
+    assert "Not kept: every other weight of each pattern" in page and "--keep patterns" in page
+    assert 'id="sec-attention"' not in page  # no view pretends to show whole patterns
+    if "rows" in keep:  # one figure per text and kept row, over that text's real keys
+        assert page.count('alt="text 1, decoder, query 26') == 1 and page.count("; 27 keys.") == 2
+        assert page.count('alt="text 2, decoder, query 7') == 1 and page.count("; 8 keys.") == 2
+    else:
+        mass = torch.stack([cache.topk("decoder", i).mass for i in range(2)])
+        real = torch.tensor(cache.metadata["attention_mask"]).bool()
+        mean = mass.permute(0, 2, 1, 3)[:, :, real].mean()  # layers, heads, real queries
+        assert f"mean share of each row kept: {mean:.3f} on average" in page
