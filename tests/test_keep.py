@@ -334,3 +334,74 @@ def test_report_shows_what_was_kept_and_says_what_was_not(tmp_path, keep):
         real = torch.tensor(cache.metadata["attention_mask"]).bool()
         mean = mass.permute(0, 2, 1, 3)[:, :, real].mean()  # layers, heads, real queries
         assert f"mean share of each row kept: {mean:.3f} on average" in page
+
+
+def _row_metrics(p: torch.Tensor, i: int, real_k: torch.Tensor, first: int, special, causal: bool) -> dict:
+    """The per-row metrics of the probe.analysis.focus table, written out for one row ``p`` [K]."""
+    K = p.numel()
+    p = torch.where(real_k, p.double(), 0)
+    j = torch.arange(K)
+    vis = real_k & (j <= i) if causal else real_k
+    nz = p[p > 0]
+    ent = float(-(nz * nz.log()).sum())
+    desc = p.sort(descending=True).values.cumsum(0)
+    out = {
+        "entropy": ent,
+        "norm_entropy": ent / float(torch.log(torch.tensor(max(int(vis.sum()), 2), dtype=torch.float64))),
+        "confidence": float(p.max()),
+        "first": float(p[first]),
+        "special": float(p[special].sum()),
+        "span": int((desc < 0.9 * desc[-1]).sum()) + 1,
+        "self": float(p[i]),
+        "distance": float((p * (j - i).abs()).sum()),
+        "signed_distance": float((p * (j - i)).sum()),
+    }
+    if i > 0 and real_k[i - 1]:
+        out["prev"] = float(p[i - 1])
+    return out, int(vis.sum()) >= 2
+
+
+@pytest.mark.parametrize("name", ["minigpt", "minilm"])
+def test_head_stats_over_kept_rows(name):
+    if name == "minigpt":
+        model, tok, stack, causal = models.load("minigpt"), None, "decoder", True
+        texts = ["attention lets tokens read.", "hi there"]
+    else:
+        model, tok, _ = H.minilm()
+        stack, causal, texts = "encoder", False, ["attention lets tokens read context.", "the model"]
+    want = [-1, 3, 0, -2]
+    full = probe.capture(model, texts, tokenizer=tok)
+    stats = probe.head_stats(probe.capture(model, texts, tokenizer=tok, keep={"rows": want}))
+    assert stats.kept == {"rows": want} and "over the kept query rows" in stats.table.title
+    assert set(stats.not_computed) >= {"pos_offset", "induction_score", "word_prev", "rollout"}
+    assert "not computed (they need every query row): pos_offset" in stats.summary()
+    meta = full.metadata
+    mask = torch.tensor(meta["attention_mask"]).bool()
+    index = expected_rows(mask, want)
+    specials = torch.tensor(meta.get("special_tokens_mask") or torch.zeros_like(mask).tolist()).bool()
+    for layer in range(full.n_layers(stack)):
+        P = full.pattern(stack, layer)
+        rows = [r for r in stats.table if r["layer"] == layer]
+        assert all(r["causal"] == causal for r in rows)
+        for h, row in enumerate(rows):
+            per_text = []
+            for b in range(P.shape[0]):
+                first = int(mask[b].nonzero()[0])
+                got = [
+                    _row_metrics(P[b, h, i], int(i), mask[b], first, specials[b], causal) for i in index[b]
+                ]
+                counted = [m for m, ok in got if ok]
+                per_text.append(
+                    {k: sum(m[k] for m in counted) / len(counted) for k in counted[0] if k != "prev"}
+                )
+            for metric in per_text[0]:
+                if metric == "confidence" and name == "minilm":
+                    continue  # excludes a final [SEP] query: checked on minigpt
+                expect = sum(t[metric] for t in per_text) / len(per_text)
+                assert row[metric] == pytest.approx(expect, abs=1e-5), (layer, h, metric)
+            for metric in ("pos_offset", "pos_frac", "prev_score", "induction_score", "word_self"):
+                assert row[metric] != row[metric]  # NaN: not computed
+    with pytest.raises(ProbeError, match="cannot combine statistics of whole patterns"):
+        probe.head_stats([full, probe.capture(model, texts, tokenizer=tok, keep={"rows": [-1]})])
+    with pytest.raises(ProbeError, match="kept the top 2 keys"):
+        probe.head_stats(probe.capture(model, texts, tokenizer=tok, keep={"topk": 2}))
