@@ -326,6 +326,8 @@ def test_report_shows_what_was_kept_and_says_what_was_not(tmp_path, keep):
     assert f"This cache kept {said}, not whole attention patterns." in page
     assert "Not kept: every other weight of each pattern" in page and "--keep patterns" in page
     assert 'id="sec-attention"' not in page  # no view pretends to show whole patterns
+    focus = "These statistics are over the kept query rows [-1, 0] of each text, not every query"
+    assert (focus in page) == ("rows" in keep)  # the per-row focus statistics, saying over what
     if "rows" in keep:  # one figure per text and kept row, over that text's real keys
         assert page.count('alt="text 1, decoder, query 26') == 1 and page.count("; 27 keys.") == 2
         assert page.count('alt="text 2, decoder, query 7') == 1 and page.count("; 8 keys.") == 2

@@ -27,10 +27,12 @@ ORDER = 15
 MAX_TEXTS = 4  # texts drawn per cache
 MAX_ROWS = 4  # kept rows drawn per text
 MAX_COLUMNS = 8192  # figure columns; more keys are max-pooled into runs
-NOT_SHOWN = (
-    "the attention overview and head explorer, the focus statistics and roles, and the causal-mask "
-    "audit, which read every weight of a pattern,"
-)
+NOT_SHOWN = {
+    True: "the attention overview and head explorer, the causal-mask audit and the focus metrics "
+    "that need every query row (offsets, words, templates, rollout), which read every row of a pattern,",
+    False: "the attention overview and head explorer, the focus statistics and roles, and the "
+    "causal-mask audit, which read every weight of a pattern,",
+}
 
 
 def _attentions(cache, field: str) -> list[tuple[str, str, int, str]]:
@@ -198,7 +200,7 @@ def build(ctx) -> dict | None:
         return None
     return {
         "runs": runs,
-        "not_shown": NOT_SHOWN,
+        "not_shown": NOT_SHOWN[all(r["rows"] for r in runs)],
         "multi": len(ctx.caches) > 1,
         "max_texts": MAX_TEXTS,
         "max_rows": MAX_ROWS,
