@@ -407,3 +407,30 @@ def test_head_stats_over_kept_rows(name):
         probe.head_stats([full, probe.capture(model, texts, tokenizer=tok, keep={"rows": [-1]})])
     with pytest.raises(ProbeError, match="kept the top 2 keys"):
         probe.head_stats(probe.capture(model, texts, tokenizer=tok, keep={"topk": 2}))
+
+
+def test_encoder_decoder_self_and_cross_rows_and_topk(bpe):
+    model = H.bart(len(bpe))
+    src, tgt = (
+        ["attention lets tokens read context.", "the model"],
+        ["i want a beer.", "ich mochte ein bier bitte."],
+    )
+    full = probe.capture(model, src, tokenizer=bpe, target=tgt)
+    rows = probe.capture(model, src, tokenizer=bpe, target=tgt, keep={"rows": [-1, 0]})
+    top = probe.capture(model, src, tokenizer=bpe, target=tgt, keep={"topk": 2})
+    assert rows.stacks == top.stacks == ["encoder", "decoder"]
+    meta = full.metadata
+    for stack, kind, mask in (
+        ("encoder", "self", meta["attention_mask"]),
+        ("decoder", "self", meta["target_attention_mask"]),
+        ("decoder", "cross", meta["target_attention_mask"]),  # queries: the decoder's tokens
+    ):
+        index = expected_rows(torch.tensor(mask), [-1, 0])
+        for layer in range(full.n_layers(stack)):
+            p = full.pattern(stack, layer, kind)
+            assert torch.equal(rows.row_index(stack, layer, kind), index)
+            torch.testing.assert_close(
+                rows.rows(stack, layer, kind), gather_rows(p, index), atol=1e-6, rtol=0
+            )
+            t = top.topk(stack, layer, kind)
+            check_topk(p, t.values, t.indices, t.mass, 2, torch.tensor(mask))
