@@ -434,3 +434,14 @@ def test_encoder_decoder_self_and_cross_rows_and_topk(bpe):
             )
             t = top.topk(stack, layer, kind)
             check_topk(p, t.values, t.indices, t.mass, 2, torch.tensor(mask))
+
+
+def test_metadata_dtype_names_the_float_storage_only():
+    model = models.load("minigpt")
+    for keep in ({"rows": [-1]}, {"topk": 2}):
+        cache = probe.capture(model, "hi there", keep=keep, dtype="float16")
+        assert cache.metadata["dtype"] == "float16"  # row_index / topk_indices are integers beside it
+        fields = [k for k in cache.keys() if "_attn." in k and not k.endswith("delta")]
+        assert {str(cache[k].dtype) for k in fields} == (
+            {"torch.float16", "torch.int64"} if "rows" in keep else {"torch.float16", "torch.int32"}
+        )

@@ -72,10 +72,10 @@ def info_text(path: str | Path) -> str:
             f"{s}:   {cache.n_layers(s)} of {stacks.get(s, {}).get('layers', '?')} "
             f"layers captured, {hs} heads"
         )
-    if meta.get("keep") not in (None, "patterns"):
-        from probe.capture.kept import parse_keep
+    if cache.partial:
+        from probe.cache.kept import describe
 
-        lines.append(f"kept:      {parse_keep(meta['keep']).describe()} (no whole patterns)")
+        lines.append(f"kept:      {describe(cache.kept)} (no whole patterns)")
     if meta.get("training"):
         lines.append("mode:      train (patterns are the weights before dropout)")
     no_deltas: dict[tuple[str, str], list[str]] = {}  # layers stored without deltas, by reason
