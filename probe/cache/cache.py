@@ -22,6 +22,7 @@ from probe.cache.format import (
     parse_key,
     parse_name,
 )
+from probe.cache.kept import KeptFields
 from probe.cache.perf.heap import HeapTensors
 from probe.cache.queries import CacheKeyError, CacheQueries
 from probe.cache.validate import ITEMSIZE, check_consistency, check_header, check_metadata, read_header
@@ -76,7 +77,7 @@ def encode_metadata(meta: Mapping[str, Any]) -> dict[str, str]:
     }
 
 
-class Cache(CacheQueries, Mapping[str, torch.Tensor]):
+class Cache(CacheQueries, KeptFields, Mapping[str, torch.Tensor]):
     """Captured attention patterns and residual-stream tensors of one forward pass.
 
     Keys are ``<stack>.blocks.<i>.<name>`` (see :mod:`probe.cache.format`). A cache made by
@@ -216,6 +217,8 @@ class Cache(CacheQueries, Mapping[str, torch.Tensor]):
         name = attention_name(kind, "pattern", index)
         k = key(stack, layer, name)
         if k not in self:
+            if self.partial:
+                raise self.not_kept()
             several = sorted(i for r, i in self.attentions(stack, layer) if r == kind and i is not None)
             if several and index is None:
                 raise CacheKeyError(

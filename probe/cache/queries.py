@@ -54,6 +54,8 @@ class CacheQueries:
         _check_kind(kind)
         stacks = self.stacks
         if not any(self.pattern_layers(s, k) for s in stacks for k in ("self", "cross")):
+            if self.partial:
+                raise self.not_kept()
             raise ProbeError("this cache holds no attention patterns; capture a model with probe.capture")
         if stack is not None:
             if stack not in stacks:
@@ -117,6 +119,8 @@ class CacheQueries:
         if k is not None and k in self:
             return k
         have = self.layer_indices(stack, name)
+        if not have and self.partial:
+            raise self.not_kept()
         if not have:
             what = (
                 "cross-attention (it is not an encoder-decoder)" if kind == "cross" else f"{kind}-attention"

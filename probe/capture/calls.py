@@ -27,12 +27,14 @@ class Attention:
     one), ``qk`` (query and key lengths), ``impl`` (how the parts were computed), ``role``
     (``"self"``/``"cross"``, at close). Set by the pattern consumer: ``parts`` (its working
     state), ``handle`` (the sink handle of the stored pattern, None when none was stored),
-    ``shape`` (the stored ``[batch, heads, q, k]``) and ``causal`` (None when not judged).
+    ``shape`` (the ``[batch, heads, q, k]`` of the pattern, stored or not) and ``causal`` (None
+    when not judged).
 
     Beside the pattern: ``sinks`` (set by the recorder: the mass of a learned sink column joined
     to the scores, one ``[batch, (heads,) q]`` tensor per part, in the parts' order), ``kind``
     (what the pattern is when it is not one plain softmax, said in the metadata) and ``fields``
-    (set by the consumer: the other stored fields of this attention, field name -> sink handle).
+    (set by the consumer: the other stored fields of this attention, e.g. ``rows`` or ``sink``,
+    field name -> sink handle).
     ``diff_lambda``: the λ of a differential attention's sublayer (DiffLlama), whose heads pair
     up as ``a1 - λ·a2``.
     """

@@ -24,6 +24,7 @@ from probe.cache.cache import encode_metadata, open_cache
 from probe.cache.selection import Selection
 from probe.cache.writer import FileSink, MemorySink, check_output
 from probe.capture.inputs import model_name, prepare
+from probe.capture.kept import parse_keep
 from probe.capture.naming import check_forward, model_info, name
 from probe.capture.tracer import Tracer
 from probe.errors import ProbeError
@@ -75,7 +76,10 @@ class Trace:
     After the block, ``trace.cache`` holds the :class:`~probe.Cache`. The model is not edited and
     its outputs inside the block are bit-identical to its outputs outside. ``out`` streams the
     cache to a safetensors file layer by layer; ``layers`` and ``heads`` restrict what is kept;
-    ``dtype`` (``float16``/``bfloat16``) shrinks what is stored.
+    ``dtype`` (``float16``/``bfloat16``) shrinks what is stored; ``keep`` keeps selected query
+    rows or the top-k keys of each row instead of whole patterns (:mod:`probe.capture.kept`;
+    inside ``probe.trace`` row indices count every query position unless ``metadata`` holds the
+    ``attention_mask``).
     """
 
     def __init__(
@@ -88,6 +92,7 @@ class Trace:
         dtype: Any = None,
         metadata: dict[str, Any] | None = None,
         reserve: int = 0,
+        keep: Any = None,
     ) -> None:
         if not isinstance(model, nn.Module):
             raise ProbeError(f"probe captures torch.nn.Module models, not {type(model).__name__}")
@@ -99,6 +104,9 @@ class Trace:
         self.layers, self.heads = self.selection.layers, self.selection.heads
         self.dtype = parse_dtype(dtype)
         self.metadata: dict[str, Any] = dict(metadata or {})
+        self.keep = parse_keep(keep)
+        if not self.keep.default:
+            self.metadata["keep"] = self.keep.to_json()
         self.cache: Cache | None = None
         self._extra_reserve = int(reserve)
         self._sink: Any = None
@@ -132,7 +140,14 @@ class Trace:
 
     def _enter(self) -> None:
         self._sink = FileSink(self.out, reserve=self._header_estimate()) if self.out else MemorySink()
-        self._tracer = Tracer(self.model, self._sink, selection=self.selection, dtype=self.dtype)
+        self._tracer = Tracer(
+            self.model,
+            self._sink,
+            selection=self.selection,
+            dtype=self.dtype,
+            keep=self.keep,
+            metadata=self.metadata,
+        )
         try:
             self._tracer.__enter__()
         except BaseException:
@@ -172,7 +187,7 @@ class Trace:
 def trace(model: nn.Module, **kwargs: Any) -> Trace:
     """``with probe.trace(model) as t: model(x)`` captures that forward; then use ``t.cache``.
 
-    Keyword arguments: ``out``, ``layers``, ``heads``, ``dtype``, ``metadata`` (see :class:`Trace`).
+    Keyword arguments: ``out``, ``layers``, ``heads``, ``dtype``, ``metadata``, ``keep`` (see :class:`Trace`).
     """
     return Trace(model, **kwargs)
 
@@ -187,6 +202,7 @@ def capture(
     layers: list[int] | None = None,
     heads: list[int] | None = None,
     dtype: Any = None,
+    keep: Any = None,
 ) -> Cache:
     """Run ``model`` on ``inputs`` and capture every attention pattern and residual delta.
 
@@ -196,11 +212,18 @@ def capture(
     greedily (where the model offers it) and captures that forward. With ``out`` the cache is
     streamed to that safetensors file layer by layer and returned opened lazily.
 
+    ``keep`` says what is kept of each attention: whole patterns (``None``, the default),
+    ``{"rows": [-1, ...]}`` (those query rows of every text over every key, ``<attn>.rows`` and
+    ``<attn>.row_index``; rows count each text's real tokens, -1 is its last) or ``{"topk": k}``
+    (``<attn>.topk_values``, ``topk_indices``, ``topk_mass``); neither holds a whole pattern of
+    an SDPA call. See ``docs/keep.md``.
+
     Returns a :class:`~probe.Cache` with keys ``<stack>.blocks.<i>.<name>``.
     """
     # arguments first: a bad selection or output path is refused before any forward runs
     selection = Selection.parse(layers, heads)
     parse_dtype(dtype)
+    kept = parse_keep(keep)
     if out is not None:
         check_output(out)
     prepared = prepare(model, inputs, tokenizer=tokenizer, target=target)
@@ -211,6 +234,7 @@ def capture(
         heads=selection.heads,
         dtype=dtype,
         metadata=prepared.meta,
+        keep=kept,
     )
     with torch.no_grad(), t:
         prepared.run()

@@ -50,22 +50,28 @@ class Layer:
     calls: dict[int, Call] = field(default_factory=dict)  # sublayer id -> its Call
 
 
+def _fields(a: Attention) -> dict[str, int]:
+    """The stored fields of an attention: its pattern's handle and any others."""
+    return ({} if a.handle is None else {"pattern": a.handle}) | a.fields
+
+
 @dataclass
 class LayerRecord:
     """What the tracer captured for one layer (before stack names are settled).
 
-    ``patterns``: ``(role, handle, shape, impls, causal)`` per stored pattern; ``residuals``:
+    ``patterns``: ``(role, fields, shape, impls, causal)`` per attention with stored fields
+    (``fields``: field name, e.g. ``pattern`` or ``rows``, -> sink handle); ``residuals``:
     ``(name, handle)``; ``notes``: metadata (``residual_note``, ``deltas``).
     """
 
     container: str
     index: int
     module: str
-    patterns: list[tuple[str, int, tuple[int, ...], list[str], bool | None]]
+    patterns: list[tuple[str, dict[str, int], tuple[int, ...], list[str], bool | None]]
     residuals: list[tuple[str, int]]
     notes: dict[str, Any] = field(default_factory=dict)
-    # pattern handle -> (its attention's other stored fields: name -> handle, what it is or None)
-    extras: dict[int, tuple[dict[str, int], str | None]] = field(default_factory=dict)
+    # what each attention in ``patterns`` is when it is not one plain softmax (None when it is)
+    kinds: list[str | None] = field(default_factory=list)
 
 
 class LayerTracker:
@@ -249,16 +255,13 @@ class LayerTracker:
         self.kept[layer.container] = self.container_len.get(layer.container, layer.index + 1)
         if not layer.wanted:
             return
-        patterns = [
-            (a.role or "self", a.handle, a.shape, sorted(a.impl), a.causal)
-            for a in layer.attns
-            if a.handle is not None
-        ]
-        extras = {a.handle: (dict(a.fields), a.kind) for a in layer.attns if a.handle is not None}
+        stored = [a for a in layer.attns if a.handle is not None or a.fields]
+        patterns = [(a.role or "self", _fields(a), a.shape, sorted(a.impl), a.causal) for a in stored]
+        kinds = [a.kind for a in stored]
         items, notes = layer_residuals(layer, call, out, self.name_of)
         residuals = [(n, self.store.put(t)) for n, t in items]
         name = self.name_of(call.module)
-        record = LayerRecord(layer.container, layer.index, name, patterns, residuals, notes, extras)
+        record = LayerRecord(layer.container, layer.index, name, patterns, residuals, notes, kinds)
         self.records.append(record)
 
     def plain_records(self) -> list[LayerRecord]:

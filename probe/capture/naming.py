@@ -158,11 +158,10 @@ def _name_attentions(r: LayerRecord, stack: str, idx: int, entry: dict[str, Any]
             )
     seen: collections.Counter = collections.Counter()
     names: dict[int, str] = {}
-    for role, handle, shape, impl, _causal in r.patterns:
+    kinds = r.kinds or [None] * len(r.patterns)
+    for (role, fields, shape, impl, _causal), kind in zip(r.patterns, kinds, strict=True):
         n = seen[role] if per_role[role] > 1 else None
         seen[role] += 1
-        fields, kind = r.extras.get(handle, ({}, None))
-        names[handle] = key(stack, idx, attention_name(role, "pattern", n))
         for field, h in fields.items():
             names[h] = key(stack, idx, attention_name(role, field, n))
         info: dict[str, Any] = {"impl": impl, "heads": shape[1]}

@@ -7,7 +7,8 @@ semantics, a block of query rows at a time:
 
 * :func:`sdpa_blocks` yields the weights row block by row block (each block valid until the
   next is asked for): what a pattern consumer that never holds a whole pattern reads;
-* :func:`sdpa_weights` writes every block into one ``[..., heads, L, S]`` tensor.
+* :func:`sdpa_weights` writes every block into one ``[..., heads, L, S]`` tensor;
+* :func:`sdpa_rows` computes chosen query rows only (``O(rows · S)``, never the whole pattern).
 """
 
 from __future__ import annotations
@@ -173,6 +174,44 @@ def sdpa_weights(
         if kend < S and not fresh:
             out[..., i:e, kend:].zero_()
     return out
+
+
+@torch.no_grad()
+def sdpa_rows(
+    query: Tensor,
+    key: Tensor,
+    value: Tensor | None = None,
+    attn_mask: Tensor | None = None,
+    dropout_p: float = 0.0,
+    is_causal: bool = False,
+    scale: float | None = None,
+    enable_gqa: bool = False,
+    *,
+    rows: Tensor,
+) -> Tensor:
+    """The weights of the query rows ``rows`` of an SDPA call over every key, float32
+    ``[batch, heads, R, S]``: row ``r`` of text ``b`` is query ``rows[b, r]`` (``rows``: int64
+    ``[batch, R]``, non-negative).
+
+    Only those rows are computed (their queries gathered, the mask's rows gathered, ``is_causal``
+    turned into the mask it stands for: query i sees keys ``<= i``), so memory and work are
+    ``O(R · S)`` per head, with the semantics of :func:`sdpa_weights`. Needs a 4-d query
+    ``[batch, heads, L, E]``.
+    """
+    B, H, L, E = query.shape
+    R, S = rows.size(-1), key.size(-2)
+    idx = rows.to(query.device)
+    q = query.gather(-2, idx[:, None, :, None].expand(B, H, R, E))
+    mask = attn_mask
+    if is_causal:
+        mask = torch.arange(S, device=query.device) <= idx[:, None, :, None]  # [B, 1, R, S]
+    elif mask is not None:
+        while mask.dim() < 4:
+            mask = mask.unsqueeze(0)
+        if mask.size(-2) == L:
+            m = mask.expand(B, mask.size(1), L, mask.size(-1))
+            mask = m.gather(-2, idx[:, None, :, None].expand(B, m.size(1), R, m.size(-1)))
+    return sdpa_weights(q, key, None, mask, scale=scale if scale is not None else 1.0 / math.sqrt(E))
 
 
 _UPPER: dict[tuple[int, str], Tensor] = {}

@@ -29,7 +29,7 @@ class Store:
         self.sink = sink
         self.dtype = dtype
         self.empty = sink.empty  # how the sink wants fresh pattern memory allocated (None: torch.empty)
-        self.dtypes: set[str] = set()  # the dtypes stored, as "float32"
+        self.dtypes: set[str] = set()  # the float dtypes stored, as "float32" (indices are integers)
         self._reuse = not isinstance(sink, MemorySink)
         self._buffers: list[Tensor | None] = [None, None]
         self._clean = [False, False]  # last filled by a causal call: zeros above the diagonal stay
@@ -48,7 +48,8 @@ class Store:
         t = t.detach()
         if self.dtype is not None and t.is_floating_point() and t.dtype != self.dtype:
             t = t.to(self.dtype)
-        self.dtypes.add(str(t.dtype).replace("torch.", ""))
+        if t.is_floating_point():  # the metadata's dtype: how the weights and residuals are stored
+            self.dtypes.add(str(t.dtype).replace("torch.", ""))
         return t
 
     # -- the two pattern buffers of a streamed capture -----------------------------------------

@@ -33,8 +33,10 @@ from torch import nn
 from probe.cache.selection import Selection
 from probe.capture.calls import Call, Forward
 from probe.capture.keep import KeepPatterns
+from probe.capture.kept import Keep
 from probe.capture.layers import LayerRecord, LayerTracker
 from probe.capture.record import PatternConsumer, Recorder
+from probe.capture.rows import consumer as kept_consumer
 from probe.capture.store import Store
 from probe.capture.watch import Watcher
 
@@ -43,7 +45,9 @@ class Tracer:
     """Hooks ``model`` for one capture into ``sink``; ``with tracer: model(...)``.
 
     ``consumer`` receives every attention (default: :class:`~probe.capture.keep.KeepPatterns`,
-    whole patterns stored). After the forward: :attr:`records`, :meth:`plain_records`,
+    whole patterns stored; ``keep`` (:class:`~probe.capture.kept.Keep`) picks the rows or top-k
+    consumer of :mod:`probe.capture.rows` instead, its rows resolved against ``metadata``'s masks).
+    After the forward: :attr:`records`, :meth:`plain_records`,
     :attr:`kept`, :attr:`impls`, :attr:`stored_dtypes` and the :attr:`forward`'s facts.
     """
 
@@ -55,12 +59,16 @@ class Tracer:
         selection: Selection | None = None,
         dtype: torch.dtype | None = None,
         consumer: PatternConsumer | None = None,
+        keep: Keep | None = None,
+        metadata: dict[str, Any] | None = None,
     ) -> None:
         selection = selection or Selection()
         stack: list[Call] = []
         self.forward = Forward()
         self.store = Store(sink, dtype)
         self.layers = LayerTracker(model, stack, selection, self.store, self.forward)
+        if consumer is None and keep is not None:
+            consumer = kept_consumer(keep, self.store, selection, metadata or {})
         consumer = consumer if consumer is not None else KeepPatterns(self.store, selection)
         self.recorder = Recorder(self.layers, self.forward, consumer)
         self.watcher = Watcher(model, stack, self.layers, self.recorder, self.forward)

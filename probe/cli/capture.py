@@ -13,7 +13,9 @@ from probe.errors import ProbeError
 def cmd_capture(args: argparse.Namespace) -> int:
     import probe
     from probe.cache.writer import check_output
+    from probe.capture.kept import parse_keep_arg
 
+    keep = parse_keep_arg(args.keep)  # before loading the model
     out = Path(args.output)
     if out.suffix != ".safetensors":
         raise ProbeError(f"output {out} should end in .safetensors")
@@ -32,6 +34,7 @@ def cmd_capture(args: argparse.Namespace) -> int:
         layers=args.layers,
         heads=args.heads,
         dtype=args.dtype,
+        keep=keep,
     )
     n = len(cache.keys())
     print(f"wrote {out} ({_human(out.stat().st_size)}, {n} tensors); inspect it with `probe info {out}`")
@@ -69,6 +72,10 @@ def info_text(path: str | Path) -> str:
             f"{s}:   {cache.n_layers(s)} of {stacks.get(s, {}).get('layers', '?')} "
             f"layers captured, {hs} heads"
         )
+    if cache.partial:
+        from probe.cache.kept import describe
+
+        lines.append(f"kept:      {describe(cache.kept)} (no whole patterns)")
     if meta.get("training"):
         lines.append("mode:      train (patterns are the weights before dropout)")
     no_deltas: dict[tuple[str, str], list[str]] = {}  # layers stored without deltas, by reason
@@ -129,6 +136,8 @@ def add_capture_parser(sub) -> None:
             "probe capture --model minigpt 'attention lets tokens read.' -o run.safetensors",
             "probe capture --model translator 'ich mochte ein bier' --target 'S i want a beer'",
             "probe capture --hf ./my-model 'some text' --layers 0,1 -o run.safetensors",
+            "probe capture --model minigpt 'a long text' --keep rows:-1,-2 -o rows.safetensors",
+            "probe capture --model minigpt 'a long text' --keep topk:32 -o topk.safetensors",
         ),
     )
     p.add_argument("text", nargs="+", metavar="TEXT", help="input text (several = one batch)")
@@ -148,6 +157,15 @@ def add_capture_parser(sub) -> None:
         default=None,
         choices=["float32", "float16", "bfloat16"],
         help="store tensors in this dtype (default: as computed)",
+    )
+    p.add_argument(
+        "--keep",
+        default="patterns",
+        metavar="WHAT",
+        help="what to keep of each attention: 'patterns' (default: whole [query, key] patterns), "
+        "'rows:-1,-2' (those query rows of every text over every key; rows count the real tokens, "
+        "-1 is the last) or 'topk:32' (the 32 largest weights of every row, their key positions "
+        "and the mass they keep); rows and topk never hold a whole pattern, for long texts",
     )
     p.set_defaults(func=cmd_capture)
 

@@ -18,6 +18,9 @@ if TYPE_CHECKING:
     from probe.analysis.focus.stats import FocusAccumulator
 
 
+_EVERY = "they need every query row"
+
+
 def _std_name(m: str) -> str:
     return f"{m}_std"
 
@@ -33,9 +36,14 @@ class HeadStats:
     """
 
     def __init__(self, acc: FocusAccumulator) -> None:
+        from probe.analysis.focus.kept import NOT_COMPUTED
+
         self.accumulator = acc
         self.n_texts = acc.n_texts
         self.rollout = acc.rollout
+        # statistics of a rows cache: over its kept rows; the metrics needing every row are NaN
+        self.kept = getattr(acc, "kept", None)
+        self.not_computed: dict[str, str] = dict(NOT_COMPUTED) if self.kept else {}
         rows = []
         several = any(int(st.count.max()) > 1 for st in acc.stats.values())
         for name, st in acc.stats.items():
@@ -68,7 +76,8 @@ class HeadStats:
                 rows.append(row)
         columns = ["stack", "layer", "head", "kind", "kv_head", "causal", "n_texts", "role", "roles"]
         columns += list(METRICS) + ([_std_name(m) for m in METRICS] if several else [])
-        self.table = Table(rows, columns, title=f"head statistics ({self.n_texts} texts)")
+        over = f", over the kept query rows {self.kept['rows']}" if self.kept else ""
+        self.table = Table(rows, columns, title=f"head statistics ({self.n_texts} texts{over})")
         self.sink_rate: dict[str, float] = {}
         for key in sorted({f"{r['stack']}/{r['kind']}" for r in rows}):
             fs = [
@@ -116,6 +125,8 @@ class HeadStats:
                 "role_rules": [list(r) for r in ROLE_RULES],
             }
         )
+        if self.kept:
+            d.update({"kept": self.kept, "not_computed": dict(self.not_computed)})
         return d
 
     def to_json(self, path: str | os.PathLike | None = None, **kw: Any) -> str:
@@ -149,6 +160,11 @@ class HeadStats:
                 counts[r["role"]] = counts.get(r["role"], 0) + 1
             roles = ", ".join(f"{n} {role}" for role, n in sorted(counts.items(), key=lambda x: -x[1]))
             lines.append(f"{stack} {kind}-attention: {len(rows)} heads; sink rate {rate:.2f}; roles: {roles}")
+        if self.kept:
+            lines.append(
+                f"computed over the kept query rows {self.kept['rows']} of each text, not every query; "
+                f"not computed ({_EVERY}): {', '.join(self.not_computed)}"
+            )
         return "\n".join(lines)
 
     def __str__(self) -> str:

@@ -52,11 +52,17 @@ class FocusAccumulator:
         self.kv_group: int | None = None
         self.n_texts = 0
         self.rollout: dict[str, torch.Tensor] | None = None
+        self.kept: dict | None = None  # a rows cache's keep (statistics over its kept rows)
 
     def add(self, cache: Cache, *, rollout: bool = False, progress: bool = False) -> FocusAccumulator:
         """Fold every text of ``cache`` in; with ``rollout`` keep its attention rollout too."""
         meta = cache.metadata
         self.kv_group = _kv_group(meta) or self.kv_group
+        if cache.partial or self.kept is not None:  # kept rows: the per-row metrics over them
+            from probe.analysis.focus.kept import add_rows
+
+            add_rows(self, cache)
+            return self
         captured = meta.get("heads_captured")
         layers = [
             (s, i, kind)
@@ -103,6 +109,9 @@ class FocusAccumulator:
 
     def merge(self, other: FocusAccumulator) -> FocusAccumulator:
         """Add ``other``'s texts (exact merge of counts, means and M2); returns self."""
+        if self.kept != other.kept and self.stats and other.stats:
+            raise ProbeError(f"cannot merge statistics over kept rows {self.kept} with {other.kept}")
+        self.kept = self.kept or other.kept
         for name, st in other.stats.items():
             if name in self.heads and self.heads[name] != other.heads[name]:
                 raise ProbeError(f"{name}: cannot merge statistics of different heads")

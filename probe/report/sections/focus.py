@@ -199,7 +199,14 @@ def _grid(rows: list[dict]) -> tuple[list[int], list[dict]]:
     return heads, grid
 
 
-def _table(rows: list[dict], several: bool) -> dict:
+def _why(c: str, row: dict, not_computed: dict[str, str]) -> str:
+    """:func:`why_missing`, or why a rows cache's statistics leave ``c`` out."""
+    if c in not_computed:
+        return f"not computed: the cache kept only some query rows, and this metric {not_computed[c]}"
+    return why_missing(c, row)
+
+
+def _table(rows: list[dict], several: bool, not_computed: dict[str, str]) -> dict:
     """The sortable table: columns with their help, the columns left out (no head defines them)
     and why, and per row its cells (text, sort value, why a value is missing)."""
     cols = ["layer", "head", "kv_head", "role"] + list(TABLE_METRICS)
@@ -216,12 +223,12 @@ def _table(rows: list[dict], several: bool) -> dict:
             if several and c in TABLE_METRICS and not _nan(r.get(f"{c}_std", float("nan"))):
                 text += f" ± {_fmt(r[f'{c}_std'])}"
             num = v if isinstance(v, (int, float)) and not _nan(v) else None
-            cells.append({"text": text, "num": num, "tip": why_missing(c, r) if _nan(v) else None})
+            cells.append({"text": text, "num": num, "tip": _why(c, r, not_computed) if _nan(v) else None})
         table.append(cells)
     return {
         "columns": cols,
         "help": {c: COLUMN_HELP.get(c, "") for c in cols},
-        "dropped": [{"name": c, "why": why_missing(c, rows[0])} for c in dropped],
+        "dropped": [{"name": c, "why": _why(c, rows[0], not_computed)} for c in dropped],
         "table": table,
         "n_rows": len(rows),
     }
@@ -252,7 +259,7 @@ def _group(ctx, stats, stack: str, kind: str, rate: float) -> dict:
         "maps": maps,
         "heads": heads,
         "grid": grid,
-        **_table(rows, stats.n_texts > 1),
+        **_table(rows, stats.n_texts > 1, getattr(stats, "not_computed", {})),
         "all_none": len(nameless) == len(rows),
         "closest": _closest(nameless),
         "kv_groups": stats.kv_groups,
@@ -264,6 +271,8 @@ def build(ctx) -> dict | None:
     from probe.analysis.focus import SINK_EPSILON, head_stats
 
     caches = [c for c in ctx.caches if any(k.endswith("attn.pattern") for k in c.keys())]
+    if not caches:  # caches that kept query rows: the per-row statistics over those rows
+        caches = [c for c in ctx.caches if any(k.endswith("attn.rows") for k in c.keys())]
     if not caches:
         return None
     ctx.progress("head statistics")
@@ -285,4 +294,18 @@ def build(ctx) -> dict | None:
         }
         for role, metric, t in ROLE_RULES
     ]
-    return {"groups": groups, "n_texts": stats.n_texts, "epsilon": SINK_EPSILON, "rules": rules}
+    kept = getattr(stats, "kept", None)
+    note = None
+    if kept:
+        note = (
+            f"These statistics are over the kept query rows {kept['rows']} of each text, not every query "
+            f"(the cache kept only those rows); not computed, as they need every query row: "
+            f"{', '.join(stats.not_computed)}."
+        )
+    return {
+        "groups": groups,
+        "n_texts": stats.n_texts,
+        "epsilon": SINK_EPSILON,
+        "rules": rules,
+        "kept_note": note,
+    }
