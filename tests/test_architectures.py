@@ -362,21 +362,25 @@ def test_all_flex_model_says_flex_is_the_reason():
             _toy_capture(model)
 
 
-def test_weight_shared_layers_are_refused_and_the_named_fix_works():
+def test_weight_shared_layers_are_one_layer_per_call_and_copies_one_per_module():
     import copy
 
     model = A.albert()
     ids = A.inputs("albert", model)
-    with pytest.raises(ProbeError, match=r"albert_layer_groups\.0 runs 3 times.*ALBERT.*copy\.deepcopy"):
-        probe.capture(model, ids["input_ids"])
     with torch.no_grad():
         want = A.eager_twin(model)(**ids, output_attentions=True).attentions
-    # the fix the message names: one module per layer (ALBERT picks group i for layer i)
+    # one module run 3 times: one layer per call (tests/test_catalogue_structure.py has more)
+    cache = probe.capture(model, ids["input_ids"])
+    assert [e["call"] for e in cache.metadata["layers"]] == [0, 1, 2]
+    for i in range(3):
+        torch.testing.assert_close(cache.pattern("encoder", i), want[i], atol=PATTERN_TOL, rtol=0)
+    # one module per layer (ALBERT picks group i for layer i): numbered by the list, no calls
     shared = model.encoder.albert_layer_groups[0]
     model.encoder.albert_layer_groups = torch.nn.ModuleList([copy.deepcopy(shared) for _ in range(3)])
     model.config.num_hidden_groups = 3
     cache = probe.capture(model, ids["input_ids"])
     assert cache.n_layers("encoder") == 3
+    assert not [e for e in cache.metadata["layers"] if "call" in e]
     for i in range(3):
         torch.testing.assert_close(cache.pattern("encoder", i), want[i], atol=PATTERN_TOL, rtol=0)
 

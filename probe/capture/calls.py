@@ -28,6 +28,9 @@ class Attention:
     (``"self"``/``"cross"``, at close). Set by the pattern consumer: ``parts`` (its working
     state), ``handle`` (the sink handle of the stored pattern, None when none was stored),
     ``shape`` (the stored ``[batch, heads, q, k]``) and ``causal`` (None when not judged).
+    ``split``: set by the recorder when one softmax ran over the layer's own keys followed by a
+    source's keys (T5Gemma 2's merged attention): the number of own keys; the consumer then stores
+    the keys from ``split`` on as a second attention in ``also`` (role ``"cross"``).
     """
 
     inputs: list[Tensor] = field(default_factory=list)
@@ -40,6 +43,8 @@ class Attention:
     handle: int | None = None
     shape: tuple[int, ...] = ()
     causal: bool | None = None
+    split: int | None = None
+    also: list[Attention] = field(default_factory=list)
 
 
 @dataclass

@@ -16,6 +16,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+import torch
 from torch import Tensor, nn
 
 from probe.cache.selection import Selection
@@ -24,6 +25,17 @@ from probe.capture.deltas import layer_residuals
 from probe.capture.residual import LayerStream
 from probe.capture.store import Store
 from probe.errors import ProbeError
+
+
+def _same(x: Tensor | None, y: Tensor | None) -> bool:
+    """Whether ``x`` holds exactly the values of ``y`` (the same tensor, or an equal one)."""
+    if x is None or y is None:
+        return False
+    if x is y:
+        return True
+    if x.is_nested or y.is_nested or x.shape != y.shape or x.dtype != y.dtype or x.device != y.device:
+        return False
+    return bool(torch.equal(x, y))
 
 
 def _is_source(module: nn.Module) -> bool:
@@ -48,6 +60,10 @@ class Layer:
     blind: int = 0  # attention calls seen before this layer that probe cannot look into
     fused: tuple[Tensor, Tensor] | None = None  # (stream after attention, output) of a fused layer
     calls: dict[int, Call] = field(default_factory=dict)  # sublayer id -> its Call
+    # the previous layer's output when this layer's input was computed from it outside any layer
+    # (Funnel pools its queries from it and attends over it: its keys are this layer's own sequence)
+    upstream: Tensor | None = None
+    call: int = 0  # which call of its module this is (a module run several times in one forward)
 
 
 @dataclass
@@ -64,6 +80,7 @@ class LayerRecord:
     patterns: list[tuple[str, int, tuple[int, ...], list[str], bool | None]]
     residuals: list[tuple[str, int]]
     notes: dict[str, Any] = field(default_factory=dict)
+    call: int = 0  # which call of ``module`` in the forward (> 0 only for modules run several times)
 
 
 class LayerTracker:
@@ -94,10 +111,20 @@ class LayerTracker:
         self.layer: Layer | None = None
         self.layer_call: Call | None = None
         self.records: list[LayerRecord] = []
-        self.plain: list[tuple[str, int, str, Tensor, Tensor]] = []  # list elements without attention
+        self.plain: list[tuple[str, int, str, Tensor, Tensor, int]] = []  # list elements without attention
         self.kept: dict[str, int] = {}
         self._sources: dict[type, bool] = {}
         self._param_counts: dict[int, int] = {}
+        # layers as the model runs them: calls per list and per module, lists that run a module
+        # more than once (numbered by call), and lists whose every layer's input is the previous
+        # one's output (the chain ``resid_post[l] == resid_pre[l + 1]``)
+        self.list_calls: dict[str, int] = {}
+        self.module_calls: dict[int, int] = {}
+        self.looped: set[str] = set()
+        self.chain: dict[str, bool] = {}
+        self.order: list[str] = []  # the lists in the order their first layer ran
+        self._prev: tuple[str, int, Tensor | None] | None = None  # the last layer's list, index, output
+        self._derived: dict[int, Tensor] = {}  # computed from its output outside any layer
 
     def name_of(self, module: nn.Module) -> str:
         return self.names.get(id(module), "?")
@@ -127,8 +154,11 @@ class LayerTracker:
         return n
 
     def _start(self, call: Call, container: str, index: int) -> None:
+        index, upstream = self._as_run(call, container, index)
         wanted = self.selection.wants_layer(index)
         layer = Layer(container=container, index=index, wanted=wanted, depth=len(self.stack))
+        layer.call = self.module_calls[id(call.module)] - 1
+        layer.upstream = upstream
         layer.blind = len(self.forward.blind)
         layer.calls[id(call)] = call
         call.layer = layer
@@ -142,6 +172,51 @@ class LayerTracker:
             if p.dim() >= 2:
                 self.forward.lengths.update(p.shape[:-1])
 
+    def _as_run(self, call: Call, container: str, index: int) -> tuple[int, Tensor | None]:
+        """The layer's index as the model runs it, and its upstream sequence (see :class:`Layer`).
+
+        A list that runs one of its modules a second time (ALBERT's shared layer, a loop) is
+        numbered by call from then on; the chain of a list holds while each layer's input is the
+        previous layer's output."""
+        n = self.module_calls.get(id(call.module), 0)
+        self.module_calls[id(call.module)] = n + 1
+        k = self.list_calls.get(container, 0)
+        self.list_calls[container] = k + 1
+        if n:
+            self.looped.add(container)
+        if container in self.looped:
+            index = k
+        p, prev = call.primary, self._prev
+        out = prev[2] if prev is not None else None
+        if container not in self.chain:
+            self.chain[container] = True
+            self.order.append(container)
+        elif not (prev is not None and prev[:2] == (container, index - 1) and _same(p, out)):
+            self.chain[container] = False
+        upstream = None
+        if out is not None and p is not None and (p is out or id(p) in self._derived):
+            upstream = out
+        self._derived = {}
+        return index, upstream
+
+    def between(self, args: tuple, kwargs: dict, out: Any) -> None:
+        """An op ran outside any layer: note what it computed from the last layer's output."""
+        src = self._prev[2] if self._prev is not None else None
+        if src is None:
+            return
+        d = self._derived
+        for a in (*args, *kwargs.values()):
+            items = a if isinstance(a, (tuple, list)) else (a,)
+            if any(isinstance(t, Tensor) and (t is src or id(t) in d) for t in items):
+                for t in out if isinstance(out, (tuple, list)) else (out,):
+                    if isinstance(t, Tensor):
+                        d[id(t)] = t
+                return
+
+    def forget(self) -> None:
+        """The forward is over: drop the last layer's output and what was computed from it."""
+        self._prev, self._derived = None, {}
+
     def current(self) -> Layer:
         """The layer running now; attention outside any list adopts the top-level child computing it."""
         if self.layer is None:
@@ -151,7 +226,10 @@ class LayerTracker:
     def _adopt(self) -> None:
         call = self.stack[1] if len(self.stack) > 1 else self.stack[0]
         depth = self.stack.index(call)
-        self._start(call, self.names.get(id(self.model), "") + ":single", 0)
+        container = self.names.get(id(self.model), "") + ":single"
+        self._start(call, container, 0)
+        # its next calls (a block run in a loop) start layers when they are entered
+        self.container_of.setdefault(id(call.module), (container, 0))
         self.container_len.setdefault(self.layer.container, 1)
         self.layer.depth = depth
         self.layer.resid_pre = self.layer.stream = None  # adopted mid-call: its input was not watched
@@ -212,6 +290,7 @@ class LayerTracker:
         self.layer, self.layer_call = None, None
         if layer is None:
             return
+        self._prev = (layer.container, layer.index, out)
         last = layer.index + 1 >= self.container_len.get(layer.container, 0)
         if last:
             # the list's last layer: what runs next computes no pattern
@@ -242,30 +321,38 @@ class LayerTracker:
             if layer.wanted and layer.resid_pre is not None and not layer.resid_pre.is_nested:
                 if out is not None and not out.is_nested and out.shape == layer.resid_pre.shape:
                     name = self.name_of(call.module)
-                    self.plain.append((layer.container, layer.index, name, layer.resid_pre, out.detach()))
+                    self.plain.append(
+                        (layer.container, layer.index, name, layer.resid_pre, out.detach(), layer.call)
+                    )
             return
-        self.kept[layer.container] = self.container_len.get(layer.container, layer.index + 1)
+        c = layer.container
+        self.kept[c] = self.list_calls[c] if c in self.looped else self.container_len.get(c, layer.index + 1)
         if not layer.wanted:
             return
+        attns = [x for a in layer.attns for x in (a, *a.also)]
         patterns = [
             (a.role or "self", a.handle, a.shape, sorted(a.impl), a.causal)
-            for a in layer.attns
+            for a in attns
             if a.handle is not None
         ]
         items, notes = layer_residuals(layer, call, out, self.name_of)
+        if any(a.split is not None for a in layer.attns):
+            notes["merged_attention"] = (
+                "self_attn and cross_attn are one softmax over the layer's own keys then the "
+                "source's keys: each query's two rows together sum to 1"
+            )
         residuals = [(n, self.store.put(t)) for n, t in items]
-        self.records.append(
-            LayerRecord(layer.container, layer.index, self.name_of(call.module), patterns, residuals, notes)
-        )
+        module = self.name_of(call.module)
+        self.records.append(LayerRecord(c, layer.index, module, patterns, residuals, notes, layer.call))
 
     def plain_records(self) -> list[LayerRecord]:
         """Records of list elements without attention in lists that have attention (hybrids)."""
         out = []
-        for container, index, name, pre, post in self.plain:
+        for container, index, name, pre, post, n in self.plain:
             if container not in self.kept:
                 continue
             handles = [("resid_pre", self.store.put(pre)), ("resid_post", self.store.put(post))]
             note = "no attention in this layer: only resid_pre and resid_post are stored"
-            out.append(LayerRecord(container, index, name, [], handles, {"residual_note": note}))
+            out.append(LayerRecord(container, index, name, [], handles, {"residual_note": note}, n))
         self.plain.clear()
         return out

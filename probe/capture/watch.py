@@ -65,7 +65,11 @@ class _Mode(TorchFunctionMode):
             # every other op: only the residual tracking of the layer running now looks at it
             layers = self.layers
             lay = layers.layer
-            if lay is None or lay.stream is None:
+            if lay is None:
+                out = func(*args, **kwargs)
+                layers.between(args, kwargs, out)  # what is computed from the last layer's output
+                return out
+            if lay.stream is None:
                 return func(*args, **kwargs)
             if func in _ADDS:
                 return lay.stream.on_add(func, args, kwargs, layers.source_id())
