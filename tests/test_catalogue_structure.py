@@ -86,6 +86,12 @@ def K(stack: str, layer: int, name: str) -> str:
     return f"{stack}.blocks.{layer}.{name}"
 
 
+def flaubert():
+    # post-norm (its pre_norm=True path indexes the cache object and fails in transformers itself)
+    cfg = tf.FlaubertConfig(vocab_size=VOCAB, emb_dim=32, n_layers=2, n_heads=4, layerdrop=0.0)
+    return _seeded(tf.FlaubertModel, cfg)
+
+
 def _close(got, want):
     torch.testing.assert_close(got, want, atol=PATTERN_TOL, rtol=0)
 
@@ -273,3 +279,33 @@ def test_funnel_block_repeats_are_layers_per_call():
     _close(cache[K("encoder.blocks.0", 0, "self_attn.pattern")], want[0])
     _close(cache[K("encoder.blocks.0", 1, "self_attn.pattern")], want[1])
     _close(cache[K("encoder.blocks.1", 0, "self_attn.pattern")], want[2])
+
+
+# -- parallel per-sublayer lists ------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("build", [xlm, flaubert])
+def test_parallel_per_sublayer_lists_are_grouped_by_index_into_layers(build):
+    model, x = build(), _ids()
+    mask = torch.ones_like(x)
+    mask[1, 5:] = 0  # padding: the model zeroes padded positions after each layer, in place
+    paths = ["attentions.0", "attentions.1", "layer_norm1.0", "layer_norm1.1"]
+    io = _layer_io(model, paths, lambda: model(input_ids=x, attention_mask=mask))
+    with torch.no_grad():
+        out = model(input_ids=x, attention_mask=mask).last_hidden_state
+        want = _eager(model)(input_ids=x, attention_mask=mask, output_attentions=True).attentions
+    with torch.no_grad(), probe.trace(model) as t:
+        model(input_ids=x, attention_mask=mask)
+    cache = t.cache
+    assert cache.n_layers("encoder") == 2 and cache.metadata["stacks"]["encoder"]["chain"] is True
+    assert cache.metadata["layers"][0]["module"] == "attentions.0, layer_norm1.0, ffns.0, layer_norm2.0"
+    for i in range(2):
+        _close(cache[K("encoder", i, "self_attn.pattern")], want[i])
+        pre = io[f"attentions.{i}"][0][0]
+        post = io["attentions.1"][0][0] if i == 0 else out
+        torch.testing.assert_close(cache[K("encoder", i, "resid_pre")], pre, atol=0, rtol=0)
+        torch.testing.assert_close(cache[K("encoder", i, "resid_post")], post, atol=0, rtol=0)
+        # post-norm: each delta is the change of the stream across its sublayer (and its norm)
+        after_attn = io[f"layer_norm1.{i}"][0][1]
+        torch.testing.assert_close(cache[K("encoder", i, "self_attn.delta")], after_attn - pre)
+        torch.testing.assert_close(cache[K("encoder", i, "mlp.delta")], post - after_attn)

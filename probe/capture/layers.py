@@ -22,6 +22,7 @@ from torch import Tensor, nn
 from probe.cache.selection import Selection
 from probe.capture.calls import Attention, Call, Forward, output_tensor
 from probe.capture.deltas import layer_residuals
+from probe.capture.parallel import Group, parallel_lists
 from probe.capture.residual import LayerStream
 from probe.capture.store import Store
 from probe.errors import ProbeError
@@ -64,6 +65,8 @@ class Layer:
     # (Funnel pools its queries from it and attends over it: its keys are this layer's own sequence)
     upstream: Tensor | None = None
     call: int = 0  # which call of its module this is (a module run several times in one forward)
+    group: Group | None = None  # parallel per-sublayer lists: this layer is element ``index`` of each
+    module: str | None = None  # the module path the metadata names (default: the layer call's)
 
 
 @dataclass
@@ -108,6 +111,9 @@ class LayerTracker:
                 self.container_len.setdefault(n, len(m))
                 for i, child in enumerate(m.children()):
                     self.container_of.setdefault(id(child), (n, i))
+        self.group_of = parallel_lists(model)
+        for k in self.group_of:  # grouped by index: no element of them is a layer of its own
+            self.container_of.pop(k, None)
         self.layer: Layer | None = None
         self.layer_call: Call | None = None
         self.records: list[LayerRecord] = []
@@ -133,6 +139,8 @@ class LayerTracker:
     def enter(self, call: Call) -> None:
         """A module call starts (not yet on the stack): a layer, a sublayer, or neither."""
         module, parent = call.module, call.parent
+        if self.group_of and id(module) in self.group_of:
+            self._group_element(call, *self.group_of[id(module)])
         if self.layer is None and id(module) in self.container_of:
             self._start(call, *self.container_of[id(module)])
         elif parent is not None and (parent is self.layer_call or parent.wrapper):
@@ -153,17 +161,32 @@ class LayerTracker:
             n = self._param_counts[id(module)] = sum(p.numel() for p in module.parameters())
         return n
 
-    def _start(self, call: Call, container: str, index: int) -> None:
-        index, upstream = self._as_run(call, container, index)
+    def _group_element(self, call: Call, group: Group, _list: int, index: int) -> None:
+        """Element ``index`` of a group's list starts: it opens layer ``index`` (its parent's call
+        runs it), closing the layer of another index still open."""
+        lay = self.layer
+        if lay is not None and lay.group is group and lay.index != index:
+            self.end(self.layer_call, call.primary)
+        if self.layer is None and call.parent is not None:
+            self._start(call.parent, group.name, index, entry=call)
+            self.layer.group = group
+            self.layer.module = ", ".join(f"{p}.{index}" for p in group.paths)
+
+    def _start(self, call: Call, container: str, index: int, entry: Call | None = None) -> None:
+        """Layer ``index`` of ``container`` is the call ``call`` (entered with ``entry``, the first
+        element of a group layer whose parent's call is ``call``; on the stack already)."""
+        entry = entry or call
+        index, upstream = self._as_run(entry, container, index)
         wanted = self.selection.wants_layer(index)
-        layer = Layer(container=container, index=index, wanted=wanted, depth=len(self.stack))
-        layer.call = self.module_calls[id(call.module)] - 1
+        depth = len(self.stack) if entry is call else self.stack.index(call)
+        layer = Layer(container=container, index=index, wanted=wanted, depth=depth)
+        layer.call = self.module_calls[id(entry.module)] - 1
         layer.upstream = upstream
         layer.blind = len(self.forward.blind)
         layer.calls[id(call)] = call
         call.layer = layer
         self.layer, self.layer_call = layer, call
-        p = call.primary
+        p = entry.primary
         if wanted and p is not None and p.is_nested:
             layer.resid_pre = p  # torch's nested-tensor path: made dense once the layer has run
         elif wanted and p is not None and p.is_floating_point() and p.dim() > 0:
@@ -320,7 +343,7 @@ class LayerTracker:
             # stream is kept, named once the lists with attention are known
             if layer.wanted and layer.resid_pre is not None and not layer.resid_pre.is_nested:
                 if out is not None and not out.is_nested and out.shape == layer.resid_pre.shape:
-                    name = self.name_of(call.module)
+                    name = layer.module or self.name_of(call.module)
                     self.plain.append(
                         (layer.container, layer.index, name, layer.resid_pre, out.detach(), layer.call)
                     )
@@ -342,7 +365,7 @@ class LayerTracker:
                 "source's keys: each query's two rows together sum to 1"
             )
         residuals = [(n, self.store.put(t)) for n, t in items]
-        module = self.name_of(call.module)
+        module = layer.module or self.name_of(call.module)
         self.records.append(LayerRecord(c, layer.index, module, patterns, residuals, notes, layer.call))
 
     def plain_records(self) -> list[LayerRecord]:
