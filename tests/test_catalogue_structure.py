@@ -9,6 +9,7 @@ block keeps as it computes them, and the tensors the model hands from one layer 
 from __future__ import annotations
 
 import copy
+import threading
 
 import arch_toys as toys
 import pytest
@@ -17,6 +18,7 @@ import transformers as tf
 from torch import nn
 
 import probe
+from probe.errors import ProbeError
 
 PATTERN_TOL = 1e-5
 VOCAB = 96
@@ -309,3 +311,89 @@ def test_parallel_per_sublayer_lists_are_grouped_by_index_into_layers(build):
         after_attn = io[f"layer_norm1.{i}"][0][1]
         torch.testing.assert_close(cache[K("encoder", i, "self_attn.delta")], after_attn - pre)
         torch.testing.assert_close(cache[K("encoder", i, "mlp.delta")], post - after_attn)
+
+
+# -- capture under load and nesting --------------------------------------------------------------
+
+
+class _FirstCallerWaits(nn.Module):
+    """Holds the first thread that runs it until ``release`` is set; later callers pass."""
+
+    def __init__(self):
+        super().__init__()
+        self.entered, self.release, self.first = threading.Event(), threading.Event(), None
+
+    def forward(self, x):
+        if self.first is None:
+            self.first = threading.get_ident()
+        if self.first == threading.get_ident():
+            self.entered.set()
+            self.release.wait(timeout=60)
+        return x
+
+
+def test_threads_capturing_one_model_each_see_only_their_own_forward():
+    model = toys.seeded(lambda: toys.LM([toys.Block(toys.SoftmaxAttention(), toys.MLP()) for _ in range(2)]))
+    gate = _FirstCallerWaits()
+    model.blocks[1].register_forward_pre_hook(lambda m, a: gate(a[0]))
+    seen: dict[int, list] = {}  # thread -> what each layer computed there, in order (the oracle)
+    for b in model.blocks:
+
+        def hook(m, args, out):
+            seen.setdefault(threading.get_ident(), []).append(
+                (args[0].clone(), out.clone(), m.attn.weights.clone())
+            )
+
+        b.register_forward_hook(hook)
+    texts = {0: torch.randint(0, 50, (1, 5)), 1: torch.randint(0, 50, (2, 9))}
+    caches, errors, idents = {}, [], {}
+
+    def run(k):
+        idents[k] = threading.get_ident()
+        try:
+            caches[k] = probe.capture(model, texts[k])
+        except Exception as e:  # pragma: no cover - reported below
+            errors.append(e)
+
+    first = threading.Thread(target=run, args=(0,))
+    first.start()
+    assert gate.entered.wait(60)  # the first capture is inside its forward, between layers
+    second = threading.Thread(target=run, args=(1,))
+    second.start()
+    second.join(60)
+    gate.release.set()
+    first.join(60)
+    assert not errors, errors
+    for k in (0, 1):
+        layers = seen[idents[k]]
+        assert caches[k].n_layers("decoder") == 2 and len(layers) == 2
+        for i, (pre, post, weights) in enumerate(layers):
+            torch.testing.assert_close(
+                caches[k][K("decoder", i, "self_attn.pattern")], weights, atol=0, rtol=0
+            )
+            torch.testing.assert_close(caches[k][K("decoder", i, "resid_pre")], pre, atol=0, rtol=0)
+            torch.testing.assert_close(caches[k][K("decoder", i, "resid_post")], post, atol=0, rtol=0)
+
+
+def test_a_capture_inside_trace_on_the_same_model_says_so():
+    model = toys.moe_lm()
+    ids = torch.randint(0, 50, (1, 5))
+    with torch.no_grad(), probe.trace(model) as t:
+        with pytest.raises(
+            ProbeError, match=r"already capturing this LM object in this thread.*inside probe\.trace"
+        ):
+            probe.capture(model, ids)
+        model(ids)
+    assert t.cache.n_layers("decoder") == 2  # the outer capture is unharmed
+
+
+def test_a_lazily_read_cache_whose_file_was_truncated_is_an_error_not_a_crash(tmp_path):
+    out = tmp_path / "run.safetensors"
+    probe.capture(toys.moe_lm(), torch.randint(0, 50, (1, 5)), out=out)
+    cache = probe.load(out)
+    key = cache.keys()[-1]
+    cache[key]  # readable
+    with open(out, "r+b") as f:
+        f.truncate(out.stat().st_size // 2)
+    with pytest.raises(ProbeError, match=r"run\.safetensors was truncated after it was opened"):
+        cache[key]

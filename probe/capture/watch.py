@@ -20,6 +20,7 @@ filtered to these layers, sees their calls instead.
 
 from __future__ import annotations
 
+import threading
 from typing import Any
 
 import torch
@@ -111,6 +112,7 @@ class Watcher:
         self._suspended = 0
         self._fast_layers: set[int] = set()
         self._replaying = False
+        self._thread = threading.get_ident()  # hooks see every thread's calls: follow this one's
 
     # -- lifecycle -----------------------------------------------------------------------------
     def install(self) -> None:
@@ -161,7 +163,7 @@ class Watcher:
 
     # -- hooks ---------------------------------------------------------------------------------
     def _pre(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
-        if self._replaying:
+        if self._replaying or threading.get_ident() != self._thread:
             return
         # probe's own bookkeeping below calls tensor methods: off the mode stack, they cost a
         # C call each instead of a trip through the mode's Python __torch_function__
@@ -183,7 +185,7 @@ class Watcher:
             self._mode.quiet -= 1
 
     def _post(self, module: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
-        if self._replaying:
+        if self._replaying or threading.get_ident() != self._thread:
             return
         self._mode.quiet += 1
         self._suspend()
