@@ -410,3 +410,25 @@ def test_a_lazily_read_cache_whose_file_was_truncated_is_an_error_not_a_crash(tm
         f.truncate(out.stat().st_size // 2)
     with pytest.raises(ProbeError, match=r"run\.safetensors was truncated after it was opened"):
         cache[key]
+
+
+class _BetweenNormed(_Between):
+    def __init__(self, *a, **k):
+        super().__init__(*a, **k)
+        self.ln_f = nn.LayerNorm(toys.D)
+
+    def forward(self, ids):
+        x = self.emb(ids)
+        for b in self.blocks:
+            x = b(x) * 0.5
+        return self.head(self.ln_f(x))
+
+
+def test_attribution_says_when_the_stack_does_not_chain():
+    model = toys.seeded(
+        lambda: _BetweenNormed([toys.Block(toys.SoftmaxAttention(), toys.MLP()) for _ in range(2)])
+    )
+    ids = torch.randint(0, 50, (1, 6), generator=torch.Generator().manual_seed(3))
+    att = probe.logit_lens(model, ids, norm=model.ln_f, unembed=model.head).attribution
+    assert any("do not chain" in n for n in att.notes)
+    assert att.max_error > 1e-2  # indeed: the parts miss the model's logit (the scaling between layers)
