@@ -13,6 +13,7 @@ sublayer kind and ``resid_post`` (:mod:`probe.capture.deltas`), handed to the
 
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -26,6 +27,10 @@ from probe.capture.parallel import Group, parallel_lists
 from probe.capture.residual import LayerStream
 from probe.capture.store import Store
 from probe.errors import ProbeError
+
+
+def _dead() -> None:
+    return None
 
 
 def _same(x: Tensor | None, y: Tensor | None) -> bool:
@@ -130,7 +135,7 @@ class LayerTracker:
         self.chain: dict[str, bool] = {}
         self.order: list[str] = []  # the lists in the order their first layer ran
         self._prev: tuple[str, int, Tensor | None] | None = None  # the last layer's list, index, output
-        self._derived: dict[int, Tensor] = {}  # computed from its output outside any layer
+        self._derived: dict[int, weakref.ref] = {}  # computed from its output outside any layer
 
     def name_of(self, module: nn.Module) -> str:
         return self.names.get(id(module), "?")
@@ -217,7 +222,7 @@ class LayerTracker:
         elif not (prev is not None and prev[:2] == (container, index - 1) and _same(p, out)):
             self.chain[container] = False
         upstream = None
-        if out is not None and p is not None and (p is out or id(p) in self._derived):
+        if out is not None and p is not None and (p is out or self._derived.get(id(p), _dead)() is p):
             upstream = out
         self._derived = {}
         return index, upstream
@@ -227,13 +232,13 @@ class LayerTracker:
         src = self._prev[2] if self._prev is not None else None
         if src is None:
             return
-        d = self._derived
+        d = self._derived  # id -> weak reference: nothing here outlives the model's own use
         for a in (*args, *kwargs.values()):
             items = a if isinstance(a, (tuple, list)) else (a,)
-            if any(isinstance(t, Tensor) and (t is src or id(t) in d) for t in items):
+            if any(isinstance(t, Tensor) and (t is src or d.get(id(t), _dead)() is t) for t in items):
                 for t in out if isinstance(out, (tuple, list)) else (out,):
                     if isinstance(t, Tensor):
-                        d[id(t)] = t
+                        d[id(t)] = weakref.ref(t)
                 return
 
     def forget(self) -> None:

@@ -166,8 +166,9 @@ def name_layers(
 def stack_info(
     tr: Tracer, stack_of: dict[str, str], offsets: dict[str, int], meta: dict[str, Any]
 ) -> dict[str, dict[str, Any]]:
-    """The metadata's ``stacks``: per stack its layer count, module path (for stacks not named
-    encoder/decoder), which token list its positions are, and whether its layers chain."""
+    """The metadata's ``stacks``: per stack its layer count, whether its layers chain, and for
+    stacks named by module path that path and which token list its positions are (null: pooled
+    or downsampled positions that are not tokens)."""
     lengths: dict[str, set[int]] = {}
     for r in tr.records:
         for _role, _h, shape, _impl, _causal in r.patterns:
@@ -181,10 +182,14 @@ def stack_info(
             info["module"] = _stack_path(c)
         info["chain"] = info["chain"] and tr.chain.get(c, True) and list(stack_of.values()).count(s) == 1
         seen = lengths.get(s, set())
-        if s == "decoder" and target is not None:
-            info["tokens"] = "target" if seen <= {target} else None
-        elif source is not None:
-            info["tokens"] = "source" if seen <= {source} else None
+        if s not in ("encoder", "decoder") and source is not None:
+            # encoder/decoder keep the reader's default (source; target for a decoder with one)
+            if seen and seen <= {source}:
+                info["tokens"] = "source"
+            elif seen and target is not None and seen <= {target}:
+                info["tokens"] = "target"
+            else:
+                info["tokens"] = None
     return out
 
 
