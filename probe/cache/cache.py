@@ -344,4 +344,41 @@ def open_cache(path: str | os.PathLike, *, shown: str | os.PathLike | None = Non
         raise ProbeError(
             f"{name} changed while it was being opened (another process wrote it); open it again"
         )
-    return Cache(metadata=metadata, path=shown, _reader=reader)
+    return Cache(metadata=metadata, path=shown, _reader=_Guarded(reader, path, st.st_size, name))
+
+
+class _Guarded:
+    """A lazily read file's reader that first checks the file still has its size: safetensors
+    maps the file into memory, and reading a mapped page past the end of a file truncated since
+    (another process rewrote it in place) kills the process with SIGBUS instead of an error."""
+
+    def __init__(self, reader: Any, path: Path, size: int, name: str) -> None:
+        self._reader, self._size, self._name = reader, size, name
+        self._fd = os.open(path, os.O_RDONLY)  # the file that was mapped, even if renamed over
+
+    def __del__(self) -> None:
+        fd, self._fd = getattr(self, "_fd", None), None
+        if fd is not None:
+            os.close(fd)
+
+    def _check(self) -> None:
+        now = os.fstat(self._fd).st_size
+        if now < self._size:
+            raise ProbeError(
+                f"{self._name} was truncated after it was opened ({now} of {self._size} bytes "
+                "left); its data cannot be read; capture it again or restore the file, then load it"
+            )
+
+    def keys(self) -> list[str]:
+        return self._reader.keys()
+
+    def metadata(self) -> dict[str, str]:
+        return self._reader.metadata()
+
+    def get_tensor(self, k: str) -> torch.Tensor:
+        self._check()
+        return self._reader.get_tensor(k)
+
+    def get_slice(self, k: str) -> Any:
+        self._check()
+        return self._reader.get_slice(k)

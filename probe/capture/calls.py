@@ -37,6 +37,9 @@ class Attention:
     field name -> sink handle).
     ``diff_lambda``: the λ of a differential attention's sublayer (DiffLlama), whose heads pair
     up as ``a1 - λ·a2``.
+    ``split``: set by the recorder when one softmax ran over the layer's own keys followed by a
+    source's keys (T5Gemma 2's merged attention): the number of own keys; the consumer then stores
+    the keys from ``split`` on as a second attention in ``also`` (role ``"cross"``).
     """
 
     inputs: list[Tensor] = field(default_factory=list)
@@ -53,6 +56,8 @@ class Attention:
     kind: str | None = None
     diff_lambda: float | None = None  # differential attention: pattern = parts[0] - lambda * parts[1]
     fields: dict[str, int] = field(default_factory=dict)
+    split: int | None = None
+    also: list[Attention] = field(default_factory=list)
 
 
 @dataclass

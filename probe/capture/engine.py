@@ -1,7 +1,8 @@
 """``probe.trace`` (capture whatever forward runs inside a ``with`` block) and ``probe.capture``.
 
 :class:`Trace` is the lifecycle: it checks the arguments, claims the model (one capture per
-model object at a time), opens the sink (memory, or a file streamed layer by layer), runs a
+model object and thread at a time: captures in other threads each see their own forward), opens
+the sink (memory, or a file streamed layer by layer), runs a
 :class:`~probe.capture.tracer.Tracer` around the forward, then has :mod:`probe.capture.naming`
 name what was captured and writes the :class:`~probe.Cache`. Any failure aborts the sink: no
 half-written file is left.
@@ -50,24 +51,32 @@ def parse_dtype(dtype: Any) -> torch.dtype | None:
     raise ProbeError(f"dtype {dtype!r} is not supported; use float32, float16 or bfloat16")
 
 
-# models a capture is running on (one capture per model object at a time: hooks are per module)
-_RUNNING: weakref.WeakSet = weakref.WeakSet()
+# model -> the threads a capture is running in on it: hooks are per module, so each capture's
+# watcher follows only its own thread's calls (torch's function modes are per thread already)
+_RUNNING: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 _RUNNING_LOCK = threading.Lock()
 
 
 def _claim(model: nn.Module) -> None:
+    me = threading.get_ident()
     with _RUNNING_LOCK:
-        if model in _RUNNING:
+        threads = _RUNNING.setdefault(model, set())
+        if me in threads:
             raise ProbeError(
-                f"a capture is already running on this {type(model).__name__} object (another "
-                "thread); capture one text batch at a time per model, or give each thread its own copy"
+                f"probe is already capturing this {type(model).__name__} object in this thread (a "
+                "capture inside probe.trace on the same model); one capture per forward: run the "
+                "model inside the outer probe.trace and read its cache, or capture a copy of the model"
             )
-        _RUNNING.add(model)
+        threads.add(me)
 
 
 def _release(model: nn.Module) -> None:
     with _RUNNING_LOCK:
-        _RUNNING.discard(model)
+        threads = _RUNNING.get(model)
+        if threads is not None:
+            threads.discard(threading.get_ident())
+            if not threads:
+                del _RUNNING[model]
 
 
 class Trace:

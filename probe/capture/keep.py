@@ -119,14 +119,24 @@ class KeepPatterns:
         if heads is not None:
             self.selection.check_heads(pattern.shape[1])
             pattern = pattern[:, heads]
-        if attn.role == "self" and pattern.shape[-2] > 1:
-            attn.causal = is_causal(pattern)
-        attn.shape = tuple(pattern.shape)
         # recomputed weights are probe's own memory (a reused buffer only once written); softmax
         # outputs are the model's, unless stacking or selecting heads copied them
         mine = attn.impl <= {"sdpa", "mha", "flex"} or all(
             pattern.untyped_storage().data_ptr() != p.untyped_storage().data_ptr() for p in parts
         )
+        if attn.split is not None:
+            # one softmax over the layer's own keys then the source's: stored as the two parts
+            # the model's own eager path returns (self, cross), each a copy
+            other = Attention(inputs=attn.inputs, primary=attn.primary, qk=attn.qk, impl=attn.impl)
+            other.role, other.closed = "cross", True
+            cross = pattern[..., attn.split :].contiguous()
+            pattern, mine = pattern[..., : attn.split].contiguous(), True
+            other.shape = tuple(cross.shape)
+            other.handle = self.store.put(cross, owned=True)
+            attn.also.append(other)
+        if attn.role == "self" and pattern.shape[-2] > 1:
+            attn.causal = is_causal(pattern)
+        attn.shape = tuple(pattern.shape)
         attn.handle = self.store.put(pattern, owned=mine or diff is not None)
         if diff is not None:
             attn.fields["parts"] = self.store.put(diff if heads is None else diff[:, heads], owned=True)

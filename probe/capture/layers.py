@@ -13,17 +13,35 @@ sublayer kind and ``resid_post`` (:mod:`probe.capture.deltas`), handed to the
 
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass, field
 from typing import Any
 
+import torch
 from torch import Tensor, nn
 
 from probe.cache.selection import Selection
 from probe.capture.calls import Attention, Call, Forward, output_tensor
 from probe.capture.deltas import layer_residuals
+from probe.capture.parallel import Group, parallel_lists
 from probe.capture.residual import LayerStream
 from probe.capture.store import Store
 from probe.errors import ProbeError
+
+
+def _dead() -> None:
+    return None
+
+
+def _same(x: Tensor | None, y: Tensor | None) -> bool:
+    """Whether ``x`` holds exactly the values of ``y`` (the same tensor, or an equal one)."""
+    if x is None or y is None:
+        return False
+    if x is y:
+        return True
+    if x.is_nested or y.is_nested or x.shape != y.shape or x.dtype != y.dtype or x.device != y.device:
+        return False
+    return bool(torch.equal(x, y))
 
 
 def _is_source(module: nn.Module) -> bool:
@@ -48,6 +66,12 @@ class Layer:
     blind: int = 0  # attention calls seen before this layer that probe cannot look into
     fused: tuple[Tensor, Tensor] | None = None  # (stream after attention, output) of a fused layer
     calls: dict[int, Call] = field(default_factory=dict)  # sublayer id -> its Call
+    # the previous layer's output when this layer's input was computed from it outside any layer
+    # (Funnel pools its queries from it and attends over it: its keys are this layer's own sequence)
+    upstream: Tensor | None = None
+    call: int = 0  # which call of its module this is (a module run several times in one forward)
+    group: Group | None = None  # parallel per-sublayer lists: this layer is element ``index`` of each
+    module: str | None = None  # the module path the metadata names (default: the layer call's)
 
 
 def _fields(a: Attention) -> dict[str, int]:
@@ -72,6 +96,7 @@ class LayerRecord:
     notes: dict[str, Any] = field(default_factory=dict)
     # what each attention in ``patterns`` is when it is not one plain softmax (None when it is)
     kinds: list[str | None] = field(default_factory=list)
+    call: int = 0  # which call of ``module`` in the forward (> 0 only for modules run several times)
 
 
 class LayerTracker:
@@ -99,13 +124,26 @@ class LayerTracker:
                 self.container_len.setdefault(n, len(m))
                 for i, child in enumerate(m.children()):
                     self.container_of.setdefault(id(child), (n, i))
+        self.group_of = parallel_lists(model)
+        for k in self.group_of:  # grouped by index: no element of them is a layer of its own
+            self.container_of.pop(k, None)
         self.layer: Layer | None = None
         self.layer_call: Call | None = None
         self.records: list[LayerRecord] = []
-        self.plain: list[tuple[str, int, str, Tensor, Tensor]] = []  # list elements without attention
+        self.plain: list[tuple[str, int, str, Tensor, Tensor, int]] = []  # list elements without attention
         self.kept: dict[str, int] = {}
         self._sources: dict[type, bool] = {}
         self._param_counts: dict[int, int] = {}
+        # layers as the model runs them: calls per list and per module, lists that run a module
+        # more than once (numbered by call), and lists whose every layer's input is the previous
+        # one's output (the chain ``resid_post[l] == resid_pre[l + 1]``)
+        self.list_calls: dict[str, int] = {}
+        self.module_calls: dict[int, int] = {}
+        self.looped: set[str] = set()
+        self.chain: dict[str, bool] = {}
+        self.order: list[str] = []  # the lists in the order their first layer ran
+        self._prev: tuple[str, int, Tensor | None] | None = None  # the last layer's list, index, output
+        self._derived: dict[int, weakref.ref] = {}  # computed from its output outside any layer
 
     def name_of(self, module: nn.Module) -> str:
         return self.names.get(id(module), "?")
@@ -114,6 +152,8 @@ class LayerTracker:
     def enter(self, call: Call) -> None:
         """A module call starts (not yet on the stack): a layer, a sublayer, or neither."""
         module, parent = call.module, call.parent
+        if self.group_of and id(module) in self.group_of:
+            self._group_element(call, *self.group_of[id(module)])
         if self.layer is None and id(module) in self.container_of:
             self._start(call, *self.container_of[id(module)])
         elif parent is not None and (parent is self.layer_call or parent.wrapper):
@@ -134,14 +174,32 @@ class LayerTracker:
             n = self._param_counts[id(module)] = sum(p.numel() for p in module.parameters())
         return n
 
-    def _start(self, call: Call, container: str, index: int) -> None:
+    def _group_element(self, call: Call, group: Group, _list: int, index: int) -> None:
+        """Element ``index`` of a group's list starts: it opens layer ``index`` (its parent's call
+        runs it), closing the layer of another index still open."""
+        lay = self.layer
+        if lay is not None and lay.group is group and lay.index != index:
+            self.end(self.layer_call, call.primary)
+        if self.layer is None and call.parent is not None:
+            self._start(call.parent, group.name, index, entry=call)
+            self.layer.group = group
+            self.layer.module = ", ".join(f"{p}.{index}" for p in group.paths)
+
+    def _start(self, call: Call, container: str, index: int, entry: Call | None = None) -> None:
+        """Layer ``index`` of ``container`` is the call ``call`` (entered with ``entry``, the first
+        element of a group layer whose parent's call is ``call``; on the stack already)."""
+        entry = entry or call
+        index, upstream = self._as_run(entry, container, index)
         wanted = self.selection.wants_layer(index)
-        layer = Layer(container=container, index=index, wanted=wanted, depth=len(self.stack))
+        depth = len(self.stack) if entry is call else self.stack.index(call)
+        layer = Layer(container=container, index=index, wanted=wanted, depth=depth)
+        layer.call = self.module_calls[id(entry.module)] - 1
+        layer.upstream = upstream
         layer.blind = len(self.forward.blind)
         layer.calls[id(call)] = call
         call.layer = layer
         self.layer, self.layer_call = layer, call
-        p = call.primary
+        p = entry.primary
         if wanted and p is not None and p.is_nested:
             layer.resid_pre = p  # torch's nested-tensor path: made dense once the layer has run
         elif wanted and p is not None and p.is_floating_point() and p.dim() > 0:
@@ -149,6 +207,51 @@ class LayerTracker:
             layer.resid_pre = layer.stream.pre
             if p.dim() >= 2:
                 self.forward.lengths.update(p.shape[:-1])
+
+    def _as_run(self, call: Call, container: str, index: int) -> tuple[int, Tensor | None]:
+        """The layer's index as the model runs it, and its upstream sequence (see :class:`Layer`).
+
+        A list that runs one of its modules a second time (ALBERT's shared layer, a loop) is
+        numbered by call from then on; the chain of a list holds while each layer's input is the
+        previous layer's output."""
+        n = self.module_calls.get(id(call.module), 0)
+        self.module_calls[id(call.module)] = n + 1
+        k = self.list_calls.get(container, 0)
+        self.list_calls[container] = k + 1
+        if n:
+            self.looped.add(container)
+        if container in self.looped:
+            index = k
+        p, prev = call.primary, self._prev
+        out = prev[2] if prev is not None else None
+        if container not in self.chain:
+            self.chain[container] = True
+            self.order.append(container)
+        elif not (prev is not None and prev[:2] == (container, index - 1) and _same(p, out)):
+            self.chain[container] = False
+        upstream = None
+        if out is not None and p is not None and (p is out or self._derived.get(id(p), _dead)() is p):
+            upstream = out
+        self._derived = {}
+        return index, upstream
+
+    def between(self, args: tuple, kwargs: dict, out: Any) -> None:
+        """An op ran outside any layer: note what it computed from the last layer's output."""
+        src = self._prev[2] if self._prev is not None else None
+        if src is None:
+            return
+        d = self._derived  # id -> weak reference: nothing here outlives the model's own use
+        for a in (*args, *kwargs.values()):
+            items = a if isinstance(a, (tuple, list)) else (a,)
+            if any(isinstance(t, Tensor) and (t is src or d.get(id(t), _dead)() is t) for t in items):
+                for t in out if isinstance(out, (tuple, list)) else (out,):
+                    if isinstance(t, Tensor):
+                        d[id(t)] = weakref.ref(t)
+                return
+
+    def forget(self) -> None:
+        """The forward is over: drop the last layer's output and what was computed from it."""
+        self._prev, self._derived = None, {}
 
     def current(self) -> Layer:
         """The layer running now; attention outside any list adopts the top-level child computing it."""
@@ -159,7 +262,10 @@ class LayerTracker:
     def _adopt(self) -> None:
         call = self.stack[1] if len(self.stack) > 1 else self.stack[0]
         depth = self.stack.index(call)
-        self._start(call, self.names.get(id(self.model), "") + ":single", 0)
+        container = self.names.get(id(self.model), "") + ":single"
+        self._start(call, container, 0)
+        # its next calls (a block run in a loop) start layers when they are entered
+        self.container_of.setdefault(id(call.module), (container, 0))
         self.container_len.setdefault(self.layer.container, 1)
         self.layer.depth = depth
         self.layer.resid_pre = self.layer.stream = None  # adopted mid-call: its input was not watched
@@ -220,6 +326,7 @@ class LayerTracker:
         self.layer, self.layer_call = None, None
         if layer is None:
             return
+        self._prev = (layer.container, layer.index, out)
         last = layer.index + 1 >= self.container_len.get(layer.container, 0)
         if last:
             # the list's last layer: what runs next computes no pattern
@@ -249,29 +356,37 @@ class LayerTracker:
             # stream is kept, named once the lists with attention are known
             if layer.wanted and layer.resid_pre is not None and not layer.resid_pre.is_nested:
                 if out is not None and not out.is_nested and out.shape == layer.resid_pre.shape:
-                    name = self.name_of(call.module)
-                    self.plain.append((layer.container, layer.index, name, layer.resid_pre, out.detach()))
+                    name = layer.module or self.name_of(call.module)
+                    self.plain.append(
+                        (layer.container, layer.index, name, layer.resid_pre, out.detach(), layer.call)
+                    )
             return
-        self.kept[layer.container] = self.container_len.get(layer.container, layer.index + 1)
+        c = layer.container
+        self.kept[c] = self.list_calls[c] if c in self.looped else self.container_len.get(c, layer.index + 1)
         if not layer.wanted:
             return
-        stored = [a for a in layer.attns if a.handle is not None or a.fields]
+        stored = [x for a in layer.attns for x in (a, *a.also) if x.handle is not None or x.fields]
         patterns = [(a.role or "self", _fields(a), a.shape, sorted(a.impl), a.causal) for a in stored]
         kinds = [a.kind for a in stored]
         items, notes = layer_residuals(layer, call, out, self.name_of)
+        if any(a.split is not None for a in layer.attns):
+            notes["merged_attention"] = (
+                "self_attn and cross_attn are one softmax over the layer's own keys then the "
+                "source's keys: each query's two rows together sum to 1"
+            )
         residuals = [(n, self.store.put(t)) for n, t in items]
-        name = self.name_of(call.module)
-        record = LayerRecord(layer.container, layer.index, name, patterns, residuals, notes, kinds)
+        module = layer.module or self.name_of(call.module)
+        record = LayerRecord(c, layer.index, module, patterns, residuals, notes, kinds, layer.call)
         self.records.append(record)
 
     def plain_records(self) -> list[LayerRecord]:
         """Records of list elements without attention in lists that have attention (hybrids)."""
         out = []
-        for container, index, name, pre, post in self.plain:
+        for container, index, name, pre, post, n in self.plain:
             if container not in self.kept:
                 continue
             handles = [("resid_pre", self.store.put(pre)), ("resid_post", self.store.put(post))]
             note = "no attention in this layer: only resid_pre and resid_post are stored"
-            out.append(LayerRecord(container, index, name, [], handles, {"residual_note": note}))
+            out.append(LayerRecord(container, index, name, [], handles, {"residual_note": note}, n))
         self.plain.clear()
         return out

@@ -1,11 +1,13 @@
 """Naming what a tracer captured: stacks, cache keys and the cache's metadata.
 
 The :class:`~probe.capture.tracer.Tracer` knows layers by their list and index
-(``model.decoder.layers``, 3); a cache knows them as ``<stack>.blocks.<i>.<name>``. Stacks:
-a list of layers with cross-attention is the ``decoder``; another list beside it is the
-``encoder``; a lone list is the ``decoder`` when its self-attention is causal (or, with no
-verdict, when the model can ``generate``), else the ``encoder``. Several lists mapped to one
-stack are numbered one after another.
+(``model.decoder.layers``, 3; for a list that runs a module several times, the call's index); a
+cache knows them as ``<stack>.blocks.<i>.<name>``. Stacks: a lone list is the ``decoder`` when its
+self-attention is causal (or, with no verdict, when the model can ``generate``), else the
+``encoder``; a list followed by one that reads it with cross-attention are the ``encoder`` and
+the ``decoder``; any other set of lists (Canine's three encoders, Funnel's blocks, BLT's local and
+global stacks) names each stack by its list's module path. A stack's ``chain`` says whether every
+layer's input was the previous layer's output.
 """
 
 from __future__ import annotations
@@ -77,23 +79,30 @@ def check_forward(tr: Tracer, model: nn.Module, selection: Selection) -> None:
     selection.check_layers(list(tr.kept.values()), found=bool(tr.records))
 
 
-def refuse_shared_layers(records: list[LayerRecord]) -> None:
-    """Refuse one module of a layer list run several times in one forward (ALBERT shares one
-    layer's weights across all layers): its runs would share one key."""
-    runs = collections.Counter((r.container, r.index) for r in records)
+def check_loops(records: list[LayerRecord], looped: set[str]) -> None:
+    """Refuse a list whose layers cannot be numbered by call: a module of it ran a second time
+    after layers of it were already numbered by their place in the list, at other numbers."""
+    seen: dict[tuple[str, int], str] = {}
     for r in records:
-        n = runs[(r.container, r.index)]
-        if n > 1:
+        if (r.container, r.index) in seen:
             raise ProbeError(
-                f"layer {r.module} runs {n} times in one forward (one layer's weights shared by "
-                "several layers, as in ALBERT); probe keeps one layer per module and does not support "
-                "weight-shared layers: to capture it, give each run its own module (a ModuleList of "
-                "copy.deepcopy of the shared layer)"
+                f"layers {seen[(r.container, r.index)]} and {r.module} of {r.container} both ran as "
+                f"its layer {r.index}; probe cannot number the calls of a list whose modules run in "
+                "a changing order; capture each loop of the model in a forward of its own"
             )
+        seen[(r.container, r.index)] = r.module
+
+
+def _stack_path(container: str) -> str:
+    """The stack name of a layer list named by its module path (an adopted layer: its module)."""
+    path = container.split(":")[0] if container.endswith(":single") else container
+    return path or "model"
 
 
 def stacks(kept: dict[str, int], records: list[LayerRecord], generates: bool) -> dict[str, str]:
-    """Each layer list with attention (``kept``'s keys, in order) -> its stack name."""
+    """Each layer list with attention (``kept``'s keys, in the order the model ran them) -> its
+    stack name: ``encoder``/``decoder`` for one list, or an encoder beside a decoder that reads it
+    with cross-attention; else each list by its module path."""
     containers = list(kept)
     info: dict[str, dict[str, Any]] = {c: {"cross": False, "causal": []} for c in containers}
     for r in records:
@@ -112,28 +121,33 @@ def stacks(kept: dict[str, int], records: list[LayerRecord], generates: bool) ->
         else:
             decoder = generates
         return {c: "decoder" if decoder else "encoder"}
-    with_cross = [c for c in containers if info[c]["cross"]]
-    if not with_cross:
-        return {c: ("encoder" if i == 0 else "decoder") for i, c in enumerate(containers)}
-    return {c: ("decoder" if c in with_cross else "encoder") for c in containers}
+    if len(containers) == 2 and not info[containers[0]]["cross"] and info[containers[1]]["cross"]:
+        return {containers[0]: "encoder", containers[1]: "decoder"}
+    named = {c: _stack_path(c) for c in containers}
+    if len(set(named.values())) < len(named):
+        return {c: f"{p}_{i}" for i, (c, p) in enumerate(named.items())}
+    return named
 
 
 def name_layers(
-    records: list[LayerRecord], kept: dict[str, int], stack_of: dict[str, str]
+    records: list[LayerRecord], kept: dict[str, int], stack_of: dict[str, str], looped: set[str] = frozenset()
 ) -> tuple[dict[int, str], list[dict[str, Any]], dict[str, int]]:
     """``(names, layers, counts)``: each sink handle -> its cache key, each layer's metadata entry
     (in stack and layer order), and each stack's number of layers."""
     offsets: dict[str, int] = {}
     base: dict[str, int] = {}
+    order = {c: i for i, c in enumerate(kept)}
     for c in kept:  # several lists mapped to one stack are numbered one after another
         s = stack_of[c]
         base[c] = offsets.get(s, 0)
         offsets[s] = base[c] + kept[c]
     names: dict[int, str] = {}
     layer_meta: list[dict[str, Any]] = []
-    for r in sorted(records, key=lambda r: (base[r.container], r.container, r.index)):
+    for r in sorted(records, key=lambda r: (order[r.container], r.index)):
         stack, idx = stack_of[r.container], base[r.container] + r.index
         entry: dict[str, Any] = {"stack": stack, "layer": idx, "module": r.module}
+        if r.container in looped:
+            entry["call"] = r.call
         names.update(_name_attentions(r, stack, idx, entry))
         for name, handle in r.residuals:
             names[handle] = key(stack, idx, name)
@@ -171,15 +185,53 @@ def _name_attentions(r: LayerRecord, stack: str, idx: int, entry: dict[str, Any]
     return names
 
 
+def stack_info(
+    tr: Tracer, stack_of: dict[str, str], offsets: dict[str, int], meta: dict[str, Any]
+) -> dict[str, dict[str, Any]]:
+    """The metadata's ``stacks``: per stack its layer count, whether its layers chain, and for
+    stacks named by module path that path and which token list its positions are (null: pooled
+    or downsampled positions that are not tokens)."""
+    lengths: dict[str, set[int]] = {}
+    for r in tr.records:
+        for _role, _h, shape, _impl, _causal in r.patterns:
+            lengths.setdefault(stack_of[r.container], set()).add(shape[2])
+    source = _padded_length(meta, "")
+    target = _padded_length(meta, "target_")
+    out: dict[str, dict[str, Any]] = {}
+    for c, s in stack_of.items():
+        info = out.setdefault(s, {"layers": offsets[s], "chain": True})
+        if s not in ("encoder", "decoder"):
+            info["module"] = _stack_path(c)
+        info["chain"] = info["chain"] and tr.chain.get(c, True) and list(stack_of.values()).count(s) == 1
+        seen = lengths.get(s, set())
+        if s not in ("encoder", "decoder") and source is not None:
+            # encoder/decoder keep the reader's default (source; target for a decoder with one)
+            if seen and seen <= {source}:
+                info["tokens"] = "source"
+            elif seen and target is not None and seen <= {target}:
+                info["tokens"] = "target"
+            else:
+                info["tokens"] = None
+    return out
+
+
+def _padded_length(meta: dict[str, Any], prefix: str) -> int | None:
+    rows = meta.get(f"{prefix}attention_mask") or meta.get(f"{prefix}ids")
+    if not rows or not isinstance(rows[0], list):
+        return None
+    return len(rows[0])
+
+
 def name(
     tr: Tracer, model: nn.Module, metadata: dict[str, Any], selection: Selection
 ) -> tuple[dict[int, str], dict[str, Any]]:
     """``(names, meta)`` for a checked capture (:func:`check_forward`): each sink handle -> its
     cache key, and the cache's metadata (``metadata`` given, then what the capture found)."""
     records = tr.records + tr.plain_records()
-    refuse_shared_layers(records)
-    stack_of = stacks(tr.kept, tr.records, hasattr(model, "generate"))
-    names, layer_meta, offsets = name_layers(records, tr.kept, stack_of)
+    check_loops(records, tr.looped)
+    kept = {c: tr.kept[c] for c in sorted(tr.kept, key=lambda c: _ran(tr.order, c))}
+    stack_of = stacks(kept, tr.records, hasattr(model, "generate"))
+    names, layer_meta, offsets = name_layers(records, kept, stack_of, tr.looped)
     meta = dict(metadata)
     meta.setdefault("model", model_info(model))
     if meta.get("input_kind") == "tensor":
@@ -192,7 +244,7 @@ def name(
             # what was stored: one dtype, or several ("float32, bfloat16": patterns are
             # computed in float32 while a bf16 model's residual stream stays bf16)
             "dtype": ", ".join(sorted(tr.stored_dtypes)),
-            "stacks": {s: {"layers": n} for s, n in offsets.items()},
+            "stacks": stack_info(tr, stack_of, offsets, meta),
             "layers_captured": selection.layers,
             "training": bool(model.training),
             "heads_captured": selection.heads,
@@ -200,6 +252,10 @@ def name(
         }
     )
     return names, meta
+
+
+def _ran(order: list[str], container: str) -> int:
+    return order.index(container) if container in order else len(order)
 
 
 def _positions_from_patterns(meta: dict[str, Any], records: list[LayerRecord]) -> None:

@@ -85,13 +85,40 @@ class PatternConsumer(Protocol):
     def close(self, attn: Attention) -> None: ...
 
 
-def is_cross(attn: Attention, cached: int, stream: LayerStream | None) -> bool:
+def _sources(attn: Attention, stream: LayerStream | None, upstream: Tensor | None) -> list[Tensor]:
+    """Stream-shaped tensors handed to ``attn``'s sublayer besides its own stream: not derived from
+    the layer's ``stream`` (BLOOM passes its residual in) and not the ``upstream`` sequence the
+    layer's input was computed from (Funnel pools its queries from it): an encoder's output."""
+    p0 = attn.primary
+    if p0 is None or p0.is_nested or p0.dim() != 3:
+        return []
+    return [
+        t
+        for t in attn.inputs
+        if t is not p0
+        and t is not upstream
+        and not t.is_nested
+        and t.dim() == 3
+        and t.is_floating_point()
+        and t.shape[0] == p0.shape[0]
+        and t.shape[-1] == p0.shape[-1]
+        and t.data_ptr() != p0.data_ptr()
+        and not (stream is not None and stream.label(t)[0])  # the layer's own stream
+    ]
+
+
+def is_cross(
+    attn: Attention, cached: int, stream: LayerStream | None, upstream: Tensor | None = None
+) -> bool:
     """Whether ``attn`` is cross-attention: its queries and keys differ in length (other than by a
-    KV cache's ``cached`` positions), or its sublayer was handed a second stream-shaped tensor that
-    is not derived from the layer's own ``stream`` (an encoder's output; not the residual handed to
-    an attention module, as BLOOM does)."""
+    KV cache's ``cached`` positions, or because the queries were pooled from the ``upstream``
+    sequence the keys cover), or its sublayer was handed a second stream-shaped tensor that is not
+    derived from the layer's own ``stream`` (:func:`_sources`)."""
     q, k = attn.qk
     cross = q != k
+    if cross and upstream is not None and upstream.dim() == 3 and k in upstream.shape[:2]:
+        if any(t is upstream for t in attn.inputs):
+            return False  # keys over the sequence this layer's stream was pooled from (Funnel)
     p0 = attn.primary
     if cross and cached and k == cached + q:
         # a KV-cached call: keys are the cached positions plus the new ones, the same sequence,
@@ -99,20 +126,24 @@ def is_cross(attn: Attention, cached: int, stream: LayerStream | None) -> bool:
         cross = any(
             t.is_floating_point() and t.dim() == 3 and k in t.shape[:2] and t is not p0 for t in attn.inputs
         )
-    if not cross and p0 is not None and not p0.is_nested and p0.dim() == 3:
-        for t in attn.inputs:
-            if (
-                t is not p0
-                and not t.is_nested
-                and t.dim() == 3
-                and t.is_floating_point()
-                and t.shape[0] == p0.shape[0]
-                and t.shape[-1] == p0.shape[-1]
-                and t.data_ptr() != p0.data_ptr()
-                and not (stream is not None and stream.label(t)[0])  # the layer's own stream
-            ):
-                return True
+    if not cross and _sources(attn, stream, upstream):
+        return True
     return cross
+
+
+def merged_split(
+    attn: Attention, cached: int, stream: LayerStream | None, upstream: Tensor | None = None
+) -> int | None:
+    """The number of own keys when ``attn`` is one softmax over the layer's own keys (``cached`` +
+    queries) followed by a source's keys (T5Gemma 2's merged self+cross attention), else None."""
+    q, k = attn.qk
+    own = cached + q
+    if k <= own:
+        return None
+    for t in _sources(attn, stream, upstream):
+        if k == own + t.shape[1]:
+            return own
+    return None
 
 
 class Recorder:
@@ -267,6 +298,10 @@ class Recorder:
             return
         attn.closed = True
         layer = self.layers.layer
-        cross = is_cross(attn, self.forward.cached, layer.stream if layer is not None else None)
+        stream = layer.stream if layer is not None else None
+        upstream = layer.upstream if layer is not None else None
+        cached = self.forward.cached
+        attn.split = merged_split(attn, cached, stream, upstream)
+        cross = attn.split is None and is_cross(attn, cached, stream, upstream)
         attn.role = "cross" if cross else "self"
         self.consumer.close(attn)

@@ -78,7 +78,10 @@ class Tracer:
         return self
 
     def __exit__(self, *exc: Any) -> None:
-        self.watcher.remove(*exc)
+        try:
+            self.watcher.remove(*exc)
+        finally:
+            self.layers.forget()
 
     @property
     def records(self) -> list[LayerRecord]:
@@ -93,6 +96,21 @@ class Tracer:
     def kept(self) -> dict[str, int]:
         """Each layer list with attention -> its number of elements."""
         return self.layers.kept
+
+    @property
+    def chain(self) -> dict[str, bool]:
+        """Each layer list -> whether every layer's input was the previous layer's output."""
+        return self.layers.chain
+
+    @property
+    def looped(self) -> set[str]:
+        """The layer lists that ran a module more than once (their layers are numbered by call)."""
+        return self.layers.looped
+
+    @property
+    def order(self) -> list[str]:
+        """The layer lists in the order their first layer ran."""
+        return self.layers.order
 
     @property
     def impls(self) -> set[str]:

@@ -20,6 +20,7 @@ filtered to these layers, sees their calls instead.
 
 from __future__ import annotations
 
+import threading
 from typing import Any
 
 import torch
@@ -67,7 +68,11 @@ class _Mode(TorchFunctionMode):
             # every other op: only the residual tracking of the layer running now looks at it
             layers = self.layers
             lay = layers.layer
-            if lay is None or lay.stream is None:
+            if lay is None:
+                out = func(*args, **kwargs)
+                layers.between(args, kwargs, out)  # what is computed from the last layer's output
+                return out
+            if lay.stream is None:
                 return func(*args, **kwargs)
             if func in _ADDS:
                 return lay.stream.on_add(func, args, kwargs, layers.source_id())
@@ -109,6 +114,7 @@ class Watcher:
         self._suspended = 0
         self._fast_layers: set[int] = set()
         self._replaying = False
+        self._thread = threading.get_ident()  # hooks see every thread's calls: follow this one's
 
     # -- lifecycle -----------------------------------------------------------------------------
     def install(self) -> None:
@@ -159,7 +165,7 @@ class Watcher:
 
     # -- hooks ---------------------------------------------------------------------------------
     def _pre(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
-        if self._replaying:
+        if self._replaying or threading.get_ident() != self._thread:
             return
         # probe's own bookkeeping below calls tensor methods: off the mode stack, they cost a
         # C call each instead of a trip through the mode's Python __torch_function__
@@ -181,7 +187,7 @@ class Watcher:
             self._mode.quiet -= 1
 
     def _post(self, module: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
-        if self._replaying:
+        if self._replaying or threading.get_ident() != self._thread:
             return
         self._mode.quiet += 1
         self._suspend()

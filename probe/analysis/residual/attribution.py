@@ -137,6 +137,11 @@ def _components(ps, score, shape) -> tuple[list[tuple[str, int | None, str, str,
     total = torch.zeros(shape)
     if ps.layers[0] != 0:
         notes.append("layer 0 is not in the cache: the embedding part is missing from the sum")
+    if (cache.metadata.get("stacks", {}).get(stack) or {}).get("chain") is False:
+        notes.append(
+            f"the {stack}'s layers do not chain (the model computes between them: a layer's input "
+            "is not the previous layer's output), so the parts do not sum to the final stream"
+        )
     for i in ps.layers:
         pre, parts, _ = layer_components(cache, stack, i)
         if i == 0:
