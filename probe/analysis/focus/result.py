@@ -29,13 +29,16 @@ class HeadStats:
     ``table`` is a :class:`~probe.analysis.table.Table`; ``sink_rate`` maps ``"stack/kind"`` to
     the share of heads whose first-token mass exceeds ε = 0.3; ``kv_groups`` maps each key/value
     head to the query heads sharing it (grouped-query models, else empty); ``rollout`` maps each
-    stack to its attention rollout ``[batch, T, T]`` through all layers (single cache only).
+    stack to its attention rollout ``[batch, T, T]`` through all layers (single cache only);
+    ``not_computed`` maps each statistic left out to the reason (``"rollout"`` when computed from a
+    model block by block, which never holds a whole pattern).
     """
 
     def __init__(self, acc: FocusAccumulator) -> None:
         self.accumulator = acc
         self.n_texts = acc.n_texts
         self.rollout = acc.rollout
+        self.not_computed: dict[str, str] = dict(getattr(acc, "not_computed", {}))
         rows = []
         several = any(int(st.count.max()) > 1 for st in acc.stats.values())
         for name, st in acc.stats.items():

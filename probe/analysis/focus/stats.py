@@ -52,6 +52,8 @@ class FocusAccumulator:
         self.kv_group: int | None = None
         self.n_texts = 0
         self.rollout: dict[str, torch.Tensor] | None = None
+        # statistics not computed, with the reason (a statistic needing whole patterns)
+        self.not_computed: dict[str, str] = {}
 
     def add(self, cache: Cache, *, rollout: bool = False, progress: bool = False) -> FocusAccumulator:
         """Fold every text of ``cache`` in; with ``rollout`` keep its attention rollout too."""
@@ -227,13 +229,38 @@ def _as_caches(obj: Any) -> tuple[Iterable[Cache], int | None]:
     return gen(), n
 
 
-def head_stats(cache_or_caches: Any, *, rollout: bool = True, progress: bool = True) -> HeadStats:
+def head_stats(
+    cache_or_caches: Any,
+    inputs: Any = None,
+    *,
+    rollout: bool = True,
+    progress: bool = True,
+    tokenizer: Any = None,
+    target: Any = None,
+    layers: list[int] | None = None,
+    block: int | None = None,
+) -> HeadStats:
     """Focus statistics of every captured head (see :mod:`probe.analysis.focus` for definitions).
 
     ``cache_or_caches``: a :class:`probe.Cache`, a cache path, or an iterable of them (a list,
     or a generator that captures text after text: only one cache is held at a time). Returns
     :class:`HeadStats`; with several texts each metric is the mean over texts with ``_std``.
+
+    Or a model with its ``inputs`` (``tokenizer``, ``target``, ``layers`` as for
+    :func:`probe.capture`): one forward, every statistic computed ``block`` query rows at a time
+    while it runs, no pattern ever held whole (:mod:`probe.analysis.focus.streaming`); the same
+    table as for the captured cache, without the rollout (``HeadStats.not_computed``).
     """
+    if isinstance(cache_or_caches, torch.nn.Module):
+        from probe.analysis.focus.streaming import model_head_stats
+
+        if inputs is None:
+            raise ProbeError("head_stats(model, inputs): give the inputs to run the model on")
+        return model_head_stats(
+            cache_or_caches, inputs, tokenizer=tokenizer, target=target, layers=layers, block=block
+        )
+    if inputs is not None:
+        raise ProbeError("head_stats(cache) takes no inputs; pass a model to run it on inputs")
     caches, n = _as_caches(cache_or_caches)
     acc = FocusAccumulator()
     single = n == 1
