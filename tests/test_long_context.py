@@ -117,3 +117,96 @@ def test_blocks_never_hold_a_whole_pattern(monkeypatch):
     assert seen and all(s[2] <= 8 for s in seen)
     # causal SDPA blocks read only the keys their rows can see
     assert min(s[3] for s in seen) == 8
+
+
+def _random_pattern(B, H, T, causal, seed, pad=None):
+    """Row-stochastic weights; ``pad[b]`` left-padded positions get none (and are no query)."""
+    g = torch.Generator().manual_seed(seed)
+    P = torch.rand(B, H, T, T, generator=g) ** 4
+    if causal:
+        P = P.tril()
+    real = torch.ones(B, T, dtype=torch.bool)
+    for b, n in enumerate(pad or []):
+        real[b, :n] = False
+    P = P * real[:, None, None, :]
+    P = P / P.sum(-1, keepdim=True).clamp(min=1e-30)
+    P = P * real[:, None, :, None]
+    return P, real
+
+
+def _oracle(P, real, causal, D_list=(16, 128, 1024)):
+    """Per text and head: mean over counted queries of beyond_D, reach90; and the sink profile."""
+    B, H, T, _ = P.shape
+    out = {}
+    for b in range(B):
+        keys = [j for j in range(T) if real[b, j]]
+        for h in range(H):
+            rows = []
+            for i in range(T):
+                vis = [j for j in keys if (j <= i or not causal)]
+                if not real[b, i] or len(vis) < 2:
+                    continue
+                rows.append(i)
+            beyond = {D: [] for D in D_list}
+            reach = []
+            recv = torch.zeros(T, dtype=torch.float64)
+            for i in rows:
+                row = P[b, h, i].double()
+                total = float(row.sum())
+                for D in D_list:
+                    beyond[D].append(sum(float(row[j]) for j in range(T) if abs(i - j) > D))
+                d = 0
+                while sum(float(row[j]) for j in range(T) if abs(i - j) <= d) < 0.9 * total - 1e-12:
+                    d += 1
+                reach.append(d)
+                recv += row
+            n = len(rows)
+            out[b, h] = (
+                {D: sum(v) / n for D, v in beyond.items()},
+                sum(reach) / n,
+                recv / n,
+            )
+    return out
+
+
+@pytest.mark.parametrize("causal", [True, False])
+def test_long_context_metrics_by_hand(causal):
+    """beyond_D, reach90 and the sink profile of a planted pattern, against loops written here;
+    T = 150 so that beyond_16 and beyond_128 both bite."""
+    from probe.analysis.focus import METRICS
+
+    B, H, T = 2, 2, 150
+    P, real = _random_pattern(B, H, T, causal, seed=1, pad=[0, 7])
+    meta = {
+        "tokens": [["t"] * int(real[b].sum()) for b in range(B)],
+        "attention_mask": real.long().tolist(),
+    }
+    stats = probe.head_stats(probe.Cache({"decoder.blocks.0.self_attn.pattern": P}, meta), progress=False)
+    assert {"beyond_16", "beyond_128", "beyond_1024", "reach90"} <= set(METRICS)
+    want = _oracle(P, real, causal)
+    prof = stats.received["decoder/0/self"]
+    for b in range(B):
+        for h in range(H):
+            beyond, reach, recv = want[b, h]
+            torch.testing.assert_close(prof[b, h], recv, atol=1e-6, rtol=0)
+    for h in range(H):
+        row = [r for r in stats.table if r["head"] == h][0]
+        assert row["causal"] == causal
+        for D in (16, 128, 1024):
+            mean = sum(want[b, h][0][D] for b in range(B)) / B
+            assert row[f"beyond_{D}"] == pytest.approx(mean, abs=1e-6)
+        reach = sum(want[b, h][1] for b in range(B)) / B
+        assert row["reach90"] == pytest.approx(reach, rel=1e-6, abs=1e-6)  # float32 mean of ~100
+        assert row["beyond_1024"] == 0  # no key is that far
+        want_prof = torch.stack([want[b, h][2] for b in range(B)]).mean(0).float()
+        torch.testing.assert_close(stats.sink_profile(0)[h], want_prof, atol=1e-6, rtol=0)
+
+
+def test_sink_profile_streamed_equals_full(bpe):
+    model = H.llama(len(bpe))
+    streamed = probe.head_stats(model, TEXTS, tokenizer=bpe, block=3)
+    full = probe.head_stats(probe.capture(model, TEXTS, tokenizer=bpe), progress=False)
+    assert streamed.received.keys() == full.received.keys()
+    for k in full.received:
+        torch.testing.assert_close(streamed.received[k], full.received[k], atol=1e-6, rtol=0, equal_nan=True)
+    torch.testing.assert_close(streamed.sink_profile(1), full.sink_profile(1), atol=1e-6, rtol=0)

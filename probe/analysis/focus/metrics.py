@@ -16,6 +16,7 @@ from functools import cached_property
 import numpy as np
 import torch
 
+from probe.analysis.focus.reach import BEYOND, pattern_distance_terms
 from probe.analysis.focus.tokens import Side
 
 METRICS = (
@@ -45,6 +46,8 @@ METRICS = (
     "induction_prefix",
     "dup_matches",
     "induction_matches",
+    *(f"beyond_{d}" for d in BEYOND),
+    "reach90",
 )
 IDX = {m: i for i, m in enumerate(METRICS)}
 SPAN_MASS = 0.9  # effective span: keys needed to cover this share of a row's mass
@@ -223,8 +226,9 @@ class Terms:
     runs (:mod:`probe.analysis.focus.streaming`); self-attention only: ``diag`` (``d`` ->
     ``a_i,i+d``, 0 where that key is missing, for ``|d| <= LOCAL_WINDOW``), ``key_sum``
     (Σ_j j·a_ij), ``dist`` (Σ_j a_ij |i − j|; None when the layer is known causal), ``word``
-    (word_prev/self/next -> mass on the target word), ``tmpl`` (prev/dup/induction -> Σ_j D_ij a_ij)
-    and ``hits`` (dup/induction -> ``[B, Q]`` whether a query has a match).
+    (word_prev/self/next -> mass on the target word), ``tmpl`` (prev/dup/induction -> Σ_j D_ij a_ij),
+    ``hits`` (dup/induction -> ``[B, Q]`` whether a query has a match), ``beyond`` (D -> mass
+    further than D tokens) and ``reach`` (the distance within which 90% of the mass lies).
     """
 
     ent: torch.Tensor
@@ -240,6 +244,8 @@ class Terms:
     word: dict[str, torch.Tensor] | None = None
     tmpl: dict[str, torch.Tensor] | None = None
     hits: dict[str, torch.Tensor] | None = None
+    beyond: dict[int, torch.Tensor] = field(default_factory=dict)
+    reach: torch.Tensor | None = None
 
 
 def block_metrics(P: torch.Tensor, lay: Layout, *, self_attn: bool) -> torch.Tensor:
@@ -261,6 +267,7 @@ def pattern_terms(P: torch.Tensor, lay: Layout, *, self_attn: bool) -> Terms:
         return t
     t.diag = {d: _diag(P, d) for d in range(-LOCAL_WINDOW, LOCAL_WINDOW + 1)}
     t.key_sum = rows.key_sum
+    t.beyond, t.reach = pattern_distance_terms(P)
     if not lay.causal:
         qf, kf = lay.qi.float(), lay.kj.float()
         t.dist = (P * (kf[None, :] - qf[:, None]).abs()).sum(-1)
@@ -301,6 +308,9 @@ def reduce(t: Terms, lay: Layout, *, self_attn: bool) -> torch.Tensor:
     dist = -signed if lay.causal else t.dist
     out[..., IDX["distance"]] = _mean(dist, counted)
     out[..., IDX["signed_distance"]] = _mean(signed, counted)
+    for D, v in t.beyond.items():
+        out[..., IDX[f"beyond_{D}"]] = _mean(v, counted)
+    out[..., IDX["reach90"]] = _mean(t.reach, counted)
 
     # positional: the most common offset (argmax key - query) and the share of queries using it
     hist = torch.zeros(B, h, Q + K - 1)

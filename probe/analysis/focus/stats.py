@@ -12,6 +12,7 @@ import torch
 from tqdm.auto import tqdm
 
 from probe.analysis.focus.metrics import METRICS, Layout, block_metrics, is_causal
+from probe.analysis.focus.reach import received
 from probe.analysis.focus.result import HeadStats
 from probe.analysis.focus.roles import ROLE_RULES, SINK_EPSILON, roles_of
 from probe.analysis.focus.running import RunningStats
@@ -54,6 +55,8 @@ class FocusAccumulator:
         self.rollout: dict[str, torch.Tensor] | None = None
         # statistics not computed, with the reason (a statistic needing whole patterns)
         self.not_computed: dict[str, str] = {}
+        # the sink profile per layer, [B, H, K] (single cache or model run: positions are per batch)
+        self.received: dict[str, torch.Tensor] | None = None
 
     def add(self, cache: Cache, *, rollout: bool = False, progress: bool = False) -> FocusAccumulator:
         """Fold every text of ``cache`` in; with ``rollout`` keep its attention rollout too."""
@@ -75,6 +78,7 @@ class FocusAccumulator:
         sides: dict[tuple, object] = {}
         all_heads = rollout and captured is None
         batch = None
+        got: dict[str, torch.Tensor] = {}
         for stack, layer, kind in tqdm(
             layers, desc="head stats", unit="layer", disable=not progress, leave=False
         ):
@@ -86,8 +90,11 @@ class FocusAccumulator:
             ks = sides.get((stack, ks_role, B, K)) or side(meta, stack, ks_role, B, K)
             sides[(stack, "own", B, Q)], sides[(stack, ks_role, B, K)] = qs, ks
             want_sum = all_heads and kind == "self" and Q == K
-            values, causal, head_sum = _layer_values(cache, stack, layer, kind, qs, ks, layouts, want_sum)
+            values, causal, head_sum, recv = _layer_values(
+                cache, stack, layer, kind, qs, ks, layouts, want_sum
+            )
             name = f"{stack}/{layer}/{kind}"
+            got[name] = recv
             self.stats.setdefault(name, RunningStats()).update(values)
             heads = [int(captured[h]) if captured else h for h in range(H)]
             if self.heads.setdefault(name, heads) != heads:
@@ -98,6 +105,8 @@ class FocusAccumulator:
                 tri = roll_causal.get(stack, True) and causal and bool(qs.real.all())
                 roll_causal[stack] = tri
                 roll[stack] = _rollout_step(roll.get(stack), head_sum / H, qs.real, lower=tri)
+        # per batch positions: kept for the first cache only (merged runs have none)
+        self.received = got if self.n_texts == 0 else None
         self.n_texts += batch or 0
         if rollout and self.rollout is None:
             self.rollout = roll
@@ -114,6 +123,7 @@ class FocusAccumulator:
         self.kv_group = self.kv_group or other.kv_group
         self.n_texts += other.n_texts
         self.rollout = None  # rollout is per text: it belongs to a single cache
+        self.received = None  # so is the sink profile
         return self
 
     def to_dict(self) -> dict[str, Any]:
@@ -148,7 +158,8 @@ class FocusAccumulator:
 
 
 def _layer_values(cache, stack, layer, kind, qs, ks, layouts, want_sum):
-    """``([B, H, M] per-text metrics, causal, Σ_h pattern or None)`` of one layer, read a block of
+    """``([B, H, M] per-text metrics, causal, Σ_h pattern or None, [B, H, K] sink profile)`` of one
+    layer, read a block of
     heads at a time. A layer is causal only if no block has weight above the diagonal; if a later
     block shows some, the earlier blocks are computed again as non-causal."""
     B, H, Q, K = cache.shape(f"{stack}.blocks.{layer}.{kind}_attn.pattern")
@@ -161,24 +172,32 @@ def _layer_values(cache, stack, layer, kind, qs, ks, layouts, want_sum):
             layouts[key] = Layout(qs, ks, Q, K, causal=c)
         return layouts[key]
 
-    values, causal, head_sum = [], None, None
+    values, causal, head_sum, recv = [], None, None, []
     for n, (h0, h1) in enumerate(blocks):
         P = cache.pattern(stack, layer, kind, head=slice(h0, h1))
         c = kind == "self" and is_causal(P, qs, ks)
         if causal and not c:
-            values = [
-                block_metrics(
-                    cache.pattern(stack, layer, kind, head=slice(a, b)), layout(False), self_attn=True
-                )
-                for a, b in blocks[:n]
-            ]
+            values, recv = [], []
+            for a, b in blocks[:n]:
+                Pa = cache.pattern(stack, layer, kind, head=slice(a, b))
+                values.append(block_metrics(Pa, layout(False), self_attn=True))
+                recv.append(_received(Pa, layout(False)))
         causal = c if causal is None else causal and c
         values.append(block_metrics(P, layout(causal), self_attn=kind == "self"))
+        recv.append(_received(P, layout(causal)))
         if want_sum:
             s = P.float().sum(1)
             head_sum = s if head_sum is None else head_sum + s
         del P
-    return torch.cat(values, 1), bool(causal), head_sum
+    return torch.cat(values, 1), bool(causal), head_sum, torch.cat(recv, 1)
+
+
+def _received(P: torch.Tensor, lay: Layout) -> torch.Tensor:
+    """The sink profile ``[B, h, K]`` of a block of heads (padding keys get no weight)."""
+    P = P.float()
+    if lay.any_pad:
+        P = torch.where(lay.k.real[:, None, None, :], P, 0)
+    return received(P, lay.counted)
 
 
 def _rollout_step(

@@ -21,6 +21,7 @@ import numpy as np
 import torch
 
 from probe.analysis.focus.metrics import LOCAL_WINDOW, Layout, Terms, reduce, word_masses
+from probe.analysis.focus.reach import distance_terms
 from probe.analysis.focus.result import HeadStats
 from probe.analysis.focus.running import RunningStats
 from probe.analysis.focus.tokens import Side, side
@@ -60,6 +61,8 @@ class RowTerms:
                 t.tmpl = {n: new() for n in ("prev", "dup", "induction")}
                 t.hits = {n: torch.zeros(B, Q, dtype=torch.bool) for n in ("dup", "induction")}
         self.t = t
+        self.recv = torch.zeros(B, H, K, dtype=torch.float64)  # Σ over real queries of a_ij
+        self.recv_first = torch.zeros(B, H, K, dtype=torch.float64)  # the first real query's row
         self._dev: dict[str, dict[str, torch.Tensor]] = {}
 
     def _on(self, device: torch.device) -> dict[str, torch.Tensor]:
@@ -100,6 +103,11 @@ class RowTerms:
         first = dev["first"].clamp(max=kend - 1)[:, None, None, None].expand(B, H, r, 1)
         got = P.gather(-1, first)[..., 0]
         t.first[..., sl] = torch.where((dev["first"] < kend)[:, None, None], got, 0).cpu()
+        w = self.qs.real[:, q0:q1].to(P)
+        self.recv[..., :kend] += torch.einsum("bhrk,br->bhk", P, w).double().cpu()
+        for b, f in enumerate(self.qs.first.tolist()):
+            if q0 <= f < q1:
+                self.recv_first[b, :, :kend] = P[b, :, f - q0].double().cpu()
         if self.self_attn:
             self._self_rows(P, rows, kj, sl)
 
@@ -128,6 +136,12 @@ class RowTerms:
             ok = (idx >= 0) & (idx < kend)
             out[..., sl] = torch.where(ok, P[..., ri, idx.clamp(0, kend - 1)], 0).cpu()
         t.dist[..., sl] = (P * (kj[None, :] - rows[:, None]).abs().float()).sum(-1).cpu()
+        beyond, reach = distance_terms(P, rows, self.shape[3])
+        for D, v in beyond.items():
+            t.beyond.setdefault(D, torch.zeros(t.ent.shape))[..., sl] = v.cpu()
+        if t.reach is None:
+            t.reach = torch.zeros(t.ent.shape)
+        t.reach[..., sl] = reach.cpu()
         if t.word is not None:
             masses = word_masses(P.cumsum(-1), self.lay, rows.cpu())
             for n, m in masses.items():
@@ -143,11 +157,21 @@ class RowTerms:
         """Whether this self-attention was causal (None for cross-attention)."""
         return bool(self.causal) if self.self_attn else None
 
+    def layout(self) -> Layout:
+        _, _, Q, K = self.shape
+        return Layout(self.qs, self.ks, Q, K, causal=True) if self.causal else self.lay
+
     def values(self) -> torch.Tensor:
         """Every metric per text and head, ``[B, H, M]``."""
-        _, _, Q, K = self.shape
-        lay = Layout(self.qs, self.ks, Q, K, causal=True) if self.causal else self.lay
-        return reduce(self.t, lay, self_attn=self.self_attn)
+        return reduce(self.t, self.layout(), self_attn=self.self_attn)
+
+    def received(self) -> torch.Tensor:
+        """The sink profile ``[B, H, K]`` (float64): each key's mean weight over the counted
+        queries (the first real query of a causal layer is not counted)."""
+        lay = self.layout()
+        s = self.recv - self.recv_first if self.causal else self.recv
+        n = lay.counted[:, 0].sum(-1).double()[:, None, None]
+        return torch.where(n > 0, s / n.clamp(min=1), float("nan"))
 
 
 def _templates(qs: Side, ks: Side, rows: torch.Tensor) -> dict[str, torch.Tensor]:
@@ -241,6 +265,7 @@ def model_head_stats(
         )
     acc = FocusAccumulator()
     acc.kv_group = _kv_group(meta)
+    acc.received = {}
     batch = 0
     for _, (stack, layer, kind), cands in sorted(keyed, key=lambda x: x[0]):
         terms = cands.of(stack)
@@ -249,6 +274,7 @@ def model_head_stats(
         acc.stats[name] = RunningStats().update(values)
         acc.heads[name] = list(range(values.shape[1]))
         acc.causal[name] = bool(terms.causal)
+        acc.received[name] = terms.received()
         batch = values.shape[0]
     acc.n_texts = batch
     acc.not_computed = {"rollout": ROLLOUT_NOTE}
