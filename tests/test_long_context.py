@@ -210,3 +210,48 @@ def test_sink_profile_streamed_equals_full(bpe):
     for k in full.received:
         torch.testing.assert_close(streamed.received[k], full.received[k], atol=1e-6, rtol=0, equal_nan=True)
     torch.testing.assert_close(streamed.sink_profile(1), full.sink_profile(1), atol=1e-6, rtol=0)
+
+
+def test_llama_shaped_model_is_llama():
+    """models.llama computes what transformers' LlamaForCausalLM computes with the same weights
+    (the independent oracle for its rotary positions, RMSNorm, GQA and SwiGLU)."""
+    import transformers as tf
+
+    from models.llama import build
+
+    lm = build(n_layers=2, n_heads=4, d_model=64, n_kv_heads=2, d_ff=96, seed=3)
+    cfg = tf.LlamaConfig(
+        vocab_size=256,
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=4096,
+        rms_norm_eps=1e-6,
+        rope_theta=10000.0,
+        tie_word_embeddings=False,
+    )
+    hf = tf.LlamaForCausalLM(cfg).eval()
+    sd = {
+        ("lm_head.weight" if k == "lm_head.weight" else f"model.{k}"): v for k, v in lm.state_dict().items()
+    }
+    missing, unexpected = hf.load_state_dict(sd, strict=False)
+    assert not unexpected and all("rotary" in m for m in missing)
+    ids = torch.randint(0, 256, (2, 700))  # longer than any learnt position table would be
+    with torch.no_grad():
+        torch.testing.assert_close(lm(ids), hf(ids).logits, atol=2e-5, rtol=1e-4)
+    assert lm.tokenizer.encode("ab") == [97, 98]
+
+
+def test_llama_shaped_long_input_streams():
+    """At T = 1040 (past beyond_1024) the streamed statistics of the Llama-shaped model equal the full ones."""
+    from models.llama import build
+
+    lm = build(n_layers=2, n_heads=4, d_model=64, n_kv_heads=2, seed=1)
+    ids = torch.randint(0, 256, (1, 1040))
+    streamed = probe.head_stats(lm, ids, block=160)
+    full = probe.head_stats(probe.capture(lm, ids), progress=False)
+    assert_same(streamed, full)
+    assert streamed.kv_groups == {0: [0, 1], 1: [2, 3]}
+    assert streamed.table[0]["reach90"] > 100  # random weights read far
