@@ -245,7 +245,7 @@ def test_llama_shaped_model_is_llama():
 
 
 def test_llama_shaped_long_input_streams():
-    """At T = 1040 (past beyond_1024) the streamed statistics of the Llama-shaped model equal the full ones."""
+    """At T = 1040 (past beyond_1024) streamed statistics of the Llama-shaped model equal the full."""
     from models.llama import build
 
     lm = build(n_layers=2, n_heads=4, d_model=64, n_kv_heads=2, seed=1)
