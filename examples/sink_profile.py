@@ -44,8 +44,9 @@ def main() -> None:
     for layer in range(a.layers):
         profile = stats.sink_profile(layer)  # [heads, T]
         reach = stats.map("reach90")[layer].mean()
+        first, middle = profile[:, 0].mean(), profile[:, mid].mean()
         print(
-            f"layer {layer}: key 0 receives {profile[:, 0].mean():.5f}, key {mid} {profile[:, mid].mean():.5f}"
+            f"layer {layer}: key 0 receives {first:.5f}, key {mid} {middle:.5f}"
             f"; 90% of the mass within {reach:.0f} tokens"
         )
     first = stats.map("first")
