@@ -255,3 +255,43 @@ def test_llama_shaped_long_input_streams():
     assert_same(streamed, full)
     assert streamed.kv_groups == {0: [0, 1], 1: [2, 3]}
     assert streamed.table[0]["reach90"] > 100  # random weights read far
+
+
+def test_retrieval_scores_against_hand_computed_weights():
+    """The last row's mass on the needle, against weights computed by hand from the model's
+    projections (the last condition run), and the needle text built as documented."""
+    from models.llama import build, rotate
+    from probe.analysis.focus.retrieval import needle_text
+    from probe.forward import adapt_tokenizer
+
+    model = build(n_layers=2, n_heads=4, d_model=64, seed=5)
+    tok = adapt_tokenizer(model.tokenizer)
+    ids, (s, e), (vs, ve) = needle_text(tok, 300, 0.5)
+    assert len(ids) == 300 and model.tokenizer.decode(ids[vs:ve]) == " 7351"
+    assert model.tokenizer.decode(ids[s:e]) == " The secret number of Ada is 7351."
+    assert model.tokenizer.decode(ids).endswith("The secret number of Ada is")
+    seen = {}
+    hooks = [
+        layer.self_attn.register_forward_hook(lambda m, a, o, i=i: seen.__setitem__(i, a[0]))
+        for i, layer in enumerate(model.layers)
+    ]
+    table = probe.retrieval_scores(model, lengths=[200, 300], depths=[0.0, 0.5], block=37)
+    for h in hooks:
+        h.remove()
+    assert len(table) == 2 * 2 * 2 * 4
+    last = [r for r in table if r["length"] == 300 and r["depth"] == 0.5]
+    T = 300
+    with torch.no_grad():
+        for i, layer in enumerate(model.layers):
+            att, x = layer.self_attn, seen[i]
+            q = rotate(att.q_proj(x).view(1, T, 4, 16).transpose(1, 2), att.base)
+            k = rotate(att.k_proj(x).view(1, T, 4, 16).transpose(1, 2), att.base)
+            w = ((q[:, :, -1:] @ k.transpose(-2, -1)) / 4.0).softmax(-1)[0, :, 0]  # the last row
+            for r in [r for r in last if r["layer"] == i]:
+                assert r["needle_start"] == s
+                assert r["needle_mass"] == pytest.approx(float(w[r["head"], s:e].sum()), abs=1e-6)
+                assert r["value_mass"] == pytest.approx(float(w[r["head"], vs:ve].sum()), abs=1e-6)
+    with pytest.raises(ProbeError, match="too short"):
+        probe.retrieval_scores(model, lengths=[20])
+    with pytest.raises(ProbeError, match="depth"):
+        probe.retrieval_scores(model, lengths=[200], depths=[1.5])

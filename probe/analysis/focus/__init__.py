@@ -1,8 +1,10 @@
 r"""Per-head focus statistics and head roles: every metric defined here, once.
 
-``probe.head_stats(cache_or_caches) -> HeadStats`` gives one row per (stack, layer, head, kind);
-``probe.induction_scores(model)`` scores heads on repeated random tokens. This docstring is the
-one place the metrics are defined (the README links here).
+``probe.head_stats(cache_or_caches) -> HeadStats`` gives one row per (stack, layer, head, kind)
+(or ``probe.head_stats(model, inputs)``: computed while the model runs, block by block);
+``probe.induction_scores(model)`` scores heads on repeated random tokens;
+``probe.retrieval_scores(model, lengths, depths)`` on a needle planted in filler text. This
+docstring is the one place the metrics are defined (the README links here).
 
 Conventions (all metrics)
 -------------------------
@@ -102,6 +104,7 @@ recorded config) get ``kv_head`` = head // (heads per key/value head) and ``Head
 
 from probe.analysis.focus.induction import induction_scores, repeated_sequences
 from probe.analysis.focus.metrics import METRICS
+from probe.analysis.focus.retrieval import retrieval_scores
 from probe.analysis.focus.running import RunningStats
 from probe.analysis.focus.stats import (
     ROLE_RULES,
@@ -118,6 +121,7 @@ __all__ = [
     "FocusAccumulator",
     "RunningStats",
     "induction_scores",
+    "retrieval_scores",
     "repeated_sequences",
     "METRICS",
     "ROLE_RULES",
