@@ -295,3 +295,17 @@ def test_retrieval_scores_against_hand_computed_weights():
         probe.retrieval_scores(model, lengths=[20])
     with pytest.raises(ProbeError, match="depth"):
         probe.retrieval_scores(model, lengths=[200], depths=[1.5])
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_streamed_on_cuda_matches_the_full_patterns_on_cpu(bpe):
+    """The same code path on a GPU: blocks stay on the device, terms come back to the CPU."""
+    model = H.llama(len(bpe))
+    full = probe.head_stats(probe.capture(model, TEXTS, tokenizer=bpe), progress=False)
+    streamed = probe.head_stats(model.to("cuda"), TEXTS, tokenizer=bpe, block=3)
+    model.to("cpu")
+    # GPU matrix products round differently from the CPU's: float32 rounding, not 1e-6
+    a = {(r["layer"], r["head"]): r for r in streamed.table}
+    for r in full.table:
+        for c in ("entropy", "first", "distance", "span", "reach90", "beyond_16", "prev_score"):
+            assert a[r["layer"], r["head"]][c] == pytest.approx(r[c], rel=1e-4, abs=1e-5), c
