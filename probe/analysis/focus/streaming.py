@@ -207,7 +207,11 @@ class _Candidates:
         return r
 
 
-def _opener():
+def stats_readers():
+    """``open_attention(meta, role, [B, H, Q, K]) -> reader``: a fresh factory of the readers that
+    compute the focus statistics (one :class:`RowTerms` per stack the attention may belong to;
+    ``reader.of(stack)`` is it). What a capture-side consumer of row blocks (``BlockConsumer``, a
+    future ``keep=\"stats\"``) is handed to build :class:`HeadStats` without holding patterns."""
     sides: dict[tuple, Side] = {}
 
     def side_of(meta, stack, role, B, L):
@@ -249,12 +253,20 @@ def model_head_stats(
     """Focus statistics of every head of ``model`` on ``inputs`` from one forward, block by block
     (see the module docstring); the same :class:`HeadStats` as ``head_stats(capture(...))``, less
     the rollout (``not_computed["rollout"]`` gives the reason)."""
-    from probe.analysis.focus.stats import FocusAccumulator, _kv_group
     from probe.forward import stream_attention
 
     meta, readers = stream_attention(
-        model, inputs, _opener(), tokenizer=tokenizer, target=target, layers=layers, block=block
+        model, inputs, stats_readers(), tokenizer=tokenizer, target=target, layers=layers, block=block
     )
+    return accumulate(meta, readers).result()
+
+
+def accumulate(meta: dict[str, Any], readers: dict[str, Any]):
+    """The :class:`~probe.analysis.focus.stats.FocusAccumulator` of one forward's readers
+    (:func:`stats_readers`'s, each under its pattern's cache key) and the capture's metadata;
+    ``.result()`` is the :class:`HeadStats`."""
+    from probe.analysis.focus.stats import FocusAccumulator, _kv_group
+
     order = {s: i for i, s in enumerate(meta.get("stacks", {}))}
     keyed = []
     for key, reader in readers.items():
@@ -278,7 +290,7 @@ def model_head_stats(
         batch = values.shape[0]
     acc.n_texts = batch
     acc.not_computed = {"rollout": ROLLOUT_NOTE}
-    return acc.result()
+    return acc
 
 
-__all__ = ["RowTerms", "model_head_stats", "ROLLOUT_NOTE"]
+__all__ = ["RowTerms", "model_head_stats", "stats_readers", "accumulate", "ROLLOUT_NOTE"]
