@@ -17,7 +17,7 @@ from probe import report  # noqa: E402
 from probe.analysis.alignment import Alignment, align  # noqa: E402
 from probe.analysis.causal import CausalReport, check_causal  # noqa: E402
 from probe.analysis.compare import Comparison, compare  # noqa: E402
-from probe.analysis.focus import HeadStats, head_stats, induction_scores  # noqa: E402
+from probe.analysis.focus import HeadStats, head_stats, induction_scores, retrieval_scores  # noqa: E402
 from probe.analysis.residual import budget, logit_lens, residual  # noqa: E402
 from probe.cache import Cache, load  # noqa: E402
 from probe.capture import Trace, capture, trace  # noqa: E402
@@ -41,6 +41,7 @@ __all__ += [
     "head_stats",
     "HeadStats",
     "induction_scores",
+    "retrieval_scores",
     "residual",
     "logit_lens",
     "budget",

@@ -8,6 +8,8 @@ stays one-way and this stays the single place to look when a model call misbehav
   adapter, padding and position ids), returning a :class:`Prepared` with ``.run()`` and ``.meta``.
 * :func:`capture` is ``probe.capture`` itself.
 * :func:`run` runs the model once on inputs, exactly as capture would, and returns its outputs.
+* :func:`stream_attention` runs the model once and hands every attention pattern to a reader a
+  block of query rows at a time, never whole (the focus statistics of ``head_stats(model, ...)``).
 * :func:`run_recorded` does the same while recording the inputs and outputs of chosen submodules
   (and, optionally, capturing the cache of that very forward): the logit lens finds the model's
   final norm and unembedding this way.
@@ -22,6 +24,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from probe.capture.blocks import stream_attention
 from probe.capture.engine import Trace, capture, trace
 from probe.capture.inputs import Prepared, is_hf_model, model_name, past_length, prepare
 from probe.capture.tokenizers import adapt as adapt_tokenizer
@@ -39,7 +42,17 @@ def run(model: nn.Module, inputs: Any, *, tokenizer: Any = None, target: Any = N
     return out, prepared.meta
 
 
-__all__ = ["Prepared", "prepare", "capture", "trace", "run", "is_hf_model", "model_name", "adapt_tokenizer"]
+__all__ = [
+    "Prepared",
+    "prepare",
+    "capture",
+    "trace",
+    "run",
+    "is_hf_model",
+    "model_name",
+    "adapt_tokenizer",
+    "stream_attention",
+]
 
 
 # -- calls for the functional causal checks ------------------------------------------------------

@@ -152,3 +152,37 @@ def test_compare_checkpoints(tmp_path):
     row = re.search(r"^0\s+1\s+([\d.]+)\s+[\d.]+\s+[\d.]+\s+\S+\s+broad/uniform", out, re.M)
     assert row and float(row[1]) == pytest.approx(tv, rel=1e-3)
     assert 'id="sec-compare"' in (tmp_path / "reports" / "compare" / "index.html").read_text(encoding="utf-8")
+
+
+def test_sink_profile(tmp_path):
+    from matplotlib.image import imread
+
+    from models.llama import VOCAB, build, rotate
+
+    T = 384
+    out = run("sink_profile.py", "--length", str(T), "--layers", "2", cwd=tmp_path)
+    assert "wrote sink_profile.png" in out and imread(tmp_path / "sink_profile.png").ndim == 3
+    assert "not computed: rollout" in out
+    got = {int(m[0]): float(m[1]) for m in re.findall(r"layer (\d+): key 0 receives ([\d.]+)", out)}
+    # oracle: each layer's weights by hand (q, k from the projections, rotary, causal softmax), the
+    # weight on key 0 averaged over the queries that have a choice (1..T-1), then over the heads
+    model = build(n_layers=2, n_heads=8, d_model=256, seed=0)
+    ids = torch.randint(0, VOCAB, (1, T), generator=torch.Generator().manual_seed(0))
+    seen = {}
+    hooks = [
+        layer.self_attn.register_forward_hook(lambda m, a, o, i=i: seen.__setitem__(i, a[0]))
+        for i, layer in enumerate(model.layers)
+    ]
+    with torch.no_grad():
+        model(ids)
+        for h in hooks:
+            h.remove()
+        for i, layer in enumerate(model.layers):
+            att, x = layer.self_attn, seen[i]
+            q = rotate(att.q_proj(x).view(1, T, 8, 32).transpose(1, 2), att.base)
+            k = rotate(att.k_proj(x).view(1, T, 8, 32).transpose(1, 2), att.base)
+            s = (q @ k.transpose(-2, -1)) / 32**0.5
+            s = s.masked_fill(~torch.ones(T, T, dtype=torch.bool).tril(), float("-inf"))
+            w = s.softmax(-1)
+            assert got[i] == pytest.approx(float(w[0, :, 1:, 0].mean()), abs=1e-5)
+    assert set(got) == {0, 1}

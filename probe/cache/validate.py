@@ -263,7 +263,8 @@ def check_metadata(raw: str, name: str) -> dict[str, Any]:
         listed = meta.get("stacks")
         if (
             not is_stack_name(e.get("stack"))
-            or isinstance(listed, dict) and e["stack"] not in listed
+            or isinstance(listed, dict)
+            and e["stack"] not in listed
             or not _is_int(e.get("layer"))
             or not 0 <= e["layer"] < MAX_LAYERS
         ):

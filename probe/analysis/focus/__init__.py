@@ -1,8 +1,10 @@
 r"""Per-head focus statistics and head roles: every metric defined here, once.
 
-``probe.head_stats(cache_or_caches) -> HeadStats`` gives one row per (stack, layer, head, kind);
-``probe.induction_scores(model)`` scores heads on repeated random tokens. This docstring is the
-one place the metrics are defined (the README links here).
+``probe.head_stats(cache_or_caches) -> HeadStats`` gives one row per (stack, layer, head, kind)
+(or ``probe.head_stats(model, inputs)``: computed while the model runs, block by block);
+``probe.induction_scores(model)`` scores heads on repeated random tokens;
+``probe.retrieval_scores(model, lengths, depths)`` on a needle planted in filler text. This
+docstring is the one place the metrics are defined (the README links here).
 
 Conventions (all metrics)
 -------------------------
@@ -74,11 +76,22 @@ induction_prefix    self    the same for the induction template: attention to th
                             earlier occurrence of the current token (Olsson et al. 2022)
 dup_matches         self    the number of queries with at least one duplicate match, summed over
 induction_matches           texts (the support behind the prefix scores)
+beyond_16/128/1024  self    Σ_{|i−j|>D} a_ij: the mass further than D tokens away (long context:
+                            how much a head reads from afar)
+reach90             self    the smallest distance d with Σ_{|i−j|≤d} a_ij ≥ 0.9 Σ_j a_ij: the
+                            distance within which 90% of the row's mass lies
 ==================  ======  ==================================================================
 
 Attention rollout (Abnar & Zuidema 2020): per stack, ``Â_l = 0.5·mean_h W_l + 0.5·I`` (padded rows
 identity), ``R = Â_L ··· Â_1``; ``HeadStats.rollout[stack]`` is ``[batch, T, T]`` for a single
 cache captured with all heads (rollout is per text; it is not averaged across caches).
+
+Sink profile (a column statistic): ``HeadStats.received["stack/layer/kind"]`` is ``[batch,
+heads, K]``, the mean weight each key position receives over the counted queries of a text
+(Xiao et al. 2024's attention sinks show up as a spike at the first positions);
+``HeadStats.sink_profile(layer)`` averages it over texts. Like the rollout it is kept for a single
+cache or model run. ``probe.head_stats(model, inputs)`` computes every metric and the sink profile
+while the model runs, a block of query rows at a time (``docs/long-context.md``).
 
 Roles (:data:`ROLE_RULES`, on the means over texts; the first that holds is ``role``, all that
 hold are ``roles``): induction (induction_prefix ≥ 0.4), duplicate-token (dup_prefix ≥ 0.4),
@@ -91,6 +104,7 @@ recorded config) get ``kv_head`` = head // (heads per key/value head) and ``Head
 
 from probe.analysis.focus.induction import induction_scores, repeated_sequences
 from probe.analysis.focus.metrics import METRICS
+from probe.analysis.focus.retrieval import retrieval_scores
 from probe.analysis.focus.running import RunningStats
 from probe.analysis.focus.stats import (
     ROLE_RULES,
@@ -107,6 +121,7 @@ __all__ = [
     "FocusAccumulator",
     "RunningStats",
     "induction_scores",
+    "retrieval_scores",
     "repeated_sequences",
     "METRICS",
     "ROLE_RULES",

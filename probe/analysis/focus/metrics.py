@@ -9,12 +9,13 @@ Definitions and conventions are documented once, in :mod:`probe.analysis.focus`.
 
 from __future__ import annotations
 
-import functools
+from dataclasses import dataclass, field
 from functools import cached_property
 
-import numpy as np
 import torch
 
+from probe.analysis.focus.reach import BEYOND, pattern_distance_terms
+from probe.analysis.focus.rows import BANDS, SPAN_MASS, _Rows
 from probe.analysis.focus.tokens import Side
 
 METRICS = (
@@ -44,11 +45,11 @@ METRICS = (
     "induction_prefix",
     "dup_matches",
     "induction_matches",
+    *(f"beyond_{d}" for d in BEYOND),
+    "reach90",
 )
 IDX = {m: i for i, m in enumerate(METRICS)}
-SPAN_MASS = 0.9  # effective span: keys needed to cover this share of a row's mass
 LOCAL_WINDOW = 2  # local mass: keys with |i - j| <= this
-BANDS = 8  # causal rows are sorted in bands of queries, each over the keys it can see
 
 
 def _mean(r: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
@@ -98,7 +99,8 @@ class Layout:
         self.qi, self.kj = torch.arange(Q), torch.arange(K)
         n_vis = k.real.sum(-1)[:, None, None].expand(B, 1, Q)
         if causal:
-            n_vis = (k.real[:, None, :] & (self.kj[None, :] <= self.qi[:, None])).sum(-1)[:, None, :]
+            # real keys j <= i: a running count (O(T), not a [Q, K] mask)
+            n_vis = k.real.long().cumsum(-1)[:, None, :Q]
         self.n_vis = n_vis
         self.counted = q.real[:, None, :] & (n_vis >= 2)  # [B, 1, Q]: queries that have a choice
         self.log_n = torch.log(n_vis.clamp(min=2).float())
@@ -155,141 +157,167 @@ class Layout:
         return out
 
 
-def _bands(Q: int, K: int, causal: bool) -> list[tuple[int, int, int]]:
-    """``(q0, q1, n)`` row bands: causal rows ``q0:q1`` read only the ``n = q1`` keys they can see
-    (everything right of that is exactly zero), other rows read all ``K`` keys in one band."""
-    if not causal:
-        return [(0, Q, K)]
-    step = max(1, -(-Q // BANDS))
-    return [(q0, min(Q, q0 + step), min(Q, q0 + step)) for q0 in range(0, Q, step)]
+@dataclass
+class Terms:
+    """Per-query quantities of one attention's pattern, each ``[B, h, Q]`` (``masks``
+    ``[B, h, Q, 3]``: special, punct, content), from which :func:`reduce` computes every metric.
 
+    Filled from a whole pattern (:func:`pattern_terms`) or row block by row block while a model
+    runs (:mod:`probe.analysis.focus.streaming`); self-attention only: ``diag`` (``d`` ->
+    ``a_i,i+d``, 0 where that key is missing, for ``|d| <= LOCAL_WINDOW``), ``key_sum``
+    (Σ_j j·a_ij), ``dist`` (Σ_j a_ij |i − j|; None when the layer is known causal), ``word``
+    (word_prev/self/next -> mass on the target word), ``tmpl`` (prev/dup/induction -> Σ_j D_ij a_ij),
+    ``hits`` (dup/induction -> ``[B, Q]`` whether a query has a match), ``beyond`` (D -> mass
+    further than D tokens) and ``reach`` (the distance within which 90% of the mass lies).
+    """
 
-class _Rows:
-    """Per-row quantities of a block ``[B, h, Q, K]``, computed band by band in one sweep so that
-    causal layers read only the lower triangle: entropy, max and argmax, row sum, masses on the
-    key masks, Σ_j j·P_ij, the effective span and (when words are split) cumulative row sums.
-
-    Each is the cheapest exact way measured on CPU: matrix-vector products (not a skinny matrix
-    product) for the masked sums, numpy's SIMD sort for the span and its argmax (first occurrence),
-    and p·log(max(p, tiny)) for the entropy terms, equal to xlogy(p, p) except for subnormal p
-    (where both are below float32 resolution of the sum)."""
-
-    def __init__(self, P: torch.Tensor, lay: Layout, *, self_attn: bool, cumsum: bool) -> None:
-        B, h, Q, K = P.shape
-        new = functools.partial(P.new_empty, (B, h, Q))
-        self.ent, self.top, self.total, self.span = new(), new(), new(), new()
-        self.arg = torch.empty((B, h, Q), dtype=torch.long)
-        cols = lay.masks[:, 0].permute(0, 2, 1).contiguous()  # [B, 3, K]
-        self.masks = P.new_empty((B, h, Q, cols.shape[1]))
-        self.key_sum = new() if self_attn else None
-        self.cum = P.new_empty((B, h, Q, K)) if cumsum else None
-        kf = lay.kj.to(P.dtype)
-        tiny = torch.finfo(P.dtype).tiny
-        for q0, q1, n in _bands(Q, K, lay.causal):
-            band = P[..., q0:q1, :n].contiguous()
-            terms = band.clamp_min(tiny).log_().mul_(band)
-            self.ent[..., q0:q1] = terms.sum(-1).neg_()
-            del terms
-            self.arg[..., q0:q1] = torch.from_numpy(band.numpy().argmax(-1))
-            self.total[..., q0:q1] = band.sum(-1)
-            for b in range(B):
-                for c in range(cols.shape[1]):
-                    self.masks[b, :, q0:q1, c] = band[b] @ cols[b, c, :n]
-            if self_attn:
-                self.key_sum[..., q0:q1] = band @ kf[:n]
-            vals = torch.from_numpy(np.sort(band.numpy(), -1))
-            self.top[..., q0:q1] = vals[..., -1]
-            torch.cumsum(vals, -1, out=vals)
-            # leftover keys: the most smallest weights whose sum stays within the (1 − SPAN_MASS) rest
-            rest = (1 - SPAN_MASS) * vals[..., -1:]
-            left = torch.searchsorted(vals, rest.contiguous(), side="right")[..., 0]
-            self.span[..., q0:q1] = (n - left).to(P.dtype)
-            del vals
-            if cumsum:
-                c = self.cum[..., q0:q1, :]
-                c[..., :n] = band.cumsum(-1)
-                if n < K:  # right of the visible keys a causal row adds nothing: its sum stays
-                    c[..., n:] = c[..., n - 1 : n]
+    ent: torch.Tensor
+    top: torch.Tensor
+    arg: torch.Tensor
+    total: torch.Tensor
+    span: torch.Tensor
+    masks: torch.Tensor
+    first: torch.Tensor
+    diag: dict[int, torch.Tensor] = field(default_factory=dict)
+    key_sum: torch.Tensor | None = None
+    dist: torch.Tensor | None = None
+    word: dict[str, torch.Tensor] | None = None
+    tmpl: dict[str, torch.Tensor] | None = None
+    hits: dict[str, torch.Tensor] | None = None
+    beyond: dict[int, torch.Tensor] = field(default_factory=dict)
+    reach: torch.Tensor | None = None
 
 
 def block_metrics(P: torch.Tensor, lay: Layout, *, self_attn: bool) -> torch.Tensor:
     """Every metric per text and head for the block ``P`` ``[B, h, Q, K]``; returns ``[B, h, M]``."""
     P = P.float()
-    B, h, Q, K = P.shape
-    out = torch.full((B, h, len(METRICS)), float("nan"))
     if lay.any_pad:  # weight on padding keys is not attention to the text
         P = torch.where(lay.k.real[:, None, None, :], P, 0)
-    counted = lay.counted
+    return reduce(pattern_terms(P, lay, self_attn=self_attn), lay, self_attn=self_attn)
+
+
+def pattern_terms(P: torch.Tensor, lay: Layout, *, self_attn: bool) -> Terms:
+    """The :class:`Terms` of a whole pattern ``P`` ``[B, h, Q, K]`` (padding keys already zero)."""
+    B, h, Q, K = P.shape
     words = self_attn and lay.words_split
     rows = _Rows(P, lay, self_attn=self_attn, cumsum=words)
-    out[..., IDX["entropy"]] = _mean(rows.ent, counted)
-    out[..., IDX["norm_entropy"]] = _mean(rows.ent / lay.log_n, counted)
-    out[..., IDX["confidence"]] = _mean(rows.top, counted & lay.not_end)
     first = P.gather(-1, lay.k.first.clamp(max=K - 1)[:, None, None, None].expand(B, h, Q, 1))[..., 0]
-    out[..., IDX["first"]] = _mean(first, counted)
+    t = Terms(rows.ent, rows.top, rows.arg, rows.total, rows.span, rows.masks, first)
+    if not self_attn:
+        return t
+    t.diag = {d: _diag(P, d) for d in range(-LOCAL_WINDOW, LOCAL_WINDOW + 1)}
+    t.key_sum = rows.key_sum
+    t.beyond, t.reach = pattern_distance_terms(P)
+    if not lay.causal:
+        qf, kf = lay.qi.float(), lay.kj.float()
+        t.dist = (P * (kf[None, :] - qf[:, None]).abs()).sum(-1)
+    if words:
+        t.word = word_masses(rows.cum, lay, lay.qi)
+    if lay.q.ids is not None and lay.k.ids is not None:
+        t.tmpl, t.hits = {}, {}
+        for name, (b, i, j, hits) in lay.templates.items():
+            picked = P[b, :, i, j]  # [n_pairs, h]
+            per_query = torch.zeros(B, Q, h).index_put_((b, i), picked, accumulate=True)
+            t.tmpl[name] = per_query.permute(0, 2, 1)
+            t.hits[name] = hits
+    return t
+
+
+def reduce(t: Terms, lay: Layout, *, self_attn: bool) -> torch.Tensor:
+    """Every metric per text and head from the per-query :class:`Terms`; returns ``[B, h, M]``."""
+    B, h, Q = t.ent.shape
+    K = lay.K
+    out = torch.full((B, h, len(METRICS)), float("nan"))
+    counted = lay.counted
+    out[..., IDX["entropy"]] = _mean(t.ent, counted)
+    out[..., IDX["norm_entropy"]] = _mean(t.ent / lay.log_n, counted)
+    out[..., IDX["confidence"]] = _mean(t.top, counted & lay.not_end)
+    out[..., IDX["first"]] = _mean(t.first, counted)
     for c, name in enumerate(("special", "punct", "content")):
-        out[..., IDX[name]] = _mean(rows.masks[..., c], counted)
-    out[..., IDX["span"]] = _mean(rows.span, counted)
+        out[..., IDX[name]] = _mean(t.masks[..., c], counted)
+    out[..., IDX["span"]] = _mean(t.span, counted)
     if not self_attn:
         return out
 
     for name, d in (("prev", -1), ("self", 0), ("next", 1)):
-        out[..., IDX[name]] = _mean(_diag(P, d), lay.key_ok(d))
-    local = sum(_diag(P, d) for d in range(-LOCAL_WINDOW, LOCAL_WINDOW + 1))
+        out[..., IDX[name]] = _mean(t.diag[d], lay.key_ok(d))
+    local = sum(t.diag[d] for d in range(-LOCAL_WINDOW, LOCAL_WINDOW + 1))
     out[..., IDX["local"]] = _mean(local, counted)
-    qf, kf = lay.qi.float(), lay.kj.float()
-    signed = rows.key_sum - qf * rows.total
-    if lay.causal:
-        dist = -signed
-    else:
-        dist = (P * (kf[None, :] - qf[:, None]).abs()).sum(-1)
+    qf = lay.qi.float()
+    signed = t.key_sum - qf * t.total
+    dist = -signed if lay.causal else t.dist
     out[..., IDX["distance"]] = _mean(dist, counted)
     out[..., IDX["signed_distance"]] = _mean(signed, counted)
+    for D, v in t.beyond.items():
+        out[..., IDX[f"beyond_{D}"]] = _mean(v, counted)
+    out[..., IDX["reach90"]] = _mean(t.reach, counted)
 
     # positional: the most common offset (argmax key - query) and the share of queries using it
     hist = torch.zeros(B, h, Q + K - 1)
-    hist.scatter_add_(-1, rows.arg - lay.qi + (K - 1), counted.float().expand(B, h, Q))
+    hist.scatter_add_(-1, t.arg - lay.qi + (K - 1), counted.float().expand(B, h, Q))
     best, mode = hist.max(-1)
     n_counted = counted.sum(-1).float()  # [B, 1]
     has = n_counted > 0
     out[..., IDX["pos_offset"]] = torch.where(has, (mode - (K - 1)).float(), float("nan"))
     out[..., IDX["pos_frac"]] = torch.where(has, best / n_counted.clamp(min=1), float("nan"))
 
-    if words:
-        _words(rows.cum, lay, out)
+    if t.word is not None:
+        _words(t.word, lay, out)
     else:  # every word is one token: the word-level pattern is the token-level one
         for name in ("prev", "self", "next"):
             out[..., IDX[f"word_{name}"]] = out[..., IDX[name]]
-    if lay.q.ids is not None and lay.k.ids is not None:
-        _templates(P, rows.total, lay, out)
+    if t.tmpl is not None:
+        _templates(t, lay, out)
     return out
 
 
-def _words(C: torch.Tensor, lay: Layout, out: torch.Tensor) -> None:
-    """Word-level previous/self/next masses: attention to a word summed over its pieces, from a
-    word averaged over its pieces (Clark et al. 2019). Words are contiguous, so a query's mass on
-    a word is a difference of the row's cumulative sums at the word's ends."""
-    B, h, Q, K = C.shape
-    q = lay.q
+WORD_STEPS = (("word_prev", -1), ("word_self", 0), ("word_next", 1))
+
+
+def _word_targets(lay: Layout, d: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(start, end, ok)`` ``[B, Q]``: the key range of each query's target word (its own word +
+    ``d``) and whether the query counts for that word-level mass."""
+    q, W = lay.q, lay.word_ranges[0].shape[1]
     start, end = lay.word_ranges
-    W = start.shape[1]
-    qw = q.word  # [B, Q]
+    qw = q.word
     n_words = qw.amax(-1) + 1  # [B]
-    for name, d in (("word_prev", -1), ("word_self", 0), ("word_next", 1)):
-        t = qw + d  # [B, Q]: the target word of every query
-        ok = q.real & (qw >= 0) & (t >= 0) & (t < W)
-        tc = t.clamp(0, W - 1)
-        s, e = start.gather(1, tc), end.gather(1, tc)
-        ok &= e >= 0
-        if lay.causal:
-            ok &= (qw > 0) & (d <= 0)  # the first word sees only itself; the next word is unseen
-        else:
-            ok &= (n_words >= 2)[:, None]
-        hi = C.gather(-1, e.clamp(min=0)[:, None, :, None].expand(B, h, Q, 1))[..., 0]
-        lo = C.gather(-1, (s - 1).clamp(min=0)[:, None, :, None].expand(B, h, Q, 1))[..., 0]
-        mass = torch.where((s > 0)[:, None, :], hi - lo, hi)  # [B, h, Q]
+    t = qw + d
+    ok = q.real & (qw >= 0) & (t >= 0) & (t < W)
+    tc = t.clamp(0, W - 1)
+    s, e = start.gather(1, tc), end.gather(1, tc)
+    ok &= e >= 0
+    if lay.causal:
+        ok &= (qw > 0) & (d <= 0)  # the first word sees only itself; the next word is unseen
+    else:
+        ok &= (n_words >= 2)[:, None]
+    return s, e, ok
+
+
+def word_masses(C: torch.Tensor, lay: Layout, rows: torch.Tensor) -> dict[str, torch.Tensor]:
+    """Each query's mass on its previous/own/next word, from the cumulative row sums ``C``
+    ``[B, h, r, K']`` of the queries ``rows`` (``K' <= K``: keys past ``K'`` add nothing).
+    Words are contiguous, so the mass is a difference of ``C`` at the word's ends."""
+    B, h, r, Kc = C.shape
+    out = {}
+    for name, d in WORD_STEPS:
+        s, e, _ = _word_targets(lay, d)
+        s, e = s[:, rows], e[:, rows]
+        hi = C.gather(-1, e.clamp(0, Kc - 1)[:, None, :, None].expand(B, h, r, 1))[..., 0]
+        lo = C.gather(-1, (s - 1).clamp(0, Kc - 1)[:, None, :, None].expand(B, h, r, 1))[..., 0]
+        out[name] = torch.where((s > 0)[:, None, :], hi - lo, hi)  # [B, h, r]
+    return out
+
+
+def _words(masses: dict[str, torch.Tensor], lay: Layout, out: torch.Tensor) -> None:
+    """Word-level previous/self/next masses: attention to a word summed over its pieces, from a
+    word averaged over its pieces (Clark et al. 2019)."""
+    B, h, Q = masses["word_self"].shape
+    W = lay.word_ranges[0].shape[1]
+    own = lay.q.word.clamp(min=0)
+    for name, d in WORD_STEPS:
+        _, _, ok = _word_targets(lay, d)
+        mass = masses[name]
         # from a word: average its pieces' masses, then average over the counted words
-        own = qw.clamp(min=0)
         per_word = torch.zeros(B, h, W).scatter_add_(
             -1, own[:, None, :].expand(B, h, Q), torch.where(ok[:, None, :], mass, 0)
         )
@@ -299,21 +327,31 @@ def _words(C: torch.Tensor, lay: Layout, out: torch.Tensor) -> None:
         out[..., IDX[name]] = _mean(per_word, word_ok[:, None, :])
 
 
-def _templates(P: torch.Tensor, row_sum: torch.Tensor, lay: Layout, out: torch.Tensor) -> None:
+def _templates(t: Terms, lay: Layout, out: torch.Tensor) -> None:
     """Previous-token, duplicate-token and induction template scores (see the module docs)."""
-    B, h, Q, K = P.shape
-    total = (row_sum * lay.q.real[:, None, :]).sum(-1)  # [B, h]: ΣA over real queries and keys
-    for name, (b, i, j, hits) in lay.templates.items():
-        picked = P[b, :, i, j]  # [n_pairs, h]
-        per_query = torch.zeros(B, Q, h).index_put_((b, i), picked, accumulate=True)
-        mass = per_query.sum(1)  # [B, h]
+    total = (t.total * lay.q.real[:, None, :]).sum(-1)  # [B, h]: ΣA over real queries and keys
+    for name, per_query in t.tmpl.items():
+        mass = per_query.sum(-1)  # [B, h]
         col = "prev_score" if name == "prev" else f"{name}_score"
         out[..., IDX[col]] = torch.where(total > 0, mass / total.clamp(min=1e-30), float("nan"))
         if name != "prev":
+            hits = t.hits[name]
             n = hits.sum(-1, keepdim=True).float()  # [B, 1]
-            prefix = (per_query * hits[..., None]).sum(1) / n.clamp(min=1)
+            prefix = (per_query * hits[:, None, :]).sum(-1) / n.clamp(min=1)
             out[..., IDX[f"{name}_prefix"]] = torch.where(n > 0, prefix, float("nan"))
             out[..., IDX[f"{name}_matches"]] = n
 
 
-__all__ = ["METRICS", "IDX", "SPAN_MASS", "LOCAL_WINDOW", "Layout", "block_metrics", "is_causal"]
+__all__ = [
+    "METRICS",
+    "IDX",
+    "SPAN_MASS",
+    "LOCAL_WINDOW",
+    "Layout",
+    "Terms",
+    "block_metrics",
+    "pattern_terms",
+    "reduce",
+    "word_masses",
+    "is_causal",
+]

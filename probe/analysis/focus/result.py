@@ -32,7 +32,12 @@ class HeadStats:
     ``table`` is a :class:`~probe.analysis.table.Table`; ``sink_rate`` maps ``"stack/kind"`` to
     the share of heads whose first-token mass exceeds ε = 0.3; ``kv_groups`` maps each key/value
     head to the query heads sharing it (grouped-query models, else empty); ``rollout`` maps each
-    stack to its attention rollout ``[batch, T, T]`` through all layers (single cache only).
+    stack to its attention rollout ``[batch, T, T]`` through all layers (single cache only);
+    ``not_computed`` maps each statistic left out to the reason (``"rollout"`` when computed from a
+    model block by block, which never holds a whole pattern); ``received`` maps
+    ``"stack/layer/kind"`` to the sink profile ``[batch, heads, K]`` (the mean weight each key
+    position gets over the counted queries; single cache or model run only, see
+    :meth:`sink_profile`).
     """
 
     def __init__(self, acc: FocusAccumulator) -> None:
@@ -44,6 +49,8 @@ class HeadStats:
         # statistics of a rows cache: over its kept rows; the metrics needing every row are NaN
         self.kept = getattr(acc, "kept", None)
         self.not_computed: dict[str, str] = dict(NOT_COMPUTED) if self.kept else {}
+        self.not_computed.update(getattr(acc, "not_computed", {}))
+        self.received: dict[str, torch.Tensor] | None = getattr(acc, "received", None)
         rows = []
         several = any(int(st.count.max()) > 1 for st in acc.stats.values())
         for name, st in acc.stats.items():
@@ -107,6 +114,23 @@ class HeadStats:
         for r in rows:
             out[r["layer"], r["head"]] = r[metric]
         return out
+
+    def sink_profile(self, layer: int, stack: str | None = None, kind: str = "self") -> torch.Tensor:
+        """``[heads, K]``: the attention each key position receives in ``layer``, averaged over the
+        counted queries of each text, then over the texts (NaN-skipping). Positions are those of
+        the batch as padded. Needs a single cache or a model run (``received``)."""
+        if not self.received:
+            raise ProbeError(
+                "these statistics hold no sink profile (they merge several caches); "
+                "compute head_stats on one cache or on the model"
+            )
+        stacks = [k.split("/")[0] for k in self.received]
+        key = f"{stack or stacks[-1]}/{layer}/{kind}"
+        if key not in self.received:
+            raise ProbeError(
+                f"no {kind}-attention layer {layer} in these statistics; have: {sorted(self.received)}"
+            )
+        return self.received[key].nanmean(0).float()
 
     def top(self, metric: str, k: int = 10, descending: bool = True) -> Table:
         """The ``k`` heads with the largest (or smallest) mean ``metric``."""

@@ -12,6 +12,7 @@ import torch
 from tqdm.auto import tqdm
 
 from probe.analysis.focus.metrics import METRICS, Layout, block_metrics, is_causal
+from probe.analysis.focus.reach import received
 from probe.analysis.focus.result import HeadStats
 from probe.analysis.focus.roles import ROLE_RULES, SINK_EPSILON, roles_of
 from probe.analysis.focus.running import RunningStats
@@ -53,6 +54,10 @@ class FocusAccumulator:
         self.n_texts = 0
         self.rollout: dict[str, torch.Tensor] | None = None
         self.kept: dict | None = None  # a rows cache's keep (statistics over its kept rows)
+        # statistics not computed, with the reason (a statistic needing whole patterns)
+        self.not_computed: dict[str, str] = {}
+        # the sink profile per layer, [B, H, K] (single cache or model run: positions are per batch)
+        self.received: dict[str, torch.Tensor] | None = None
 
     def add(self, cache: Cache, *, rollout: bool = False, progress: bool = False) -> FocusAccumulator:
         """Fold every text of ``cache`` in; with ``rollout`` keep its attention rollout too."""
@@ -79,6 +84,7 @@ class FocusAccumulator:
         sides: dict[tuple, object] = {}
         all_heads = rollout and captured is None
         batch = None
+        got: dict[str, torch.Tensor] = {}
         for stack, layer, kind in tqdm(
             layers, desc="head stats", unit="layer", disable=not progress, leave=False
         ):
@@ -90,8 +96,11 @@ class FocusAccumulator:
             ks = sides.get((stack, ks_role, B, K)) or side(meta, stack, ks_role, B, K)
             sides[(stack, "own", B, Q)], sides[(stack, ks_role, B, K)] = qs, ks
             want_sum = all_heads and kind == "self" and Q == K
-            values, causal, head_sum = _layer_values(cache, stack, layer, kind, qs, ks, layouts, want_sum)
+            values, causal, head_sum, recv = _layer_values(
+                cache, stack, layer, kind, qs, ks, layouts, want_sum
+            )
             name = f"{stack}/{layer}/{kind}"
+            got[name] = recv
             self.stats.setdefault(name, RunningStats()).update(values)
             heads = [int(captured[h]) if captured else h for h in range(H)]
             if self.heads.setdefault(name, heads) != heads:
@@ -102,6 +111,8 @@ class FocusAccumulator:
                 tri = roll_causal.get(stack, True) and causal and bool(qs.real.all())
                 roll_causal[stack] = tri
                 roll[stack] = _rollout_step(roll.get(stack), head_sum / H, qs.real, lower=tri)
+        # per batch positions: kept for the first cache only (merged runs have none)
+        self.received = got if self.n_texts == 0 else None
         self.n_texts += batch or 0
         if rollout and self.rollout is None:
             self.rollout = roll
@@ -121,6 +132,7 @@ class FocusAccumulator:
         self.kv_group = self.kv_group or other.kv_group
         self.n_texts += other.n_texts
         self.rollout = None  # rollout is per text: it belongs to a single cache
+        self.received = None  # so is the sink profile
         return self
 
     def to_dict(self) -> dict[str, Any]:
@@ -155,7 +167,8 @@ class FocusAccumulator:
 
 
 def _layer_values(cache, stack, layer, kind, qs, ks, layouts, want_sum):
-    """``([B, H, M] per-text metrics, causal, Σ_h pattern or None)`` of one layer, read a block of
+    """``([B, H, M] per-text metrics, causal, Σ_h pattern or None, [B, H, K] sink profile)`` of one
+    layer, read a block of
     heads at a time. A layer is causal only if no block has weight above the diagonal; if a later
     block shows some, the earlier blocks are computed again as non-causal."""
     B, H, Q, K = cache.shape(f"{stack}.blocks.{layer}.{kind}_attn.pattern")
@@ -168,24 +181,32 @@ def _layer_values(cache, stack, layer, kind, qs, ks, layouts, want_sum):
             layouts[key] = Layout(qs, ks, Q, K, causal=c)
         return layouts[key]
 
-    values, causal, head_sum = [], None, None
+    values, causal, head_sum, recv = [], None, None, []
     for n, (h0, h1) in enumerate(blocks):
         P = cache.pattern(stack, layer, kind, head=slice(h0, h1))
         c = kind == "self" and is_causal(P, qs, ks)
         if causal and not c:
-            values = [
-                block_metrics(
-                    cache.pattern(stack, layer, kind, head=slice(a, b)), layout(False), self_attn=True
-                )
-                for a, b in blocks[:n]
-            ]
+            values, recv = [], []
+            for a, b in blocks[:n]:
+                Pa = cache.pattern(stack, layer, kind, head=slice(a, b))
+                values.append(block_metrics(Pa, layout(False), self_attn=True))
+                recv.append(_received(Pa, layout(False)))
         causal = c if causal is None else causal and c
         values.append(block_metrics(P, layout(causal), self_attn=kind == "self"))
+        recv.append(_received(P, layout(causal)))
         if want_sum:
             s = P.float().sum(1)
             head_sum = s if head_sum is None else head_sum + s
         del P
-    return torch.cat(values, 1), bool(causal), head_sum
+    return torch.cat(values, 1), bool(causal), head_sum, torch.cat(recv, 1)
+
+
+def _received(P: torch.Tensor, lay: Layout) -> torch.Tensor:
+    """The sink profile ``[B, h, K]`` of a block of heads (padding keys get no weight)."""
+    P = P.float()
+    if lay.any_pad:
+        P = torch.where(lay.k.real[:, None, None, :], P, 0)
+    return received(P, lay.counted)
 
 
 def _rollout_step(
@@ -236,13 +257,38 @@ def _as_caches(obj: Any) -> tuple[Iterable[Cache], int | None]:
     return gen(), n
 
 
-def head_stats(cache_or_caches: Any, *, rollout: bool = True, progress: bool = True) -> HeadStats:
+def head_stats(
+    cache_or_caches: Any,
+    inputs: Any = None,
+    *,
+    rollout: bool = True,
+    progress: bool = True,
+    tokenizer: Any = None,
+    target: Any = None,
+    layers: list[int] | None = None,
+    block: int | None = None,
+) -> HeadStats:
     """Focus statistics of every captured head (see :mod:`probe.analysis.focus` for definitions).
 
     ``cache_or_caches``: a :class:`probe.Cache`, a cache path, or an iterable of them (a list,
     or a generator that captures text after text: only one cache is held at a time). Returns
     :class:`HeadStats`; with several texts each metric is the mean over texts with ``_std``.
+
+    Or a model with its ``inputs`` (``tokenizer``, ``target``, ``layers`` as for
+    :func:`probe.capture`): one forward, every statistic computed ``block`` query rows at a time
+    while it runs, no pattern ever held whole (:mod:`probe.analysis.focus.streaming`); the same
+    table as for the captured cache, without the rollout (``HeadStats.not_computed``).
     """
+    if isinstance(cache_or_caches, torch.nn.Module):
+        from probe.analysis.focus.streaming import model_head_stats
+
+        if inputs is None:
+            raise ProbeError("head_stats(model, inputs): give the inputs to run the model on")
+        return model_head_stats(
+            cache_or_caches, inputs, tokenizer=tokenizer, target=target, layers=layers, block=block
+        )
+    if inputs is not None:
+        raise ProbeError("head_stats(cache) takes no inputs; pass a model to run it on inputs")
     caches, n = _as_caches(cache_or_caches)
     acc = FocusAccumulator()
     single = n == 1

@@ -1,0 +1,196 @@
+"""Benchmark: every head's statistics at long context in bounded memory (issue 21).
+
+The model is ``models/llama.py`` at GPT-2-small width (12 layers, 12 heads, d_model 768, rotary
+positions, random weights), batch 1. Two modes at each length T:
+
+* ``plain``: the model's own forward (``torch.no_grad()``, SDPA), nothing else;
+* ``stats``: ``probe.head_stats(model, ids)``: the same forward with every focus statistic
+  computed block by block as the weights are recomputed (no T x T pattern is ever held).
+
+Peak memory: each mode runs in a fresh process (a warm-up at T = 64 first), peak = ``VmHWM`` above
+the RSS after the model's load and the warm-up (on CUDA: ``max_memory_allocated`` above what was
+allocated before the run). Time: another fresh process per length runs the modes interleaved
+(plain, stats, plain, stats, ...) ``--repeats`` times; the ratio is the median of ``stats`` over
+the median of ``plain``. Where T <= ``--check-up-to`` (2048), a third process checks that the
+statistics equal ``probe.head_stats(probe.capture(model, ids))`` and reports the largest
+difference over every metric (relative above 1).
+
+Targets (issue 21): at T = 16,384 peak <= plain + 1 GiB and time <= 1.5 x plain.
+
+    python benchmarks/long_context.py                           # T = 1024, 4096, 16384
+    python benchmarks/long_context.py --lengths 256 512 --repeats 1
+    python benchmarks/long_context.py --device cuda --lengths 16384
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import math
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+MiB = 2**20
+WIDTH = {"n_layers": 12, "n_heads": 12, "d_model": 768}
+
+
+def _status(key: str) -> int:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith(key + ":"):
+            return int(line.split()[1]) * 1024
+    raise RuntimeError(f"no {key} in /proc/self/status")
+
+
+def _setup(T: int, device: str, width: dict):
+    import torch
+
+    sys.path.insert(0, str(ROOT))
+    from models.llama import VOCAB, build
+
+    model = build(**width).to(device)
+    ids = torch.randint(0, VOCAB, (1, T), generator=torch.Generator().manual_seed(T)).to(device)
+    return model, ids
+
+
+def _run(mode: str, model, ids) -> None:
+    import torch
+
+    import probe
+
+    with torch.no_grad():
+        if mode == "plain":
+            out = model(ids)
+            del out
+        else:
+            probe.head_stats(model, ids)
+    if ids.device.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def child_peak(mode: str, T: int, device: str, width: dict) -> dict:
+    import torch
+
+    model, ids = _setup(T, device, width)
+    _run(mode, model, ids[:, :64])
+    gc.collect()
+    cuda = device.startswith("cuda")
+    if cuda:
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated()
+    else:
+        base = _status("VmRSS")
+        Path("/proc/self/clear_refs").write_text("5")  # VmHWM := current RSS
+    _run(mode, model, ids)
+    peak = torch.cuda.max_memory_allocated() if cuda else _status("VmHWM")
+    return {"mode": mode, "T": T, "peak_mib": (peak - base) / MiB}
+
+
+def child_time(T: int, device: str, width: dict, repeats: int) -> dict:
+    model, ids = _setup(T, device, width)
+    for mode in ("plain", "stats"):
+        _run(mode, model, ids[:, :64])
+    times: dict[str, list[float]] = {"plain": [], "stats": []}
+    for _ in range(repeats):
+        for mode in ("plain", "stats"):
+            t0 = time.perf_counter()
+            _run(mode, model, ids)
+            times[mode].append(time.perf_counter() - t0)
+    return {"T": T, **{f"{m}_s": statistics.median(v) for m, v in times.items()}}
+
+
+def child_check(T: int, device: str, width: dict) -> dict:
+    import probe
+
+    model, ids = _setup(T, device, width)
+    streamed = probe.head_stats(model, ids)
+    full = probe.head_stats(probe.capture(model, ids), progress=False)
+    worst = 0.0
+    for a, b in zip(streamed.table, full.table, strict=True):
+        for c, v in a.items():
+            w = b[c]
+            if isinstance(v, float) and not (math.isnan(v) and math.isnan(w)):
+                worst = max(worst, abs(v - w) / max(1.0, abs(w)))
+    return {"T": T, "max_rel_diff": worst}
+
+
+def _child(*args: str) -> dict:
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
+    r = subprocess.run([sys.executable, __file__, "--child", *args], capture_output=True, text=True, env=env)
+    if r.returncode:
+        raise RuntimeError(r.stderr[-3000:])
+    return json.loads(r.stdout.strip().splitlines()[-1])
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--lengths", nargs="+", type=int, default=[1024, 4096, 16384])
+    ap.add_argument("--device", default="cpu", help="cpu or cuda (same code path)")
+    ap.add_argument("--repeats", type=int, default=3, help="interleaved timing runs per mode")
+    ap.add_argument(
+        "--check-up-to", type=int, default=2048, help="compare with the full patterns up to this T"
+    )
+    ap.add_argument("--width", default=None, help=argparse.SUPPRESS)  # json: a smaller model, for smoke runs
+    ap.add_argument("--json", action="store_true", help="print the rows as JSON")
+    ap.add_argument("--child", nargs="+", help=argparse.SUPPRESS)
+    a = ap.parse_args()
+    width = json.loads(a.width) if a.width else WIDTH
+    if a.child:
+        kind, T = a.child[0], int(a.child[1])
+        if kind == "peak":
+            row = child_peak(a.child[2], T, a.device, width)
+        elif kind == "time":
+            row = child_time(T, a.device, width, a.repeats)
+        else:
+            row = child_check(T, a.device, width)
+        print(json.dumps(row))
+        return
+    common = ["--device", a.device, "--repeats", str(a.repeats), "--width", json.dumps(width)]
+    rows = []
+    for T in a.lengths:
+        peaks = {m: _child("peak", str(T), m, *common)["peak_mib"] for m in ("plain", "stats")}
+        t = _child("time", str(T), *common)
+        row = {
+            "T": T,
+            "plain_s": t["plain_s"],
+            "stats_s": t["stats_s"],
+            "time_ratio": t["stats_s"] / t["plain_s"],
+            "plain_peak_mib": peaks["plain"],
+            "stats_peak_mib": peaks["stats"],
+            "extra_mib": peaks["stats"] - peaks["plain"],
+            "max_rel_diff": _child("check", str(T), *common)["max_rel_diff"] if T <= a.check_up_to else None,
+        }
+        row["meets_targets"] = row["time_ratio"] <= 1.5 and row["extra_mib"] <= 1024
+        rows.append(row)
+        if not a.json:
+            _print_row(row, first=len(rows) == 1, device=a.device, width=width)
+    if a.json:
+        print(json.dumps(rows, indent=1))
+
+
+def _print_row(r: dict, *, first: bool, device: str, width: dict) -> None:
+    if first:
+        print(
+            f"Llama-shaped {WIDTH}, batch 1, {device}; targets: time <= 1.5x plain, peak <= plain + 1024 MiB"
+        )
+        print(
+            f"{'T':>6} {'plain s':>9} {'stats s':>9} {'ratio':>6} {'plain MiB':>10} "
+            f"{'stats MiB':>10} {'extra MiB':>10} {'max diff':>9} targets"
+        )
+    diff = "-" if r["max_rel_diff"] is None else f"{r['max_rel_diff']:.1e}"
+    print(
+        f"{r['T']:>6} {r['plain_s']:>9.2f} {r['stats_s']:>9.2f} {r['time_ratio']:>6.2f} "
+        f"{r['plain_peak_mib']:>10.0f} {r['stats_peak_mib']:>10.0f} {r['extra_mib']:>10.0f} "
+        f"{diff:>9} {'met' if r['meets_targets'] else 'missed'}",
+        flush=True,
+    )
+
+
+if __name__ == "__main__":
+    main()

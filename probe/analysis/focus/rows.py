@@ -1,0 +1,75 @@
+"""Per-row quantities of a pattern block, computed band by band (see :class:`_Rows`)."""
+
+from __future__ import annotations
+
+import functools
+from typing import TYPE_CHECKING
+
+import numpy as np
+import torch
+
+if TYPE_CHECKING:
+    from probe.analysis.focus.metrics import Layout
+
+SPAN_MASS = 0.9  # effective span: keys needed to cover this share of a row's mass
+BANDS = 8  # causal rows are sorted in bands of queries, each over the keys it can see
+
+
+def _bands(Q: int, K: int, causal: bool) -> list[tuple[int, int, int]]:
+    """``(q0, q1, n)`` row bands: causal rows ``q0:q1`` read only the ``n = q1`` keys they can see
+    (everything right of that is exactly zero), other rows read all ``K`` keys in one band."""
+    if not causal:
+        return [(0, Q, K)]
+    step = max(1, -(-Q // BANDS))
+    return [(q0, min(Q, q0 + step), min(Q, q0 + step)) for q0 in range(0, Q, step)]
+
+
+class _Rows:
+    """Per-row quantities of a block ``[B, h, Q, K]``, computed band by band in one sweep so that
+    causal layers read only the lower triangle: entropy, max and argmax, row sum, masses on the
+    key masks, Σ_j j·P_ij, the effective span and (when words are split) cumulative row sums.
+
+    Each is the cheapest exact way measured on CPU: matrix-vector products (not a skinny matrix
+    product) for the masked sums, numpy's SIMD sort for the span and its argmax (first occurrence),
+    and p·log(max(p, tiny)) for the entropy terms, equal to xlogy(p, p) except for subnormal p
+    (where both are below float32 resolution of the sum)."""
+
+    def __init__(self, P: torch.Tensor, lay: Layout, *, self_attn: bool, cumsum: bool) -> None:
+        B, h, Q, K = P.shape
+        new = functools.partial(P.new_empty, (B, h, Q))
+        self.ent, self.top, self.total, self.span = new(), new(), new(), new()
+        self.arg = torch.empty((B, h, Q), dtype=torch.long)
+        cols = lay.masks[:, 0].permute(0, 2, 1).contiguous()  # [B, 3, K]
+        self.masks = P.new_empty((B, h, Q, cols.shape[1]))
+        self.key_sum = new() if self_attn else None
+        self.cum = P.new_empty((B, h, Q, K)) if cumsum else None
+        kf = lay.kj.to(P.dtype)
+        tiny = torch.finfo(P.dtype).tiny
+        for q0, q1, n in _bands(Q, K, lay.causal):
+            band = P[..., q0:q1, :n].contiguous()
+            terms = band.clamp_min(tiny).log_().mul_(band)
+            self.ent[..., q0:q1] = terms.sum(-1).neg_()
+            del terms
+            self.arg[..., q0:q1] = torch.from_numpy(band.numpy().argmax(-1))
+            self.total[..., q0:q1] = band.sum(-1)
+            for b in range(B):
+                for c in range(cols.shape[1]):
+                    self.masks[b, :, q0:q1, c] = band[b] @ cols[b, c, :n]
+            if self_attn:
+                self.key_sum[..., q0:q1] = band @ kf[:n]
+            vals = torch.from_numpy(np.sort(band.numpy(), -1))
+            self.top[..., q0:q1] = vals[..., -1]
+            torch.cumsum(vals, -1, out=vals)
+            # leftover keys: the most smallest weights whose sum stays within the (1 − SPAN_MASS) rest
+            rest = (1 - SPAN_MASS) * vals[..., -1:]
+            left = torch.searchsorted(vals, rest.contiguous(), side="right")[..., 0]
+            self.span[..., q0:q1] = (n - left).to(P.dtype)
+            del vals
+            if cumsum:
+                c = self.cum[..., q0:q1, :]
+                c[..., :n] = band.cumsum(-1)
+                if n < K:  # right of the visible keys a causal row adds nothing: its sum stays
+                    c[..., n:] = c[..., n - 1 : n]
+
+
+__all__ = ["SPAN_MASS", "BANDS"]

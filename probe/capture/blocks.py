@@ -1,0 +1,201 @@
+"""A pattern consumer that never holds a whole pattern: each attention handed on row block by row block.
+
+:class:`BlockConsumer` implements the :class:`~probe.capture.record.PatternConsumer` seam. When an
+attention sublayer returns (its role known), it asks ``open_attention(role, shape)`` for a
+*block reader* (anything with ``rows(start, end, block)`` and ``close() -> causal or None``) and
+hands it the weights ``block`` ``[batch, heads, end - start, kend]`` (float32) of query rows
+``start:end``; keys past ``kend`` are zero. SDPA weights are recomputed
+(:func:`~probe.capture.patterns.sdpa_blocks`) and dropped block by block, so the memory held is
+O(heads · rows · keys), never the layer's whole pattern; a pattern the model computed itself (a
+softmax) already exists whole and is sliced. Blocks are valid until the next is handed on.
+
+:func:`stream_attention` runs one forward with it, residuals dropped (a :class:`DropSink`), and
+returns each block reader under its cache key. Which reader, and what it accumulates, is the
+caller's business (``probe.analysis.focus.streaming`` builds the focus statistics); analyses
+reach it through :mod:`probe.forward`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from typing import Any, Protocol
+
+import torch
+from torch import Tensor, nn
+
+from probe.cache.selection import Selection
+from probe.capture.calls import Attention
+from probe.capture.engine import _claim, _release
+from probe.capture.inputs import prepare
+from probe.capture.keep import batch_size, restore_layout
+from probe.capture.naming import check_forward, name
+from probe.capture.patterns import sdpa_blocks
+from probe.capture.tracer import Tracer
+from probe.errors import ProbeError
+
+BLOCK_BYTES = 1 << 26  # the float32 weights of one row block: about 64 MiB
+
+
+class BlockReader(Protocol):
+    """Reads one attention's weights row block by row block (see the module docstring)."""
+
+    def rows(self, start: int, end: int, block: Tensor) -> None: ...
+
+    def close(self) -> bool | None: ...
+
+
+class DropSink:
+    """A sink that keeps nothing: every tensor handed to it is let go at once (residuals of a
+    statistics-only run); handles are counted so the capture can still be named."""
+
+    empty = None
+
+    def __init__(self) -> None:
+        self.n = 0
+
+    def put(self, tensor: Tensor, owned: bool = False) -> int:
+        self.n += 1
+        return self.n - 1
+
+    def held(self) -> list[Tensor]:
+        return []
+
+    def wait_written(self, tensor: Tensor) -> None:
+        """Nothing is written."""
+
+
+def block_rows(shape: tuple[int, ...], block: int | None) -> int:
+    """Query rows per block: ``block`` if given, else about :data:`BLOCK_BYTES` of float32."""
+    if block is not None:
+        if not isinstance(block, int) or block < 1:
+            raise ProbeError(f"block must be a positive number of query rows, not {block!r}")
+        return block
+    B, H, _, K = shape
+    return max(1, BLOCK_BYTES // (4 * max(1, B * H * K)))
+
+
+class BlockConsumer:
+    """Hands each attention to the reader ``open_attention(role, [B, H, Q, K])`` returns, a row
+    block at a time; ``readers`` maps the (sink) handle of every attention read to its reader."""
+
+    def __init__(
+        self, sink: DropSink, open_attention: Callable[[str, tuple], BlockReader], block: int | None
+    ) -> None:
+        self.sink = sink
+        self.open_attention = open_attention
+        self.block = block
+        self.readers: dict[int, BlockReader] = {}
+
+    def weights(self, attn: Attention, pattern: Tensor, impl: str) -> None:
+        p = pattern.detach()
+        attn.parts.append(("weights", p, p._version))
+
+    def sdpa(self, attn: Attention, args: tuple, kwargs: dict) -> None:
+        attn.parts.append(("sdpa", args, kwargs))
+
+    def close(self, attn: Attention) -> None:
+        if not attn.parts:
+            return
+        kinds = {p[0] for p in attn.parts}
+        if len(kinds) > 1:
+            raise ProbeError(
+                "an attention sublayer computed its heads both with softmax and with SDPA; "
+                "capture its patterns whole (probe.capture) instead of streaming them"
+            )
+        batch = batch_size(attn.primary, attn.qk[0])
+        blocks = self._sdpa(attn, batch) if "sdpa" in kinds else self._weights(attn, batch)
+        shape = next(blocks)
+        reader = self.open_attention(attn.role or "self", shape)
+        for i, e, blk in blocks:
+            reader.rows(i, e, blk)
+        attn.causal = reader.close() if attn.role == "self" else None
+        attn.shape = shape
+        attn.handle = self.sink.put(torch.empty(0))
+        self.readers[attn.handle] = reader
+        attn.parts.clear()
+
+    def _weights(self, attn: Attention, batch: int | None) -> Iterator[Any]:
+        for _, p, v in attn.parts:
+            if p._version != v:
+                raise RuntimeError(
+                    "an attention pattern was modified in place after softmax; "
+                    "probe cannot capture it exactly"
+                )
+        pattern = restore_layout([p for _, p, _ in attn.parts], batch)
+        yield tuple(pattern.shape)
+        Q = pattern.shape[-2]
+        step = block_rows(tuple(pattern.shape), self.block)
+        for i in range(0, Q, step):
+            e = min(Q, i + step)
+            yield i, e, pattern[..., i:e, :].float()
+
+    def _sdpa(self, attn: Attention, batch: int | None) -> Iterator[Any]:
+        calls = [(a, k) for _, a, k in attn.parts]
+        shapes = []
+        for args, kwargs in calls:
+            q = args[0] if args else kwargs["query"]
+            k = args[1] if len(args) > 1 else kwargs["key"]
+            shapes.append((tuple(q.shape[:-2]), q.size(-2), k.size(-2)))
+        heads = []
+        for lead, _, _ in shapes:
+            if len(lead) == 1:  # [batch·heads, L, E]
+                if batch is None or lead[0] % batch:
+                    raise ProbeError(f"SDPA queries of shape {list(lead)} do not split into batch x heads")
+                heads.append((batch, lead[0] // batch))
+            elif len(lead) >= 2:
+                heads.append((lead[0], int(torch.tensor(lead[1:]).prod())))
+            else:
+                heads.append((1, 1))
+        B, Q, K = heads[0][0], shapes[0][1], shapes[0][2]
+        shape = (B, sum(h for _, h in heads), Q, K)
+        yield shape
+        step = block_rows(shape, self.block)
+        gens = [sdpa_blocks(*a, **k, chunk=step) for a, k in calls]
+        for parts in zip(*gens, strict=True):
+            i, e = parts[0][0], parts[0][1]
+            blks = [
+                blk.reshape(b, h, e - i, blk.size(-1))
+                for (b, h), (_, _, blk) in zip(heads, parts, strict=True)
+            ]
+            yield i, e, blks[0] if len(blks) == 1 else torch.cat(blks, 1)
+
+
+def stream_attention(
+    model: nn.Module,
+    inputs: Any,
+    open_attention: Callable[[dict, str, tuple], BlockReader],
+    *,
+    tokenizer: Any = None,
+    target: Any = None,
+    layers: list[int] | None = None,
+    block: int | None = None,
+) -> tuple[dict[str, Any], dict[str, BlockReader]]:
+    """Run ``model`` once on ``inputs`` (as :func:`probe.capture` would), handing every attention
+    pattern row block by row block to ``open_attention(meta, role, [B, H, Q, K])``'s reader; keep
+    nothing else (residuals are dropped).
+
+    ``block``: query rows per block (default: about 64 MiB of float32 weights per block).
+    Returns ``(meta, readers)``: the metadata a cache of the same call would hold, and each
+    reader under the cache key its pattern would have (``decoder.blocks.0.self_attn.pattern``).
+    """
+    if not isinstance(model, nn.Module):
+        raise ProbeError(f"probe runs torch.nn.Module models, not {type(model).__name__}")
+    selection = Selection.parse(layers, None)
+    block_rows((1, 1, 1, 1), block)
+    prepared = prepare(model, inputs, tokenizer=tokenizer, target=target)
+    meta = prepared.meta
+    sink = DropSink()
+    consumer = BlockConsumer(sink, lambda role, shape: open_attention(meta, role, shape), block)
+    tracer = Tracer(model, sink, selection=selection, consumer=consumer)
+    _claim(model)
+    try:
+        with torch.no_grad(), tracer:
+            prepared.run()
+    finally:
+        _release(model)
+    check_forward(tracer, model, selection)
+    names, full = name(tracer, model, meta, selection)
+    return full, {names[h]: r for h, r in consumer.readers.items()}
+
+
+__all__ = ["BlockConsumer", "BlockReader", "DropSink", "stream_attention", "block_rows", "BLOCK_BYTES"]

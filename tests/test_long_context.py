@@ -1,0 +1,311 @@
+"""Long contexts in bounded memory: ``probe.head_stats(model, inputs)`` computes every statistic
+row block by row block while the model runs; its oracle is the full-pattern path,
+``probe.head_stats(probe.capture(model, inputs))`` (itself tested against hand computations in
+test_focus.py), on causal and bidirectional, padded, GQA, sliding-window, ALiBi and
+cross-attention models, at several lengths and block sizes."""
+
+from __future__ import annotations
+
+import math
+
+import hf_fixtures as H
+import pytest
+import torch
+from toys import ToyLM
+
+import probe
+from probe.errors import ProbeError
+
+TEXTS = ["attention lets tokens read context.", "the model is reading the tokens one by one, quickly."]
+TARGETS = ["ich mochte ein bier.", "graph neural networks pass messages, said he"]
+
+
+def assert_same(streamed, full):
+    """Every row and column equal: means within 1e-6 (relative above 1), the sample std across
+    texts within 1e-5 (a difference of two means near each other amplifies float32 rounding)."""
+    a = {(r["stack"], r["layer"], r["head"], r["kind"]): r for r in streamed.table}
+    b = {(r["stack"], r["layer"], r["head"], r["kind"]): r for r in full.table}
+    assert a.keys() == b.keys()
+    assert streamed.table.columns == full.table.columns
+    for k, row in a.items():
+        for c, v in row.items():
+            w = b[k][c]
+            if isinstance(v, float) and isinstance(w, float):
+                if math.isnan(w):
+                    assert math.isnan(v), (k, c, v, w)
+                    continue
+                tol = 1e-5 if c.endswith("_std") else 1e-6
+                assert abs(v - w) <= tol * max(1.0, abs(w)), (k, c, v, w)
+            else:
+                assert v == w, (k, c, v, w)
+
+
+@pytest.fixture(scope="module")
+def bpe(tmp_path_factory):
+    return H.bpe_tokenizer(tmp_path_factory.mktemp("bpe"))
+
+
+@pytest.mark.parametrize("kind", ["sdpa_causal", "F.softmax", "sdpa_float", "sdpa_gqa", "mha", "sdpa_bool"])
+@pytest.mark.parametrize("T,block", [(9, 2), (50, 7), (61, 64)])
+def test_toy_decoders_match_the_full_patterns(kind, T, block):
+    torch.manual_seed(T)
+    lm = ToyLM(kind, n_kv_heads=2 if kind == "sdpa_gqa" else None).eval()
+    ids = torch.randint(0, 40, (2, T))
+    streamed = probe.head_stats(lm, ids, block=block)
+    full = probe.head_stats(probe.capture(lm, ids), progress=False)
+    assert_same(streamed, full)
+    assert all(r["causal"] for r in streamed.table)
+    assert streamed.rollout is None and "rollout" in streamed.not_computed
+    assert full.rollout is not None  # the full path computes it
+
+
+@pytest.mark.parametrize("name", ["llama", "mistral", "gpt2"])
+def test_padded_hf_decoders_match(bpe, name):
+    """Padded batches; Llama has grouped-query attention, Mistral a sliding window of 4 keys."""
+    model = getattr(H, name)(len(bpe))
+    streamed = probe.head_stats(model, TEXTS, tokenizer=bpe, block=3)
+    full = probe.head_stats(probe.capture(model, TEXTS, tokenizer=bpe), progress=False)
+    assert_same(streamed, full)
+    if name == "llama":
+        assert streamed.kv_groups == full.kv_groups and streamed.kv_groups
+
+
+def test_bidirectional_padded_encoder_matches():
+    model, tok, _ = H.minilm()
+    streamed = probe.head_stats(model, TEXTS, tokenizer=tok, block=4)
+    full = probe.head_stats(probe.capture(model, TEXTS, tokenizer=tok), progress=False)
+    assert_same(streamed, full)
+    assert not any(r["causal"] for r in streamed.table)
+
+
+def test_cross_attention_matches(bpe):
+    model = H.bart(len(bpe))
+    streamed = probe.head_stats(model, TEXTS, tokenizer=bpe, target=TARGETS, block=3)
+    full = probe.head_stats(probe.capture(model, TEXTS, tokenizer=bpe, target=TARGETS), progress=False)
+    assert_same(streamed, full)
+    assert {r["kind"] for r in streamed.table} == {"self", "cross"}
+
+
+def test_layer_selection_and_bad_arguments():
+    lm = ToyLM("sdpa_causal").eval()
+    ids = torch.randint(0, 40, (1, 12))
+    s = probe.head_stats(lm, ids, layers=[1])
+    assert {r["layer"] for r in s.table} == {1}
+    full = probe.head_stats(probe.capture(lm, ids), progress=False)
+    want = [r for r in full.table if r["layer"] == 1]
+    assert [r["entropy"] for r in s.table] == pytest.approx([r["entropy"] for r in want], abs=1e-6)
+    with pytest.raises(ProbeError, match="block"):
+        probe.head_stats(lm, ids, block=0)
+    with pytest.raises(ProbeError, match="inputs"):
+        probe.head_stats(lm)
+
+
+def test_blocks_never_hold_a_whole_pattern(monkeypatch):
+    """Every block handed to the statistics has at most ``block`` query rows."""
+    from probe.analysis.focus import streaming
+
+    seen = []
+    real = streaming.RowTerms.rows
+
+    def spy(self, q0, q1, blk):
+        seen.append(tuple(blk.shape))
+        return real(self, q0, q1, blk)
+
+    monkeypatch.setattr(streaming.RowTerms, "rows", spy)
+    lm = ToyLM("sdpa_causal").eval()
+    probe.head_stats(lm, torch.randint(0, 40, (1, 40)), block=8)
+    assert seen and all(s[2] <= 8 for s in seen)
+    # causal SDPA blocks read only the keys their rows can see
+    assert min(s[3] for s in seen) == 8
+
+
+def _random_pattern(B, H, T, causal, seed, pad=None):
+    """Row-stochastic weights; ``pad[b]`` left-padded positions get none (and are no query)."""
+    g = torch.Generator().manual_seed(seed)
+    P = torch.rand(B, H, T, T, generator=g) ** 4
+    if causal:
+        P = P.tril()
+    real = torch.ones(B, T, dtype=torch.bool)
+    for b, n in enumerate(pad or []):
+        real[b, :n] = False
+    P = P * real[:, None, None, :]
+    P = P / P.sum(-1, keepdim=True).clamp(min=1e-30)
+    P = P * real[:, None, :, None]
+    return P, real
+
+
+def _oracle(P, real, causal, D_list=(16, 128, 1024)):
+    """Per text and head: mean over counted queries of beyond_D, reach90; and the sink profile."""
+    B, H, T, _ = P.shape
+    out = {}
+    for b in range(B):
+        keys = [j for j in range(T) if real[b, j]]
+        for h in range(H):
+            rows = []
+            for i in range(T):
+                vis = [j for j in keys if (j <= i or not causal)]
+                if not real[b, i] or len(vis) < 2:
+                    continue
+                rows.append(i)
+            beyond = {D: [] for D in D_list}
+            reach = []
+            recv = torch.zeros(T, dtype=torch.float64)
+            for i in rows:
+                row = P[b, h, i].double()
+                total = float(row.sum())
+                for D in D_list:
+                    beyond[D].append(sum(float(row[j]) for j in range(T) if abs(i - j) > D))
+                d = 0
+                while sum(float(row[j]) for j in range(T) if abs(i - j) <= d) < 0.9 * total - 1e-12:
+                    d += 1
+                reach.append(d)
+                recv += row
+            n = len(rows)
+            out[b, h] = (
+                {D: sum(v) / n for D, v in beyond.items()},
+                sum(reach) / n,
+                recv / n,
+            )
+    return out
+
+
+@pytest.mark.parametrize("causal", [True, False])
+def test_long_context_metrics_by_hand(causal):
+    """beyond_D, reach90 and the sink profile of a planted pattern, against loops written here;
+    T = 150 so that beyond_16 and beyond_128 both bite."""
+    from probe.analysis.focus import METRICS
+
+    B, H, T = 2, 2, 150
+    P, real = _random_pattern(B, H, T, causal, seed=1, pad=[0, 7])
+    meta = {
+        "tokens": [["t"] * int(real[b].sum()) for b in range(B)],
+        "attention_mask": real.long().tolist(),
+    }
+    stats = probe.head_stats(probe.Cache({"decoder.blocks.0.self_attn.pattern": P}, meta), progress=False)
+    assert {"beyond_16", "beyond_128", "beyond_1024", "reach90"} <= set(METRICS)
+    want = _oracle(P, real, causal)
+    prof = stats.received["decoder/0/self"]
+    for b in range(B):
+        for h in range(H):
+            beyond, reach, recv = want[b, h]
+            torch.testing.assert_close(prof[b, h], recv, atol=1e-6, rtol=0)
+    for h in range(H):
+        row = [r for r in stats.table if r["head"] == h][0]
+        assert row["causal"] == causal
+        for D in (16, 128, 1024):
+            mean = sum(want[b, h][0][D] for b in range(B)) / B
+            assert row[f"beyond_{D}"] == pytest.approx(mean, abs=1e-6)
+        reach = sum(want[b, h][1] for b in range(B)) / B
+        assert row["reach90"] == pytest.approx(reach, rel=1e-6, abs=1e-6)  # float32 mean of ~100
+        assert row["beyond_1024"] == 0  # no key is that far
+        want_prof = torch.stack([want[b, h][2] for b in range(B)]).mean(0).float()
+        torch.testing.assert_close(stats.sink_profile(0)[h], want_prof, atol=1e-6, rtol=0)
+
+
+def test_sink_profile_streamed_equals_full(bpe):
+    model = H.llama(len(bpe))
+    streamed = probe.head_stats(model, TEXTS, tokenizer=bpe, block=3)
+    full = probe.head_stats(probe.capture(model, TEXTS, tokenizer=bpe), progress=False)
+    assert streamed.received.keys() == full.received.keys()
+    for k in full.received:
+        torch.testing.assert_close(streamed.received[k], full.received[k], atol=1e-6, rtol=0, equal_nan=True)
+    torch.testing.assert_close(streamed.sink_profile(1), full.sink_profile(1), atol=1e-6, rtol=0)
+
+
+def test_llama_shaped_model_is_llama():
+    """models.llama computes what transformers' LlamaForCausalLM computes with the same weights
+    (the independent oracle for its rotary positions, RMSNorm, GQA and SwiGLU)."""
+    import transformers as tf
+
+    from models.llama import build
+
+    lm = build(n_layers=2, n_heads=4, d_model=64, n_kv_heads=2, d_ff=96, seed=3)
+    cfg = tf.LlamaConfig(
+        vocab_size=256,
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=4096,
+        rms_norm_eps=1e-6,
+        rope_theta=10000.0,
+        tie_word_embeddings=False,
+    )
+    hf = tf.LlamaForCausalLM(cfg).eval()
+    sd = {
+        ("lm_head.weight" if k == "lm_head.weight" else f"model.{k}"): v for k, v in lm.state_dict().items()
+    }
+    missing, unexpected = hf.load_state_dict(sd, strict=False)
+    assert not unexpected and all("rotary" in m for m in missing)
+    ids = torch.randint(0, 256, (2, 700))  # longer than any learnt position table would be
+    with torch.no_grad():
+        torch.testing.assert_close(lm(ids), hf(ids).logits, atol=2e-5, rtol=1e-4)
+    assert lm.tokenizer.encode("ab") == [97, 98]
+
+
+def test_llama_shaped_long_input_streams():
+    """At T = 1040 (past beyond_1024) streamed statistics of the Llama-shaped model equal the full."""
+    from models.llama import build
+
+    lm = build(n_layers=2, n_heads=4, d_model=64, n_kv_heads=2, seed=1)
+    ids = torch.randint(0, 256, (1, 1040))
+    streamed = probe.head_stats(lm, ids, block=160)
+    full = probe.head_stats(probe.capture(lm, ids), progress=False)
+    assert_same(streamed, full)
+    assert streamed.kv_groups == {0: [0, 1], 1: [2, 3]}
+    assert streamed.table[0]["reach90"] > 100  # random weights read far
+
+
+def test_retrieval_scores_against_hand_computed_weights():
+    """The last row's mass on the needle, against weights computed by hand from the model's
+    projections (the last condition run), and the needle text built as documented."""
+    from models.llama import build, rotate
+    from probe.analysis.focus.retrieval import needle_text
+    from probe.forward import adapt_tokenizer
+
+    model = build(n_layers=2, n_heads=4, d_model=64, seed=5)
+    tok = adapt_tokenizer(model.tokenizer)
+    ids, (s, e), (vs, ve) = needle_text(tok, 300, 0.5)
+    assert len(ids) == 300 and model.tokenizer.decode(ids[vs:ve]) == " 7351"
+    assert model.tokenizer.decode(ids[s:e]) == " The secret number of Ada is 7351."
+    assert model.tokenizer.decode(ids).endswith("The secret number of Ada is")
+    seen = {}
+    hooks = [
+        layer.self_attn.register_forward_hook(lambda m, a, o, i=i: seen.__setitem__(i, a[0]))
+        for i, layer in enumerate(model.layers)
+    ]
+    table = probe.retrieval_scores(model, lengths=[200, 300], depths=[0.0, 0.5], block=37)
+    for h in hooks:
+        h.remove()
+    assert len(table) == 2 * 2 * 2 * 4
+    last = [r for r in table if r["length"] == 300 and r["depth"] == 0.5]
+    T = 300
+    with torch.no_grad():
+        for i, layer in enumerate(model.layers):
+            att, x = layer.self_attn, seen[i]
+            q = rotate(att.q_proj(x).view(1, T, 4, 16).transpose(1, 2), att.base)
+            k = rotate(att.k_proj(x).view(1, T, 4, 16).transpose(1, 2), att.base)
+            w = ((q[:, :, -1:] @ k.transpose(-2, -1)) / 4.0).softmax(-1)[0, :, 0]  # the last row
+            for r in [r for r in last if r["layer"] == i]:
+                assert r["needle_start"] == s
+                assert r["needle_mass"] == pytest.approx(float(w[r["head"], s:e].sum()), abs=1e-6)
+                assert r["value_mass"] == pytest.approx(float(w[r["head"], vs:ve].sum()), abs=1e-6)
+    with pytest.raises(ProbeError, match="too short"):
+        probe.retrieval_scores(model, lengths=[20])
+    with pytest.raises(ProbeError, match="depth"):
+        probe.retrieval_scores(model, lengths=[200], depths=[1.5])
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_streamed_on_cuda_matches_the_full_patterns_on_cpu(bpe):
+    """The same code path on a GPU: blocks stay on the device, terms come back to the CPU."""
+    model = H.llama(len(bpe))
+    full = probe.head_stats(probe.capture(model, TEXTS, tokenizer=bpe), progress=False)
+    streamed = probe.head_stats(model.to("cuda"), TEXTS, tokenizer=bpe, block=3)
+    model.to("cpu")
+    # GPU matrix products round differently from the CPU's: float32 rounding, not 1e-6
+    a = {(r["layer"], r["head"]): r for r in streamed.table}
+    for r in full.table:
+        for c in ("entropy", "first", "distance", "span", "reach90", "beyond_16", "prev_score"):
+            assert a[r["layer"], r["head"]][c] == pytest.approx(r[c], rel=1e-4, abs=1e-5), c
