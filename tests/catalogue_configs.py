@@ -155,10 +155,9 @@ def _shrink_kwargs(cls: Any, base: Any, depth: int = 0) -> dict[str, Any]:
     put(_EXPERTS, 4, lambda v: isinstance(v, int) and v > 4)
     for k, v in _SMALL.items():
         put([k], v, lambda old, v=v: isinstance(old, int) and not isinstance(old, bool) and old > v)
-    if "vocab_size" in d and (
-        d["vocab_size"] is None or isinstance(d["vocab_size"], int) and d["vocab_size"] > VOCAB
-    ):
-        kw["vocab_size"] = VOCAB
+    for k, v in d.items():  # vocab_size, vocab_size_per_layer_input (Gemma 3n/4), ...
+        if "vocab_size" in k and (v is None and k == "vocab_size" or isinstance(v, int) and v > VOCAB):
+            kw[k] = VOCAB
     vocab = kw.get("vocab_size", d.get("vocab_size"))
     if isinstance(vocab, int):
         for i, (k, v) in enumerate(sorted(d.items())):
