@@ -48,7 +48,7 @@ def one(model_type: str) -> dict:
     try:
         res = C.check_model(model)
     except Exception as e:  # noqa: BLE001
-        res = C.run_failure(e)
+        res = C.run_failure(e, model)
     res["class"] = type(model).__name__
     res["seconds"] = round(time.time() - t0, 2)
     return res

@@ -61,11 +61,21 @@ def page(data: dict[str, dict]) -> str:
         "comparison is `tests/catalogue_check.py`; `tests/test_catalogue.py` runs it in CI on a "
         "fixed sample.",
         "",
-        "Regenerate (about an hour on two cores; resumable; `--only a,b` for a few):",
+        "A few model types run in seconds (`--only`, comma-separated; `--jobs`, `--timeout` and "
+        "`--out` as `--help` says; a rerun resumes the JSON file, `--redo` reruns what is there):",
         "",
         "```console",
-        "$ PYTHONPATH=$PWD python benchmarks/catalogue.py --out catalogue.json --jobs 2",
-        "$ PYTHONPATH=$PWD python benchmarks/catalogue.py --markdown catalogue.json > docs/catalogue.md",
+        "$ python benchmarks/catalogue.py --only gpt2,bert --out few.json",
+        "...",
+        "```",
+        "",
+        "The whole catalogue takes about an hour on two cores, in worker processes with a per-model "
+        "timeout; this page is generated from its JSON (`benchmarks/catalogue.json`):",
+        "",
+        "<!-- no-run: an hour on two cores -->",
+        "```console",
+        "$ nice -n 19 python benchmarks/catalogue.py --out benchmarks/catalogue.json --jobs 2 --timeout 300",
+        "$ python benchmarks/catalogue.py --markdown benchmarks/catalogue.json > docs/catalogue.md",
         "```",
         "",
         "The hand-written tests of individual architectures, with the deviations of deltas and the "
@@ -91,6 +101,8 @@ def page(data: dict[str, dict]) -> str:
             ]
             for mt, v in rows:
                 note = "" if s == "exact" and v.get("oracle") == "eager" else v.get("reason", "")
+                if (v.get("pad_diff") or 0) > 1e-5:
+                    note = f"padded query rows differ by {v['pad_diff']:.1e}; " + note
                 lines.append(
                     f"| `{mt}` | {v.get('class', '')} | {v.get('n_probe', '')} | {_fmt(v.get('eager_diff'))} "
                     f"| {_fmt(v.get('sdpa_diff'))} | {_cell(note)} |"

@@ -48,11 +48,20 @@ _NOT_TEXT = (
 )
 
 
-def run_failure(e: BaseException) -> dict[str, str]:
-    """A forward that fails without probe: ``cannot run on text`` when it asks for other inputs."""
+_OTHER_INPUTS = ("pixel_values", "input_features", "input_values", "pixel_values_videos", "past_values")
+
+
+def run_failure(e: BaseException, model: Any = None) -> dict[str, str]:
+    """A forward that fails without probe: ``cannot run on text`` when it asks for other inputs
+    (its message names them, or the forward takes them and fails on their absence)."""
     msg = f"{type(e).__name__}: {str(e)[:300]}"
-    status = "cannot run on text" if any(w in msg.lower() for w in _NOT_TEXT) else "run failed"
-    return {"status": status, "reason": msg}
+    params = inspect.signature(model.forward).parameters if model is not None else {}
+    wants = [p for p in _OTHER_INPUTS if p in params]
+    if any(w in msg.lower() for w in _NOT_TEXT):
+        return {"status": "cannot run on text", "reason": msg}
+    if wants and "NoneType" in msg:
+        return {"status": "cannot run on text", "reason": f"needs {wants[0]} ({msg})"}
+    return {"status": "run failed", "reason": msg}
 
 
 BATCH, T, T_DEC = 2, 8, 6
@@ -206,7 +215,7 @@ def check_model(model: Any, inputs: dict | None = None) -> dict[str, Any]:
     try:
         sdpa = run_sdpa_oracle(model, inputs)
     except Exception as e:  # noqa: BLE001
-        return {**res, **run_failure(e)}
+        return {**res, **run_failure(e, model)}
     cache, failed = _capture(model, inputs)
     try:
         with torch.no_grad():

@@ -117,3 +117,25 @@ def test_the_sdpa_oracle_is_a_masked_softmax():
     assert w.shape == (2, 4, 5, 5)
     assert float(w[1, ..., 3:].abs().max()) == 0.0
     torch.testing.assert_close(w @ v.repeat_interleave(2, dim=1), out, atol=1e-6, rtol=0)
+
+
+def test_sweep_cli_resumes_and_writes_the_page(tmp_path):
+    # the benchmark end to end on one family: a verdict in the JSON file, a rerun skips it, and the
+    # markdown page counts it
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = Path(__file__).resolve().parent.parent / "benchmarks" / "catalogue.py"
+    out = tmp_path / "few.json"
+    run = [sys.executable, str(script), "--only", "gpt2", "--out", str(out)]
+    first = subprocess.run(run, capture_output=True, text=True, timeout=600, check=True)
+    assert "gpt2" in first.stdout
+    assert json.loads(out.read_text())["gpt2"]["status"] == "exact"
+    again = subprocess.run(run, capture_output=True, text=True, timeout=600, check=True)
+    assert "gpt2 " not in again.stdout and '"exact": 1' in again.stdout
+    page = subprocess.run(
+        [sys.executable, str(script), "--markdown", str(out)], capture_output=True, text=True, check=True
+    ).stdout
+    assert "| exact | 1 |" in page and "| `gpt2` | GPT2Model | 2 |" in page  # two layers, one pattern each
