@@ -77,7 +77,12 @@ def worker() -> None:
 def all_model_types() -> list[str]:
     import transformers as tf
 
-    return sorted(tf.CONFIG_MAPPING.keys())
+    text = set()
+    for name in ("MODEL_FOR_CAUSAL_LM_MAPPING_NAMES", "MODEL_FOR_MASKED_LM_MAPPING_NAMES"):
+        text |= set(getattr(tf.models.auto.modeling_auto, name, {}))
+    text |= set(getattr(tf.models.auto.modeling_auto, "MODEL_FOR_SEQ_TO_SEQ_CAUSAL_LM_MAPPING_NAMES", {}))
+    # language models first: a sweep cut short has done the families that matter most
+    return sorted(tf.CONFIG_MAPPING.keys(), key=lambda mt: (mt not in text, mt))
 
 
 class Results:

@@ -75,6 +75,22 @@ _SMALL = {
     "topk_group": 1,
     "num_shared_experts": 1,
     "first_k_dense_replace": 1,
+    # state-space and linear-attention layers of hybrids: the reference (non-kernel) paths are slow
+    "mamba_chunk_size": 8,
+    "chunk_size": 8,
+    "mamba_d_state": 16,
+    "state_size": 16,
+    "ssm_state_size": 16,
+    "d_state": 16,
+    "mamba_n_heads": 8,
+    "mamba_d_head": 16,
+    "mamba_n_groups": 1,
+    "n_groups": 1,
+    "linear_num_key_heads": 2,
+    "linear_num_value_heads": 4,
+    "linear_key_head_dim": 16,
+    "linear_value_head_dim": 16,
+    "time_step_rank": 8,
     "max_window_layers": LAYERS,
 }
 
