@@ -100,7 +100,8 @@ def page(data: dict[str, dict]) -> str:
                 "|---|---|---|---|---|---|",
             ]
             for mt, v in rows:
-                note = "" if s == "exact" and v.get("oracle") == "eager" else v.get("reason", "")
+                plain = s == "exact" and v.get("oracle") == "eager" and "eager_other" not in v
+                note = "" if plain else v.get("reason", "")
                 if (v.get("pad_diff") or 0) > 1e-5:
                     note = f"padded query rows differ by {v['pad_diff']:.1e}; " + note
                 lines.append(

@@ -114,10 +114,26 @@ def eager_patterns(outputs: Any) -> dict[str, list[torch.Tensor]]:
                     found += pick(*names, obj=v, depth=depth + 1)
         return found
 
-    return {
+    out = {
         "self": pick("encoder_attentions", "attentions", "decoder_attentions"),
         "cross": pick("cross_attentions"),
     }
+    # a map with negative weights or rows summing past 1 is no softmax (MiniMax's linear-attention
+    # layers return q·kᵀ with decay): set aside, counted under "other"; rows summing to less than
+    # 1 stay (a softmax with a sink column dropped, as in GPT-OSS)
+    out["other"] = [t for k in ("self", "cross") for t in out[k] if not is_distribution(t)]
+    for k in ("self", "cross"):
+        out[k] = [t for t in out[k] if is_distribution(t)]
+    return out
+
+
+def is_distribution(t: torch.Tensor, tol: float = 1e-3) -> bool:
+    """Whether ``t``'s last axis holds non-negative weights summing to at most 1 (any layout)."""
+    if not t.numel() or not torch.isfinite(t).all():
+        return True  # nothing to judge; NaN rows are left for the comparison to show
+    # a huge negative is a mask value left in a padded row (ProphetNet), not a weight
+    neg = t[(t < -1e-6) & (t > -1e30)]
+    return bool(neg.numel() == 0 and t.clamp(min=0).sum(-1).max() <= 1 + tol)
 
 
 def sdpa_spy(store: list):
@@ -221,9 +237,14 @@ def check_model(model: Any, inputs: dict | None = None) -> dict[str, Any]:
         with torch.no_grad():
             eager = eager_patterns(eager_twin(model)(**inputs, output_attentions=True))
     except Exception as e:  # noqa: BLE001
-        eager, res["eager_error"] = {"self": [], "cross": []}, f"{type(e).__name__}: {str(e)[:200]}"
+        eager, res["eager_error"] = (
+            {"self": [], "cross": [], "other": []},
+            f"{type(e).__name__}: {str(e)[:200]}",
+        )
     n_eager = len(eager["self"]) + len(eager["cross"])
     res.update(n_eager=n_eager, n_sdpa=len(sdpa))
+    if eager.get("other"):
+        res["eager_other"] = f"{len(eager['other'])} eager map(s) that are no softmax (negative or rows > 1)"
     if cache is None:
         if failed["status"] == "refused" and "no attention" in failed["reason"] and not n_eager and not sdpa:
             failed["status"] = "no softmax attention"
@@ -242,13 +263,14 @@ def check_model(model: Any, inputs: dict | None = None) -> dict[str, Any]:
     s = diff([p for _, _, p in got], sdpa, mask) if sdpa else "no SDPA call"
     res["eager_diff"], res["sdpa_diff"] = _num(e), _num(s)
     res["pad_diff"] = max([x[1] for x in (e, s) if isinstance(x, tuple)], default=None)
+    why = _why(e, s) + (f"; {res['eager_other']}" if "eager_other" in res else "")
     if isinstance(e, tuple) and e[0] <= TOL:
-        return {**res, "status": "exact", "oracle": "eager", "reason": _why(e, s)}
+        return {**res, "status": "exact", "oracle": "eager", "reason": why}
     if (isinstance(e, tuple) or not n_eager) and isinstance(s, tuple) and s[0] <= TOL:
         # eager computes something else (Falcon's ALiBi order) or returns nothing: SDPA decides
-        return {**res, "status": "exact", "oracle": "sdpa", "reason": _why(e, s)}
+        return {**res, "status": "exact", "oracle": "sdpa", "reason": why}
     # eager's count or shapes disagree: an omission or a different layout, whatever SDPA says
-    return {**res, "status": "wrong", "reason": _why(e, s)}
+    return {**res, "status": "wrong", "reason": why}
 
 
 def _num(d: Any) -> float | None:

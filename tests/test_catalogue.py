@@ -49,6 +49,9 @@ EXACT = {
     "mt5": "encoder-decoder, gated FFN",
     "recurrent_gemma": "hybrid: recurrent layers and one attention layer",
     "chameleon": "decoder, qk-norm",
+    # one softmax layer and one linear-attention layer, whose eager map (q·kᵀ with decay, negative
+    # weights) is no softmax: the check sets it aside and compares the softmax layer
+    "minimax": "hybrid: full attention and lightning (linear) attention",
 }
 
 # model type -> why it is not exact yet (issue 22); the owner removes the mark with the fix
@@ -60,7 +63,7 @@ KNOWN = {
     "longformer": "refused: sliding-chunk local attention (issue 22, local attention)",
     "led": "wrong: the encoder's local attention is dropped (issue 22, local attention)",
     "longt5": "wrong: the encoder's local (block) attention is dropped (issue 22, local attention)",
-    "minimax": "wrong: one of its two attention layers is stored (issue 22)",
+    "flint": "refused: softmax over the keys plus a learned sink column (issue 22, attention sinks)",
     "t5gemma2": "wrong: decoder self-attention stored as cross-attention (issue 22, roles)",
     "cpmant": "wrong: stored over the 8 text positions, eager over 40 (prompt + text) (issue 22, CpmAnt)",
     "deepseek_v4": "refused: two patterns per layer (issue 22, several patterns per layer)",
