@@ -63,6 +63,7 @@ _EXPERTS = ("num_experts", "num_local_experts", "n_routed_experts", "moe_num_exp
 _PER_TYPE = ("layer_types", "block_types", "layers_block_type", "attention_types_per_layer")
 _SMALL = {
     "num_experts_per_tok": 2,
+    "moe_k": 2,
     "moe_topk": 2,
     "top_k": 2,
     "n_shared_experts": 1,
@@ -169,6 +170,9 @@ def _shrink_kwargs(cls: Any, base: Any, depth: int = 0) -> dict[str, Any]:
     put(_FFN, FFN, lambda v: isinstance(v, int) and v > 0)
     put(_HEAD_DIM, HEAD_DIM, lambda v: isinstance(v, int) and v > 0)
     put(_EXPERTS, 4, lambda v: isinstance(v, int) and v > 4)
+    if isinstance(d.get("qk_rope_head_dim"), int) and "head_dim" in d:
+        kw["head_dim"] = min(d["qk_rope_head_dim"], _SMALL["qk_rope_head_dim"])  # MLA: rotary width
+        put(_KV, HEADS, lambda v: isinstance(v, int) and v > 1)  # MLA: one latent kv per head
     for k, v in _SMALL.items():
         put([k], v, lambda old, v=v: isinstance(old, int) and not isinstance(old, bool) and old > v)
     for k, v in d.items():  # vocab_size, vocab_size_per_layer_input (Gemma 3n/4), ...
