@@ -34,9 +34,17 @@ def _fmt(x) -> str:
     return "" if x is None else f"{x:.1e}"
 
 
-def _cell(s: str, n: int = 160) -> str:
+def _cell(s: str, n: int = 400) -> str:
     s = " ".join(str(s).split()).replace("|", "\\|")
     return s if len(s) <= n else s[: n - 1] + "…"
+
+
+def _cause(mt: str, v: dict) -> str:
+    """The verdict's reason, with the diagnosed cause first where there is one."""
+    from catalogue_diagnosis import CAUSES
+
+    why = v.get("reason", "")
+    return f"**cause:** {CAUSES[mt]}. {why}" if mt in CAUSES and v["status"] != "exact" else why
 
 
 def page(data: dict[str, dict]) -> str:
@@ -100,6 +108,7 @@ def page(data: dict[str, dict]) -> str:
                 "|---|---|---|---|---|---|",
             ]
             for mt, v in rows:
+                v = {**v, "reason": _cause(mt, v)}
                 plain = s == "exact" and v.get("oracle") == "eager" and "eager_other" not in v
                 note = "" if plain else v.get("reason", "")
                 if (v.get("pad_diff") or 0) > 1e-5:
@@ -110,6 +119,6 @@ def page(data: dict[str, dict]) -> str:
                 )
         else:
             lines += ["| model type | class | reason |", "|---|---|---|"]
-            lines += [f"| `{mt}` | {v.get('class', '')} | {_cell(v.get('reason', ''))} |" for mt, v in rows]
+            lines += [f"| `{mt}` | {v.get('class', '')} | {_cell(_cause(mt, v), 400)} |" for mt, v in rows]
         lines.append("")
     return "\n".join(lines)

@@ -130,6 +130,8 @@ OVERRIDES: dict[str, dict[str, Any]] = {
     "blt": {"patch_size": 2},
     "dots1": {"n_routed_experts": 4, "moe_intermediate_size": 32},
     "dbrx": {"attn_config": {"kv_n_heads": 2, "rope_theta": 10000.0, "clip_qkv": 8.0}},
+    "nemotron": {"head_dim": HEAD_DIM},
+    "squeezebert": {"embedding_size": HIDDEN},
     "esm": {"pad_token_id": 1, "mask_token_id": 2},
     "chameleon": {"vocabulary_map": {"<image>": 3}},
     "emu3": {"vocabulary_map": {"<image>": 3}},
