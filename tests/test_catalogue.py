@@ -65,7 +65,7 @@ KNOWN = {
     "longt5": "wrong: the encoder's local (block) attention is dropped (issue 22, local attention)",
     "flint": "refused: softmax over the keys plus a learned sink column (issue 22, attention sinks)",
     "t5gemma2": "wrong: decoder self-attention stored as cross-attention (issue 22, roles)",
-    "cpmant": "wrong: stored over the 8 text positions, eager over 40 (prompt + text) (issue 22, CpmAnt)",
+    "cpmant": "wrong: stored over 40 positions (32 prompt + 8 text), eager crops to the text (issue 22)",
     "deepseek_v4": "refused: two patterns per layer (issue 22, several patterns per layer)",
 }
 
