@@ -132,6 +132,8 @@ OVERRIDES: dict[str, dict[str, Any]] = {
     "dbrx": {"attn_config": {"kv_n_heads": 2, "rope_theta": 10000.0, "clip_qkv": 8.0}},
     "nemotron": {"head_dim": HEAD_DIM},
     "squeezebert": {"embedding_size": HIDDEN},
+    "step3p5": {"sliding_window": 4},
+    "step3p7": {"sliding_window": 4},
     "esm": {"pad_token_id": 1, "mask_token_id": 2},
     "chameleon": {"vocabulary_map": {"<image>": 3}},
     "emu3": {"vocabulary_map": {"<image>": 3}},
@@ -146,6 +148,13 @@ def _uniq_types(types: list, n: int) -> list:
     out = list(seen)
     while len(out) < n:
         out.append(seen[len(out) % len(seen)])
+    return out
+
+
+def _sections(old: list[int], total: int) -> list[int]:
+    """``old`` scaled to sum to ``total``, each at least 1."""
+    out = [max(1, round(x * total / sum(old))) for x in old]
+    out[-1] += total - sum(out)
     return out
 
 
@@ -196,6 +205,15 @@ def _shrink_kwargs(cls: Any, base: Any, depth: int = 0) -> dict[str, Any]:
             and k not in kw
         ):
             kw[k] = v[:n_layers]
+    rope = d.get("rope_parameters") or d.get("rope_scaling")
+    if isinstance(rope, dict) and isinstance(rope.get("mrope_section"), list) and "head_dim" in kw:
+        # multimodal rotary (Qwen2-VL, GLM-4V): the sections split head_dim·partial/2 rotary pairs
+        kw["rope_parameters" if "rope_parameters" in d else "rope_scaling"] = {
+            **rope,
+            "mrope_section": _sections(
+                rope["mrope_section"], int(HEAD_DIM * d.get("partial_rotary_factor", 1.0)) // 2
+            ),
+        }
     if isinstance(d.get("initializer_range"), float):
         kw["initializer_range"] = 0.1  # peakier random patterns than 0.02: a stronger check
     if depth < 3:
@@ -218,10 +236,34 @@ def tiny_config(model_type: str) -> Any:
     kw = _shrink_kwargs(cls, base)
     kw.update(copy.deepcopy(OVERRIDES.get(model_type, {})))
     cfg = cls(**kw)
+    _mrope(cfg)
     for k in ("use_cache", "tie_word_embeddings"):
         if hasattr(cfg, k) and k == "use_cache":
             cfg.use_cache = False
     return cfg
+
+
+def _mrope(cfg: Any) -> None:
+    """Multimodal rotary sections (Qwen2-VL, GLM-4V, ...) that fit the tiny head, set where the
+    modeling code reads them (its default sections fit the full-size head)."""
+    import inspect
+    import sys
+
+    cls = model_class(cfg)
+    if cls is None or "mrope_section" not in inspect.getsource(sys.modules[cls.__module__]):
+        return
+    for c in {id(cfg): cfg, id(cfg.get_text_config()): cfg.get_text_config()}.values():
+        rope = getattr(c, "rope_parameters", None)
+        if not isinstance(rope, dict):
+            continue
+        head = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
+        total = (
+            int(head * (rope.get("partial_rotary_factor") or getattr(c, "partial_rotary_factor", 1.0))) // 2
+        )
+        c.rope_parameters = {
+            **rope,
+            "mrope_section": _sections(rope.get("mrope_section") or [16, 24, 24], total),
+        }
 
 
 def model_class(config: Any) -> Any:
