@@ -14,11 +14,14 @@ PER_LAYER = (
     "5.24 per-layer configs raise AmbiguousGlobalPerLayerAttributeError there"
 )
 
+TWO = "two self-attention softmaxes in one layer: refused (issue 22, several patterns per layer)"
+
 CAUSES: dict[str, str] = {
     "albert": LOOP + " (ALBERT's shared layer group)",
     "hrm_text": LOOP + " (HRM's L-module layer, 6 calls)",
     "gpt_oss": SINK,
     "flint": SINK,
+    "openai_privacy_filter": SINK,
     "hy_v4": SINK,
     "inkling2_text": SINK,
     "inkling2_loop_text": SINK,
@@ -46,6 +49,11 @@ CAUSES: dict[str, str] = {
     "and 4 that are no distribution (negative weights or rows past 1): not looked into yet",
     "squeezebert": "probe takes the whole `encoder` as one layer although it holds `encoder.layers` (a "
     "ModuleList of SqueezeBertModule), so two layers' attentions look like two patterns of one layer",
+    "longcat_flash": "two attention sublayers per layer: refused as two self-attention patterns in one "
+    "layer (issue 22, several patterns per layer)",
+    "glm5_next": TWO,
+    "glm5_next_text": TWO,
+    "dots3_note_text": PER_LAYER,
     "gemma4_text": PER_LAYER,
     "gemma4_unified_text": PER_LAYER,
     "embedding_gemma2_text": PER_LAYER,

@@ -73,7 +73,7 @@ def page(data: dict[str, dict]) -> str:
         "`--out` as `--help` says; a rerun resumes the JSON file, `--redo` reruns what is there):",
         "",
         "```console",
-        "$ python benchmarks/catalogue.py --only gpt2,bert --out few.json",
+        "$ python benchmarks/catalogue.py --only gpt2 --out few.json",
         "...",
         "```",
         "",
