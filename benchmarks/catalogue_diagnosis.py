@@ -1,0 +1,63 @@
+"""The cause, in one line, of each catalogue verdict other than exact that has been looked into
+(shown in the "cause" column of ``docs/catalogue.md``; keyed by model type). Written by hand
+from reading the model's code and the sweep's counts; update it when a fix lands."""
+
+from __future__ import annotations
+
+SINK = (
+    "attention sinks: the softmax runs over the keys plus a learned sink column (last axis T+1) "
+    "and the sink is dropped after it, so probe sees no softmax over the keys (issue 22, sinks)"
+)
+LOOP = "one layer module runs several times per forward; probe keeps one layer per module (issue 22, item 2)"
+PER_LAYER = (
+    "probe reads a per-layer attribute from the global config (`capture/naming.py:33`); transformers "
+    "5.24 per-layer configs raise AmbiguousGlobalPerLayerAttributeError there"
+)
+
+TWO = "two self-attention softmaxes in one layer: refused (issue 22, several patterns per layer)"
+
+CAUSES: dict[str, str] = {
+    "albert": LOOP + " (ALBERT's shared layer group)",
+    "hrm_text": LOOP + " (HRM's L-module layer, 6 calls)",
+    "gpt_oss": SINK,
+    "flint": SINK,
+    "openai_privacy_filter": SINK,
+    "hy_v4": SINK,
+    "inkling2_text": SINK,
+    "inkling2_loop_text": SINK,
+    "mimo_v2_flash": "attention sinks on its sliding-window layers only: probe stores the full layer and "
+    "drops the sink layer without a word (1 pattern, eager 2) (issue 22, sinks)",
+    "deepseek_v4": "a sink column and two attentions per layer: refused as two self-attention patterns in "
+    "one layer (issue 22, several patterns per layer)",
+    "diffllama": "differential attention a₁ − λ·a₂: probe stores the two softmaxes as 2× the model's heads "
+    "(8 vs eager's 4 combined) (issue 22, differential attention)",
+    "longformer": "sliding-chunk local attention: the softmax is over window chunks, not keys "
+    "(issue 22, local attention)",
+    "led": "the encoder's Longformer-style local attention is dropped silently: 4 patterns stored, "
+    "eager 6 (issue 22, local attention)",
+    "longt5": "the encoder's local (block) attention is dropped silently; eager returns it as 5-d blocks "
+    "(issue 22, local attention)",
+    "reformer": "local and LSH attention over chunks/buckets: no softmax over keys "
+    "(issue 22, local attention)",
+    "t5gemma2": "the decoder runs self and cross attention in one SDPA call over [self keys; encoder keys]; "
+    "probe stores 4 patterns where eager returns 6 (self and cross apart) (issue 22, roles)",
+    "funnel": "patterns do not line up with eager's (pattern 1: 8×8 stored where eager has the pooled "
+    "4×8); the issue saw encoder self-attention stored as decoder cross-attention (issue 22, stacks)",
+    "cpmant": "CpmAnt prepends 32 prompt positions and crops its returned attentions to the text "
+    "(8×8); probe stores the full 40×40 softmax with no note of the prefix (issue 22, CpmAnt)",
+    "prophetnet": "n-gram (predict-stream) attention: probe stores 6 patterns; eager returns 2 softmax maps "
+    "and 4 that are no distribution (negative weights or rows past 1): not looked into yet",
+    "squeezebert": "probe takes the whole `encoder` as one layer although it holds `encoder.layers` (a "
+    "ModuleList of SqueezeBertModule), so two layers' attentions look like two patterns of one layer",
+    "longcat_flash": "two attention sublayers per layer: refused as two self-attention patterns in one "
+    "layer (issue 22, several patterns per layer)",
+    "glm5_next": TWO,
+    "glm5_next_text": TWO,
+    "dots3_note_text": PER_LAYER,
+    "gemma4_text": PER_LAYER,
+    "gemma4_unified_text": PER_LAYER,
+    "embedding_gemma2_text": PER_LAYER,
+    "neomme": PER_LAYER,
+    "minimax": "exact on its softmax layer; the lightning (linear) attention layer has no softmax "
+    "(eager returns q·kᵀ with decay, negative weights) and is not stored, with no note",
+}

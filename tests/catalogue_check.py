@@ -1,0 +1,282 @@
+"""Checks one tiny model the way a new user would: random ids with a padded row, probe on the
+default attention implementation, every stored pattern against eager ``output_attentions`` with
+the same weights and, where eager returns nothing or differs, against a softmax of the arguments
+the model hands to ``scaled_dot_product_attention``.
+
+``check_model(model)`` returns a dict: ``status`` (one of :data:`STATUSES`), ``reason``,
+``eager_diff`` / ``sdpa_diff`` (max |probe − oracle| over the real query rows; None when that
+oracle was not comparable), ``pad_diff`` (the same over the padded rows), ``n_probe``,
+``n_eager``, ``n_sdpa`` (pattern counts) and ``oracle`` (which oracle made it exact).
+"""
+
+from __future__ import annotations
+
+import copy
+import inspect
+import traceback
+from typing import Any
+
+import torch
+
+import probe
+from probe.errors import ProbeError
+
+TOL = 1e-5
+STATUSES = (
+    "exact",
+    "wrong",
+    "crash",
+    "refused",
+    "no softmax attention",
+    "cannot run on text",
+    "run failed",
+    "build failed",
+)
+_NOT_TEXT = (
+    "pixel_values",
+    "input_features",
+    "input_values",
+    "takes no input_ids",
+    "required positional argument",
+    "image",
+    "audio",
+    "speech",
+    "video",
+    "past_values",
+    "inputs_embeds",
+    "specify either",
+)
+
+
+_OTHER_INPUTS = ("pixel_values", "input_features", "input_values", "pixel_values_videos", "past_values")
+
+
+def run_failure(e: BaseException, model: Any = None) -> dict[str, str]:
+    """A forward that fails without probe: ``cannot run on text`` when it asks for other inputs
+    (its message names them, or the forward takes them and fails on their absence)."""
+    msg = f"{type(e).__name__}: {str(e)[:300]}"
+    params = inspect.signature(model.forward).parameters if model is not None else {}
+    wants = [p for p in _OTHER_INPUTS if p in params]
+    if any(w in msg.lower() for w in _NOT_TEXT):
+        return {"status": "cannot run on text", "reason": msg}
+    if wants and "NoneType" in msg:
+        return {"status": "cannot run on text", "reason": f"needs {wants[0]} ({msg})"}
+    return {"status": "run failed", "reason": msg}
+
+
+BATCH, T, T_DEC = 2, 8, 6
+
+
+def make_inputs(model: Any, seed: int = 1) -> dict[str, torch.Tensor]:
+    """Random ids ``[2, 8]`` (row 1 padded after 5 tokens) and, for encoder-decoders, decoder ids."""
+    g = torch.Generator().manual_seed(seed)
+    cfg = model.config
+    vocab = getattr(cfg, "vocab_size", None) or getattr(cfg.get_text_config(), "vocab_size", None) or 256
+    hi = max(8, min(int(vocab), 512))
+    ids = torch.randint(4, hi, (BATCH, T), generator=g)
+    mask = torch.ones(BATCH, T, dtype=torch.long)
+    mask[1, 5:] = 0
+    params = inspect.signature(model.forward).parameters
+    out = {"input_ids": ids}
+    if "attention_mask" in params:
+        out["attention_mask"] = mask
+    if "decoder_input_ids" in params:
+        out["decoder_input_ids"] = torch.randint(4, hi, (BATCH, T_DEC), generator=g)
+    return out
+
+
+def probe_patterns(cache: Any) -> list[tuple[str, str, torch.Tensor]]:
+    """``(label, kind, pattern)`` in the cache's order: stacks, layers, attentions of each layer."""
+    out = []
+    for stack in cache.stacks:
+        for layer in cache.layer_indices(stack):
+            for kind, index in cache.attentions(stack, layer):
+                label = f"{stack}[{layer}].{kind}" + ("" if index is None else f".{index}")
+                out.append((label, kind, cache.pattern(stack, layer, kind, index=index).float()))
+    return out
+
+
+def eager_patterns(outputs: Any) -> dict[str, list[torch.Tensor]]:
+    """The weights eager returns (``[b, h, q, k]`` or the model's own layout), by kind: self
+    (encoder then decoder) and cross."""
+
+    def pick(*names, obj=outputs, depth=0):
+        found = []
+        for n in names:
+            v = obj.get(n) if hasattr(obj, "get") else getattr(obj, n, None)
+            if isinstance(v, (tuple, list)):
+                # every tensor, whatever its layout: a local-attention block layout (LongT5's 5-d
+                # blocks) must count, or an encoder that probe and the filter both skip looks exact
+                found += [t.float() for t in v if isinstance(t, torch.Tensor)]
+        if not found and depth < 2 and hasattr(obj, "values"):  # nested outputs (FLAVA's text_output)
+            for v in obj.values():
+                if hasattr(v, "values") and not isinstance(v, torch.Tensor):
+                    found += pick(*names, obj=v, depth=depth + 1)
+        return found
+
+    out = {
+        "self": pick("encoder_attentions", "attentions", "decoder_attentions"),
+        "cross": pick("cross_attentions"),
+    }
+    # a map with negative weights or rows summing past 1 is no softmax (MiniMax's linear-attention
+    # layers return q·kᵀ with decay): set aside, counted under "other"; rows summing to less than
+    # 1 stay (a softmax with a sink column dropped, as in GPT-OSS)
+    out["other"] = [t for k in ("self", "cross") for t in out[k] if not is_distribution(t)]
+    for k in ("self", "cross"):
+        out[k] = [t for t in out[k] if is_distribution(t)]
+    return out
+
+
+def is_distribution(t: torch.Tensor, tol: float = 1e-3) -> bool:
+    """Whether ``t``'s last axis holds non-negative weights summing to at most 1 (any layout)."""
+    if not t.numel() or not torch.isfinite(t).all():
+        return True  # nothing to judge; NaN rows are left for the comparison to show
+    # a huge negative is a mask value left in a padded row (ProphetNet), not a weight
+    neg = t[(t < -1e-6) & (t > -1e30)]
+    return bool(neg.numel() == 0 and t.clamp(min=0).sum(-1).max() <= 1 + tol)
+
+
+def sdpa_spy(store: list):
+    """A stand-in for ``scaled_dot_product_attention`` that appends softmax(q·kᵀ·scale + mask)."""
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+
+    def spy(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, **kw):
+        kk = k
+        if kk.dim() == 4 and q.dim() == 4 and kk.shape[1] != q.shape[1] and q.shape[1] % kk.shape[1] == 0:
+            kk = kk.repeat_interleave(q.shape[1] // kk.shape[1], dim=1)
+        s = (q.float() @ kk.float().transpose(-1, -2)) * (q.shape[-1] ** -0.5 if scale is None else scale)
+        if is_causal:
+            s = s.masked_fill(torch.ones(s.shape[-2:], dtype=torch.bool).triu(1), float("-inf"))
+        if attn_mask is not None:
+            s = (
+                s.masked_fill(~attn_mask, float("-inf"))
+                if attn_mask.dtype == torch.bool
+                else s + attn_mask.float()
+            )
+        store.append(s.softmax(-1))
+        return sdpa(q, k, v, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal, scale=scale, **kw)
+
+    return spy
+
+
+def run_sdpa_oracle(model: Any, inputs: dict) -> list[torch.Tensor]:
+    """The softmax of every ``scaled_dot_product_attention`` call of one forward, in call order."""
+    store: list = []
+    saved = torch.nn.functional.scaled_dot_product_attention
+    torch.nn.functional.scaled_dot_product_attention = sdpa_spy(store)
+    try:
+        with torch.no_grad():
+            model(**inputs)
+    finally:
+        torch.nn.functional.scaled_dot_product_attention = saved
+    return store
+
+
+def eager_twin(model: Any) -> Any:
+    """The same weights on eager attention (built anew; else the same object switched to eager)."""
+    try:
+        twin = type(model)._from_config(copy.deepcopy(model.config), attn_implementation="eager")
+        twin.load_state_dict(model.state_dict())
+        return twin.eval()
+    except Exception:
+        model.set_attn_implementation("eager")
+        return model
+
+
+def diff(
+    got: list[torch.Tensor], want: list[torch.Tensor], mask: torch.Tensor | None
+) -> tuple[float, float] | str:
+    """Max |got − want| over real query rows and over padded query rows, or why not comparable."""
+    if len(got) != len(want):
+        return f"{len(got)} patterns stored, oracle has {len(want)}"
+    real = pad = 0.0
+    for i, (a, b) in enumerate(zip(got, want, strict=True)):
+        if a.shape != b.shape:
+            return f"pattern {i}: shape {tuple(a.shape)} vs oracle {tuple(b.shape)}"
+        d = (torch.nan_to_num(a, nan=-1.0) - torch.nan_to_num(b, nan=-1.0)).abs()
+        if mask is not None and d.shape[0] == mask.shape[0] and d.shape[2] == mask.shape[1]:
+            rows = mask.bool()[:, None, :, None].expand_as(d)
+            real = max(real, float(d[rows].max()) if rows.any() else 0.0)
+            pad = max(pad, float(d[~rows].max()) if (~rows).any() else 0.0)
+        else:
+            real = max(real, float(d.max()) if d.numel() else 0.0)
+    return real, pad
+
+
+def _capture(model: Any, inputs: dict) -> tuple[Any, dict]:
+    """probe's capture of one forward; (cache, None) or (None, the failure as a result dict)."""
+    try:
+        with torch.no_grad(), probe.trace(model) as t:
+            model(**inputs)
+        return t.cache, {}
+    except ProbeError as e:
+        return None, {"status": "refused", "reason": str(e).splitlines()[0][:400]}
+    except Exception as e:  # noqa: BLE001 - every other exception is a crash to report
+        tb = traceback.extract_tb(e.__traceback__)
+        where = next(
+            (
+                f"{f.filename.split('/probe/')[-1]}:{f.lineno}"
+                for f in reversed(tb)
+                if "/probe/" in f.filename
+            ),
+            "",
+        )
+        return None, {"status": "crash", "reason": f"{type(e).__name__}: {str(e)[:300]} {where}".strip()}
+
+
+def check_model(model: Any, inputs: dict | None = None) -> dict[str, Any]:
+    """Capture ``model`` with probe and compare every stored pattern with the oracles."""
+    inputs = inputs or make_inputs(model)
+    res: dict[str, Any] = {"impl": getattr(model.config, "_attn_implementation", None)}
+    try:
+        sdpa = run_sdpa_oracle(model, inputs)
+    except Exception as e:  # noqa: BLE001
+        return {**res, **run_failure(e, model)}
+    cache, failed = _capture(model, inputs)
+    try:
+        with torch.no_grad():
+            eager = eager_patterns(eager_twin(model)(**inputs, output_attentions=True))
+    except Exception as e:  # noqa: BLE001
+        eager, res["eager_error"] = (
+            {"self": [], "cross": [], "other": []},
+            f"{type(e).__name__}: {str(e)[:200]}",
+        )
+    n_eager = len(eager["self"]) + len(eager["cross"])
+    res.update(n_eager=n_eager, n_sdpa=len(sdpa))
+    if eager.get("other"):
+        res["eager_other"] = f"{len(eager['other'])} eager map(s) that are no softmax (negative or rows > 1)"
+    if cache is None:
+        if failed["status"] == "refused" and "no attention" in failed["reason"] and not n_eager and not sdpa:
+            failed["status"] = "no softmax attention"
+        return {**res, **failed}
+    got = probe_patterns(cache)
+    res["n_probe"] = len(got)
+    if not got and not n_eager and not sdpa:
+        return {**res, "status": "no softmax attention", "reason": "no pattern stored, none in eager or SDPA"}
+    mask = inputs.get("attention_mask")
+    by_kind = [[p for _, k, p in got if k == kind] for kind in ("self", "cross")]
+    e = (
+        diff(by_kind[0] + by_kind[1], eager["self"] + eager["cross"], mask)
+        if n_eager
+        else "eager returns none"
+    )
+    s = diff([p for _, _, p in got], sdpa, mask) if sdpa else "no SDPA call"
+    res["eager_diff"], res["sdpa_diff"] = _num(e), _num(s)
+    res["pad_diff"] = max([x[1] for x in (e, s) if isinstance(x, tuple)], default=None)
+    why = _why(e, s) + (f"; {res['eager_other']}" if "eager_other" in res else "")
+    if isinstance(e, tuple) and e[0] <= TOL:
+        return {**res, "status": "exact", "oracle": "eager", "reason": why}
+    if (isinstance(e, tuple) or not n_eager) and isinstance(s, tuple) and s[0] <= TOL:
+        # eager computes something else (Falcon's ALiBi order) or returns nothing: SDPA decides
+        return {**res, "status": "exact", "oracle": "sdpa", "reason": why}
+    # eager's count or shapes disagree: an omission or a different layout, whatever SDPA says
+    return {**res, "status": "wrong", "reason": why}
+
+
+def _num(d: Any) -> float | None:
+    return d[0] if isinstance(d, tuple) else None
+
+
+def _why(e: Any, s: Any) -> str:
+    part = lambda n, d: f"{n}: {d if isinstance(d, str) else f'max diff {d[0]:.2e}'}"  # noqa: E731
+    return "; ".join((part("eager", e), part("sdpa", s)))

@@ -1,0 +1,296 @@
+"""Tiny configs for every model type of the installed ``transformers``: a generic shrink (small
+hidden size, two layers, four heads, a small vocabulary) plus per-family overrides where the
+generic shrink does not build or does not run.
+
+``tiny_config(model_type)`` returns the shrunk config; ``model_class(config)`` the class that
+runs it on token ids; ``build(model_type)`` the seeded model in eval mode on the default
+attention implementation. Used by ``benchmarks/catalogue.py`` and ``tests/test_catalogue.py``.
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+import torch
+
+HIDDEN, HEADS, KV_HEADS, HEAD_DIM, FFN, VOCAB, LAYERS = 64, 4, 2, 16, 128, 512, 2
+
+_HIDDEN = ("hidden_size", "d_model", "n_embd", "dim", "embed_dim", "n_embed", "model_dim", "d_embed")
+_EMBED = ("embedding_size", "word_embed_proj_dim", "embedding_dim", "projection_dim", "proj_dim")
+_LAYERS = (
+    "num_hidden_layers",
+    "n_layer",
+    "num_layers",
+    "n_layers",
+    "encoder_layers",
+    "decoder_layers",
+    "num_decoder_layers",
+    "num_encoder_layers",
+    "decoder_num_layers",
+    "encoder_num_layers",
+)
+_HEADS = (
+    "num_attention_heads",
+    "n_head",
+    "n_heads",
+    "num_heads",
+    "encoder_attention_heads",
+    "decoder_attention_heads",
+    "num_decoder_attention_heads",
+    "encoder_num_attention_heads",
+    "decoder_num_attention_heads",
+)
+_KV = ("num_key_value_heads", "n_kv_heads", "num_kv_heads", "multi_query_group_num")
+_FFN = (
+    "intermediate_size",
+    "ffn_dim",
+    "encoder_ffn_dim",
+    "decoder_ffn_dim",
+    "d_ff",
+    "n_inner",
+    "hidden_dim",
+    "ffn_hidden_size",
+    "encoder_ffn_embed_dim",
+    "decoder_ffn_embed_dim",
+    "d_inner",
+    "dim_feedforward",
+    "moe_intermediate_size",
+    "shared_expert_intermediate_size",
+)
+_HEAD_DIM = ("head_dim", "d_kv", "d_head", "attention_head_dim", "kv_channels")
+_EXPERTS = ("num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts")
+_PER_TYPE = ("layer_types", "block_types", "layers_block_type", "attention_types_per_layer")
+_SMALL = {
+    "num_experts_per_tok": 2,
+    "moe_k": 2,
+    "moe_topk": 2,
+    "top_k": 2,
+    "n_shared_experts": 1,
+    "kv_lora_rank": 16,
+    "q_lora_rank": 16,
+    "qk_rope_head_dim": 8,
+    "qk_nope_head_dim": 8,
+    "v_head_dim": 16,
+    "n_group": 1,
+    "topk_group": 1,
+    "num_shared_experts": 1,
+    "first_k_dense_replace": 1,
+    # state-space and linear-attention layers of hybrids: the reference (non-kernel) paths are slow
+    "mamba_chunk_size": 8,
+    "chunk_size": 8,
+    "mamba_d_state": 16,
+    "state_size": 16,
+    "ssm_state_size": 16,
+    "d_state": 16,
+    "mamba_n_heads": 8,
+    "mamba_d_head": 16,
+    "mamba_n_groups": 1,
+    "n_groups": 1,
+    "linear_num_key_heads": 2,
+    "linear_num_value_heads": 4,
+    "linear_key_head_dim": 16,
+    "linear_value_head_dim": 16,
+    "time_step_rank": 8,
+    "max_window_layers": LAYERS,
+}
+
+# per-family overrides, applied last (keys: model_type; values: config keyword arguments)
+OVERRIDES: dict[str, dict[str, Any]] = {
+    "albert": {"embedding_size": 32, "num_hidden_groups": 1},
+    "bigbird_pegasus": {"attention_type": "original_full"},
+    "big_bird": {"attention_type": "original_full"},
+    "funnel": {"block_sizes": [1, 1], "block_repeats": [1, 1], "num_decoder_layers": 1},
+    "gpt_neo": {"attention_types": [[["global", "local"], 1]], "num_layers": 2, "window_size": 4},
+    "jamba": {
+        "attn_layer_period": 2,
+        "attn_layer_offset": 1,
+        "expert_layer_period": 2,
+        "expert_layer_offset": 1,
+    },
+    "longformer": {"attention_window": [4, 4]},
+    "led": {"attention_window": [4, 4]},
+    "reformer": {
+        "attn_layers": ["local", "lsh"],
+        "axial_pos_shape": [4, 8],
+        "axial_pos_embds_dim": [32, 32],
+        "local_attn_chunk_length": 4,
+        "lsh_attn_chunk_length": 4,
+        "num_buckets": 2,
+    },
+    "canine": {"downsampling_rate": 2, "num_hash_buckets": 64, "num_hash_functions": 2},
+    "gptj": {"rotary_dim": 8},
+    "codegen": {"rotary_dim": 8},
+    "xlnet": {"n_head": HEADS, "d_head": HEAD_DIM},
+    "openai-gpt": {"n_positions": 64},
+    "ctrl": {"n_positions": 64},
+    "mega": {"chunk_size": 4},
+    "nystromformer": {"segment_means_seq_len": 8, "num_landmarks": 4},
+    "clvp": {},
+    "blt": {"patch_size": 2},
+    "dots1": {"n_routed_experts": 4, "moe_intermediate_size": 32},
+    "dbrx": {"attn_config": {"kv_n_heads": 2, "rope_theta": 10000.0, "clip_qkv": 8.0}},
+    "nemotron": {"head_dim": HEAD_DIM},
+    "squeezebert": {"embedding_size": HIDDEN},
+    "step3p5": {"sliding_window": 4},
+    "step3p7": {"sliding_window": 4},
+    "esm": {"pad_token_id": 1, "mask_token_id": 2},
+    "chameleon": {"vocabulary_map": {"<image>": 3}},
+    "emu3": {"vocabulary_map": {"<image>": 3}},
+}
+
+
+def _uniq_types(types: list, n: int) -> list:
+    seen: list = []
+    for t in types:
+        if t not in seen:
+            seen.append(t)
+    out = list(seen)
+    while len(out) < n:
+        out.append(seen[len(out) % len(seen)])
+    return out
+
+
+def _sections(old: list[int], total: int) -> list[int]:
+    """``old`` scaled to sum to ``total``, each at least 1."""
+    out = [max(1, round(x * total / sum(old))) for x in old]
+    out[-1] += total - sum(out)
+    return out
+
+
+def _shrink_kwargs(cls: Any, base: Any, depth: int = 0) -> dict[str, Any]:
+    """Keyword arguments that shrink ``base`` (an instance of config class ``cls``)."""
+    d = base.to_dict() if hasattr(base, "to_dict") else dict(base)
+    kw: dict[str, Any] = {}
+
+    def put(keys, value, cond=lambda v: isinstance(v, int) and not isinstance(v, bool)):
+        for k in keys:
+            if k in d and d[k] is not None and cond(d[k]):
+                kw[k] = value
+
+    put(_HIDDEN, HIDDEN)
+    put(_EMBED, 32)
+    old_layers = next((d[k] for k in _LAYERS if isinstance(d.get(k), int)), None)
+    n_layers = LAYERS
+    for k in _PER_TYPE:
+        if isinstance(d.get(k), list) and d[k]:
+            n_layers = max(n_layers, len(set(map(str, d[k]))))
+    put(_LAYERS, n_layers, lambda v: isinstance(v, int) and v > 0)
+    put(_HEADS, HEADS, lambda v: isinstance(v, int) and v > 0)
+    put(_KV, KV_HEADS, lambda v: isinstance(v, int) and v > 1)
+    put(_FFN, FFN, lambda v: isinstance(v, int) and v > 0)
+    put(_HEAD_DIM, HEAD_DIM, lambda v: isinstance(v, int) and v > 0)
+    put(_EXPERTS, 4, lambda v: isinstance(v, int) and v > 4)
+    if isinstance(d.get("qk_rope_head_dim"), int) and "head_dim" in d:
+        kw["head_dim"] = min(d["qk_rope_head_dim"], _SMALL["qk_rope_head_dim"])  # MLA: rotary width
+        put(_KV, HEADS, lambda v: isinstance(v, int) and v > 1)  # MLA: one latent kv per head
+    for k, v in _SMALL.items():
+        put([k], v, lambda old, v=v: isinstance(old, int) and not isinstance(old, bool) and old > v)
+    for k, v in d.items():  # vocab_size, vocab_size_per_layer_input (Gemma 3n/4), ...
+        if "vocab_size" in k and (v is None and k == "vocab_size" or isinstance(v, int) and v > VOCAB):
+            kw[k] = VOCAB
+    vocab = kw.get("vocab_size", d.get("vocab_size"))
+    if isinstance(vocab, int):
+        for i, (k, v) in enumerate(sorted(d.items())):
+            if k.endswith("_token_id") and isinstance(v, int) and v >= vocab:
+                kw[k] = vocab - 1 - (i % 16)
+    for k, v in d.items():
+        if k in _PER_TYPE and isinstance(v, list) and v:
+            kw[k] = _uniq_types(v, n_layers)
+        elif (
+            isinstance(v, list)
+            and old_layers
+            and len(v) == old_layers
+            and old_layers > n_layers
+            and k not in kw
+        ):
+            kw[k] = v[:n_layers]
+    rope = d.get("rope_parameters") or d.get("rope_scaling")
+    if isinstance(rope, dict) and isinstance(rope.get("mrope_section"), list) and "head_dim" in kw:
+        # multimodal rotary (Qwen2-VL, GLM-4V): the sections split head_dim·partial/2 rotary pairs
+        kw["rope_parameters" if "rope_parameters" in d else "rope_scaling"] = {
+            **rope,
+            "mrope_section": _sections(
+                rope["mrope_section"], int(HEAD_DIM * d.get("partial_rotary_factor", 1.0)) // 2
+            ),
+        }
+    if isinstance(d.get("initializer_range"), float):
+        kw["initializer_range"] = 0.1  # peakier random patterns than 0.02: a stronger check
+    if depth < 3:
+        for name in getattr(cls, "sub_configs", None) or {}:
+            sub = getattr(base, name, None)
+            if sub is None or not hasattr(sub, "to_dict"):
+                continue
+            small = _shrink_kwargs(type(sub), sub, depth + 1)
+            if set(small) - {"initializer_range"}:  # a sub-config left as it is stays the default object
+                kw[name] = {**sub.to_dict(), **small}
+    return kw
+
+
+def tiny_config(model_type: str) -> Any:
+    """The shrunk config of ``model_type``."""
+    import transformers as tf
+
+    cls = tf.CONFIG_MAPPING[model_type]
+    base = cls()
+    kw = _shrink_kwargs(cls, base)
+    kw.update(copy.deepcopy(OVERRIDES.get(model_type, {})))
+    cfg = cls(**kw)
+    _mrope(cfg)
+    for k in ("use_cache", "tie_word_embeddings"):
+        if hasattr(cfg, k) and k == "use_cache":
+            cfg.use_cache = False
+    return cfg
+
+
+def _mrope(cfg: Any) -> None:
+    """Multimodal rotary sections (Qwen2-VL, GLM-4V, ...) that fit the tiny head, set where the
+    modeling code reads them (its default sections fit the full-size head)."""
+    import inspect
+    import sys
+
+    cls = model_class(cfg)
+    if cls is None or "mrope_section" not in inspect.getsource(sys.modules[cls.__module__]):
+        return
+    for c in {id(cfg): cfg, id(cfg.get_text_config()): cfg.get_text_config()}.values():
+        rope = getattr(c, "rope_parameters", None)
+        if not isinstance(rope, dict):
+            continue
+        head = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
+        total = (
+            int(head * (rope.get("partial_rotary_factor") or getattr(c, "partial_rotary_factor", 1.0))) // 2
+        )
+        c.rope_parameters = {
+            **rope,
+            "mrope_section": _sections(rope.get("mrope_section") or [16, 24, 24], total),
+        }
+
+
+def model_class(config: Any) -> Any:
+    """The class that runs ``config`` on token ids: the base model, else a causal LM; None if neither."""
+    import transformers as tf
+
+    for mapping in ("MODEL_MAPPING", "MODEL_FOR_CAUSAL_LM_MAPPING", "MODEL_FOR_MASKED_LM_MAPPING"):
+        try:
+            cls = getattr(tf, mapping)[type(config)]
+            return cls[0] if isinstance(cls, (tuple, list)) else cls  # Funnel: (FunnelModel, FunnelBaseModel)
+        except (KeyError, ValueError, AttributeError):
+            continue
+    # sub-models that no auto mapping lists (AlignTextConfig -> AlignTextModel)
+    name = type(config).__name__
+    if name.endswith("Config"):
+        try:
+            return getattr(tf, name[: -len("Config")] + "Model")
+        except (AttributeError, ImportError):
+            return None
+    return None
+
+
+def build(model_type: str, seed: int = 0) -> Any:
+    """The seeded tiny model of ``model_type`` in eval mode (default attention implementation)."""
+    cfg = tiny_config(model_type)
+    cls = model_class(cfg)
+    if cls is None:
+        raise LookupError(f"no base or causal-LM model class for {model_type}")
+    torch.manual_seed(seed)
+    return cls(cfg).eval()
