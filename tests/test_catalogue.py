@@ -49,6 +49,8 @@ EXACT = {
     "mt5": "encoder-decoder, gated FFN",
     "recurrent_gemma": "hybrid: recurrent layers and one attention layer",
     "chameleon": "decoder, qk-norm",
+    # per-layer configs: reading head_dim etc. from the global config raises in transformers
+    "gemma4_text": "per-layer configs (the metadata reads the config through its own to_dict)",
     # one softmax layer and one linear-attention layer, whose eager map (q·kᵀ with decay, negative
     # weights) is no softmax: the check sets it aside and compares the softmax layer
     "minimax": "hybrid: full attention and lightning (linear) attention",

@@ -31,10 +31,11 @@ from probe.errors import ProbeError
 def _jsonable(obj: Any) -> Any:
     if obj is None:
         return None
-    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
-        obj = dataclasses.asdict(obj)
-    elif hasattr(obj, "to_dict"):
+    to_dict = getattr(type(obj), "to_dict", None)
+    if callable(to_dict):  # transformers configs serialise themselves (per-layer fields included)
         obj = obj.to_dict()
+    elif dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        obj = dataclasses.asdict(obj)
     elif not isinstance(obj, dict):
         return None
     return json.loads(json.dumps(obj, default=str))
