@@ -163,3 +163,31 @@ def test_cli_capture_keep_stats(tmp_path):
     check_cache(probe.load(out), probe.capture(models.load("minigpt"), text))
     info = subprocess.run([sys.executable, "-m", "probe", "info", str(out)], capture_output=True, text=True)
     assert info.returncode == 0 and "statistics" in info.stdout
+
+
+def test_corpus_keep_stats_streams_and_equals_the_pattern_path(tmp_path, monkeypatch):
+    """``run_corpus(keep="stats")`` computes each batch's statistics block by block (no whole
+    pattern is stored by any capture it runs), equal to the run that captures whole patterns
+    (keep="all", the statistics from full patterns) on the same texts and batches."""
+    import models
+    from probe.capture import keep as full_keep
+
+    texts = ["attention lets tokens read.", "hi there", "a cat sat", "tokens read the context", "one"]
+    model = models.load("minigpt")
+    stored = []
+    real = full_keep.KeepPatterns.close
+
+    def spy(self, attn):
+        stored.append(1)
+        return real(self, attn)
+
+    monkeypatch.setattr(full_keep.KeepPatterns, "close", spy)
+    streamed = probe.run_corpus(model, texts, tmp_path / "s", batch_size=2, shard_size=3, progress=False)
+    assert not stored  # the stats run never handed a pattern to the whole-pattern consumer
+    full = probe.run_corpus(
+        model, texts, tmp_path / "f", batch_size=2, shard_size=3, keep="all", progress=False
+    )
+    assert stored
+    assert_same(streamed.head_stats(), full.head_stats())
+    # and the full run's statistics are those of its caches (the independent path)
+    assert_same(full.head_stats(), probe.head_stats(probe.open_corpus(tmp_path / "f"), progress=False))
