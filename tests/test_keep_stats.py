@@ -191,3 +191,78 @@ def test_corpus_keep_stats_streams_and_equals_the_pattern_path(tmp_path, monkeyp
     assert_same(streamed.head_stats(), full.head_stats())
     # and the full run's statistics are those of its caches (the independent path)
     assert_same(full.head_stats(), probe.head_stats(probe.open_corpus(tmp_path / "f"), progress=False))
+
+
+def _report_text(path) -> str:
+    import html as _html
+    import re
+
+    raw = (
+        (path / "index.html").read_text(encoding="utf-8")
+        if path.is_dir()
+        else path.read_text(encoding="utf-8")
+    )
+    return _html.unescape(re.sub(r"\s+", " ", raw))
+
+
+def test_report_of_a_stats_cache_shows_the_statistics_and_says_what_was_not_kept(tmp_path):
+    import models
+
+    model = models.load("minigpt")
+    texts = ["attention lets tokens read.", "hi there"]
+    cache = probe.capture(model, texts, keep="stats")
+    page = _report_text(probe.report(cache, tmp_path / "r", progress=False))
+    assert (
+        "This cache kept each head's statistics and the residual norms only, not whole attention patterns"
+        in page
+    )
+    assert "Not kept: the attention weights themselves" in page
+    assert "attention rollout" in page and "not computed: rollout" in page
+    assert "sink profile" in page and "distance curves" in page
+    assert "Heads: focus statistics and roles" in page
+    # the statistics the page shows equal the full capture's
+    want = probe.head_stats(probe.capture(model, texts), progress=False)
+    got = probe.head_stats(cache, progress=False)
+    assert_same(got, want)
+
+
+def test_cli_report_keep_stats(tmp_path):
+    out = tmp_path / "rep"
+    run = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "probe",
+            "report",
+            "--model",
+            "minigpt",
+            "--keep",
+            "stats",
+            "attention lets tokens read.",
+            "-o",
+            str(out),
+        ],
+        capture_output=True,
+        text=True,
+    )
+    assert run.returncode == 0, run.stderr
+    page = _report_text(out)
+    assert "each head's statistics and the residual norms only" in page and "Not kept" in page
+    bad = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "probe",
+            "report",
+            "--model",
+            "minigpt",
+            "--keep",
+            "stat",
+            "x",
+            "-o",
+            str(tmp_path / "b"),
+        ],
+        capture_output=True,
+        text=True,
+    )
+    assert bad.returncode == 2 and "Traceback" not in bad.stderr and "--keep stat" in bad.stderr
