@@ -266,3 +266,11 @@ def test_cli_report_keep_stats(tmp_path):
         text=True,
     )
     assert bad.returncode == 2 and "Traceback" not in bad.stderr and "--keep stat" in bad.stderr
+
+
+def test_residual_readers_say_only_norms_were_kept():
+    lm = ToyLM("sdpa_causal").eval()
+    cache = probe.capture(lm, torch.randint(0, 40, (1, 12)), keep="stats")
+    with pytest.raises(ProbeError, match=r"keep='stats'.*norm") as e:
+        probe.residual(cache)
+    assert "\n" not in str(e.value)

@@ -230,7 +230,9 @@ def capture(
     ``{"rows": [-1, ...]}`` (those query rows of every text over every key, ``<attn>.rows`` and
     ``<attn>.row_index``; rows count each text's real tokens, -1 is its last) or ``{"topk": k}``
     (``<attn>.topk_values``, ``topk_indices``, ``topk_mass``); neither holds a whole pattern of
-    an SDPA call. See ``docs/keep.md``.
+    an SDPA call. See ``docs/keep.md``. ``keep="stats"`` (each head's statistics computed while the
+    model runs, and residual norms) is the top-level ``probe.capture``'s: it passes the statistics'
+    readers in (:mod:`probe.analysis.focus.keepstats`); called here it is refused.
 
     Returns a :class:`~probe.Cache` with keys ``<stack>.blocks.<i>.<name>``.
     """

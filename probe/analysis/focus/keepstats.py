@@ -28,9 +28,14 @@ import torch
 
 from probe.analysis.focus.metrics import METRICS
 from probe.analysis.focus.running import RunningStats
-from probe.analysis.focus.streaming import ROLLOUT_NOTE, stats_readers
+from probe.analysis.focus.streaming import stats_readers
 from probe.cache.format import parse_key, parse_name
 from probe.errors import ProbeError
+
+ROLLOUT_NOTE = (
+    "attention rollout multiplies every layer's whole T x T pattern; a keep='stats' capture never holds "
+    "one: capture without keep= (whole patterns) and pass that cache to compute it"
+)
 
 
 def _ordered(meta: dict[str, Any], keys) -> list[tuple[str, int, str, str]]:
