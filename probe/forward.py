@@ -9,7 +9,9 @@ stays one-way and this stays the single place to look when a model call misbehav
 * :func:`capture` is ``probe.capture`` itself.
 * :func:`run` runs the model once on inputs, exactly as capture would, and returns its outputs.
 * :func:`stream_attention` runs the model once and hands every attention pattern to a reader a
-  block of query rows at a time, never whole (the focus statistics of ``head_stats(model, ...)``).
+  block of query rows at a time, never whole (the focus statistics of ``head_stats(model, ...)``);
+  :func:`capture_stats` does the same and writes a ``keep="stats"`` cache of what the readers
+  computed (``parse_keep`` reads ``keep=``).
 * :func:`run_recorded` does the same while recording the inputs and outputs of chosen submodules
   (and, optionally, capturing the cache of that very forward): the logit lens finds the model's
   final norm and unembedding this way.
@@ -27,6 +29,8 @@ from torch import nn
 from probe.capture.blocks import stream_attention
 from probe.capture.engine import Trace, capture, trace
 from probe.capture.inputs import Prepared, is_hf_model, model_name, past_length, prepare
+from probe.capture.kept import parse_keep
+from probe.capture.stats import capture_stats
 from probe.capture.tokenizers import adapt as adapt_tokenizer
 
 
@@ -52,6 +56,8 @@ __all__ = [
     "model_name",
     "adapt_tokenizer",
     "stream_attention",
+    "capture_stats",
+    "parse_keep",
 ]
 
 

@@ -36,6 +36,8 @@ def describe(kept: Any) -> str:
         return f"query rows {kept['rows']} of every text over every key"
     if isinstance(kept, dict) and "topk" in kept:
         return f"the top {kept['topk']} keys of every query row"
+    if kept == "stats":
+        return "each head's statistics and the residual norms only"
     return "whole patterns"
 
 
@@ -48,8 +50,8 @@ class KeptFields:
 
     @property
     def kept(self) -> str | dict[str, Any]:
-        """What the cache kept of each attention: ``"patterns"``, ``{"rows": [...]}`` or
-        ``{"topk": k}`` (the metadata's ``keep``)."""
+        """What the cache kept of each attention: ``"patterns"``, ``"stats"``, ``{"rows": [...]}``
+        or ``{"topk": k}`` (the metadata's ``keep``)."""
         kept = self._metadata.get("keep")
         if kept is not None:
             return kept
@@ -58,16 +60,24 @@ class KeptFields:
             return {"rows": "?"}
         if "pattern" not in fields and "topk_values" in fields:
             return {"topk": "?"}
+        if "pattern" not in fields and any(f.startswith("stat.") for f in fields):
+            return "stats"
         return "patterns"
 
     @property
     def partial(self) -> bool:
-        """Whether the cache kept less than whole patterns (rows or top-k)."""
+        """Whether the cache kept less than whole patterns (statistics, rows or top-k)."""
         return self.kept != "patterns"
 
     def not_kept(self, what: str = "whole attention patterns") -> ProbeError:
         """The error for asking a rows/top-k cache for ``what`` it does not hold (one line)."""
         kept = self.kept
+        if kept == "stats":
+            return CacheKeyError(
+                f"this cache kept {describe(kept)} (keep='stats'), not {what}; read its statistics with "
+                "probe.head_stats(cache), or capture again without keep= (probe capture --keep patterns) "
+                "for whole patterns"
+            )
         reader = "cache.rows(stack, layer)" if "rows" in kept else "cache.topk(stack, layer)"
         return CacheKeyError(
             f"this cache kept {describe(kept)} (keep={kept}), not {what}; read what it holds with "

@@ -160,6 +160,38 @@ class BlockConsumer:
             yield i, e, blks[0] if len(blks) == 1 else torch.cat(blks, 1)
 
 
+def run_blocks(
+    model: nn.Module,
+    inputs: Any,
+    open_attention: Callable[[dict, str, tuple], BlockReader],
+    sink: DropSink,
+    *,
+    tokenizer: Any = None,
+    target: Any = None,
+    layers: list[int] | None = None,
+    block: int | None = None,
+) -> tuple[dict[int, str], dict[str, Any], BlockConsumer]:
+    """One forward with a :class:`BlockConsumer` into ``sink``: ``(names, meta, consumer)``, each
+    sink handle's cache key, the cache's metadata and the consumer (its ``readers`` by handle)."""
+    if not isinstance(model, nn.Module):
+        raise ProbeError(f"probe runs torch.nn.Module models, not {type(model).__name__}")
+    selection = Selection.parse(layers, None)
+    block_rows((1, 1, 1, 1), block)
+    prepared = prepare(model, inputs, tokenizer=tokenizer, target=target)
+    meta = prepared.meta
+    consumer = BlockConsumer(sink, lambda role, shape: open_attention(meta, role, shape), block)
+    tracer = Tracer(model, sink, selection=selection, consumer=consumer)
+    _claim(model)
+    try:
+        with torch.no_grad(), tracer:
+            prepared.run()
+    finally:
+        _release(model)
+    check_forward(tracer, model, selection)
+    names, full = name(tracer, model, meta, selection)
+    return names, full, consumer
+
+
 def stream_attention(
     model: nn.Module,
     inputs: Any,
@@ -178,24 +210,25 @@ def stream_attention(
     Returns ``(meta, readers)``: the metadata a cache of the same call would hold, and each
     reader under the cache key its pattern would have (``decoder.blocks.0.self_attn.pattern``).
     """
-    if not isinstance(model, nn.Module):
-        raise ProbeError(f"probe runs torch.nn.Module models, not {type(model).__name__}")
-    selection = Selection.parse(layers, None)
-    block_rows((1, 1, 1, 1), block)
-    prepared = prepare(model, inputs, tokenizer=tokenizer, target=target)
-    meta = prepared.meta
-    sink = DropSink()
-    consumer = BlockConsumer(sink, lambda role, shape: open_attention(meta, role, shape), block)
-    tracer = Tracer(model, sink, selection=selection, consumer=consumer)
-    _claim(model)
-    try:
-        with torch.no_grad(), tracer:
-            prepared.run()
-    finally:
-        _release(model)
-    check_forward(tracer, model, selection)
-    names, full = name(tracer, model, meta, selection)
+    names, full, consumer = run_blocks(
+        model,
+        inputs,
+        open_attention,
+        DropSink(),
+        tokenizer=tokenizer,
+        target=target,
+        layers=layers,
+        block=block,
+    )
     return full, {names[h]: r for h, r in consumer.readers.items()}
 
 
-__all__ = ["BlockConsumer", "BlockReader", "DropSink", "stream_attention", "block_rows", "BLOCK_BYTES"]
+__all__ = [
+    "BlockConsumer",
+    "BlockReader",
+    "DropSink",
+    "run_blocks",
+    "stream_attention",
+    "block_rows",
+    "BLOCK_BYTES",
+]

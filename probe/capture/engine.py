@@ -114,6 +114,11 @@ class Trace:
         self.dtype = parse_dtype(dtype)
         self.metadata: dict[str, Any] = dict(metadata or {})
         self.keep = parse_keep(keep)
+        if self.keep.kind == "stats":
+            raise ProbeError(
+                "probe.trace keeps patterns, rows or top-k; for keep='stats' call "
+                "probe.capture(model, inputs, keep='stats') or probe.head_stats(model, inputs)"
+            )
         if not self.keep.default:
             self.metadata["keep"] = self.keep.to_json()
         self.cache: Cache | None = None
@@ -225,7 +230,9 @@ def capture(
     ``{"rows": [-1, ...]}`` (those query rows of every text over every key, ``<attn>.rows`` and
     ``<attn>.row_index``; rows count each text's real tokens, -1 is its last) or ``{"topk": k}``
     (``<attn>.topk_values``, ``topk_indices``, ``topk_mass``); neither holds a whole pattern of
-    an SDPA call. See ``docs/keep.md``.
+    an SDPA call. See ``docs/keep.md``. ``keep="stats"`` (each head's statistics computed while the
+    model runs, and residual norms) is the top-level ``probe.capture``'s: it passes the statistics'
+    readers in (:mod:`probe.analysis.focus.keepstats`); called here it is refused.
 
     Returns a :class:`~probe.Cache` with keys ``<stack>.blocks.<i>.<name>``.
     """
@@ -233,6 +240,11 @@ def capture(
     selection = Selection.parse(layers, heads)
     parse_dtype(dtype)
     kept = parse_keep(keep)
+    if kept.kind == "stats":
+        raise ProbeError(
+            "keep='stats' computes statistics with probe's analysis: call probe.capture (the top-level "
+            "function), which passes their readers to probe.capture.stats.capture_stats"
+        )
     if out is not None:
         check_output(out)
     prepared = prepare(model, inputs, tokenizer=tokenizer, target=target)

@@ -9,7 +9,12 @@
   skipped), negative ones counted from its last real query, as Python indexes a list;
 * ``{"topk": k}`` (``topk:32``): the ``k`` largest weights of every query row, their key
   positions and the mass they keep: ``<attn>.topk_values``, ``<attn>.topk_indices`` (int32) and
-  ``<attn>.topk_mass``.
+  ``<attn>.topk_mass``;
+* ``"stats"`` (``stats``): the focus statistics of every head only, computed block by block while
+  the model runs (``<attn>.stat.<metric>`` ``[batch, head]``, ``<attn>.received``
+  ``[batch, head, key]``), and each residual tensor's per-position norm (``<name>.norm``
+  ``[batch, pos]``) instead of the tensor. The statistics are the analysis' business: the
+  top-level ``probe.capture`` passes their readers in (:mod:`probe.capture.stats`).
 
 Neither ever holds a whole ``[query, key]`` pattern of an SDPA call (rows are recomputed alone,
 top-k block by block); a softmax the model computes itself is sliced as it comes.
@@ -23,13 +28,13 @@ from typing import Any
 
 from probe.errors import ProbeError
 
-USAGE = "keep='patterns' (the default), {'rows': [-1, ...]} or {'topk': k}"
-CLI_USAGE = "patterns, rows:<i,j,...> (e.g. rows:-1,-2) or topk:<k> (e.g. topk:32)"
+USAGE = "keep='patterns' (the default), 'stats', {'rows': [-1, ...]} or {'topk': k}"
+CLI_USAGE = "patterns, stats, rows:<i,j,...> (e.g. rows:-1,-2) or topk:<k> (e.g. topk:32)"
 
 
 @dataclass(frozen=True)
 class Keep:
-    """What to keep of each attention: ``kind`` is ``"patterns"``, ``"rows"`` or ``"topk"``;
+    """What to keep of each attention: ``kind`` is ``"patterns"``, ``"stats"``, ``"rows"`` or ``"topk"``;
     ``rows`` the row indices (rows), ``k`` the number of keys per row (topk)."""
 
     kind: str = "patterns"
@@ -41,7 +46,9 @@ class Keep:
         return self.kind == "patterns"
 
     def to_json(self) -> Any:
-        """The metadata's ``keep``: ``"patterns"``, ``{"rows": [...]}`` or ``{"topk": k}``."""
+        """The metadata's ``keep``: ``"patterns"``, ``"stats"``, ``{"rows": [...]}`` or ``{"topk": k}``."""
+        if self.kind == "stats":
+            return "stats"
         if self.kind == "rows":
             return {"rows": list(self.rows)}
         if self.kind == "topk":
@@ -54,6 +61,8 @@ class Keep:
             return f"query rows {list(self.rows)} only"
         if self.kind == "topk":
             return f"the top {self.k} keys of every query row only"
+        if self.kind == "stats":
+            return "statistics only"
         return "whole patterns"
 
 
@@ -96,6 +105,8 @@ def parse_keep(keep: Any) -> Keep:
     if isinstance(keep, str):
         if keep == "patterns":
             return Keep()
+        if keep == "stats":
+            return Keep("stats")
         raise ProbeError(f"keep={keep!r} is not supported; use {USAGE}")
     if isinstance(keep, dict) and len(keep) == 1:
         ((what, value),) = keep.items()
@@ -107,10 +118,12 @@ def parse_keep(keep: Any) -> Keep:
 
 
 def parse_keep_arg(text: str) -> Keep:
-    """``--keep`` of the command line: ``patterns``, ``rows:-1,-2`` or ``topk:32``."""
+    """``--keep`` of the command line: ``patterns``, ``stats``, ``rows:-1,-2`` or ``topk:32``."""
     what, sep, rest = text.strip().partition(":")
     if what == "patterns" and not sep:
         return Keep()
+    if what == "stats" and not sep:
+        return Keep("stats")
     if what == "rows" and sep:
         try:
             rows = [int(v) for v in rest.split(",")]

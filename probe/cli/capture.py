@@ -138,6 +138,7 @@ def add_capture_parser(sub) -> None:
             "probe capture --hf ./my-model 'some text' --layers 0,1 -o run.safetensors",
             "probe capture --model minigpt 'a long text' --keep rows:-1,-2 -o rows.safetensors",
             "probe capture --model minigpt 'a long text' --keep topk:32 -o topk.safetensors",
+            "probe capture --model minigpt 'a long text' --keep stats -o stats.safetensors",
         ),
     )
     p.add_argument("text", nargs="+", metavar="TEXT", help="input text (several = one batch)")
@@ -163,6 +164,8 @@ def add_capture_parser(sub) -> None:
         default="patterns",
         metavar="WHAT",
         help="what to keep of each attention: 'patterns' (default: whole [query, key] patterns), "
+        "'stats' (each head's statistics computed while the model runs, residual norms instead of "
+        "residual tensors), "
         "'rows:-1,-2' (those query rows of every text over every key; rows count the real tokens, "
         "-1 is the last) or 'topk:32' (the 32 largest weights of every row, their key positions "
         "and the mass they keep); rows and topk never hold a whole pattern, for long texts",

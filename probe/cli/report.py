@@ -46,6 +46,13 @@ def cmd_report(args: argparse.Namespace) -> int:
     if not inputs:
         raise ProbeError("nothing to report; give a cache file (run.safetensors) or --model NAME and a text")
     from_caches = not model_given and all(i.endswith(".safetensors") for i in inputs)
+    from probe.capture.kept import parse_keep_arg
+
+    keep = parse_keep_arg(args.keep) if args.keep is not None else None  # before loading the model
+    if keep is not None and from_caches:
+        raise ProbeError(
+            "--keep says what to capture from --model and a text; a cache file keeps what it kept"
+        )
     if not from_caches and any(i.endswith(".safetensors") for i in inputs):
         raise ProbeError(
             "give either cache files (probe report run.safetensors) or texts with a model "
@@ -73,7 +80,7 @@ def cmd_report(args: argparse.Namespace) -> int:
         target = None
         if args.target is not None:
             target = args.target if len(args.target) > 1 else args.target[0]
-        caches = [probe.capture(model, text, tokenizer=tok, target=target)]
+        caches = [probe.capture(model, text, tokenizer=tok, target=target, keep=keep)]
     tutorial = _tutorial_cache(caches[0], model if not args.hf else None)
     path = probe.report(caches, out, model=model, tokenizer=tok, gold=gold, tutorial=tutorial)
     print(f"wrote {path} ({_human(path.stat().st_size)}); open it in a browser: {path.resolve().as_uri()}")
@@ -95,6 +102,7 @@ def add_parser(sub) -> None:
             "probe report run.safetensors -o reports/run",
             "probe report before.safetensors after.safetensors -o reports/diff",
             "probe report --hf ./my-bert 'some text'",
+            "probe report --model minigpt --keep stats 'a long text'",
         ),
     )
     p.add_argument(
@@ -115,4 +123,12 @@ def add_parser(sub) -> None:
         "the alignment section marks them and maps AER per layer x head",
     )
     p.add_argument("--one-indexed", action="store_true", help="--gold counts words from 1")
+    p.add_argument(
+        "--keep",
+        default=None,
+        metavar="WHAT",
+        help="what to capture of each attention (with --model/--hf): 'patterns' (default), 'stats' "
+        "(each head's statistics computed while the model runs, for long texts), 'rows:-1' or "
+        "'topk:32'; the report shows what was kept and says what was not",
+    )
     p.set_defaults(func=cmd_report)

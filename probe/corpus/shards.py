@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from probe.analysis.focus.keepstats import capture as capture_stats
 from probe.analysis.focus.stats import FocusAccumulator
 from probe.cache import Cache
 from probe.capture import capture
@@ -35,7 +36,9 @@ def remove_stale(folder: Path, *patterns: str) -> None:
 
 
 def run_shard(model, tokenizer, texts, start, folder: Path, keep, batch_size, stats, bar, dtype) -> dict:
-    """Capture one shard's texts (bucketed by length) and return its JSON record."""
+    """Capture one shard's texts (bucketed by length) and return its JSON record. With
+    ``keep="stats"`` each batch's statistics are computed block by block while the model runs
+    (``probe.capture(..., keep="stats")``): a batch holds one row block of patterns, never a layer's."""
     # left by a killed writer: our temp files (.NAME.XXXX.tmp) and safetensors' own (.tmpXXXXXX,
     # which its save_file writes before renaming onto ours)
     remove_stale(folder, ".*.tmp", ".tmp*")
@@ -58,15 +61,20 @@ def run_shard(model, tokenizer, texts, start, folder: Path, keep, batch_size, st
         for r, i in enumerate(rows):
             entries[i] = {"shard": int(folder.name), "file": rel, "row": r}
 
+    def run(batch: list[str]) -> Cache:
+        if keep == "stats":
+            return capture_stats(model, batch, tokenizer=tokenizer, keep="stats")
+        return capture(model, batch, tokenizer=tokenizer)
+
     for rows in batches:
         try:
-            caches = [(capture(model, [texts[i] for i in rows], tokenizer=tokenizer), rows)]
+            caches = [(run([texts[i] for i in rows]), rows)]
         except ProbeError:
             # one bad text fails the batch: isolate it (each text alone), record it, go on
             caches = []
             for i in rows:
                 try:
-                    caches.append((capture(model, [texts[i]], tokenizer=tokenizer), [i]))
+                    caches.append((run([texts[i]]), [i]))
                 except ProbeError as e:
                     entries[i] = {"shard": int(folder.name), "error": str(e)}
         for cache, got in caches:  # errors past capture are probe's or the disk's: they stop the run

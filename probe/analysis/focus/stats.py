@@ -63,6 +63,16 @@ class FocusAccumulator:
         """Fold every text of ``cache`` in; with ``rollout`` keep its attention rollout too."""
         meta = cache.metadata
         self.kv_group = _kv_group(meta) or self.kv_group
+        if cache.kept == "stats":  # statistics computed while the model ran
+            from probe.analysis.focus.keepstats import add_stats
+
+            if self.kept is not None:
+                raise ProbeError(
+                    "cannot combine statistics over every query (a keep='stats' cache) with statistics "
+                    "over kept query rows; compute them apart"
+                )
+            add_stats(self, cache)
+            return self
         if cache.partial or self.kept is not None:  # kept rows: the per-row metrics over them
             from probe.analysis.focus.kept import add_rows
 

@@ -195,6 +195,11 @@ def residual(cache, model: Any = None) -> ResidualStats:
                         )
                 stream = stream + d
     if not agg:
+        if getattr(cache, "kept", None) == "stats":
+            raise ProbeError(
+                "this cache kept statistics only (keep='stats'): each residual tensor's per-position norm "
+                "(<name>.norm), not the tensors this reads; capture again without keep= for them"
+            )
         raise ProbeError(
             "the cache holds no residual stream (no resid_pre/resid_post); capture it with probe.capture"
         )

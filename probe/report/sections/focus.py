@@ -270,7 +270,9 @@ def build(ctx) -> dict | None:
     """Statistics over every cache of the report: maps, role grids and the sortable table."""
     from probe.analysis.focus import SINK_EPSILON, head_stats
 
-    caches = [c for c in ctx.caches if any(k.endswith("attn.pattern") for k in c.keys())]
+    caches = [
+        c for c in ctx.caches if any(k.endswith(("attn.pattern", "attn.stat.entropy")) for k in c.keys())
+    ]
     if not caches:  # caches that kept query rows: the per-row statistics over those rows
         caches = [c for c in ctx.caches if any(k.endswith("attn.rows") for k in c.keys())]
     if not caches:
@@ -296,6 +298,12 @@ def build(ctx) -> dict | None:
     ]
     kept = getattr(stats, "kept", None)
     note = None
+    if any(c.kept == "stats" for c in caches):
+        note = (
+            "These statistics were computed while the model ran, a block of query rows at a time (the "
+            "cache kept statistics only, no attention weight); not computed: "
+            f"{', '.join(stats.not_computed) or 'nothing'}."
+        )
     if kept:
         note = (
             f"These statistics are over the kept query rows {kept['rows']} of each text, not every query "

@@ -1,5 +1,11 @@
-"""What a rows or top-k cache kept: the kept rows over every key, the mass the top-k keys hold,
-and, plainly, what was not kept (whole patterns: the views that need them are left out).
+"""What a stats, rows or top-k cache kept: the sink profile and distance curves, the kept rows over
+every key, the mass the top-k keys hold, and, plainly, what was not kept (whole patterns: the
+views that need them are left out).
+
+A ``keep="stats"`` cache shows, per text, the sink profile (the mean weight each key position
+receives, ``<attn>.received``) of every layer's heads over every real key (zoomable as the rows
+are), and per stack the distance curves: the mass beyond 16, 128 and 1024 tokens and the 90%
+reach of each layer (mean over heads and texts); its per-head maps are the focus section's.
 
 A cache captured with ``keep={"rows": [...]}`` shows, per text and kept row, one heatmap of every
 layer's heads (rows of the figure) over every real key (columns); click it to see it at full
@@ -177,6 +183,78 @@ def _topk_items(ctx, ci: int, cache) -> list[dict]:
     return items
 
 
+NOT_SHOWN_STATS = (
+    "the attention weights themselves (every pattern) and the residual tensors (only each "
+    "position's L2 norm was kept); without them the attention overview and head explorer, the "
+    "causal-mask audit, attention rollout and the residual stream anatomy are not in this report"
+)
+DISTANCES = (16, 128, 1024)
+
+
+def _stats_items(ctx, ci: int, cache) -> list[dict]:
+    """The sink profile figure of each text (up to :data:`MAX_TEXTS`) and the distance curves."""
+    items = []
+    meta = cache.metadata
+    groups: dict[tuple[str, str], list[tuple[int, str]]] = {}
+    for stack, kind, layer, k in _attentions(cache, "received"):
+        groups.setdefault((stack, kind), []).append((layer, k))
+    prefix = f"cache {ci + 1}, " if len(ctx.caches) > 1 else ""
+    for (stack, kind), layers in groups.items():
+        what = f"{stack} {kind}-attention" if kind == "cross" else stack
+        tensors = [(layer, cache[k].float()) for layer, k in layers]
+        B, H, K = tensors[0][1].shape
+        _, k_side = _axes.sides(meta, cache.stacks, stack, kind)
+        heads = cache_heads(cache, H)
+        ylabels = [f"L{layer} H{h}" for layer, _ in tensors for h in heads]
+        for b in range(min(B, MAX_TEXTS)):
+            ctx.progress(f"sink profile, text {b + 1}")
+            keys = _axes.axis(meta, k_side, b, K)
+            mat = torch.cat([t[b][:, keys.positions] for _, t in tensors]).nan_to_num(0).numpy()
+            label = f"{prefix}text {b + 1}, {what}: attention each key receives (sink profile)"
+            fig, run = _row_figure(mat, ylabels, keys.tokens, label)
+            items.append(
+                {
+                    "label": label,
+                    "fig": ctx.figure(fig, label),
+                    "name": f"kept_sink_{ci}_{stack}_{kind}_{b}",
+                    "run": run,
+                    "n_keys": len(keys.positions),
+                }
+            )
+        if kind == "self":
+            items.append(_distance_item(ctx, ci, cache, stack, [layer for layer, _ in layers], prefix + what))
+    return items
+
+
+def _distance_item(ctx, ci: int, cache, stack: str, layers: list[int], what: str) -> dict:
+    """Per layer, the mean mass beyond each distance of :data:`DISTANCES` and the 90% reach."""
+    base = [f"{stack}.blocks.{layer}.self_attn.stat." for layer in layers]
+    beyond = np.array([[float(cache[b + f"beyond_{d}"].nanmean()) for d in DISTANCES] for b in base])
+    reach = [float(cache[b + "reach90"].nanmean()) for b in base]
+    fig = Figure(figsize=(7.5, 3.2), dpi=DPI, layout="constrained")
+    ax, ax2 = fig.subplots(1, 2)
+    for i, layer in enumerate(layers):
+        ax.plot(DISTANCES, beyond[i], marker="o", label=f"L{layer}")
+    ax.set_xscale("log")
+    ax.set_xlabel("distance d (tokens)")
+    ax.set_ylabel("mass beyond d")
+    ax.set_ylim(0, 1)
+    if len(layers) <= 12:
+        ax.legend(fontsize=7)
+    ax2.bar(range(len(layers)), reach)
+    ax2.set_xticks(range(len(layers)), [f"L{layer}" for layer in layers])
+    ax2.set_ylabel("90% reach (tokens)")
+    label = f"{what}: distance curves (mean over heads and texts)"
+    fig.suptitle(label, fontsize=10, x=0.01, ha="left")
+    return {
+        "label": label,
+        "fig": ctx.figure(fig, label),
+        "name": f"kept_distance_{ci}_{stack}",
+        "run": 0,
+        "n_keys": 0,
+    }
+
+
 def build(ctx) -> dict | None:
     """Per partial cache: what it kept, what it did not, and its figures; None when every cache
     holds whole patterns."""
@@ -186,12 +264,18 @@ def build(ctx) -> dict | None:
             continue
         kept = cache.kept
         rows = isinstance(kept, dict) and "rows" in kept
-        items = _rows_items(ctx, ci, cache) if rows else _topk_items(ctx, ci, cache)
+        stats = kept == "stats"
+        if stats:
+            items = _stats_items(ctx, ci, cache)
+        else:
+            items = _rows_items(ctx, ci, cache) if rows else _topk_items(ctx, ci, cache)
         runs.append(
             {
                 "index": ci,
                 "kept": describe(kept),
                 "rows": rows,
+                "stats": stats,
+                "not_shown": NOT_SHOWN_STATS if stats else None,
                 "figs": items,
                 "k": kept.get("topk") if isinstance(kept, dict) else None,
             }
@@ -200,7 +284,7 @@ def build(ctx) -> dict | None:
         return None
     return {
         "runs": runs,
-        "not_shown": NOT_SHOWN[all(r["rows"] for r in runs)],
+        "not_shown": NOT_SHOWN[all(r["rows"] for r in runs if not r["stats"])],
         "multi": len(ctx.caches) > 1,
         "max_texts": MAX_TEXTS,
         "max_rows": MAX_ROWS,

@@ -1,0 +1,151 @@
+"""``keep="stats"`` caches: the focus statistics computed while the model ran, stored and read back.
+
+``probe.capture(model, inputs, keep="stats")`` (:func:`capture`) runs one forward through
+:func:`probe.forward.capture_stats`: every attention's weights pass row block by row block
+through the readers of :func:`~probe.analysis.focus.streaming.stats_readers` and are dropped;
+:func:`stats_fields` then stores, per attention of every layer,
+
+* ``<attn>.stat.<metric>`` ``[batch, head]`` (float32): each text's value of every metric of
+  :data:`~probe.analysis.focus.metrics.METRICS`, the values ``head_stats`` averages over texts;
+* ``<attn>.received`` ``[batch, head, key]`` (float64): the sink profile, the mean weight each key
+  position receives over the counted queries of each text (``HeadStats.received``);
+
+and in the metadata ``keep: "stats"`` and ``stats``: ``{"metrics": [...], "causal": {"stack/layer/kind":
+bool}, "not_computed": {"rollout": reason}}``. The capture adds each residual tensor's norm.
+
+:func:`add_stats` folds such a cache into a
+:class:`~probe.analysis.focus.stats.FocusAccumulator`, so ``probe.head_stats(cache)`` is the
+same :class:`HeadStats` as ``probe.head_stats(model, inputs)`` (and, less the rollout, as
+``head_stats`` of a full capture); such caches merge with each other and with full ones.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import torch
+
+from probe.analysis.focus.metrics import METRICS
+from probe.analysis.focus.running import RunningStats
+from probe.analysis.focus.streaming import stats_readers
+from probe.cache.format import parse_key, parse_name
+from probe.errors import ProbeError
+
+ROLLOUT_NOTE = (
+    "attention rollout multiplies every layer's whole T x T pattern; a keep='stats' capture never holds "
+    "one: capture without keep= (whole patterns) and pass that cache to compute it"
+)
+
+
+def _ordered(meta: dict[str, Any], keys) -> list[tuple[str, int, str, str]]:
+    """``(stack, layer, kind, base)`` of each attention key, in stack, layer, self-then-cross
+    order (``base`` is the key without its field: ``decoder.blocks.0.self_attn``)."""
+    order = {s: i for i, s in enumerate(meta.get("stacks", {}))}
+    out = []
+    for k in keys:
+        stack, layer, name = parse_key(k)
+        n = parse_name(name)
+        base = k[: -len(n.field) - 1]
+        out.append((order.get(stack, 99), layer, 0 if n.role == "self" else 1, (stack, layer, n.role, base)))
+    return [x[-1] for x in sorted(out)]
+
+
+def stats_fields(meta: dict[str, Any], readers: dict[str, Any]) -> tuple[dict[str, torch.Tensor], dict]:
+    """``(tensors, metadata)`` of a ``keep="stats"`` cache from one forward's readers (each under
+    its pattern's cache key): see the module docstring for what each holds."""
+    tensors: dict[str, torch.Tensor] = {}
+    causal: dict[str, bool] = {}
+    for stack, layer, kind, base in _ordered(meta, readers):
+        terms = readers[f"{base}.pattern"].of(stack)
+        values = terms.values()  # [B, H, M]
+        for i, m in enumerate(METRICS):
+            tensors[f"{base}.stat.{m}"] = values[..., i].contiguous()
+        tensors[f"{base}.received"] = terms.received()
+        causal[f"{stack}/{layer}/{kind}"] = bool(terms.causal)
+    extra = {"stats": {"metrics": list(METRICS), "causal": causal, "not_computed": {"rollout": ROLLOUT_NOTE}}}
+    return tensors, extra
+
+
+def add_stats(acc: Any, cache: Any) -> None:
+    """Fold a ``keep="stats"`` cache into the accumulator ``acc`` (a :class:`FocusAccumulator`)."""
+    meta = cache.metadata
+    info = meta.get("stats") or {}
+    if list(info.get("metrics", [])) != list(METRICS):
+        raise ProbeError(
+            "this statistics cache was written by another probe version (its metrics differ); "
+            "capture it again with keep='stats'"
+        )
+    first = f"stat.{METRICS[0]}"
+    keys = [k for k in cache.keys() if k.endswith(f".{first}")]
+    if not keys:
+        raise ProbeError("this keep='stats' cache holds no statistics; capture it again with keep='stats'")
+    captured = meta.get("heads_captured")
+    received = {}
+    batch = 0
+    for stack, layer, kind, base in _ordered(meta, keys):
+        values = torch.stack([cache[f"{base}.stat.{m}"] for m in METRICS], -1)
+        B, H, _ = values.shape
+        batch = B
+        name = f"{stack}/{layer}/{kind}"
+        acc.stats.setdefault(name, RunningStats()).update(values)
+        heads = [int(captured[h]) if captured else h for h in range(H)]
+        if acc.heads.setdefault(name, heads) != heads:
+            raise ProbeError(f"{name}: caches captured different heads ({acc.heads[name]} vs {heads})")
+        acc.causal[name] = acc.causal.get(name, True) and bool(info["causal"][name])
+        if f"{base}.received" in cache:
+            received[name] = cache[f"{base}.received"]
+    acc.received = received if acc.n_texts == 0 else None  # positions are per batch
+    acc.n_texts += batch
+    acc.not_computed.update(info.get("not_computed") or {})
+
+
+def capture(
+    model: Any,
+    inputs: Any,
+    *,
+    tokenizer: Any = None,
+    target: Any = None,
+    out: str | os.PathLike | None = None,
+    layers: list[int] | None = None,
+    heads: list[int] | None = None,
+    dtype: Any = None,
+    keep: Any = None,
+    block: int | None = None,
+):
+    """:func:`probe.capture.engine.capture`, and ``keep="stats"``: every head's statistics computed
+    block by block while the model runs and each residual tensor's norm, no pattern ever whole
+    (``block`` query rows at a time, default about 64 MiB of weights). See ``docs/long-context.md``."""
+    from probe.forward import capture as capture_full
+    from probe.forward import capture_stats, parse_keep
+
+    if parse_keep(keep).kind != "stats":
+        if block is not None:
+            raise ProbeError("block= sets the row blocks of keep='stats'; drop it for other keeps")
+        return capture_full(
+            model,
+            inputs,
+            tokenizer=tokenizer,
+            target=target,
+            out=out,
+            layers=layers,
+            heads=heads,
+            dtype=dtype,
+            keep=keep,
+        )
+    return capture_stats(
+        model,
+        inputs,
+        stats_readers(),
+        stats_fields,
+        tokenizer=tokenizer,
+        target=target,
+        out=out,
+        layers=layers,
+        heads=heads,
+        dtype=dtype,
+        block=block,
+    )
+
+
+__all__ = ["add_stats", "capture", "stats_fields"]
