@@ -386,7 +386,7 @@ def test_longformer_sliding_chunks_are_a_clear_error():
     # its local attention is a softmax over [b, t, h, 2w+1] diagonals, not over a sequence of keys
     model = A.longformer()
     with pytest.raises(
-        ProbeError, match="no attention found in LongformerModel.*Longformer's sliding-window chunks"
+        ProbeError, match=r"longformer: layers encoder\.layer\.0.* local, chunked or sliding-window attention"
     ):
         probe.capture(model, A.inputs("longformer", model)["input_ids"])
 

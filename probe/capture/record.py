@@ -40,9 +40,10 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from probe.capture.calls import Attention, Forward
+from probe.capture.calls import Attention, Call, Forward
 from probe.capture.fused import mha_weights
 from probe.capture.layers import LayerTracker
+from probe.capture.local import LOCAL_KIND, Chunks, chunk_pairs, is_chunked, is_unmapped
 from probe.capture.patterns import flex_weights
 from probe.capture.residual import LayerStream
 
@@ -161,8 +162,14 @@ class Recorder:
     # -- the ops the watcher's mode hands on: each handler runs the op and returns its output --
     def softmax(self, func: Any, args: tuple, kwargs: dict) -> Any:
         out = func(*args, **kwargs)
-        kind = self._over_sequence(args, kwargs, out)
-        if kind is not None:
+        local = self._chunked_call()
+        unmapped = local is None and bool(self.stack) and is_unmapped(self.stack[-1].module)
+        kind = None if local is not None or unmapped else self._over_sequence(args, kwargs, out)
+        if local is not None:
+            self._chunk(local, out)
+        elif unmapped:
+            self._unseen()  # a layout that could pass for a pattern by its sizes: never stored
+        elif kind is not None:
             if not self.wants():
                 self.note_event()
             elif kind == "sink":
@@ -174,8 +181,59 @@ class Recorder:
                 self.consumer.weights(a, out[..., :-1], "softmax")
             else:
                 self._weights(out, "softmax")
+        elif self._attention_shaped(args, kwargs, out):
+            self._unseen()
         self.layers.after_op(func, args, kwargs, out)
         return out
+
+    def _chunked_call(self) -> Call | None:
+        """The call running chunked local attention (Canine's) that this softmax is inside, if any."""
+        for c in reversed(self.stack):
+            if is_chunked(c.module):
+                return c
+        return None
+
+    def _chunk(self, call: Call, out: Tensor) -> None:
+        """One chunk's weights of a chunked local attention; the last one hands on the pattern
+        over the whole sequence. A chunk that does not fit the module's chunks is refused (unseen)."""
+        length = call.primary.shape[1] if call.primary is not None and call.primary.dim() == 3 else 0
+        if call.chunks is None:
+            call.chunks = Chunks(chunk_pairs(call.module, length))
+        try:
+            done = call.chunks.add(out, length)
+        except ValueError:
+            self._unseen()
+            return
+        if not done:
+            return
+        pattern, call.chunks = call.chunks.pattern, None
+        if not self.wants():
+            self.note_event()
+            return
+        a = self._open(tuple(pattern.shape[-2:]), "softmax")
+        a.kind = LOCAL_KIND
+        self.consumer.weights(a, pattern, "softmax")
+
+    @staticmethod
+    def _attention_shaped(args: tuple, kwargs: dict, out: Any) -> bool:
+        """Whether a softmax not read as a pattern still looks like attention: over the last axis
+        of a floating tensor of 4 or more axes (``[batch, heads, q, k]``-like, or a chunked layout
+        such as ``[batch, T, heads, window]`` or ``[batch, blocks, heads, block, 3 * block]``).
+        Routers and output probabilities have 2 or 3 axes."""
+        if not isinstance(out, Tensor) or out.dim() < 4 or not out.is_floating_point():
+            return False
+        dim = args[1] if len(args) > 1 else kwargs.get("dim")
+        return dim in (-1, out.dim() - 1)
+
+    def _unseen(self) -> None:
+        """Note the layer running now (by its list and index) as computing attention probe did not
+        recognise; the capture is refused for it (:func:`probe.capture.naming.check_forward`)."""
+        layer = self.layers.layer
+        if layer is None:
+            return
+        name = f"{layer.container}.{layer.index}"
+        if name not in self.forward.unseen:
+            self.forward.unseen.append(name)
 
     def _over_sequence(self, args: tuple, kwargs: dict, out: Any) -> str | None:
         """Whether a softmax's output is attention: over its last axis, the last two sequence

@@ -1,0 +1,107 @@
+"""Local (chunked, sliding-window) attention: captured mapped back to [query, key], or refused.
+
+Oracles: Canine's own chunk weights (a forward hook on its self-attention module in the eager
+twin, mapped back to the whole sequence here); for the models probe cannot map yet (LED,
+Longformer, LongT5), the refusal names the model type and the layers whose attention it did
+not recognise, never a capture that silently lacks them.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import transformers as tf
+from test_catalogue_structure import VOCAB, K, _eager, _ids, _seeded, canine
+
+import probe
+from probe.errors import ProbeError
+
+
+def led():
+    cfg = tf.LEDConfig(
+        vocab_size=VOCAB, d_model=16, encoder_layers=2, decoder_layers=1, encoder_attention_heads=2,
+        decoder_attention_heads=2, encoder_ffn_dim=32, decoder_ffn_dim=32, attention_window=4,
+        max_encoder_position_embeddings=64, max_decoder_position_embeddings=64,
+    )  # fmt: skip
+    return _seeded(tf.LEDModel, cfg)
+
+
+def longt5(kind: str):
+    cfg = tf.LongT5Config(
+        vocab_size=VOCAB, d_model=16, d_kv=8, d_ff=32, num_layers=2, num_decoder_layers=1, num_heads=2,
+        local_radius=3, encoder_attention_type=kind,
+    )  # fmt: skip
+    return _seeded(tf.LongT5Model, cfg)
+
+
+def longformer():
+    cfg = tf.LongformerConfig(
+        vocab_size=VOCAB, hidden_size=16, num_hidden_layers=2, num_attention_heads=2,
+        intermediate_size=32, attention_window=4, max_position_embeddings=80,
+    )  # fmt: skip
+    return _seeded(tf.LongformerModel, cfg)
+
+
+@pytest.mark.parametrize(
+    "build, stack",
+    [
+        (led, "encoder.layers"),
+        (lambda: longt5("local"), "encoder.block"),
+        (lambda: longt5("transient-global"), "encoder.block"),
+    ],
+)
+def test_encoder_decoders_with_local_encoder_attention_are_refused_naming_the_layers(build, stack):
+    model = build()
+    ids = _ids(2, 10)
+    kind = model.config.model_type
+    with pytest.raises(ProbeError, match=rf"^{kind}: layers {stack}\.0, {stack}\.1 compute attention"):
+        with torch.no_grad(), probe.trace(model):
+            model(input_ids=ids, decoder_input_ids=ids[:, :5])
+
+
+def test_longformer_is_refused_naming_its_sliding_window_layers():
+    model = longformer()
+    with pytest.raises(ProbeError, match=r"^longformer: layers encoder\.layer\.0, encoder\.layer\.1 .*local"):
+        probe.capture(model, _ids(1, 10))
+
+
+def _canine_chunks(model, x, mask):
+    """The chunk weights Canine's local attention computes, read by a hook on its eager twin's
+    self-attention module, mapped back here to [batch, heads, T, T] (zeros outside the chunks)."""
+    twin = _eager(model)
+    seen = []
+    attn = twin.initial_char_encoder.layer[0].attention
+    h = attn.self.register_forward_hook(lambda m, a, out: seen.append(out[1]))
+    try:
+        with torch.no_grad():
+            twin(input_ids=x, attention_mask=mask, output_attentions=True)
+    finally:
+        h.remove()
+    T, stride = x.shape[1], model.config.local_transformer_stride
+    want = torch.zeros(x.shape[0], seen[0].shape[1], T, T)
+    for i, s in enumerate(range(0, T, stride)):
+        e = min(T, s + stride)
+        want[:, :, s:e, s:e] = seen[i]
+    assert len(seen) == len(range(0, T, stride))
+    return want
+
+
+@pytest.mark.parametrize("T", [8, 10, 13])
+def test_canine_local_attention_is_mapped_back_to_the_whole_sequence(T):
+    model, x = canine(), _ids(2, T)
+    mask = torch.ones_like(x)
+    mask[1, T - 3 :] = 0  # padding in the second text
+    with torch.no_grad(), probe.trace(model) as t:
+        model(input_ids=x, attention_mask=mask)
+    cache = t.cache
+    got = cache[K("initial_char_encoder.layer", 0, "self_attn.pattern")]
+    want = _canine_chunks(model, x, mask)
+    assert got.shape == want.shape
+    torch.testing.assert_close(got, want, rtol=0, atol=1e-6)
+    # nothing outside a query's chunk
+    stride = model.config.local_transformer_stride
+    block = torch.arange(T) // stride
+    assert bool((got[..., block[:, None] != block[None, :]] == 0).all())
+    kinds = [e["self_attn"].get("kind", "") for e in cache.metadata["layers"] if "self_attn" in e]
+    assert sum("local attention computed chunk by chunk" in k for k in kinds) == 1
+    assert "initial_char_encoder.layer" in cache.stacks
