@@ -45,7 +45,6 @@ def longformer():
 @pytest.mark.parametrize(
     "build, stack",
     [
-        (led, "encoder.layers"),
         (lambda: longt5("local"), "encoder.block"),
         (lambda: longt5("transient-global"), "encoder.block"),
     ],
@@ -59,10 +58,57 @@ def test_encoder_decoders_with_local_encoder_attention_are_refused_naming_the_la
             model(input_ids=ids, decoder_input_ids=ids[:, :5])
 
 
-def test_longformer_is_refused_naming_its_sliding_window_layers():
-    model = longformer()
+def _band_back(eager: torch.Tensor) -> torch.Tensor:
+    """Longformer's eager ``attentions`` ``[batch, heads, T, 2w + 1]`` (the weight of query ``i``
+    on key ``i - w + j`` at column ``j``, its docs say) mapped back to ``[batch, heads, T, T]``."""
+    b, h, T, width = eager.shape
+    w = width // 2
+    out = torch.zeros(b, h, T, T)
+    for i in range(T):
+        for j in range(width):
+            k = i - w + j
+            if 0 <= k < T:
+                out[:, :, i, k] = eager[:, :, i, j]
+            else:  # outside the sequence: the model gives it no weight
+                assert bool((eager[:, :, i, j] == 0).all())
+    return out
+
+
+@pytest.mark.parametrize("build", [longformer, led])
+def test_sliding_window_attention_is_mapped_back_exact_against_eager(build):
+    model, x = build(), _ids(2, 10)
+    mask = torch.ones_like(x)
+    mask[1, 7:] = 0
+    kw = {"decoder_input_ids": x[:, :5]} if model.config.model_type == "led" else {}
+    with torch.no_grad(), probe.trace(model) as t:
+        model(input_ids=x, attention_mask=mask, **kw)
+    cache = t.cache
+    with torch.no_grad():
+        out = _eager(model)(input_ids=x, attention_mask=mask, output_attentions=True, **kw)
+    want = out.encoder_attentions if kw else out.attentions
+    T = 12  # the model pads the 10 tokens to a multiple of its window (4) and runs 12 positions
+    for layer, w in enumerate(want):
+        assert w.shape[-2:] == (10, 5)  # eager crops its weights back to the 10 tokens
+        got = cache[f"encoder.blocks.{layer}.self_attn.pattern"]
+        assert got.shape == (2, 2, T, T)
+        torch.testing.assert_close(got[..., :10, :10], _band_back(w), rtol=0, atol=1e-6)
+        # the model's own padding positions: masked keys and zeroed queries, no weight at all
+        assert bool((got[..., 10:, :] == 0).all()) and bool((got[..., :, 10:] == 0).all())
+        band = (torch.arange(T)[:, None] - torch.arange(T)[None, :]).abs() <= 2
+        assert bool((got[..., ~band] == 0).all())
+        torch.testing.assert_close(got[0, :, :10].sum(-1), torch.ones(2, 10), rtol=0, atol=1e-6)
+        assert bool((got[1, :, 7:] == 0).all())  # the padded queries of the second text are zeroed
+    kinds = [e["self_attn"].get("kind", "") for e in cache.metadata["layers"] if "self_attn" in e]
+    assert sum(k.startswith("sliding-window attention") for k in kinds) == 2
+
+
+def test_longformer_global_attention_is_refused_naming_the_layers():
+    model, x = longformer(), _ids(1, 10)
+    glob = torch.zeros_like(x)
+    glob[:, 0] = 1
     with pytest.raises(ProbeError, match=r"^longformer: layers encoder\.layer\.0, encoder\.layer\.1 .*local"):
-        probe.capture(model, _ids(1, 10))
+        with torch.no_grad(), probe.trace(model):
+            model(input_ids=x, global_attention_mask=glob)
 
 
 def _canine_chunks(model, x, mask):

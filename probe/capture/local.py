@@ -21,9 +21,34 @@ LOCAL_KIND = (
 )
 
 
+BAND_KIND = (
+    "sliding-window attention (Longformer/LED), mapped back to [query, key] over the sequence the "
+    "model ran (padded by the model to a multiple of its window); zeros outside each query's window"
+)
 # attributes of the modules that compute local attention over a layout probe does not map yet:
-# Longformer/LED's sliding chunks, LongT5's blocks (local and transient-global)
-UNMAPPED = ("one_sided_attn_window_size", "block_len")
+# LongT5's blocks (local and transient-global)
+UNMAPPED = ("block_len",)
+
+
+def window_of(module: nn.Module) -> int | None:
+    """The one-sided window of a Longformer/LED sliding-chunk self-attention module, else None."""
+    w = getattr(module, "one_sided_attn_window_size", None)
+    return w if isinstance(w, int) else None
+
+
+def band_pattern(probs: Tensor, w: int, masked: Tensor) -> Tensor:
+    """Longformer's sliding-window weights ``probs`` ``[batch, T, heads, 2w + 1]`` (column ``j`` is
+    the key ``i - w + j`` of query ``i``) mapped back to ``[batch, heads, T, T]``, zeros outside the
+    window and on the rows of the ``masked`` ``[batch, T]`` queries (the model zeroes them)."""
+    b, T, h, _ = probs.shape
+    out = probs.new_zeros(b, h, T, T)
+    for j in range(2 * w + 1):
+        d = j - w  # key offset from the query
+        if abs(d) >= T:
+            continue
+        rows = probs[:, : T - d, :, j] if d >= 0 else probs[:, -d:, :, j]
+        out.diagonal(offset=d, dim1=-2, dim2=-1).copy_(rows.transpose(1, 2))
+    return out.masked_fill(masked[:, None, :, None], 0.0)
 
 
 def is_unmapped(module: nn.Module) -> bool:

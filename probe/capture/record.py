@@ -43,7 +43,16 @@ from torch import Tensor, nn
 from probe.capture.calls import Attention, Call, Forward
 from probe.capture.fused import mha_weights
 from probe.capture.layers import LayerTracker
-from probe.capture.local import LOCAL_KIND, Chunks, chunk_pairs, is_chunked, is_unmapped
+from probe.capture.local import (
+    BAND_KIND,
+    LOCAL_KIND,
+    Chunks,
+    band_pattern,
+    chunk_pairs,
+    is_chunked,
+    is_unmapped,
+    window_of,
+)
 from probe.capture.patterns import flex_weights
 from probe.capture.residual import LayerStream
 
@@ -163,10 +172,18 @@ class Recorder:
     def softmax(self, func: Any, args: tuple, kwargs: dict) -> Any:
         out = func(*args, **kwargs)
         local = self._chunked_call()
-        unmapped = local is None and bool(self.stack) and is_unmapped(self.stack[-1].module)
-        kind = None if local is not None or unmapped else self._over_sequence(args, kwargs, out)
+        inner = self.stack[-1] if self.stack else None
+        band = window_of(inner.module) if inner is not None and local is None else None
+        unmapped = local is None and band is None and inner is not None and is_unmapped(inner.module)
+        kind = (
+            None
+            if local is not None or band is not None or unmapped
+            else self._over_sequence(args, kwargs, out)
+        )
         if local is not None:
             self._chunk(local, out)
+        elif band is not None:
+            self._band(inner, out, band)
         elif unmapped:
             self._unseen()  # a layout that could pass for a pattern by its sizes: never stored
         elif kind is not None:
@@ -212,6 +229,26 @@ class Recorder:
             return
         a = self._open(tuple(pattern.shape[-2:]), "softmax")
         a.kind = LOCAL_KIND
+        self.consumer.weights(a, pattern, "softmax")
+
+    def _band(self, call: Call, out: Tensor, w: int) -> None:
+        """Longformer/LED's sliding-window softmax ``[batch, T, heads, 2w + 1]`` mapped back to
+        ``[batch, heads, T, T]``. Refused (unseen) where it has global columns or its mask is not
+        found: global attention is not mapped yet."""
+        if not isinstance(out, Tensor) or out.dim() != 4 or out.shape[-1] != 2 * w + 1:
+            self._unseen()  # global keys joined ahead of the window, or the global queries' softmax
+            return
+        b, T = out.shape[:2]
+        masks = [t for t in call.inputs if t.is_floating_point() and tuple(t.shape) == (b, T)]
+        if len(masks) != 1:
+            self._unseen()
+            return
+        if not self.wants():
+            self.note_event()
+            return
+        pattern = band_pattern(out, w, masks[0] < 0)  # the model's is_index_masked
+        a = self._open((T, T), "softmax")
+        a.kind = BAND_KIND
         self.consumer.weights(a, pattern, "softmax")
 
     @staticmethod
