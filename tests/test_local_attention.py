@@ -1,6 +1,6 @@
 """Local (chunked, sliding-window) attention: captured mapped back to [query, key], or refused.
 
-Oracles: Canine's own chunk weights (a forward hook on its self-attention module in the eager
+Oracles: HF eager `output_attentions` mapped back here (Longformer, LED), Canine's own chunk weights (a forward hook on its self-attention module in the eager
 twin, mapped back to the whole sequence here); for the models probe cannot map yet (LED,
 Longformer, LongT5), the refusal names the model type and the layers whose attention it did
 not recognise, never a capture that silently lacks them.
@@ -151,3 +151,31 @@ def test_canine_local_attention_is_mapped_back_to_the_whole_sequence(T):
     kinds = [e["self_attn"].get("kind", "") for e in cache.metadata["layers"] if "self_attn" in e]
     assert sum("local attention computed chunk by chunk" in k for k in kinds) == 1
     assert "initial_char_encoder.layer" in cache.stacks
+
+
+def recurrent_gemma():
+    cfg = tf.RecurrentGemmaConfig(
+        vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=3, num_attention_heads=2,
+        num_key_value_heads=1, head_dim=16, lru_width=32, attention_window_size=4,
+        block_types=["recurrent", "attention"],
+    )  # fmt: skip
+    return _seeded(tf.RecurrentGemmaModel, cfg)
+
+
+def test_recurrent_gemma_local_attention_layer_is_exact_and_zero_outside_its_window():
+    model, x = recurrent_gemma(), _ids(2, 10)
+    mask = torch.ones_like(x)
+    mask[1, :3] = 0  # left padding
+    with torch.no_grad(), probe.trace(model) as t:
+        model(input_ids=x, attention_mask=mask)
+    cache = t.cache
+    with torch.no_grad():
+        (want,) = _eager(model)(input_ids=x, attention_mask=mask, output_attentions=True).attentions
+    got = cache["decoder.blocks.1.self_attn.pattern"]  # block 1 is the attention block
+    # the padding's own query rows see no key; eager fills them uniformly, SDPA's recompute does not
+    torch.testing.assert_close(got[0], want[0], rtol=0, atol=1e-6)
+    torch.testing.assert_close(got[1, :, 3:], want[1, :, 3:], rtol=0, atol=1e-6)
+    q, k = torch.arange(10)[:, None], torch.arange(10)[None, :]
+    outside = (k > q) | (q - k >= 4)  # the causal window of 4 positions, written here
+    assert bool((got[0][:, outside] == 0).all()) and bool((got[1, :, 3:][:, outside[3:]] == 0).all())
+    assert "decoder.blocks.0.self_attn.pattern" not in cache.keys()  # recurrent blocks: no attention
