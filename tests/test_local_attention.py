@@ -1,9 +1,10 @@
 """Local (chunked, sliding-window) attention: captured mapped back to [query, key], or refused.
 
-Oracles: HF eager `output_attentions` mapped back here (Longformer, LED), Canine's own chunk weights (a forward hook on its self-attention module in the eager
-twin, mapped back to the whole sequence here); for the models probe cannot map yet (LED,
-Longformer, LongT5), the refusal names the model type and the layers whose attention it did
-not recognise, never a capture that silently lacks them.
+Oracles: HF eager ``output_attentions`` mapped back to [query, key] here (Longformer, LED;
+RecurrentGemma's windowed mask as is), Canine's own chunk weights (a forward hook on its
+self-attention module in the eager twin, mapped back here), the windows written here; for the
+layouts probe cannot map yet (LongT5's blocks, Longformer's global attention) the refusal names
+the model type and the layers, never a capture that silently lacks them.
 """
 
 from __future__ import annotations
