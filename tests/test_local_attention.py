@@ -46,7 +46,6 @@ def longformer():
 @pytest.mark.parametrize(
     "build, stack",
     [
-        (lambda: longt5("local"), "encoder.block"),
         (lambda: longt5("transient-global"), "encoder.block"),
     ],
 )
@@ -180,3 +179,46 @@ def test_recurrent_gemma_local_attention_layer_is_exact_and_zero_outside_its_win
     outside = (k > q) | (q - k >= 4)  # the causal window of 4 positions, written here
     assert bool((got[0][:, outside] == 0).all()) and bool((got[1, :, 3:][:, outside[3:]] == 0).all())
     assert "decoder.blocks.0.self_attn.pattern" not in cache.keys()  # recurrent blocks: no attention
+
+
+def _blocks_back(eager: torch.Tensor, T: int) -> torch.Tensor:
+    """LongT5's eager local weights ``[batch, blocks, heads, n, 3n]`` (query ``a`` of block ``i``
+    over the keys of blocks ``i - 1, i, i + 1``) mapped back to ``[batch, heads, T, T]``."""
+    b, nb, h, n, _ = eager.shape
+    out = torch.zeros(b, h, T, T)
+    for i in range(nb):
+        for a in range(n):
+            q = i * n + a
+            if q >= T:
+                continue
+            for c in range(3 * n):
+                k = (i - 1) * n + c
+                if 0 <= k < T:
+                    out[:, :, q, k] = eager[:, i, :, a, c]
+    return out
+
+
+@pytest.mark.parametrize("T", [8, 10])
+def test_longt5_local_attention_is_mapped_back_exact_against_eager(T):
+    model, x = longt5("local"), _ids(2, T)
+    mask = torch.ones_like(x)
+    mask[1, T - 3 :] = 0
+    kw = {"attention_mask": mask, "decoder_input_ids": x[:, :5]}
+    with torch.no_grad(), probe.trace(model) as t:
+        model(input_ids=x, **kw)
+    cache = t.cache
+    with torch.no_grad():
+        want = _eager(model)(input_ids=x, output_attentions=True, **kw).encoder_attentions
+    r = model.config.local_radius
+    q, k = torch.arange(T)[:, None], torch.arange(T)[None, :]
+    for layer, w in enumerate(want):
+        got = cache[f"encoder.blocks.{layer}.self_attn.pattern"]
+        mapped = _blocks_back(w, T)
+        # real query rows only: a padding query's weight past the sequence's ends is not stored
+        torch.testing.assert_close(got[0], mapped[0], rtol=0, atol=1e-6)
+        torch.testing.assert_close(got[1, :, : T - 3], mapped[1, :, : T - 3], rtol=0, atol=1e-6)
+        torch.testing.assert_close(got[0].sum(-1), torch.ones(2, T), rtol=0, atol=1e-6)
+        far = (q - k).abs() > r  # outside the local radius, written here
+        assert bool((got[0][:, far] == 0).all()) and bool((got[1, :, : T - 3][:, far[: T - 3]] == 0).all())
+    kinds = [e["self_attn"].get("kind", "") for e in cache.metadata["layers"] if "self_attn" in e]
+    assert sum(k.startswith("block-local attention") for k in kinds) == 2

@@ -25,9 +25,30 @@ BAND_KIND = (
     "sliding-window attention (Longformer/LED), mapped back to [query, key] over the sequence the "
     "model ran (padded by the model to a multiple of its window); zeros outside each query's window"
 )
+BLOCK_KIND = (
+    "block-local attention (LongT5), mapped back to [query, key]; zeros outside each query's "
+    "three blocks; a padding query's weight on positions past the sequence's ends is not stored"
+)
 # attributes of the modules that compute local attention over a layout probe does not map yet:
-# LongT5's blocks (local and transient-global)
-UNMAPPED = ("block_len",)
+# LongT5's transient-global blocks (their global keys are summaries of blocks, not positions)
+UNMAPPED = ("global_block_size",)
+
+
+def block_len_of(module: nn.Module) -> int | None:
+    """The block length of LongT5's local attention module (blocks without global keys), else None."""
+    n = getattr(module, "block_len", None)
+    return n if isinstance(n, int) and not hasattr(module, "global_block_size") else None
+
+
+def block_pattern(probs: Tensor, length: int) -> Tensor:
+    """LongT5's local weights ``probs`` ``[batch, blocks, heads, n, 3n]`` (query ``a`` of block ``i``
+    over the keys of blocks ``i - 1, i, i + 1``) mapped back to ``[batch, heads, T, T]`` for the
+    ``length`` = T positions, zeros elsewhere."""
+    b, nb, h, n, _ = probs.shape
+    canvas = probs.new_zeros(b, h, nb * n, (nb + 2) * n)  # key column k + n holds key k
+    for i in range(nb):
+        canvas[:, :, i * n : (i + 1) * n, i * n : (i + 3) * n] = probs[:, i]
+    return canvas[:, :, :length, n : n + length].contiguous()
 
 
 def window_of(module: nn.Module) -> int | None:

@@ -45,9 +45,12 @@ from probe.capture.fused import mha_weights
 from probe.capture.layers import LayerTracker
 from probe.capture.local import (
     BAND_KIND,
+    BLOCK_KIND,
     LOCAL_KIND,
     Chunks,
     band_pattern,
+    block_len_of,
+    block_pattern,
     chunk_pairs,
     is_chunked,
     is_unmapped,
@@ -172,20 +175,20 @@ class Recorder:
     def softmax(self, func: Any, args: tuple, kwargs: dict) -> Any:
         out = func(*args, **kwargs)
         local = self._chunked_call()
-        inner = self.stack[-1] if self.stack else None
-        band = window_of(inner.module) if inner is not None and local is None else None
-        unmapped = local is None and band is None and inner is not None and is_unmapped(inner.module)
-        kind = (
-            None
-            if local is not None or band is not None or unmapped
-            else self._over_sequence(args, kwargs, out)
-        )
+        inner = self.stack[-1].module if self.stack and local is None else None
+        band = window_of(inner) if inner is not None else None
+        block = block_len_of(inner) if inner is not None else None
+        unmapped = inner is not None and is_unmapped(inner)
+        mapped = local is not None or band is not None or block is not None or unmapped
+        kind = None if mapped else self._over_sequence(args, kwargs, out)
         if local is not None:
             self._chunk(local, out)
-        elif band is not None:
-            self._band(inner, out, band)
         elif unmapped:
             self._unseen()  # a layout that could pass for a pattern by its sizes: never stored
+        elif band is not None:
+            self._band(self.stack[-1], out, band)
+        elif block is not None:
+            self._block(self.stack[-1], out, block)
         elif kind is not None:
             if not self.wants():
                 self.note_event()
@@ -250,6 +253,24 @@ class Recorder:
         a = self._open((T, T), "softmax")
         a.kind = BAND_KIND
         self.consumer.weights(a, pattern, "softmax")
+
+    def _block(self, call: Call, out: Tensor, n: int) -> None:
+        """LongT5's local softmax ``[batch, blocks, heads, n, 3n]`` mapped back to ``[batch, heads,
+        T, T]``; refused (unseen) when it does not have that shape."""
+        p = call.primary
+        if p is None or p.dim() != 3 or out.dim() != 5 or out.shape[-2:] != (n, 3 * n):
+            self._unseen()
+            return
+        if out.shape[1] * n < p.shape[1]:
+            self._unseen()
+            return
+        if not self.wants():
+            self.note_event()
+            return
+        T = p.shape[1]
+        a = self._open((T, T), "softmax")
+        a.kind = BLOCK_KIND
+        self.consumer.weights(a, block_pattern(out, T), "softmax")
 
     @staticmethod
     def _attention_shaped(args: tuple, kwargs: dict, out: Any) -> bool:
