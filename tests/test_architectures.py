@@ -382,15 +382,6 @@ def test_weight_shared_layers_are_one_layer_per_call_and_copies_one_per_module()
         torch.testing.assert_close(cache.pattern("encoder", i), want[i], atol=PATTERN_TOL, rtol=0)
 
 
-def test_longformer_sliding_chunks_are_a_clear_error():
-    # its local attention is a softmax over [b, t, h, 2w+1] diagonals, not over a sequence of keys
-    model = A.longformer()
-    with pytest.raises(
-        ProbeError, match="no attention found in LongformerModel.*Longformer's sliding-window chunks"
-    ):
-        probe.capture(model, A.inputs("longformer", model)["input_ids"])
-
-
 def test_train_mode_is_recorded_and_warned():
     model = toys.dropout_lm().train()
     with warnings.catch_warnings(record=True) as seen:

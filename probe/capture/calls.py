@@ -74,6 +74,7 @@ class Call:
     source: bool = False  # a sublayer of the layer being captured
     wrapper: bool = False  # holds all of the layer's weights (TransformerLens' bridge): look inside
     events: int = 0  # attention events seen inside this call
+    chunks: Any = None  # chunked local attention gathered inside this call (local.Chunks)
 
 
 @dataclass
@@ -84,6 +85,9 @@ class Forward:
     cached: int = 0  # positions in the KV cache the forward was given (keys = cached + queries)
     root_calls: int = 0  # forward calls of the model itself
     blind: list[str] = field(default_factory=list)  # attention kernels probe cannot look into, as seen
+    # layers where a softmax shaped like attention (>= 4 axes) was not recognised as a pattern:
+    # local, chunked or banded layouts (Longformer's sliding chunks, LongT5's blocks) probe cannot map
+    unseen: list[str] = field(default_factory=list)
 
     def note_root(self, inputs: list[Tensor], kwargs: dict) -> None:
         """The model's own call: its inputs' sizes, and a KV cache's length, are sequence lengths."""

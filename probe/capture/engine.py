@@ -26,7 +26,7 @@ from probe.cache.selection import Selection
 from probe.cache.writer import FileSink, MemorySink, check_output
 from probe.capture.inputs import model_name, prepare
 from probe.capture.kept import parse_keep
-from probe.capture.naming import check_forward, model_info, name
+from probe.capture.naming import check_forward, check_unseen, model_info, name
 from probe.capture.tracer import Tracer
 from probe.errors import ProbeError
 
@@ -189,6 +189,7 @@ class Trace:
     def _finish(self) -> Cache:
         check_forward(self._tracer, self.model, self.selection)
         names, meta = name(self._tracer, self.model, self.metadata, self.selection)
+        check_unseen(self._tracer, self.model)
         if isinstance(self._sink, FileSink):
             # opened before the rename: the Cache returned is the file this call wrote
             out = self._sink.path

@@ -69,6 +69,7 @@ def check_forward(tr: Tracer, model: nn.Module, selection: Selection) -> None:
             'look into; load it with attn_implementation="sdpa" (or "eager") to capture it'
         )
     if not tr.kept:
+        check_unseen(tr, model)
         raise ProbeError(
             f"no attention found in {type(model).__name__}: probe saw no "
             "softmax over a sequence, scaled_dot_product_attention, flex_attention or "
@@ -78,6 +79,21 @@ def check_forward(tr: Tracer, model: nn.Module, selection: Selection) -> None:
         )
     # never record a layer that was not captured: refuse the selection as a whole
     selection.check_layers(list(tr.kept.values()), found=bool(tr.records))
+
+
+def check_unseen(tr: Tracer, model: nn.Module) -> None:
+    """Refuse a capture in which some layers computed attention probe did not recognise (a softmax
+    over a local, chunked or banded layout): storing the rest would drop them without a word."""
+    unseen = tr.forward.unseen
+    if not unseen:
+        return
+    kind = getattr(getattr(model, "config", None), "model_type", None) or type(model).__name__
+    shown = ", ".join(unseen[:6]) + (f" and {len(unseen) - 6} more" if len(unseen) > 6 else "")
+    raise ProbeError(
+        f"{kind}: layers {shown} compute attention as a softmax over a layout probe does not "
+        "recognise (local, chunked or sliding-window attention); probe refuses rather than store "
+        "the capture without them (see docs/attention-kinds.md, local attention)"
+    )
 
 
 def check_loops(records: list[LayerRecord], looped: set[str]) -> None:
