@@ -15,8 +15,9 @@ PROBE = Path(__file__).resolve().parent.parent / "probe"
 FORBIDDEN = {
     "cache": {"capture", "analysis", "report", "cli", "corpus", "export"},
     "capture": {"analysis", "report", "cli", "corpus", "export"},
-    "analysis": {"capture", "report", "cli", "corpus", "export"},  # model calls go through probe.forward
-    "report": {"capture", "cli", "corpus"},  # reads caches and analysis results only
+    # analysis: model calls go through probe.forward
+    "analysis": {"capture", "intervene", "report", "cli", "corpus", "export"},
+    "report": {"capture", "intervene", "cli", "corpus"},  # reads caches and analysis results only
 }
 # (file, package) imports that are meant: Cache.to_bertviz()/to_circuitsvis() are conveniences the
 # issue asked for, delegating lazily to probe.export (no cycle when modules load)

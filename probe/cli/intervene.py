@@ -76,6 +76,8 @@ def cmd_patch(args: argparse.Namespace) -> int:
     )
     print(r)
     _export(r, args)
+    if args.save:
+        print(f"wrote {r.save(args.save)} (for probe report CACHE --patching FILE)")
     return 0
 
 
@@ -154,4 +156,10 @@ def add_parsers(sub) -> None:
     )
     p.add_argument("--stack", default=None, help="the stack to patch (encoder/decoder)")
     _export_args(p, "the table of patches")
+    p.add_argument(
+        "--save",
+        default=None,
+        metavar="FILE",
+        help="save the whole result as JSON for probe report --patching",
+    )
     p.set_defaults(func=cmd_patch)

@@ -38,11 +38,35 @@ def _tutorial_cache(cache, model):
     return probe.capture(model, text, target=target)
 
 
+MEASURE = "measure"  # --importance with no file: measure it on the report's texts
+
+
+def _saved_results(args: argparse.Namespace, from_caches: bool):
+    """``--importance FILE`` and ``--patching FILE...`` read (and refused, exit 2) before any model
+    runs; ``--importance`` alone needs a model to measure with."""
+    from probe.analysis.interventions import HeadImportance, Patching
+
+    importance = None
+    if args.importance == MEASURE:
+        if from_caches:
+            raise ProbeError(
+                "--importance without a file measures head importance with the model: give --model NAME "
+                "and texts, or a saved result (--importance result.json)"
+            )
+    elif args.importance is not None:
+        importance = HeadImportance.load(args.importance)
+    patching = [Patching.load(p) for p in args.patching or []]
+    return importance, patching or None
+
+
 def cmd_report(args: argparse.Namespace) -> int:
     import probe
 
     inputs = list(args.inputs)
     model_given = bool(args.model or args.hf)
+    if model_given and args.importance not in (None, MEASURE) and not args.importance.endswith(".json"):
+        inputs.append(args.importance)  # --model minigpt --importance "text": the flag took the text
+        args.importance = MEASURE
     if not inputs:
         raise ProbeError("nothing to report; give a cache file (run.safetensors) or --model NAME and a text")
     from_caches = not model_given and all(i.endswith(".safetensors") for i in inputs)
@@ -71,6 +95,7 @@ def cmd_report(args: argparse.Namespace) -> int:
         from probe.analysis.alignment import read_gold
 
         gold = read_gold(args.gold, one_indexed=args.one_indexed)
+    importance, patching = _saved_results(args, from_caches)
     if from_caches:
         caches = [probe.load(i) for i in inputs]
         model = tok = None
@@ -81,8 +106,21 @@ def cmd_report(args: argparse.Namespace) -> int:
         if args.target is not None:
             target = args.target if len(args.target) > 1 else args.target[0]
         caches = [probe.capture(model, text, tokenizer=tok, target=target, keep=keep)]
+        if args.importance == MEASURE:
+            importance = probe.head_importance(
+                model, text, metric="loss", how=args.how, tokenizer=tok, target=target
+            )
     tutorial = _tutorial_cache(caches[0], model if not args.hf else None)
-    path = probe.report(caches, out, model=model, tokenizer=tok, gold=gold, tutorial=tutorial)
+    path = probe.report(
+        caches,
+        out,
+        model=model,
+        tokenizer=tok,
+        gold=gold,
+        tutorial=tutorial,
+        importance=importance,
+        patching=patching,
+    )
     print(f"wrote {path} ({_human(path.stat().st_size)}); open it in a browser: {path.resolve().as_uri()}")
     return 0
 
@@ -103,6 +141,8 @@ def add_parser(sub) -> None:
             "probe report before.safetensors after.safetensors -o reports/diff",
             "probe report --hf ./my-bert 'some text'",
             "probe report --model minigpt --keep stats 'a long text'",
+            "probe report --model minigpt 'attention lets tokens read.' --importance",
+            "probe report run.safetensors --importance importance.json --patching heads.json",
         ),
     )
     p.add_argument(
@@ -130,5 +170,22 @@ def add_parser(sub) -> None:
         help="what to capture of each attention (with --model/--hf): 'patterns' (default), 'stats' "
         "(each head's statistics computed while the model runs, for long texts), 'rows:-1' or "
         "'topk:32'; the report shows what was kept and says what was not",
+    )
+    p.add_argument(
+        "--importance",
+        nargs="?",
+        const=MEASURE,
+        default=None,
+        metavar="FILE",
+        help="add 'Which heads matter': a head importance saved with result.save(FILE), or, with no "
+        "FILE and a model, measure it on the texts (each head removed in turn, next-token loss; see --how)",
+    )
+    p.add_argument("--how", choices=("zero", "mean"), default="zero", help="for --importance (default zero)")
+    p.add_argument(
+        "--patching",
+        nargs="+",
+        default=None,
+        metavar="FILE",
+        help="patching results saved with result.save(FILE)",
     )
     p.set_defaults(func=cmd_report)

@@ -11,13 +11,12 @@ zero-ablation ``change``; Michel et al. rank heads by ``|gradient|`` summed over
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 from torch import Tensor, nn
 
-from probe.analysis.residual.exports import TableExports
+from probe.analysis.interventions import HeadImportance
 from probe.analysis.table import Table
 from probe.errors import ProbeError
 from probe.intervene.ablate import build_edits
@@ -27,44 +26,6 @@ from probe.intervene.metrics import metric_tensor
 from probe.intervene.patch import _ids
 
 COLUMNS = ["stack", "layer", "role", "head", "component", "metric", "ablated", "change", "gradient"]
-
-
-@dataclass
-class HeadImportance(TableExports):
-    """Per head: ``metric`` (unablated), ``ablated`` (with the head removed), ``change`` =
-    ablated - metric, and ``gradient`` = ∂metric/∂ξ_h (Michel et al. 2019). ``grid`` and
-    ``gradients`` are ``[layers, heads]`` (``rows`` name the layers; NaN where a layer has fewer
-    heads)."""
-
-    metric_name: str
-    how: str
-    table: Table
-    grid: Tensor
-    gradients: Tensor
-    rows: list[str]
-    notes: list[str] = field(default_factory=list)
-
-    def main_table(self) -> Table:
-        return self.table
-
-    def to_dict(self) -> dict[str, Any]:
-        return {
-            "metric": self.metric_name,
-            "how": self.how,
-            "table": self.table.to_dict(),
-            "rows": self.rows,
-            "change": self.grid.tolist(),
-            "gradient": self.gradients.tolist(),
-            "notes": list(self.notes),
-        }
-
-    def __str__(self) -> str:
-        lines = [f"head importance: change of {self.metric_name} when a head is removed ({self.how})"]
-        n = self.grid.shape[1]
-        lines.append("     " + " ".join(f"{'H' + str(h):>8}" for h in range(n)))
-        for r, vals in zip(self.rows, self.grid.tolist(), strict=True):
-            lines.append(f"{r:5}" + " ".join(f"{v:8.4f}" for v in vals))
-        return "\n".join(lines)
 
 
 def _gradients(prep, sites: list, fn) -> list[Tensor]:
@@ -154,9 +115,20 @@ def head_importance(
                     "gradient": float(grads[li][h]),
                 }
             )
+    texts = [inputs] if isinstance(inputs, str) else list(inputs) if _all_str(inputs) else []
     return HeadImportance(
-        name, how, Table(rows, COLUMNS, "head importance"), grid, gg, [f"L{s.layer}" for s in sites]
+        name,
+        how,
+        Table(rows, COLUMNS, "head importance"),
+        grid,
+        gg,
+        [f"L{s.layer}" for s in sites],
+        texts=texts,
     )
+
+
+def _all_str(inputs: Any) -> bool:
+    return isinstance(inputs, (list, tuple)) and bool(inputs) and all(isinstance(t, str) for t in inputs)
 
 
 __all__ = ["HeadImportance", "head_importance"]

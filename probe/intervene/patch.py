@@ -18,13 +18,12 @@ Each cell's metric ``m`` is reported raw and normalised as in the patching liter
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 from torch import Tensor, nn
 
-from probe.analysis.residual.exports import TableExports
+from probe.analysis.interventions import Patching
 from probe.analysis.table import Table
 from probe.errors import ProbeError
 from probe.intervene.core import _prepare, prepare_sites
@@ -34,50 +33,6 @@ from probe.intervene.metrics import make_metric
 
 WHATS = ("resid", "heads", "attn", "mlp")
 COLUMNS = ["stack", "layer", "component", "pos", "token", "head", "metric", "normalised"]
-
-
-@dataclass
-class Patching(TableExports):
-    """The effect of each patch. ``table`` rows: ``stack``, ``layer``, ``component`` (e.g.
-    ``L1.H2``, ``L0.resid@3``), ``pos`` (None when every position was patched), ``token``,
-    ``head`` (``what="heads"``), ``metric`` (raw) and ``normalised``. ``grid`` ``[layers, positions
-    or heads]`` holds ``normalised`` (``rows``/``cols`` label its axes). ``clean``/``corrupted``:
-    the metric on the unpatched runs.
-    """
-
-    what: str
-    metric_name: str
-    clean: float
-    corrupted: float
-    table: Table
-    grid: Tensor
-    rows: list[str]
-    cols: list[str]
-    notes: list[str] = field(default_factory=list)
-
-    def main_table(self) -> Table:
-        return self.table
-
-    def to_dict(self) -> dict[str, Any]:
-        """Plain Python: the table, the two reference metrics, the grid as nested lists, notes."""
-        return {
-            "what": self.what,
-            "metric": self.metric_name,
-            "clean": self.clean,
-            "corrupted": self.corrupted,
-            "table": self.table.to_dict(),
-            "grid": {"rows": self.rows, "cols": self.cols, "values": self.grid.tolist()},
-            "notes": list(self.notes),
-        }
-
-    def __str__(self) -> str:
-        head = f"patching {self.what}: {self.metric_name}, "
-        head += f"clean {self.clean:.4g}, corrupted {self.corrupted:.4g}"
-        w = max(len(r) for r in self.rows) if self.rows else 0
-        lines = [head, " " * w + " " + " ".join(f"{c:>7}" for c in self.cols)]
-        for r, vals in zip(self.rows, self.grid.tolist(), strict=True):
-            lines.append(r.ljust(w) + " " + " ".join(f"{v:7.3f}" for v in vals))
-        return "\n".join(lines) + "".join(f"\nnote: {n}" for n in self.notes)
 
 
 def _sites(prep, what: str, stack: str) -> list[Site]:

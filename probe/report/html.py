@@ -145,6 +145,26 @@ def check_report_dir(out_dir: str | os.PathLike) -> Path:
     return check_writable_dir(out_dir, "index.html", "the report (index.html goes inside)")
 
 
+def _interventions(importance: Any, patching: Any) -> dict[str, Any]:
+    """``importance=`` and ``patching=`` of :func:`report` as results (files read, and refused with
+    a one-line :class:`ProbeError`, before any section runs)."""
+    from probe.analysis.interventions import HeadImportance, Patching, load_result
+
+    def one(x: Any, cls: type, arg: str) -> Any:
+        r = load_result(x) if isinstance(x, (str, os.PathLike)) else x
+        if not isinstance(r, cls):
+            raise ProbeError(f"{arg}= takes a probe.{cls.__name__} or the JSON file its save() wrote")
+        return r
+
+    out: dict[str, Any] = {}
+    if importance is not None:
+        out["importance"] = one(importance, HeadImportance, "importance")
+    if patching is not None:
+        items = patching if isinstance(patching, (list, tuple)) else [patching]
+        out["patching"] = [one(p, Patching, "patching") for p in items]
+    return out
+
+
 def report(
     cache_or_caches: Any,
     out_dir: str | os.PathLike,
@@ -154,6 +174,8 @@ def report(
     progress: bool = True,
     gold: Any = None,
     tutorial: Any = None,
+    importance: Any = None,
+    patching: Any = None,
 ) -> Path:
     """Write a self-contained HTML report of ``cache_or_caches`` to ``out_dir/index.html``.
 
@@ -164,7 +186,10 @@ def report(
     ``read_gold(path, one_indexed=True)``): its heatmap then marks them and its map shows AER.
     ``tutorial``: for a zoo model that re-creates a tutorial, a cache of it on the tutorial's text
     (or ``probe.plot.seed_caches()``'s dict) for the tutorial's own figures; the report never
-    captures, and without it uses its first cache when that is the tutorial's text. The file is
+    captures, and without it uses its first cache when that is the tutorial's text.
+    ``importance``: a :class:`probe.HeadImportance` (or the JSON file its ``save`` wrote) for the
+    section "Which heads matter"; ``patching``: a :class:`probe.Patching`, a saved one, or a list of
+    them, shown there as maps. The file is
     written atomically; returns its path. ``progress`` shows a tqdm bar on stderr.
     """
     from tqdm import tqdm
@@ -187,6 +212,7 @@ def report(
                 "probe.plot.seed_caches() returns"
             )
         results["tutorial"] = tutorial
+    results.update(_interventions(importance, patching))
     caches = _as_caches(cache_or_caches)
     out = check_report_dir(out_dir)
     sections = discover()
