@@ -16,6 +16,7 @@ import torch
 
 import probe
 from probe.analysis.compare import pattern_difference
+from probe.analysis.focus.metrics import METRICS
 from probe.errors import ProbeError
 
 TEXT_A = "attention lets tokens read."
@@ -194,7 +195,7 @@ def test_exports(minigpt, tmp_path):
     d = json.loads(c.to_json(tmp_path / "c.json"))
     assert d["heads"]["rows"] == json.loads(c.heads.to_json())["rows"]
     assert json.loads((tmp_path / "c.json").read_text()) == d
-    assert len(d["stats"]["rows"]) == 8 * 26 and d["labels"] == list(c.labels)
+    assert len(d["stats"]["rows"]) == 8 * len(METRICS) and d["labels"] == list(c.labels)
     text = c.to_csv()
     assert text.splitlines()[0].startswith("stack,layer,head,kind,n_texts,max_abs")
     assert len(text.splitlines()) == 9
@@ -234,7 +235,7 @@ def test_cli_diff(minigpt, tmp_path, capsys):
     assert (tmp_path / "d.csv").read_text() == probe.compare(a, b).to_csv()
     assert main(["diff", str(a), str(b), "--json", str(tmp_path / "d.json")]) == 0
     d = json.loads((tmp_path / "d.json").read_text())
-    assert len(d["heads"]["rows"]) == 8 and len(d["stats"]["rows"]) == 8 * 26
+    assert len(d["heads"]["rows"]) == 8 and len(d["stats"]["rows"]) == 8 * len(METRICS)
     capsys.readouterr()
     for bad, msg in (
         (["diff", str(a), str(tmp_path / "none.safetensors")], "no such file"),
