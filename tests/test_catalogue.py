@@ -54,21 +54,26 @@ EXACT = {
     # one softmax layer and one linear-attention layer, whose eager map (q·kᵀ with decay, negative
     # weights) is no softmax: the check sets it aside and compares the softmax layer
     "minimax": "hybrid: full attention and lightning (linear) attention",
+    "albert": "one layer module run for every layer: one cache layer per call",
+    "funnel": "pooled queries over the previous layer's output, blocks run several times",
+    "gpt_oss": "a learned sink column joined to the scores (stored beside the pattern)",
+    "flint": "a learned sink column joined to the scores",
+    "t5gemma2": "one softmax over own keys then the encoder's: stored as self and cross parts",
 }
 
 # model type -> why it is not exact yet (issue 22); the owner removes the mark with the fix
 KNOWN = {
-    "albert": "refused: one layer module runs for every layer (issue 22, layers as the model runs them)",
-    "funnel": "wrong: pooled blocks stored in another order/role than eager returns (issue 22, stacks)",
-    "gpt_oss": "refused: softmax over the keys plus a learned sink column (issue 22, attention sinks)",
-    "diffllama": "wrong: differential attention stored as 2x the model's heads (issue 22)",
-    "longformer": "refused: sliding-chunk local attention (issue 22, local attention)",
-    "led": "wrong: the encoder's local attention is dropped (issue 22, local attention)",
-    "longt5": "wrong: the encoder's local (block) attention is dropped (issue 22, local attention)",
-    "flint": "refused: softmax over the keys plus a learned sink column (issue 22, attention sinks)",
-    "t5gemma2": "wrong: decoder self-attention stored as cross-attention (issue 22, roles)",
-    "cpmant": "wrong: stored over 40 positions (32 prompt + 8 text), eager crops to the text (issue 22)",
-    "deepseek_v4": "refused: two patterns per layer (issue 22, several patterns per layer)",
+    # probe stores the model's 4 differential heads (a1 - λ·a2) and the two softmaxes as `parts`
+    # (tests/test_attention_kinds.py, against eager's softmaxes); this checker compares eager's 8
+    # softmax maps head for head and does not combine them
+    "diffllama": "the checker compares eager's 8 softmaxes with the 4 differential heads probe stores",
+    # captured and mapped back to [query, key] (tests/test_local_attention.py, exact against eager
+    # mapped back in the test); this checker does not map eager's banded/blocked layouts back
+    "longformer": "the checker does not map eager's sliding-chunk layout back to [query, key]",
+    "led": "the checker does not map eager's sliding-chunk layout back to [query, key]",
+    "longt5": "the checker does not map eager's 5-d local blocks back to [query, key]",
+    "cpmant": "probe stores the 32 prompt positions ahead of the text; eager crops them (issue 22)",
+    "deepseek_v4": "refused: several softmaxes per layer, not all attention (issue 22)",
 }
 
 SAMPLE = [pytest.param(m, id=m) for m in EXACT] + [

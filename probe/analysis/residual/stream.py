@@ -126,6 +126,18 @@ def captured_layers(cache, stack: str) -> list[int]:
     )
 
 
+def _no_stream(cache) -> None:
+    """Raise the error for a cache without residual tensors, saying why it has none."""
+    if getattr(cache, "kept", None) == "stats":
+        raise ProbeError(
+            "this cache kept statistics only (keep='stats'): each residual tensor's per-position norm "
+            "(<name>.norm), not the tensors this reads; capture again without keep= for them"
+        )
+    raise ProbeError(
+        "the cache holds no residual stream (no resid_pre/resid_post); capture it with probe.capture"
+    )
+
+
 def residual(cache, model: Any = None) -> ResidualStats:
     """Residual-stream statistics of ``cache`` (a :class:`probe.Cache`) per layer, sublayer, token.
 
@@ -195,14 +207,7 @@ def residual(cache, model: Any = None) -> ResidualStats:
                         )
                 stream = stream + d
     if not agg:
-        if getattr(cache, "kept", None) == "stats":
-            raise ProbeError(
-                "this cache kept statistics only (keep='stats'): each residual tensor's per-position norm "
-                "(<name>.norm), not the tensors this reads; capture again without keep= for them"
-            )
-        raise ProbeError(
-            "the cache holds no residual stream (no resid_pre/resid_post); capture it with probe.capture"
-        )
+        _no_stream(cache)
     return ResidualStats(
         Table(rows, TOKEN_COLUMNS, "residual stream per token"),
         Table(agg, LAYER_COLUMNS, "residual stream per layer"),
