@@ -55,6 +55,8 @@ EXACT = {
     # weights) is no softmax: the check sets it aside and compares the softmax layer
     "minimax": "hybrid: full attention and lightning (linear) attention",
     "albert": "one layer module run for every layer: one cache layer per call",
+    # two looped stacks run alternately: stored stack by stack, eager returns them in run order
+    "hrm_text": "two stacks of blocks, each run several times (one cache layer per call)",
     "funnel": "pooled queries over the previous layer's output, blocks run several times",
     "gpt_oss": "a learned sink column joined to the scores (stored beside the pattern)",
     "flint": "a learned sink column joined to the scores",
