@@ -14,6 +14,7 @@ PER_LAYER = (
     "5.24 per-layer configs raise AmbiguousGlobalPerLayerAttributeError there"
 )
 
+UNMAPPED = "a softmax over a layout probe does not map: refused with a clear error naming the layers"
 TWO = "two self-attention softmaxes in one layer: refused (issue 22, several patterns per layer)"
 
 CAUSES: dict[str, str] = {
@@ -23,8 +24,8 @@ CAUSES: dict[str, str] = {
     "flint": SINK,
     "openai_privacy_filter": SINK,
     "hy_v4": SINK,
-    "inkling2_text": "a softmax over a layout probe does not map: refused with a clear error naming the layers",
-    "inkling2_loop_text": "a softmax over a layout probe does not map: refused with a clear error naming the layers",
+    "inkling2_text": UNMAPPED,
+    "inkling2_loop_text": UNMAPPED,
     "mimo_v2_flash": "attention sinks on its sliding-window layers only: probe stores the full layer and "
     "drops the sink layer without a word (1 pattern, eager 2) (issue 22, sinks)",
     "deepseek_v4": "a sink column and two attentions per layer: refused as two self-attention patterns in "
