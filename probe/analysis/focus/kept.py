@@ -19,22 +19,9 @@ from probe.analysis.focus.tokens import Side, side
 from probe.cache.format import parse_key, parse_name
 from probe.errors import ProbeError
 
-ROW_METRICS = (
-    "entropy",
-    "norm_entropy",
-    "confidence",
-    "first",
-    "special",
-    "punct",
-    "content",
-    "span",
-    "prev",
-    "self",
-    "next",
-    "local",
-    "distance",
-    "signed_distance",
-)
+# the metrics of one query row at a time: the table's first ones, up to the first that needs
+# every query row of a text (positions, words, duplicates, distances over the text)
+ROW_METRICS = METRICS[: METRICS.index("pos_offset")]
 _EVERY_ROW = "needs every query row of the pattern"
 NOT_COMPUTED = {m: _EVERY_ROW for m in METRICS if m not in ROW_METRICS} | {"rollout": _EVERY_ROW}
 
