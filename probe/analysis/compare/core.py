@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from probe.cache import Cache, load
+from probe.cache.cache import _ranges
 from probe.errors import ProbeError
 
 PATTERN_METRICS = ("max_abs", "mean_abs", "tv", "js")
@@ -58,16 +59,6 @@ def _label(c: Cache, fallback: str) -> str:
     model = c.metadata.get("model")
     name = model.get("name") if isinstance(model, dict) else None
     return str(name) if name else fallback
-
-
-def _ranges(xs: list[int]) -> str:
-    runs: list[list[int]] = []
-    for x in sorted(set(xs)):
-        if runs and x == runs[-1][1] + 1:
-            runs[-1][1] = x
-        else:
-            runs.append([x, x])
-    return ", ".join(str(a) if a == b else f"{a}-{b}" for a, b in runs)
 
 
 def _only(what: str, xs: list, side: str) -> str:
