@@ -11,6 +11,7 @@ import math
 import hf_fixtures as H
 import pytest
 import torch
+import toys
 from toys import ToyLM
 
 import probe
@@ -57,6 +58,41 @@ def test_toy_decoders_match_the_full_patterns(kind, T, block):
     assert all(r["causal"] for r in streamed.table)
     assert streamed.rollout is None and "rollout" in streamed.not_computed
     assert full.rollout is not None  # the full path computes it
+
+
+@pytest.mark.parametrize("memo", [True, False])
+def test_repeated_tokens_templates_match(monkeypatch, memo):
+    """A text of a few repeated tokens (many duplicate and induction pairs): the pairs gathered
+    one by one, remembered across layers or (memo off) recomputed per layer, give the masked sums
+    of the full path."""
+    from probe.analysis.focus import rowblock
+
+    if not memo:
+        monkeypatch.setattr(rowblock.Workspace, "MEMO_PAIRS", 0)
+    torch.manual_seed(3)
+    lm = ToyLM("sdpa_causal").eval()
+    ids = torch.tensor([[1, 2, 3, 1, 2, 3, 1, 2, 3, 4] * 4, [5] * 40])
+    streamed = probe.head_stats(lm, ids, block=6)
+    full = probe.head_stats(probe.capture(lm, ids), progress=False)
+    assert_same(streamed, full)
+    assert streamed.table[0]["dup_matches"] > 0
+
+
+def test_mask_that_is_causal_only_in_its_first_rows(monkeypatch):
+    """A float mask that hides later keys from the first rows only: the first blocks look
+    lower-triangular (distance from i·Σa − Σ j·a), later ones do not (Σ a |i − j| directly); the
+    layer is not causal and every metric matches the full path."""
+    torch.manual_seed(4)
+    T = 24
+    mask = torch.zeros(T, T)
+    mask[:8] = torch.triu(torch.full((T, T), float("-inf")), 1)[:8]
+    monkeypatch.setattr(toys, "alibi_bias", lambda h, t, s: mask)  # the mask the toy adds
+    lm = ToyLM("sdpa_float").eval()
+    ids = torch.randint(0, 40, (2, T))
+    streamed = probe.head_stats(lm, ids, block=4)
+    full = probe.head_stats(probe.capture(lm, ids), progress=False)
+    assert_same(streamed, full)
+    assert not any(r["causal"] for r in streamed.table)
 
 
 @pytest.mark.parametrize("name", ["llama", "mistral", "gpt2"])

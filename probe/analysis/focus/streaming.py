@@ -17,11 +17,10 @@ from __future__ import annotations
 
 from typing import Any
 
-import numpy as np
 import torch
 
+from probe.analysis.focus import rowblock as rb
 from probe.analysis.focus.metrics import LOCAL_WINDOW, Layout, Terms, reduce, word_masses
-from probe.analysis.focus.reach import distance_terms
 from probe.analysis.focus.result import HeadStats
 from probe.analysis.focus.running import RunningStats
 from probe.analysis.focus.tokens import Side, side
@@ -39,9 +38,12 @@ class RowTerms:
     query rows at a time; :meth:`close` says whether it was causal, :meth:`values` gives the
     metrics ``[B, H, M]``."""
 
-    def __init__(self, qs: Side, ks: Side, shape: tuple[int, ...], *, self_attn: bool) -> None:
+    def __init__(
+        self, qs: Side, ks: Side, shape: tuple[int, ...], *, self_attn: bool, ws: rb.Workspace | None = None
+    ) -> None:
         B, H, Q, K = shape
         self.shape, self.self_attn, self.qs, self.ks = shape, self_attn, qs, ks
+        self.ws = ws if ws is not None else rb.Workspace()  # scratch shared by one run's readers
         self.lay = Layout(qs, ks, Q, K, causal=False)
         self.causal = self_attn and Q == K and Q >= 2
         self.words = self_attn and self.lay.words_split
@@ -82,76 +84,73 @@ class RowTerms:
     def rows(self, q0: int, q1: int, blk: torch.Tensor) -> None:
         """Fold in the weights ``blk`` ``[B, H, q1 - q0, kend]`` of query rows ``q0:q1``."""
         B, H, r, kend = blk.shape
-        dev = self._on(blk.device)
+        dev, ws = self._on(blk.device), self.ws
         P = blk.float()
         if self.lay.any_pad:  # weight on padding keys is not attention to the text
-            P = torch.where(dev["real"][:, None, None, :kend], P, 0)
+            buf = ws.get("pad", tuple(P.shape), P.dtype, P.device)
+            P = torch.mul(P, dev["real"][:, None, None, :kend], out=buf)
         rows = torch.arange(q0, q1, device=blk.device)
-        kj = torch.arange(kend, device=blk.device)
-        if self.causal:
-            above = (kj[None, :] > rows[:, None]) & self.qs.real[:, q0:q1, None].to(blk.device)
-            above = above & dev["real"][:, None, :kend]
-            if bool(torch.where(above[:, None], P, 0).amax() != 0):
-                self.causal = False
+        lower = self._lower(P, q0, q1, rows)
         t, sl = self.t, slice(q0, q1)
-        tiny = torch.finfo(P.dtype).tiny
-        t.ent[..., sl] = (P.clamp_min(tiny).log_().mul_(P)).sum(-1).neg_().cpu()
+        t.ent[..., sl] = rb.entropy(P, ws).cpu()
         t.total[..., sl] = P.sum(-1).cpu()
-        self._sorted(P, sl, kend)
-        cols = dev["cols"][..., :kend]
-        t.masks[:, :, sl] = torch.einsum("bhrk,bck->bhrc", P, cols).cpu()
+        top, arg, span = rb.sorted_terms(P, ws)
+        t.top[..., sl], t.arg[..., sl], t.span[..., sl] = top.cpu(), arg.cpu(), span.cpu()
+        t.masks[:, :, sl] = torch.einsum("bhrk,bck->bhrc", P, dev["cols"][..., :kend]).cpu()
         first = dev["first"].clamp(max=kend - 1)[:, None, None, None].expand(B, H, r, 1)
         got = P.gather(-1, first)[..., 0]
         t.first[..., sl] = torch.where((dev["first"] < kend)[:, None, None], got, 0).cpu()
-        w = self.qs.real[:, q0:q1].to(P)
-        self.recv[..., :kend] += torch.einsum("bhrk,br->bhk", P, w).double().cpu()
+        self.recv[..., :kend] += rb.received(P, self.qs.real[:, q0:q1].to(P.device)).double().cpu()
         for b, f in enumerate(self.qs.first.tolist()):
             if q0 <= f < q1:
                 self.recv_first[b, :, :kend] = P[b, :, f - q0].double().cpu()
         if self.self_attn:
-            self._self_rows(P, rows, kj, sl)
+            self._self_rows(P, rows, sl, lower)
 
-    def _sorted(self, P: torch.Tensor, sl: slice, kend: int) -> None:
-        """Max, first argmax and the effective span of each row (sorted once)."""
-        t = self.t
-        if P.device.type == "cpu":
-            a = P.numpy()
-            t.arg[..., sl] = torch.from_numpy(a.argmax(-1))
-            vals = torch.from_numpy(np.sort(a, -1))
-        else:
-            t.arg[..., sl] = P.argmax(-1).cpu()
-            vals = P.sort(-1).values
-        t.top[..., sl] = vals[..., -1].cpu()
-        torch.cumsum(vals, -1, out=vals)
-        rest = (1 - 0.9) * vals[..., -1:]
-        left = torch.searchsorted(vals, rest.contiguous(), side="right")[..., 0]
-        t.span[..., sl] = (kend - left).float().cpu()
+    def _lower(self, P: torch.Tensor, q0: int, q1: int, rows: torch.Tensor) -> bool:
+        """Whether no real query of this block puts weight on a key after it (only keys after
+        ``q0`` can be); a layer stays causal while every block is."""
+        if not self.causal:
+            return False
+        kend = P.shape[-1]
+        if kend <= q0 + 1:
+            return True
+        keys = torch.arange(q0 + 1, kend, device=P.device)
+        above = (keys[None, :] > rows[:, None]) & self.qs.real[:, q0:q1, None].to(P.device)
+        above = above & self._on(P.device)["real"][:, None, q0 + 1 : kend]
+        sub = P[..., q0 + 1 :]
+        hit = torch.mul(sub, above[:, None], out=self.ws.get("tmp", tuple(sub.shape), P.dtype, P.device))
+        if bool(hit.amax() != 0):  # weights are non-negative: a positive maximum is one after the query
+            self.causal = False
+        return self.causal
 
-    def _self_rows(self, P: torch.Tensor, rows: torch.Tensor, kj: torch.Tensor, sl: slice) -> None:
-        t, r, kend = self.t, P.shape[-2], P.shape[-1]
-        t.key_sum[..., sl] = (P @ self._on(P.device)["kf"][:kend]).cpu()
-        ri = torch.arange(r, device=P.device)
-        for d, out in t.diag.items():
-            idx = rows + d
-            ok = (idx >= 0) & (idx < kend)
-            out[..., sl] = torch.where(ok, P[..., ri, idx.clamp(0, kend - 1)], 0).cpu()
-        t.dist[..., sl] = (P * (kj[None, :] - rows[:, None]).abs().float()).sum(-1).cpu()
-        beyond, reach = distance_terms(P, rows, self.shape[3])
+    def _self_rows(self, P: torch.Tensor, rows: torch.Tensor, sl: slice, lower: bool) -> None:
+        t, kend = self.t, P.shape[-1]
+        key_sum = P @ self._on(P.device)["kf"][:kend]
+        t.key_sum[..., sl] = key_sum.cpu()
+        for d, v in rb.diagonals(P, rows, LOCAL_WINDOW).items():
+            t.diag[d][..., sl] = v.cpu()
+        # a block with no weight after the query: Σ a_ij |i − j| = i · Σ a_ij − Σ j · a_ij
+        dist = rows.to(P.dtype) * P.sum(-1) - key_sum if lower else rb.abs_distance(P, rows, self.ws)
+        t.dist[..., sl] = dist.cpu()
+        C = rb.prefix_sums(P, self.ws)
+        beyond, reach = rb.distance_terms(C, rows, self.shape[3])
         for D, v in beyond.items():
             t.beyond.setdefault(D, torch.zeros(t.ent.shape))[..., sl] = v.cpu()
         if t.reach is None:
             t.reach = torch.zeros(t.ent.shape)
         t.reach[..., sl] = reach.cpu()
         if t.word is not None:
-            masses = word_masses(P.cumsum(-1), self.lay, rows.cpu())
+            masses = word_masses(C, self.lay, rows.cpu())
             for n, m in masses.items():
                 t.word[n][..., sl] = m.cpu()
         if t.tmpl is not None:
-            for n, D in _templates(self.qs, self.ks, rows.cpu()).items():
-                D = D.to(P.device)
-                t.tmpl[n][..., sl] = (P * D[:, None, :, :kend]).sum(-1).cpu()
-                if n in t.hits:
-                    t.hits[n][:, sl] = D.any(-1).cpu()
+            real_q = self.qs.real[:, sl].to(P.device)[:, None, :]
+            t.tmpl["prev"][..., sl] = torch.where(real_q, t.diag[-1][..., sl].to(P.device), 0).cpu()
+            pairs = self.ws.pairs(self.qs, self.ks, sl.start, sl.stop, kend)
+            for n, (b, i, j, hits) in pairs.items():
+                t.tmpl[n][..., sl] = rb.pair_sums(P, b, i, j).cpu()
+                t.hits[n][:, sl] = hits
 
     def close(self) -> bool | None:
         """Whether this self-attention was causal (None for cross-attention)."""
@@ -172,18 +171,6 @@ class RowTerms:
         s = self.recv - self.recv_first if self.causal else self.recv
         n = lay.counted[:, 0].sum(-1).double()[:, None, None]
         return torch.where(n > 0, s / n.clamp(min=1), float("nan"))
-
-
-def _templates(qs: Side, ks: Side, rows: torch.Tensor) -> dict[str, torch.Tensor]:
-    """The template masks ``D`` ``[B, r, K]`` of the query rows ``rows`` (see the module docs of
-    :mod:`probe.analysis.focus`): previous token, duplicate token, induction."""
-    K = ks.real.shape[1]
-    qi, kj = rows[:, None], torch.arange(K)[None, :]
-    real = qs.real[:, rows, None] & ks.real[:, None, :]
-    same = (qs.ids[:, rows, None] == ks.ids[:, None, :]) & real
-    prev_same = torch.zeros_like(same)
-    prev_same[:, :, 1:] = same[:, :, :-1] & ks.real[:, None, 1:]
-    return {"prev": real & (kj == qi - 1), "dup": same & (kj < qi), "induction": prev_same & (kj <= qi)}
 
 
 class _Candidates:
@@ -213,6 +200,7 @@ def stats_readers():
     ``reader.of(stack)`` is it). What a capture-side consumer of row blocks (``BlockConsumer``, a
     future ``keep=\"stats\"``) is handed to build :class:`HeadStats` without holding patterns."""
     sides: dict[tuple, Side] = {}
+    ws = rb.Workspace()
 
     def side_of(meta, stack, role, B, L):
         k = (stack, role, B, L)
@@ -233,7 +221,7 @@ def stats_readers():
             except ProbeError as e:
                 err = e
                 continue
-            out[st] = RowTerms(qs, ks, shape, self_attn=role == "self")
+            out[st] = RowTerms(qs, ks, shape, self_attn=role == "self", ws=ws)
         if not out:
             raise err
         return _Candidates(out)
