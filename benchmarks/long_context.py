@@ -20,6 +20,7 @@ Targets (issue 21): at T = 16,384 peak <= plain + 1 GiB and time <= 1.5 x plain.
     python benchmarks/long_context.py                           # T = 1024, 4096, 16384
     python benchmarks/long_context.py --lengths 256 512 --repeats 1
     python benchmarks/long_context.py --device cuda --lengths 16384
+    python benchmarks/long_context.py --report 16384 /tmp/report16k   # the report of a 16k stats cache
 """
 
 from __future__ import annotations
@@ -120,6 +121,32 @@ def child_check(T: int, device: str, width: dict) -> dict:
     return {"T": T, "max_rel_diff": worst}
 
 
+def child_report(T: int, device: str, width: dict, out: str) -> dict:
+    """Capture ``keep="stats"`` at ``T`` tokens, write the report, open it in headless Chromium."""
+    import probe
+
+    model, ids = _setup(T, device, width)
+    t0 = time.perf_counter()
+    cache = probe.capture(model, ids, keep="stats")
+    t1 = time.perf_counter()
+    path = probe.report(cache, out, progress=False)
+    t2 = time.perf_counter()
+    row = {"T": T, "capture_s": t1 - t0, "report_s": t2 - t1, "html_mib": Path(path).stat().st_size / MiB}
+    try:
+        from probe.report.browser import browser, open_report
+    except ImportError as e:  # playwright is an optional extra
+        return {**row, "opened": f"not checked ({e})"}
+    with browser() as b:
+        page, log = open_report(b, path)
+        problems = log.errors + [m for m in log.console if m[0] in ("error", "warning")]
+        heads = page.locator("h2").all_text_contents()
+    return {
+        **row,
+        "opened": "no errors" if not problems else f"{len(problems)} errors: {problems[:3]}",
+        "sections": heads,
+    }
+
+
 def _child(*args: str) -> dict:
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
     r = subprocess.run([sys.executable, __file__, "--child", *args], capture_output=True, text=True, env=env)
@@ -138,6 +165,12 @@ def main() -> None:
     )
     ap.add_argument("--width", default=None, help=argparse.SUPPRESS)  # json: a smaller model, for smoke runs
     ap.add_argument("--json", action="store_true", help="print the rows as JSON")
+    ap.add_argument(
+        "--report",
+        nargs=2,
+        metavar=("T", "DIR"),
+        help="instead: capture keep='stats' at T tokens, write the report to DIR and open it in Chromium",
+    )
     ap.add_argument("--child", nargs="+", help=argparse.SUPPRESS)
     a = ap.parse_args()
     width = json.loads(a.width) if a.width else WIDTH
@@ -145,6 +178,8 @@ def main() -> None:
         kind, T = a.child[0], int(a.child[1])
         if kind == "peak":
             row = child_peak(a.child[2], T, a.device, width)
+        elif kind == "report":
+            row = child_report(T, a.device, width, a.child[2])
         elif kind == "time":
             row = child_time(T, a.device, width, a.repeats)
         else:
@@ -152,6 +187,9 @@ def main() -> None:
         print(json.dumps(row))
         return
     common = ["--device", a.device, "--repeats", str(a.repeats), "--width", json.dumps(width)]
+    if a.report:
+        print(json.dumps(_child("report", a.report[0], a.report[1], *common), indent=1))
+        return
     rows = []
     for T in a.lengths:
         peaks = {m: _child("peak", str(T), m, *common)["peak_mib"] for m in ("plain", "stats")}

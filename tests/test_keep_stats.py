@@ -274,3 +274,23 @@ def test_residual_readers_say_only_norms_were_kept():
     with pytest.raises(ProbeError, match=r"keep='stats'.*norm") as e:
         probe.residual(cache)
     assert "\n" not in str(e.value)
+
+
+def test_report_residual_norms_of_a_stats_cache_equal_the_full_capture(tmp_path):
+    """The report's residual-norm series of a keep="stats" cache (its per-position norms) equal
+    the L2 norms computed here from the full capture's residual tensors, and the section shows."""
+    from probe.report import figures
+
+    torch.manual_seed(0)
+    lm = ToyLM("sdpa_causal").eval()
+    ids = torch.randint(0, 40, (2, 15))
+    stats, full = probe.capture(lm, ids, keep="stats"), probe.capture(lm, ids)
+    for b in range(2):
+        got = figures.residual_norm_values(stats, "decoder", b)
+        assert set(got) == {"resid_pre", "resid_post", "self_attn.delta", "mlp.delta"}
+        for name, (layers, values) in got.items():
+            for layer, v in zip(layers, values, strict=True):
+                want = full[f"decoder.blocks.{layer}.{name}"][b].double().norm(dim=-1).mean().item()
+                assert abs(v - want) <= 1e-6 * max(1.0, want), (name, layer, v, want)
+    page = _report_text(probe.report(stats, tmp_path / "r", progress=False))
+    assert "Residual stream norms" in page

@@ -280,9 +280,16 @@ def residual_norm_values(cache, stack: str, batch: int = 0) -> dict[str, tuple[l
     positions = torch.as_tensor(cache.stream_axis(stack, batch).positions)
     for name, *_ in _RESIDUAL_SERIES:
         layers = cache.layer_indices(stack, name)
-        values = [
-            float(cache[key(stack, i, name)][batch, positions].float().norm(dim=-1).mean()) for i in layers
-        ]
+        if layers:
+            values = [
+                float(cache[key(stack, i, name)][batch, positions].float().norm(dim=-1).mean())
+                for i in layers
+            ]
+        else:  # a keep="stats" cache holds each position's norm (``<name>.norm`` [batch, T]) instead
+            layers = cache.layer_indices(stack, f"{name}.norm")
+            values = [
+                float(cache[f"{key(stack, i, name)}.norm"][batch, positions].double().mean()) for i in layers
+            ]
         if layers:
             out[name] = (layers, np.asarray(values))
     return out

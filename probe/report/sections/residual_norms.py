@@ -13,7 +13,8 @@ def build(ctx) -> dict | None:
 
     items, left_out = [], 0
     for ci, cache in enumerate(ctx.caches):
-        if not any(k.endswith(("resid_pre", "resid_post", ".delta")) for k in cache.keys()):
+        ends = ("resid_pre", "resid_post", ".delta")
+        if not any(k.endswith(ends) or k.endswith(tuple(e + ".norm" for e in ends)) for k in cache.keys()):
             continue
         n = cache.n_texts
         left_out += max(0, n - MAX_TEXTS)
