@@ -18,11 +18,11 @@ from probe.analysis.alignment import Alignment, align  # noqa: E402
 from probe.analysis.causal import CausalReport, check_causal  # noqa: E402
 from probe.analysis.compare import Comparison, compare  # noqa: E402
 from probe.analysis.focus import HeadStats, head_stats, induction_scores, retrieval_scores  # noqa: E402
-from probe.analysis.focus.keepstats import capture  # noqa: E402  (keep="stats" too)
 from probe.analysis.residual import budget, logit_lens, residual  # noqa: E402
 from probe.cache import Cache, load  # noqa: E402
 from probe.capture import Trace, trace  # noqa: E402
 from probe.corpus import Corpus, open_corpus, run_corpus  # noqa: E402
+from probe.entry import capture  # noqa: E402  (keep="stats" too)
 from probe.errors import ProbeError  # noqa: E402
 from probe.intervene import (  # noqa: E402
     Ablation,

@@ -10,11 +10,11 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from probe.analysis.focus.keepstats import capture as capture_stats
 from probe.analysis.focus.stats import FocusAccumulator
 from probe.cache import Cache
 from probe.capture import capture
 from probe.corpus.keep import kept
+from probe.entry import capture as capture_stats
 from probe.errors import ProbeError
 from probe.files import write_text_atomic
 

@@ -1,6 +1,6 @@
 """``keep="stats"`` caches: the focus statistics computed while the model ran, stored and read back.
 
-``probe.capture(model, inputs, keep="stats")`` (:func:`capture`) runs one forward through
+``probe.capture(model, inputs, keep="stats")`` (:func:`probe.entry.capture`) runs one forward through
 :func:`probe.forward.capture_stats`: every attention's weights pass row block by row block
 through the readers of :func:`~probe.analysis.focus.streaming.stats_readers` and are dropped;
 :func:`stats_fields` then stores, per attention of every layer,
@@ -21,14 +21,12 @@ same :class:`HeadStats` as ``probe.head_stats(model, inputs)`` (and, less the ro
 
 from __future__ import annotations
 
-import os
 from typing import Any
 
 import torch
 
 from probe.analysis.focus.metrics import METRICS
 from probe.analysis.focus.running import RunningStats
-from probe.analysis.focus.streaming import stats_readers
 from probe.cache.format import parse_key, parse_name
 from probe.errors import ProbeError
 
@@ -100,52 +98,4 @@ def add_stats(acc: Any, cache: Any) -> None:
     acc.not_computed.update(info.get("not_computed") or {})
 
 
-def capture(
-    model: Any,
-    inputs: Any,
-    *,
-    tokenizer: Any = None,
-    target: Any = None,
-    out: str | os.PathLike | None = None,
-    layers: list[int] | None = None,
-    heads: list[int] | None = None,
-    dtype: Any = None,
-    keep: Any = None,
-    block: int | None = None,
-):
-    """:func:`probe.capture.engine.capture`, and ``keep="stats"``: every head's statistics computed
-    block by block while the model runs and each residual tensor's norm, no pattern ever whole
-    (``block`` query rows at a time, default about 64 MiB of weights). See ``docs/long-context.md``."""
-    from probe.forward import capture as capture_full
-    from probe.forward import capture_stats, parse_keep
-
-    if parse_keep(keep).kind != "stats":
-        if block is not None:
-            raise ProbeError("block= sets the row blocks of keep='stats'; drop it for other keeps")
-        return capture_full(
-            model,
-            inputs,
-            tokenizer=tokenizer,
-            target=target,
-            out=out,
-            layers=layers,
-            heads=heads,
-            dtype=dtype,
-            keep=keep,
-        )
-    return capture_stats(
-        model,
-        inputs,
-        stats_readers(),
-        stats_fields,
-        tokenizer=tokenizer,
-        target=target,
-        out=out,
-        layers=layers,
-        heads=heads,
-        dtype=dtype,
-        block=block,
-    )
-
-
-__all__ = ["add_stats", "capture", "stats_fields"]
+__all__ = ["add_stats", "stats_fields"]
