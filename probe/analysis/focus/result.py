@@ -182,7 +182,10 @@ class HeadStats:
             counts: dict[str, int] = {}
             for r in rows:
                 counts[r["role"]] = counts.get(r["role"], 0) + 1
-            roles = ", ".join(f"{n} {role}" for role, n in sorted(counts.items(), key=lambda x: -x[1]))
+            roles = ", ".join(
+                f"{n} {role}" if role != "none" else f"{n} with no role"
+                for role, n in sorted(counts.items(), key=lambda x: -x[1])
+            )
             lines.append(f"{stack} {kind}-attention: {len(rows)} heads; sink rate {rate:.2f}; roles: {roles}")
         if self.kept:
             lines.append(
