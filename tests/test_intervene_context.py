@@ -142,3 +142,18 @@ def test_nesting_and_conflicts_are_refused(minigpt):
             pass
     with probe.intervene(minigpt, ids, ablate=[(0, 1)]):  # nothing left installed by the refusals
         pass
+
+
+def test_a_capture_inside_the_block_records_the_edited_model(minigpt):
+    text = "attention lets tokens read"
+    with probe.intervene(minigpt, text, ablate=[(0, 1)]):
+        inside = probe.capture(minigpt, text)
+    h = _zero_slice(minigpt.blocks[0].attn.proj, 1, 16)  # the same edit, written here
+    try:
+        want = probe.capture(minigpt, text)
+    finally:
+        h.remove()
+    clean = probe.capture(minigpt, text)
+    key = "decoder.blocks.1.self_attn.pattern"
+    torch.testing.assert_close(inside[key], want[key], **TOL)
+    assert (inside[key].float() - clean[key].float()).abs().max() > 1e-3
