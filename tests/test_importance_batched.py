@@ -177,3 +177,20 @@ def test_a_model_whose_rows_do_not_line_up_falls_back(minigpt):
     r = probe.head_importance(model, ids)
     assert r.notes and "one row per" in r.notes[0]
     _check(r, want)
+
+
+def test_bart_cross_attention_batched():
+    model = hf.bart(100)
+    src = torch.randint(3, 100, (2, 8), generator=torch.Generator().manual_seed(3))
+    tgt = torch.randint(3, 100, (2, 5), generator=torch.Generator().manual_seed(4))
+    inputs = {"input_ids": src, "decoder_input_ids": tgt, "use_cache": False}
+    projs = [layer.encoder_attn.out_proj for layer in model.model.decoder.layers]
+
+    def ld(out):
+        return (out.logits[:, -1, 5] - out.logits[:, -1, 9]).float().mean().item()
+
+    want = _oracle(model, projs, 4, 16, lambda: model(**inputs), ld)
+    kw = dict(stack="decoder", role="cross", metric="logit_diff", answer=5, wrong=9)
+    r = probe.head_importance(model, inputs, **kw)
+    assert r.notes == []  # encoder and decoder inputs repeated together
+    _check(r, want)

@@ -193,7 +193,7 @@ def _batched(prep, fn, site, edits: list[Edit], B: int) -> list[float]:
         return y
 
     def repeat(v: Any) -> Any:
-        if isinstance(v, Tensor) and v.dim() and v.shape[0] == B:
+        if isinstance(v, Tensor) and v.dim() >= 2 and v.shape[0] == B:  # batch-first inputs
             return v.repeat(k, *([1] * (v.dim() - 1)))
         return v
 
