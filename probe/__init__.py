@@ -27,10 +27,12 @@ from probe.errors import ProbeError  # noqa: E402
 from probe.intervene import (  # noqa: E402
     Ablation,
     HeadImportance,
+    Intervention,
     Knockout,
     Patching,
     ablate,
     head_importance,
+    intervene,
     knockout,
     patch,
 )
@@ -53,7 +55,7 @@ __all__ += [
 ]
 __all__ += ["run_corpus", "open_corpus", "Corpus"]
 __all__ += ["ablate", "Ablation", "patch", "Patching", "head_importance", "HeadImportance"]
-__all__ += ["knockout", "Knockout"]
+__all__ += ["knockout", "Knockout", "intervene", "Intervention"]
 
 
 def __getattr__(name: str):

@@ -187,3 +187,19 @@ def test_cli_importance_without_a_model_exits_2(cache, tmp_path):
     cache.save(tmp_path / "run.safetensors")
     r = run("report", str(tmp_path / "run.safetensors"), "--importance", "-o", str(tmp_path / "rep"))
     assert r.returncode == 2 and "--importance without a file" in r.stderr
+
+
+def test_cli_importance_with_another_metric(gpt, tmp_path):
+    text = "attention lets tokens read."
+    args = ["--metric", "logit_diff", "--answer", "e", "--wrong", "t", "-o", str(tmp_path)]
+    r = run("report", "--model", "minigpt", text, "--importance", *args)
+    assert r.returncode == 0, r.stderr
+    page = (tmp_path / "index.html").read_text()
+    imp = probe.head_importance(gpt, text, metric="logit_diff", answer="e", wrong="t")
+    assert imp.metric_name == "logit(e) - logit(t)" and imp.metric_name in page
+    for row in _rows_html(imp, probe.capture(gpt, text)):
+        assert row in page
+    r = run(
+        "report", "--model", "minigpt", text, "--importance", "--metric", "prob", "-o", str(tmp_path / "x")
+    )
+    assert r.returncode == 2 and "--metric prob needs --answer" in r.stderr

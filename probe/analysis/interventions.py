@@ -56,7 +56,8 @@ class HeadImportance(TableExports):
     """Per head: ``metric`` (unablated), ``ablated`` (with the head removed), ``change`` =
     ablated - metric, and ``gradient`` = ∂metric/∂ξ_h (Michel et al. 2019). ``grid`` and
     ``gradients`` are ``[layers, heads]`` (``rows`` name the layers; NaN where a layer has fewer
-    heads). ``texts``: the input texts when they were text (else empty)."""
+    heads). ``notes``: what the reader should know (e.g. that the ablations ran one forward per
+    head, and why). ``texts``: the input texts when they were text (else empty)."""
 
     metric_name: str
     how: str

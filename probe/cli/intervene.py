@@ -67,9 +67,7 @@ def cmd_patch(args: argparse.Namespace) -> int:
         args.clean,
         args.corrupted,
         what=args.what,
-        metric=args.metric,
-        answer=_tok(args.answer),
-        wrong=_tok(args.wrong),
+        **metric_kwargs(args),
         positions=args.positions,
         stack=args.stack,
         tokenizer=tok,
@@ -89,6 +87,28 @@ def _tok(t: str | None) -> int | str | None:
         except ValueError:
             raise ProbeError(f"{t!r}: write id:NUMBER for a token id") from None
     return t
+
+
+def add_metric_args(p: argparse.ArgumentParser, default: str, what: str = "") -> None:
+    """``--metric`` (logit_diff, prob, loss), ``--answer`` and ``--wrong``."""
+    p.add_argument(
+        "--metric",
+        choices=("logit_diff", "prob", "loss"),
+        default=default,
+        help=f"{what}the metric: logit_diff (--answer minus --wrong at the last token), prob (of --answer) "
+        f"or loss (next-token); default {default}",
+    )
+    p.add_argument("--answer", default=None, help="the answer token (a one-token string, or id:N)")
+    p.add_argument("--wrong", default=None, help="the wrong token for logit_diff (string or id:N)")
+
+
+def metric_kwargs(args: argparse.Namespace) -> dict:
+    """``metric=``, ``answer=``, ``wrong=`` from the flags, refused (exit 2) where one is missing."""
+    if args.metric == "logit_diff" and (args.answer is None or args.wrong is None):
+        raise ProbeError("--metric logit_diff needs --answer and --wrong (one-token strings or id:N)")
+    if args.metric == "prob" and args.answer is None:
+        raise ProbeError("--metric prob needs --answer (a one-token string or id:N)")
+    return {"metric": args.metric, "answer": _tok(args.answer), "wrong": _tok(args.wrong)}
 
 
 def add_parsers(sub) -> None:
@@ -146,11 +166,7 @@ def add_parsers(sub) -> None:
         default="resid",
         help="what to patch (default resid)",
     )
-    p.add_argument(
-        "--metric", choices=("logit_diff", "prob", "loss"), default="logit_diff", help="default logit_diff"
-    )
-    p.add_argument("--answer", default=None, help="the answer token (a one-token string, or id:N)")
-    p.add_argument("--wrong", default=None, help="the wrong token for logit_diff (string or id:N)")
+    add_metric_args(p, "logit_diff")
     p.add_argument(
         "--positions", type=_ints, default=None, help="positions to patch, e.g. 0,3,-1 (default all)"
     )

@@ -7,6 +7,7 @@ from pathlib import Path
 
 from probe.cli import common
 from probe.cli.common import _human, add_model_args, examples
+from probe.cli.intervene import add_metric_args, metric_kwargs
 from probe.errors import ProbeError
 
 
@@ -53,6 +54,7 @@ def _saved_results(args: argparse.Namespace, from_caches: bool):
                 "--importance without a file measures head importance with the model: give --model NAME "
                 "and texts, or a saved result (--importance result.json)"
             )
+        metric_kwargs(args)  # refused before the model loads
     elif args.importance is not None:
         importance = HeadImportance.load(args.importance)
     patching = [Patching.load(p) for p in args.patching or []]
@@ -108,7 +110,7 @@ def cmd_report(args: argparse.Namespace) -> int:
         caches = [probe.capture(model, text, tokenizer=tok, target=target, keep=keep)]
         if args.importance == MEASURE:
             importance = probe.head_importance(
-                model, text, metric="loss", how=args.how, tokenizer=tok, target=target
+                model, text, how=args.how, tokenizer=tok, target=target, **metric_kwargs(args)
             )
     tutorial = _tutorial_cache(caches[0], model if not args.hf else None)
     path = probe.report(
@@ -178,9 +180,10 @@ def add_parser(sub) -> None:
         default=None,
         metavar="FILE",
         help="add 'Which heads matter': a head importance saved with result.save(FILE), or, with no "
-        "FILE and a model, measure it on the texts (each head removed in turn, next-token loss; see --how)",
+        "FILE and a model, measure it on the texts (each head removed in turn; see --how, --metric)",
     )
     p.add_argument("--how", choices=("zero", "mean"), default="zero", help="for --importance (default zero)")
+    add_metric_args(p, "loss", "for --importance: ")
     p.add_argument(
         "--patching",
         nargs="+",

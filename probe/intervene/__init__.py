@@ -5,12 +5,15 @@ attention's output-projection input, a sublayer's output on the residual stream.
 its own code on its own attention path; nothing is forced onto eager attention.
 """
 
-from probe.intervene.ablate import Ablation, ablate
+from probe.intervene.ablate import Ablation
+from probe.intervene.context import Intervention, ablate, intervene, knockout
 from probe.intervene.importance import HeadImportance, head_importance
-from probe.intervene.knockout import Knockout, knockout
+from probe.intervene.knockout import Knockout
 from probe.intervene.patch import Patching, patch
 
 __all__ = [
+    "intervene",
+    "Intervention",
     "ablate",
     "Ablation",
     "patch",

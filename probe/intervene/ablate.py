@@ -1,4 +1,4 @@
-"""Head and sublayer ablation: ``probe.ablate(model, inputs, heads=[(layer, head)], how="zero")``.
+"""Head and sublayer ablation, what :func:`probe.ablate` and :func:`probe.intervene` install.
 
 A head is removed where its output enters the attention's output projection: its slice of the
 projection's input (``[..., heads * d_head]``) is replaced by zeros (``"zero"``), by its mean over
@@ -15,14 +15,14 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-from torch import Tensor, nn
+from torch import Tensor
 
 from probe.analysis.residual.exports import TableExports
 from probe.analysis.table import Table
 from probe.errors import ProbeError
 from probe.forward import outputs_of
-from probe.intervene.core import Prepared, _prepare, parse_heads, parse_sublayers, prepare_sites, site_label
-from probe.intervene.edits import Edit, applied, recording
+from probe.intervene.core import Prepared, _prepare, site_label
+from probe.intervene.edits import Edit, recording
 from probe.intervene.locate import Site
 
 HOWS = ("zero", "mean", "resample")
@@ -148,32 +148,9 @@ def effect(clean: Any, outputs: Any, mask: Tensor | None, d_model: int | None = 
     return out
 
 
-def ablate(
-    model: nn.Module,
-    inputs: Any,
-    heads: Any = (),
-    *,
-    sublayers: Any = (),
-    stack: str | None = None,
-    how: str = "zero",
-    reference: Any = None,
-    tokenizer: Any = None,
-    target: Any = None,
-) -> Ablation:
-    """Run ``model`` on ``inputs`` with ``heads`` and ``sublayers`` removed; returns an :class:`Ablation`.
-
-    ``heads``: ``[(layer, head), ...]`` (or ``(stack, layer, head)``, ``(stack, layer, "cross",
-    head)``); ``sublayers``: ``[(layer, "attn"|"cross_attn"|"mlp"), ...]``; ``how``: ``"zero"``,
-    ``"mean"`` or ``"resample"`` over ``reference`` (texts or ids like ``inputs``; default the
-    inputs). ``tokenizer``/``target`` as in :func:`probe.capture`. A place probe cannot edit (a
-    fused attention kernel) raises a :class:`ProbeError` naming the layer.
-    """
-    prep = prepare_sites(model, inputs, tokenizer=tokenizer, target=target)
-    hs = parse_heads(prep, heads, stack)
-    subs = parse_sublayers(prep, sublayers, stack)
-    edits = build_edits(prep, hs, subs, how, reference, tokenizer, target)
-    with torch.no_grad(), applied(model, edits):
-        outputs = prep.run()
+def ablation_rows(heads: list[tuple[Site, int]], subs: list[Site], how: str) -> Table:
+    """The :class:`Ablation` table: one row per removed head, then per removed sublayer."""
+    items = [(s, h) for s, h in heads] + [(s, None) for s in subs]
     rows = [
         {
             "component": site_label(s, h),
@@ -184,27 +161,9 @@ def ablate(
             "how": how,
             "module": s.name,
         }
-        for s, h in hs
-    ] + [
-        {
-            "component": site_label(s),
-            "stack": s.stack,
-            "layer": s.layer,
-            "role": s.role,
-            "head": None,
-            "how": how,
-            "module": s.name,
-        }
-        for s in subs
+        for s, h in items
     ]
-    logits = outputs_of(prep.outputs) if _has_tensor(prep.outputs) else None
-    mask = prep.mask(logits, "decoder") if logits is not None and logits.dim() >= 2 else None
-    return Ablation(
-        outputs,
-        prep.outputs,
-        Table(rows, COLUMNS, "ablation"),
-        effect(prep.outputs, outputs, mask, prep.sites.d_model),
-    )
+    return Table(rows, COLUMNS, "ablation")
 
 
 def _has_tensor(out: Any) -> bool:
@@ -215,4 +174,4 @@ def _has_tensor(out: Any) -> bool:
     return True
 
 
-__all__ = ["Ablation", "ablate", "build_edits", "effect", "HOWS"]
+__all__ = ["Ablation", "ablation_rows", "build_edits", "effect", "HOWS"]

@@ -18,6 +18,7 @@ from torch import Tensor, nn
 from probe.capture.engine import Trace
 from probe.capture.inputs import prepare
 from probe.errors import ProbeError
+from probe.intervene.edits import check_free
 from probe.intervene.locate import Site, Sites, locate
 
 
@@ -66,6 +67,7 @@ def prepare_sites(model: nn.Module, inputs: Any, *, tokenizer: Any = None, targe
     """The :class:`Prepared` of ``model`` on ``inputs`` (three forwards, none of them edited)."""
     if not isinstance(model, nn.Module):
         raise ProbeError(f"probe intervenes on torch.nn.Module models, not {type(model).__name__}")
+    check_free(model)
     p = _prepare(model, inputs, tokenizer, target)
     with torch.no_grad():
         outputs = p.run()

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 
 from torch import Tensor, nn
 
+from probe.errors import ProbeError
 from probe.intervene.locate import Site
 
 
@@ -42,13 +43,43 @@ def _replace(x: Tensor, edits: list[Edit]) -> Tensor:
     return y
 
 
+_ACTIVE: list[nn.Module] = []  # the models with an intervention installed now
+
+
+def check_free(model: nn.Module) -> None:
+    """A :class:`ProbeError` if an intervention is installed on ``model`` (or a module of or
+    around it) now."""
+    for a in _ACTIVE:
+        if a is model or any(m is model for m in a.modules()) or any(m is a for m in model.modules()):
+            raise ProbeError(
+                f"an intervention is already installed on this {type(model).__name__} (probe.intervene "
+                "blocks do not nest, and the plain functions do not run inside one); name every "
+                "edit in one probe.intervene(...) call, or run this after the block"
+            )
+
+
 @contextmanager
-def applied(model: nn.Module, edits: list[Edit]) -> Iterator[None]:
-    """Hooks that apply ``edits`` during every forward of ``model`` run inside the block."""
+def exclusive(model: nn.Module) -> Iterator[None]:
+    """Mark ``model`` as intervened on for the block; refused (:func:`check_free`) if it already is."""
+    check_free(model)
+    _ACTIVE.append(model)
+    try:
+        yield
+    finally:
+        _ACTIVE.remove(model)
+
+
+@contextmanager
+def hooked(model: nn.Module, edits: list[Edit]) -> Iterator[None]:
+    """Hooks that apply ``edits`` during every forward of ``model`` run inside the block (no
+    exclusivity check: see :func:`applied`)."""
     by_module: dict[int, tuple[nn.Module, dict[tuple[str, int], list[Edit]]]] = {}
     for e in edits:
         m, table = by_module.setdefault(id(e.site.module), (e.site.module, {}))
         table.setdefault((e.where, e.site.call), []).append(e)
+    if not by_module:
+        yield
+        return
     counts: dict[int, int] = {}
     handles = [model.register_forward_pre_hook(lambda mod, args: counts.clear())]
 
@@ -80,6 +111,13 @@ def applied(model: nn.Module, edits: list[Edit]) -> Iterator[None]:
 
 
 @contextmanager
+def applied(model: nn.Module, edits: list[Edit]) -> Iterator[None]:
+    """:func:`hooked` for a block in which no other intervention is installed on ``model``."""
+    with exclusive(model), hooked(model, edits):
+        yield
+
+
+@contextmanager
 def recording(model: nn.Module, sites: list[tuple[Site, str]]) -> Iterator[dict[tuple[int, str], Tensor]]:
     """Keep a detached copy of each ``(site, where)`` tensor of the next forward, keyed by
     ``(index in sites, where)``."""
@@ -96,4 +134,4 @@ def recording(model: nn.Module, sites: list[tuple[Site, str]]) -> Iterator[dict[
         yield got
 
 
-__all__ = ["Edit", "applied", "recording"]
+__all__ = ["Edit", "applied", "hooked", "exclusive", "check_free", "recording"]

@@ -1,12 +1,18 @@
 """Head importance: ``probe.head_importance(model, inputs, metric="loss", how="zero")``.
 
 For every attention head, the metric's change when that head alone is removed (as
-:func:`probe.ablate` removes it: one forward per head), next to the gradient estimate of Michel,
+:func:`probe.ablate` removes it), next to the gradient estimate of Michel,
 Levy & Neubig (2019, "Are Sixteen Heads Really Better than One?"): put a gate ``ξ_h`` (1) on head
 ``h``'s output and take ``∂metric/∂ξ_h``, which is ``Σ_positions x_h · ∂metric/∂x_h`` with ``x_h``
 the head's slice of the output projection's input (one forward and one backward for all heads).
 Removing a head moves ``ξ_h`` from 1 to 0, so ``-gradient`` is the first-order estimate of the
 zero-ablation ``change``; Michel et al. rank heads by ``|gradient|`` summed over a dataset.
+
+The ablations run batched: one forward per layer (or per ``max_batch`` rows), the inputs
+repeated once per head along the batch and row block ``h`` getting head ``h`` removed at the
+same place (the output projection's input), the metric taken per block from its per-example
+form. Where that is not possible (a metric function of the whole outputs, a model that does not
+run on repeated inputs or does not return one row per input row) it runs one forward per head.
 """
 
 from __future__ import annotations
@@ -19,7 +25,8 @@ from torch import Tensor, nn
 from probe.analysis.interventions import HeadImportance
 from probe.analysis.table import Table
 from probe.errors import ProbeError
-from probe.intervene.ablate import build_edits
+from probe.forward import outputs_of
+from probe.intervene.ablate import _has_tensor, build_edits
 from probe.intervene.core import _stack, prepare_sites
 from probe.intervene.edits import Edit, applied
 from probe.intervene.metrics import metric_tensor
@@ -69,15 +76,22 @@ def head_importance(
     reference: Any = None,
     tokenizer: Any = None,
     target: Any = None,
+    batched: bool = True,
+    max_batch: int = 64,
 ) -> HeadImportance:
     """The :class:`HeadImportance` of every ``role`` attention head of ``stack`` on ``inputs``.
 
     ``metric``: ``"loss"`` (default), ``"logit_diff"`` (with ``answer``/``wrong``), ``"prob"``
     (``answer``) or a function of the outputs returning a 0-d tensor; ``how``: ``"zero"`` or
-    ``"mean"`` (over ``reference``, default the inputs).
+    ``"mean"`` (over ``reference``, default the inputs). ``batched``: run the heads of a layer as
+    rows of one forward, the inputs repeated once per head (at most ``max_batch`` rows a forward);
+    done for the built-in metrics where the model's outputs come back one row per input row, else
+    (or with ``batched=False``) one forward per head, said in ``notes``.
     """
     if how not in ("zero", "mean"):
         raise ProbeError(f"how= is 'zero' or 'mean' for head importance, not {how!r}")
+    if not isinstance(max_batch, int) or max_batch < 1:
+        raise ProbeError(f"max_batch= is a whole number of rows >= 1, not {max_batch!r}")
     prep = prepare_sites(model, inputs, tokenizer=tokenizer, target=target)
     st = _stack(prep, stack)
     layers = sorted({i for s, i, r in prep.sites.heads if s == st and r == role})
@@ -86,45 +100,121 @@ def head_importance(
     sites = [prep.site(st, i, role) for i in layers]
     ids = _ids(prep.meta)
     mask = prep.mask(ids.unsqueeze(-1), st) if ids is not None else None
-    name, fn = metric_tensor(
-        model, metric, answer=answer, wrong=wrong, ids=ids, mask=mask, tokenizer=tokenizer
-    )
+    fn = metric_tensor(model, metric, answer=answer, wrong=wrong, ids=ids, mask=mask, tokenizer=tokenizer)
     with torch.no_grad():
         base = float(fn(prep.outputs))
     grads = _gradients(prep, sites, fn)
+    heads = [(s, h) for s in sites for h in range(s.heads)]
+    edits = build_edits(prep, heads, [], how, reference, tokenizer, target)
+    notes: list[str] = []
+    ablated = _ablated(prep, fn, heads, edits, batched, max_batch, notes)
     H = max(s.heads for s in sites)
     grid = torch.full((len(sites), H), float("nan"))
     gg = torch.full((len(sites), H), float("nan"))
     rows = []
-    for li, s in enumerate(sites):
-        for h in range(s.heads):
-            edits = build_edits(prep, [(s, h)], [], how, reference, tokenizer, target)
-            with torch.no_grad(), applied(model, edits):
-                m = float(fn(prep.run()))
-            grid[li, h], gg[li, h] = m - base, float(grads[li][h])
-            rows.append(
-                {
-                    "stack": st,
-                    "layer": s.layer,
-                    "role": role,
-                    "head": h,
-                    "component": f"L{s.layer}.H{h}",
-                    "metric": base,
-                    "ablated": m,
-                    "change": m - base,
-                    "gradient": float(grads[li][h]),
-                }
-            )
+    for (s, h), m in zip(heads, ablated, strict=True):
+        li = sites.index(s)
+        grid[li, h], gg[li, h] = m - base, float(grads[li][h])
+        rows.append(
+            {
+                "stack": st,
+                "layer": s.layer,
+                "role": role,
+                "head": h,
+                "component": f"L{s.layer}.H{h}",
+                "metric": base,
+                "ablated": m,
+                "change": m - base,
+                "gradient": float(grads[li][h]),
+            }
+        )
     texts = [inputs] if isinstance(inputs, str) else list(inputs) if _all_str(inputs) else []
-    return HeadImportance(
-        name,
-        how,
-        Table(rows, COLUMNS, "head importance"),
-        grid,
-        gg,
-        [f"L{s.layer}" for s in sites],
-        texts=texts,
+    table = Table(rows, COLUMNS, "head importance")
+    rownames = [f"L{s.layer}" for s in sites]
+    return HeadImportance(fn.name, how, table, grid, gg, rownames, notes=notes, texts=texts)
+
+
+class _Unbatchable(Exception):
+    """Raised inside a batched forward whose rows do not line up with the repeated inputs."""
+
+
+def _ablated(prep, fn, heads: list, edits: list[Edit], batched: bool, max_batch: int, notes: list) -> list:
+    """The metric with each head removed alone: batched per layer where possible (see
+    :func:`head_importance`), else one forward per head."""
+    out = prep.outputs
+    B = outputs_of(out).shape[0] if fn.rows is not None and _has_tensor(out) else 0
+    why = (
+        "batched=False"
+        if not batched
+        else "the metric is a function of the whole outputs (no per-example form)"
+        if fn.rows is None
+        else "the model's outputs have no batch of logits"
+        if not B
+        else ""
     )
+    got: list[float] = []
+    i = 0
+    while i < len(heads):
+        site = heads[i][0]
+        n = sum(1 for s, _ in heads[i:] if s is site)
+        if not why:
+            k = max(1, max_batch // B)
+            try:
+                for j in range(i, i + n, k):
+                    got += _batched(prep, fn, site, edits[j : min(j + k, i + n)], B)
+            except _Unbatchable as e:
+                why, got = str(e), got[:i]
+        if why:
+            got = got[:i] + [_one(prep, fn, edits[j]) for j in range(i, i + n)]
+        i += n
+    if batched and why:
+        notes.append(f"one forward per head: {why}")
+    return got
+
+
+def _one(prep, fn, edit: Edit) -> float:
+    with torch.no_grad(), applied(prep.model, [edit]):
+        return float(fn(prep.run()))
+
+
+def _batched(prep, fn, site, edits: list[Edit], B: int) -> list[float]:
+    """Row block ``j`` (``B`` rows: the inputs) gets ``edits[j]``; one forward, one metric per block."""
+    k = len(edits)
+
+    def value(x: Tensor) -> Tensor:
+        if x.dim() < 2 or x.shape[0] != k * B:
+            raise _Unbatchable(
+                f"{site.name}'s input is {list(x.shape)}, not {k * B} rows of the repeated inputs"
+            )
+        y = x.clone()
+        for j, e in enumerate(edits):
+            rows = slice(j * B, (j + 1) * B)
+            y[rows, ..., e.cols] = e.value(x[rows, ..., e.cols]).to(y.dtype)
+        return y
+
+    def repeat(v: Any) -> Any:
+        if isinstance(v, Tensor) and v.dim() >= 2 and v.shape[0] == B:  # batch-first inputs
+            return v.repeat(k, *([1] * (v.dim() - 1)))
+        return v
+
+    def pre(mod, args, kwargs):
+        return tuple(repeat(a) for a in args), {n: repeat(v) for n, v in kwargs.items()}
+
+    h = prep.model.register_forward_pre_hook(pre, with_kwargs=True)
+    try:
+        with torch.no_grad(), applied(prep.model, [Edit(site, "input", None, value)]):
+            out = prep.run()
+    except _Unbatchable:
+        raise
+    except Exception as e:  # the model could not run on the repeated inputs
+        why = f"the model did not run on its inputs repeated ({type(e).__name__}: {e})"
+        raise _Unbatchable(why) from None
+    finally:
+        h.remove()
+    logits = outputs_of(out) if _has_tensor(out) else None
+    if logits is None or logits.shape[0] != k * B:
+        raise _Unbatchable("the model's outputs do not have one row per repeated input row")
+    return [float(fn.of_logits(logits[j * B : (j + 1) * B])) for j in range(k)]
 
 
 def _all_str(inputs: Any) -> bool:

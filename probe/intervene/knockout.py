@@ -16,6 +16,8 @@ None (all). A query left with no key raises a :class:`ProbeError` (its weights w
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -27,9 +29,7 @@ from probe.analysis.residual.exports import TableExports
 from probe.analysis.table import Table
 from probe.capture.record import SDPA, SOFTMAX
 from probe.errors import ProbeError
-from probe.forward import outputs_of
-from probe.intervene.ablate import _has_tensor, effect
-from probe.intervene.core import _stack, prepare_sites
+from probe.intervene.core import Prepared, _stack
 
 COLUMNS = ["stack", "layer", "role", "head", "ops"]
 
@@ -169,27 +169,18 @@ class Knockout(TableExports):
         return f"{self.table}\n" + ", ".join(f"{k} {v:.4g}" for k, v in self.summary.items())
 
 
-def knockout(
-    model: nn.Module,
-    inputs: Any,
-    edges: Any,
+def knock_plan(
+    prep: Prepared,
     *,
     layers: list[int] | None = None,
     heads: list[int] | None = None,
     stack: str | None = None,
     role: str = "self",
-    tokenizer: Any = None,
-    target: Any = None,
-) -> Knockout:
-    """Run ``model`` on ``inputs`` with the query → key ``edges`` blocked in the ``role`` attention
-    of ``layers`` (default all) and ``heads`` (default all) of ``stack``; returns a :class:`Knockout`.
-
-    ``edges``: ``[(query, keys), ...]`` (e.g. ``[(-1, range(10, 21))]``: the last token may not
-    read positions 10-20) or a bool ``[q, k]`` tensor (True = blocked).
-    """
+) -> dict[int, dict]:
+    """Which heads of which layer calls to knock out: ``{id(layer module): {"module", "calls":
+    {call: {"stack", "layer", "roles": [(role, heads, chosen heads)]}}}}``."""
     if role not in ("self", "cross"):
         raise ProbeError(f"role= is 'self' or 'cross', not {role!r}")
-    prep = prepare_sites(model, inputs, tokenizer=tokenizer, target=target)
     st = _stack(prep, stack)
     have = sorted(i for (s, i, r) in prep.sites.heads if s == st and r == role)
     if not have:
@@ -219,17 +210,17 @@ def knockout(
             "layer": i,
             "roles": rs,
         }
-    mode = _Knock(plan, edges)
-    outputs = _run(model, prep.run, mode, plan)
-    _check_placed(plan, mode.counts)
+    return plan
+
+
+def knock_table(plan: dict[int, dict], counts: dict) -> Table:
+    """Per knocked-out head the number of attention ops edited; a :class:`ProbeError` naming the
+    layer if a chosen head was never edited (see :func:`_check_placed`)."""
+    _check_placed(plan, counts)
     rows = [
-        {"stack": s, "layer": i, "role": r, "head": h, "ops": n}
-        for (s, i, r, h), n in sorted(mode.counts.items())
+        {"stack": s, "layer": i, "role": r, "head": h, "ops": n} for (s, i, r, h), n in sorted(counts.items())
     ]
-    logits = outputs_of(prep.outputs) if _has_tensor(prep.outputs) else None
-    mask = prep.mask(logits, "decoder") if logits is not None and logits.dim() >= 2 else None
-    table = Table(rows, COLUMNS, "knockout")
-    return Knockout(outputs, prep.outputs, table, effect(prep.outputs, outputs, mask, prep.sites.d_model))
+    return Table(rows, COLUMNS, "knockout")
 
 
 def _check_placed(plan: dict[int, dict], counts: dict) -> None:
@@ -246,7 +237,11 @@ def _check_placed(plan: dict[int, dict], counts: dict) -> None:
                         )
 
 
-def _run(model: nn.Module, run, mode: _Knock, plan: dict[int, dict]) -> Any:
+@contextmanager
+def knocked(model: nn.Module, plan: dict[int, dict], edges: Any) -> Iterator[_Knock]:
+    """The knockout of ``plan`` installed for every forward of ``model`` inside the block (hooks on
+    the layer modules and a torch function mode); yields the mode (``.counts``: ops edited)."""
+    mode = _Knock(plan, edges)
     counts: dict[int, int] = {}
     stack: list = []
     handles = [model.register_forward_pre_hook(lambda m, a: counts.clear())]
@@ -265,11 +260,11 @@ def _run(model: nn.Module, run, mode: _Knock, plan: dict[int, dict]) -> Any:
         handles.append(entry["module"].register_forward_pre_hook(enter))
         handles.append(entry["module"].register_forward_hook(leave))
     try:
-        with torch.no_grad(), mode:
-            return run()
+        with mode:
+            yield mode
     finally:
         for h in handles:
             h.remove()
 
 
-__all__ = ["Knockout", "knockout", "blocked"]
+__all__ = ["Knockout", "knock_plan", "knock_table", "knocked", "blocked"]

@@ -18,7 +18,11 @@ fused kernel such as ``nn.MultiheadAttention``, or ``einsum`` with ``W_O``) rais
 :class:`ProbeError` naming the layer when an intervention is asked for there.
 
 The MLP's output is the weighted leaf whose output equals the captured MLP delta exactly
-(pre-norm and parallel blocks); in other layouts MLP ablation is refused with a ProbeError.
+(pre-norm and parallel blocks). In a post-norm layer (``norm(x + mlp(x))``, BERT, BART) it is
+the last weighted leaf of the stream's width after the attention projections, checked in the
+data flow: the layer's own code adds its output, bit for bit, to the tensor the MLP's first
+weighted leaf read (the stream entering the MLP). In other layouts MLP ablation is refused with a
+ProbeError.
 """
 
 from __future__ import annotations
@@ -41,6 +45,7 @@ _SHAPE = frozenset(
     "unsqueeze expand movedim moveaxis swapaxes swapdims narrow detach masked_fill masked_fill_".split()
 )
 _MATMUL = frozenset("matmul __matmul__ bmm einsum".split())
+_ADD = frozenset("add __add__ __radd__ add_ __iadd__".split())
 
 
 @dataclass
@@ -115,6 +120,10 @@ class _Scan(TorchFunctionMode):
             self.events.append(("attn",))
             for t in _tensors(out)[:1]:
                 self.mark(t, OUTPUT, [("sdpa", t)])
+        elif name in _ADD:
+            ts = [a for a in list(args) + list(kwargs.values()) if isinstance(a, Tensor)]
+            if len(ts) == 2 and ts[0].shape == ts[1].shape:
+                self.events.append(("add", ts[0], ts[1]))
         elif name in _MATMUL or name in _SHAPE:
             ins = [
                 a
@@ -265,7 +274,7 @@ def locate(model: nn.Module, prepared: Any, cache: Any) -> Sites:
             _place_layer(sites, e, start, k, pre)
             projs, leaves = _attention_sites(inner, d_model or -1)
             _place_attention(sites, e, projs)
-            _place_mlp(sites, e, leaves, cache)
+            _place_mlp(sites, e, leaves, cache, (inner, projs, d_model))
     return sites
 
 
@@ -301,10 +310,14 @@ def _place_attention(sites: Sites, e: dict, projs: list[tuple]) -> None:
         )
 
 
-def _place_mlp(sites: Sites, e: dict, leaves: list[tuple], cache: Any) -> None:
+def _place_mlp(sites: Sites, e: dict, leaves: list[tuple], cache: Any, call: tuple) -> None:
     stack, layer = e["stack"], e["layer"]
     k = f"{stack}.blocks.{layer}.mlp.delta"
-    if k not in cache or (e.get("deltas") or {}).get("mlp") != "sublayer output":
+    kind = (e.get("deltas") or {}).get("mlp")
+    if k in cache and kind == "stream difference":
+        _place_post_norm_mlp(sites, e, *call)
+        return
+    if k not in cache or kind != "sublayer output":
         sites.refused[(stack, layer, "mlp")] = "the cache has no MLP delta that is a sublayer's output"
         return
     delta = cache[k]
@@ -313,6 +326,30 @@ def _place_mlp(sites: Sites, e: dict, leaves: list[tuple], cache: Any) -> None:
             sites.mlp[(stack, layer)] = Site(stack, layer, "mlp", mod, name, call)
             return
     sites.refused[(stack, layer, "mlp")] = "no weighted module's output is exactly the MLP's delta"
+
+
+def _place_post_norm_mlp(sites: Sites, e: dict, inner: list[tuple], projs: list[tuple], d_model) -> None:
+    """A post-norm layer (``norm(x + mlp(x))``): the MLP's output is the last weighted leaf of
+    the stream's width after the attention projections, placed only if the layer's own code adds
+    it (bit for bit) to the very tensor the MLP's first weighted leaf read."""
+    stack, layer = e["stack"], e["layer"]
+    start = inner.index(projs[-1]) + 1 if projs else 0
+    after = [ev for ev in inner[start:] if ev[0] == "leaf"]
+    outs = [ev for ev in after if isinstance(ev[5], Tensor) and ev[5].shape[-1] == d_model]
+    if after and outs and isinstance(after[0][4], Tensor):
+        o, x = outs[-1], after[0][4]
+        for ev in inner[inner.index(o) + 1 :]:
+            if ev[0] != "add":
+                continue
+            a, b = ev[1], ev[2]
+            if a.shape == o[5].shape == x.shape and (
+                (torch.equal(a, o[5]) and torch.equal(b, x)) or (torch.equal(b, o[5]) and torch.equal(a, x))
+            ):
+                sites.mlp[(stack, layer)] = Site(stack, layer, "mlp", o[2], o[1], o[3])
+                return
+    sites.refused[(stack, layer, "mlp")] = (
+        "a post-norm layer whose MLP output probe could not see added to the MLP's input"
+    )
 
 
 def _place_layer(sites: Sites, e: dict, start: tuple, call: int, pre: Tensor | None) -> None:

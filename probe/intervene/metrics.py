@@ -3,11 +3,14 @@
 ``"logit_diff"`` (``answer`` minus ``wrong`` logit), ``"prob"`` (softmax probability of ``answer``)
 at the last real position of each text, averaged over texts; ``"loss"`` (next-token
 cross-entropy of the clean token ids over real positions); or any ``callable(outputs) -> float``.
+Each is a :class:`Metric`; the built-in ones also have a per-example form (:attr:`Metric.rows`),
+which lets :func:`probe.head_importance` run several ablations as rows of one batch.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -49,21 +52,30 @@ def _last(mask: Tensor | None, logits: Tensor) -> Tensor:
     return (m * torch.arange(T)).argmax(-1)
 
 
-def make_metric(
-    model: Any,
-    metric: Any,
-    *,
-    answer: Any = None,
-    wrong: Any = None,
-    ids: Tensor | None = None,
-    mask: Tensor | None = None,
-    tokenizer: Any = None,
-) -> tuple[str, Callable[[Any], float]]:
-    """``(name, fn)``: ``fn(outputs) -> float`` for the metric asked for (see the module docstring)."""
-    name, fn = metric_tensor(
-        model, metric, answer=answer, wrong=wrong, ids=ids, mask=mask, tokenizer=tokenizer
-    )
-    return name, lambda out: float(fn(out))
+@dataclass
+class Metric:
+    """A number from the model's outputs: ``metric(outputs)`` is a 0-d float tensor.
+
+    ``rows``: the per-example form, ``rows(logits [batch, ...]) -> (total [batch], weight
+    [batch])``: text ``b``'s own metric is ``total[b] / weight[b]`` and the metric of the batch is
+    ``Σ total / Σ weight`` (for ``"loss"`` the weight is the number of predicted real tokens, else
+    1). None for a function given by the user: it sees the whole outputs (and may reduce over the
+    batch in its own way), so it has no per-example form.
+    """
+
+    name: str
+    rows: Callable[[Tensor], tuple[Tensor, Tensor]] | None = None
+    fn: Callable[[Any], Any] | None = None
+
+    def __call__(self, out: Any) -> Tensor:
+        if self.rows is None:
+            return torch.as_tensor(self.fn(out))
+        return self.of_logits(outputs_of(out))
+
+    def of_logits(self, logits: Tensor) -> Tensor:
+        """The metric of a batch from its logits ``[batch, ...]`` (needs :attr:`rows`)."""
+        total, weight = self.rows(logits.float())
+        return total.sum() / weight.sum()
 
 
 def metric_tensor(
@@ -75,10 +87,11 @@ def metric_tensor(
     ids: Tensor | None = None,
     mask: Tensor | None = None,
     tokenizer: Any = None,
-) -> tuple[str, Callable[[Any], Tensor]]:
-    """As :func:`make_metric`, with ``fn`` returning a 0-d tensor (differentiable)."""
+) -> Metric:
+    """The :class:`Metric` asked for (see the module docstring); ``ids``/``mask`` ``[batch, pos]``
+    are the clean token ids and real-token mask (for ``"loss"`` and the last real position)."""
     if callable(metric):
-        return getattr(metric, "__name__", "metric"), lambda out: torch.as_tensor(metric(out))
+        return Metric(getattr(metric, "__name__", "metric"), fn=metric)
     if metric not in METRICS:
         raise ProbeError(
             f"metric= is one of {', '.join(METRICS)} or a function of the outputs, not {metric!r}"
@@ -87,31 +100,33 @@ def metric_tensor(
         if ids is None:
             raise ProbeError("metric='loss' needs token ids (texts or an id tensor) as the clean inputs")
 
-        def loss(out: Any) -> Tensor:
-            logits = outputs_of(out).float()[:, :-1]
+        def loss(logits: Tensor) -> tuple[Tensor, Tensor]:
+            logits = logits[:, :-1]
             tgt = ids[:, 1:].to(logits.device)
             nll = torch.nn.functional.cross_entropy(logits.transpose(1, 2), tgt, reduction="none")
             keep = mask[:, 1:].bool() if mask is not None else torch.ones_like(nll, dtype=torch.bool)
-            return nll[keep].mean()
+            keep = keep.to(nll.device)
+            return (nll * keep).sum(1), keep.sum(1).to(nll.dtype)
 
-        return "loss", loss
+        return Metric("loss", loss)
     if answer is None or (metric == "logit_diff" and wrong is None):
         need = "answer= and wrong=" if metric == "logit_diff" else "answer="
         raise ProbeError(f"metric={metric!r} needs {need} (token ids or one-token strings)")
     a = token_id(model, answer, tokenizer)
     b = token_id(model, wrong, tokenizer) if wrong is not None else None
 
-    def at_last(out: Any) -> Tensor:
-        logits = outputs_of(out).float()
+    def at_last(logits: Tensor) -> Tensor:
         rows = torch.arange(logits.shape[0])
         return logits[rows, _last(mask, logits)]
 
+    def one(lg: Tensor) -> Tensor:
+        return torch.ones(lg.shape[0], device=lg.device)
+
     if metric == "prob":
-        return f"p({answer})", lambda out: at_last(out).softmax(-1)[:, a].mean().item()
-    return (
-        f"logit({answer}) - logit({wrong})",
-        lambda out: (at_last(out)[:, a] - at_last(out)[:, b]).mean().item(),
+        return Metric(f"p({answer})", lambda lg: (at_last(lg).softmax(-1)[:, a], one(lg)))
+    return Metric(
+        f"logit({answer}) - logit({wrong})", lambda lg: (at_last(lg)[:, a] - at_last(lg)[:, b], one(lg))
     )
 
 
-__all__ = ["make_metric", "metric_tensor", "token_id", "METRICS"]
+__all__ = ["Metric", "metric_tensor", "token_id", "METRICS"]

@@ -29,7 +29,7 @@ from probe.errors import ProbeError
 from probe.intervene.core import _prepare, prepare_sites
 from probe.intervene.edits import Edit, applied, recording
 from probe.intervene.locate import Site
-from probe.intervene.metrics import make_metric
+from probe.intervene.metrics import metric_tensor
 
 WHATS = ("resid", "heads", "attn", "mlp")
 COLUMNS = ["stack", "layer", "component", "pos", "token", "head", "metric", "normalised"]
@@ -83,7 +83,8 @@ def patch(
     saved = [got[(i, where)] for i in range(len(sites))]
     ids = _ids(prep.meta)
     mask = prep.mask(saved[0], st)
-    name, fn = make_metric(model, metric, answer=answer, wrong=wrong, ids=ids, mask=mask, tokenizer=tokenizer)
+    m = metric_tensor(model, metric, answer=answer, wrong=wrong, ids=ids, mask=mask, tokenizer=tokenizer)
+    name, fn = m.name, lambda out: float(m(out))
     with torch.no_grad():
         out_corr = corr.run()
     _same_shape(prep.outputs, out_corr)
