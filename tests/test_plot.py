@@ -338,8 +338,8 @@ with warnings.catch_warnings(record=True) as english:
     for _ in range(3):
         figure_uri(plot.matrix(np.eye(2), ["attention", "lets"], ["tokens", "read"]))
 with warnings.catch_warnings(record=True) as chinese:
-    for _ in range(3):
-        for f in seeds.figures_for(plot.seed_caches(["minigpt"]), names=["minigpt"]):  # the tutorial's Chinese axis labels
+    for _ in range(3):  # the tutorial's figures have Chinese axis labels
+        for f in seeds.figures_for(plot.seed_caches(["minigpt"]), names=["minigpt"]):
             figure_uri(f.figure)
         figure_uri(plot.matrix(np.eye(2), ["注意", "力"], ["啤酒", "力"]))
 font = fonts.cjk_font()
