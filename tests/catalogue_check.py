@@ -273,6 +273,7 @@ def check_model(model: Any, inputs: dict | None = None) -> dict[str, Any]:
             {"self": [], "cross": [], "other": []},
             f"{type(e).__name__}: {str(e)[:200]}",
         )
+    eager = L.eager_in_probe_layout(model, eager, inputs)
     n_eager = len(eager["self"]) + len(eager["cross"])
     res.update(n_eager=n_eager, n_sdpa=len(sdpa))
     if eager.get("other"):
@@ -281,7 +282,6 @@ def check_model(model: Any, inputs: dict | None = None) -> dict[str, Any]:
         if failed["status"] == "refused" and "no attention" in failed["reason"] and not n_eager and not sdpa:
             failed["status"] = "no softmax attention"
         return {**res, **failed}
-    eager = L.eager_in_probe_layout(model, eager, inputs)
     got = probe_patterns(cache)
     prompt = L.prompt_length(model)
     if prompt:  # CpmAnt: eager crops its prompt positions, so compare probe's text block

@@ -13,6 +13,8 @@ mapping code, so that the check stays an independent oracle.
   ``h`` of the first half paired with ``h + H`` (the model chunks its heads in two); the combined
   map of differential head ``h`` is ``a1 - λ·a2`` with λ computed here from the module's
   ``lambda_q1/k1/q2/k2`` and ``lambda_init``, and the parts are ``[a1, a2]``.
+* SqueezeBERT: eager returns the scores before the softmax (mask added); their softmax over the
+  keys is the weights its attention module computes.
 * CpmAnt: eager crops its weights to the text (``[prompt:, prompt:]``, ``prompt`` =
   ``config.prompt_length``); probe's patterns are cropped the same way before the comparison.
 
@@ -119,6 +121,10 @@ def eager_in_probe_layout(model: Any, eager: dict, inputs: dict) -> dict:
     cfg = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
     banded = getattr(cfg, "attention_window", None) is not None
     lams = differential_lambdas(model)
+    if model.config.model_type == "squeezebert" and not eager["self"]:
+        # SqueezeBERT's ``attentions`` are its scores before the softmax (mask added): the weights
+        # are their softmax over the keys, as its attention module computes them
+        eager = {**eager, "self": [t.softmax(-1) for t in eager["other"]], "other": []}
     out, parts = [], []
     for t in eager["self"]:
         mapped = None

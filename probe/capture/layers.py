@@ -72,6 +72,8 @@ class Layer:
     call: int = 0  # which call of its module this is (a module run several times in one forward)
     group: Group | None = None  # parallel per-sublayer lists: this layer is element ``index`` of each
     module: str | None = None  # the module path the metadata names (default: the layer call's)
+    direct: bool = False  # a list element whose forward was called directly (started by a child)
+    last_out: Tensor | None = None  # a direct layer's output: the next element's input
 
 
 def _fields(a: Attention) -> dict[str, int]:
@@ -99,6 +101,17 @@ class LayerRecord:
     call: int = 0  # which call of ``module`` in the forward (> 0 only for modules run several times)
 
 
+def _channels_last(items: list[tuple[str, Tensor]], layer: Layer, notes: dict) -> list[tuple[str, Tensor]]:
+    """A layer's residual tensors as ``[batch, pos, d_model]`` where the model keeps its stream
+    channel-first, ``[batch, d_model, pos]`` (SqueezeBERT): the last axis is the layer's query
+    length and the middle one is not. Returned as given otherwise."""
+    q = next((a.qk[0] for a in layer.attns if a.role != "cross"), None)
+    if q is None or not items or any(t.dim() != 3 or t.shape[2] != q or t.shape[1] == q for _, t in items):
+        return items
+    notes["residual_layout"] = "the model keeps its stream as [batch, d_model, pos]; stored transposed"
+    return [(n, t.transpose(1, 2).contiguous()) for n, t in items]
+
+
 class LayerTracker:
     """Layers and sublayers of one capture of ``model``, read off the watcher's call ``stack``.
 
@@ -124,6 +137,16 @@ class LayerTracker:
                 self.container_len.setdefault(n, len(m))
                 for i, child in enumerate(m.children()):
                     self.container_of.setdefault(id(child), (n, i))
+        # children of list elements -> (the element, its list, its index): an element whose own
+        # forward is called directly (SqueezeBERT's ``layer.forward(...)``) fires no hook, and
+        # its layer starts with its first child's call instead
+        self.element_of: dict[int, tuple[nn.Module, str, int]] = {}
+        for m in model.modules():
+            if id(m) in self.container_of and not isinstance(m, (nn.ModuleList, nn.ModuleDict)):
+                for child in m.children():
+                    # not a list element of its own, nor a rotary table or a dropout
+                    if id(child) not in self.container_of and next(child.parameters(), None) is not None:
+                        self.element_of.setdefault(id(child), (m, *self.container_of[id(m)]))
         self.group_of = parallel_lists(model)
         for k in self.group_of:  # grouped by index: no element of them is a layer of its own
             self.container_of.pop(k, None)
@@ -152,8 +175,12 @@ class LayerTracker:
     def enter(self, call: Call) -> None:
         """A module call starts (not yet on the stack): a layer, a sublayer, or neither."""
         module, parent = call.module, call.parent
+        if self.layer is not None and self.layer.direct and id(module) in self.container_of:
+            self.end(self.layer_call, call.primary)  # a list element run with its hooks after all
         if self.group_of and id(module) in self.group_of:
             self._group_element(call, *self.group_of[id(module)])
+        elif id(module) in self.element_of and parent is not None:
+            self._unhooked_element(call, *self.element_of[id(module)])
         if self.layer is None and id(module) in self.container_of:
             self._start(call, *self.container_of[id(module)])
         elif parent is not None and (parent is self.layer_call or parent.wrapper):
@@ -184,6 +211,21 @@ class LayerTracker:
             self._start(call.parent, group.name, index, entry=call)
             self.layer.group = group
             self.layer.module = ", ".join(f"{p}.{index}" for p in group.paths)
+
+    def _unhooked_element(self, call: Call, element: nn.Module, container: str, index: int) -> None:
+        """A child of element ``index`` of ``container`` starts while the element itself is not
+        running as a module call (its ``forward`` was called directly, so no hook saw it): the
+        child opens layer ``index``, run by its parent's call, closing the previous element's."""
+        if any(c.module is element for c in self.stack):
+            return  # the element runs as a call of its own: an ordinary layer
+        lay = self.layer
+        if lay is not None and lay.container == container and lay.index != index and lay.direct:
+            lay.last_out = call.primary
+            self.end(self.layer_call, call.primary)
+        if self.layer is None:
+            self._start(call.parent, container, index, entry=call)
+            self.layer.direct = True
+            self.layer.module = self.name_of(element)
 
     def _start(self, call: Call, container: str, index: int, entry: Call | None = None) -> None:
         """Layer ``index`` of ``container`` is the call ``call`` (entered with ``entry``, the first
@@ -326,6 +368,8 @@ class LayerTracker:
         self.layer, self.layer_call = None, None
         if layer is None:
             return
+        if layer.direct:  # its output is known only as the next element's input (None for the last)
+            out, layer.last_out = layer.last_out, None
         self._prev = (layer.container, layer.index, out)
         last = layer.index + 1 >= self.container_len.get(layer.container, 0)
         if last:
@@ -369,6 +413,13 @@ class LayerTracker:
         patterns = [(a.role or "self", _fields(a), a.shape, sorted(a.impl), a.causal) for a in stored]
         kinds = [a.kind for a in stored]
         items, notes = layer_residuals(layer, call, out, self.name_of)
+        if layer.direct:
+            items = _channels_last(items, layer, notes)
+            if out is None:
+                notes["residual_note"] = (
+                    "the model calls this list element's forward directly (no module hook sees it): "
+                    "its output is known only as the next element's input, and this is the last one"
+                )
         if any(a.split is not None for a in layer.attns):
             notes["merged_attention"] = (
                 "self_attn and cross_attn are one softmax over the layer's own keys then the "
