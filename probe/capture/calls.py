@@ -54,6 +54,7 @@ class Attention:
     causal: bool | None = None
     sinks: list[Tensor] = field(default_factory=list)
     kind: str | None = None
+    module: str | None = None  # the path of the sublayer module that computed it
     diff_lambda: float | None = None  # differential attention: pattern = parts[0] - lambda * parts[1]
     fields: dict[str, int] = field(default_factory=dict)
     split: int | None = None

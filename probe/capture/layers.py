@@ -74,6 +74,7 @@ class Layer:
     module: str | None = None  # the module path the metadata names (default: the layer call's)
     direct: bool = False  # a list element whose forward was called directly (started by a child)
     last_out: Tensor | None = None  # a direct layer's output: the next element's input
+    skipped: set[str] = field(default_factory=set)  # softmaxes seen that are not attention, described
 
 
 def _fields(a: Attention) -> dict[str, int]:
@@ -99,6 +100,7 @@ class LayerRecord:
     # what each attention in ``patterns`` is when it is not one plain softmax (None when it is)
     kinds: list[str | None] = field(default_factory=list)
     call: int = 0  # which call of ``module`` in the forward (> 0 only for modules run several times)
+    modules: list[str | None] = field(default_factory=list)  # the sublayer of each attention in ``patterns``
 
 
 def _channels_last(items: list[tuple[str, Tensor]], layer: Layer, notes: dict) -> list[tuple[str, Tensor]]:
@@ -153,7 +155,8 @@ class LayerTracker:
         self.layer: Layer | None = None
         self.layer_call: Call | None = None
         self.records: list[LayerRecord] = []
-        self.plain: list[tuple[str, int, str, Tensor, Tensor, int]] = []  # list elements without attention
+        # list elements without attention: (list, index, module, resid_pre, resid_post, call, skipped)
+        self.plain: list[tuple[str, int, str, Tensor, Tensor, int, str]] = []
         self.kept: dict[str, int] = {}
         self._sources: dict[type, bool] = {}
         self._param_counts: dict[int, int] = {}
@@ -401,8 +404,17 @@ class LayerTracker:
             if layer.wanted and layer.resid_pre is not None and not layer.resid_pre.is_nested:
                 if out is not None and not out.is_nested and out.shape == layer.resid_pre.shape:
                     name = layer.module or self.name_of(call.module)
+                    skipped = "; ".join(sorted(layer.skipped))
                     self.plain.append(
-                        (layer.container, layer.index, name, layer.resid_pre, out.detach(), layer.call)
+                        (
+                            layer.container,
+                            layer.index,
+                            name,
+                            layer.resid_pre,
+                            out.detach(),
+                            layer.call,
+                            skipped,
+                        )
                     )
             return
         c = layer.container
@@ -427,17 +439,21 @@ class LayerTracker:
             )
         residuals = [(n, self.store.put(t)) for n, t in items]
         module = layer.module or self.name_of(call.module)
-        record = LayerRecord(c, layer.index, module, patterns, residuals, notes, kinds, layer.call)
+        if layer.skipped:
+            notes["not_attention"] = "; ".join(sorted(layer.skipped))
+        modules = [a.module for a in stored]
+        record = LayerRecord(c, layer.index, module, patterns, residuals, notes, kinds, layer.call, modules)
         self.records.append(record)
 
     def plain_records(self) -> list[LayerRecord]:
         """Records of list elements without attention in lists that have attention (hybrids)."""
         out = []
-        for container, index, name, pre, post, n in self.plain:
+        for container, index, name, pre, post, n, skipped in self.plain:
             if container not in self.kept:
                 continue
             handles = [("resid_pre", self.store.put(pre)), ("resid_post", self.store.put(post))]
             note = "no attention in this layer: only resid_pre and resid_post are stored"
-            out.append(LayerRecord(container, index, name, [], handles, {"residual_note": note}, n))
+            notes = {"residual_note": note} | ({"not_attention": skipped} if skipped else {})
+            out.append(LayerRecord(container, index, name, [], handles, notes, n))
         self.plain.clear()
         return out

@@ -174,6 +174,9 @@ class Recorder:
     # -- the ops the watcher's mode hands on: each handler runs the op and returns its output --
     def softmax(self, func: Any, args: tuple, kwargs: dict) -> Any:
         out = func(*args, **kwargs)
+        if self._mixes_streams(out):
+            self.layers.after_op(func, args, kwargs, out)
+            return out
         local = self._chunked_call()
         inner = self.stack[-1].module if self.stack and local is None else None
         band = window_of(inner) if inner is not None else None
@@ -205,6 +208,23 @@ class Recorder:
             self._unseen()
         self.layers.after_op(func, args, kwargs, out)
         return out
+
+    def _mixes_streams(self, out: Any) -> bool:
+        """Whether a softmax mixes the parallel streams of a hyper-connected layer (GLM-5-Next's and
+        DeepSeek-V4's ``comb``, ``[batch, T, n, n]`` for a stream ``[batch, T, n, d]``): weights
+        over streams, not keys. Noted in the layer's metadata, never stored. Where ``n`` equals the
+        sequence length the two cannot be told apart by shape: refused (unseen)."""
+        lay = self.layers.layer
+        if lay is None or lay.stream is None or len(lay.stream.shape) != 4 or not isinstance(out, Tensor):
+            return False
+        b, t, n, _ = lay.stream.shape
+        if out.dim() != 4 or tuple(out.shape) != (b, t, n, n):
+            return False
+        if n == t:
+            self._unseen()
+        else:
+            lay.skipped.add(f"a softmax over the layer's {n} parallel streams (hyper-connections), not over keys")
+        return True
 
     def _chunked_call(self) -> Call | None:
         """The call running chunked local attention (Canine's) that this softmax is inside, if any."""
@@ -399,6 +419,7 @@ class Recorder:
                 # a second, differently shaped attention in the same sublayer: recorded on its own
                 self.close(a)
             a = Attention(inputs=sub.inputs, primary=sub.primary, qk=qk)
+            a.module = self.layers.name_of(sub.module)
             a.diff_lambda = differential_lambda(sub.module)
             if a.diff_lambda is not None:
                 a.kind = DIFF_KIND
