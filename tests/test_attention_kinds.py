@@ -320,7 +320,9 @@ def test_deepseek_v4_compressed_keys_are_refused_not_stored():
     )
     torch.manual_seed(0)
     model = tf.DeepseekV4ForCausalLM(cfg).eval()
-    with pytest.raises(ProbeError, match=r"layers model\.layers\.1 compute attention as a softmax over a layout"):
+    with pytest.raises(
+        ProbeError, match=r"layers model\.layers\.1 compute attention as a softmax over a layout"
+    ):
         probe.capture(model, torch.randint(3, 96, (2, 9)))
 
 

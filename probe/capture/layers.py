@@ -14,16 +14,15 @@ sublayer kind and ``resid_post`` (:mod:`probe.capture.deltas`), handed to the
 from __future__ import annotations
 
 import weakref
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 from torch import Tensor, nn
 
 from probe.cache.selection import Selection
-from probe.capture.calls import Attention, Call, Forward, output_tensor
-from probe.capture.deltas import layer_residuals
-from probe.capture.parallel import Group, parallel_lists
+from probe.capture.calls import Call, Forward, Layer, LayerRecord, fields_of, output_tensor
+from probe.capture.deltas import channels_last, layer_residuals
+from probe.capture.parallel import Group, list_elements, parallel_lists
 from probe.capture.residual import LayerStream
 from probe.capture.store import Store
 from probe.errors import ProbeError
@@ -51,69 +50,6 @@ def _is_source(module: nn.Module) -> bool:
     return any(p.dim() >= 2 for p in module.parameters(recurse=False))
 
 
-@dataclass
-class Layer:
-    """One layer call being captured."""
-
-    container: str
-    index: int
-    wanted: bool
-    depth: int = 0  # position of the layer's call on the stack
-    resid_pre: Tensor | None = None
-    stream: LayerStream | None = None
-    attns: list[Attention] = field(default_factory=list)
-    events: int = 0
-    blind: int = 0  # attention calls seen before this layer that probe cannot look into
-    fused: tuple[Tensor, Tensor] | None = None  # (stream after attention, output) of a fused layer
-    calls: dict[int, Call] = field(default_factory=dict)  # sublayer id -> its Call
-    # the previous layer's output when this layer's input was computed from it outside any layer
-    # (Funnel pools its queries from it and attends over it: its keys are this layer's own sequence)
-    upstream: Tensor | None = None
-    call: int = 0  # which call of its module this is (a module run several times in one forward)
-    group: Group | None = None  # parallel per-sublayer lists: this layer is element ``index`` of each
-    module: str | None = None  # the module path the metadata names (default: the layer call's)
-    direct: bool = False  # a list element whose forward was called directly (started by a child)
-    last_out: Tensor | None = None  # a direct layer's output: the next element's input
-    skipped: set[str] = field(default_factory=set)  # softmaxes seen that are not attention, described
-
-
-def _fields(a: Attention) -> dict[str, int]:
-    """The stored fields of an attention: its pattern's handle and any others."""
-    return ({} if a.handle is None else {"pattern": a.handle}) | a.fields
-
-
-@dataclass
-class LayerRecord:
-    """What the tracer captured for one layer (before stack names are settled).
-
-    ``patterns``: ``(role, fields, shape, impls, causal)`` per attention with stored fields
-    (``fields``: field name, e.g. ``pattern`` or ``rows``, -> sink handle); ``residuals``:
-    ``(name, handle)``; ``notes``: metadata (``residual_note``, ``deltas``).
-    """
-
-    container: str
-    index: int
-    module: str
-    patterns: list[tuple[str, dict[str, int], tuple[int, ...], list[str], bool | None]]
-    residuals: list[tuple[str, int]]
-    notes: dict[str, Any] = field(default_factory=dict)
-    # what each attention in ``patterns`` is when it is not one plain softmax (None when it is)
-    kinds: list[str | None] = field(default_factory=list)
-    call: int = 0  # which call of ``module`` in the forward (> 0 only for modules run several times)
-    modules: list[str | None] = field(default_factory=list)  # the sublayer of each attention in ``patterns``
-
-
-def _channels_last(items: list[tuple[str, Tensor]], layer: Layer, notes: dict) -> list[tuple[str, Tensor]]:
-    """A layer's residual tensors as ``[batch, pos, d_model]`` where the model keeps its stream
-    channel-first, ``[batch, d_model, pos]`` (SqueezeBERT): the last axis is the layer's query
-    length and the middle one is not. Returned as given otherwise."""
-    q = next((a.qk[0] for a in layer.attns if a.role != "cross"), None)
-    if q is None or not items or any(t.dim() != 3 or t.shape[2] != q or t.shape[1] == q for _, t in items):
-        return items
-    notes["residual_layout"] = "the model keeps its stream as [batch, d_model, pos]; stored transposed"
-    return [(n, t.transpose(1, 2).contiguous()) for n, t in items]
-
-
 class LayerTracker:
     """Layers and sublayers of one capture of ``model``, read off the watcher's call ``stack``.
 
@@ -130,25 +66,9 @@ class LayerTracker:
         self.store = store
         self.forward = forward
         self.names = {id(m): n for n, m in model.named_modules(remove_duplicate=False)}
-        # list element -> (the list's name, its index there): layers keep the model's own numbers
-        self.container_of: dict[int, tuple[str, int]] = {}
-        self.container_len: dict[str, int] = {}
-        for n, m in model.named_modules():
-            homogeneous = isinstance(m, nn.Sequential) and len({type(c) for c in m}) == 1
-            if isinstance(m, nn.ModuleList) or homogeneous:
-                self.container_len.setdefault(n, len(m))
-                for i, child in enumerate(m.children()):
-                    self.container_of.setdefault(id(child), (n, i))
-        # children of list elements -> (the element, its list, its index): an element whose own
-        # forward is called directly (SqueezeBERT's ``layer.forward(...)``) fires no hook, and
-        # its layer starts with its first child's call instead
-        self.element_of: dict[int, tuple[nn.Module, str, int]] = {}
-        for m in model.modules():
-            if id(m) in self.container_of and not isinstance(m, (nn.ModuleList, nn.ModuleDict)):
-                for child in m.children():
-                    # not a list element of its own, nor a rotary table or a dropout
-                    if id(child) not in self.container_of and next(child.parameters(), None) is not None:
-                        self.element_of.setdefault(id(child), (m, *self.container_of[id(m)]))
+        # list element -> (the list's name, its index there), list -> length, and the children of
+        # elements whose forward the model may call directly (see probe.capture.parallel)
+        self.container_of, self.container_len, self.element_of = list_elements(model)
         self.group_of = parallel_lists(model)
         for k in self.group_of:  # grouped by index: no element of them is a layer of its own
             self.container_of.pop(k, None)
@@ -422,11 +342,12 @@ class LayerTracker:
         if not layer.wanted:
             return
         stored = [x for a in layer.attns for x in (a, *a.also) if x.handle is not None or x.fields]
-        patterns = [(a.role or "self", _fields(a), a.shape, sorted(a.impl), a.causal) for a in stored]
+        patterns = [(a.role or "self", fields_of(a), a.shape, sorted(a.impl), a.causal) for a in stored]
         kinds = [a.kind for a in stored]
         items, notes = layer_residuals(layer, call, out, self.name_of)
         if layer.direct:
-            items = _channels_last(items, layer, notes)
+            q = next((a.qk[0] for a in layer.attns if a.role != "cross"), None)
+            items = channels_last(items, q, notes)
             if out is None:
                 notes["residual_note"] = (
                     "the model calls this list element's forward directly (no module hook sees it): "
