@@ -354,3 +354,8 @@ def test_cpmant_patterns_cover_its_prompt_slots_and_match_eager_on_the_tokens():
         assert got.shape == (2, 4, 4 + 7, 4 + 7)
         _close(got[:, :, 4:, 4:], out.attentions[i])
         assert torch.allclose(got.sum(-1)[0], torch.ones(4, 11))  # rows over prompt + tokens sum to 1
+    # the metadata marks the prompt slots: as many as the config's prompt_length, the same number
+    # as the positions the patterns hold beyond the 7 tokens
+    slots = cache.metadata["prompt_slots"]
+    assert slots["count"] == cfg.prompt_length == got.shape[-1] - ids.shape[1]
+    assert "positions 0..3" in slots["note"]

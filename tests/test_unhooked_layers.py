@@ -66,6 +66,7 @@ def test_squeezebert_layers_are_its_list_elements_exact_against_its_softmax_modu
         torch.testing.assert_close(post, out.hidden_states[i + 1], atol=1e-6, rtol=0)
         assert "d_model, pos" in meta["residual_layout"]
     assert c.metadata["stacks"]["encoder"]["chain"] is True
+    assert "prompt_slots" not in c.metadata  # only CpmAnt runs prompt slots ahead of the tokens
 
 
 class Attn(nn.Module):

@@ -257,6 +257,7 @@ def name(
     meta.setdefault("model", model_info(model))
     if meta.get("input_kind") == "tensor":
         _positions_from_patterns(meta, tr.records)
+    _mark_prompt_slots(meta, model, tr.records)
     meta.update(
         {
             "probe_version": __version__,
@@ -273,6 +274,23 @@ def name(
         }
     )
     return names, meta
+
+
+def _mark_prompt_slots(meta: dict[str, Any], model: nn.Module, records: list[LayerRecord]) -> None:
+    """CpmAnt runs its layers over ``prompt_length`` learned prompt slots placed ahead of the
+    tokens: where every stored pattern is longer than that, ``meta["prompt_slots"]`` says which
+    positions they are (its ``output_attentions`` drops them; probe keeps what the layers ran)."""
+    inner = next((m for m in (model, getattr(model, "cpmant", None)) if "CpmAnt" in type(m).__name__), None)
+    p = getattr(inner, "prompt_length", None)
+    lengths = {shape[2] for r in records for _role, _h, shape, _impl, _causal in r.patterns}
+    if not isinstance(p, int) or p <= 0 or not lengths or min(lengths) <= p:
+        return
+    meta["prompt_slots"] = {
+        "count": p,
+        "note": f"positions 0..{p - 1} of every pattern (queries and keys) and of the residual stream "
+        f"are the model's {p} learned prompt slots, ahead of the tokens; the tokens are positions "
+        f"{p} on (transformers' output_attentions crops to them)",
+    }
 
 
 def _ran(order: list[str], container: str) -> int:
