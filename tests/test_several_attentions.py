@@ -44,8 +44,19 @@ def test_longcat_flash_two_attention_sublayers_are_numbered_with_their_modules()
     torch.manual_seed(0)
     model = K.build("longcat_flash")
     x = _inputs(model.config.vocab_size)
-    with torch.no_grad(), probe.trace(model) as t:
-        model(**x)
+    outs = []  # each attention sublayer's output, read by a hook
+    hooks = [
+        a.register_forward_hook(lambda m, i, o: outs.append(o[0]))
+        for ly in model.layers
+        for a in ly.self_attn
+    ]
+    try:
+        with torch.no_grad(), probe.trace(model) as t:
+            model(**x)
+    finally:
+        for h in hooks:
+            h.remove()
+    with torch.no_grad():
         want = _eager(model)(**x, output_attentions=True).attentions
     c = t.cache
     assert len(want) == 4  # two layers, two attention sublayers each, in run order
@@ -56,6 +67,10 @@ def test_longcat_flash_two_attention_sublayers_are_numbered_with_their_modules()
             got = c[f"decoder.blocks.{layer}.self_attn.{i}.pattern"]
             assert _real_rows(got, want[2 * layer + i], x["attention_mask"]) <= 1e-5
             assert meta[f"self_attn.{i}"]["module"] == f"layers.{layer}.self_attn.{i}"
+        # one self_attn delta per layer: the sum of both sublayers' outputs, and said so
+        delta = c[f"decoder.blocks.{layer}.self_attn.delta"]
+        torch.testing.assert_close(delta, outs[2 * layer] + outs[2 * layer + 1], atol=1e-6, rtol=0)
+        assert "sum of the layer's 2 self-attention sublayers" in meta["deltas"]["self_attn"]
         # the two are different attentions, not one stored twice
         a, b = (c.pattern("decoder", layer, index=i) for i in range(2))
         assert float((a - b).abs().max()) > 1e-3

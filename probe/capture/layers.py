@@ -362,6 +362,11 @@ class LayerTracker:
         module = layer.module or self.name_of(call.module)
         if layer.skipped:
             notes["not_attention"] = "; ".join(sorted(layer.skipped))
+        for role in ("self", "cross"):
+            n = sum(1 for a in stored if a.role == role)
+            defs = notes.get("deltas", {})
+            if n > 1 and f"{role}_attn" in defs:  # LongCat-Flash: one delta for its two attentions
+                defs[f"{role}_attn"] += f" (the sum of the layer's {n} {role}-attention sublayers' outputs)"
         modules = [a.module for a in stored]
         record = LayerRecord(c, layer.index, module, patterns, residuals, notes, kinds, layer.call, modules)
         self.records.append(record)
