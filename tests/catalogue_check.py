@@ -16,6 +16,7 @@ import inspect
 import traceback
 from typing import Any
 
+import catalogue_layouts as L
 import torch
 
 import probe
@@ -203,7 +204,7 @@ def _run_order(
         return None
     free, out = list(range(len(want))), []
     for a in got:
-        j = next((j for j in free if close(a, want[j])), None)
+        j = next((j for j in free if want[j].shape == a.shape and close(a, want[j])), None)
         if j is None:
             return None
         free.remove(j)
@@ -272,6 +273,7 @@ def check_model(model: Any, inputs: dict | None = None) -> dict[str, Any]:
             {"self": [], "cross": [], "other": []},
             f"{type(e).__name__}: {str(e)[:200]}",
         )
+    eager = L.eager_in_probe_layout(model, eager, inputs)
     n_eager = len(eager["self"]) + len(eager["cross"])
     res.update(n_eager=n_eager, n_sdpa=len(sdpa))
     if eager.get("other"):
@@ -281,6 +283,9 @@ def check_model(model: Any, inputs: dict | None = None) -> dict[str, Any]:
             failed["status"] = "no softmax attention"
         return {**res, **failed}
     got = probe_patterns(cache)
+    prompt = L.prompt_length(model)
+    if prompt:  # CpmAnt: eager crops its prompt positions, so compare probe's text block
+        got = [(label, kind, p[..., prompt:, prompt:]) for label, kind, p in got]
     res["n_probe"] = len(got)
     if not got and not n_eager and not sdpa:
         return {**res, "status": "no softmax attention", "reason": "no pattern stored, none in eager or SDPA"}
@@ -291,6 +296,9 @@ def check_model(model: Any, inputs: dict | None = None) -> dict[str, Any]:
         if n_eager
         else "eager returns none"
     )
+    if eager["parts"] and isinstance(e, tuple):  # differential attention: its two softmaxes too
+        parts = [cache[k].float().flatten(1, 2) for k in cache.keys() if k.endswith("attn.parts")]
+        e = _worse(e, diff(parts, [p.flatten(1, 2) for p in eager["parts"]], mask))
     s = diff([p for _, _, p in got], sdpa, mask) if sdpa else "no SDPA call"
     res["eager_diff"], res["sdpa_diff"] = _num(e), _num(s)
     res["pad_diff"] = max([x[1] for x in (e, s) if isinstance(x, tuple)], default=None)
@@ -302,6 +310,11 @@ def check_model(model: Any, inputs: dict | None = None) -> dict[str, Any]:
         return {**res, "status": "exact", "oracle": "sdpa", "reason": why}
     # eager's count or shapes disagree: an omission or a different layout, whatever SDPA says
     return {**res, "status": "wrong", "reason": why}
+
+
+def _worse(a: tuple[float, float], b: tuple[float, float] | str) -> tuple[float, float] | str:
+    """The larger of two ``diff`` results, or ``b``'s reason when it was not comparable."""
+    return b if isinstance(b, str) else (max(a[0], b[0]), max(a[1], b[1]))
 
 
 def _num(d: Any) -> float | None:

@@ -290,7 +290,10 @@ def test_minimax_lightning_layer_returns_a_state_not_a_pattern():
     assert "no attention" in t.cache.metadata["layers"][1]["residual_note"]
 
 
-def test_deepseek_v4_several_softmaxes_per_layer_are_refused_not_stored():
+def test_deepseek_v4_compressed_keys_are_refused_not_stored():
+    # its stream-mixing softmaxes (hyper-connections) are no attention and no longer refuse the
+    # capture (tests/test_several_attentions.py); its compressed sparse attention runs one softmax
+    # over the positions, block summaries and a sink, which probe does not map: refused by layer
     import pytest
 
     from probe.errors import ProbeError
@@ -317,7 +320,9 @@ def test_deepseek_v4_several_softmaxes_per_layer_are_refused_not_stored():
     )
     torch.manual_seed(0)
     model = tf.DeepseekV4ForCausalLM(cfg).eval()
-    with pytest.raises(ProbeError, match=r"model\.layers\.0 computes \d self-attention patterns"):
+    with pytest.raises(
+        ProbeError, match=r"layers model\.layers\.1 compute attention as a softmax over a layout"
+    ):
         probe.capture(model, torch.randint(3, 96, (2, 9)))
 
 
@@ -349,3 +354,8 @@ def test_cpmant_patterns_cover_its_prompt_slots_and_match_eager_on_the_tokens():
         assert got.shape == (2, 4, 4 + 7, 4 + 7)
         _close(got[:, :, 4:, 4:], out.attentions[i])
         assert torch.allclose(got.sum(-1)[0], torch.ones(4, 11))  # rows over prompt + tokens sum to 1
+    # the metadata marks the prompt slots: as many as the config's prompt_length, the same number
+    # as the positions the patterns hold beyond the 7 tokens
+    slots = cache.metadata["prompt_slots"]
+    assert slots["count"] == cfg.prompt_length == got.shape[-1] - ids.shape[1]
+    assert "positions 0..3" in slots["note"]

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import catalogue_check as C
 import catalogue_configs as K
+import catalogue_layouts as L
 import pytest
 import torch
 
@@ -61,21 +62,23 @@ EXACT = {
     "gpt_oss": "a learned sink column joined to the scores (stored beside the pattern)",
     "flint": "a learned sink column joined to the scores",
     "t5gemma2": "one softmax over own keys then the encoder's: stored as self and cross parts",
+    # eager's own layouts mapped to probe's [query, key] by the check (catalogue_layouts.py)
+    "longformer": "sliding-chunk attention, eager's [query, window] layout mapped back",
+    "led": "sliding-chunk encoder attention, eager's [query, window] layout mapped back",
+    "longt5": "block-local encoder attention, eager's 5-d blocks mapped back",
+    "diffllama": "differential attention: a1 - λ·a2 per head, and its two softmaxes as parts",
+    "cpmant": "prompt positions ahead of the text, cropped as eager crops them",
+    # runs its list elements with layer.forward(...): layers found from their children's calls
+    "squeezebert": "list elements run without their hooks, channel-first stream, eager returns scores",
+    "longcat_flash": "two attention sublayers per layer: self_attn.0 and self_attn.1",
+    "glm5_next_text": "hyper-connection softmaxes over streams (not stored), linear-attention layer",
 }
 
 # model type -> why it is not exact yet (issue 22); the owner removes the mark with the fix
 KNOWN = {
-    # probe stores the model's 4 differential heads (a1 - λ·a2) and the two softmaxes as `parts`
-    # (tests/test_attention_kinds.py, against eager's softmaxes); this checker compares eager's 8
-    # softmax maps head for head and does not combine them
-    "diffllama": "the checker compares eager's 8 softmaxes with the 4 differential heads probe stores",
-    # captured and mapped back to [query, key] (tests/test_local_attention.py, exact against eager
-    # mapped back in the test); this checker does not map eager's banded/blocked layouts back
-    "longformer": "the checker does not map eager's sliding-chunk layout back to [query, key]",
-    "led": "the checker does not map eager's sliding-chunk layout back to [query, key]",
-    "longt5": "the checker does not map eager's 5-d local blocks back to [query, key]",
-    "cpmant": "probe stores the 32 prompt positions ahead of the text; eager crops them (issue 22)",
-    "deepseek_v4": "refused: several softmaxes per layer, not all attention (issue 22)",
+    # its stream-mixing softmaxes are set aside now; its compressed sparse attention (one softmax
+    # over the positions, block summaries and a sink) is refused
+    "deepseek_v4": "refused: compressed keys (block summaries) joined to the positions (issue 22)",
 }
 
 SAMPLE = [pytest.param(m, id=m) for m in EXACT] + [
@@ -115,6 +118,77 @@ def test_the_check_sees_a_missing_pattern(monkeypatch):
     monkeypatch.setattr(C, "probe_patterns", lambda cache: real(cache)[1:])
     verdict = C.check_model(model)
     assert verdict["status"] == "wrong" and "1 patterns stored, oracle has 2" in verdict["reason"], verdict
+
+
+@pytest.mark.parametrize("model_type", ["longformer", "longt5"])
+def test_the_check_sees_a_wrong_local_pattern(monkeypatch, model_type):
+    # a local pattern probe stored with one head's weights moved to other keys is "wrong" against
+    # eager mapped back (the mapping is no blanket that makes any pattern pass)
+    model = K.build(model_type)
+    real = C.probe_patterns
+
+    def shifted(cache):
+        out = real(cache)
+        label, kind, p = out[0]
+        p = p.clone()
+        p[:, 0] = p[:, 0].roll(1, dims=-1)
+        return [(label, kind, p)] + out[1:]
+
+    monkeypatch.setattr(C, "probe_patterns", shifted)
+    verdict = C.check_model(model)
+    assert verdict["status"] == "wrong" and verdict["eager_diff"] > 1e-3, verdict
+
+
+def test_the_check_sees_a_wrong_differential_lambda(monkeypatch):
+    # the combined map a1 - λ·a2 is compared, so a λ off by 0.1 makes DiffLlama "wrong"
+    model = K.build("diffllama")
+    real = L.differential_lambdas
+    monkeypatch.setattr(L, "differential_lambdas", lambda m: [x + 0.1 for x in real(m)])
+    verdict = C.check_model(model)
+    assert verdict["status"] == "wrong" and verdict["eager_diff"] > 1e-3, verdict
+
+
+def _local_softmax(b, h, T, allowed):
+    """A softmax over random scores where ``allowed[i, k]``, zeros elsewhere: ``[b, h, T, T]``."""
+    g = torch.Generator().manual_seed(3)
+    s = torch.randn(b, h, T, T, generator=g).masked_fill(~allowed, float("-inf"))
+    return s.softmax(-1)
+
+
+def test_band_layout_mapped_back_against_a_softmax_written_here():
+    # Longformer's layout built here from a windowed softmax: column x + j of query i holds key
+    # i - w + j, the first x columns the global tokens (weights there are zero in the window)
+    T, w = 7, 2
+    i = torch.arange(T)
+    glob = torch.zeros(2, T, dtype=torch.long)
+    glob[:, 4] = 1
+    allowed = ((i[:, None] - i[None, :]).abs() <= w) | (i[None, :] == 4)
+    want = _local_softmax(2, 3, T, allowed)
+    e = torch.zeros(2, 3, T, 1 + 2 * w + 1)
+    e[..., 0] = want[..., 4]
+    for q in range(T):
+        for j in range(2 * w + 1):
+            if 0 <= q - w + j < T and q - w + j != 4:
+                e[:, :, q, 1 + j] = want[:, :, q, q - w + j]
+    torch.testing.assert_close(L.band_to_keys(e, glob), want, atol=1e-7, rtol=0)
+    e[0, 0, 0, 1] = 0.5  # weight on key -2: no such layout
+    assert L.band_to_keys(e, glob) is None
+
+
+def test_block_layout_mapped_back_against_a_softmax_written_here():
+    # LongT5's layout built here from a block-local softmax: query a of block i over the keys of
+    # blocks i - 1 .. i + 1, T = 7 not filling the last block of n = 3
+    T, n = 7, 3
+    blk = torch.arange(T) // n
+    want = _local_softmax(2, 2, T, (blk[:, None] - blk[None, :]).abs() <= 1)
+    nb = -(-T // n)
+    e = torch.zeros(2, nb, 2, n, 3 * n)
+    for q in range(T):
+        for c in range(3 * n):
+            key = (q // n - 1) * n + c
+            if 0 <= key < T:
+                e[:, q // n, :, q % n, c] = want[:, :, q, key]
+    torch.testing.assert_close(L.blocks_to_keys(e, T), want, atol=1e-7, rtol=0)
 
 
 def test_the_sdpa_oracle_is_a_masked_softmax():

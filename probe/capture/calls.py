@@ -12,11 +12,15 @@ from __future__ import annotations
 
 import itertools
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from torch import Tensor, nn
 
 from probe.capture.inputs import past_length
+
+if TYPE_CHECKING:
+    from probe.capture.parallel import Group
+    from probe.capture.residual import LayerStream
 
 
 @dataclass
@@ -54,6 +58,7 @@ class Attention:
     causal: bool | None = None
     sinks: list[Tensor] = field(default_factory=list)
     kind: str | None = None
+    module: str | None = None  # the path of the sublayer module that computed it
     diff_lambda: float | None = None  # differential attention: pattern = parts[0] - lambda * parts[1]
     fields: dict[str, int] = field(default_factory=dict)
     split: int | None = None
@@ -159,3 +164,55 @@ def _cached_length(past: Any) -> int:
         return past_length(past)
     except Exception:
         return 0
+
+
+@dataclass
+class Layer:
+    """One layer call being captured."""
+
+    container: str
+    index: int
+    wanted: bool
+    depth: int = 0  # position of the layer's call on the stack
+    resid_pre: Tensor | None = None
+    stream: LayerStream | None = None
+    attns: list[Attention] = field(default_factory=list)
+    events: int = 0
+    blind: int = 0  # attention calls seen before this layer that probe cannot look into
+    fused: tuple[Tensor, Tensor] | None = None  # (stream after attention, output) of a fused layer
+    calls: dict[int, Call] = field(default_factory=dict)  # sublayer id -> its Call
+    # the previous layer's output when this layer's input was computed from it outside any layer
+    # (Funnel pools its queries from it and attends over it: its keys are this layer's own sequence)
+    upstream: Tensor | None = None
+    call: int = 0  # which call of its module this is (a module run several times in one forward)
+    group: Group | None = None  # parallel per-sublayer lists: this layer is element ``index`` of each
+    module: str | None = None  # the module path the metadata names (default: the layer call's)
+    direct: bool = False  # a list element whose forward was called directly (started by a child)
+    last_out: Tensor | None = None  # a direct layer's output: the next element's input
+    skipped: set[str] = field(default_factory=set)  # softmaxes seen that are not attention, described
+
+
+def fields_of(a: Attention) -> dict[str, int]:
+    """The stored fields of an attention: its pattern's handle and any others."""
+    return ({} if a.handle is None else {"pattern": a.handle}) | a.fields
+
+
+@dataclass
+class LayerRecord:
+    """What the tracer captured for one layer (before stack names are settled).
+
+    ``patterns``: ``(role, fields, shape, impls, causal)`` per attention with stored fields
+    (``fields``: field name, e.g. ``pattern`` or ``rows``, -> sink handle); ``residuals``:
+    ``(name, handle)``; ``notes``: metadata (``residual_note``, ``deltas``).
+    """
+
+    container: str
+    index: int
+    module: str
+    patterns: list[tuple[str, dict[str, int], tuple[int, ...], list[str], bool | None]]
+    residuals: list[tuple[str, int]]
+    notes: dict[str, Any] = field(default_factory=dict)
+    # what each attention in ``patterns`` is when it is not one plain softmax (None when it is)
+    kinds: list[str | None] = field(default_factory=list)
+    call: int = 0  # which call of ``module`` in the forward (> 0 only for modules run several times)
+    modules: list[str | None] = field(default_factory=list)  # the sublayer of each attention in ``patterns``

@@ -241,3 +241,13 @@ def _followed(
     if unseen:
         return {}, {"residual_note": f"probe found no residual addition of the {unseen[0]} output"}
     return d.deltas, {"deltas": d.definition}
+
+
+def channels_last(items: list[tuple[str, Tensor]], q: int | None, notes: dict) -> list[tuple[str, Tensor]]:
+    """A layer's residual tensors as ``[batch, pos, d_model]`` where the model keeps its stream
+    channel-first, ``[batch, d_model, pos]`` (SqueezeBERT): the last axis is the layer's query
+    length ``q`` and the middle one is not. Returned as given otherwise."""
+    if q is None or not items or any(t.dim() != 3 or t.shape[2] != q or t.shape[1] == q for _, t in items):
+        return items
+    notes["residual_layout"] = "the model keeps its stream as [batch, d_model, pos]; stored transposed"
+    return [(n, t.transpose(1, 2).contiguous()) for n, t in items]

@@ -14,16 +14,15 @@ sublayer kind and ``resid_post`` (:mod:`probe.capture.deltas`), handed to the
 from __future__ import annotations
 
 import weakref
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 from torch import Tensor, nn
 
 from probe.cache.selection import Selection
-from probe.capture.calls import Attention, Call, Forward, output_tensor
-from probe.capture.deltas import layer_residuals
-from probe.capture.parallel import Group, parallel_lists
+from probe.capture.calls import Call, Forward, Layer, LayerRecord, fields_of, output_tensor
+from probe.capture.deltas import channels_last, layer_residuals
+from probe.capture.parallel import Group, list_elements, parallel_lists
 from probe.capture.residual import LayerStream
 from probe.capture.store import Store
 from probe.errors import ProbeError
@@ -51,54 +50,6 @@ def _is_source(module: nn.Module) -> bool:
     return any(p.dim() >= 2 for p in module.parameters(recurse=False))
 
 
-@dataclass
-class Layer:
-    """One layer call being captured."""
-
-    container: str
-    index: int
-    wanted: bool
-    depth: int = 0  # position of the layer's call on the stack
-    resid_pre: Tensor | None = None
-    stream: LayerStream | None = None
-    attns: list[Attention] = field(default_factory=list)
-    events: int = 0
-    blind: int = 0  # attention calls seen before this layer that probe cannot look into
-    fused: tuple[Tensor, Tensor] | None = None  # (stream after attention, output) of a fused layer
-    calls: dict[int, Call] = field(default_factory=dict)  # sublayer id -> its Call
-    # the previous layer's output when this layer's input was computed from it outside any layer
-    # (Funnel pools its queries from it and attends over it: its keys are this layer's own sequence)
-    upstream: Tensor | None = None
-    call: int = 0  # which call of its module this is (a module run several times in one forward)
-    group: Group | None = None  # parallel per-sublayer lists: this layer is element ``index`` of each
-    module: str | None = None  # the module path the metadata names (default: the layer call's)
-
-
-def _fields(a: Attention) -> dict[str, int]:
-    """The stored fields of an attention: its pattern's handle and any others."""
-    return ({} if a.handle is None else {"pattern": a.handle}) | a.fields
-
-
-@dataclass
-class LayerRecord:
-    """What the tracer captured for one layer (before stack names are settled).
-
-    ``patterns``: ``(role, fields, shape, impls, causal)`` per attention with stored fields
-    (``fields``: field name, e.g. ``pattern`` or ``rows``, -> sink handle); ``residuals``:
-    ``(name, handle)``; ``notes``: metadata (``residual_note``, ``deltas``).
-    """
-
-    container: str
-    index: int
-    module: str
-    patterns: list[tuple[str, dict[str, int], tuple[int, ...], list[str], bool | None]]
-    residuals: list[tuple[str, int]]
-    notes: dict[str, Any] = field(default_factory=dict)
-    # what each attention in ``patterns`` is when it is not one plain softmax (None when it is)
-    kinds: list[str | None] = field(default_factory=list)
-    call: int = 0  # which call of ``module`` in the forward (> 0 only for modules run several times)
-
-
 class LayerTracker:
     """Layers and sublayers of one capture of ``model``, read off the watcher's call ``stack``.
 
@@ -115,22 +66,17 @@ class LayerTracker:
         self.store = store
         self.forward = forward
         self.names = {id(m): n for n, m in model.named_modules(remove_duplicate=False)}
-        # list element -> (the list's name, its index there): layers keep the model's own numbers
-        self.container_of: dict[int, tuple[str, int]] = {}
-        self.container_len: dict[str, int] = {}
-        for n, m in model.named_modules():
-            homogeneous = isinstance(m, nn.Sequential) and len({type(c) for c in m}) == 1
-            if isinstance(m, nn.ModuleList) or homogeneous:
-                self.container_len.setdefault(n, len(m))
-                for i, child in enumerate(m.children()):
-                    self.container_of.setdefault(id(child), (n, i))
+        # list element -> (the list's name, its index there), list -> length, and the children of
+        # elements whose forward the model may call directly (see probe.capture.parallel)
+        self.container_of, self.container_len, self.element_of = list_elements(model)
         self.group_of = parallel_lists(model)
         for k in self.group_of:  # grouped by index: no element of them is a layer of its own
             self.container_of.pop(k, None)
         self.layer: Layer | None = None
         self.layer_call: Call | None = None
         self.records: list[LayerRecord] = []
-        self.plain: list[tuple[str, int, str, Tensor, Tensor, int]] = []  # list elements without attention
+        # list elements without attention: (list, index, module, resid_pre, resid_post, call, skipped)
+        self.plain: list[tuple[str, int, str, Tensor, Tensor, int, str]] = []
         self.kept: dict[str, int] = {}
         self._sources: dict[type, bool] = {}
         self._param_counts: dict[int, int] = {}
@@ -152,8 +98,12 @@ class LayerTracker:
     def enter(self, call: Call) -> None:
         """A module call starts (not yet on the stack): a layer, a sublayer, or neither."""
         module, parent = call.module, call.parent
+        if self.layer is not None and self.layer.direct and id(module) in self.container_of:
+            self.end(self.layer_call, call.primary)  # a list element run with its hooks after all
         if self.group_of and id(module) in self.group_of:
             self._group_element(call, *self.group_of[id(module)])
+        elif id(module) in self.element_of and parent is not None:
+            self._unhooked_element(call, *self.element_of[id(module)])
         if self.layer is None and id(module) in self.container_of:
             self._start(call, *self.container_of[id(module)])
         elif parent is not None and (parent is self.layer_call or parent.wrapper):
@@ -184,6 +134,21 @@ class LayerTracker:
             self._start(call.parent, group.name, index, entry=call)
             self.layer.group = group
             self.layer.module = ", ".join(f"{p}.{index}" for p in group.paths)
+
+    def _unhooked_element(self, call: Call, element: nn.Module, container: str, index: int) -> None:
+        """A child of element ``index`` of ``container`` starts while the element itself is not
+        running as a module call (its ``forward`` was called directly, so no hook saw it): the
+        child opens layer ``index``, run by its parent's call, closing the previous element's."""
+        if any(c.module is element for c in self.stack):
+            return  # the element runs as a call of its own: an ordinary layer
+        lay = self.layer
+        if lay is not None and lay.container == container and lay.index != index and lay.direct:
+            lay.last_out = call.primary
+            self.end(self.layer_call, call.primary)
+        if self.layer is None:
+            self._start(call.parent, container, index, entry=call)
+            self.layer.direct = True
+            self.layer.module = self.name_of(element)
 
     def _start(self, call: Call, container: str, index: int, entry: Call | None = None) -> None:
         """Layer ``index`` of ``container`` is the call ``call`` (entered with ``entry``, the first
@@ -326,6 +291,8 @@ class LayerTracker:
         self.layer, self.layer_call = None, None
         if layer is None:
             return
+        if layer.direct:  # its output is known only as the next element's input (None for the last)
+            out, layer.last_out = layer.last_out, None
         self._prev = (layer.container, layer.index, out)
         last = layer.index + 1 >= self.container_len.get(layer.container, 0)
         if last:
@@ -357,8 +324,17 @@ class LayerTracker:
             if layer.wanted and layer.resid_pre is not None and not layer.resid_pre.is_nested:
                 if out is not None and not out.is_nested and out.shape == layer.resid_pre.shape:
                     name = layer.module or self.name_of(call.module)
+                    skipped = "; ".join(sorted(layer.skipped))
                     self.plain.append(
-                        (layer.container, layer.index, name, layer.resid_pre, out.detach(), layer.call)
+                        (
+                            layer.container,
+                            layer.index,
+                            name,
+                            layer.resid_pre,
+                            out.detach(),
+                            layer.call,
+                            skipped,
+                        )
                     )
             return
         c = layer.container
@@ -366,9 +342,17 @@ class LayerTracker:
         if not layer.wanted:
             return
         stored = [x for a in layer.attns for x in (a, *a.also) if x.handle is not None or x.fields]
-        patterns = [(a.role or "self", _fields(a), a.shape, sorted(a.impl), a.causal) for a in stored]
+        patterns = [(a.role or "self", fields_of(a), a.shape, sorted(a.impl), a.causal) for a in stored]
         kinds = [a.kind for a in stored]
         items, notes = layer_residuals(layer, call, out, self.name_of)
+        if layer.direct:
+            q = next((a.qk[0] for a in layer.attns if a.role != "cross"), None)
+            items = channels_last(items, q, notes)
+            if out is None:
+                notes["residual_note"] = (
+                    "the model calls this list element's forward directly (no module hook sees it): "
+                    "its output is known only as the next element's input, and this is the last one"
+                )
         if any(a.split is not None for a in layer.attns):
             notes["merged_attention"] = (
                 "self_attn and cross_attn are one softmax over the layer's own keys then the "
@@ -376,17 +360,26 @@ class LayerTracker:
             )
         residuals = [(n, self.store.put(t)) for n, t in items]
         module = layer.module or self.name_of(call.module)
-        record = LayerRecord(c, layer.index, module, patterns, residuals, notes, kinds, layer.call)
+        if layer.skipped:
+            notes["not_attention"] = "; ".join(sorted(layer.skipped))
+        for role in ("self", "cross"):
+            n = sum(1 for a in stored if a.role == role)
+            defs = notes.get("deltas", {})
+            if n > 1 and f"{role}_attn" in defs:  # LongCat-Flash: one delta for its two attentions
+                defs[f"{role}_attn"] += f" (the sum of the layer's {n} {role}-attention sublayers' outputs)"
+        modules = [a.module for a in stored]
+        record = LayerRecord(c, layer.index, module, patterns, residuals, notes, kinds, layer.call, modules)
         self.records.append(record)
 
     def plain_records(self) -> list[LayerRecord]:
         """Records of list elements without attention in lists that have attention (hybrids)."""
         out = []
-        for container, index, name, pre, post, n in self.plain:
+        for container, index, name, pre, post, n, skipped in self.plain:
             if container not in self.kept:
                 continue
             handles = [("resid_pre", self.store.put(pre)), ("resid_post", self.store.put(post))]
             note = "no attention in this layer: only resid_pre and resid_post are stored"
-            out.append(LayerRecord(container, index, name, [], handles, {"residual_note": note}, n))
+            notes = {"residual_note": note} | ({"not_attention": skipped} if skipped else {})
+            out.append(LayerRecord(container, index, name, [], handles, notes, n))
         self.plain.clear()
         return out

@@ -15,6 +15,8 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor, nn
 
+from probe.capture.calls import Call
+
 LOCAL_KIND = (
     "local attention computed chunk by chunk, mapped back to [query, key] over the whole "
     "sequence; zeros outside each query's chunk"
@@ -125,3 +127,96 @@ class Chunks:
         self.pattern[:, :, fs:fe].index_add_(-1, index, weights)
         self.seen += 1
         return self.seen == len(self.pairs)
+
+
+class LocalHandlers:
+    """The :class:`~probe.capture.record.Recorder`'s handlers of local attention: a softmax over a
+    chunked, banded or blocked layout mapped back to ``[query, key]`` and handed to the consumer,
+    or refused (the recorder's ``_unseen``). Uses the recorder's ``stack``, ``consumer``,
+    ``wants``, ``note_event``, ``_open`` and ``_unseen``."""
+
+    def _local(self, out: Tensor) -> bool:
+        """Whether the softmax ``out`` is local attention (Canine's chunks, Longformer/LED's band,
+        LongT5's blocks, or a layout refused); handled here when it is."""
+        local = self._chunked_call()
+        if local is not None:
+            self._chunk(local, out)
+            return True
+        inner = self.stack[-1].module if self.stack else None
+        if inner is None:
+            return False
+        if is_unmapped(inner):
+            self._unseen()  # a layout that could pass for a pattern by its sizes: never stored
+            return True
+        band, block = window_of(inner), block_len_of(inner)
+        if band is not None:
+            self._band(self.stack[-1], out, band)
+        elif block is not None:
+            self._block(self.stack[-1], out, block)
+        return band is not None or block is not None
+
+    def _chunked_call(self) -> Call | None:
+        """The call running chunked local attention (Canine's) that this softmax is inside, if any."""
+        for c in reversed(self.stack):
+            if is_chunked(c.module):
+                return c
+        return None
+
+    def _chunk(self, call: Call, out: Tensor) -> None:
+        """One chunk's weights of a chunked local attention; the last one hands on the pattern
+        over the whole sequence. A chunk that does not fit the module's chunks is refused (unseen)."""
+        length = call.primary.shape[1] if call.primary is not None and call.primary.dim() == 3 else 0
+        if call.chunks is None:
+            call.chunks = Chunks(chunk_pairs(call.module, length))
+        try:
+            done = call.chunks.add(out, length)
+        except ValueError:
+            self._unseen()
+            return
+        if not done:
+            return
+        pattern, call.chunks = call.chunks.pattern, None
+        if not self.wants():
+            self.note_event()
+            return
+        a = self._open(tuple(pattern.shape[-2:]), "softmax")
+        a.kind = LOCAL_KIND
+        self.consumer.weights(a, pattern, "softmax")
+
+    def _band(self, call: Call, out: Tensor, w: int) -> None:
+        """Longformer/LED's sliding-window softmax ``[batch, T, heads, 2w + 1]`` mapped back to
+        ``[batch, heads, T, T]``. Refused (unseen) where it has global columns or its mask is not
+        found: global attention is not mapped yet."""
+        if not isinstance(out, Tensor) or out.dim() != 4 or out.shape[-1] != 2 * w + 1:
+            self._unseen()  # global keys joined ahead of the window, or the global queries' softmax
+            return
+        b, T = out.shape[:2]
+        masks = [t for t in call.inputs if t.is_floating_point() and tuple(t.shape) == (b, T)]
+        if len(masks) != 1:
+            self._unseen()
+            return
+        if not self.wants():
+            self.note_event()
+            return
+        pattern = band_pattern(out, w, masks[0] < 0)  # the model's is_index_masked
+        a = self._open((T, T), "softmax")
+        a.kind = BAND_KIND
+        self.consumer.weights(a, pattern, "softmax")
+
+    def _block(self, call: Call, out: Tensor, n: int) -> None:
+        """LongT5's local softmax ``[batch, blocks, heads, n, 3n]`` mapped back to ``[batch, heads,
+        T, T]``; refused (unseen) when it does not have that shape."""
+        p = call.primary
+        if p is None or p.dim() != 3 or out.dim() != 5 or out.shape[-2:] != (n, 3 * n):
+            self._unseen()
+            return
+        if out.shape[1] * n < p.shape[1]:
+            self._unseen()
+            return
+        if not self.wants():
+            self.note_event()
+            return
+        T = p.shape[1]
+        a = self._open((T, T), "softmax")
+        a.kind = BLOCK_KIND
+        self.consumer.weights(a, block_pattern(out, T), "softmax")

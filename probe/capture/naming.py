@@ -178,19 +178,21 @@ def _name_attentions(r: LayerRecord, stack: str, idx: int, entry: dict[str, Any]
     ``entry``. Several attentions of one role are numbered in the order they ran
     (``self_attn.0``, ``self_attn.1``); a lone one has no number."""
     per_role = collections.Counter(role for role, *_ in r.patterns)
+    modules = r.modules or [None] * len(r.patterns)
     for role, n in per_role.items():
-        if n > 1:
-            # numbering them is what the format allows (self_attn.0, self_attn.1), but the models
-            # seen with several softmaxes per layer (DeepSeek-V4) mix in softmaxes that are not
-            # weights over keys: refuse rather than store them as attention
+        mine = [m for (ro, *_), m in zip(r.patterns, modules, strict=True) if ro == role]
+        if n > 1 and (None in mine or len(set(mine)) < n):
+            # several attentions of one role are numbered (self_attn.0, self_attn.1) when each is
+            # its own sublayer module (LongCat-Flash's two attention sublayers); several softmaxes
+            # of one module could be anything (parts of one attention, a score that is no weights)
             raise ProbeError(
-                f"layer {r.module} computes {n} {role}-attention patterns; probe records one per "
-                "role and layer and cannot yet tell which of them are attention weights"
+                f"layer {r.module} computes {n} {role}-attention patterns, not each in a sublayer module "
+                "of its own; probe cannot tell which of them are attention weights"
             )
     seen: collections.Counter = collections.Counter()
     names: dict[int, str] = {}
     kinds = r.kinds or [None] * len(r.patterns)
-    for (role, fields, shape, impl, _causal), kind in zip(r.patterns, kinds, strict=True):
+    for (role, fields, shape, impl, _causal), kind, module in zip(r.patterns, kinds, modules, strict=True):
         n = seen[role] if per_role[role] > 1 else None
         seen[role] += 1
         for field, h in fields.items():
@@ -198,6 +200,8 @@ def _name_attentions(r: LayerRecord, stack: str, idx: int, entry: dict[str, Any]
         info: dict[str, Any] = {"impl": impl, "heads": shape[1]}
         if kind is not None:
             info["kind"] = kind
+        if n is not None:  # one of several: which sublayer computed it
+            info["module"] = module
         entry[attention_name(role, "pattern", n).removesuffix(".pattern")] = info
     return names
 
@@ -253,6 +257,7 @@ def name(
     meta.setdefault("model", model_info(model))
     if meta.get("input_kind") == "tensor":
         _positions_from_patterns(meta, tr.records)
+    _mark_prompt_slots(meta, model, tr.records)
     meta.update(
         {
             "probe_version": __version__,
@@ -269,6 +274,23 @@ def name(
         }
     )
     return names, meta
+
+
+def _mark_prompt_slots(meta: dict[str, Any], model: nn.Module, records: list[LayerRecord]) -> None:
+    """CpmAnt runs its layers over ``prompt_length`` learned prompt slots placed ahead of the
+    tokens: where every stored pattern is longer than that, ``meta["prompt_slots"]`` says which
+    positions they are (its ``output_attentions`` drops them; probe keeps what the layers ran)."""
+    inner = next((m for m in (model, getattr(model, "cpmant", None)) if "CpmAnt" in type(m).__name__), None)
+    p = getattr(inner, "prompt_length", None)
+    lengths = {shape[2] for r in records for _role, _h, shape, _impl, _causal in r.patterns}
+    if not isinstance(p, int) or p <= 0 or not lengths or min(lengths) <= p:
+        return
+    meta["prompt_slots"] = {
+        "count": p,
+        "note": f"positions 0..{p - 1} of every pattern (queries and keys) and of the residual stream "
+        f"are the model's {p} learned prompt slots, ahead of the tokens; the tokens are positions "
+        f"{p} on (transformers' output_attentions crops to them)",
+    }
 
 
 def _ran(order: list[str], container: str) -> int:

@@ -49,3 +49,29 @@ def parallel_lists(model: nn.Module) -> dict[int, tuple[Group, int, int]]:
                 for i, e in enumerate(c):
                     found.setdefault(id(e), (group, k, i))
     return found
+
+
+def list_elements(
+    model: nn.Module,
+) -> tuple[dict[int, tuple[str, int]], dict[str, int], dict[int, tuple[nn.Module, str, int]]]:
+    """The model's lists: each element of an ``nn.ModuleList`` or one-type ``nn.Sequential``
+    (by id) -> ``(the list's name, its index)``; each list's length; and each child of an element
+    (by id; one with parameters that is no element of its own) -> ``(the element, its list, its
+    index)``, for elements whose ``forward`` the model calls directly (SqueezeBERT's
+    ``layer.forward(...)``), which no hook sees: their layer starts with a child's call."""
+    container_of: dict[int, tuple[str, int]] = {}
+    container_len: dict[str, int] = {}
+    for n, m in model.named_modules():
+        homogeneous = isinstance(m, nn.Sequential) and len({type(c) for c in m}) == 1
+        if isinstance(m, nn.ModuleList) or homogeneous:
+            container_len.setdefault(n, len(m))
+            for i, child in enumerate(m.children()):
+                container_of.setdefault(id(child), (n, i))
+    element_of: dict[int, tuple[nn.Module, str, int]] = {}
+    for m in model.modules():
+        if id(m) in container_of and not isinstance(m, (nn.ModuleList, nn.ModuleDict)):
+            for child in m.children():
+                # not a list element of its own, nor a rotary table or a dropout
+                if id(child) not in container_of and next(child.parameters(), None) is not None:
+                    element_of.setdefault(id(child), (m, *container_of[id(m)]))
+    return container_of, container_len, element_of

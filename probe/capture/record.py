@@ -40,22 +40,10 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from probe.capture.calls import Attention, Call, Forward
+from probe.capture.calls import Attention, Forward
 from probe.capture.fused import mha_weights
 from probe.capture.layers import LayerTracker
-from probe.capture.local import (
-    BAND_KIND,
-    BLOCK_KIND,
-    LOCAL_KIND,
-    Chunks,
-    band_pattern,
-    block_len_of,
-    block_pattern,
-    chunk_pairs,
-    is_chunked,
-    is_unmapped,
-    window_of,
-)
+from probe.capture.local import LocalHandlers
 from probe.capture.patterns import flex_weights
 from probe.capture.residual import LayerStream
 
@@ -159,7 +147,7 @@ def merged_split(
     return None
 
 
-class Recorder:
+class Recorder(LocalHandlers):
     """Attention events of one capture, read against ``layers``, handed to ``consumer``."""
 
     def __init__(self, layers: LayerTracker, forward: Forward, consumer: PatternConsumer) -> None:
@@ -174,103 +162,51 @@ class Recorder:
     # -- the ops the watcher's mode hands on: each handler runs the op and returns its output --
     def softmax(self, func: Any, args: tuple, kwargs: dict) -> Any:
         out = func(*args, **kwargs)
-        local = self._chunked_call()
-        inner = self.stack[-1].module if self.stack and local is None else None
-        band = window_of(inner) if inner is not None else None
-        block = block_len_of(inner) if inner is not None else None
-        unmapped = inner is not None and is_unmapped(inner)
-        mapped = local is not None or band is not None or block is not None or unmapped
-        kind = None if mapped else self._over_sequence(args, kwargs, out)
-        if local is not None:
-            self._chunk(local, out)
-        elif unmapped:
-            self._unseen()  # a layout that could pass for a pattern by its sizes: never stored
-        elif band is not None:
-            self._band(self.stack[-1], out, band)
-        elif block is not None:
-            self._block(self.stack[-1], out, block)
-        elif kind is not None:
-            if not self.wants():
-                self.note_event()
-            elif kind == "sink":
-                # the keys plus one learned sink column (GPT-OSS): the pattern over the real keys,
-                # the sink's mass beside it
-                a = self._open((out.shape[-2], out.shape[-1] - 1), "softmax")
-                a.sinks.append(out[..., -1])
-                a.kind = SINK_KIND
-                self.consumer.weights(a, out[..., :-1], "softmax")
-            else:
-                self._weights(out, "softmax")
-        elif self._attention_shaped(args, kwargs, out):
-            self._unseen()
+        if self._mixes_streams(out):
+            self.layers.after_op(func, args, kwargs, out)
+            return out
+        if not self._local(out):  # local layouts: mapped back or refused (probe.capture.local)
+            self._softmax(args, kwargs, out)
         self.layers.after_op(func, args, kwargs, out)
         return out
 
-    def _chunked_call(self) -> Call | None:
-        """The call running chunked local attention (Canine's) that this softmax is inside, if any."""
-        for c in reversed(self.stack):
-            if is_chunked(c.module):
-                return c
-        return None
-
-    def _chunk(self, call: Call, out: Tensor) -> None:
-        """One chunk's weights of a chunked local attention; the last one hands on the pattern
-        over the whole sequence. A chunk that does not fit the module's chunks is refused (unseen)."""
-        length = call.primary.shape[1] if call.primary is not None and call.primary.dim() == 3 else 0
-        if call.chunks is None:
-            call.chunks = Chunks(chunk_pairs(call.module, length))
-        try:
-            done = call.chunks.add(out, length)
-        except ValueError:
-            self._unseen()
-            return
-        if not done:
-            return
-        pattern, call.chunks = call.chunks.pattern, None
-        if not self.wants():
+    def _softmax(self, args: tuple, kwargs: dict, out: Any) -> None:
+        """A softmax that is no local layout: a pattern, a pattern with a sink column, a layout
+        probe does not read (refused), or no attention."""
+        kind = self._over_sequence(args, kwargs, out)
+        if kind is None:
+            if self._attention_shaped(args, kwargs, out):
+                self._unseen()
+        elif not self.wants():
             self.note_event()
-            return
-        a = self._open(tuple(pattern.shape[-2:]), "softmax")
-        a.kind = LOCAL_KIND
-        self.consumer.weights(a, pattern, "softmax")
+        elif kind == "sink":
+            # the keys plus one learned sink column (GPT-OSS): the pattern over the real keys,
+            # the sink's mass beside it
+            a = self._open((out.shape[-2], out.shape[-1] - 1), "softmax")
+            a.sinks.append(out[..., -1])
+            a.kind = SINK_KIND
+            self.consumer.weights(a, out[..., :-1], "softmax")
+        else:
+            self._weights(out, "softmax")
 
-    def _band(self, call: Call, out: Tensor, w: int) -> None:
-        """Longformer/LED's sliding-window softmax ``[batch, T, heads, 2w + 1]`` mapped back to
-        ``[batch, heads, T, T]``. Refused (unseen) where it has global columns or its mask is not
-        found: global attention is not mapped yet."""
-        if not isinstance(out, Tensor) or out.dim() != 4 or out.shape[-1] != 2 * w + 1:
-            self._unseen()  # global keys joined ahead of the window, or the global queries' softmax
-            return
-        b, T = out.shape[:2]
-        masks = [t for t in call.inputs if t.is_floating_point() and tuple(t.shape) == (b, T)]
-        if len(masks) != 1:
+    def _mixes_streams(self, out: Any) -> bool:
+        """Whether a softmax mixes the parallel streams of a hyper-connected layer (GLM-5-Next's and
+        DeepSeek-V4's ``comb``, ``[batch, T, n, n]`` for a stream ``[batch, T, n, d]``): weights
+        over streams, not keys. Noted in the layer's metadata, never stored. Where ``n`` equals the
+        sequence length the two cannot be told apart by shape: refused (unseen)."""
+        lay = self.layers.layer
+        if lay is None or lay.stream is None or len(lay.stream.shape) != 4 or not isinstance(out, Tensor):
+            return False
+        b, t, n, _ = lay.stream.shape
+        if out.dim() != 4 or tuple(out.shape) != (b, t, n, n):
+            return False
+        if n == t:
             self._unseen()
-            return
-        if not self.wants():
-            self.note_event()
-            return
-        pattern = band_pattern(out, w, masks[0] < 0)  # the model's is_index_masked
-        a = self._open((T, T), "softmax")
-        a.kind = BAND_KIND
-        self.consumer.weights(a, pattern, "softmax")
-
-    def _block(self, call: Call, out: Tensor, n: int) -> None:
-        """LongT5's local softmax ``[batch, blocks, heads, n, 3n]`` mapped back to ``[batch, heads,
-        T, T]``; refused (unseen) when it does not have that shape."""
-        p = call.primary
-        if p is None or p.dim() != 3 or out.dim() != 5 or out.shape[-2:] != (n, 3 * n):
-            self._unseen()
-            return
-        if out.shape[1] * n < p.shape[1]:
-            self._unseen()
-            return
-        if not self.wants():
-            self.note_event()
-            return
-        T = p.shape[1]
-        a = self._open((T, T), "softmax")
-        a.kind = BLOCK_KIND
-        self.consumer.weights(a, block_pattern(out, T), "softmax")
+        else:
+            lay.skipped.add(
+                f"a softmax over the layer's {n} parallel streams (hyper-connections), not over keys"
+            )
+        return True
 
     @staticmethod
     def _attention_shaped(args: tuple, kwargs: dict, out: Any) -> bool:
@@ -399,6 +335,7 @@ class Recorder:
                 # a second, differently shaped attention in the same sublayer: recorded on its own
                 self.close(a)
             a = Attention(inputs=sub.inputs, primary=sub.primary, qk=qk)
+            a.module = self.layers.name_of(sub.module)
             a.diff_lambda = differential_lambda(sub.module)
             if a.diff_lambda is not None:
                 a.kind = DIFF_KIND

@@ -1,0 +1,139 @@
+"""Eager ``output_attentions`` in the layouts probe stores, for the catalogue check
+(``catalogue_check.py``): written here from the models' own definitions, never with probe's
+mapping code, so that the check stays an independent oracle.
+
+* Longformer / LED sliding-chunk attention: eager returns ``[batch, heads, T, x + 2w + 1]``, the
+  first ``x`` columns the weights of the ``x`` global tokens (the positions of
+  ``global_attention_mask``, in order), column ``x + j`` the key ``i - w + j`` of query ``i``;
+  mapped to ``[batch, heads, T, T]``, zeros outside the window (Longformer's own definition).
+* LongT5 block-local attention: eager returns ``[batch, blocks, heads, n, 3n]``, query ``a`` of
+  block ``i`` over the keys of blocks ``i - 1, i, i + 1`` (column ``c`` is key ``(i - 1)·n + c``);
+  mapped to ``[batch, heads, T, T]`` for the ``T`` positions of the input.
+* Differential attention (DiffLlama): eager returns the ``2H`` softmaxes of one call, query head
+  ``h`` of the first half paired with ``h + H`` (the model chunks its heads in two); the combined
+  map of differential head ``h`` is ``a1 - λ·a2`` with λ computed here from the module's
+  ``lambda_q1/k1/q2/k2`` and ``lambda_init``, and the parts are ``[a1, a2]``.
+* SqueezeBERT: eager returns the scores before the softmax (mask added); their softmax over the
+  keys is the weights its attention module computes.
+* CpmAnt: eager crops its weights to the text (``[prompt:, prompt:]``, ``prompt`` =
+  ``config.prompt_length``); probe's patterns are cropped the same way before the comparison.
+
+Each mapping returns None where the eager tensor does not fit it, or where it gives weight to a
+key outside the sequence on a real query row (the mapping would lose mass): the tensor is then
+compared as it is, and its shape makes the verdict "wrong".
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+LAMBDA_NAMES = ("lambda_q1", "lambda_k1", "lambda_q2", "lambda_k2", "lambda_init")
+
+
+def band_to_keys(
+    e: torch.Tensor, global_mask: torch.Tensor | None = None, real: torch.Tensor | None = None
+) -> torch.Tensor | None:
+    """Longformer's eager ``[batch, heads, T, x + 2w + 1]`` weights as ``[batch, heads, T, T]``
+    (``global_mask`` ``[batch, T]``, nonzero at the global tokens; ``real`` ``[batch, T]``, the
+    query rows to hold to "no weight outside the sequence"). None where the width does not fit."""
+    b, h, T, width = e.shape
+    n_global = [] if global_mask is None else [int(g.nonzero().numel()) for g in global_mask.bool()]
+    x = max(n_global, default=0)
+    if (width - x) % 2 != 1:
+        return None
+    w = (width - x - 1) // 2
+    out = e.new_zeros(b, h, T, T)
+    for bi in range(b):
+        for g, key in enumerate(global_mask[bi].bool().nonzero().flatten().tolist() if x else []):
+            out[bi, :, :, key] += e[bi, :, :, g]
+    rows = torch.ones(b, T, dtype=torch.bool) if real is None else real.bool()
+    for j in range(2 * w + 1):
+        col = e[:, :, :, x + j]
+        for i in range(T):
+            key = i - w + j
+            if 0 <= key < T:
+                out[:, :, i, key] += col[:, :, i]
+            elif bool((col[:, :, i].abs() > 0)[rows[:, i]].any()):
+                return None  # weight on a key outside the sequence: not this layout
+    return out
+
+
+def blocks_to_keys(e: torch.Tensor, T: int, real: torch.Tensor | None = None) -> torch.Tensor | None:
+    """LongT5's eager local weights ``[batch, blocks, heads, n, 3n]`` as ``[batch, heads, T, T]``
+    for the ``T`` input positions; None where the layout does not fit (or weight falls outside
+    the sequence on a ``real`` query row)."""
+    if e.dim() != 5 or e.shape[-1] != 3 * e.shape[-2]:
+        return None
+    b, nb, h, n, _ = e.shape
+    if nb * n < T:
+        return None
+    rows = torch.ones(b, T, dtype=torch.bool) if real is None else real.bool()
+    out = e.new_zeros(b, h, T, T)
+    for i in range(nb):
+        for a in range(n):
+            q = i * n + a
+            if q >= T:
+                break
+            first = (i - 1) * n  # the key of column 0
+            lo, hi = max(0, -first), min(3 * n, T - first)
+            out[:, :, q, first + lo : first + hi] = e[:, i, :, a, lo:hi]
+            outside = torch.cat([e[:, i, :, a, :lo], e[:, i, :, a, hi:]], -1)
+            if bool((outside.abs() > 0).any(-1).any(-1)[rows[:, q]].any()):
+                return None
+    return out
+
+
+def differential_lambdas(model: Any) -> list[float]:
+    """λ of every differential-attention module of ``model``, in module order (layer order):
+    ``exp(Σ lambda_q1·lambda_k1) − exp(Σ lambda_q2·lambda_k2) + lambda_init``."""
+    out = []
+    with torch.no_grad():
+        for m in model.modules():
+            if all(hasattr(m, n) for n in LAMBDA_NAMES):
+                one = (m.lambda_q1.double() * m.lambda_k1.double()).sum().exp()
+                two = (m.lambda_q2.double() * m.lambda_k2.double()).sum().exp()
+                out.append(float(one - two + float(m.lambda_init)))
+    return out
+
+
+def split_differential(e: torch.Tensor, lam: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Eager's ``[batch, 2H, q, k]`` softmaxes as the combined map ``[batch, H, q, k]`` and the
+    parts ``[batch, H, 2, q, k]`` (``a1`` = heads ``0..H-1``, ``a2`` = heads ``H..2H-1``)."""
+    a1, a2 = e.chunk(2, dim=1)
+    return a1 - lam * a2, torch.stack([a1, a2], dim=2)
+
+
+def prompt_length(model: Any) -> int:
+    """The prompt positions CpmAnt runs ahead of the text and crops from its weights (0 if none)."""
+    cfg = model.config
+    return int(getattr(cfg, "prompt_length", 0) or 0) if cfg.model_type == "cpmant" else 0
+
+
+def eager_in_probe_layout(model: Any, eager: dict, inputs: dict) -> dict:
+    """``eager`` (``catalogue_check.eager_patterns``'s dict) with its self-attention maps in
+    probe's layout: local layouts mapped to ``[query, key]``, differential softmaxes combined (and
+    their parts under ``"parts"``). Tensors no mapping fits are left as they are."""
+    ids = inputs.get("input_ids")
+    T = ids.shape[1] if ids is not None else None
+    real = inputs.get("attention_mask")
+    cfg = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    banded = getattr(cfg, "attention_window", None) is not None
+    lams = differential_lambdas(model)
+    if model.config.model_type == "squeezebert" and not eager["self"]:
+        # SqueezeBERT's ``attentions`` are its scores before the softmax (mask added): the weights
+        # are their softmax over the keys, as its attention module computes them
+        eager = {**eager, "self": [t.softmax(-1) for t in eager["other"]], "other": []}
+    out, parts = [], []
+    for t in eager["self"]:
+        mapped = None
+        if t.dim() == 5 and T is not None:
+            mapped = blocks_to_keys(t, T, real)
+        elif banded and t.dim() == 4 and t.shape[-1] != t.shape[-2]:
+            mapped = band_to_keys(t, inputs.get("global_attention_mask"), real)
+        elif lams and t.dim() == 4 and len(parts) < len(lams) and t.shape[1] % 2 == 0:
+            mapped, p = split_differential(t, lams[len(parts)])
+            parts.append(p)
+        out.append(t if mapped is None else mapped)
+    return {**eager, "self": out, "parts": parts}
