@@ -14,6 +14,9 @@ ORDER = (
     "cannot run on text",
     "run failed",
     "build failed",
+    "needs a library",
+    "sub-config",
+    "no model class",
 )
 MEANING = {
     "exact": "every stored pattern within 1e-5 of eager `output_attentions` (or, where eager differs "
@@ -27,6 +30,13 @@ MEANING = {
     "inputs)",
     "run failed": "the tiny model's forward fails without probe (the shrunk config does not suit it)",
     "build failed": "no tiny config/model could be built from the generic shrink and the overrides",
+    "needs a library": "the modeling code needs an optional library that is not installed here (the reason "
+    "names it); not a failure of the shrink or of probe",
+    "sub-config": "a part of another family (a vision tower, a codec, one stack of an encoder-decoder) with "
+    "no model class of its own; transformers builds it inside the parent named in the reason, whose own "
+    "row is its verdict",
+    "no model class": "no auto mapping of transformers pairs the config with a model class that can be "
+    "imported, and no other config holds it",
 }
 
 

@@ -250,7 +250,8 @@ def _mrope(cfg: Any) -> None:
     import sys
 
     cls = model_class(cfg)
-    if cls is None or "mrope_section" not in inspect.getsource(sys.modules[cls.__module__]):
+    module = sys.modules.get(cls.__module__) if cls is not None else None
+    if module is None or "mrope_section" not in inspect.getsource(module):  # None: a dummy class
         return
     for c in {id(cfg): cfg, id(cfg.get_text_config()): cfg.get_text_config()}.values():
         rope = getattr(c, "rope_parameters", None)
@@ -267,7 +268,8 @@ def _mrope(cfg: Any) -> None:
 
 
 def model_class(config: Any) -> Any:
-    """The class that runs ``config`` on token ids: the base model, else a causal LM; None if neither."""
+    """The class that runs ``config`` on token ids: the base model, else a causal or masked LM, else
+    ``<Name>Model``, else a task head of another auto mapping; None if there is none."""
     import transformers as tf
 
     for mapping in ("MODEL_MAPPING", "MODEL_FOR_CAUSAL_LM_MAPPING", "MODEL_FOR_MASKED_LM_MAPPING"):
@@ -282,8 +284,32 @@ def model_class(config: Any) -> Any:
         try:
             return getattr(tf, name[: -len("Config")] + "Model")
         except (AttributeError, ImportError):
-            return None
-    return None
+            pass
+    return _task_class(config)
+
+
+def _task_class(config: Any) -> Any:
+    """The class of a task head that the auto mappings pair with ``config`` (ColPali: retrieval,
+    EoMT: segmentation), one that takes ``input_ids`` first; None if no mapping lists it."""
+    import inspect
+
+    import transformers as tf
+    from transformers.models.auto import modeling_auto
+
+    names: list[str] = []
+    for mapping in sorted(dir(modeling_auto)):
+        if mapping.startswith("MODEL_FOR_") and mapping.endswith("_MAPPING_NAMES"):
+            name = getattr(modeling_auto, mapping).get(getattr(config, "model_type", None))
+            if isinstance(name, str) and name not in names:
+                names.append(name)
+    classes = []
+    for name in names:
+        try:
+            classes.append(getattr(tf, name))
+        except (AttributeError, ImportError):
+            continue
+    text = [c for c in classes if "input_ids" in inspect.signature(c.forward).parameters]
+    return (text or classes or [None])[0]
 
 
 def build(model_type: str, seed: int = 0) -> Any:
