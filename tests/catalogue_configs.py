@@ -10,6 +10,7 @@ attention implementation. Used by ``benchmarks/catalogue.py`` and ``tests/test_c
 from __future__ import annotations
 
 import copy
+import re
 from typing import Any
 
 import torch
@@ -128,7 +129,6 @@ OVERRIDES: dict[str, dict[str, Any]] = {
     "nystromformer": {"segment_means_seq_len": 8, "num_landmarks": 4},
     "clvp": {},
     "blt": {"patch_size": 2},
-    "dots1": {"n_routed_experts": 4, "moe_intermediate_size": 32},
     "dbrx": {"attn_config": {"kv_n_heads": 2, "rope_theta": 10000.0, "clip_qkv": 8.0}},
     "nemotron": {"head_dim": HEAD_DIM},
     "squeezebert": {"embedding_size": HIDDEN},
@@ -137,6 +137,13 @@ OVERRIDES: dict[str, dict[str, Any]] = {
     "esm": {"pad_token_id": 1, "mask_token_id": 2},
     "chameleon": {"vocabulary_map": {"<image>": 3}},
     "emu3": {"vocabulary_map": {"<image>": 3}},
+    # defaults of None that the modeling code multiplies or indexes with
+    "dots1": {"n_routed_experts": 4, "moe_intermediate_size": 32, "n_shared_experts": 1},
+    "deepseek_v2": {"num_experts_per_tok": 2},
+    "lfm2_moe": {"layer_types": ["conv", "full_attention"], "num_dense_layers": 1},
+    # validators: ESM C has no grouped-query attention; Mamba-2 ties heads·head_dim to hidden·expand
+    "esmc": {"num_key_value_heads": HEADS},
+    "mamba2": {"num_heads": 8},
 }
 
 
@@ -205,26 +212,48 @@ def _shrink_kwargs(cls: Any, base: Any, depth: int = 0) -> dict[str, Any]:
             and k not in kw
         ):
             kw[k] = v[:n_layers]
+    _respect_validators(d, kw, n_layers)
+    if depth < 3:
+        _shrink_sub_configs(cls, base, kw, depth)
+    return kw
+
+
+def _respect_validators(d: dict, kw: dict[str, Any], n_layers: int) -> None:
+    """Shrink what the config validators tie to the sizes shrunk above (in place in ``kw``)."""
+    if d.get("head_dim", 0) is None and "num_attention_heads" in kw:
+        kw["head_dim"] = HEAD_DIM  # None means hidden/heads, which some modeling code does not work out
+    for k in _KV:
+        if k in d and d[k] is None and "num_attention_heads" in kw:
+            kw[k] = HEADS  # None means one kv head per query head
     rope = d.get("rope_parameters") or d.get("rope_scaling")
-    if isinstance(rope, dict) and isinstance(rope.get("mrope_section"), list) and "head_dim" in kw:
+    rotary = kw.get("qk_rope_head_dim", kw.get("head_dim"))  # MLA (HunYuan V4): the rotary part
+    if isinstance(rope, dict) and isinstance(rope.get("mrope_section"), list) and rotary:
         # multimodal rotary (Qwen2-VL, GLM-4V): the sections split head_dim·partial/2 rotary pairs
+        part = d.get("partial_rotary_factor") or 1.0
         kw["rope_parameters" if "rope_parameters" in d else "rope_scaling"] = {
             **rope,
-            "mrope_section": _sections(
-                rope["mrope_section"], int(HEAD_DIM * d.get("partial_rotary_factor", 1.0)) // 2
-            ),
+            "mrope_section": _sections(rope["mrope_section"], int(rotary * part) // 2),
         }
+    if isinstance(d.get("out_features"), list) and isinstance(d.get("stage_names"), list):
+        # backbones: the stages named for the full depth do not exist in the shrunk one: the last stage
+        kw["out_features"], kw["out_indices"] = None, None
     if isinstance(d.get("initializer_range"), float):
         kw["initializer_range"] = 0.1  # peakier random patterns than 0.02: a stronger check
-    if depth < 3:
-        for name in getattr(cls, "sub_configs", None) or {}:
-            sub = getattr(base, name, None)
-            if sub is None or not hasattr(sub, "to_dict"):
-                continue
-            small = _shrink_kwargs(type(sub), sub, depth + 1)
-            if set(small) - {"initializer_range"}:  # a sub-config left as it is stays the default object
-                kw[name] = {**sub.to_dict(), **small}
-    return kw
+
+
+def _shrink_sub_configs(cls: Any, base: Any, kw: dict[str, Any], depth: int) -> None:
+    """Shrunk sub-configs (text, vision, audio, ...) into ``kw``, with their own family's overrides."""
+    for name in getattr(cls, "sub_configs", None) or {}:
+        sub = getattr(base, name, None)
+        if sub is None or not hasattr(sub, "to_dict"):
+            continue
+        small = _shrink_kwargs(type(sub), sub, depth + 1)
+        small.update(copy.deepcopy(OVERRIDES.get(getattr(sub, "model_type", None), {})))
+        if set(small) - {"initializer_range"}:  # a sub-config left as it is stays the default object
+            full = sub.to_dict()
+            if any(k in small for k in _LAYERS):
+                full.pop("per_layer_config", None)  # keyed by full-depth layer indices: rebuilt from the rest
+            kw[name] = {**full, **small}
 
 
 def tiny_config(model_type: str) -> Any:
@@ -235,12 +264,62 @@ def tiny_config(model_type: str) -> Any:
     base = cls()
     kw = _shrink_kwargs(cls, base)
     kw.update(copy.deepcopy(OVERRIDES.get(model_type, {})))
-    cfg = cls(**kw)
+    for _ in range(6):  # a validator that ties one size to another: set it as the message says, again
+        try:
+            cfg = cls(**kw)
+            break
+        except Exception as e:  # noqa: BLE001 - huggingface_hub's StrictDataclass*ValidationError
+            if "ValidationError" not in type(e).__name__ or not _follow_validator(kw, base, str(e)):
+                raise
     _mrope(cfg)
     for k in ("use_cache", "tie_word_embeddings"):
         if hasattr(cfg, k) and k == "use_cache":
             cfg.use_cache = False
     return cfg
+
+
+_TIED = re.compile(r"`?([\w.]+)`? \((\d+)\) must (?:equal|match) (?:the backbone )?`?([\w.]+)[^(]*\((\d+)\)")
+_TIED_BARE = re.compile(r"\b(\w+) must (?:equal|match) (\w+)\b")
+
+
+def _follow_validator(kw: dict[str, Any], base: Any, msg: str) -> bool:
+    """Set the size a config validator ties to another (``\\`a.b\\` (512) must equal \\`c\\` (64)``,
+    ``adapter_in_dim must match hidden_size``) in ``kw``, nested where the name is; False if the
+    message is not of that form or names nothing that ``kw`` or ``base`` holds."""
+    m, bare = _TIED.search(msg), _TIED_BARE.search(msg)
+    if not (m or bare):
+        return False
+    full = base.to_dict()
+    path = (m.group(1) if m else bare.group(1)).split(".")
+    target = kw
+    for part in path[:-1]:  # `head_config.audio_hidden_size`: into the sub-config's dict
+        if not isinstance(target.get(part), dict):
+            if target is not kw or not isinstance(full.get(part), dict):
+                return False
+            target[part] = dict(full[part])
+        target = target[part]
+    if len(path) == 1 and path[0] not in kw and path[0] not in full:
+        target = _holder(kw, full, path[0])  # a bare name: the sub-config that holds it
+        if target is None:
+            return False
+    if m:
+        value = int(m.group(4))
+    else:
+        value = target.get(bare.group(2), kw.get(bare.group(2), full.get(bare.group(2))))
+    if not isinstance(value, int) or target.get(path[-1]) == value:
+        return False
+    target[path[-1]] = value
+    return True
+
+
+def _holder(kw: dict[str, Any], full: dict[str, Any], name: str) -> dict[str, Any] | None:
+    """The sub-config dict in ``kw`` that holds ``name`` (copied in from ``full`` if need be)."""
+    for key, sub in full.items():
+        if isinstance(sub, dict) and name in sub:
+            if not isinstance(kw.get(key), dict):
+                kw[key] = dict(sub)
+            return kw[key]
+    return None
 
 
 def _mrope(cfg: Any) -> None:
