@@ -138,8 +138,29 @@ OVERRIDES: dict[str, dict[str, Any]] = {
     "chameleon": {"vocabulary_map": {"<image>": 3}},
     "emu3": {"vocabulary_map": {"<image>": 3}},
     # defaults of None that the modeling code multiplies or indexes with
-    "dots1": {"n_routed_experts": 4, "moe_intermediate_size": 32, "n_shared_experts": 1},
     "deepseek_v2": {"num_experts_per_tok": 2},
+    "dots1": {
+        "n_routed_experts": 4,
+        "moe_intermediate_size": 32,
+        "n_shared_experts": 1,
+        "num_experts_per_tok": 2,
+    },
+    # the indexer (query-sparse attention) sizes default to None, which its layers divide by
+    "qwen4_exp_text": {
+        "indexer_n_heads": 2,
+        "indexer_kv_heads": 1,
+        "indexer_head_dim": 16,
+        "indexer_budget": 8,
+        "indexer_compress_ratio": 2,
+    },
+    # KV sharing: the last layers reuse the caches of earlier ones of the same type (4 layers, 2 shared)
+    "gemma3n_text": {
+        "num_hidden_layers": 4,
+        "layer_types": ["sliding_attention", "full_attention"] * 2,
+        "num_kv_shared_layers": 2,
+        "activation_sparsity_pattern": [0.0] * 4,
+        "intermediate_size": FFN,
+    },
     "lfm2_moe": {"layer_types": ["conv", "full_attention"], "num_dense_layers": 1},
     # validators: ESM C has no grouped-query attention; Mamba-2 ties heads·head_dim to hidden·expand
     "esmc": {"num_key_value_heads": HEADS},
