@@ -35,7 +35,7 @@ def one(model_type: str) -> dict:
 
     import catalogue_check as C
     import catalogue_configs as K
-    from catalogue_classify import classify_build_error
+    from catalogue_classify import classify_build_error, other_input
 
     t0 = time.time()
     cls = None
@@ -50,7 +50,7 @@ def one(model_type: str) -> dict:
     try:
         res = C.check_model(model)
     except Exception as e:  # noqa: BLE001
-        res = C.run_failure(e, model)
+        res = other_input(C.run_failure(e, model))
     res["class"] = type(model).__name__
     res["seconds"] = round(time.time() - t0, 2)
     return res

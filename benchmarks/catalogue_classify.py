@@ -10,6 +10,11 @@ from functools import cache
 from typing import Any
 
 _NEEDS = re.compile(r"requires the (\w[\w.-]*) librar")
+# forwards that fail for want of an input other than token ids, in the words of their messages
+_OTHER_INPUT = re.compile(
+    r"specify bbox|bbox is required|`visual_feats` cannot be `none`|`context_input_ids` are passed"
+    r"|`input_ids` is expected to be `none`"
+)
 
 
 @cache
@@ -89,3 +94,12 @@ def classify_build_error(model_type: str, e: BaseException, cls: Any) -> dict[st
     if cls is None and type(e) is LookupError and "model class" in str(e):  # catalogue_configs.build
         return unbuildable(model_type)
     return missing_library(e) or {"status": "build failed", "reason": f"{type(e).__name__}: {str(e)[:300]}"}
+
+
+def other_input(verdict: dict) -> dict:
+    """``cannot run on text`` for a ``run failed`` verdict whose message asks for an input other than
+    token ids (layout boxes, visual features, retrieved contexts, embeddings); else the verdict."""
+    if verdict.get("status") == "run failed" and _OTHER_INPUT.search(verdict.get("reason", "").lower()):
+        why = "needs other inputs: " + verdict["reason"]
+        return {**verdict, "status": "cannot run on text", "reason": why}
+    return verdict

@@ -126,7 +126,17 @@ OVERRIDES: dict[str, dict[str, Any]] = {
     "openai-gpt": {"n_positions": 64},
     "ctrl": {"n_positions": 64},
     "mega": {"chunk_size": 4},
-    "nystromformer": {"segment_means_seq_len": 8, "num_landmarks": 4},
+    # as many landmarks as tokens (8): the exact-softmax path (fewer mis-shape the padding mask)
+    "nystromformer": {"segment_means_seq_len": 8, "num_landmarks": 8},
+    # layout embeddings: 4 coordinate + 2 shape embeddings concatenated to the hidden size
+    "layoutlmv3": {"coordinate_size": 10, "shape_size": 12},
+    "lilt": {"hidden_size": 96},  # its box embeddings are hidden/6 wide, times 6
+    "qwen2_5_omni_thinker": {"vision_start_token_id": 500},
+    "xlstm": {"embedding_dim": HIDDEN},  # the blocks run at the embedding width
+    # sub-model configs whose defaults lack an attribute their model reads
+    "t5gemma2_text": {"dropout_rate": 0.0},
+    "pix2struct_text_model": {"initializer_range": 0.1},
+    "qwen3_omni_moe_thinker": {"vision_start_token_id": 500},
     "clvp": {},
     "blt": {"patch_size": 2},
     "dbrx": {"attn_config": {"kv_n_heads": 2, "rope_theta": 10000.0, "clip_qkv": 8.0}},
@@ -139,6 +149,22 @@ OVERRIDES: dict[str, dict[str, Any]] = {
     "emu3": {"vocabulary_map": {"<image>": 3}},
     # defaults of None that the modeling code multiplies or indexes with
     "deepseek_v2": {"num_experts_per_tok": 2},
+    # the rotary parameters default to {} where the model reads them per layer type
+    "cohere_compass_text": {
+        "rope_parameters": {"full_attention": {"rope_type": "default", "rope_theta": 1e4}},
+    },
+    "diffusion_gemma_text": {"num_experts": 4, "top_k_experts": 2, "moe_intermediate_size": 32},
+    "mistral4": {"head_dim": 16},  # the rotary part is head_dim · partial_rotary_factor (0.5) wide
+    "deepseek_ocr2_text": {"mlp_layer_types": ["dense", "sparse"], "num_experts_per_tok": 2},
+    # the shared transformer is tied across hybrid layers: two of them (layers 1 and 3)
+    "zamba": {
+        "num_hidden_layers": 4,
+        "attn_layer_period": 2,
+        "attn_layer_offset": 1,
+        "layers_block_type": ["linear_attention", "hybrid"] * 2,
+    },
+    "kimi_linear": {"num_experts_per_token": 2},  # its own name for num_experts_per_tok
+    "glm4_moe_lite": {"num_key_value_heads": HEADS},  # MLA: one latent kv per head
     "dots1": {
         "n_routed_experts": 4,
         "moe_intermediate_size": 32,
@@ -349,13 +375,23 @@ def _mrope(cfg: Any) -> None:
     import inspect
     import sys
 
-    cls = model_class(cfg)
-    module = sys.modules.get(cls.__module__) if cls is not None else None
-    if module is None or "mrope_section" not in inspect.getsource(module):  # None: a dummy class
+    # the model's module, or its text model's (GLM-4.6V runs GLM-4V's text model)
+    try:
+        text = cfg.get_text_config()
+    except ValueError:  # MusicGen: a text encoder and a decoder, neither "the" text config
         return
-    for c in {id(cfg): cfg, id(cfg.get_text_config()): cfg.get_text_config()}.values():
+    classes = {model_class(cfg), model_class(text) if text is not cfg else None}
+    modules = [sys.modules.get(c.__module__) for c in classes if c is not None]
+    sources = [inspect.getsource(m) for m in modules if m is not None]  # None: a dummy class
+    if not any("mrope_section" in src for src in sources):
+        return
+    # the modeling code's own default sections (ERNIE 4.5 VL: [22, 22, 20], its h and w equal)
+    found = [re.search(r"mrope_section\", \[(\d+), (\d+), (\d+)\]\)", src) for src in sources]
+    default = next(([int(x) for x in m.groups()] for m in found if m), [16, 24, 24])
+    for c in {id(cfg): cfg, id(text): text}.values():
         rope = getattr(c, "rope_parameters", None)
-        if not isinstance(rope, dict):
+        if not isinstance(rope, dict) or not rope or any(isinstance(v, dict) for v in rope.values()):
+            # {} or {layer type: parameters}: no multimodal sections to split (Cohere Compass)
             continue
         head = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
         total = (
@@ -363,7 +399,7 @@ def _mrope(cfg: Any) -> None:
         )
         c.rope_parameters = {
             **rope,
-            "mrope_section": _sections(rope.get("mrope_section") or [16, 24, 24], total),
+            "mrope_section": _sections(rope.get("mrope_section") or default, total),
         }
 
 
@@ -419,4 +455,7 @@ def build(model_type: str, seed: int = 0) -> Any:
     if cls is None:
         raise LookupError(f"no base or causal-LM model class for {model_type}")
     torch.manual_seed(seed)
-    return cls(cfg).eval()
+    model = cls(cfg).eval()
+    if hasattr(model, "set_default_language") and getattr(cfg, "languages", None):
+        model.set_default_language(cfg.languages[0])  # X-MOD: one adapter per language, chosen by hand
+    return model
