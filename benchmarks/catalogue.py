@@ -50,7 +50,8 @@ def one(model_type: str) -> dict:
     try:
         res = C.check_model(model)
     except Exception as e:  # noqa: BLE001
-        res = other_input(C.run_failure(e, model))
+        res = C.run_failure(e, model)
+    res = other_input(res)  # check_model reports a failing forward as run failed itself
     res["class"] = type(model).__name__
     res["seconds"] = round(time.time() - t0, 2)
     return res
