@@ -61,6 +61,30 @@ CAUSES: dict[str, str] = {
     "gemma4_unified_text": PER_LAYER,
     "embedding_gemma2_text": PER_LAYER,
     "neomme": PER_LAYER,
+    "lilt": "two softmaxes per layer (text and layout streams, 4 heads each, over the same summed "
+    "scores); probe stores them as one 8-head pattern with no note, where other two-softmax layers are "
+    "refused; each half equals eager's 4 text-stream heads (issue 22, several patterns per layer)",
+    "diffusion_gemma": "not wrong in number: all 4 patterns equal the softmax of SDPA's arguments; eager "
+    "returns only the decoder's 2 (the encoder's are not in the output). The decoder's softmax runs over "
+    "[encoder prefix; canvas] keys (6×14) in one call and probe labels it cross-attention (issue 22, "
+    "roles, as t5gemma2)",
+    "musicgen_melody": "not wrong in number: probe stores the T5 text encoder's 2 patterns and the "
+    "decoder's 2 (over [conditioning; decoder] keys), all equal to the softmax of SDPA's arguments; "
+    "eager returns the decoder's only, so the counts differ",
+    "blt": "every one of the 11 stored patterns equals one SDPA call's softmax (0.0), but: the local "
+    "encoder's cross-attention (patch queries over byte keys, 18×8) is stored with role self; the local "
+    "decoder runs cross_attn_layers[i] then layers[i] alternately and probe stores all cross layers "
+    "before all self layers (not run order); eager returns 4 of the 11 (issue 22, roles and stacks)",
+    "inkling2": UNMAPPED,
+    "inkling2_loop": UNMAPPED,
+    "esmfold2": "a protein-folding model: its atom encoder's 3D rotary needs more frequency pairs than "
+    "the shrunk head holds, and the atom encoder has no model type to override by",
+    "gemma4_assistant": "the default config itself fails its validator "
+    "(hidden_size_per_layer_input must be 0)",
+    "gemma4_unified_assistant": "every layer shares the backbone's KV cache (num_kv_shared_layers = "
+    "all): its text config fails the cache-producer check when built alone",
+    "dia": "the decoder takes audio codebook ids ([batch, T, channels]), not token ids",
+    "kyutai_speech_to_text": "the ids are audio codebook ids offset per codebook, not text token ids",
     "minimax": "exact on its softmax layer; the lightning (linear) attention layer has no softmax "
     "(eager returns q·kᵀ with decay, negative weights) and is not stored, with no note",
 }

@@ -61,6 +61,9 @@ EXACT = {
     "gpt_oss": "a learned sink column joined to the scores (stored beside the pattern)",
     "flint": "a learned sink column joined to the scores",
     "t5gemma2": "one softmax over own keys then the encoder's: stored as self and cross parts",
+    "gemma3n_text": "KV sharing: the last two layers reuse earlier layers' keys and values",
+    "zamba": "hybrid: one attention block shared (tied) by the hybrid layers",
+    "deepseek_v2": "multi-head latent attention (MLA)",
 }
 
 # model type -> why it is not exact yet (issue 22); the owner removes the mark with the fix
@@ -76,6 +79,9 @@ KNOWN = {
     "longt5": "the checker does not map eager's 5-d local blocks back to [query, key]",
     "cpmant": "probe stores the 32 prompt positions ahead of the text; eager crops them (issue 22)",
     "deepseek_v4": "refused: several softmaxes per layer, not all attention (issue 22)",
+    # text and layout streams: two softmaxes per layer (4 heads each, over the same summed scores);
+    # probe stores them as one 8-head pattern with no word, eager returns the text stream's 4 heads
+    "lilt": "two softmaxes per layer stored as one pattern of twice the heads (issue 22)",
 }
 
 SAMPLE = [pytest.param(m, id=m) for m in EXACT] + [
@@ -151,3 +157,24 @@ def test_sweep_cli_resumes_and_writes_the_page(tmp_path):
         [sys.executable, str(script), "--markdown", str(out)], capture_output=True, text=True, check=True
     ).stdout
     assert "| exact | 1 |" in page and "| `gpt2` | GPT2Model | 2 |" in page  # two layers, one pattern each
+
+
+def test_sub_configs_and_missing_libraries_are_not_build_failures():
+    # the sweep's statuses for what it cannot build on its own, against transformers' own classes
+    import sys
+    from pathlib import Path
+
+    import transformers as tf
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
+    from catalogue_classify import classify_build_error, missing_library
+
+    assert tf.BltLocalEncoderConfig in tf.BltConfig.sub_configs.values()
+    v = classify_build_error("blt_local_encoder", LookupError("no base or causal-LM model class"), None)
+    assert v["status"] == "sub-config" and "`blt`" in v["reason"], v
+    # a KeyError (a LookupError too) from a config is a build failure, not a missing class
+    v = classify_build_error("gpt2", KeyError("full_attention"), None)
+    assert v["status"] == "build failed", v
+    e = ImportError("\nTimmWrapperModel requires the timm library but it was not found in your environment.")
+    assert missing_library(e)["status"] == "needs a library" and "`timm`" in missing_library(e)["reason"]
+    assert missing_library(ImportError("cannot import name x")) is None
