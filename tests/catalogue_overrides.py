@@ -46,6 +46,16 @@ OVERRIDES: dict[str, dict[str, Any]] = {
     "lilt": {"hidden_size": 96},  # its box embeddings are hidden/6 wide, times 6
     "qwen2_5_omni_thinker": {"vision_start_token_id": 500},
     "xlstm": {"embedding_dim": HIDDEN},
+    # input, recurrent (run n_recurrent_loops times) and output layers: one of each
+    "dory": {
+        "num_hidden_layers": 3,
+        "n_input_layers": 1,
+        "n_recurrent_layers": 1,
+        "n_output_layers": 1,
+        "layer_types": ["sliding_attention", "full_attention", "sliding_attention"],
+    },
+    "qwen2_5_omni_talker": {"embedding_size": HIDDEN},  # its embeddings feed the layers directly
+    "molmo2_adapter": {"vision_feature_layer": [-1, -2]},  # the last two of the shrunk vision tower
     # MusicGen: one codebook (decoder ids [batch, T]); the vocabulary where the check looks for it
     "musicgen": {"vocab_size": VOCAB},
     "musicgen_melody": {"vocab_size": VOCAB},

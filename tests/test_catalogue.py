@@ -64,6 +64,7 @@ EXACT = {
     "gemma3n_text": "KV sharing: the last two layers reuse earlier layers' keys and values",
     "zamba": "hybrid: one attention block shared (tied) by the hybrid layers",
     "deepseek_v2": "multi-head latent attention (MLA)",
+    "dory": "a recurrent layer run twice per forward between input and output layers",
 }
 
 # model type -> why it is not exact yet (issue 22); the owner removes the mark with the fix
