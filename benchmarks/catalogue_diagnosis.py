@@ -79,10 +79,17 @@ CAUSES: dict[str, str] = {
     "inkling2_loop": UNMAPPED,
     "esmfold2": "a protein-folding model: its atom encoder's 3D rotary needs more frequency pairs than "
     "the shrunk head holds, and the atom encoder has no model type to override by",
-    "gemma4_assistant": "the default config itself fails its validator "
-    "(hidden_size_per_layer_input must be 0)",
-    "gemma4_unified_assistant": "every layer shares the backbone's KV cache (num_kv_shared_layers = "
-    "all): its text config fails the cache-producer check when built alone",
+    "gemma4_assistant": "a draft model that reads every layer's keys and values from the main model's "
+    "cache (num_kv_shared_layers = all layers); its default config fails its own validator "
+    "(hidden_size_per_layer_input must be 0) and it does not run alone",
+    "gemma4_unified_assistant": "a draft model that reads every layer's keys and values from the main "
+    "model's cache (num_kv_shared_layers = all layers): its text config fails the cache-producer check "
+    "when built alone",
+    "layoutxlm": "LayoutXLM's checkpoints run as LayoutLMv2Model, which needs detectron2 (see layoutlmv2)",
+    "speecht5_hifigan": "the HiFi-GAN vocoder of SpeechT5 (SpeechT5HifiGan, no auto mapping): a waveform "
+    "generator with no attention",
+    "qwen3_omni_moe_talker_text": "the text model of the Qwen3-Omni talker, built inside "
+    "`qwen3_omni_moe_talker` (which holds it under a plain attribute)",
     "dia": "the decoder takes audio codebook ids ([batch, T, channels]), not token ids",
     "kyutai_speech_to_text": "the ids are audio codebook ids offset per codebook, not text token ids",
     "minimax": "exact on its softmax layer; the lightning (linear) attention layer has no softmax "

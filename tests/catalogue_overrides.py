@@ -54,6 +54,10 @@ OVERRIDES: dict[str, dict[str, Any]] = {
         "n_output_layers": 1,
         "layer_types": ["sliding_attention", "full_attention", "sliding_attention"],
     },
+    # Apertus 1.5: image then audio codebook tokens at the top of the text vocabulary (512)
+    "apertus1p5": {"image_token_offset": 200, "audio_token_offset": 264},
+    "apertus1p5_vision_tokenizer": {"codebook_size": 64},
+    "wavtokenizer_encoder": {"codebook_size": 128},
     "qwen2_5_omni_talker": {"embedding_size": HIDDEN},  # its embeddings feed the layers directly
     "molmo2_adapter": {"vision_feature_layer": [-1, -2]},  # the last two of the shrunk vision tower
     # MusicGen: one codebook (decoder ids [batch, T]); the vocabulary where the check looks for it
