@@ -61,20 +61,12 @@ CAUSES: dict[str, str] = {
     "gemma4_unified_text": PER_LAYER,
     "embedding_gemma2_text": PER_LAYER,
     "neomme": PER_LAYER,
-    "lilt": "two softmaxes per layer (text and layout streams, 4 heads each, over the same summed "
-    "scores); probe stores them as one 8-head pattern with no note, where other two-softmax layers are "
-    "refused; each half equals eager's 4 text-stream heads (issue 22, several patterns per layer)",
-    "diffusion_gemma": "not wrong in number: all 4 patterns equal the softmax of SDPA's arguments; eager "
-    "returns only the decoder's 2 (the encoder's are not in the output). The decoder's softmax runs over "
-    "[encoder prefix; canvas] keys (6×14) in one call and probe labels it cross-attention (issue 22, "
-    "roles, as t5gemma2)",
-    "musicgen_melody": "not wrong in number: probe stores the T5 text encoder's 2 patterns and the "
-    "decoder's 2 (over [conditioning; decoder] keys), all equal to the softmax of SDPA's arguments; "
-    "eager returns the decoder's only, so the counts differ",
-    "blt": "every one of the 11 stored patterns equals one SDPA call's softmax (0.0), but: the local "
-    "encoder's cross-attention (patch queries over byte keys, 18×8) is stored with role self; the local "
-    "decoder runs cross_attn_layers[i] then layers[i] alternately and probe stores all cross layers "
-    "before all self layers (not run order); eager returns 4 of the 11 (issue 22, roles and stacks)",
+    "lilt": "two softmaxes per layer (text and layout streams, 4 heads each, same summed scores) stored "
+    "as one 8-head pattern with no note; each half equals eager's 4 heads (issue 22, two per layer)",
+    "diffusion_gemma": "all 4 patterns equal SDPA's softmax; eager returns the decoder's 2 only. The "
+    "decoder's one softmax over [encoder prefix; canvas] keys (6×14) is labelled cross (issue 22, roles)",
+    "musicgen_melody": "all 4 patterns (T5 text encoder 2, decoder 2 over [conditioning; decoder] keys) "
+    "equal SDPA's softmax; eager returns the decoder's only, so the counts differ",
     "inkling2": UNMAPPED,
     "inkling2_loop": UNMAPPED,
     "esmfold2": "a protein-folding model: its atom encoder's 3D rotary needs more frequency pairs than "
@@ -85,6 +77,8 @@ CAUSES: dict[str, str] = {
     "gemma4_unified_assistant": "a draft model that reads every layer's keys and values from the main "
     "model's cache (num_kv_shared_layers = all layers): its text config fails the cache-producer check "
     "when built alone",
+    "llama4": "transformers' Llama4ForConditionalGeneration fails on text alone (it reads `image_outputs` "
+    "from the language model's output, which has none); its text model is the row `llama4_text`",
     "layoutxlm": "LayoutXLM's checkpoints run as LayoutLMv2Model, which needs detectron2 (see layoutlmv2)",
     "speecht5_hifigan": "the HiFi-GAN vocoder of SpeechT5 (SpeechT5HifiGan, no auto mapping): a waveform "
     "generator with no attention",
