@@ -118,7 +118,7 @@ OVERRIDES: dict[str, dict[str, Any]] = {
         "indexer_n_heads": 2,
         "indexer_kv_heads": 1,
         "indexer_head_dim": 16,
-        "indexer_budget": 8,
+        "indexer_budget": 4,  # fewer than the 8 tokens: the indexer really selects keys
         "indexer_compress_ratio": 2,
     },
     # KV sharing: the last layers reuse the caches of earlier ones of the same type (4 layers, 2 shared)
