@@ -35,8 +35,10 @@ def one(model_type: str) -> dict:
 
     import catalogue_check as C
     import catalogue_configs as K
+    from catalogue_classify import classify_build_error, other_input
 
     t0 = time.time()
+    cls = None
     try:
         cls = K.model_class(K.tiny_config(model_type))
         if cls is not None and "input_ids" not in inspect.signature(cls.forward).parameters:
@@ -44,11 +46,12 @@ def one(model_type: str) -> dict:
             return {"status": "cannot run on text", "reason": f"{cls.__name__}.forward takes no input_ids"}
         model = K.build(model_type)
     except Exception as e:  # noqa: BLE001
-        return {"status": "build failed", "reason": f"{type(e).__name__}: {str(e)[:300]}"}
+        return classify_build_error(model_type, e, cls)
     try:
         res = C.check_model(model)
     except Exception as e:  # noqa: BLE001
         res = C.run_failure(e, model)
+    res = other_input(res)  # check_model reports a failing forward as run failed itself
     res["class"] = type(model).__name__
     res["seconds"] = round(time.time() - t0, 2)
     return res

@@ -61,6 +61,31 @@ CAUSES: dict[str, str] = {
     "gemma4_unified_text": PER_LAYER,
     "embedding_gemma2_text": PER_LAYER,
     "neomme": PER_LAYER,
+    "lilt": "two softmaxes per layer (text and layout streams, 4 heads each, same summed scores) stored "
+    "as one 8-head pattern with no note; each half equals eager's 4 heads (issue 22, two per layer)",
+    "diffusion_gemma": "all 4 patterns equal SDPA's softmax; eager returns the decoder's 2 only. The "
+    "decoder's one softmax over [encoder prefix; canvas] keys (6×14) is labelled cross (issue 22, roles)",
+    "musicgen_melody": "all 4 patterns (T5 text encoder 2, decoder 2 over [conditioning; decoder] keys) "
+    "equal SDPA's softmax; eager returns the decoder's only, so the counts differ",
+    "inkling2": UNMAPPED,
+    "inkling2_loop": UNMAPPED,
+    "esmfold2": "a protein-folding model: its atom encoder's 3D rotary needs more frequency pairs than "
+    "the shrunk head holds, and the atom encoder has no model type to override by",
+    "gemma4_assistant": "a draft model that reads every layer's keys and values from the main model's "
+    "cache (num_kv_shared_layers = all layers); its default config fails its own validator "
+    "(hidden_size_per_layer_input must be 0) and it does not run alone",
+    "gemma4_unified_assistant": "a draft model that reads every layer's keys and values from the main "
+    "model's cache (num_kv_shared_layers = all layers): its text config fails the cache-producer check "
+    "when built alone",
+    "llama4": "transformers' Llama4ForConditionalGeneration fails on text alone (it reads `image_outputs` "
+    "from the language model's output, which has none); its text model is the row `llama4_text`",
+    "layoutxlm": "LayoutXLM's checkpoints run as LayoutLMv2Model, which needs detectron2 (see layoutlmv2)",
+    "speecht5_hifigan": "the HiFi-GAN vocoder of SpeechT5 (SpeechT5HifiGan, no auto mapping): a waveform "
+    "generator with no attention",
+    "qwen3_omni_moe_talker_text": "the text model of the Qwen3-Omni talker, built inside "
+    "`qwen3_omni_moe_talker` (which holds it under a plain attribute)",
+    "dia": "the decoder takes audio codebook ids ([batch, T, channels]), not token ids",
+    "kyutai_speech_to_text": "the ids are audio codebook ids offset per codebook, not text token ids",
     "minimax": "exact on its softmax layer; the lightning (linear) attention layer has no softmax "
     "(eager returns q·kᵀ with decay, negative weights) and is not stored, with no note",
 }

@@ -14,6 +14,9 @@ ORDER = (
     "cannot run on text",
     "run failed",
     "build failed",
+    "needs a library",
+    "sub-config",
+    "no model class",
 )
 MEANING = {
     "exact": "every stored pattern within 1e-5 of eager `output_attentions` (or, where eager differs "
@@ -27,6 +30,13 @@ MEANING = {
     "inputs)",
     "run failed": "the tiny model's forward fails without probe (the shrunk config does not suit it)",
     "build failed": "no tiny config/model could be built from the generic shrink and the overrides",
+    "needs a library": "the modeling code needs an optional library that is not installed here (the reason "
+    "names it); not a failure of the shrink or of probe",
+    "sub-config": "a part of another family (a vision tower, a codec, one stack of an encoder-decoder) with "
+    "no model class of its own; transformers builds it inside the parent named in the reason, whose own "
+    "row is its verdict",
+    "no model class": "no auto mapping of transformers pairs the config with a model class that can be "
+    "imported, and no other config holds it",
 }
 
 
@@ -61,7 +71,8 @@ def page(data: dict[str, dict]) -> str:
         f"Every model type of the installed `transformers` ({transformers.__version__}; torch "
         f"{torch.__version__}, {platform.machine()}, float32, CPU), built from a shrunk config (hidden "
         "size 64, two layers or one of each layer type, four heads, two key-value heads, vocabulary 512; "
-        "per-family overrides in `tests/catalogue_configs.py`), run on random ids `[2, 8]` with the "
+        "sizes that a config validator ties to one another set as its message says; per-family overrides "
+        "in `tests/catalogue_overrides.py`), run on random ids `[2, 8]` with the "
         "second row padded after five tokens (encoder-decoders also get random decoder ids `[2, 6]`), "
         "captured by probe on the default attention implementation and compared with eager "
         "`output_attentions` of the same weights, and with a softmax of the arguments the model "

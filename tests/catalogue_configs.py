@@ -10,13 +10,23 @@ attention implementation. Used by ``benchmarks/catalogue.py`` and ``tests/test_c
 from __future__ import annotations
 
 import copy
+import re
 from typing import Any
 
 import torch
+from catalogue_overrides import CLASSES, FFN, HEAD_DIM, HEADS, HIDDEN, KV_HEADS, LAYERS, OVERRIDES, VOCAB
 
-HIDDEN, HEADS, KV_HEADS, HEAD_DIM, FFN, VOCAB, LAYERS = 64, 4, 2, 16, 128, 512, 2
-
-_HIDDEN = ("hidden_size", "d_model", "n_embd", "dim", "embed_dim", "n_embed", "model_dim", "d_embed")
+_HIDDEN = (
+    "hidden_size",
+    "d_model",
+    "n_embd",
+    "dim",
+    "embed_dim",
+    "n_embed",
+    "model_dim",
+    "d_embed",
+    "hidden_size_global",  # BLT's byte encoder/decoder: the width of the global (patch) transformer
+)
 _EMBED = ("embedding_size", "word_embed_proj_dim", "embedding_dim", "projection_dim", "proj_dim")
 _LAYERS = (
     "num_hidden_layers",
@@ -95,51 +105,6 @@ _SMALL = {
     "max_window_layers": LAYERS,
 }
 
-# per-family overrides, applied last (keys: model_type; values: config keyword arguments)
-OVERRIDES: dict[str, dict[str, Any]] = {
-    "albert": {"embedding_size": 32, "num_hidden_groups": 1},
-    "bigbird_pegasus": {"attention_type": "original_full"},
-    "big_bird": {"attention_type": "original_full"},
-    "funnel": {"block_sizes": [1, 1], "block_repeats": [1, 1], "num_decoder_layers": 1},
-    "gpt_neo": {"attention_types": [[["global", "local"], 1]], "num_layers": 2, "window_size": 4},
-    "jamba": {
-        "attn_layer_period": 2,
-        "attn_layer_offset": 1,
-        "expert_layer_period": 2,
-        "expert_layer_offset": 1,
-    },
-    "longformer": {"attention_window": [4, 4]},
-    "led": {"attention_window": [4, 4]},
-    "reformer": {
-        "attn_layers": ["local", "lsh"],
-        "axial_pos_shape": [4, 8],
-        "axial_pos_embds_dim": [32, 32],
-        "local_attn_chunk_length": 4,
-        "lsh_attn_chunk_length": 4,
-        "num_buckets": 2,
-    },
-    "canine": {"downsampling_rate": 2, "num_hash_buckets": 64, "num_hash_functions": 2},
-    "gptj": {"rotary_dim": 8},
-    "codegen": {"rotary_dim": 8},
-    "xlnet": {"n_head": HEADS, "d_head": HEAD_DIM},
-    "openai-gpt": {"n_positions": 64},
-    "ctrl": {"n_positions": 64},
-    "mega": {"chunk_size": 4},
-    "nystromformer": {"segment_means_seq_len": 8, "num_landmarks": 4},
-    "clvp": {},
-    "blt": {"patch_size": 2},
-    "dots1": {"n_routed_experts": 4, "moe_intermediate_size": 32},
-    "dbrx": {"attn_config": {"kv_n_heads": 2, "rope_theta": 10000.0, "clip_qkv": 8.0}},
-    "nemotron": {"head_dim": HEAD_DIM},
-    "squeezebert": {"embedding_size": HIDDEN},
-    "step3p5": {"sliding_window": 4},
-    "step3p7": {"sliding_window": 4},
-    "esm": {"pad_token_id": 1, "mask_token_id": 2},
-    "chameleon": {"vocabulary_map": {"<image>": 3}},
-    "emu3": {"vocabulary_map": {"<image>": 3}},
-}
-
-
 def _uniq_types(types: list, n: int) -> list:
     seen: list = []
     for t in types:
@@ -205,26 +170,48 @@ def _shrink_kwargs(cls: Any, base: Any, depth: int = 0) -> dict[str, Any]:
             and k not in kw
         ):
             kw[k] = v[:n_layers]
+    _respect_validators(d, kw, n_layers)
+    if depth < 3:
+        _shrink_sub_configs(cls, base, kw, depth)
+    return kw
+
+
+def _respect_validators(d: dict, kw: dict[str, Any], n_layers: int) -> None:
+    """Shrink what the config validators tie to the sizes shrunk above (in place in ``kw``)."""
+    if d.get("head_dim", 0) is None and "num_attention_heads" in kw:
+        kw["head_dim"] = HEAD_DIM  # None means hidden/heads, which some modeling code does not work out
+    for k in _KV:
+        if k in d and d[k] is None and "num_attention_heads" in kw:
+            kw[k] = HEADS  # None means one kv head per query head
     rope = d.get("rope_parameters") or d.get("rope_scaling")
-    if isinstance(rope, dict) and isinstance(rope.get("mrope_section"), list) and "head_dim" in kw:
+    rotary = kw.get("qk_rope_head_dim", kw.get("head_dim"))  # MLA (HunYuan V4): the rotary part
+    if isinstance(rope, dict) and isinstance(rope.get("mrope_section"), list) and rotary:
         # multimodal rotary (Qwen2-VL, GLM-4V): the sections split head_dim·partial/2 rotary pairs
+        part = d.get("partial_rotary_factor") or 1.0
         kw["rope_parameters" if "rope_parameters" in d else "rope_scaling"] = {
             **rope,
-            "mrope_section": _sections(
-                rope["mrope_section"], int(HEAD_DIM * d.get("partial_rotary_factor", 1.0)) // 2
-            ),
+            "mrope_section": _sections(rope["mrope_section"], int(rotary * part) // 2),
         }
+    if isinstance(d.get("out_features"), list) and isinstance(d.get("stage_names"), list):
+        # backbones: the stages named for the full depth do not exist in the shrunk one: the last stage
+        kw["out_features"], kw["out_indices"] = None, None
     if isinstance(d.get("initializer_range"), float):
         kw["initializer_range"] = 0.1  # peakier random patterns than 0.02: a stronger check
-    if depth < 3:
-        for name in getattr(cls, "sub_configs", None) or {}:
-            sub = getattr(base, name, None)
-            if sub is None or not hasattr(sub, "to_dict"):
-                continue
-            small = _shrink_kwargs(type(sub), sub, depth + 1)
-            if set(small) - {"initializer_range"}:  # a sub-config left as it is stays the default object
-                kw[name] = {**sub.to_dict(), **small}
-    return kw
+
+
+def _shrink_sub_configs(cls: Any, base: Any, kw: dict[str, Any], depth: int) -> None:
+    """Shrunk sub-configs (text, vision, audio, ...) into ``kw``, with their own family's overrides."""
+    for name in getattr(cls, "sub_configs", None) or {}:
+        sub = getattr(base, name, None)
+        if sub is None or not hasattr(sub, "to_dict"):
+            continue
+        small = _shrink_kwargs(type(sub), sub, depth + 1)
+        small.update(copy.deepcopy(OVERRIDES.get(getattr(sub, "model_type", None), {})))
+        if set(small) - {"initializer_range"}:  # a sub-config left as it is stays the default object
+            full = sub.to_dict()
+            if any(k in small for k in _LAYERS):
+                full.pop("per_layer_config", None)  # keyed by full-depth layer indices: rebuilt from the rest
+            kw[name] = {**full, **small}
 
 
 def tiny_config(model_type: str) -> Any:
@@ -235,12 +222,62 @@ def tiny_config(model_type: str) -> Any:
     base = cls()
     kw = _shrink_kwargs(cls, base)
     kw.update(copy.deepcopy(OVERRIDES.get(model_type, {})))
-    cfg = cls(**kw)
+    for _ in range(6):  # a validator that ties one size to another: set it as the message says, again
+        try:
+            cfg = cls(**kw)
+            break
+        except Exception as e:  # noqa: BLE001 - huggingface_hub's StrictDataclass*ValidationError
+            if "ValidationError" not in type(e).__name__ or not _follow_validator(kw, base, str(e)):
+                raise
     _mrope(cfg)
     for k in ("use_cache", "tie_word_embeddings"):
         if hasattr(cfg, k) and k == "use_cache":
             cfg.use_cache = False
     return cfg
+
+
+_TIED = re.compile(r"`?([\w.]+)`? \((\d+)\) must (?:equal|match) (?:the backbone )?`?([\w.]+)[^(]*\((\d+)\)")
+_TIED_BARE = re.compile(r"\b(\w+) must (?:equal|match) (\w+)\b")
+
+
+def _follow_validator(kw: dict[str, Any], base: Any, msg: str) -> bool:
+    """Set the size a config validator ties to another (``\\`a.b\\` (512) must equal \\`c\\` (64)``,
+    ``adapter_in_dim must match hidden_size``) in ``kw``, nested where the name is; False if the
+    message is not of that form or names nothing that ``kw`` or ``base`` holds."""
+    m, bare = _TIED.search(msg), _TIED_BARE.search(msg)
+    if not (m or bare):
+        return False
+    full = base.to_dict()
+    path = (m.group(1) if m else bare.group(1)).split(".")
+    target = kw
+    for part in path[:-1]:  # `head_config.audio_hidden_size`: into the sub-config's dict
+        if not isinstance(target.get(part), dict):
+            if target is not kw or not isinstance(full.get(part), dict):
+                return False
+            target[part] = dict(full[part])
+        target = target[part]
+    if len(path) == 1 and path[0] not in kw and path[0] not in full:
+        target = _holder(kw, full, path[0])  # a bare name: the sub-config that holds it
+        if target is None:
+            return False
+    if m:
+        value = int(m.group(4))
+    else:
+        value = target.get(bare.group(2), kw.get(bare.group(2), full.get(bare.group(2))))
+    if not isinstance(value, int) or target.get(path[-1]) == value:
+        return False
+    target[path[-1]] = value
+    return True
+
+
+def _holder(kw: dict[str, Any], full: dict[str, Any], name: str) -> dict[str, Any] | None:
+    """The sub-config dict in ``kw`` that holds ``name`` (copied in from ``full`` if need be)."""
+    for key, sub in full.items():
+        if isinstance(sub, dict) and name in sub:
+            if not isinstance(kw.get(key), dict):
+                kw[key] = dict(sub)
+            return kw[key]
+    return None
 
 
 def _mrope(cfg: Any) -> None:
@@ -249,12 +286,23 @@ def _mrope(cfg: Any) -> None:
     import inspect
     import sys
 
-    cls = model_class(cfg)
-    if cls is None or "mrope_section" not in inspect.getsource(sys.modules[cls.__module__]):
+    # the model's module, or its text model's (GLM-4.6V runs GLM-4V's text model)
+    try:
+        text = cfg.get_text_config()
+    except ValueError:  # MusicGen: a text encoder and a decoder, neither "the" text config
         return
-    for c in {id(cfg): cfg, id(cfg.get_text_config()): cfg.get_text_config()}.values():
+    classes = {model_class(cfg), model_class(text) if text is not cfg else None}
+    modules = [sys.modules.get(c.__module__) for c in classes if c is not None]
+    sources = [inspect.getsource(m) for m in modules if m is not None]  # None: a dummy class
+    if not any("mrope_section" in src for src in sources):
+        return
+    # the modeling code's own default sections (ERNIE 4.5 VL: [22, 22, 20], its h and w equal)
+    found = [re.search(r"mrope_section\", \[(\d+), (\d+), (\d+)\]\)", src) for src in sources]
+    default = next(([int(x) for x in m.groups()] for m in found if m), [16, 24, 24])
+    for c in {id(cfg): cfg, id(text): text}.values():
         rope = getattr(c, "rope_parameters", None)
-        if not isinstance(rope, dict):
+        if not isinstance(rope, dict) or not rope or any(isinstance(v, dict) for v in rope.values()):
+            # {} or {layer type: parameters}: no multimodal sections to split (Cohere Compass)
             continue
         head = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
         total = (
@@ -262,14 +310,17 @@ def _mrope(cfg: Any) -> None:
         )
         c.rope_parameters = {
             **rope,
-            "mrope_section": _sections(rope.get("mrope_section") or [16, 24, 24], total),
+            "mrope_section": _sections(rope.get("mrope_section") or default, total),
         }
 
 
 def model_class(config: Any) -> Any:
-    """The class that runs ``config`` on token ids: the base model, else a causal LM; None if neither."""
+    """The class that runs ``config`` on token ids: the base model, else a causal or masked LM, else
+    ``<Name>Model``, else a task head of another auto mapping; None if there is none."""
     import transformers as tf
 
+    if getattr(config, "model_type", None) in CLASSES:
+        return getattr(tf, CLASSES[config.model_type])
     for mapping in ("MODEL_MAPPING", "MODEL_FOR_CAUSAL_LM_MAPPING", "MODEL_FOR_MASKED_LM_MAPPING"):
         try:
             cls = getattr(tf, mapping)[type(config)]
@@ -282,8 +333,32 @@ def model_class(config: Any) -> Any:
         try:
             return getattr(tf, name[: -len("Config")] + "Model")
         except (AttributeError, ImportError):
-            return None
-    return None
+            pass
+    return _task_class(config)
+
+
+def _task_class(config: Any) -> Any:
+    """The class of a task head that the auto mappings pair with ``config`` (ColPali: retrieval,
+    EoMT: segmentation), one that takes ``input_ids`` first; None if no mapping lists it."""
+    import inspect
+
+    import transformers as tf
+    from transformers.models.auto import modeling_auto
+
+    names: list[str] = []
+    for mapping in sorted(dir(modeling_auto)):
+        if mapping.startswith("MODEL_FOR_") and mapping.endswith("_MAPPING_NAMES"):
+            name = getattr(modeling_auto, mapping).get(getattr(config, "model_type", None))
+            if isinstance(name, str) and name not in names:
+                names.append(name)
+    classes = []
+    for name in names:
+        try:
+            classes.append(getattr(tf, name))
+        except (AttributeError, ImportError):
+            continue
+    text = [c for c in classes if "input_ids" in inspect.signature(c.forward).parameters]
+    return (text or classes or [None])[0]
 
 
 def build(model_type: str, seed: int = 0) -> Any:
@@ -293,4 +368,7 @@ def build(model_type: str, seed: int = 0) -> Any:
     if cls is None:
         raise LookupError(f"no base or causal-LM model class for {model_type}")
     torch.manual_seed(seed)
-    return cls(cfg).eval()
+    model = cls(cfg).eval()
+    if hasattr(model, "set_default_language") and getattr(cfg, "languages", None):
+        model.set_default_language(cfg.languages[0])  # X-MOD: one adapter per language, chosen by hand
+    return model

@@ -72,6 +72,10 @@ EXACT = {
     "squeezebert": "list elements run without their hooks, channel-first stream, eager returns scores",
     "longcat_flash": "two attention sublayers per layer: self_attn.0 and self_attn.1",
     "glm5_next_text": "hyper-connection softmaxes over streams (not stored), linear-attention layer",
+    "gemma3n_text": "KV sharing: the last two layers reuse earlier layers' keys and values",
+    "zamba": "hybrid: one attention block shared (tied) by the hybrid layers",
+    "deepseek_v2": "multi-head latent attention (MLA)",
+    "dory": "a recurrent layer run twice per forward between input and output layers",
 }
 
 # model type -> why it is not exact yet (issue 22); the owner removes the mark with the fix
@@ -79,6 +83,9 @@ KNOWN = {
     # its stream-mixing softmaxes are set aside now; its compressed sparse attention (one softmax
     # over the positions, block summaries and a sink) is refused
     "deepseek_v4": "refused: compressed keys (block summaries) joined to the positions (issue 22)",
+    # text and layout streams: two softmaxes per layer (4 heads each, over the same summed scores);
+    # probe stores them as one 8-head pattern with no word, eager returns the text stream's 4 heads
+    "lilt": "two softmaxes per layer stored as one pattern of twice the heads (issue 22)",
 }
 
 SAMPLE = [pytest.param(m, id=m) for m in EXACT] + [
@@ -225,3 +232,24 @@ def test_sweep_cli_resumes_and_writes_the_page(tmp_path):
         [sys.executable, str(script), "--markdown", str(out)], capture_output=True, text=True, check=True
     ).stdout
     assert "| exact | 1 |" in page and "| `gpt2` | GPT2Model | 2 |" in page  # two layers, one pattern each
+
+
+def test_sub_configs_and_missing_libraries_are_not_build_failures():
+    # the sweep's statuses for what it cannot build on its own, against transformers' own classes
+    import sys
+    from pathlib import Path
+
+    import transformers as tf
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
+    from catalogue_classify import classify_build_error, missing_library
+
+    assert tf.BltLocalEncoderConfig in tf.BltConfig.sub_configs.values()
+    v = classify_build_error("blt_local_encoder", LookupError("no base or causal-LM model class"), None)
+    assert v["status"] == "sub-config" and "`blt`" in v["reason"], v
+    # a KeyError (a LookupError too) from a config is a build failure, not a missing class
+    v = classify_build_error("gpt2", KeyError("full_attention"), None)
+    assert v["status"] == "build failed", v
+    e = ImportError("\nTimmWrapperModel requires the timm library but it was not found in your environment.")
+    assert missing_library(e)["status"] == "needs a library" and "`timm`" in missing_library(e)["reason"]
+    assert missing_library(ImportError("cannot import name x")) is None

@@ -1,0 +1,144 @@
+"""Per-family overrides of the catalogue's generic shrink (``tests/catalogue_configs.py``): config
+keyword arguments applied last, by model type (also to a sub-config of that model type inside a
+parent), and the model class where the auto mapping's base class does not take the config."""
+
+from __future__ import annotations
+
+from typing import Any
+
+# the sizes of the generic shrink (catalogue_configs imports them from here)
+HIDDEN, HEADS, KV_HEADS, HEAD_DIM, FFN, VOCAB, LAYERS = 64, 4, 2, 16, 128, 512, 2
+
+# per-family overrides, applied last (keys: model_type; values: config keyword arguments)
+OVERRIDES: dict[str, dict[str, Any]] = {
+    "albert": {"embedding_size": 32, "num_hidden_groups": 1},
+    "bigbird_pegasus": {"attention_type": "original_full"},
+    "big_bird": {"attention_type": "original_full"},
+    "funnel": {"block_sizes": [1, 1], "block_repeats": [1, 1], "num_decoder_layers": 1},
+    "gpt_neo": {"attention_types": [[["global", "local"], 1]], "num_layers": 2, "window_size": 4},
+    "jamba": {
+        "attn_layer_period": 2,
+        "attn_layer_offset": 1,
+        "expert_layer_period": 2,
+        "expert_layer_offset": 1,
+    },
+    "longformer": {"attention_window": [4, 4]},
+    "led": {"attention_window": [4, 4]},
+    "reformer": {
+        "attn_layers": ["local", "lsh"],
+        "axial_pos_shape": [4, 8],
+        "axial_pos_embds_dim": [32, 32],
+        "local_attn_chunk_length": 4,
+        "lsh_attn_chunk_length": 4,
+        "num_buckets": 2,
+    },
+    "canine": {"downsampling_rate": 2, "num_hash_buckets": 64, "num_hash_functions": 2},
+    "gptj": {"rotary_dim": 8},
+    "codegen": {"rotary_dim": 8},
+    "xlnet": {"n_head": HEADS, "d_head": HEAD_DIM},
+    "openai-gpt": {"n_positions": 64},
+    "ctrl": {"n_positions": 64},
+    "mega": {"chunk_size": 4},
+    # as many landmarks as tokens (8): the exact-softmax path (fewer mis-shape the padding mask)
+    "nystromformer": {"segment_means_seq_len": 8, "num_landmarks": 8},
+    # layout embeddings: 4 coordinate + 2 shape embeddings concatenated to the hidden size
+    "layoutlmv3": {"coordinate_size": 10, "shape_size": 12},
+    "lilt": {"hidden_size": 96},  # its box embeddings are hidden/6 wide, times 6
+    "qwen2_5_omni_thinker": {"vision_start_token_id": 500},
+    "xlstm": {"embedding_dim": HIDDEN},
+    # input, recurrent (run n_recurrent_loops times) and output layers: one of each
+    "dory": {
+        "num_hidden_layers": 3,
+        "n_input_layers": 1,
+        "n_recurrent_layers": 1,
+        "n_output_layers": 1,
+        "layer_types": ["sliding_attention", "full_attention", "sliding_attention"],
+    },
+    # Apertus 1.5: image then audio codebook tokens at the top of the text vocabulary (512)
+    "apertus1p5": {"image_token_offset": 200, "audio_token_offset": 264},
+    "apertus1p5_vision_tokenizer": {"codebook_size": 64},
+    "wavtokenizer_encoder": {"codebook_size": 128},
+    "qwen2_5_omni_talker": {"embedding_size": HIDDEN},  # its embeddings feed the layers directly
+    "molmo2_adapter": {"vision_feature_layer": [-1, -2]},  # the last two of the shrunk vision tower
+    # MusicGen: one codebook (decoder ids [batch, T]); the vocabulary where the check looks for it
+    "musicgen": {"vocab_size": VOCAB},
+    "musicgen_melody": {"vocab_size": VOCAB},
+    "musicgen_decoder": {"num_codebooks": 1},
+    "musicgen_melody_decoder": {"num_codebooks": 1},
+    # towers whose adapters feed the text model: out at the text width
+    "dots3_note_vision_encoder": {"adapter_out_dim": HIDDEN},
+    "dots3_note_audio_encoder": {"adapter_out_dim": HIDDEN},
+    "shieldgemma2": {
+        "image_token_index": 509,
+        "boi_token_index": 510,
+        "eoi_token_index": 511,
+        "yes_token_index": 507,
+        "no_token_index": 508,
+    },  # the blocks run at the embedding width
+    # sub-model configs whose defaults lack an attribute their model reads
+    "t5gemma2_text": {"dropout_rate": 0.0},
+    "pix2struct_text_model": {"initializer_range": 0.1},
+    "qwen3_omni_moe_thinker": {"vision_start_token_id": 500},
+    "clvp": {},
+    "blt": {"patch_size": 2},
+    "dbrx": {"attn_config": {"kv_n_heads": 2, "rope_theta": 10000.0, "clip_qkv": 8.0}},
+    "nemotron": {"head_dim": HEAD_DIM},
+    "squeezebert": {"embedding_size": HIDDEN},
+    "step3p5": {"sliding_window": 4},
+    "step3p7": {"sliding_window": 4},
+    "esm": {"pad_token_id": 1, "mask_token_id": 2},
+    "chameleon": {"vocabulary_map": {"<image>": 3}},
+    "emu3": {"vocabulary_map": {"<image>": 3}},
+    # defaults of None that the modeling code multiplies or indexes with
+    "deepseek_v2": {"num_experts_per_tok": 2},
+    # the rotary parameters default to {} where the model reads them per layer type
+    "cohere_compass_text": {
+        "rope_parameters": {"full_attention": {"rope_type": "default", "rope_theta": 1e4}},
+    },
+    "diffusion_gemma_text": {"num_experts": 4, "top_k_experts": 2, "moe_intermediate_size": 32},
+    "mistral4": {"head_dim": 16},  # the rotary part is head_dim · partial_rotary_factor (0.5) wide
+    "deepseek_ocr2_text": {"mlp_layer_types": ["dense", "sparse"], "num_experts_per_tok": 2},
+    # the shared transformer is tied across hybrid layers: two of them (layers 1 and 3)
+    "zamba": {
+        "num_hidden_layers": 4,
+        "attn_layer_period": 2,
+        "attn_layer_offset": 1,
+        "layers_block_type": ["linear_attention", "hybrid"] * 2,
+    },
+    "kimi_linear": {"num_experts_per_token": 2},  # its own name for num_experts_per_tok
+    "glm4_moe_lite": {"num_key_value_heads": HEADS},  # MLA: one latent kv per head
+    "dots1": {
+        "n_routed_experts": 4,
+        "moe_intermediate_size": 32,
+        "n_shared_experts": 1,
+        "num_experts_per_tok": 2,
+    },
+    # the indexer (query-sparse attention) sizes default to None, which its layers divide by
+    "qwen4_exp_text": {
+        "indexer_n_heads": 2,
+        "indexer_kv_heads": 1,
+        "indexer_head_dim": 16,
+        "indexer_budget": 4,  # fewer than the 8 tokens: the indexer really selects keys
+        "indexer_compress_ratio": 2,
+    },
+    # KV sharing: the last layers reuse the caches of earlier ones of the same type (4 layers, 2 shared)
+    "gemma3n_text": {
+        "num_hidden_layers": 4,
+        "layer_types": ["sliding_attention", "full_attention"] * 2,
+        "num_kv_shared_layers": 2,
+        "activation_sparsity_pattern": [0.0] * 4,
+        "intermediate_size": FFN,
+    },
+    "lfm2_moe": {"layer_types": ["conv", "full_attention"], "num_dense_layers": 1},
+    # validators: ESM C has no grouped-query attention; Mamba-2 ties heads·head_dim to hidden·expand
+    "esmc": {"num_key_value_heads": HEADS},
+    "mamba2": {"num_heads": 8},
+}
+
+
+# per-family model classes where the auto mapping's base class does not take the family's config
+# (MusicGen's MODEL_MAPPING entry is the decoder alone, which wants the decoder's config)
+CLASSES: dict[str, str] = {
+    "musicgen": "MusicgenForConditionalGeneration",
+    "musicgen_melody": "MusicgenMelodyForConditionalGeneration",
+}
