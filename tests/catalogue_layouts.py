@@ -15,6 +15,10 @@ mapping code, so that the check stays an independent oracle.
   ``lambda_q1/k1/q2/k2`` and ``lambda_init``, and the parts are ``[a1, a2]``.
 * SqueezeBERT: eager returns the scores before the softmax (mask added); their softmax over the
   keys is the weights its attention module computes.
+* LiLT: each layer's self-attention runs two softmaxes over the same summed text and layout
+  scores, the layout stream's then the text stream's; eager returns the text stream's. The layout
+  stream's is written here from the layer's ``query``/``key``/``layout_query``/``layout_key``
+  outputs (read by hooks) and put before eager's, in run order.
 * CpmAnt: eager crops its weights to the text (``[prompt:, prompt:]``, ``prompt`` =
   ``config.prompt_length``); probe's patterns are cropped the same way before the comparison.
 
@@ -125,6 +129,8 @@ def eager_in_probe_layout(model: Any, eager: dict, inputs: dict) -> dict:
         # SqueezeBERT's ``attentions`` are its scores before the softmax (mask added): the weights
         # are their softmax over the keys, as its attention module computes them
         eager = {**eager, "self": [t.softmax(-1) for t in eager["other"]], "other": []}
+    if model.config.model_type == "lilt" and eager["self"]:
+        eager = {**eager, "self": lilt_streams(model, eager["self"], inputs)}
     out, parts = [], []
     for t in eager["self"]:
         mapped = None
@@ -137,3 +143,36 @@ def eager_in_probe_layout(model: Any, eager: dict, inputs: dict) -> dict:
             parts.append(p)
         out.append(t if mapped is None else mapped)
     return {**eager, "self": out, "parts": parts}
+
+
+def lilt_streams(model: Any, text: list[torch.Tensor], inputs: dict) -> list[torch.Tensor]:
+    """LiLT's two softmaxes per layer in run order: the layout stream's, written here from the
+    projections read by hooks (scores ``q·kᵀ/√d + lq·lkᵀ/√(d/r)`` plus the padding bias), then
+    eager's ``text`` (the text stream's)."""
+    seen: dict = {}
+    hooks = []
+    for i, ly in enumerate(model.encoder.layer):
+        for name in ("query", "key", "layout_query", "layout_key"):
+            hook = lambda m, a, o, i=i, name=name: seen.__setitem__((i, name), o)  # noqa: E731
+            hooks.append(getattr(ly.attention.self, name).register_forward_hook(hook))
+    try:
+        with torch.no_grad():
+            model(**inputs)
+    finally:
+        for h in hooks:
+            h.remove()
+    H, r = model.config.num_attention_heads, model.config.channel_shrink_ratio
+    d = model.config.hidden_size // H
+    mask = inputs.get("attention_mask")
+    out = []
+    for i, t in enumerate(text):
+        heads = [
+            seen[(i, n)].unflatten(-1, (H, -1)).transpose(1, 2)
+            for n in ("query", "key", "layout_query", "layout_key")
+        ]
+        q, k, lq, lk = (h.float() for h in heads)
+        s = q @ k.transpose(-1, -2) / d**0.5 + lq @ lk.transpose(-1, -2) / (d // r) ** 0.5
+        if mask is not None:
+            s = s + (1.0 - mask[:, None, None, :].float()) * torch.finfo(torch.float32).min
+        out += [s.softmax(-1), t]
+    return out

@@ -76,6 +76,7 @@ EXACT = {
     "zamba": "hybrid: one attention block shared (tied) by the hybrid layers",
     "deepseek_v2": "multi-head latent attention (MLA)",
     "dory": "a recurrent layer run twice per forward between input and output layers",
+    "lilt": "layout and text streams: two softmaxes of one module, self_attn.0 and self_attn.1",
 }
 
 # model type -> why it is not exact yet (issue 22); the owner removes the mark with the fix
@@ -83,9 +84,6 @@ KNOWN = {
     # its stream-mixing softmaxes are set aside now; its compressed sparse attention (one softmax
     # over the positions, block summaries and a sink) is refused
     "deepseek_v4": "refused: compressed keys (block summaries) joined to the positions (issue 22)",
-    # text and layout streams: two softmaxes per layer (4 heads each, over the same summed scores);
-    # probe stores them as one 8-head pattern with no word, eager returns the text stream's 4 heads
-    "lilt": "two softmaxes per layer stored as one pattern of twice the heads (issue 22)",
 }
 
 SAMPLE = [pytest.param(m, id=m) for m in EXACT] + [

@@ -44,6 +44,8 @@ class Attention:
     ``split``: set by the recorder when one softmax ran over the layer's own keys followed by a
     source's keys (T5Gemma 2's merged attention): the number of own keys; the consumer then stores
     the keys from ``split`` on as a second attention in ``also`` (role ``"cross"``).
+    ``caller``/``last_shape``/``streams``: where its last part came from, and the group of
+    attentions when one module call ran several whole softmaxes (:mod:`probe.capture.streams`).
     """
 
     inputs: list[Tensor] = field(default_factory=list)
@@ -63,6 +65,9 @@ class Attention:
     fields: dict[str, int] = field(default_factory=dict)
     split: int | None = None
     also: list[Attention] = field(default_factory=list)
+    caller: Any = None  # the innermost module call that computed the last part (probe.capture.streams)
+    last_shape: tuple[int, ...] | None = None  # that part's shape
+    streams: list[Attention] | None = None  # the attentions of one module call's several softmaxes
 
 
 @dataclass

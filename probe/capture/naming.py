@@ -24,6 +24,7 @@ from probe.cache.format import FORMAT_VERSION, attention_name, key
 from probe.cache.selection import Selection
 from probe.capture.inputs import model_name
 from probe.capture.layers import LayerRecord
+from probe.capture.streams import distinct_streams
 from probe.capture.tracer import Tracer
 from probe.errors import ProbeError
 
@@ -179,9 +180,10 @@ def _name_attentions(r: LayerRecord, stack: str, idx: int, entry: dict[str, Any]
     (``self_attn.0``, ``self_attn.1``); a lone one has no number."""
     per_role = collections.Counter(role for role, *_ in r.patterns)
     modules = r.modules or [None] * len(r.patterns)
+    kinds = r.kinds or [None] * len(r.patterns)
     for role, n in per_role.items():
         mine = [m for (ro, *_), m in zip(r.patterns, modules, strict=True) if ro == role]
-        if n > 1 and (None in mine or len(set(mine)) < n):
+        if n > 1 and (None in mine or not _own_modules(role, r, modules, kinds)):
             # several attentions of one role are numbered (self_attn.0, self_attn.1) when each is
             # its own sublayer module (LongCat-Flash's two attention sublayers); several softmaxes
             # of one module could be anything (parts of one attention, a score that is no weights)
@@ -191,7 +193,6 @@ def _name_attentions(r: LayerRecord, stack: str, idx: int, entry: dict[str, Any]
             )
     seen: collections.Counter = collections.Counter()
     names: dict[int, str] = {}
-    kinds = r.kinds or [None] * len(r.patterns)
     for (role, fields, shape, impl, _causal), kind, module in zip(r.patterns, kinds, modules, strict=True):
         n = seen[role] if per_role[role] > 1 else None
         seen[role] += 1
@@ -204,6 +205,16 @@ def _name_attentions(r: LayerRecord, stack: str, idx: int, entry: dict[str, Any]
             info["module"] = module
         entry[attention_name(role, "pattern", n).removesuffix(".pattern")] = info
     return names
+
+
+def _own_modules(role: str, r: LayerRecord, modules: list, kinds: list) -> bool:
+    """Whether the attentions of ``role`` in layer ``r`` each come from a sublayer module of their
+    own, or are the distinct whole softmaxes of one module call (LiLT's two streams)."""
+    by_module: dict[Any, list] = collections.defaultdict(list)
+    for (ro, *_), m, k in zip(r.patterns, modules, kinds, strict=True):
+        if ro == role:
+            by_module[m].append(k)
+    return all(len(ks) == 1 or distinct_streams(ks) for ks in by_module.values())
 
 
 def stack_info(

@@ -46,6 +46,7 @@ from probe.capture.layers import LayerTracker
 from probe.capture.local import LocalHandlers
 from probe.capture.patterns import flex_weights
 from probe.capture.residual import LayerStream
+from probe.capture.streams import caller, is_new_stream, join
 
 try:  # the higher-order op flex_attention runs; its scores never exist outside the kernel
     from torch._higher_order_ops.flex_attention import flex_attention as FLEX
@@ -322,25 +323,34 @@ class Recorder(LocalHandlers):
         self.layers.current().events += 1
 
     def _weights(self, pattern: Tensor, impl: str) -> None:
-        self.consumer.weights(self._open(tuple(pattern.shape[-2:]), impl), pattern, impl)
+        qk = tuple(pattern.shape[-2:])
+        self.consumer.weights(self._open(qk, impl, tuple(pattern.shape)), pattern, impl)
 
-    def _open(self, qk: tuple[int, int], impl: str) -> Attention:
-        """The open Attention of the sublayer running now for a ``qk``-shaped pattern (an event)."""
+    def _open(self, qk: tuple[int, int], impl: str, shape: tuple[int, ...] | None = None) -> Attention:
+        """The open Attention of the sublayer running now for a ``qk``-shaped pattern (an event);
+        ``shape``: the whole shape of a softmax output, to tell a module's second whole softmax
+        (an attention of its own, :mod:`probe.capture.streams`) from more heads of the first."""
         self.note_event()
         layer = self.layers.current()
         sub = self.layers.sublayer_call()
         a = sub.attn
-        if a is None or a.qk != qk:
+        call = caller(self.stack)
+        previous = a if a is not None and a.qk == qk and is_new_stream(a, call, shape) else None
+        if a is None or a.qk != qk or previous is not None:
             if a is not None:
-                # a second, differently shaped attention in the same sublayer: recorded on its own
+                # a second, differently shaped attention in the same sublayer, or a second whole
+                # softmax of the same module call: recorded on its own
                 self.close(a)
             a = Attention(inputs=sub.inputs, primary=sub.primary, qk=qk)
             a.module = self.layers.name_of(sub.module)
             a.diff_lambda = differential_lambda(sub.module)
             if a.diff_lambda is not None:
                 a.kind = DIFF_KIND
+            if previous is not None:
+                join(previous, a, call.module)
             sub.attn = a
             layer.attns.append(a)
+        a.caller, a.last_shape = call, shape
         a.impl.add(impl)
         self.impls.add(impl)
         return a
