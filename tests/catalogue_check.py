@@ -191,16 +191,12 @@ def _run_order(
     by stack) is not the run order eager returns (HRM alternates two looped stacks): each stored
     pattern is paired with a distinct oracle pattern of the same shape that equals it on the real
     rows to 1e-5. None where the given order already pairs them or no such pairing exists."""
-    if any(a.shape != b.shape for a, b in zip(got, want, strict=True)):
-        return None
 
     def close(a: torch.Tensor, b: torch.Tensor) -> bool:
-        d = (a - b).abs()
-        if mask is not None and d.shape[0] == mask.shape[0] and d.shape[2] == mask.shape[1]:
-            d = d[mask.bool()[:, None, :, None].expand_as(d)]
-        return bool(d.numel() == 0 or d.max() <= 1e-5)
+        return _real_diff(a, b, mask) <= 1e-5
 
-    if all(close(a, b) for a, b in zip(got, want, strict=True)):
+    same = all(a.shape == b.shape for a, b in zip(got, want, strict=True))
+    if same and all(close(a, b) for a, b in zip(got, want, strict=True)):
         return None
     free, out = list(range(len(want))), []
     for a in got:
@@ -209,6 +205,31 @@ def _run_order(
             return None
         free.remove(j)
         out.append(want[j])
+    return out
+
+
+def _real_diff(a: torch.Tensor, b: torch.Tensor, mask: torch.Tensor | None) -> float:
+    """max |a - b| over the real query rows (every row where the mask does not fit)."""
+    d = (torch.nan_to_num(a, nan=-1.0) - torch.nan_to_num(b, nan=-1.0)).abs()
+    if mask is not None and d.shape[0] == mask.shape[0] and d.shape[2] == mask.shape[1]:
+        d = d[mask.bool()[:, None, :, None].expand_as(d)]
+    return float(d.max()) if d.numel() else 0.0
+
+
+def eager_subset(
+    got: list[torch.Tensor], want: list[torch.Tensor], mask: torch.Tensor | None
+) -> list[torch.Tensor] | None:
+    """Where eager returns fewer patterns than probe stores (MusicGen-Melody's text encoder, the
+    stacks of BLT, DiffusionGemma's encoder return none): for each eager pattern, the distinct
+    stored pattern of its shape closest to it, in eager's order; None where one has no partner."""
+    free, out = list(range(len(got))), []
+    for w in want:
+        cands = [i for i in free if got[i].shape == w.shape]
+        if not cands:
+            return None
+        best = min(cands, key=lambda i: _real_diff(got[i], w, mask))
+        free.remove(best)
+        out.append(got[best])
     return out
 
 
@@ -300,9 +321,21 @@ def check_model(model: Any, inputs: dict | None = None) -> dict[str, Any]:
         parts = [cache[k].float().flatten(1, 2) for k in cache.keys() if k.endswith("attn.parts")]
         e = _worse(e, diff(parts, [p.flatten(1, 2) for p in eager["parts"]], mask))
     s = diff([p for _, _, p in got], sdpa, mask) if sdpa else "no SDPA call"
+    subset = False
+    if isinstance(e, str) and n_eager and len(got) > n_eager and isinstance(s, tuple):
+        # eager returns some of the stored patterns: those against eager, all against SDPA
+        flat = by_kind[0] + by_kind[1]
+        chosen = eager_subset(flat, eager["self"] + eager["cross"], mask)
+        if chosen is not None:
+            e, subset = diff(chosen, eager["self"] + eager["cross"], mask), True
+            res["eager_subset"] = f"eager returns {n_eager} of the {len(got)} stored patterns"
     res["eager_diff"], res["sdpa_diff"] = _num(e), _num(s)
     res["pad_diff"] = max([x[1] for x in (e, s) if isinstance(x, tuple)], default=None)
     why = _why(e, s) + (f"; {res['eager_other']}" if "eager_other" in res else "")
+    if subset:
+        exact = isinstance(e, tuple) and e[0] <= TOL and s[0] <= TOL
+        why += f"; {res['eager_subset']}, every one against SDPA"
+        return {**res, "status": "exact" if exact else "wrong", "oracle": "eager+sdpa", "reason": why}
     if isinstance(e, tuple) and e[0] <= TOL:
         return {**res, "status": "exact", "oracle": "eager", "reason": why}
     if (isinstance(e, tuple) or not n_eager) and isinstance(s, tuple) and s[0] <= TOL:

@@ -122,7 +122,10 @@ def eager_in_probe_layout(model: Any, eager: dict, inputs: dict) -> dict:
     ids = inputs.get("input_ids")
     T = ids.shape[1] if ids is not None else None
     real = inputs.get("attention_mask")
-    cfg = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    try:
+        cfg = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    except ValueError:  # several text configs (MusicGen-Melody's text encoder and decoder)
+        cfg = model.config
     banded = getattr(cfg, "attention_window", None) is not None
     lams = differential_lambdas(model)
     if model.config.model_type == "squeezebert" and not eager["self"]:

@@ -90,6 +90,7 @@ class LayerTracker:
         self.order: list[str] = []  # the lists in the order their first layer ran
         self._prev: tuple[str, int, Tensor | None] | None = None  # the last layer's list, index, output
         self._derived: dict[int, weakref.ref] = {}  # computed from its output outside any layer
+        self._learned: set[int] = set()  # those of them computed through a learned weight
 
     def name_of(self, module: nn.Module) -> str:
         return self.names.get(id(module), "?")
@@ -195,28 +196,36 @@ class LayerTracker:
         elif not (prev is not None and prev[:2] == (container, index - 1) and _same(p, out)):
             self.chain[container] = False
         upstream = None
-        if out is not None and p is not None and (p is out or self._derived.get(id(p), _dead)() is p):
-            upstream = out
-        self._derived = {}
+        if out is not None and p is not None:
+            pooled = self._derived.get(id(p), _dead)() is p and id(p) not in self._learned
+            if p is out or pooled:
+                upstream = out
+        self._derived, self._learned = {}, set()
         return index, upstream
 
     def between(self, args: tuple, kwargs: dict, out: Any) -> None:
-        """An op ran outside any layer: note what it computed from the last layer's output."""
+        """An op ran outside any layer: note what it computed from the last layer's output, and
+        whether through a learned weight matrix (BLT projects byte states into patch queries: a new
+        sequence, not the same one pooled as Funnel's)."""
         src = self._prev[2] if self._prev is not None else None
         if src is None:
             return
         d = self._derived  # id -> weak reference: nothing here outlives the model's own use
-        for a in (*args, *kwargs.values()):
-            items = a if isinstance(a, (tuple, list)) else (a,)
-            if any(isinstance(t, Tensor) and (t is src or d.get(id(t), _dead)() is t) for t in items):
-                for t in out if isinstance(out, (tuple, list)) else (out,):
-                    if isinstance(t, Tensor):
-                        d[id(t)] = weakref.ref(t)
-                return
+        flat = [t for a in (*args, *kwargs.values()) for t in (a if isinstance(a, (tuple, list)) else (a,))]
+        found = [t for t in flat if isinstance(t, Tensor) and (t is src or d.get(id(t), _dead)() is t)]
+        if not found:
+            return
+        learned = any(isinstance(t, nn.Parameter) and t.dim() >= 2 for t in flat) or any(
+            id(t) in self._learned for t in found
+        )
+        for t in out if isinstance(out, (tuple, list)) else (out,):
+            if isinstance(t, Tensor):
+                d[id(t)] = weakref.ref(t)
+                (self._learned.add if learned else self._learned.discard)(id(t))
 
     def forget(self) -> None:
         """The forward is over: drop the last layer's output and what was computed from it."""
-        self._prev, self._derived = None, {}
+        self._prev, self._derived, self._learned = None, {}, set()
 
     def current(self) -> Layer:
         """The layer running now; attention outside any list adopts the top-level child computing it."""
