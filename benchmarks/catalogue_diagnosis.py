@@ -61,12 +61,6 @@ CAUSES: dict[str, str] = {
     "gemma4_unified_text": PER_LAYER,
     "embedding_gemma2_text": PER_LAYER,
     "neomme": PER_LAYER,
-    "lilt": "two softmaxes per layer (text and layout streams, 4 heads each, same summed scores) stored "
-    "as one 8-head pattern with no note; each half equals eager's 4 heads (issue 22, two per layer)",
-    "diffusion_gemma": "all 4 patterns equal SDPA's softmax; eager returns the decoder's 2 only. The "
-    "decoder's one softmax over [encoder prefix; canvas] keys (6×14) is labelled cross (issue 22, roles)",
-    "musicgen_melody": "all 4 patterns (T5 text encoder 2, decoder 2 over [conditioning; decoder] keys) "
-    "equal SDPA's softmax; eager returns the decoder's only, so the counts differ",
     "inkling2": UNMAPPED,
     "inkling2_loop": UNMAPPED,
     "esmfold2": "a protein-folding model: its atom encoder's 3D rotary needs more frequency pairs than "

@@ -303,7 +303,7 @@ def check_model(model: Any, inputs: dict | None = None) -> dict[str, Any]:
         if failed["status"] == "refused" and "no attention" in failed["reason"] and not n_eager and not sdpa:
             failed["status"] = "no softmax attention"
         return {**res, **failed}
-    got = probe_patterns(cache)
+    got = L.join_source_first(cache, probe_patterns(cache))
     prompt = L.prompt_length(model)
     if prompt:  # CpmAnt: eager crops its prompt positions, so compare probe's text block
         got = [(label, kind, p[..., prompt:, prompt:]) for label, kind, p in got]

@@ -19,6 +19,9 @@ mapping code, so that the check stays an independent oracle.
   scores, the layout stream's then the text stream's; eager returns the text stream's. The layout
   stream's is written here from the layer's ``query``/``key``/``layout_query``/``layout_key``
   outputs (read by hooks) and put before eager's, in run order.
+* DiffusionGemma: its decoder runs one softmax over the encoder's cached prompt keys then the
+  canvas's own; probe stores the two parts (``cross_attn``, ``self_attn``) and eager returns the
+  whole: probe's parts are joined back (``[cross | self]``) for the comparison.
 * CpmAnt: eager crops its weights to the text (``[prompt:, prompt:]``, ``prompt`` =
   ``config.prompt_length``); probe's patterns are cropped the same way before the comparison.
 
@@ -178,4 +181,26 @@ def lilt_streams(model: Any, text: list[torch.Tensor], inputs: dict) -> list[tor
         if mask is not None:
             s = s + (1.0 - mask[:, None, None, :].float()) * torch.finfo(torch.float32).min
         out += [s.softmax(-1), t]
+    return out
+
+
+def join_source_first(cache: Any, got: list) -> list:
+    """``got`` (``catalogue_check.probe_patterns``) with each layer's self and cross parts joined
+    back into the one softmax the model ran, ``[cross | self]`` over the keys, where the layer's
+    metadata says the source's keys come first (DiffusionGemma's decoder)."""
+    joined = {
+        f"{m['stack']}[{m['layer']}]"
+        for m in cache.metadata["layers"]
+        if "the source's keys then" in m.get("merged_attention", "")
+    }
+    if not joined:
+        return got
+    parts = {label: p for label, _, p in got}
+    out = []
+    for label, kind, p in got:
+        base = label.rsplit(".", 1)[0]
+        if base not in joined:
+            out.append((label, kind, p))
+        elif kind == "self":
+            out.append((f"{base}.joint", "self", torch.cat([parts[f"{base}.cross"], p], dim=-1)))
     return out

@@ -77,6 +77,9 @@ EXACT = {
     "deepseek_v2": "multi-head latent attention (MLA)",
     "dory": "a recurrent layer run twice per forward between input and output layers",
     "lilt": "layout and text streams: two softmaxes of one module, self_attn.0 and self_attn.1",
+    "blt": "patch-over-byte attention is cross; five stacks; eager returns 4 of 11 (the rest vs SDPA)",
+    "diffusion_gemma": "decoder's one softmax over the encoder's cached prompt keys then its own",
+    "musicgen_melody": "a T5 text encoder eager does not return (checked against SDPA)",
 }
 
 # model type -> why it is not exact yet (issue 22); the owner removes the mark with the fix

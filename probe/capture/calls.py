@@ -43,7 +43,9 @@ class Attention:
     up as ``a1 - λ·a2``.
     ``split``: set by the recorder when one softmax ran over the layer's own keys followed by a
     source's keys (T5Gemma 2's merged attention): the number of own keys; the consumer then stores
-    the keys from ``split`` on as a second attention in ``also`` (role ``"cross"``).
+    the keys from ``split`` on as a second attention in ``also`` (role ``"cross"``); with
+    ``source_first`` the source's keys come first (the keys before ``split``: DiffusionGemma's
+    decoder over its encoder's cached keys, then its own).
     ``caller``/``last_shape``/``streams``: where its last part came from, and the group of
     attentions when one module call ran several whole softmaxes (:mod:`probe.capture.streams`).
     """
@@ -64,6 +66,8 @@ class Attention:
     diff_lambda: float | None = None  # differential attention: pattern = parts[0] - lambda * parts[1]
     fields: dict[str, int] = field(default_factory=dict)
     split: int | None = None
+    source_first: bool = False  # the source's keys come first (DiffusionGemma), then the own keys
+    kv_prefix: int = 0  # positions the sublayer's cache held for its layer, filled in this forward
     also: list[Attention] = field(default_factory=list)
     caller: Any = None  # the innermost module call that computed the last part (probe.capture.streams)
     last_shape: tuple[int, ...] | None = None  # that part's shape
@@ -85,6 +89,9 @@ class Call:
     wrapper: bool = False  # holds all of the layer's weights (TransformerLens' bridge): look inside
     events: int = 0  # attention events seen inside this call
     chunks: Any = None  # chunked local attention gathered inside this call (local.Chunks)
+    # positions a cache handed to this call already held for its module's layer, filled earlier in
+    # the same forward by another stack (DiffusionGemma's decoder attends over its encoder's keys)
+    kv_prefix: int = 0
 
 
 @dataclass
@@ -103,7 +110,8 @@ class Forward:
         """The model's own call: its inputs' sizes, and a KV cache's length, are sequence lengths."""
         self.root_calls += 1
         self.lengths |= _lengths(inputs)
-        cached = _cached_length(kwargs.get("past_key_values"))
+        past = kwargs.get("past_key_values")
+        cached = _cached_length(past if past is not None else kwargs.get("cache"))  # the newer name
         if cached:  # keys of a KV-cached call: the cached positions plus the new ones
             self.cached = cached
             self.lengths |= {cached + n for n in self.lengths}
@@ -158,6 +166,22 @@ def _lengths(tensors: list[Tensor]) -> set[int]:
             continue
         sizes.update(t.shape if not t.is_floating_point() else t.shape[:-1])
     return sizes
+
+
+def layer_cache_length(module: nn.Module, kwargs: dict) -> int:
+    """How many positions the cache object handed to an attention module (``cache=``,
+    ``past_key_values=``) holds for the module's ``layer_idx``; 0 when none or unknown."""
+    idx = getattr(module, "layer_idx", None)
+    if not isinstance(idx, int):
+        return 0
+    for name in ("cache", "past_key_values", "past_key_value"):
+        obj = kwargs.get(name)
+        if obj is not None and not isinstance(obj, Tensor) and hasattr(obj, "get_seq_length"):
+            try:
+                return int(obj.get_seq_length(idx))
+            except Exception:
+                return 0
+    return 0
 
 
 def _cached_length(past: Any) -> int:

@@ -125,12 +125,20 @@ class KeepPatterns:
             pattern.untyped_storage().data_ptr() != p.untyped_storage().data_ptr() for p in parts
         )
         if attn.split is not None:
-            # one softmax over the layer's own keys then the source's: stored as the two parts
-            # the model's own eager path returns (self, cross), each a copy
+            # one softmax over the layer's own keys then the source's (or the source's first):
+            # stored as two parts (self, cross), each a copy
             other = Attention(inputs=attn.inputs, primary=attn.primary, qk=attn.qk, impl=attn.impl)
             other.role, other.closed = "cross", True
-            cross = pattern[..., attn.split :].contiguous()
-            pattern, mine = pattern[..., : attn.split].contiguous(), True
+            own, src = (
+                (slice(attn.split, None), slice(None, attn.split))
+                if attn.source_first
+                else (
+                    slice(None, attn.split),
+                    slice(attn.split, None),
+                )
+            )
+            cross = pattern[..., src].contiguous()
+            pattern, mine = pattern[..., own].contiguous(), True
             other.shape = tuple(cross.shape)
             other.handle = self.store.put(cross, owned=True)
             attn.also.append(other)

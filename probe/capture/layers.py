@@ -363,9 +363,15 @@ class LayerTracker:
                     "its output is known only as the next element's input, and this is the last one"
                 )
         if any(a.split is not None for a in layer.attns):
+            first = any(a.source_first for a in layer.attns)
+            order = (
+                "the source's keys then the layer's own"
+                if first
+                else "the layer's own keys then the source's"
+            )
             notes["merged_attention"] = (
-                "self_attn and cross_attn are one softmax over the layer's own keys then the "
-                "source's keys: each query's two rows together sum to 1"
+                f"self_attn and cross_attn are one softmax over {order} keys: each query's two rows "
+                "together sum to 1"
             )
         residuals = [(n, self.store.put(t)) for n, t in items]
         module = layer.module or self.name_of(call.module)

@@ -343,6 +343,7 @@ class Recorder(LocalHandlers):
                 self.close(a)
             a = Attention(inputs=sub.inputs, primary=sub.primary, qk=qk)
             a.module = self.layers.name_of(sub.module)
+            a.kv_prefix = max((c.kv_prefix for c in self.stack), default=0)
             a.diff_lambda = differential_lambda(sub.module)
             if a.diff_lambda is not None:
                 a.kind = DIFF_KIND
@@ -365,6 +366,12 @@ class Recorder(LocalHandlers):
         upstream = layer.upstream if layer is not None else None
         cached = self.forward.cached
         attn.split = merged_split(attn, cached, stream, upstream)
+        if attn.split is None and attn.kv_prefix and attn.kv_prefix != cached:
+            # keys = the positions another stack put in the layer's cache earlier in this forward
+            # (DiffusionGemma's encoder prompt), then the layer's own: source first, then self
+            q, k = attn.qk
+            if k == attn.kv_prefix + q:
+                attn.split, attn.source_first = attn.kv_prefix, True
         cross = attn.split is None and is_cross(attn, cached, stream, upstream)
         attn.role = "cross" if cross else "self"
         self.consumer.close(attn)

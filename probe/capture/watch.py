@@ -28,7 +28,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.overrides import TorchFunctionMode
 
-from probe.capture.calls import Call, Forward, first_tensor, output_tensor, tensors
+from probe.capture.calls import Call, Forward, first_tensor, layer_cache_length, output_tensor, tensors
 from probe.capture.fused import replay_encoder_layer
 from probe.capture.layers import LayerTracker
 from probe.capture.record import FLEX, SDPA, SOFTMAX, Recorder
@@ -175,6 +175,8 @@ class Watcher:
             parent = self.stack[-1] if self.stack else None
             inputs = tensors(args, kwargs)
             call = Call(module, parent, first_tensor(args, kwargs), inputs)
+            if kwargs and parent is not None:
+                call.kv_prefix = layer_cache_length(module, kwargs)
             if parent is None:
                 self.forward.note_root(inputs, kwargs)
             self.layers.enter(call)
