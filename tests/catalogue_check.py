@@ -265,9 +265,20 @@ def check_model(model: Any, inputs: dict | None = None) -> dict[str, Any]:
     except Exception as e:  # noqa: BLE001
         return {**res, **run_failure(e, model)}
     cache, failed = _capture(model, inputs)
+    blocks: list = []  # Pegasus-X's encoder weights, which eager's outputs leave out
     try:
-        with torch.no_grad():
-            eager = eager_patterns(eager_twin(model)(**inputs, output_attentions=True))
+        twin = eager_twin(model)
+        hooks = L.global_local_hooks(twin, blocks)
+        try:
+            with torch.no_grad():
+                eager = eager_patterns(twin(**inputs, output_attentions=True))
+        finally:
+            for h in hooks:
+                h.remove()
+        if blocks:
+            n, T = model.config.block_size, inputs["input_ids"].shape[1]
+            enc = [L.global_local_to_keys(p, s, n, T) for p, s in blocks]
+            eager = {**eager, "self": enc + eager["self"]}
     except Exception as e:  # noqa: BLE001
         eager, res["eager_error"] = (
             {"self": [], "cross": [], "other": []},

@@ -17,6 +17,13 @@ mapping code, so that the check stays an independent oracle.
   keys is the weights its attention module computes.
 * CpmAnt: eager crops its weights to the text (``[prompt:, prompt:]``, ``prompt`` =
   ``config.prompt_length``); probe's patterns are cropped the same way before the comparison.
+* Pegasus-X's encoder (block-local attention with global tokens): eager's ``output_attentions``
+  leaves the encoder out, but its attention module returns its weights as its third output
+  (``{"global": [b, h, G, G + P], "local": [b, h, blocks, n, G + n]}``), read here by a hook on
+  the eager twin. Query ``a`` of block ``i`` is padded position ``i·n + a``, key column ``G + c``
+  padded position ``i·n + c``; a layer that staggers its blocks pads ``n // 2`` ahead, so padded
+  position ``p`` is input position ``p − n // 2`` there (``p`` elsewhere). Mapped to the tokens'
+  ``[b, h, T, T]`` (weights on the global tokens are left out, as probe's pattern does).
 
 Each mapping returns None where the eager tensor does not fit it, or where it gives weight to a
 key outside the sequence on a real query row (the mapping would lose mass): the tensor is then
@@ -137,3 +144,36 @@ def eager_in_probe_layout(model: Any, eager: dict, inputs: dict) -> dict:
             parts.append(p)
         out.append(t if mapped is None else mapped)
     return {**eager, "self": out, "parts": parts}
+
+
+def global_local_hooks(twin: Any, store: list) -> list:
+    """Forward hooks on Pegasus-X's encoder layers of ``twin`` that append ``(weights, stagger)``
+    per call to ``store``: the attention module's own ``{"global", "local"}`` weights and the
+    layer's ``stagger_blocks_this_layer``. Returns the hook handles (none for other models)."""
+    hooks = []
+    for m in twin.modules():
+        attn = getattr(m, "self_attn", None)
+        if hasattr(m, "stagger_blocks_this_layer") and hasattr(attn, "block_size"):
+            stagger = bool(m.stagger_blocks_this_layer)
+            hooks.append(attn.register_forward_hook(lambda _m, _i, o, s=stagger: store.append((o[2], s))))
+    return hooks
+
+
+def global_local_to_keys(probs: dict, stagger: bool, n: int, T: int) -> torch.Tensor:
+    """Pegasus-X's block weights ``probs["local"]`` ``[b, h, blocks, n, G + n]`` as the tokens'
+    ``[b, h, T, T]`` (zeros outside each block; the global tokens' columns left out)."""
+    local = probs["local"].float()
+    g = probs["global"].shape[-2]
+    b, h, nb, _, _ = local.shape
+    shift = n // 2 if stagger else 0
+    out = local.new_zeros(b, h, T, T)
+    for i in range(nb):
+        for a in range(n):
+            q = i * n + a - shift
+            if not 0 <= q < T:
+                continue
+            for c in range(n):
+                k = i * n + c - shift
+                if 0 <= k < T:
+                    out[:, :, q, k] = local[:, :, i, a, g + c]
+    return out

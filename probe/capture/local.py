@@ -16,6 +16,7 @@ import torch
 from torch import Tensor, nn
 
 from probe.capture.calls import Call
+from probe.capture.globallocal import GlobalLocalHandlers, global_block_of
 
 LOCAL_KIND = (
     "local attention computed chunk by chunk, mapped back to [query, key] over the whole "
@@ -129,7 +130,7 @@ class Chunks:
         return self.seen == len(self.pairs)
 
 
-class LocalHandlers:
+class LocalHandlers(GlobalLocalHandlers):
     """The :class:`~probe.capture.record.Recorder`'s handlers of local attention: a softmax over a
     chunked, banded or blocked layout mapped back to ``[query, key]`` and handed to the consumer,
     or refused (the recorder's ``_unseen``). Uses the recorder's ``stack``, ``consumer``,
@@ -137,7 +138,8 @@ class LocalHandlers:
 
     def _local(self, out: Tensor) -> bool:
         """Whether the softmax ``out`` is local attention (Canine's chunks, Longformer/LED's band,
-        LongT5's blocks, or a layout refused); handled here when it is."""
+        LongT5's blocks, Pegasus-X's blocks with global tokens, or a layout refused); handled here
+        when it is."""
         local = self._chunked_call()
         if local is not None:
             self._chunk(local, out)
@@ -148,7 +150,10 @@ class LocalHandlers:
         if is_unmapped(inner):
             self._unseen()  # a layout that could pass for a pattern by its sizes: never stored
             return True
-        band, block = window_of(inner), block_len_of(inner)
+        band, block, glob = window_of(inner), block_len_of(inner), global_block_of(inner)
+        if glob is not None:
+            self._global_local(self.stack[-1], out, glob)
+            return True
         if band is not None:
             self._band(self.stack[-1], out, band)
         elif block is not None:

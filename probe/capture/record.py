@@ -42,6 +42,7 @@ from torch import Tensor, nn
 
 from probe.capture.calls import Attention, Forward
 from probe.capture.fused import mha_weights
+from probe.capture.globallocal import GLOBAL_LOCAL_KIND
 from probe.capture.layers import LayerTracker
 from probe.capture.local import LocalHandlers
 from probe.capture.patterns import flex_weights
@@ -355,6 +356,8 @@ class Recorder(LocalHandlers):
         upstream = layer.upstream if layer is not None else None
         cached = self.forward.cached
         attn.split = merged_split(attn, cached, stream, upstream)
-        cross = attn.split is None and is_cross(attn, cached, stream, upstream)
+        # Pegasus-X's global tokens are a second stream handed to its self-attention
+        local = attn.kind == GLOBAL_LOCAL_KIND
+        cross = attn.split is None and not local and is_cross(attn, cached, stream, upstream)
         attn.role = "cross" if cross else "self"
         self.consumer.close(attn)
