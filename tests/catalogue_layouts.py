@@ -24,6 +24,9 @@ mapping code, so that the check stays an independent oracle.
   padded position ``i·n + c``; a layer that staggers its blocks pads ``n // 2`` ahead, so padded
   position ``p`` is input position ``p − n // 2`` there (``p`` elsewhere). Mapped to the tokens'
   ``[b, h, T, T]`` (weights on the global tokens are left out, as probe's pattern does).
+* Reformer's local attention: eager returns ``[b, h, n, c, m·c]``, query ``a`` of chunk ``i`` (position
+  ``i·c + a``) over the ``m`` chunks from ``i − before`` on, which the model rolls cyclically: column
+  ``j`` is key ``((i − before)·c + j) mod (n·c)``; a key met twice gets the sum.
 
 Each mapping returns None where the eager tensor does not fit it, or where it gives weight to a
 key outside the sequence on a real query row (the mapping would lose mass): the tensor is then
@@ -135,7 +138,9 @@ def eager_in_probe_layout(model: Any, eager: dict, inputs: dict) -> dict:
     out, parts = [], []
     for t in eager["self"]:
         mapped = None
-        if t.dim() == 5 and T is not None:
+        if t.dim() == 5 and model.config.model_type == "reformer":
+            mapped = reformer_to_keys(t, model.config.local_num_chunks_before)
+        elif t.dim() == 5 and T is not None:
             mapped = blocks_to_keys(t, T, real)
         elif banded and t.dim() == 4 and t.shape[-1] != t.shape[-2]:
             mapped = band_to_keys(t, inputs.get("global_attention_mask"), real)
@@ -176,4 +181,15 @@ def global_local_to_keys(probs: dict, stagger: bool, n: int, T: int) -> torch.Te
                 k = i * n + c - shift
                 if 0 <= k < T:
                     out[:, :, q, k] = local[:, :, i, a, g + c]
+    return out
+
+
+def reformer_to_keys(e: torch.Tensor, before: int) -> torch.Tensor:
+    """Reformer's eager local weights ``[b, h, n, c, m·c]`` as ``[b, h, n·c, n·c]``."""
+    b, h, n, c, width = e.shape
+    out = e.new_zeros(b, h, n * c, n * c)
+    for i in range(n):
+        for a in range(c):
+            for j in range(width):
+                out[:, :, i * c + a, ((i - before) * c + j) % (n * c)] += e[:, :, i, a, j]
     return out

@@ -96,6 +96,7 @@ class Forward:
     # layers where a softmax shaped like attention (>= 4 axes) was not recognised as a pattern:
     # local, chunked or banded layouts (Longformer's sliding chunks, LongT5's blocks) probe cannot map
     unseen: list[str] = field(default_factory=list)
+    unseen_why: list[str] = field(default_factory=list)  # what the unseen layers run, where known
 
     def note_root(self, inputs: list[Tensor], kwargs: dict) -> None:
         """The model's own call: its inputs' sizes, and a KV cache's length, are sequence lengths."""

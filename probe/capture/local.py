@@ -17,6 +17,7 @@ from torch import Tensor, nn
 
 from probe.capture.calls import Call
 from probe.capture.globallocal import GlobalLocalHandlers, global_block_of
+from probe.capture.reformer import ReformerHandlers
 
 LOCAL_KIND = (
     "local attention computed chunk by chunk, mapped back to [query, key] over the whole "
@@ -130,7 +131,7 @@ class Chunks:
         return self.seen == len(self.pairs)
 
 
-class LocalHandlers(GlobalLocalHandlers):
+class LocalHandlers(GlobalLocalHandlers, ReformerHandlers):
     """The :class:`~probe.capture.record.Recorder`'s handlers of local attention: a softmax over a
     chunked, banded or blocked layout mapped back to ``[query, key]`` and handed to the consumer,
     or refused (the recorder's ``_unseen``). Uses the recorder's ``stack``, ``consumer``,

@@ -93,6 +93,7 @@ def check_unseen(tr: Tracer, model: nn.Module) -> None:
         f"{kind}: layers {shown} compute attention as a softmax over a layout probe does not "
         "recognise (local, chunked or sliding-window attention); probe refuses rather than store "
         "the capture without them (see docs/attention-kinds.md, local attention)"
+        + "".join(f"; {why}" for why in tr.forward.unseen_why)
     )
 
 
