@@ -72,6 +72,11 @@ EXACT = {
     # runs its list elements with layer.forward(...): layers found from their children's calls
     "squeezebert": "list elements run without their hooks, channel-first stream, eager returns scores",
     "longcat_flash": "two attention sublayers per layer: self_attn.0 and self_attn.1",
+    # block attention residuals: softmaxes over earlier blocks' outputs (depth), not stored
+    "inkling2": "per-token sink logit; block attention residuals over depth set aside",
+    "inkling2_text": "per-token sink logit; block attention residuals over depth set aside",
+    "inkling2_loop": "looped layers; block attention residuals over depth set aside",
+    "inkling2_loop_text": "looped layers; block attention residuals over depth set aside",
     "glm5_next_text": "hyper-connection softmaxes over streams (not stored), linear-attention layer",
     "gemma3n_text": "KV sharing: the last two layers reuse earlier layers' keys and values",
     "zamba": "hybrid: one attention block shared (tied) by the hybrid layers",

@@ -76,6 +76,22 @@ def band_pattern(probs: Tensor, w: int, masked: Tensor) -> Tensor:
     return out.masked_fill(masked[:, None, :, None], 0.0)
 
 
+DEPTH_NOTE = (
+    "a softmax of learned queries over the outputs of earlier blocks (block attention residuals, "
+    "Inkling2): weights over depth, not keys"
+)
+
+
+def mixes_blocks(call: Call, out: Tensor) -> bool:
+    """Whether the softmax ``out`` mixes the outputs of earlier blocks (Inkling2's block attention
+    residuals): a module with a learned ``query`` handed the stacked block states ``[batch, T,
+    n, d]`` (and the block being built), whose weights are ``[batch, T, q, n + 1]``."""
+    p, q = call.primary, getattr(call.module, "query", None)
+    if not isinstance(q, nn.Parameter) or p is None or p.dim() != 4 or not isinstance(out, Tensor):
+        return False
+    return out.dim() == 4 and tuple(out.shape[:2]) == tuple(p.shape[:2]) and out.shape[-1] == p.shape[2] + 1
+
+
 def is_unmapped(module: nn.Module) -> bool:
     """Whether ``module`` computes local attention whose layout probe does not map back yet."""
     return any(hasattr(module, a) for a in UNMAPPED)
@@ -148,6 +164,10 @@ class LocalHandlers(GlobalLocalHandlers, ReformerHandlers):
         inner = self.stack[-1].module if self.stack else None
         if inner is None:
             return False
+        if mixes_blocks(self.stack[-1], out):
+            if self.layers.layer is not None:
+                self.layers.layer.skipped.add(DEPTH_NOTE)
+            return True
         if is_unmapped(inner):
             self._unseen()  # a layout that could pass for a pattern by its sizes: never stored
             return True
