@@ -271,7 +271,8 @@ def check_model(model: Any, inputs: dict | None = None) -> dict[str, Any]:
         hooks = L.global_local_hooks(twin, blocks)
         try:
             with torch.no_grad():
-                eager = eager_patterns(twin(**inputs, output_attentions=True))
+                outputs = twin(**inputs, output_attentions=True)
+            eager = L.prophetnet_streams(model, outputs) or eager_patterns(outputs)
         finally:
             for h in hooks:
                 h.remove()

@@ -27,6 +27,10 @@ mapping code, so that the check stays an independent oracle.
 * Reformer's local attention: eager returns ``[b, h, n, c, m·c]``, query ``a`` of chunk ``i`` (position
   ``i·c + a``) over the ``m`` chunks from ``i − before`` on, which the model rolls cyclically: column
   ``j`` is key ``((i − before)·c + j) mod (n·c)``; a key met twice gets the sum.
+* ProphetNet: eager returns its encoder and cross-attention maps as scores before the softmax
+  (mask added; their softmax is the weights), the decoder's main stream as weights, and its
+  predict streams as ``decoder_ngram_attentions`` ``[b, ngram, h, T, 2T]``; put in probe's order
+  here: per decoder layer the main stream, then predict stream 1, 2, ...
 
 Each mapping returns None where the eager tensor does not fit it, or where it gives weight to a
 key outside the sequence on a real query row (the mapping would lose mass): the tensor is then
@@ -193,3 +197,17 @@ def reformer_to_keys(e: torch.Tensor, before: int) -> torch.Tensor:
             for j in range(width):
                 out[:, :, i * c + a, ((i - before) * c + j) % (n * c)] += e[:, :, i, a, j]
     return out
+
+
+def prophetnet_streams(model: Any, outputs: Any) -> dict | None:
+    """ProphetNet's eager maps as ``eager_patterns``' dict (``self``: encoder layers, then per
+    decoder layer the main stream and each predict stream; ``cross``), scores turned into
+    weights; None for other models."""
+    if model.config.model_type != "prophetnet":
+        return None
+    enc = [t.float().softmax(-1) for t in outputs.encoder_attentions]
+    dec = []
+    for main, ngram in zip(outputs.decoder_attentions, outputs.decoder_ngram_attentions, strict=True):
+        dec += [main.float()] + [ngram[:, n].float() for n in range(ngram.shape[1])]
+    cross = [t.float().softmax(-1) for t in outputs.cross_attentions]
+    return {"self": enc + dec, "cross": cross, "other": []}

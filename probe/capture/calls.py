@@ -60,6 +60,7 @@ class Attention:
     causal: bool | None = None
     sinks: list[Tensor] = field(default_factory=list)
     extra: dict[str, Tensor] = field(default_factory=dict)  # more fields the recorder mapped, by name
+    self_only: bool = False  # keys of the layer's own streams, whatever the shapes say (role self)
     kind: str | None = None
     module: str | None = None  # the path of the sublayer module that computed it
     diff_lambda: float | None = None  # differential attention: pattern = parts[0] - lambda * parts[1]

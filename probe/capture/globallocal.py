@@ -109,5 +109,6 @@ class GlobalLocalHandlers:
         pattern, globals_ = local_rows(out, g, off, T)
         a = self._open((T, T), "softmax")
         a.kind = GLOBAL_LOCAL_KIND
+        a.self_only = True  # the global tokens are a second stream of the layer's own
         a.extra = {"globals": globals_, "global_rows": global_rows(held, g, off, T)}
         self.consumer.weights(a, pattern, "softmax")

@@ -363,7 +363,7 @@ class LayerTracker:
         if layer.skipped:
             notes["not_attention"] = "; ".join(sorted(layer.skipped))
         for role in ("self", "cross"):
-            n = sum(1 for a in stored if a.role == role)
+            n = len({a.module for a in stored if a.role == role})  # one module's several: its one output
             defs = notes.get("deltas", {})
             if n > 1 and f"{role}_attn" in defs:  # LongCat-Flash: one delta for its two attentions
                 defs[f"{role}_attn"] += f" (the sum of the layer's {n} {role}-attention sublayers' outputs)"

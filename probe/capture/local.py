@@ -17,6 +17,7 @@ from torch import Tensor, nn
 
 from probe.capture.calls import Call
 from probe.capture.globallocal import GlobalLocalHandlers, global_block_of
+from probe.capture.ngram import NgramHandlers, ngram_of
 from probe.capture.reformer import ReformerHandlers
 
 LOCAL_KIND = (
@@ -147,7 +148,7 @@ class Chunks:
         return self.seen == len(self.pairs)
 
 
-class LocalHandlers(GlobalLocalHandlers, ReformerHandlers):
+class LocalHandlers(GlobalLocalHandlers, NgramHandlers, ReformerHandlers):
     """The :class:`~probe.capture.record.Recorder`'s handlers of local attention: a softmax over a
     chunked, banded or blocked layout mapped back to ``[query, key]`` and handed to the consumer,
     or refused (the recorder's ``_unseen``). Uses the recorder's ``stack``, ``consumer``,
@@ -168,6 +169,9 @@ class LocalHandlers(GlobalLocalHandlers, ReformerHandlers):
             if self.layers.layer is not None:
                 self.layers.layer.skipped.add(DEPTH_NOTE)
             return True
+        ngram = ngram_of(inner)
+        if ngram is not None:
+            return self._predict_streams(self.stack[-1], out, ngram)
         if is_unmapped(inner):
             self._unseen()  # a layout that could pass for a pattern by its sizes: never stored
             return True

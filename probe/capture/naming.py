@@ -180,9 +180,12 @@ def _name_attentions(r: LayerRecord, stack: str, idx: int, entry: dict[str, Any]
     (``self_attn.0``, ``self_attn.1``); a lone one has no number."""
     per_role = collections.Counter(role for role, *_ in r.patterns)
     modules = r.modules or [None] * len(r.patterns)
+    kinds = r.kinds or [None] * len(r.patterns)
     for role, n in per_role.items():
         mine = [m for (ro, *_), m in zip(r.patterns, modules, strict=True) if ro == role]
-        if n > 1 and (None in mine or len(set(mine)) < n):
+        said = [k for (ro, *_), k in zip(r.patterns, kinds, strict=True) if ro == role]
+        if n > 1 and (None in mine or len(set(mine)) < n) and (None in said or len(set(said)) < n):
+            # ...unless the recorder said what each one is (ProphetNet's main and predict streams)
             # several attentions of one role are numbered (self_attn.0, self_attn.1) when each is
             # its own sublayer module (LongCat-Flash's two attention sublayers); several softmaxes
             # of one module could be anything (parts of one attention, a score that is no weights)
@@ -192,7 +195,6 @@ def _name_attentions(r: LayerRecord, stack: str, idx: int, entry: dict[str, Any]
             )
     seen: collections.Counter = collections.Counter()
     names: dict[int, str] = {}
-    kinds = r.kinds or [None] * len(r.patterns)
     for (role, fields, shape, impl, _causal), kind, module in zip(r.patterns, kinds, modules, strict=True):
         n = seen[role] if per_role[role] > 1 else None
         seen[role] += 1

@@ -42,7 +42,6 @@ from torch import Tensor, nn
 
 from probe.capture.calls import Attention, Forward
 from probe.capture.fused import mha_weights
-from probe.capture.globallocal import GLOBAL_LOCAL_KIND
 from probe.capture.layers import LayerTracker
 from probe.capture.local import LocalHandlers
 from probe.capture.patterns import flex_weights
@@ -356,8 +355,7 @@ class Recorder(LocalHandlers):
         upstream = layer.upstream if layer is not None else None
         cached = self.forward.cached
         attn.split = merged_split(attn, cached, stream, upstream)
-        # Pegasus-X's global tokens are a second stream handed to its self-attention
-        local = attn.kind == GLOBAL_LOCAL_KIND
-        cross = attn.split is None and not local and is_cross(attn, cached, stream, upstream)
+        # Pegasus-X's global tokens, ProphetNet's predict streams: the layer's own keys
+        cross = attn.split is None and not attn.self_only and is_cross(attn, cached, stream, upstream)
         attn.role = "cross" if cross else "self"
         self.consumer.close(attn)
