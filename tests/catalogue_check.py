@@ -268,11 +268,13 @@ def check_model(model: Any, inputs: dict | None = None) -> dict[str, Any]:
     blocks: list = []  # Pegasus-X's encoder weights, which eager's outputs leave out
     try:
         twin = eager_twin(model)
-        hooks = L.global_local_hooks(twin, blocks)
+        lsh: list = []  # Reformer's LSH buckets, to map its hash-sorted weights back
+        hooks = L.global_local_hooks(twin, blocks) + L.lsh_hooks(twin, lsh)
         try:
             with torch.no_grad():
                 outputs = twin(**inputs, output_attentions=True)
             eager = L.prophetnet_streams(model, outputs) or eager_patterns(outputs)
+            eager = L.reformer_in_probe_layout(model, eager, lsh)
         finally:
             for h in hooks:
                 h.remove()

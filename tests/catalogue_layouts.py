@@ -26,7 +26,10 @@ mapping code, so that the check stays an independent oracle.
   ``[b, h, T, T]`` (weights on the global tokens are left out, as probe's pattern does).
 * Reformer's local attention: eager returns ``[b, h, n, c, m·c]``, query ``a`` of chunk ``i`` (position
   ``i·c + a``) over the ``m`` chunks from ``i − before`` on, which the model rolls cyclically: column
-  ``j`` is key ``((i − before)·c + j) mod (n·c)``; a key met twice gets the sum.
+  ``j`` is key ``((i − before)·c + j) mod (n·c)``; a key met twice gets the sum. Its LSH layers
+  return the same layout over hash-sorted positions: sorted position ``s`` is input position
+  ``order[s]``, ``order`` the stable sort of the layer's buckets (read by a hook on the module,
+  sorted by the model's own helper); one hash round only (more: left unmapped).
 * ProphetNet: eager returns its encoder and cross-attention maps as scores before the softmax
   (mask added; their softmax is the weights), the decoder's main stream as weights, and its
   predict streams as ``decoder_ngram_attentions`` ``[b, ngram, h, T, 2T]``; put in probe's order
@@ -142,9 +145,7 @@ def eager_in_probe_layout(model: Any, eager: dict, inputs: dict) -> dict:
     out, parts = [], []
     for t in eager["self"]:
         mapped = None
-        if t.dim() == 5 and model.config.model_type == "reformer":
-            mapped = reformer_to_keys(t, model.config.local_num_chunks_before)
-        elif t.dim() == 5 and T is not None:
+        if t.dim() == 5 and T is not None:
             mapped = blocks_to_keys(t, T, real)
         elif banded and t.dim() == 4 and t.shape[-1] != t.shape[-2]:
             mapped = band_to_keys(t, inputs.get("global_attention_mask"), real)
@@ -211,3 +212,49 @@ def prophetnet_streams(model: Any, outputs: Any) -> dict | None:
         dec += [main.float()] + [ngram[:, n].float() for n in range(ngram.shape[1])]
     cross = [t.float().softmax(-1) for t in outputs.cross_attentions]
     return {"self": enc + dec, "cross": cross, "other": []}
+
+
+def lsh_hooks(twin: Any, store: list) -> list:
+    """Hooks on Reformer's LSH attention modules of ``twin`` appending ``(module, buckets)`` per
+    call to ``store``. Returns the handles (none for other models)."""
+    return [
+        m.register_forward_hook(lambda mod, _i, o: store.append((mod, o.buckets)))
+        for m in twin.modules()
+        if type(m).__name__ == "LSHSelfAttention"
+    ]
+
+
+def reformer_in_probe_layout(model: Any, eager: dict, lsh: list) -> dict:
+    """Reformer's eager 5-d maps as ``[b, h, T, T]``: local layers by the rolled chunks, LSH
+    layers through the sorted positions of the ``lsh`` hooks' buckets (in call order)."""
+    if model.config.model_type != "reformer":
+        return eager
+    kinds = model.config.attn_layers
+    out, calls = [], iter(lsh)
+    for i, t in enumerate(eager["self"]):
+        if t.dim() != 5:
+            out.append(t)
+        elif kinds[i % len(kinds)] == "local":
+            out.append(reformer_to_keys(t, model.config.local_num_chunks_before))
+        else:
+            module, buckets = next(calls)
+            out.append(lsh_to_keys(t, module, buckets) if module.num_hashes == 1 else t)
+    return {**eager, "self": out}
+
+
+def lsh_to_keys(e: torch.Tensor, module: Any, buckets: torch.Tensor) -> torch.Tensor:
+    """One hash round's eager LSH weights ``[b, h, n, c, m·c]`` as ``[b, h, T, T]``."""
+    b, h, n, c, width = e.shape
+    T = n * c
+    order, _ = module._get_sorted_bucket_idx_and_undo_sorted_bucket_idx(T, buckets.reshape(b, h, -1), 1)
+    before = module.num_chunks_before
+    out = e.new_zeros(b, h, T, T)
+    for bi in range(b):
+        for hi in range(h):
+            pos = order[bi, hi] % T
+            for s in range(T):
+                i, a = divmod(s, c)
+                for j in range(width):
+                    key_s = ((i - before) * c + j) % T
+                    out[bi, hi, pos[s], pos[key_s]] += e[bi, hi, i, a, j]
+    return out

@@ -66,6 +66,7 @@ EXACT = {
     "longformer": "sliding-chunk attention, eager's [query, window] layout mapped back",
     "led": "sliding-chunk encoder attention, eager's [query, window] layout mapped back",
     "longt5": "block-local encoder attention, eager's 5-d blocks mapped back",
+    "reformer": "exp(x - logsumexp) weights: local chunks rolled, LSH chunks mapped through the sort",
     "prophetnet": "n-gram decoder: main stream self_attn.0, predict streams self_attn.1.., eager scores",
     "pegasus_x": "block-local encoder attention with global tokens, its module's weights mapped back",
     "diffllama": "differential attention: a1 - λ·a2 per head, and its two softmaxes as parts",

@@ -1,10 +1,12 @@
 """Reformer's attention (issue 22, local attention): weights written as ``exp(x − logsumexp(x))``.
-Local (chunked) attention mapped back to ``[query, key]``, exact; LSH attention over hash-sorted
-chunks refused naming its layers, and stored as it is where the sequence fits one chunk.
+Local (chunked) attention mapped back to ``[query, key]``; LSH attention over hash-sorted chunks
+mapped back through the positions the model sorted, its hash rounds combined as the model combines
+their outputs; both stored as they are where the sequence fits one chunk.
 
 Oracle: the model's own ``output_attentions`` (``[b, h, n, c, m·c]`` for chunked local layers,
 mapped back here: column ``j`` of chunk ``i`` is key ``((i − before)·c + j) mod (n·c)``, the
-chunks rolled cyclically as the model rolls them).
+chunks rolled cyclically as the model rolls them); for LSH layers, the attention's own output read
+by a hook: the stored weights times the value vectors (read by a hook) must give it.
 """
 
 from __future__ import annotations
@@ -16,7 +18,6 @@ from catalogue_layouts import reformer_to_keys
 from test_catalogue_structure import VOCAB, _ids, _seeded
 
 import probe
-from probe.errors import ProbeError
 
 C = 4  # chunk length
 
@@ -76,8 +77,49 @@ def test_reformer_sequence_within_one_chunk_is_plain_attention():
         torch.testing.assert_close(c.pattern(c.stacks[0], layer), want[layer], atol=1e-6, rtol=0)
 
 
-def test_reformer_chunked_lsh_attention_is_refused_naming_its_layers():
-    model = reformer(["local", "lsh", "local"])
-    with pytest.raises(ProbeError, match=r"^reformer: layers encoder\.layers\.1 compute attention") as e:
-        _run(model, 3 * C)
-    assert "Reformer's LSH attention over hash-sorted chunks is not mapped back" in str(e.value)
+def _lsh_reads(model, x):
+    """Each LSH layer's value vectors ``[b, h, T, d]`` and attention output (before its output
+    projection) ``[b, h, T, d]``, read by hooks: the pattern must reproduce the output from the values."""
+    vals, outs = [], []
+    hooks = []
+    for m in model.modules():
+        if type(m).__name__ == "LSHSelfAttention":
+            h, d = m.num_attention_heads, m.attention_head_size
+            split = lambda t, h=h, d=d: t.view(*t.shape[:2], h, d).transpose(1, 2)  # noqa: E731
+            hooks.append(m.value.register_forward_hook(lambda _m, _i, o, s=split: vals.append(s(o))))
+            hooks.append(m.register_forward_hook(lambda _m, _i, o, s=split: outs.append(s(o.hidden_states))))
+    try:
+        with torch.no_grad():
+            model(**x)
+    finally:
+        for hk in hooks:
+            hk.remove()
+    return vals, outs
+
+
+@pytest.mark.parametrize("hashes", [1, 2])
+def test_reformer_lsh_chunks_are_mapped_back_through_the_sort(hashes):
+    model = reformer(["lsh", "lsh"])
+    model.config.num_hashes = hashes
+    for m in model.modules():
+        if type(m).__name__ == "LSHSelfAttention":
+            m.num_hashes = hashes
+            m.hash_seed = 3  # the same buckets in every forward
+    T = 4 * C
+    mask = torch.ones(2, T, dtype=torch.long)
+    mask[1, T - 3 :] = 0
+    x = {"input_ids": _ids(2, T), "attention_mask": mask}
+    with torch.no_grad(), probe.trace(model) as t:
+        model(**x)
+    vals, outs = _lsh_reads(model, x)
+    c = t.cache
+    stack = c.stacks[0]
+    for layer in range(2):
+        got = c.pattern(stack, layer)
+        assert got.shape == (2, 2, T, T)
+        # what the model reads: the weights times the values give the attention's output
+        torch.testing.assert_close(got @ vals[layer], outs[layer], atol=1e-5, rtol=0)
+        torch.testing.assert_close(got.sum(-1), torch.ones(got.shape[:-1]), atol=1e-5, rtol=0)
+        assert float(got.diagonal(dim1=-2, dim2=-1)[0, :, 1:].max()) < 1e-6  # no query reads itself
+        assert float((got == 0).float().mean()) > 0.2  # a query looks only inside its buckets
+        assert "LSH attention" in c.metadata["layers"][layer]["self_attn"]["kind"]
