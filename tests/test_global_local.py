@@ -115,3 +115,19 @@ def test_pegasus_x_decoder_is_captured_beside_the_encoder():
     with torch.no_grad(), probe.trace(model) as t:
         model(**_inputs())
     assert t.cache.attentions("decoder", 0) == [("self", None), ("cross", None)]
+
+
+def test_pegasus_x_keep_rows_and_topk_keep_the_global_fields_whole():
+    model = pegasus_x()
+    x = _inputs()
+    caches = []
+    for keep in (None, {"rows": [0, 2]}, {"topk": 2}):
+        with torch.no_grad(), probe.trace(model, **({} if keep is None else {"keep": keep})) as t:
+            model(**x)
+        caches.append(t.cache)
+    whole, *kept = caches
+    for c in kept:
+        for layer in range(3):
+            key = f"encoder.blocks.{layer}.self_attn"
+            for field in ("globals", "global_rows"):
+                torch.testing.assert_close(c[f"{key}.{field}"], whole[f"{key}.{field}"], atol=0, rtol=0)
