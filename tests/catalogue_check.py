@@ -274,7 +274,7 @@ def check_model(model: Any, inputs: dict | None = None) -> dict[str, Any]:
             with torch.no_grad():
                 outputs = twin(**inputs, output_attentions=True)
             eager = L.prophetnet_streams(model, outputs) or eager_patterns(outputs)
-            eager = L.reformer_in_probe_layout(model, eager, lsh)
+            eager = L.split_compressed(model, L.reformer_in_probe_layout(model, eager, lsh))
         finally:
             for h in hooks:
                 h.remove()
@@ -313,6 +313,9 @@ def check_model(model: Any, inputs: dict | None = None) -> dict[str, Any]:
     if eager["parts"] and isinstance(e, tuple):  # differential attention: its two softmaxes too
         parts = [cache[k].float().flatten(1, 2) for k in cache.keys() if k.endswith("attn.parts")]
         e = _worse(e, diff(parts, [p.flatten(1, 2) for p in eager["parts"]], mask))
+    if eager.get("compressed") and isinstance(e, tuple):  # DeepSeek-V4: the summaries' weights too
+        comp = [cache[k].float() for k in cache.keys() if k.endswith("attn.compressed")]
+        e = _worse(e, diff(comp, eager["compressed"], mask))
     s = diff([p for _, _, p in got], sdpa, mask) if sdpa else "no SDPA call"
     res["eager_diff"], res["sdpa_diff"] = _num(e), _num(s)
     res["pad_diff"] = max([x[1] for x in (e, s) if isinstance(x, tuple)], default=None)

@@ -34,6 +34,9 @@ mapping code, so that the check stays an independent oracle.
   (mask added; their softmax is the weights), the decoder's main stream as weights, and its
   predict streams as ``decoder_ngram_attentions`` ``[b, ngram, h, T, 2T]``; put in probe's order
   here: per decoder layer the main stream, then predict stream 1, 2, ...
+* DeepSeek-V4's compressed layers: eager returns ``[b, h, T, T + C]``, the weights on the T
+  positions then on the C compressed block summaries (the sink column dropped); split here into
+  the positions' ``[b, h, T, T]`` and the summaries' ``[b, h, T, C]`` (under ``"compressed"``).
 
 Each mapping returns None where the eager tensor does not fit it, or where it gives weight to a
 key outside the sequence on a real query row (the mapping would lose mass): the tensor is then
@@ -258,3 +261,12 @@ def lsh_to_keys(e: torch.Tensor, module: Any, buckets: torch.Tensor) -> torch.Te
                     key_s = ((i - before) * c + j) % T
                     out[bi, hi, pos[s], pos[key_s]] += e[bi, hi, i, a, j]
     return out
+
+
+def split_compressed(model: Any, eager: dict) -> dict:
+    """DeepSeek-V4's eager self maps cut at their query length (no KV cache: the positions are the
+    queries'): the positions' part under ``self``, the summaries' under ``compressed``."""
+    if model.config.model_type not in ("deepseek_v4",):
+        return eager
+    cut = [(t[..., : t.shape[-2]], t[..., t.shape[-2] :]) for t in eager["self"]]
+    return {**eager, "self": [a for a, _ in cut], "compressed": [b for _, b in cut]}

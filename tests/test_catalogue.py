@@ -66,6 +66,7 @@ EXACT = {
     "longformer": "sliding-chunk attention, eager's [query, window] layout mapped back",
     "led": "sliding-chunk encoder attention, eager's [query, window] layout mapped back",
     "longt5": "block-local encoder attention, eager's 5-d blocks mapped back",
+    "deepseek_v4": "compressed attention: positions, block summaries and sink stored apart",
     "reformer": "exp(x - logsumexp) weights: local chunks rolled, LSH chunks mapped through the sort",
     "prophetnet": "n-gram decoder: main stream self_attn.0, predict streams self_attn.1.., eager scores",
     "pegasus_x": "block-local encoder attention with global tokens, its module's weights mapped back",
@@ -88,9 +89,6 @@ EXACT = {
 
 # model type -> why it is not exact yet (issue 22); the owner removes the mark with the fix
 KNOWN = {
-    # its stream-mixing softmaxes are set aside now; its compressed sparse attention (one softmax
-    # over the positions, block summaries and a sink) is refused
-    "deepseek_v4": "refused: compressed keys (block summaries) joined to the positions (issue 22)",
     # text and layout streams: two softmaxes per layer (4 heads each, over the same summed scores);
     # probe stores them as one 8-head pattern with no word, eager returns the text stream's 4 heads
     "lilt": "two softmaxes per layer stored as one pattern of twice the heads (issue 22)",

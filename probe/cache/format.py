@@ -56,6 +56,8 @@ ATTN_FIELDS: dict[str, tuple[str, ...]] = {
     # tokens' own rows over [global tokens | keys]; pattern rows sum to 1 - globals' row sums
     "globals": ("batch", "head", "query", "global"),
     "global_rows": ("batch", "head", "global", "global_key"),
+    # weights on compressed block summaries joined to the keys (DeepSeek-V4)
+    "compressed": ("batch", "head", "query", "summary"),
     # the softmaxes a head combines (differential attention: pattern = parts[0] - lambda * parts[1])
     "parts": ("batch", "head", "part", "query", "key"),
     # selected query rows over every key, and which rows they are (per text)

@@ -16,6 +16,7 @@ import torch
 from torch import Tensor, nn
 
 from probe.capture.calls import Call
+from probe.capture.compressed import CompressedHandlers, is_compressed
 from probe.capture.globallocal import GlobalLocalHandlers, global_block_of
 from probe.capture.ngram import NgramHandlers, ngram_of
 from probe.capture.reformer import ReformerHandlers
@@ -148,7 +149,7 @@ class Chunks:
         return self.seen == len(self.pairs)
 
 
-class LocalHandlers(GlobalLocalHandlers, NgramHandlers, ReformerHandlers):
+class LocalHandlers(GlobalLocalHandlers, NgramHandlers, ReformerHandlers, CompressedHandlers):
     """The :class:`~probe.capture.record.Recorder`'s handlers of local attention: a softmax over a
     chunked, banded or blocked layout mapped back to ``[query, key]`` and handed to the consumer,
     or refused (the recorder's ``_unseen``). Uses the recorder's ``stack``, ``consumer``,
@@ -168,6 +169,9 @@ class LocalHandlers(GlobalLocalHandlers, NgramHandlers, ReformerHandlers):
         if mixes_blocks(self.stack[-1], out):
             if self.layers.layer is not None:
                 self.layers.layer.skipped.add(DEPTH_NOTE)
+            return True
+        if is_compressed(inner) and isinstance(out, Tensor) and out.dim() == 4:
+            self._compressed(self.stack[-1], out)
             return True
         ngram = ngram_of(inner)
         if ngram is not None:
