@@ -286,9 +286,23 @@ def check_model(model: Any, inputs: dict | None = None) -> dict[str, Any]:
     except Exception as e:  # noqa: BLE001
         return {**res, **run_failure(e, model)}
     cache, failed = _capture(model, inputs)
+    blocks: list = []  # Pegasus-X's encoder weights, which eager's outputs leave out
     try:
-        with torch.no_grad():
-            eager = eager_patterns(eager_twin(model)(**inputs, output_attentions=True))
+        twin = eager_twin(model)
+        lsh: list = []  # Reformer's LSH buckets, to map its hash-sorted weights back
+        hooks = L.global_local_hooks(twin, blocks) + L.lsh_hooks(twin, lsh)
+        try:
+            with torch.no_grad():
+                outputs = twin(**inputs, output_attentions=True)
+            eager = L.prophetnet_streams(model, outputs) or eager_patterns(outputs)
+            eager = L.split_compressed(model, L.reformer_in_probe_layout(model, eager, lsh))
+        finally:
+            for h in hooks:
+                h.remove()
+        if blocks:
+            n, T = model.config.block_size, inputs["input_ids"].shape[1]
+            enc = [L.global_local_to_keys(p, s, n, T) for p, s in blocks]
+            eager = {**eager, "self": enc + eager["self"]}
     except Exception as e:  # noqa: BLE001
         eager, res["eager_error"] = (
             {"self": [], "cross": [], "other": []},
@@ -320,6 +334,9 @@ def check_model(model: Any, inputs: dict | None = None) -> dict[str, Any]:
     if eager["parts"] and isinstance(e, tuple):  # differential attention: its two softmaxes too
         parts = [cache[k].float().flatten(1, 2) for k in cache.keys() if k.endswith("attn.parts")]
         e = _worse(e, diff(parts, [p.flatten(1, 2) for p in eager["parts"]], mask))
+    if eager.get("compressed") and isinstance(e, tuple):  # DeepSeek-V4: the summaries' weights too
+        comp = [cache[k].float() for k in cache.keys() if k.endswith("attn.compressed")]
+        e = _worse(e, diff(comp, eager["compressed"], mask))
     s = diff([p for _, _, p in got], sdpa, mask) if sdpa else "no SDPA call"
     subset = False
     if isinstance(e, str) and n_eager and len(got) > n_eager and isinstance(s, tuple):

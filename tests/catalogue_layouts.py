@@ -24,6 +24,26 @@ mapping code, so that the check stays an independent oracle.
   whole: probe's parts are joined back (``[cross | self]``) for the comparison.
 * CpmAnt: eager crops its weights to the text (``[prompt:, prompt:]``, ``prompt`` =
   ``config.prompt_length``); probe's patterns are cropped the same way before the comparison.
+* Pegasus-X's encoder (block-local attention with global tokens): eager's ``output_attentions``
+  leaves the encoder out, but its attention module returns its weights as its third output
+  (``{"global": [b, h, G, G + P], "local": [b, h, blocks, n, G + n]}``), read here by a hook on
+  the eager twin. Query ``a`` of block ``i`` is padded position ``i·n + a``, key column ``G + c``
+  padded position ``i·n + c``; a layer that staggers its blocks pads ``n // 2`` ahead, so padded
+  position ``p`` is input position ``p − n // 2`` there (``p`` elsewhere). Mapped to the tokens'
+  ``[b, h, T, T]`` (weights on the global tokens are left out, as probe's pattern does).
+* Reformer's local attention: eager returns ``[b, h, n, c, m·c]``, query ``a`` of chunk ``i`` (position
+  ``i·c + a``) over the ``m`` chunks from ``i − before`` on, which the model rolls cyclically: column
+  ``j`` is key ``((i − before)·c + j) mod (n·c)``; a key met twice gets the sum. Its LSH layers
+  return the same layout over hash-sorted positions: sorted position ``s`` is input position
+  ``order[s]``, ``order`` the stable sort of the layer's buckets (read by a hook on the module,
+  sorted by the model's own helper); one hash round only (more: left unmapped).
+* ProphetNet: eager returns its encoder and cross-attention maps as scores before the softmax
+  (mask added; their softmax is the weights), the decoder's main stream as weights, and its
+  predict streams as ``decoder_ngram_attentions`` ``[b, ngram, h, T, 2T]``; put in probe's order
+  here: per decoder layer the main stream, then predict stream 1, 2, ...
+* DeepSeek-V4's compressed layers: eager returns ``[b, h, T, T + C]``, the weights on the T
+  positions then on the C compressed block summaries (the sink column dropped); split here into
+  the positions' ``[b, h, T, T]`` and the summaries' ``[b, h, T, C]`` (under ``"compressed"``).
 
 Each mapping returns None where the eager tensor does not fit it, or where it gives weight to a
 key outside the sequence on a real query row (the mapping would lose mass): the tensor is then
@@ -204,3 +224,116 @@ def join_source_first(cache: Any, got: list) -> list:
         elif kind == "self":
             out.append((f"{base}.joint", "self", torch.cat([parts[f"{base}.cross"], p], dim=-1)))
     return out
+
+
+def global_local_hooks(twin: Any, store: list) -> list:
+    """Forward hooks on Pegasus-X's encoder layers of ``twin`` that append ``(weights, stagger)``
+    per call to ``store``: the attention module's own ``{"global", "local"}`` weights and the
+    layer's ``stagger_blocks_this_layer``. Returns the hook handles (none for other models)."""
+    hooks = []
+    for m in twin.modules():
+        attn = getattr(m, "self_attn", None)
+        if hasattr(m, "stagger_blocks_this_layer") and hasattr(attn, "block_size"):
+            stagger = bool(m.stagger_blocks_this_layer)
+            hooks.append(attn.register_forward_hook(lambda _m, _i, o, s=stagger: store.append((o[2], s))))
+    return hooks
+
+
+def global_local_to_keys(probs: dict, stagger: bool, n: int, T: int) -> torch.Tensor:
+    """Pegasus-X's block weights ``probs["local"]`` ``[b, h, blocks, n, G + n]`` as the tokens'
+    ``[b, h, T, T]`` (zeros outside each block; the global tokens' columns left out)."""
+    local = probs["local"].float()
+    g = probs["global"].shape[-2]
+    b, h, nb, _, _ = local.shape
+    shift = n // 2 if stagger else 0
+    out = local.new_zeros(b, h, T, T)
+    for i in range(nb):
+        for a in range(n):
+            q = i * n + a - shift
+            if not 0 <= q < T:
+                continue
+            for c in range(n):
+                k = i * n + c - shift
+                if 0 <= k < T:
+                    out[:, :, q, k] = local[:, :, i, a, g + c]
+    return out
+
+
+def reformer_to_keys(e: torch.Tensor, before: int) -> torch.Tensor:
+    """Reformer's eager local weights ``[b, h, n, c, m·c]`` as ``[b, h, n·c, n·c]``."""
+    b, h, n, c, width = e.shape
+    out = e.new_zeros(b, h, n * c, n * c)
+    for i in range(n):
+        for a in range(c):
+            for j in range(width):
+                out[:, :, i * c + a, ((i - before) * c + j) % (n * c)] += e[:, :, i, a, j]
+    return out
+
+
+def prophetnet_streams(model: Any, outputs: Any) -> dict | None:
+    """ProphetNet's eager maps as ``eager_patterns``' dict (``self``: encoder layers, then per
+    decoder layer the main stream and each predict stream; ``cross``), scores turned into
+    weights; None for other models."""
+    if model.config.model_type != "prophetnet":
+        return None
+    enc = [t.float().softmax(-1) for t in outputs.encoder_attentions]
+    dec = []
+    for main, ngram in zip(outputs.decoder_attentions, outputs.decoder_ngram_attentions, strict=True):
+        dec += [main.float()] + [ngram[:, n].float() for n in range(ngram.shape[1])]
+    cross = [t.float().softmax(-1) for t in outputs.cross_attentions]
+    return {"self": enc + dec, "cross": cross, "other": []}
+
+
+def lsh_hooks(twin: Any, store: list) -> list:
+    """Hooks on Reformer's LSH attention modules of ``twin`` appending ``(module, buckets)`` per
+    call to ``store``. Returns the handles (none for other models)."""
+    return [
+        m.register_forward_hook(lambda mod, _i, o: store.append((mod, o.buckets)))
+        for m in twin.modules()
+        if type(m).__name__ == "LSHSelfAttention"
+    ]
+
+
+def reformer_in_probe_layout(model: Any, eager: dict, lsh: list) -> dict:
+    """Reformer's eager 5-d maps as ``[b, h, T, T]``: local layers by the rolled chunks, LSH
+    layers through the sorted positions of the ``lsh`` hooks' buckets (in call order)."""
+    if model.config.model_type != "reformer":
+        return eager
+    kinds = model.config.attn_layers
+    out, calls = [], iter(lsh)
+    for i, t in enumerate(eager["self"]):
+        if t.dim() != 5:
+            out.append(t)
+        elif kinds[i % len(kinds)] == "local":
+            out.append(reformer_to_keys(t, model.config.local_num_chunks_before))
+        else:
+            module, buckets = next(calls)
+            out.append(lsh_to_keys(t, module, buckets) if module.num_hashes == 1 else t)
+    return {**eager, "self": out}
+
+
+def lsh_to_keys(e: torch.Tensor, module: Any, buckets: torch.Tensor) -> torch.Tensor:
+    """One hash round's eager LSH weights ``[b, h, n, c, m·c]`` as ``[b, h, T, T]``."""
+    b, h, n, c, width = e.shape
+    T = n * c
+    order, _ = module._get_sorted_bucket_idx_and_undo_sorted_bucket_idx(T, buckets.reshape(b, h, -1), 1)
+    before = module.num_chunks_before
+    out = e.new_zeros(b, h, T, T)
+    for bi in range(b):
+        for hi in range(h):
+            pos = order[bi, hi] % T
+            for s in range(T):
+                i, a = divmod(s, c)
+                for j in range(width):
+                    key_s = ((i - before) * c + j) % T
+                    out[bi, hi, pos[s], pos[key_s]] += e[bi, hi, i, a, j]
+    return out
+
+
+def split_compressed(model: Any, eager: dict) -> dict:
+    """DeepSeek-V4's eager self maps cut at their query length (no KV cache: the positions are the
+    queries'): the positions' part under ``self``, the summaries' under ``compressed``."""
+    if model.config.model_type not in ("deepseek_v4",):
+        return eager
+    cut = [(t[..., : t.shape[-2]], t[..., t.shape[-2] :]) for t in eager["self"]]
+    return {**eager, "self": [a for a, _ in cut], "compressed": [b for _, b in cut]}

@@ -290,14 +290,10 @@ def test_minimax_lightning_layer_returns_a_state_not_a_pattern():
     assert "no attention" in t.cache.metadata["layers"][1]["residual_note"]
 
 
-def test_deepseek_v4_compressed_keys_are_refused_not_stored():
-    # its stream-mixing softmaxes (hyper-connections) are no attention and no longer refuse the
-    # capture (tests/test_several_attentions.py); its compressed sparse attention runs one softmax
-    # over the positions, block summaries and a sink, which probe does not map: refused by layer
-    import pytest
-
-    from probe.errors import ProbeError
-
+def test_deepseek_v4_compressed_keys_are_stored_beside_the_pattern():
+    # its compressed attention runs one softmax over the positions, block summaries and a sink:
+    # stored as pattern (positions), compressed (summaries) and sink, against eager's [T, T + C]
+    # (the sink dropped), for a sequence of 9 that closes summaries in both layers
     cfg = tf.DeepseekV4Config(
         vocab_size=96,
         hidden_size=32,
@@ -320,10 +316,18 @@ def test_deepseek_v4_compressed_keys_are_refused_not_stored():
     )
     torch.manual_seed(0)
     model = tf.DeepseekV4ForCausalLM(cfg).eval()
-    with pytest.raises(
-        ProbeError, match=r"layers model\.layers\.1 compute attention as a softmax over a layout"
-    ):
-        probe.capture(model, torch.randint(3, 96, (2, 9)))
+    ids = torch.randint(3, 96, (2, 9), generator=torch.Generator().manual_seed(0))
+    cache = probe.capture(model, ids)
+    twin = type(model)._from_config(cfg, attn_implementation="eager").eval()
+    twin.load_state_dict(model.state_dict())
+    with torch.no_grad():
+        want = twin(ids, output_attentions=True).attentions
+    for layer, w in enumerate(want):
+        key = f"decoder.blocks.{layer}.self_attn"
+        torch.testing.assert_close(cache[f"{key}.pattern"], w[..., :9], atol=1e-6, rtol=0)
+        torch.testing.assert_close(cache[f"{key}.compressed"], w[..., 9:], atol=1e-6, rtol=0)
+        torch.testing.assert_close(cache[f"{key}.sink"], 1 - w.sum(-1), atol=1e-5, rtol=0)
+    assert cache["decoder.blocks.1.self_attn.compressed"].shape[-1] > 0
 
 
 # -- CpmAnt -------------------------------------------------------------------------------------

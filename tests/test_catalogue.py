@@ -66,11 +66,20 @@ EXACT = {
     "longformer": "sliding-chunk attention, eager's [query, window] layout mapped back",
     "led": "sliding-chunk encoder attention, eager's [query, window] layout mapped back",
     "longt5": "block-local encoder attention, eager's 5-d blocks mapped back",
+    "deepseek_v4": "compressed attention: positions, block summaries and sink stored apart",
+    "reformer": "exp(x - logsumexp) weights: local chunks rolled, LSH chunks mapped through the sort",
+    "prophetnet": "n-gram decoder: main stream self_attn.0, predict streams self_attn.1.., eager scores",
+    "pegasus_x": "block-local encoder attention with global tokens, its module's weights mapped back",
     "diffllama": "differential attention: a1 - λ·a2 per head, and its two softmaxes as parts",
     "cpmant": "prompt positions ahead of the text, cropped as eager crops them",
     # runs its list elements with layer.forward(...): layers found from their children's calls
     "squeezebert": "list elements run without their hooks, channel-first stream, eager returns scores",
     "longcat_flash": "two attention sublayers per layer: self_attn.0 and self_attn.1",
+    # block attention residuals: softmaxes over earlier blocks' outputs (depth), not stored
+    "inkling2": "per-token sink logit; block attention residuals over depth set aside",
+    "inkling2_text": "per-token sink logit; block attention residuals over depth set aside",
+    "inkling2_loop": "looped layers; block attention residuals over depth set aside",
+    "inkling2_loop_text": "looped layers; block attention residuals over depth set aside",
     "glm5_next_text": "hyper-connection softmaxes over streams (not stored), linear-attention layer",
     "gemma3n_text": "KV sharing: the last two layers reuse earlier layers' keys and values",
     "zamba": "hybrid: one attention block shared (tied) by the hybrid layers",
@@ -84,9 +93,6 @@ EXACT = {
 
 # model type -> why it is not exact yet (issue 22); the owner removes the mark with the fix
 KNOWN = {
-    # its stream-mixing softmaxes are set aside now; its compressed sparse attention (one softmax
-    # over the positions, block summaries and a sink) is refused
-    "deepseek_v4": "refused: compressed keys (block summaries) joined to the positions (issue 22)",
 }
 
 SAMPLE = [pytest.param(m, id=m) for m in EXACT] + [

@@ -52,6 +52,12 @@ ATTN_FIELDS: dict[str, tuple[str, ...]] = {
     "pattern": ("batch", "head", "query", "key"),
     # the mass of a learned sink column joined to the scores (GPT-OSS): pattern rows sum to 1 - sink
     "sink": ("batch", "head", "query"),
+    # global tokens ahead of the input (Pegasus-X): the queries' weights on them, and the global
+    # tokens' own rows over [global tokens | keys]; pattern rows sum to 1 - globals' row sums
+    "globals": ("batch", "head", "query", "global"),
+    "global_rows": ("batch", "head", "global", "global_key"),
+    # weights on compressed block summaries joined to the keys (DeepSeek-V4)
+    "compressed": ("batch", "head", "query", "summary"),
     # the softmaxes a head combines (differential attention: pattern = parts[0] - lambda * parts[1])
     "parts": ("batch", "head", "part", "query", "key"),
     # selected query rows over every key, and which rows they are (per text)

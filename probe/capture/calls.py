@@ -39,6 +39,8 @@ class Attention:
     (what the pattern is when it is not one plain softmax, said in the metadata) and ``fields``
     (set by the consumer: the other stored fields of this attention, e.g. ``rows`` or ``sink``,
     field name -> sink handle).
+    ``extra``: other fields the recorder mapped with the pattern, ``[batch, heads, ...]`` by
+    field name (Pegasus-X's ``globals`` and ``global_rows``), stored as they are.
     ``diff_lambda``: the λ of a differential attention's sublayer (DiffLlama), whose heads pair
     up as ``a1 - λ·a2``.
     ``split``: set by the recorder when one softmax ran over the layer's own keys followed by a
@@ -61,6 +63,8 @@ class Attention:
     shape: tuple[int, ...] = ()
     causal: bool | None = None
     sinks: list[Tensor] = field(default_factory=list)
+    extra: dict[str, Tensor] = field(default_factory=dict)  # more fields the recorder mapped, by name
+    self_only: bool = False  # keys of the layer's own streams, whatever the shapes say (role self)
     kind: str | None = None
     module: str | None = None  # the path of the sublayer module that computed it
     diff_lambda: float | None = None  # differential attention: pattern = parts[0] - lambda * parts[1]
@@ -105,6 +109,7 @@ class Forward:
     # layers where a softmax shaped like attention (>= 4 axes) was not recognised as a pattern:
     # local, chunked or banded layouts (Longformer's sliding chunks, LongT5's blocks) probe cannot map
     unseen: list[str] = field(default_factory=list)
+    unseen_why: list[str] = field(default_factory=list)  # what the unseen layers run, where known
 
     def note_root(self, inputs: list[Tensor], kwargs: dict) -> None:
         """The model's own call: its inputs' sizes, and a KV cache's length, are sequence lengths."""

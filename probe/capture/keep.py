@@ -152,6 +152,9 @@ class KeepPatterns:
         attn.parts.clear()
         if attn.sinks:
             self._sinks(attn, len(parts))
+        for name, t in attn.extra.items():
+            attn.fields[name] = self.store.put(t if heads is None else t[:, heads], owned=True)
+        attn.extra = {}
 
     def _sinks(self, attn: Attention, n_parts: int) -> None:
         """Store the sink column's mass of every head, ``[batch, heads, q]``, as field ``sink``."""

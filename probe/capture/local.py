@@ -16,6 +16,10 @@ import torch
 from torch import Tensor, nn
 
 from probe.capture.calls import Call
+from probe.capture.compressed import CompressedHandlers, is_compressed
+from probe.capture.globallocal import GlobalLocalHandlers, global_block_of
+from probe.capture.ngram import NgramHandlers, ngram_of
+from probe.capture.reformer import ReformerHandlers
 
 LOCAL_KIND = (
     "local attention computed chunk by chunk, mapped back to [query, key] over the whole "
@@ -74,6 +78,22 @@ def band_pattern(probs: Tensor, w: int, masked: Tensor) -> Tensor:
     return out.masked_fill(masked[:, None, :, None], 0.0)
 
 
+DEPTH_NOTE = (
+    "a softmax of learned queries over the outputs of earlier blocks (block attention residuals, "
+    "Inkling2): weights over depth, not keys"
+)
+
+
+def mixes_blocks(call: Call, out: Tensor) -> bool:
+    """Whether the softmax ``out`` mixes the outputs of earlier blocks (Inkling2's block attention
+    residuals): a module with a learned ``query`` handed the stacked block states ``[batch, T,
+    n, d]`` (and the block being built), whose weights are ``[batch, T, q, n + 1]``."""
+    p, q = call.primary, getattr(call.module, "query", None)
+    if not isinstance(q, nn.Parameter) or p is None or p.dim() != 4 or not isinstance(out, Tensor):
+        return False
+    return out.dim() == 4 and tuple(out.shape[:2]) == tuple(p.shape[:2]) and out.shape[-1] == p.shape[2] + 1
+
+
 def is_unmapped(module: nn.Module) -> bool:
     """Whether ``module`` computes local attention whose layout probe does not map back yet."""
     return any(hasattr(module, a) for a in UNMAPPED)
@@ -129,7 +149,7 @@ class Chunks:
         return self.seen == len(self.pairs)
 
 
-class LocalHandlers:
+class LocalHandlers(GlobalLocalHandlers, NgramHandlers, ReformerHandlers, CompressedHandlers):
     """The :class:`~probe.capture.record.Recorder`'s handlers of local attention: a softmax over a
     chunked, banded or blocked layout mapped back to ``[query, key]`` and handed to the consumer,
     or refused (the recorder's ``_unseen``). Uses the recorder's ``stack``, ``consumer``,
@@ -137,7 +157,8 @@ class LocalHandlers:
 
     def _local(self, out: Tensor) -> bool:
         """Whether the softmax ``out`` is local attention (Canine's chunks, Longformer/LED's band,
-        LongT5's blocks, or a layout refused); handled here when it is."""
+        LongT5's blocks, Pegasus-X's blocks with global tokens, or a layout refused); handled here
+        when it is."""
         local = self._chunked_call()
         if local is not None:
             self._chunk(local, out)
@@ -145,10 +166,23 @@ class LocalHandlers:
         inner = self.stack[-1].module if self.stack else None
         if inner is None:
             return False
+        if mixes_blocks(self.stack[-1], out):
+            if self.layers.layer is not None:
+                self.layers.layer.skipped.add(DEPTH_NOTE)
+            return True
+        if is_compressed(inner) and isinstance(out, Tensor) and out.dim() == 4:
+            self._compressed(self.stack[-1], out)
+            return True
+        ngram = ngram_of(inner)
+        if ngram is not None:
+            return self._predict_streams(self.stack[-1], out, ngram)
         if is_unmapped(inner):
             self._unseen()  # a layout that could pass for a pattern by its sizes: never stored
             return True
-        band, block = window_of(inner), block_len_of(inner)
+        band, block, glob = window_of(inner), block_len_of(inner), global_block_of(inner)
+        if glob is not None:
+            self._global_local(self.stack[-1], out, glob)
+            return True
         if band is not None:
             self._band(self.stack[-1], out, band)
         elif block is not None:

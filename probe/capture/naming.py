@@ -94,6 +94,7 @@ def check_unseen(tr: Tracer, model: nn.Module) -> None:
         f"{kind}: layers {shown} compute attention as a softmax over a layout probe does not "
         "recognise (local, chunked or sliding-window attention); probe refuses rather than store "
         "the capture without them (see docs/attention-kinds.md, local attention)"
+        + "".join(f"; {why}" for why in tr.forward.unseen_why)
     )
 
 
@@ -183,7 +184,10 @@ def _name_attentions(r: LayerRecord, stack: str, idx: int, entry: dict[str, Any]
     kinds = r.kinds or [None] * len(r.patterns)
     for role, n in per_role.items():
         mine = [m for (ro, *_), m in zip(r.patterns, modules, strict=True) if ro == role]
-        if n > 1 and (None in mine or not _own_modules(role, r, modules, kinds)):
+        said = [k for (ro, *_), k in zip(r.patterns, kinds, strict=True) if ro == role]
+        own = None not in mine and _own_modules(role, r, modules, kinds)
+        if n > 1 and not own and (None in said or len(set(said)) < n):
+            # ...unless the recorder said what each one is (ProphetNet's main and predict streams)
             # several attentions of one role are numbered (self_attn.0, self_attn.1) when each is
             # its own sublayer module (LongCat-Flash's two attention sublayers); several softmaxes
             # of one module could be anything (parts of one attention, a score that is no weights)

@@ -372,6 +372,7 @@ class Recorder(LocalHandlers):
             q, k = attn.qk
             if k == attn.kv_prefix + q:
                 attn.split, attn.source_first = attn.kv_prefix, True
-        cross = attn.split is None and is_cross(attn, cached, stream, upstream)
+        # Pegasus-X's global tokens, ProphetNet's predict streams: the layer's own keys
+        cross = attn.split is None and not attn.self_only and is_cross(attn, cached, stream, upstream)
         attn.role = "cross" if cross else "self"
         self.consumer.close(attn)

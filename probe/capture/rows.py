@@ -119,6 +119,14 @@ class _Kept:
             attn.causal = _causal(probe, q, k)
         attn.shape = (probe.shape[0], probe.shape[1], q, k)
 
+    def _extra(self, attn: Attention) -> None:
+        """Store the other fields the recorder mapped with the pattern (Pegasus-X's ``globals``
+        and ``global_rows``, small beside a pattern) whole, heads cut as the rows are."""
+        for name, t in attn.extra.items():
+            heads = self.selection.heads
+            attn.fields[name] = self.store.put(t if heads is None else t[:, heads], owned=True)
+        attn.extra = {}
+
     @staticmethod
     def _probe_rows(p: Tensor) -> Tensor:
         """Rows 0 and ``q // 2`` of a whole pattern ``[..., q, k]`` (a copy)."""
@@ -161,6 +169,7 @@ class KeepRows(_Kept):
         attn.fields["rows"] = self.store.put(rows, owned=True)
         attn.fields["row_index"] = self.store.put(idx.cpu().clone(), owned=True)  # one per attention
         attn.parts.clear()
+        self._extra(attn)
 
 
 class KeepTopK(_Kept):
@@ -213,6 +222,7 @@ class KeepTopK(_Kept):
         attn.fields["topk_indices"] = self.store.put(indices, owned=True)
         attn.fields["topk_mass"] = self.store.put(mass, owned=True)
         parts.clear()
+        self._extra(attn)
 
 
 def consumer(keep: Keep, store: Store, selection: Selection, meta: dict[str, Any]) -> Any:

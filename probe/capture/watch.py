@@ -32,6 +32,7 @@ from probe.capture.calls import Call, Forward, first_tensor, layer_cache_length,
 from probe.capture.fused import replay_encoder_layer
 from probe.capture.layers import LayerTracker
 from probe.capture.record import FLEX, SDPA, SOFTMAX, Recorder
+from probe.capture.reformer import REFORMER_OPS
 from probe.capture.residual import ADD, ADD_INPLACE
 
 _ADDS = ADD | ADD_INPLACE
@@ -64,6 +65,8 @@ class _Mode(TorchFunctionMode):
             return func(*args, **kwargs)
         if self.recorder.flex_calls and not torch.compiler.is_compiling():
             self.recorder.flush()  # flex_attention calls torch.compile traced, now run
+        if func in REFORMER_OPS and self.recorder.in_reformer():
+            return self.recorder.reformer_op(func, args, kwargs)  # Reformer's exp(x - logsumexp(x))
         if func not in _SEEN:
             # every other op: only the residual tracking of the layer running now looks at it
             layers = self.layers
