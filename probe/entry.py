@@ -32,7 +32,7 @@ def capture(
 ):
     """:func:`probe.capture.engine.capture`, and ``keep="stats"``: every head's statistics computed
     block by block while the model runs and each residual tensor's norm, no pattern ever whole
-    (``block`` query rows at a time, default about 64 MiB of weights). See ``docs/long-context.md``."""
+    (``block`` query rows at a time, default about 16 MiB of weights). See ``docs/long-context.md``."""
     from probe.forward import capture as capture_full
     from probe.forward import capture_stats, parse_keep
 

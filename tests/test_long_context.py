@@ -60,6 +60,34 @@ def test_toy_decoders_match_the_full_patterns(kind, T, block):
     assert full.rollout is not None  # the full path computes it
 
 
+def test_template_pairs_equal_the_masks_written_here():
+    """The duplicate/induction pairs found by sorting equal the nonzeros of the template masks
+    built here as [rows, keys] comparisons, in the same order, with padding and any key range."""
+    from types import SimpleNamespace
+
+    from probe.analysis.focus.rowblock import template_pairs
+
+    g = torch.Generator().manual_seed(0)
+    for trial in range(150):
+        B, T = 3, int(torch.randint(2, 40, (), generator=g))
+        real = torch.rand(B, T, generator=g) > 0.2
+        ids = torch.where(real, torch.randint(0, 1 + trial % 5, (B, T), generator=g), -1)
+        s = SimpleNamespace(real=real, ids=ids)
+        q0 = int(torch.randint(0, T, (), generator=g))
+        q1 = int(torch.randint(q0 + 1, T + 1, (), generator=g))
+        kend = T if trial % 2 else int(torch.randint(q1, T + 1, (), generator=g))
+        rows, kj = torch.arange(q0, q1)[:, None], torch.arange(kend)[None, :]
+        pair_real = real[:, q0:q1, None] & real[:, None, :kend]
+        same = (ids[:, q0:q1, None] == ids[:, None, :kend]) & pair_real
+        after = torch.zeros_like(same)  # ids[i] == ids[j - 1], key j real
+        after[:, :, 1:] = same[:, :, :-1] & real[:, None, 1:kend]
+        got = template_pairs(s, s, q0, q1, kend)
+        for name, D in (("dup", same & (kj < rows)), ("induction", after & (kj <= rows))):
+            want = (*D.nonzero(as_tuple=True), D.any(-1))
+            for x, y in zip(got[name], want, strict=True):
+                assert torch.equal(x, y), (trial, name)
+
+
 @pytest.mark.parametrize("memo", [True, False])
 def test_repeated_tokens_templates_match(monkeypatch, memo):
     """A text of a few repeated tokens (many duplicate and induction pairs): the pairs gathered

@@ -174,17 +174,45 @@ def abs_distance(P: torch.Tensor, rows: torch.Tensor, ws: Workspace) -> torch.Te
 def template_pairs(qs, ks, q0: int, q1: int, kend: int) -> dict[str, tuple[torch.Tensor, ...]]:
     """The duplicate-token and induction pairs among query rows ``q0:q1`` and keys ``:kend``:
     ``{name: (b, i, j, hits)}`` (``i`` relative to ``q0``; ``hits`` ``[B, r]`` whether a query
-    has a match), the masks ``D`` of :mod:`probe.analysis.focus` for these rows."""
-    rows = torch.arange(q0, q1)[:, None]
-    kj = torch.arange(kend)[None, :]
-    real = qs.real[:, q0:q1, None] & ks.real[:, None, :kend]
-    same = (qs.ids[:, q0:q1, None] == ks.ids[:, None, :kend]) & real
-    prev_same = torch.zeros_like(same)  # ids[i] == ids[j - 1]
-    prev_same[:, :, 1:] = same[:, :, :-1] & ks.real[:, None, 1:kend]
+    has a match), the masks ``D`` of :mod:`probe.analysis.focus` for these rows, in row-major order.
+
+    Found without a ``[rows, keys]`` mask: the real keys sorted by (token id, position) put each
+    query's earlier same-token keys in one run, found by two binary searches. Duplicate pairs are
+    ``(i, j)`` with ``ids[j] == ids[i]``, ``j < i``, both real; induction pairs are ``(i, m + 1)``
+    for each duplicate pair ``(i, m)`` whose ``m + 1`` is a real key (the token after an earlier
+    copy of the query's token)."""
+    B, r = qs.real.shape[0], q1 - q0
+    found: dict[str, list] = {"dup": [], "induction": []}
+    hits = {n: torch.zeros(B, r, dtype=torch.bool) for n in found}
+    rows = torch.arange(q0, q1)
+    for b in range(B):
+        real = ks.real[b, :kend]
+        pos = torch.arange(kend)[real]
+        order_key, order = (ks.ids[b, :kend][real] * kend + pos).sort()
+        pos = pos[order]
+        qid = qs.ids[b, q0:q1]
+        lo = torch.searchsorted(order_key, qid * kend)
+        hi = torch.searchsorted(order_key, qid * kend + rows)  # keys of the same token before the query
+        n = torch.where(qs.real[b, q0:q1], hi - lo, 0)
+        i = torch.repeat_interleave(torch.arange(r), n)
+        within = torch.arange(int(n.sum())) - torch.repeat_interleave(n.cumsum(0) - n, n)
+        j = pos[torch.repeat_interleave(lo, n) + within]
+        found["dup"].append((b, i, j))
+        hits["dup"][b] = n > 0
+        nxt = j + 1
+        ok = nxt < kend
+        ok[ok.clone()] = ks.real[b, nxt[ok]]
+        found["induction"].append((b, i[ok], nxt[ok]))
+        hits["induction"][b] = torch.bincount(i[ok], minlength=r) > 0
     out = {}
-    for name, D in (("dup", same & (kj < rows)), ("induction", prev_same & (kj <= rows))):
-        b, i, j = D.nonzero(as_tuple=True)
-        out[name] = (b, i, j, D.any(-1))
+    for name, parts in found.items():
+        b_idx = torch.cat([torch.full_like(i, b) for b, i, _ in parts])
+        out[name] = (
+            b_idx,
+            torch.cat([i for _, i, _ in parts]),
+            torch.cat([j for *_, j in parts]),
+            hits[name],
+        )
     return out
 
 

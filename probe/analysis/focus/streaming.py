@@ -136,7 +136,9 @@ class RowTerms:
         C = rb.prefix_sums(P, self.ws)
         beyond, reach = rb.distance_terms(C, rows, self.shape[3])
         for D, v in beyond.items():
-            t.beyond.setdefault(D, torch.zeros(t.ent.shape))[..., sl] = v.cpu()
+            if D not in t.beyond:
+                t.beyond[D] = torch.zeros(t.ent.shape)
+            t.beyond[D][..., sl] = v.cpu()
         if t.reach is None:
             t.reach = torch.zeros(t.ent.shape)
         t.reach[..., sl] = reach.cpu()
