@@ -181,6 +181,11 @@ def layer_cache_length(module: nn.Module, kwargs: dict) -> int:
         return 0
     for name in ("cache", "past_key_values", "past_key_value"):
         obj = kwargs.get(name)
+        if hasattr(obj, "cross_attention_cache"):
+            # an encoder-decoder cache's length is the decoder's own positions, which its layer's
+            # self-attention put there a moment ago: no keys of another stack (Pegasus-X's cross-
+            # attention would otherwise look like a source-first merged softmax)
+            return 0
         if obj is not None and not isinstance(obj, Tensor) and hasattr(obj, "get_seq_length"):
             try:
                 return int(obj.get_seq_length(idx))

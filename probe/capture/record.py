@@ -361,6 +361,7 @@ class Recorder(LocalHandlers):
         if attn.closed:
             return
         attn.closed = True
+        attn.caller = None  # the module call (and through it its inputs) is not kept past here
         layer = self.layers.layer
         stream = layer.stream if layer is not None else None
         upstream = layer.upstream if layer is not None else None
