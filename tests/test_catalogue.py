@@ -109,23 +109,6 @@ def test_catalogue_family_is_exact(model_type):
     assert verdict["n_probe"] > 0
 
 
-def test_the_check_sees_a_wrong_pattern(monkeypatch):
-    # the oracle comparison itself: a pattern probe stored with one head shifted is "wrong"
-    model = K.build("gpt2")
-    real = C.probe_patterns
-
-    def shifted(cache):
-        out = real(cache)
-        label, kind, p = out[0]
-        p = p.clone()
-        p[:, 0] = p[:, 0].roll(1, dims=-1)
-        return [(label, kind, p)] + out[1:]
-
-    monkeypatch.setattr(C, "probe_patterns", shifted)
-    verdict = C.check_model(model)
-    assert verdict["status"] == "wrong" and verdict["eager_diff"] > 1e-3, verdict
-
-
 def test_the_check_sees_a_missing_pattern(monkeypatch):
     model = K.build("bert")
     real = C.probe_patterns
@@ -134,10 +117,11 @@ def test_the_check_sees_a_missing_pattern(monkeypatch):
     assert verdict["status"] == "wrong" and "1 patterns stored, oracle has 2" in verdict["reason"], verdict
 
 
-@pytest.mark.parametrize("model_type", ["longformer", "longt5"])
-def test_the_check_sees_a_wrong_local_pattern(monkeypatch, model_type):
-    # a local pattern probe stored with one head's weights moved to other keys is "wrong" against
-    # eager mapped back (the mapping is no blanket that makes any pattern pass)
+@pytest.mark.parametrize("model_type", ["gpt2", "longformer", "longt5"])
+def test_the_check_sees_a_wrong_pattern(monkeypatch, model_type):
+    # the oracle comparison itself: a pattern probe stored with one head's weights moved to other
+    # keys is "wrong"; for local patterns, against eager mapped back (the mapping is no blanket
+    # that makes any pattern pass)
     model = K.build(model_type)
     real = C.probe_patterns
 
