@@ -48,3 +48,61 @@ def test_text_capture_on_cuda(gpt2_cuda):
     model, tok = gpt2_cuda
     cache = probe.capture(model, ["attention lets tokens read context.", "the model"], tokenizer=tok)
     assert cache.pattern("decoder", 0).shape[0] == 2
+
+
+def _sorted_oracle(P):
+    """Span, top and first argmax by a full sort, written here: ascending values, float64 running
+    sums, the most smallest weights whose sum stays within 10% of the row's mass are left out."""
+    vals = P.double().sort(-1).values
+    c = vals.cumsum(-1)
+    left = (c <= 0.1 * c[..., -1:]).sum(-1)
+    ent = -(P.double() * P.double().clamp_min(torch.finfo(torch.float32).tiny).log()).sum(-1)
+    return {
+        "span": P.shape[-1] - left,
+        "top": vals[..., -1],
+        "total": c[..., -1],
+        "ent": ent,
+        "arg": P.argmax(-1),
+    }
+
+
+@pytest.mark.parametrize("K", [1, 7, 300, 4096, 16384, 20000])
+def test_row_kernel_matches_a_sort(K):
+    rk = pytest.importorskip("probe.analysis.focus.rowkernel")
+    if rk.triton is None:
+        pytest.skip("Triton is not installed")
+    g = torch.Generator().manual_seed(K)
+    S = torch.randn(6, 50, K, generator=g) * torch.linspace(0.1, 6, 50)[:, None]
+    S[0, :10, K // 2 + 1 :] = -float("inf")  # causal-like rows: trailing zeros
+    P = torch.softmax(S, -1)
+    P[1, 0] = 1.0 / K  # one value K times: ties at the threshold
+    P[1, 1] = 0.0  # a fully masked row
+    P[1, 2, : min(K, 3)] = 1.0 / min(K, 3)
+    P[1, 2, 3:] = 0
+    got = rk.row_terms(P.cuda())
+    want = _sorted_oracle(P)
+    assert torch.equal(got["span"].cpu().long(), want["span"])
+    assert torch.equal(got["arg"].cpu(), want["arg"])
+    torch.testing.assert_close(got["top"].cpu().double(), want["top"], rtol=0, atol=0)
+    torch.testing.assert_close(got["total"].cpu().double(), want["total"], rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(got["ent"].cpu().double(), want["ent"], rtol=1e-5, atol=1e-5)
+    assert rk.row_terms(-P[:1].cuda()) is None  # a negative weight: the caller sorts instead
+
+
+def test_long_stats_on_cuda_match_the_full_patterns_on_cpu():
+    """At 2,048 tokens, default blocks (the row kernel, causal blocks sized by area) on the GPU
+    against the whole-pattern statistics of a CPU capture."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+    from models.llama import VOCAB, build
+
+    model = build(n_layers=2, n_heads=4, d_model=128)
+    ids = torch.randint(0, VOCAB, (1, 2048), generator=torch.Generator().manual_seed(0))
+    full = probe.head_stats(probe.capture(model, ids), progress=False)
+    streamed = probe.head_stats(model.to("cuda"), ids.cuda())
+    a = {(r["layer"], r["head"]): r for r in streamed.table}
+    for r in full.table:
+        for c in ("entropy", "confidence", "first", "span", "distance", "reach90", "beyond_16", "dup_score"):
+            assert a[r["layer"], r["head"]][c] == pytest.approx(r[c], rel=1e-4, abs=1e-5), c

@@ -163,3 +163,21 @@ def test_row_blocks_cover_the_pattern_block_by_block(qkv, causal):
         assert torch.count_nonzero(want[..., start:end, kend:]) == 0
         seen.append((start, end))
     assert seen == [(0, 128), (128, 256), (256, 300)]
+
+
+def test_causal_blocks_take_more_rows_within_an_area(qkv):
+    # under is_causal, area lets early blocks (which see few keys) take more rows: rows x kend stays
+    # within the area (or one chunk of rows), and the blocks still tile the oracle's weights
+    q, k, v = qkv
+    want = oracle(q, k, allowed=torch.ones(300, 300, dtype=torch.bool).tril())
+    from probe.capture.patterns import sdpa_blocks
+
+    seen = []
+    for start, end, block in sdpa_blocks(q, k, v, is_causal=True, chunk=16, area=4000):
+        kend = block.shape[-1]
+        assert kend == end and (end - start) * kend <= 4000 or end - start == 16
+        torch.testing.assert_close(block, want[..., start:end, :kend], atol=1e-6, rtol=0)
+        seen.append((start, end))
+    assert seen[0] == (0, 63) and seen[-1][1] == 300
+    assert all(a[1] == b[0] for a, b in zip(seen, seen[1:], strict=False))
+    assert len(seen) < 300 // 16  # fewer blocks than a fixed chunk of rows

@@ -33,7 +33,8 @@ from probe.capture.patterns import sdpa_blocks
 from probe.capture.tracer import Tracer
 from probe.errors import ProbeError
 
-BLOCK_BYTES = 1 << 24  # the float32 weights of one row block: about 16 MiB (faster than larger)
+BLOCK_BYTES = 1 << 24  # the float32 weights of one row block on a CPU: 16 MiB (faster than larger)
+CUDA_BLOCK_BYTES = 1 << 27  # on a GPU: 128 MiB (fewer, larger kernels; the scratch stays under 1 GiB)
 
 
 class BlockReader(Protocol):
@@ -64,14 +65,20 @@ class DropSink:
         """Nothing is written."""
 
 
-def block_rows(shape: tuple[int, ...], block: int | None) -> int:
-    """Query rows per block: ``block`` if given, else about :data:`BLOCK_BYTES` of float32."""
+def block_bytes(device: torch.device | str | None) -> int:
+    """The float32 bytes of one row block on ``device``: :data:`CUDA_BLOCK_BYTES` on a GPU, else
+    :data:`BLOCK_BYTES`."""
+    return CUDA_BLOCK_BYTES if torch.device(device or "cpu").type == "cuda" else BLOCK_BYTES
+
+
+def block_rows(shape: tuple[int, ...], block: int | None, device: torch.device | str | None = None) -> int:
+    """Query rows per block: ``block`` if given, else about :func:`block_bytes` of float32."""
     if block is not None:
         if not isinstance(block, int) or block < 1:
             raise ProbeError(f"block must be a positive number of query rows, not {block!r}")
         return block
     B, H, _, K = shape
-    return max(1, BLOCK_BYTES // (4 * max(1, B * H * K)))
+    return max(1, block_bytes(device) // (4 * max(1, B * H * K)))
 
 
 class BlockConsumer:
@@ -124,7 +131,7 @@ class BlockConsumer:
         pattern = restore_layout([p for _, p, _ in attn.parts], batch)
         yield tuple(pattern.shape)
         Q = pattern.shape[-2]
-        step = block_rows(tuple(pattern.shape), self.block)
+        step = block_rows(tuple(pattern.shape), self.block, pattern.device)
         for i in range(0, Q, step):
             e = min(Q, i + step)
             yield i, e, pattern[..., i:e, :].float()
@@ -149,8 +156,15 @@ class BlockConsumer:
         B, Q, K = heads[0][0], shapes[0][1], shapes[0][2]
         shape = (B, sum(h for _, h in heads), Q, K)
         yield shape
-        step = block_rows(shape, self.block)
-        gens = [sdpa_blocks(*a, **k, chunk=step) for a, k in calls]
+        q0 = calls[0][0][0] if calls[0][0] else calls[0][1]["query"]
+        step = block_rows(shape, self.block, q0.device)
+        # a causal call's early blocks may take more rows (the same rows for every call here)
+        area = (
+            None
+            if self.block is not None or len(calls) > 1
+            else block_bytes(q0.device) // (4 * max(1, B * shape[1]))
+        )
+        gens = [sdpa_blocks(*a, **k, chunk=step, area=area) for a, k in calls]
         for parts in zip(*gens, strict=True):
             i, e = parts[0][0], parts[0][1]
             blks = [
@@ -230,5 +244,7 @@ __all__ = [
     "run_blocks",
     "stream_attention",
     "block_rows",
+    "block_bytes",
     "BLOCK_BYTES",
+    "CUDA_BLOCK_BYTES",
 ]

@@ -141,7 +141,9 @@ def _record(meta: dict, prefix: str, texts: list[str], encs: list[Encoding], mas
     # padded mask (attention_mask tells padding apart)
     special = torch.ones_like(mask)
     for i, e in enumerate(encs):
-        special[i, mask[i].bool()] = torch.tensor([int(s) for s in e.special], dtype=special.dtype)
+        special[i, mask[i].bool()] = torch.tensor(
+            [int(s) for s in e.special], dtype=special.dtype, device=special.device
+        )
     meta[f"{prefix}special_tokens_mask"] = special.tolist()
     meta[f"{prefix}attention_mask"] = mask.tolist()
 

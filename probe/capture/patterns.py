@@ -50,30 +50,45 @@ class _Scores:
             q = q * self.scale
         self.q, self.kt = q, kt
 
-    def blocks(self, chunk: int, into: Tensor | None = None) -> Iterator[tuple[int, int, Tensor]]:
+    def spans(self, chunk: int, area: int | None = None) -> list[tuple[int, int]]:
+        """The ``(start, end)`` query rows of each block: ``chunk`` rows, or under ``is_causal``
+        with ``area`` (query x key cells per head) as many rows as keep ``rows x kend`` within
+        ``area`` (early rows see few keys, so their blocks take more rows)."""
+        L, out, i = self.L, [], 0
+        while i < L:
+            rows = chunk
+            if area and self.causal:  # rows · (i + rows) <= area
+                rows = max(chunk, int((math.sqrt(i * i + 4 * area) - i) // 2))
+            out.append((i, min(L, i + rows)))
+            i = out[-1][1]
+        return out
+
+    def blocks(
+        self, chunk: int, into: Tensor | None = None, area: int | None = None
+    ) -> Iterator[tuple[int, int, Tensor]]:
         """``(start, end, block)``: the softmax weights of query rows ``start:end`` over the keys
         they may see, float32 ``[*batch, end - start, kend]`` (``kend`` is ``S``, or ``min(S, end)``
-        under ``is_causal``: later keys are zero and never computed).
+        under ``is_causal``: later keys are zero and never computed); rows as :meth:`spans`.
 
         Blocks live in one contiguous scratch buffer (ATen's fused softmax runs in place there),
         valid until the next block. ``into``: a contiguous float32 tensor of the whole shape; when
         one block holds every query and key (a short sequence) it is computed there, no copy.
         """
         L, S, n, batch = self.L, self.S, self.n, self.batch
-        rows = min(chunk, L)
+        spans = self.spans(chunk, area)
+        kends = [min(S, e) if self.causal else S for _, e in spans]
         scratch = None
         # query r may not see keys after r: one upper triangle of -inf (0 elsewhere) serves every
         # diagonal block; added rather than masked_fill_ed (a broadcast boolean fill is much
         # slower), which gives the same scores (x + 0 is x; only -0.0 turns +0.0, exp of either is 1)
-        diag = _upper(rows, self.device) if self.causal else None
-        for i in range(0, L, chunk):
-            e = min(L, i + chunk)
-            kend = min(S, e) if self.causal else S
+        diag = _upper(max(e - i for i, e in spans), self.device) if self.causal else None
+        for (i, e), kend in zip(spans, kends, strict=True):
             if into is not None and i == 0 and e == L and kend == S:
                 blk = into
             else:
                 if scratch is None:
-                    scratch = torch.empty(n * rows * S, dtype=torch.float32, device=self.device)
+                    size = max((e1 - i1) * k1 for (i1, e1), k1 in zip(spans, kends, strict=True))
+                    scratch = torch.empty(n * size, dtype=torch.float32, device=self.device)
                 blk = scratch[: n * (e - i) * kend].view(batch + (e - i, kend))
             if self.folded:
                 b3 = blk.view(n, e - i, kend)
@@ -114,6 +129,7 @@ def sdpa_blocks(
     enable_gqa: bool = False,
     *,
     chunk: int = 128,
+    area: int | None = None,
 ) -> Iterator[tuple[int, int, Tensor]]:
     """The weights of an SDPA call, ``chunk`` query rows at a time: ``(start, end, block)``.
 
@@ -121,8 +137,11 @@ def sdpa_blocks(
     semantics of :func:`sdpa_weights`. Each ``block`` is float32 ``[..., heads, end - start,
     kend]``: rows ``start:end`` over keys ``:kend``; keys past ``kend`` (unseen by every row
     of a causal block) are zero. A block is overwritten by the next: copy what you keep.
+    ``area``: under ``is_causal``, let blocks take more rows while ``rows x kend`` stays within
+    ``area`` (see ``_Scores.spans``; every call with the same ``L``, ``chunk`` and ``area`` splits
+    its rows the same way).
     """
-    yield from _Scores(query, key, attn_mask, is_causal, scale).blocks(chunk)
+    yield from _Scores(query, key, attn_mask, is_causal, scale).blocks(chunk, area=area)
 
 
 @torch.no_grad()

@@ -9,7 +9,7 @@ Definitions and conventions are documented once, in :mod:`probe.analysis.focus`.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from functools import cached_property
 
 import torch
@@ -187,6 +187,18 @@ class Terms:
     beyond: dict[int, torch.Tensor] = field(default_factory=dict)
     reach: torch.Tensor | None = None
 
+    def to(self, device: torch.device | str) -> Terms:
+        """These terms with every tensor on ``device`` (a new :class:`Terms`)."""
+
+        def move(v):
+            if isinstance(v, torch.Tensor):
+                return v.to(device)
+            if isinstance(v, dict):
+                return {k: move(x) for k, x in v.items()}
+            return v
+
+        return Terms(**{f.name: move(getattr(self, f.name)) for f in fields(self)})
+
 
 def block_metrics(P: torch.Tensor, lay: Layout, *, self_attn: bool) -> torch.Tensor:
     """Every metric per text and head for the block ``P`` ``[B, h, Q, K]``; returns ``[B, h, M]``."""
@@ -293,15 +305,26 @@ def _word_targets(lay: Layout, d: int) -> tuple[torch.Tensor, torch.Tensor, torc
     return s, e, ok
 
 
-def word_masses(C: torch.Tensor, lay: Layout, rows: torch.Tensor) -> dict[str, torch.Tensor]:
+def word_targets(lay: Layout) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+    """``{word_prev/self/next: (start, end)}`` ``[B, Q]``: each query's target word's key range."""
+    return {name: _word_targets(lay, d)[:2] for name, d in WORD_STEPS}
+
+
+def word_masses(
+    C: torch.Tensor, lay: Layout, rows: torch.Tensor, targets: dict | None = None
+) -> dict[str, torch.Tensor]:
     """Each query's mass on its previous/own/next word, from the cumulative row sums ``C``
     ``[B, h, r, K']`` of the queries ``rows`` (``K' <= K``: keys past ``K'`` add nothing).
-    Words are contiguous, so the mass is a difference of ``C`` at the word's ends."""
+    Words are contiguous, so the mass is a difference of ``C`` at the word's ends. ``targets``:
+    :func:`word_targets` already taken at ``rows`` and on ``C``'s device (a streamed block)."""
     B, h, r, Kc = C.shape
     out = {}
     for name, d in WORD_STEPS:
-        s, e, _ = _word_targets(lay, d)
-        s, e = s[:, rows], e[:, rows]
+        if targets is not None:
+            s, e = targets[name]
+        else:
+            s, e, _ = _word_targets(lay, d)
+            s, e = s[:, rows.cpu()].to(C.device), e[:, rows.cpu()].to(C.device)
         hi = C.gather(-1, e.clamp(0, Kc - 1)[:, None, :, None].expand(B, h, r, 1))[..., 0]
         lo = C.gather(-1, (s - 1).clamp(0, Kc - 1)[:, None, :, None].expand(B, h, r, 1))[..., 0]
         out[name] = torch.where((s > 0)[:, None, :], hi - lo, hi)  # [B, h, r]

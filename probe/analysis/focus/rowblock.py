@@ -48,13 +48,16 @@ class Workspace:
         self._pairs: dict[tuple, dict] = {}
         self._n_pairs = 0
 
-    def pairs(self, qs, ks, q0: int, q1: int, kend: int) -> dict[str, tuple[torch.Tensor, ...]]:
-        """:func:`template_pairs` of these rows, remembered for the next layer (every layer of a
-        stack reads the same tokens) while fewer than :data:`MEMO_PAIRS` pairs are held."""
-        key = (id(qs), id(ks), q0, q1, kend)
+    def pairs(
+        self, qs, ks, q0: int, q1: int, kend: int, device: torch.device | str = "cpu"
+    ) -> dict[str, tuple[torch.Tensor, ...]]:
+        """:func:`template_pairs` of these rows on ``device``, remembered for the next layer
+        (every layer of a stack reads the same tokens) while fewer than :data:`MEMO_PAIRS` pairs
+        are held."""
+        key = (id(qs), id(ks), q0, q1, kend, str(device))
         got = self._pairs.get(key)
         if got is None:
-            got = template_pairs(qs, ks, q0, q1, kend)
+            got = {n: tuple(x.to(device) for x in v) for n, v in template_pairs(qs, ks, q0, q1, kend).items()}
             n = sum(v[0].numel() for v in got.values())
             if self._n_pairs + n <= self.MEMO_PAIRS:
                 self._pairs[key] = got
@@ -155,12 +158,13 @@ def distance_terms(
 def diagonals(P: torch.Tensor, rows: torch.Tensor, window: int) -> dict[int, torch.Tensor]:
     """``{d: P[..., i, i + d]}`` ``[B, h, r]`` for ``|d| <= window`` (0 where the key is missing)."""
     B, h, r, kend = P.shape
+    steps = range(-window, window + 1)
     offsets = torch.arange(-window, window + 1, device=P.device)
     idx = rows[:, None] + offsets[None, :]  # [r, 2w + 1]
     ok = (idx >= 0) & (idx < kend)
     got = P.gather(-1, idx.clamp(0, kend - 1).expand(B, h, r, offsets.numel()))
     got = torch.where(ok, got, 0)
-    return {int(d): got[..., n] for n, d in enumerate(offsets.tolist())}
+    return {d: got[..., n] for n, d in enumerate(steps)}
 
 
 def abs_distance(P: torch.Tensor, rows: torch.Tensor, ws: Workspace) -> torch.Tensor:
@@ -222,8 +226,8 @@ def pair_sums(P: torch.Tensor, b: torch.Tensor, i: torch.Tensor, j: torch.Tensor
     dev = P.device
     b, i, j = b.to(dev), i.to(dev), j.to(dev)
     picked = P[b, :, i, j]  # [n_pairs, h]
-    per = torch.zeros(B, r, h, dtype=P.dtype, device=dev).index_put_((b, i), picked, accumulate=True)
-    return per.permute(0, 2, 1)
+    per = torch.zeros(B * r, h, dtype=P.dtype, device=dev).index_add_(0, b * r + i, picked)
+    return per.view(B, r, h).permute(0, 2, 1)
 
 
 def received(P: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:

@@ -193,12 +193,13 @@ def _layer_values(cache, stack, layer, kind, qs, ks, layouts, want_sum):
 
     values, causal, head_sum, recv = [], None, None, []
     for n, (h0, h1) in enumerate(blocks):
-        P = cache.pattern(stack, layer, kind, head=slice(h0, h1))
+        # a cache kept on a GPU is reduced on the CPU, a block of heads at a time (the layouts live there)
+        P = cache.pattern(stack, layer, kind, head=slice(h0, h1)).cpu()
         c = kind == "self" and is_causal(P, qs, ks)
         if causal and not c:
             values, recv = [], []
             for a, b in blocks[:n]:
-                Pa = cache.pattern(stack, layer, kind, head=slice(a, b))
+                Pa = cache.pattern(stack, layer, kind, head=slice(a, b)).cpu()
                 values.append(block_metrics(Pa, layout(False), self_attn=True))
                 recv.append(_received(Pa, layout(False)))
         causal = c if causal is None else causal and c

@@ -20,7 +20,9 @@ from typing import Any
 import torch
 
 from probe.analysis.focus import rowblock as rb
-from probe.analysis.focus.metrics import LOCAL_WINDOW, Layout, Terms, reduce, word_masses
+from probe.analysis.focus import rowkernel as rk
+from probe.analysis.focus.metrics import LOCAL_WINDOW, Layout, Terms, reduce, word_masses, word_targets
+from probe.analysis.focus.reach import BEYOND
 from probe.analysis.focus.result import HeadStats
 from probe.analysis.focus.running import RunningStats
 from probe.analysis.focus.tokens import Side, side
@@ -77,13 +79,24 @@ class RowTerms:
                 "cols": lay.masks[:, 0].permute(0, 2, 1).contiguous().to(device),  # [B, 3, K]
                 "kf": lay.kj.float().to(device),
                 "first": ks.first.to(device),
+                "qreal": self.qs.real.to(device),
             }
+            if self.words:
+                d["words"] = {n: (s.to(device), e.to(device)) for n, (s, e) in word_targets(lay).items()}
             self._dev[str(device)] = d
         return d
+
+    def _to(self, device: torch.device) -> None:
+        """Hold the terms where the blocks are (a GPU's blocks are reduced there, no copy back
+        per block); :meth:`values` and :meth:`received` bring them to the CPU."""
+        if self.recv.device != device:
+            self.t = self.t.to(device)
+            self.recv, self.recv_first = self.recv.to(device), self.recv_first.to(device)
 
     def rows(self, q0: int, q1: int, blk: torch.Tensor) -> None:
         """Fold in the weights ``blk`` ``[B, H, q1 - q0, kend]`` of query rows ``q0:q1``."""
         B, H, r, kend = blk.shape
+        self._to(blk.device)
         dev, ws = self._on(blk.device), self.ws
         P = blk.float()
         if self.lay.any_pad:  # weight on padding keys is not attention to the text
@@ -92,20 +105,23 @@ class RowTerms:
         rows = torch.arange(q0, q1, device=blk.device)
         lower = self._lower(P, q0, q1, rows)
         t, sl = self.t, slice(q0, q1)
-        t.ent[..., sl] = rb.entropy(P, ws).cpu()
-        t.total[..., sl] = P.sum(-1).cpu()
-        top, arg, span = rb.sorted_terms(P, ws)
-        t.top[..., sl], t.arg[..., sl], t.span[..., sl] = top.cpu(), arg.cpu(), span.cpu()
-        t.masks[:, :, sl] = torch.einsum("bhrk,bck->bhrc", P, dev["cols"][..., :kend]).cpu()
+        # on a GPU one kernel pass gives the per-row terms that otherwise take a sort and prefix sums
+        got = rk.row_terms(P, q0, self.shape[3] if self.self_attn else None) if rk.usable(P) else None
+        if got is None:
+            got = {"ent": rb.entropy(P, ws), "total": P.sum(-1)}
+            got["top"], got["arg"], got["span"] = rb.sorted_terms(P, ws)
+        for n in ("ent", "total", "top", "arg", "span"):
+            getattr(t, n)[..., sl] = got[n]
+        t.masks[:, :, sl] = torch.einsum("bhrk,bck->bhrc", P, dev["cols"][..., :kend])
         first = dev["first"].clamp(max=kend - 1)[:, None, None, None].expand(B, H, r, 1)
-        got = P.gather(-1, first)[..., 0]
-        t.first[..., sl] = torch.where((dev["first"] < kend)[:, None, None], got, 0).cpu()
-        self.recv[..., :kend] += rb.received(P, self.qs.real[:, q0:q1].to(P.device)).double().cpu()
+        at_first = P.gather(-1, first)[..., 0]
+        t.first[..., sl] = torch.where((dev["first"] < kend)[:, None, None], at_first, 0)
+        self.recv[..., :kend] += rb.received(P, dev["qreal"][:, q0:q1])
         for b, f in enumerate(self.qs.first.tolist()):
             if q0 <= f < q1:
-                self.recv_first[b, :, :kend] = P[b, :, f - q0].double().cpu()
+                self.recv_first[b, :, :kend] = P[b, :, f - q0]
         if self.self_attn:
-            self._self_rows(P, rows, sl, lower)
+            self._self_rows(P, rows, sl, lower, got)
 
     def _lower(self, P: torch.Tensor, q0: int, q1: int, rows: torch.Tensor) -> bool:
         """Whether no real query of this block puts weight on a key after it (only keys after
@@ -116,42 +132,48 @@ class RowTerms:
         if kend <= q0 + 1:
             return True
         keys = torch.arange(q0 + 1, kend, device=P.device)
-        above = (keys[None, :] > rows[:, None]) & self.qs.real[:, q0:q1, None].to(P.device)
-        above = above & self._on(P.device)["real"][:, None, q0 + 1 : kend]
+        dev = self._on(P.device)
+        above = (keys[None, :] > rows[:, None]) & dev["qreal"][:, q0:q1, None]
+        above = above & dev["real"][:, None, q0 + 1 : kend]
         sub = P[..., q0 + 1 :]
         hit = torch.mul(sub, above[:, None], out=self.ws.get("tmp", tuple(sub.shape), P.dtype, P.device))
         if bool(hit.amax() != 0):  # weights are non-negative: a positive maximum is one after the query
             self.causal = False
         return self.causal
 
-    def _self_rows(self, P: torch.Tensor, rows: torch.Tensor, sl: slice, lower: bool) -> None:
+    def _self_rows(self, P: torch.Tensor, rows: torch.Tensor, sl: slice, lower: bool, got: dict) -> None:
         t, kend = self.t, P.shape[-1]
-        key_sum = P @ self._on(P.device)["kf"][:kend]
-        t.key_sum[..., sl] = key_sum.cpu()
         for d, v in rb.diagonals(P, rows, LOCAL_WINDOW).items():
-            t.diag[d][..., sl] = v.cpu()
-        # a block with no weight after the query: Σ a_ij |i − j| = i · Σ a_ij − Σ j · a_ij
-        dist = rows.to(P.dtype) * P.sum(-1) - key_sum if lower else rb.abs_distance(P, rows, self.ws)
-        t.dist[..., sl] = dist.cpu()
-        C = rb.prefix_sums(P, self.ws)
-        beyond, reach = rb.distance_terms(C, rows, self.shape[3])
+            t.diag[d][..., sl] = v
+        C = rb.prefix_sums(P, self.ws) if "reach" not in got or t.word is not None else None
+        if "reach" in got:  # the row kernel summed them (float64, no cancellation)
+            t.key_sum[..., sl], t.dist[..., sl] = got["key_sum"], got["dist"]
+            beyond, reach = {D: got[f"beyond_{D}"] for D in BEYOND}, got["reach"]
+        else:
+            key_sum = P @ self._on(P.device)["kf"][:kend]
+            t.key_sum[..., sl] = key_sum
+            # a block with no weight after the query: Σ a_ij |i − j| = i · Σ a_ij − Σ j · a_ij
+            t.dist[..., sl] = (
+                rows.to(P.dtype) * t.total[..., sl] - key_sum if lower else rb.abs_distance(P, rows, self.ws)
+            )
+            beyond, reach = rb.distance_terms(C, rows, self.shape[3])
         for D, v in beyond.items():
             if D not in t.beyond:
-                t.beyond[D] = torch.zeros(t.ent.shape)
-            t.beyond[D][..., sl] = v.cpu()
+                t.beyond[D] = torch.zeros_like(t.ent)
+            t.beyond[D][..., sl] = v
         if t.reach is None:
-            t.reach = torch.zeros(t.ent.shape)
-        t.reach[..., sl] = reach.cpu()
+            t.reach = torch.zeros_like(t.ent)
+        t.reach[..., sl] = reach
         if t.word is not None:
-            masses = word_masses(C, self.lay, rows.cpu())
-            for n, m in masses.items():
-                t.word[n][..., sl] = m.cpu()
+            at = {n: (s[:, sl], e[:, sl]) for n, (s, e) in self._on(P.device)["words"].items()}
+            for n, m in word_masses(C, self.lay, rows, at).items():
+                t.word[n][..., sl] = m
         if t.tmpl is not None:
-            real_q = self.qs.real[:, sl].to(P.device)[:, None, :]
-            t.tmpl["prev"][..., sl] = torch.where(real_q, t.diag[-1][..., sl].to(P.device), 0).cpu()
-            pairs = self.ws.pairs(self.qs, self.ks, sl.start, sl.stop, kend)
+            real_q = self._on(P.device)["qreal"][:, None, sl]
+            t.tmpl["prev"][..., sl] = torch.where(real_q, t.diag[-1][..., sl], 0)
+            pairs = self.ws.pairs(self.qs, self.ks, sl.start, sl.stop, kend, P.device)
             for n, (b, i, j, hits) in pairs.items():
-                t.tmpl[n][..., sl] = rb.pair_sums(P, b, i, j).cpu()
+                t.tmpl[n][..., sl] = rb.pair_sums(P, b, i, j)
                 t.hits[n][:, sl] = hits
 
     def close(self) -> bool | None:
@@ -164,13 +186,14 @@ class RowTerms:
 
     def values(self) -> torch.Tensor:
         """Every metric per text and head, ``[B, H, M]``."""
-        return reduce(self.t, self.layout(), self_attn=self.self_attn)
+        return reduce(self.t.to("cpu"), self.layout(), self_attn=self.self_attn)
 
     def received(self) -> torch.Tensor:
         """The sink profile ``[B, H, K]`` (float64): each key's mean weight over the counted
         queries (the first real query of a causal layer is not counted)."""
         lay = self.layout()
-        s = self.recv - self.recv_first if self.causal else self.recv
+        recv, first = self.recv.cpu(), self.recv_first.cpu()
+        s = recv - first if self.causal else recv
         n = lay.counted[:, 0].sum(-1).double()[:, None, None]
         return torch.where(n > 0, s / n.clamp(min=1), float("nan"))
 

@@ -102,17 +102,20 @@ def side(meta: dict[str, Any], stack: str, role: str, batch: int, length: int) -
         spec = [bool(s) for s in real_token_flags(meta, b, "special_tokens_mask", p)] if specials else []
         if len(spec) != len(pos):
             spec = [False] * len(pos)
-        for k, q in enumerate(pos):
-            special[b, q] = spec[k]
-            punct[b, q] = not spec[k] and is_punct(toks[k])
+        at = torch.tensor(pos, dtype=torch.long)  # one write per text, not per token
+        special[b, at] = torch.tensor(spec, dtype=torch.bool).reshape(-1)
+        punct[b, at] = torch.tensor(
+            [not sp and is_punct(t) for sp, t in zip(spec, toks, strict=True)], dtype=torch.bool
+        ).reshape(-1)
         if id_t is not None and b < len(ids) and len(ids[b]) == length != len(pos):
             id_t[b, pos] = torch.tensor(ids[b], dtype=torch.long)[pos]  # stored padded
         elif id_t is not None and b < len(ids) and len(ids[b]) == len(pos):
             id_t[b, pos] = torch.tensor(ids[b], dtype=torch.long)
-        w = -1
-        for k, (q, s) in enumerate(zip(pos, word_starts(toks, spec), strict=True)):
+        w, words = -1, []
+        for k, s in enumerate(word_starts(toks, spec)):
             w += 1 if s or k == 0 else 0
-            word[b, q] = w
+            words.append(w)
+        word[b, at] = torch.tensor(words, dtype=torch.long).reshape(-1)
         n_words = max(n_words, w + 1)
     idx = torch.arange(length)
     first = torch.where(real, idx, length).amin(-1)
