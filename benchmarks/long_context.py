@@ -15,6 +15,10 @@ the median of ``plain``. Where T <= ``--check-up-to`` (2048), a third process ch
 statistics equal ``probe.head_stats(probe.capture(model, ids))`` and reports the largest
 difference over every metric (relative above 1).
 
+A third mode, ``weights``, runs the same forward recomputing every block of weights and computing
+nothing from them: the floor any exact statistic pays, since SDPA returns no weights (the table's
+``floor`` column, as a ratio to ``plain``).
+
 Targets (issue 21): at T = 16,384 peak <= plain + 1 GiB and time <= 1.5 x plain.
 
     python benchmarks/long_context.py                           # T = 1024, 4096, 16384
@@ -68,10 +72,24 @@ def _run(mode: str, model, ids) -> None:
         if mode == "plain":
             out = model(ids)
             del out
+        elif mode == "weights":  # the floor: every block of weights recomputed, nothing computed from it
+            from probe.forward import stream_attention
+
+            stream_attention(model, ids, lambda meta, role, shape: _Drop())
         else:
             probe.head_stats(model, ids)
     if ids.device.type == "cuda":
         torch.cuda.synchronize()
+
+
+class _Drop:
+    """A block reader that reads nothing (the ``weights`` mode)."""
+
+    def rows(self, start, end, block) -> None:
+        pass
+
+    def close(self):
+        return None
 
 
 def child_peak(mode: str, T: int, device: str, width: dict) -> dict:
@@ -95,11 +113,12 @@ def child_peak(mode: str, T: int, device: str, width: dict) -> dict:
 
 def child_time(T: int, device: str, width: dict, repeats: int) -> dict:
     model, ids = _setup(T, device, width)
-    for mode in ("plain", "stats"):
+    modes = ("plain", "weights", "stats")
+    for mode in modes:
         _run(mode, model, ids[:, :64])
-    times: dict[str, list[float]] = {"plain": [], "stats": []}
+    times: dict[str, list[float]] = {m: [] for m in modes}
     for _ in range(repeats):
-        for mode in ("plain", "stats"):
+        for mode in modes:
             t0 = time.perf_counter()
             _run(mode, model, ids)
             times[mode].append(time.perf_counter() - t0)
@@ -199,6 +218,7 @@ def main() -> None:
             "plain_s": t["plain_s"],
             "stats_s": t["stats_s"],
             "time_ratio": t["stats_s"] / t["plain_s"],
+            "weights_ratio": t["weights_s"] / t["plain_s"],
             "plain_peak_mib": peaks["plain"],
             "stats_peak_mib": peaks["stats"],
             "extra_mib": peaks["stats"] - peaks["plain"],
@@ -218,12 +238,13 @@ def _print_row(r: dict, *, first: bool, device: str, width: dict) -> None:
             f"Llama-shaped {WIDTH}, batch 1, {device}; targets: time <= 1.5x plain, peak <= plain + 1024 MiB"
         )
         print(
-            f"{'T':>6} {'plain s':>9} {'stats s':>9} {'ratio':>6} {'plain MiB':>10} "
+            f"{'T':>6} {'plain s':>9} {'stats s':>9} {'ratio':>6} {'floor':>6} {'plain MiB':>10} "
             f"{'stats MiB':>10} {'extra MiB':>10} {'max diff':>9} targets"
         )
     diff = "-" if r["max_rel_diff"] is None else f"{r['max_rel_diff']:.1e}"
     print(
         f"{r['T']:>6} {r['plain_s']:>9.2f} {r['stats_s']:>9.2f} {r['time_ratio']:>6.2f} "
+        f"{r['weights_ratio']:>6.2f} "
         f"{r['plain_peak_mib']:>10.0f} {r['stats_peak_mib']:>10.0f} {r['extra_mib']:>10.0f} "
         f"{diff:>9} {'met' if r['meets_targets'] else 'missed'}",
         flush=True,
