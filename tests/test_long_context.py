@@ -164,6 +164,19 @@ def test_layer_selection_and_bad_arguments():
         probe.head_stats(lm)
 
 
+def test_progress_counts_the_attentions_read(capsys):
+    lm = ToyLM("sdpa_causal").eval()
+    ids = torch.randint(0, 40, (1, 12))
+    quiet = probe.head_stats(lm, ids, progress=False)
+    assert "attentions read" not in capsys.readouterr().err
+    shown = probe.head_stats(lm, ids, progress=True)
+    assert "attentions read" in capsys.readouterr().err
+    for a, b in zip(shown.table, quiet.table, strict=True):  # the same numbers (NaN where NaN)
+        assert a.keys() == b.keys()
+        for k, v in a.items():
+            assert v == b[k] or (isinstance(v, float) and math.isnan(v) and math.isnan(b[k])), k
+
+
 def test_blocks_never_hold_a_whole_pattern(monkeypatch):
     """Every block handed to the statistics has at most ``block`` query rows."""
     from probe.analysis.focus import streaming

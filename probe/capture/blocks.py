@@ -22,6 +22,7 @@ from typing import Any, Protocol
 
 import torch
 from torch import Tensor, nn
+from tqdm.auto import tqdm
 
 from probe.cache.selection import Selection
 from probe.capture.calls import Attention
@@ -86,11 +87,16 @@ class BlockConsumer:
     block at a time; ``readers`` maps the (sink) handle of every attention read to its reader."""
 
     def __init__(
-        self, sink: DropSink, open_attention: Callable[[str, tuple], BlockReader], block: int | None
+        self,
+        sink: DropSink,
+        open_attention: Callable[[str, tuple], BlockReader],
+        block: int | None,
+        bar: Any = None,
     ) -> None:
         self.sink = sink
         self.open_attention = open_attention
         self.block = block
+        self.bar = bar  # a tqdm bar advanced once per attention read (None: no progress shown)
         self.readers: dict[int, BlockReader] = {}
 
     def weights(self, attn: Attention, pattern: Tensor, impl: str) -> None:
@@ -120,6 +126,8 @@ class BlockConsumer:
         attn.handle = self.sink.put(torch.empty(0))
         self.readers[attn.handle] = reader
         attn.parts.clear()
+        if self.bar is not None:
+            self.bar.update(1)
 
     def _weights(self, attn: Attention, batch: int | None) -> Iterator[Any]:
         for _, p, v in attn.parts:
@@ -184,16 +192,19 @@ def run_blocks(
     target: Any = None,
     layers: list[int] | None = None,
     block: int | None = None,
+    progress: bool = False,
 ) -> tuple[dict[int, str], dict[str, Any], BlockConsumer]:
     """One forward with a :class:`BlockConsumer` into ``sink``: ``(names, meta, consumer)``, each
-    sink handle's cache key, the cache's metadata and the consumer (its ``readers`` by handle)."""
+    sink handle's cache key, the cache's metadata and the consumer (its ``readers`` by handle).
+    ``progress``: a bar counting the attentions read (a long context takes minutes on a CPU)."""
     if not isinstance(model, nn.Module):
         raise ProbeError(f"probe runs torch.nn.Module models, not {type(model).__name__}")
     selection = Selection.parse(layers, None)
     block_rows((1, 1, 1, 1), block)
     prepared = prepare(model, inputs, tokenizer=tokenizer, target=target)
     meta = prepared.meta
-    consumer = BlockConsumer(sink, lambda role, shape: open_attention(meta, role, shape), block)
+    bar = tqdm(desc="attentions read", unit="attention", disable=not progress, leave=False)
+    consumer = BlockConsumer(sink, lambda role, shape: open_attention(meta, role, shape), block, bar)
     tracer = Tracer(model, sink, selection=selection, consumer=consumer)
     _claim(model)
     try:
@@ -201,6 +212,7 @@ def run_blocks(
             prepared.run()
     finally:
         _release(model)
+        bar.close()
     check_forward(tracer, model, selection)
     names, full = name(tracer, model, meta, selection)
     return names, full, consumer
@@ -215,6 +227,7 @@ def stream_attention(
     target: Any = None,
     layers: list[int] | None = None,
     block: int | None = None,
+    progress: bool = False,
 ) -> tuple[dict[str, Any], dict[str, BlockReader]]:
     """Run ``model`` once on ``inputs`` (as :func:`probe.capture` would), handing every attention
     pattern row block by row block to ``open_attention(meta, role, [B, H, Q, K])``'s reader; keep
@@ -233,6 +246,7 @@ def stream_attention(
         target=target,
         layers=layers,
         block=block,
+        progress=progress,
     )
     return full, {names[h]: r for h, r in consumer.readers.items()}
 

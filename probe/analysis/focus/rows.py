@@ -38,7 +38,7 @@ class _Rows:
         B, h, Q, K = P.shape
         new = functools.partial(P.new_empty, (B, h, Q))
         self.ent, self.top, self.total, self.span = new(), new(), new(), new()
-        self.arg = torch.empty((B, h, Q), dtype=torch.long, device=P.device)
+        self.arg = torch.empty((B, h, Q), dtype=torch.long)
         cols = lay.masks[:, 0].permute(0, 2, 1).contiguous()  # [B, 3, K]
         self.masks = P.new_empty((B, h, Q, cols.shape[1]))
         self.key_sum = new() if self_attn else None
@@ -50,15 +50,14 @@ class _Rows:
             terms = band.clamp_min(tiny).log_().mul_(band)
             self.ent[..., q0:q1] = terms.sum(-1).neg_()
             del terms
-            on_cpu = band.device.type == "cpu"
-            self.arg[..., q0:q1] = torch.from_numpy(band.numpy().argmax(-1)) if on_cpu else band.argmax(-1)
+            self.arg[..., q0:q1] = torch.from_numpy(band.numpy().argmax(-1))
             self.total[..., q0:q1] = band.sum(-1)
             for b in range(B):
                 for c in range(cols.shape[1]):
                     self.masks[b, :, q0:q1, c] = band[b] @ cols[b, c, :n]
             if self_attn:
                 self.key_sum[..., q0:q1] = band @ kf[:n]
-            vals = torch.from_numpy(np.sort(band.numpy(), -1)) if on_cpu else band.sort(-1).values
+            vals = torch.from_numpy(np.sort(band.numpy(), -1))
             self.top[..., q0:q1] = vals[..., -1]
             torch.cumsum(vals, -1, out=vals)
             # leftover keys: the most smallest weights whose sum stays within the (1 − SPAN_MASS) rest

@@ -289,6 +289,7 @@ def head_stats(
     :func:`probe.capture`): one forward, every statistic computed ``block`` query rows at a time
     while it runs, no pattern ever held whole (:mod:`probe.analysis.focus.streaming`); the same
     table as for the captured cache, without the rollout (``HeadStats.not_computed``).
+    ``progress``: a bar (over caches, or over the attentions a model's forward reads).
     """
     if isinstance(cache_or_caches, torch.nn.Module):
         from probe.analysis.focus.streaming import model_head_stats
@@ -296,7 +297,13 @@ def head_stats(
         if inputs is None:
             raise ProbeError("head_stats(model, inputs): give the inputs to run the model on")
         return model_head_stats(
-            cache_or_caches, inputs, tokenizer=tokenizer, target=target, layers=layers, block=block
+            cache_or_caches,
+            inputs,
+            tokenizer=tokenizer,
+            target=target,
+            layers=layers,
+            block=block,
+            progress=progress,
         )
     if inputs is not None:
         raise ProbeError("head_stats(cache) takes no inputs; pass a model to run it on inputs")

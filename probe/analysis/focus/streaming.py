@@ -8,6 +8,10 @@ forward is done, :func:`~probe.analysis.focus.metrics.reduce` turns the terms in
 exactly as for a captured cache. Peak memory is one block (``[batch, heads, rows, keys]``) plus
 O(batch · heads · T) of terms per layer, never a ``T × T`` pattern.
 
+On a CUDA device with Triton one kernel per block (:mod:`probe.analysis.focus.rowkernel`) gives the
+per-row terms that otherwise take a sort and prefix sums, and the terms stay on the device until
+the forward ends.
+
 Whether a self-attention layer is causal (which decides the counted queries) is judged on every
 block as it passes: no weight above the diagonal between real tokens. Attention rollout needs every
 layer's whole pattern, so it is not computed on this path (``HeadStats.not_computed`` says so).
@@ -20,7 +24,6 @@ from typing import Any
 import torch
 
 from probe.analysis.focus import rowblock as rb
-from probe.analysis.focus import rowkernel as rk
 from probe.analysis.focus.metrics import LOCAL_WINDOW, Layout, Terms, reduce, word_masses, word_targets
 from probe.analysis.focus.reach import BEYOND
 from probe.analysis.focus.result import HeadStats
@@ -106,7 +109,7 @@ class RowTerms:
         lower = self._lower(P, q0, q1, rows)
         t, sl = self.t, slice(q0, q1)
         # on a GPU one kernel pass gives the per-row terms that otherwise take a sort and prefix sums
-        got = rk.row_terms(P, q0, self.shape[3] if self.self_attn else None) if rk.usable(P) else None
+        got = _kernel_terms(P, q0, self.shape[3] if self.self_attn else None)
         if got is None:
             got = {"ent": rb.entropy(P, ws), "total": P.sum(-1)}
             got["top"], got["arg"], got["span"] = rb.sorted_terms(P, ws)
@@ -198,6 +201,16 @@ class RowTerms:
         return torch.where(n > 0, s / n.clamp(min=1), float("nan"))
 
 
+def _kernel_terms(P: torch.Tensor, q0: int, K: int | None) -> dict[str, torch.Tensor] | None:
+    """The row kernel's terms of a CUDA block (:mod:`probe.analysis.focus.rowkernel`, imported
+    only then: Triton is a GPU matter), or None where it does not apply."""
+    if not P.is_cuda:
+        return None
+    from probe.analysis.focus import rowkernel
+
+    return rowkernel.row_terms(P, q0, K) if rowkernel.usable(P) else None
+
+
 class _Candidates:
     """One attention read for each stack it may belong to (an encoder-decoder's self-attention
     where source and target have the same shape); the stack is known once the forward is named."""
@@ -262,6 +275,7 @@ def model_head_stats(
     target: Any = None,
     layers: list[int] | None = None,
     block: int | None = None,
+    progress: bool = False,
 ) -> HeadStats:
     """Focus statistics of every head of ``model`` on ``inputs`` from one forward, block by block
     (see the module docstring); the same :class:`HeadStats` as ``head_stats(capture(...))``, less
@@ -269,7 +283,14 @@ def model_head_stats(
     from probe.forward import stream_attention
 
     meta, readers = stream_attention(
-        model, inputs, stats_readers(), tokenizer=tokenizer, target=target, layers=layers, block=block
+        model,
+        inputs,
+        stats_readers(),
+        tokenizer=tokenizer,
+        target=target,
+        layers=layers,
+        block=block,
+        progress=progress,
     )
     return accumulate(meta, readers).result()
 
