@@ -386,3 +386,28 @@ def test_streamed_on_cuda_matches_the_full_patterns_on_cpu(bpe):
     for r in full.table:
         for c in ("entropy", "first", "distance", "span", "reach90", "beyond_16", "prev_score"):
             assert a[r["layer"], r["head"]][c] == pytest.approx(r[c], rel=1e-4, abs=1e-5), c
+
+
+def test_signed_distance_keeps_its_digits_at_long_positions():
+    """Queries near position 16,000 that read the previous token: Σ (j − i)·a is about −1. Taken
+    as Σ j·a − i·Σ a in float32 it would lose three digits (the ulp of 16,000 is 1e-3); the
+    streamed terms keep it to float32 rounding of the small numbers (float64 sums written here)."""
+    from probe.analysis.focus.streaming import RowTerms
+    from probe.analysis.focus.tokens import side
+
+    T, q0, q1 = 16008, 16000, 16008
+    qs = side({}, "decoder", "own", 1, T)
+    terms = RowTerms(qs, qs, (1, 2, T, T), self_attn=True)
+    g = torch.Generator().manual_seed(0)
+    blk = torch.rand(1, 2, q1 - q0, q1, generator=g) * 1e-9
+    rows = torch.arange(q0, q1)
+    blk[..., rows - q0, rows - 1] = 1.0
+    blk = blk.masked_fill(torch.arange(q1)[None, :] > rows[:, None], 0)  # causal
+    blk = blk / blk.sum(-1, keepdim=True)
+    terms.rows(q0, q1, blk.clone())
+    want = (blk.double() * (torch.arange(q1)[None, :] - rows[:, None]).double()).sum(-1)
+    got = terms.t.signed[..., q0:q1].double()
+    assert (got - want).abs().max() < 2e-5
+    assert (terms.t.dist[..., q0:q1].double() + want).abs().max() < 2e-5
+    old = (blk @ torch.arange(q1).float() - rows.float() * blk.sum(-1)).double()  # the cancelling form
+    assert (old - want).abs().max() > 1e-4  # the test can tell the two apart

@@ -164,8 +164,9 @@ class Terms:
 
     Filled from a whole pattern (:func:`pattern_terms`) or row block by row block while a model
     runs (:mod:`probe.analysis.focus.streaming`); self-attention only: ``diag`` (``d`` ->
-    ``a_i,i+d``, 0 where that key is missing, for ``|d| <= LOCAL_WINDOW``), ``key_sum``
-    (Σ_j j·a_ij), ``dist`` (Σ_j a_ij |i − j|; None when the layer is known causal), ``word``
+    ``a_i,i+d``, 0 where that key is missing, for ``|d| <= LOCAL_WINDOW``), ``signed``
+    (Σ_j (j − i)·a_ij, summed so that no term near i·Σ a cancels: at 16k positions float32 loses
+    three digits there), ``dist`` (Σ_j a_ij |i − j|; None when the layer is known causal), ``word``
     (word_prev/self/next -> mass on the target word), ``tmpl`` (prev/dup/induction -> Σ_j D_ij a_ij),
     ``hits`` (dup/induction -> ``[B, Q]`` whether a query has a match), ``beyond`` (D -> mass
     further than D tokens) and ``reach`` (the distance within which 90% of the mass lies).
@@ -179,7 +180,7 @@ class Terms:
     masks: torch.Tensor
     first: torch.Tensor
     diag: dict[int, torch.Tensor] = field(default_factory=dict)
-    key_sum: torch.Tensor | None = None
+    signed: torch.Tensor | None = None
     dist: torch.Tensor | None = None
     word: dict[str, torch.Tensor] | None = None
     tmpl: dict[str, torch.Tensor] | None = None
@@ -218,7 +219,7 @@ def pattern_terms(P: torch.Tensor, lay: Layout, *, self_attn: bool) -> Terms:
     if not self_attn:
         return t
     t.diag = {d: _diag(P, d) for d in range(-LOCAL_WINDOW, LOCAL_WINDOW + 1)}
-    t.key_sum = rows.key_sum
+    t.signed = rows.signed
     t.beyond, t.reach = pattern_distance_terms(P)
     if not lay.causal:
         qf, kf = lay.qi.float(), lay.kj.float()
@@ -255,8 +256,7 @@ def reduce(t: Terms, lay: Layout, *, self_attn: bool) -> torch.Tensor:
         out[..., IDX[name]] = _mean(t.diag[d], lay.key_ok(d))
     local = sum(t.diag[d] for d in range(-LOCAL_WINDOW, LOCAL_WINDOW + 1))
     out[..., IDX["local"]] = _mean(local, counted)
-    qf = lay.qi.float()
-    signed = t.key_sum - qf * t.total
+    signed = t.signed
     dist = -signed if lay.causal else t.dist
     out[..., IDX["distance"]] = _mean(dist, counted)
     out[..., IDX["signed_distance"]] = _mean(signed, counted)

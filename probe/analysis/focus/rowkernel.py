@@ -32,7 +32,7 @@ except ImportError:  # pragma: no cover - depends on the install
     triton = None
 
 
-NAMES = ("total", "ent", "top", "span", "neg", "key_sum", "dist", "reach", *(f"beyond_{d}" for d in BEYOND))
+NAMES = ("total", "ent", "top", "span", "neg", "signed", "dist", "reach", *(f"beyond_{d}" for d in BEYOND))
 
 if triton is not None:
 
@@ -95,7 +95,7 @@ if triton is not None:
         if DISTANCES:  # self-attention: the query is key q0 + (row mod r)
             i = q0 + (row % r).to(tl.int32)
             dist = tl.abs(offs - i)
-            tl.store(base + 5, tl.sum(xd * offs.to(tl.float64), axis=0).to(tl.float32))
+            tl.store(base + 5, tl.sum(xd * (offs - i).to(tl.float64), axis=0).to(tl.float32))
             tl.store(base + 6, tl.sum(xd * dist.to(tl.float64), axis=0).to(tl.float32))
             # reach: the smallest d with mass within distance d >= reach_share · total
             want = reach_share * total
@@ -134,7 +134,7 @@ def row_terms(P: torch.Tensor, q0: int = 0, K: int | None = None) -> dict[str, t
     """``{total, ent, top, arg, span}`` each ``P.shape[:-1]`` for a contiguous float32 block
     ``[..., r, kend]`` of non-negative weights, or None when a row holds a negative weight (then
     sort instead). With ``K`` (the attention's key count; self-attention, rows ``q0:q0 + r``)
-    also ``key_sum``, ``dist``, ``reach`` and ``beyond_<D>`` as
+    also ``signed`` (Σ (j − i)·a), ``dist``, ``reach`` and ``beyond_<D>`` as
     :mod:`probe.analysis.focus.reach` defines them, summed in float64 without prefix sums."""
     kend, r = P.shape[-1], P.shape[-2]
     R = P.numel() // kend

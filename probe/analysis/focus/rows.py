@@ -41,7 +41,7 @@ class _Rows:
         self.arg = torch.empty((B, h, Q), dtype=torch.long)
         cols = lay.masks[:, 0].permute(0, 2, 1).contiguous()  # [B, 3, K]
         self.masks = P.new_empty((B, h, Q, cols.shape[1]))
-        self.key_sum = new() if self_attn else None
+        self.signed = new() if self_attn else None
         self.cum = P.new_empty((B, h, Q, K)) if cumsum else None
         kf = lay.kj.to(P.dtype)
         tiny = torch.finfo(P.dtype).tiny
@@ -56,7 +56,8 @@ class _Rows:
                 for c in range(cols.shape[1]):
                     self.masks[b, :, q0:q1, c] = band[b] @ cols[b, c, :n]
             if self_attn:
-                self.key_sum[..., q0:q1] = band @ kf[:n]
+                # Σ (j − i)·a as Σ (j − q0)·a − (i − q0)·Σ a: the terms stay near the band, not i
+                self.signed[..., q0:q1] = band @ (kf[:n] - q0) - (kf[q0:q1] - q0) * self.total[..., q0:q1]
             vals = torch.from_numpy(np.sort(band.numpy(), -1))
             self.top[..., q0:q1] = vals[..., -1]
             torch.cumsum(vals, -1, out=vals)

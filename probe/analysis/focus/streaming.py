@@ -62,7 +62,7 @@ class RowTerms:
         )
         if self_attn:
             t.diag = {d: new() for d in range(-LOCAL_WINDOW, LOCAL_WINDOW + 1)}
-            t.key_sum, t.dist = new(), new()
+            t.signed, t.dist = new(), new()
             t.word = {n: new() for n in ("word_prev", "word_self", "word_next")} if self.words else None
             if self.ids:
                 t.tmpl = {n: new() for n in ("prev", "dup", "induction")}
@@ -145,20 +145,20 @@ class RowTerms:
         return self.causal
 
     def _self_rows(self, P: torch.Tensor, rows: torch.Tensor, sl: slice, lower: bool, got: dict) -> None:
-        t, kend = self.t, P.shape[-1]
+        t, kend, q0 = self.t, P.shape[-1], sl.start
         for d, v in rb.diagonals(P, rows, LOCAL_WINDOW).items():
             t.diag[d][..., sl] = v
         C = rb.prefix_sums(P, self.ws) if "reach" not in got or t.word is not None else None
         if "reach" in got:  # the row kernel summed them (float64, no cancellation)
-            t.key_sum[..., sl], t.dist[..., sl] = got["key_sum"], got["dist"]
+            t.signed[..., sl], t.dist[..., sl] = got["signed"], got["dist"]
             beyond, reach = {D: got[f"beyond_{D}"] for D in BEYOND}, got["reach"]
         else:
-            key_sum = P @ self._on(P.device)["kf"][:kend]
-            t.key_sum[..., sl] = key_sum
-            # a block with no weight after the query: Σ a_ij |i − j| = i · Σ a_ij − Σ j · a_ij
-            t.dist[..., sl] = (
-                rows.to(P.dtype) * t.total[..., sl] - key_sum if lower else rb.abs_distance(P, rows, self.ws)
-            )
+            # Σ (j − i)·a as Σ (j − q0)·a − (i − q0)·Σ a: no term grows with the position i
+            shifted = P @ (self._on(P.device)["kf"][:kend] - q0)
+            signed = shifted - (rows - q0).to(P.dtype) * t.total[..., sl]
+            t.signed[..., sl] = signed
+            # a block with no weight after the query: Σ a_ij |i − j| = −Σ a_ij (j − i)
+            t.dist[..., sl] = -signed if lower else rb.abs_distance(P, rows, self.ws)
             beyond, reach = rb.distance_terms(C, rows, self.shape[3])
         for D, v in beyond.items():
             if D not in t.beyond:
