@@ -8,7 +8,8 @@ whose strictly smaller weights sum to at most the left-over mass ``(1 − SPAN_M
 effective span is every key but those smaller weights and as many copies of ``v`` as still fit.
 Masses are summed in float64, so the threshold is exact up to float64 rounding (the sort path sums
 in float32). The same program gives each row's total, entropy, largest weight and its first
-position, so those cost no further pass.
+position and, for self-attention, the signed and absolute mean distance, ``beyond_<D>`` and
+``reach90`` (bisection over the distance), so those cost no further pass and no prefix sums.
 
 Used by :mod:`probe.analysis.focus.streaming` when Triton is installed (it ships with CUDA builds of
 PyTorch), the block is on a CUDA device and a row fits the registers (:data:`MAX_KEYS`); a block
