@@ -164,13 +164,12 @@ class BlockConsumer:
         B, Q, K = heads[0][0], shapes[0][1], shapes[0][2]
         shape = (B, sum(h for _, h in heads), Q, K)
         yield shape
-        q0 = calls[0][0][0] if calls[0][0] else calls[0][1]["query"]
-        step = block_rows(shape, self.block, q0.device)
+        step = block_rows(shape, self.block, q.device)
         # a causal call's early blocks may take more rows (the same rows for every call here)
         area = (
             None
             if self.block is not None or len(calls) > 1
-            else block_bytes(q0.device) // (4 * max(1, B * shape[1]))
+            else block_bytes(q.device) // (4 * max(1, B * shape[1]))
         )
         gens = [sdpa_blocks(*a, **k, chunk=step, area=area) for a, k in calls]
         for parts in zip(*gens, strict=True):

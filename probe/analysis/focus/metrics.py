@@ -324,7 +324,7 @@ def word_masses(
             s, e = targets[name]
         else:
             s, e, _ = _word_targets(lay, d)
-            s, e = s[:, rows.cpu()].to(C.device), e[:, rows.cpu()].to(C.device)
+            s, e = s[:, rows], e[:, rows]
         hi = C.gather(-1, e.clamp(0, Kc - 1)[:, None, :, None].expand(B, h, r, 1))[..., 0]
         lo = C.gather(-1, (s - 1).clamp(0, Kc - 1)[:, None, :, None].expand(B, h, r, 1))[..., 0]
         out[name] = torch.where((s > 0)[:, None, :], hi - lo, hi)  # [B, h, r]
