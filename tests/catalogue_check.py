@@ -256,6 +256,22 @@ def diff(
     return real, pad
 
 
+def trace_and_eager(model: Any, inputs: dict, hooks: Any = ()) -> tuple[Any, Any]:
+    """``(cache, outputs)``: probe's trace of one forward of ``model`` on ``inputs``, with the forward
+    hooks ``hooks`` (``(module, fn)`` pairs) installed for that forward only, and the outputs of
+    :func:`eager_twin` with ``output_attentions=True`` (the oracle)."""
+    handles = [m.register_forward_hook(fn) for m, fn in hooks]
+    try:
+        with torch.no_grad(), probe.trace(model) as t:
+            model(**inputs)
+    finally:
+        for h in handles:
+            h.remove()
+    with torch.no_grad():
+        want = eager_twin(model)(**inputs, output_attentions=True)
+    return t.cache, want
+
+
 def _capture(model: Any, inputs: dict) -> tuple[Any, dict]:
     """probe's capture of one forward; (cache, None) or (None, the failure as a result dict)."""
     try:

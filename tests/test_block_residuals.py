@@ -13,9 +13,7 @@ from __future__ import annotations
 import catalogue_configs as K
 import pytest
 import torch
-from catalogue_check import eager_twin, make_inputs
-
-import probe
+from catalogue_check import make_inputs, trace_and_eager
 
 
 @pytest.mark.parametrize("model_type", ["inkling2_text", "inkling2_loop_text"])
@@ -25,19 +23,12 @@ def test_inkling2_depth_softmaxes_are_set_aside_and_attention_is_exact(model_typ
     x = make_inputs(model)
     depth = []  # every block-residual module call (each runs one softmax over depth)
     hooks = [
-        m.register_forward_hook(lambda *a: depth.append(1))
+        (m, lambda *a: depth.append(1))
         for m in model.modules()
         if type(m).__name__.endswith("BlockAttentionResidual")
     ]
-    try:
-        with torch.no_grad(), probe.trace(model) as t:
-            model(**x)
-    finally:
-        for h in hooks:
-            h.remove()
-    with torch.no_grad():
-        want = eager_twin(model)(**x, output_attentions=True).attentions
-    c = t.cache
+    c, out = trace_and_eager(model, x, hooks)
+    want = out.attentions
     assert len(depth) > len(want)  # the depth softmaxes ran, more of them than attention layers
     layers = c.layer_indices(c.stacks[0])
     assert len(layers) == len(want)

@@ -10,20 +10,15 @@ from __future__ import annotations
 
 import catalogue_configs as K
 import torch
-from catalogue_check import eager_twin, make_inputs
-
-import probe
+from catalogue_check import make_inputs, trace_and_eager
 
 
 def test_deepseek_v4_positions_summaries_and_sink_are_stored_apart_exactly():
     torch.manual_seed(0)
     model = K.build("deepseek_v4")
     x = make_inputs(model)
-    with torch.no_grad(), probe.trace(model) as t:
-        model(**x)
-    with torch.no_grad():
-        want = eager_twin(model)(**x, output_attentions=True).attentions
-    c = t.cache
+    c, out = trace_and_eager(model, x)
+    want = out.attentions
     stack = c.stacks[0]
     T = x["input_ids"].shape[1]
     summaries = []

@@ -12,20 +12,14 @@ from __future__ import annotations
 
 import catalogue_configs as K
 import torch
-from catalogue_check import eager_twin, make_inputs
-
-import probe
+from catalogue_check import make_inputs, trace_and_eager
 
 
 def test_prophetnet_main_and_predict_streams_are_stored_apart_exactly():
     torch.manual_seed(0)
     model = K.build("prophetnet")
     x = make_inputs(model)
-    with torch.no_grad(), probe.trace(model) as t:
-        model(**x)
-    with torch.no_grad():
-        want = eager_twin(model)(**x, output_attentions=True)
-    c = t.cache
+    c, want = trace_and_eager(model, x)
     ngram = model.config.ngram
     assert ngram == 2
     pairs = zip(want.decoder_attentions, want.decoder_ngram_attentions, strict=True)

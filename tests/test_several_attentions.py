@@ -9,22 +9,16 @@ attentions, in run order), and softmaxes written here for the toys.
 
 from __future__ import annotations
 
-import copy
 import math
 
 import catalogue_configs as K
 import pytest
 import torch
+from catalogue_check import eager_twin, trace_and_eager
 from torch import nn
 
 import probe
 from probe.errors import ProbeError
-
-
-def _eager(model):
-    twin = type(model)._from_config(copy.deepcopy(model.config), attn_implementation="eager")
-    twin.load_state_dict(model.state_dict())
-    return twin.eval()
 
 
 def _inputs(vocab: int, T: int = 8):
@@ -45,20 +39,9 @@ def test_longcat_flash_two_attention_sublayers_are_numbered_with_their_modules()
     model = K.build("longcat_flash")
     x = _inputs(model.config.vocab_size)
     outs = []  # each attention sublayer's output, read by a hook
-    hooks = [
-        a.register_forward_hook(lambda m, i, o: outs.append(o[0]))
-        for ly in model.layers
-        for a in ly.self_attn
-    ]
-    try:
-        with torch.no_grad(), probe.trace(model) as t:
-            model(**x)
-    finally:
-        for h in hooks:
-            h.remove()
-    with torch.no_grad():
-        want = _eager(model)(**x, output_attentions=True).attentions
-    c = t.cache
+    hooks = [(a, lambda m, i, o: outs.append(o[0])) for ly in model.layers for a in ly.self_attn]
+    c, out = trace_and_eager(model, x, hooks)
+    want = out.attentions
     assert len(want) == 4  # two layers, two attention sublayers each, in run order
     for layer in range(2):
         assert c.attentions("decoder", layer) == [("self", 0), ("self", 1)]
@@ -83,7 +66,7 @@ def test_glm5_next_stream_mixing_softmaxes_are_not_stored_and_said_so(model_type
     x = _inputs(model.config.get_text_config().vocab_size)
     with torch.no_grad(), probe.trace(model) as t:
         model(**x)
-        want = _eager(model)(**x, output_attentions=True).attentions
+        want = eager_twin(model)(**x, output_attentions=True).attentions
     c = t.cache
     stack = c.stacks[0]
     layers = [i for i in c.layer_indices(stack) if c.attentions(stack, i)]
