@@ -105,6 +105,7 @@ _SMALL = {
     "max_window_layers": LAYERS,
 }
 
+
 def _uniq_types(types: list, n: int) -> list:
     seen: list = []
     for t in types:

@@ -92,8 +92,7 @@ EXACT = {
 }
 
 # model type -> why it is not exact yet (issue 22); the owner removes the mark with the fix
-KNOWN = {
-}
+KNOWN = {}
 
 SAMPLE = [pytest.param(m, id=m) for m in EXACT] + [
     pytest.param(m, id=m, marks=pytest.mark.xfail(strict=True, reason=why)) for m, why in KNOWN.items()
