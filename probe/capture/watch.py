@@ -162,14 +162,17 @@ class Watcher:
 
     def _global_post(self, module: nn.Module, args: tuple, *rest: Any) -> None:
         if id(module) in self._fast_layers:
-            # (kwargs, output) normally; torch passes only (output) when forward raised
-            kwargs, output = rest if len(rest) == 2 else ({}, rest[-1])
-            self._post(module, args, kwargs, output)
+            self._post(module, args, *rest)  # (kwargs, output); only (output) when forward raised
 
     # -- hooks ---------------------------------------------------------------------------------
-    def _pre(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
+    # Both hooks take the kwargs as optional: torch registers a hook in one dictionary and its
+    # with-kwargs flag in a second one, so a forward running in another thread between the two
+    # writes calls it without them (such a call is another thread's: ignored); a global forward
+    # hook gets only the output when the forward raised.
+    def _pre(self, module: nn.Module, args: tuple, *rest: Any) -> None:
         if self._replaying or threading.get_ident() != self._thread:
             return
+        kwargs = rest[0] if rest else {}
         # probe's own bookkeeping below calls tensor methods: off the mode stack, they cost a
         # C call each instead of a trip through the mode's Python __torch_function__
         self._mode.quiet += 1
@@ -191,9 +194,10 @@ class Watcher:
             self._resume()
             self._mode.quiet -= 1
 
-    def _post(self, module: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
+    def _post(self, module: nn.Module, args: tuple, *rest: Any) -> None:
         if self._replaying or threading.get_ident() != self._thread:
             return
+        kwargs, output = rest if len(rest) == 2 else ({}, rest[-1])
         self._mode.quiet += 1
         self._suspend()
         try:
