@@ -28,8 +28,8 @@ class SoftmaxAttention(nn.Module):
         q, k, v = self.qkv(x).view(b, t, 3, self.h, d // self.h).permute(2, 0, 3, 1, 4)
         s = q @ k.transpose(-1, -2) / (d // self.h) ** 0.5
         s = s.masked_fill(torch.ones(t, t, dtype=torch.bool).triu(1), float("-inf"))
-        self.weights = s.softmax(-1)
-        return self.o((self.weights @ v).transpose(1, 2).reshape(b, t, d))
+        self.weights = w = s.softmax(-1)  # computed with the local w: threads may share the module
+        return self.o((w @ v).transpose(1, 2).reshape(b, t, d))
 
 
 class BaddbmmAttention(SoftmaxAttention):
