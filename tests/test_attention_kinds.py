@@ -5,11 +5,13 @@ masked softmax written here."""
 
 from __future__ import annotations
 
+import copy
 import math
 import os
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
+import pytest  # noqa: E402
 import torch  # noqa: E402
 import transformers as tf  # noqa: E402
 from torch import nn  # noqa: E402
@@ -187,10 +189,18 @@ def test_hand_written_flex_attention_with_score_mod_and_block_mask():
     assert t.cache.metadata["attention_implementations"] == ["flex"]
 
 
-def test_transformers_flex_attention_model_against_eager():
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_transformers_flex_attention_model_against_eager(arch):
+    # transformers runs flex_attention through torch.compile (inductor). Llama with a padded batch
+    # (a block mask from the attention mask); Qwen2 through probe.capture with no mask, which once
+    # died inside the compiler (InductorError: the traced call kept flex's log-sum-exp output alive)
     import warnings
 
-    cfg = tf.LlamaConfig(
+    Config, Model = {
+        "llama": (tf.LlamaConfig, tf.LlamaForCausalLM),
+        "qwen2": (tf.Qwen2Config, tf.Qwen2ForCausalLM),
+    }[arch]
+    cfg = Config(
         vocab_size=96,
         hidden_size=32,
         intermediate_size=64,
@@ -200,23 +210,41 @@ def test_transformers_flex_attention_model_against_eager():
         max_position_embeddings=64,
     )
     torch.manual_seed(0)
-    model = tf.LlamaForCausalLM._from_config(cfg, attn_implementation="flex_attention").eval()
-    eager = tf.LlamaForCausalLM._from_config(cfg, attn_implementation="eager").eval()
+    model = Model._from_config(cfg, attn_implementation="flex_attention").eval()
+    # a config of its own: _from_config sets the implementation on the config it is given, and a
+    # shared one switched the flex model to eager too (this test then ran no flex_attention)
+    eager = Model._from_config(copy.deepcopy(cfg), attn_implementation="eager").eval()
     eager.load_state_dict(model.state_dict())
+    assert model.config._attn_implementation == "flex_attention"
     ids, mask = _ids()
+    inputs = {"input_ids": ids, "attention_mask": mask} if arch == "llama" else {"input_ids": ids}
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        with torch.no_grad(), probe.trace(model) as t:
-            model(input_ids=ids, attention_mask=mask)
+        if arch == "llama":
+            with torch.no_grad(), probe.trace(model) as t:
+                model(**inputs)
+            cache = t.cache
+        else:
+            with torch.no_grad():
+                plain = model(ids).logits  # compiles flex_attention on its own first, as a user would
+            cache = probe.capture(model, ids)  # as the user called it: gradients on
     with torch.no_grad():
-        want = eager(input_ids=ids, attention_mask=mask, output_attentions=True).attentions
+        want = eager(**inputs, output_attentions=True, output_hidden_states=True)
+    real = 2 if arch == "llama" else 0  # text 1's real queries (2 pads on the left for llama)
     for i in range(2):
-        got = t.cache[f"decoder.blocks.{i}.self_attn.pattern"]
-        _close(got[0], want[i][0])
-        _close(got[1, :, 2:], want[i][1, :, 2:])  # text 1's real queries (2 pads on the left)
-        assert float(got[1, :, 2:, :2].abs().max()) == 0  # real queries give padding no weight
+        got = cache[f"decoder.blocks.{i}.self_attn.pattern"]
+        _close(got[0], want.attentions[i][0])
+        _close(got[1, :, real:], want.attentions[i][1, :, real:])
+        if real:
+            assert float(got[1, :, real:, :real].abs().max()) == 0  # real queries give padding no weight
+    resid, want_resid = cache["decoder.blocks.1.resid_pre"], want.hidden_states[1]
+    torch.testing.assert_close(resid[0], want_resid[0], atol=1e-6, rtol=0)
+    torch.testing.assert_close(resid[1, real:], want_resid[1, real:], atol=1e-6, rtol=0)  # pads: any value
     deltas = {"self_attn": "sublayer output", "mlp": "sublayer output"}
-    assert t.cache.metadata["layers"][0]["deltas"] == deltas
+    assert cache.metadata["layers"][0]["deltas"] == deltas
+    assert cache.metadata["attention_implementations"] == ["flex"]
+    if arch == "qwen2":
+        torch.testing.assert_close(plain, want.logits, atol=1e-5, rtol=0)
 
 
 # -- differential attention ---------------------------------------------------------------------
@@ -363,3 +391,23 @@ def test_cpmant_patterns_cover_its_prompt_slots_and_match_eager_on_the_tokens():
     slots = cache.metadata["prompt_slots"]
     assert slots["count"] == cfg.prompt_length == got.shape[-1] - ids.shape[1]
     assert "positions 0..3" in slots["note"]
+
+
+def test_a_compiler_failure_inside_the_forward_is_one_line():
+    # a compiled function the model calls fails to compile while probe watches: one ProbeError
+    # naming the fix, not torch's compiler traceback (the model's own error, uncompiled, is kept)
+    def broken_backend(gm, example_inputs):
+        raise RuntimeError("the backend cannot lower this graph")
+
+    @torch.compile(backend=broken_backend, fullgraph=True)
+    def scaled(x):
+        return torch.softmax(x @ x.transpose(-1, -2), -1) @ x
+
+    class Compiled(nn.Module):
+        def forward(self, x):
+            return x + scaled(x)
+
+    torch._dynamo.reset()
+    with pytest.raises(probe.ProbeError, match=r"^torch\.compile failed inside the forward.*uncompiled") as e:
+        probe.capture(nn.Sequential(Compiled()), torch.randn(1, 5, 8))
+    assert "\n" not in str(e.value) and e.value.__suppress_context__

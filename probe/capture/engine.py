@@ -70,6 +70,12 @@ def _claim(model: nn.Module) -> None:
         threads.add(me)
 
 
+def _compiler_failed(exc: BaseException | None) -> bool:
+    """True for an error raised by torch.compile's tracer or compiler (a compiled function the
+    model calls, such as transformers' flex_attention): said in one line, not a compiler traceback."""
+    return exc is not None and type(exc).__module__.startswith(("torch._dynamo", "torch._inductor"))
+
+
 def _release(model: nn.Module) -> None:
     with _RUNNING_LOCK:
         threads = _RUNNING.get(model)
@@ -178,6 +184,13 @@ class Trace:
             _release(self.model)
         if exc_type is not None:
             self._sink.abort()
+            if _compiler_failed(exc):
+                first = (str(exc).strip().splitlines() or [""])[0][:200]
+                raise ProbeError(
+                    f"torch.compile failed inside the forward probe watched ({type(exc).__name__}: {first}); "
+                    "capture the model uncompiled (a transformers model: load it with "
+                    "attn_implementation='sdpa' or 'eager', same weights)"
+                ) from None
             return False
         try:
             self.cache = self._finish()

@@ -263,8 +263,10 @@ class Recorder(LocalHandlers):
         if torch.compiler.is_compiling():
             # flex_attention runs its operator under torch.compile, which traces this body: one
             # list append, which dynamo replays with the call's real arguments once the compiled
-            # call returned; flush() recomputes the weights at the next op or module return
-            self.flex_calls.append((args, kwargs, out))
+            # call returned; flush() recomputes the weights at the next op or module return. Only
+            # the attention output is kept: keeping the log-sum-exp output alive as well made
+            # inductor's flex lowering fail (IndexError) when transformers compiles it
+            self.flex_calls.append((args, kwargs, out[:1] if isinstance(out, tuple) else out))
         else:
             # the operator itself, run eagerly (or by a compiled graph run eagerly): recomputed
             # now; the replayed append of the same call, if one follows, is skipped
