@@ -104,7 +104,7 @@ def main() -> None:
     print(
         f"keep='stats' writes: {w['shard_per_head'] / 1e3:.1f} KB per head per shard record, "
         f"{w['files_per_head'] / 1e3:.1f} KB per head once (stats.json, head_stats.json/.csv), "
-        f"{w['per_text']:.0f} B per text"
+        f"about {round(w['per_text'], -1):.0f} B per text"  # tens: the last digits move with float text
     )
     print("held while a text runs (keep='stats'): the terms of every attention + one row block")
     for name, L, H, T in (

@@ -19,7 +19,8 @@ The convention (written for authors in docs/writing-docs.md):
   number of lines.
 - Normalised before comparing, nothing else: progress bars (tqdm) are dropped, trailing spaces and
   leading/trailing blank lines ignored, and the page's working directory and probe's model cache
-  folder are written ``...``.
+  folder are written ``...``. A float shown on the page (decimal point or exponent) matches a
+  printed number within a relative 1e-3 or one unit of its last shown digit; integers exactly.
 - ``<!-- no-run -->`` (or ``<!-- no-run: why -->``) on the line before a block skips it: only for
   what cannot run here (apt-get, torchrun across machines).
 - A command that is only ``probe ARGS`` (no pipes, redirections or variables) runs in the test
@@ -219,24 +220,70 @@ def normalise(text: str, replace: dict[str, str]) -> list[str]:
     return out
 
 
-def _line_regex(line: str) -> str:
-    return ".*?".join(re.escape(part) for part in line.rstrip().split("..."))
+# A number shown with a decimal point or an exponent (not a part of a version such as 0.1.0): it
+# matches a printed number within REL_TOL of it, or within one unit of its last shown digit (float32
+# results differ in their last digits between machines: CPU kernels, thread counts). Integers,
+# counts and sizes in bytes, must match exactly.
+SHOWN_FLOAT = re.compile(r"(?<![\d.])[-+]?(?:\d+\.\d+(?:[eE][-+]?\d+)?|\d+[eE][-+]?\d+)(?![\d.])")
+ANY_NUMBER = r"([-+]?(?:\d+(?:\.\d*)?|\.\d+)(?:[eE][-+]?\d+)?)"
+REL_TOL = 1e-3
+
+
+def _line_regex(line: str, shown: list[str] | None = None) -> str:
+    """A regex for one expected line (``...`` matches any text); with ``shown``, each float on the
+    line becomes a group matching any number and is appended to ``shown``."""
+    parts = []
+    for part in line.rstrip().split("..."):
+        if shown is None:
+            parts.append(re.escape(part))
+            continue
+        pieces, pos = [], 0
+        for m in SHOWN_FLOAT.finditer(part):
+            pieces += [re.escape(part[pos : m.start()]), ANY_NUMBER]
+            shown.append(m.group())
+            pos = m.end()
+        parts.append("".join(pieces) + re.escape(part[pos:]))
+    return ".*?".join(parts)
+
+
+def close(shown: str, printed: str) -> bool:
+    """Whether a printed number agrees with the float a page shows (see SHOWN_FLOAT)."""
+    mantissa = re.split("[eE]", shown)[0]
+    digits = len(mantissa.split(".")[1]) if "." in mantissa else 0
+    exponent = int(re.split("[eE]", shown)[1]) if re.search("[eE]", shown) else 0
+    unit = 10.0 ** (exponent - digits)
+    a, b = float(shown), float(printed)
+    return abs(a - b) <= max(REL_TOL * abs(a), unit * (1 + 1e-9))
+
+
+def _block_regex(lines: list[str], shown: list[str] | None = None) -> str:
+    return "".join("(?:[^\n]*\n)*?" if e.strip() == "..." else _line_regex(e, shown) + "\n" for e in lines)
+
+
+def _fullmatch(lines: list[str], text: str) -> bool:
+    """Match the expected lines against the text: as written, else with its floats within tolerance."""
+    if re.fullmatch(_block_regex(lines), text, re.S) is not None:
+        return True
+    shown: list[str] = []
+    pattern = _block_regex(lines, shown)
+    m = re.fullmatch(pattern, text, re.S) if shown else None
+    return m is not None and all(close(s, p) for s, p in zip(shown, m.groups(), strict=True))
 
 
 def matches(expected: list[str], actual: list[str]) -> bool:
-    """Whether actual lines match the expected ones (``...`` wildcards; a ``...`` line spans lines)."""
+    """Whether actual lines match the expected ones (``...`` wildcards; a ``...`` line spans lines;
+    floats within tolerance, see SHOWN_FLOAT)."""
     exp = [e.rstrip() for e in expected]
     while exp and not exp[0]:
         exp.pop(0)
     while exp and not exp[-1]:
         exp.pop()
-    parts = ["(?:[^\n]*\n)*?" if e.strip() == "..." else _line_regex(e) + "\n" for e in exp]
-    return re.fullmatch("".join(parts), "".join(a + "\n" for a in actual), re.S) is not None
+    return _fullmatch(exp, "".join(a + "\n" for a in actual))
 
 
 def same_value(expected: str, actual: str) -> bool:
     squash = " ".join
-    return re.fullmatch(_line_regex(squash(expected.split())), squash(actual.split()), re.S) is not None
+    return _fullmatch([squash(expected.split())], squash(actual.split()) + "\n")
 
 
 def regenerate(expected: list[str], actual: list[str]) -> list[str]:

@@ -101,6 +101,15 @@ def test_wildcards_and_regeneration():
     assert snippets.same_value("torch.Size([1, 4])", "torch.Size([1,\n  4])")
     assert snippets.same_value("[1, ...]", "[1, 2, 3]")
     assert snippets.regenerate(["wrote ... KB", "old"], ["wrote 12 KB", "new"]) == ["wrote ... KB", "new"]
+    # floats within a relative 1e-3 or one unit of their last shown digit; integers exactly
+    assert snippets.matches(["max 6.475447177886963, kl 2.109e-08"], ["max 6.47544527053833, kl 2.11e-08"])
+    assert snippets.matches(["run, 72.6 KB"], ["run, 72.5 KB"])
+    assert not snippets.matches(["run, 72.6 KB"], ["run, 72.4 KB"])
+    assert not snippets.matches(["kl 2.109e-08"], ["kl 2.12e-08"])
+    assert not snippets.matches(["104,598 parameters"], ["104,599 parameters"])
+    assert not snippets.matches(["probe 0.1.0"], ["probe 0.1.1"])  # a version is no float
+    assert snippets.same_value("tensor(0.2114)", "tensor(0.2115)")
+    assert not snippets.same_value("tensor(0.2114)", "tensor(0.2125)")
     text = "bar:  50%|#####     | 1/2 [00:01<00:01]\rbar: 100%|##########| 2/2 [00:02<00:00]\ndone\n"
     assert snippets.normalise(text, {}) == ["done"]
     assert snippets.normalise("saved /tmp/x/run.safetensors\n", {"/tmp/x": "..."}) == [
