@@ -342,12 +342,16 @@ with warnings.catch_warnings(record=True) as chinese:
         for f in seeds.figures_for(plot.seed_caches(["minigpt"]), names=["minigpt"]):
             figure_uri(f.figure)
         figure_uri(plot.matrix(np.eye(2), ["注意", "力"], ["啤酒", "力"]))
+with warnings.catch_warnings(record=True) as rare:
+    for _ in range(3):  # a character beyond GB 2312 level 1, and kana
+        figure_uri(plot.matrix(np.eye(2), ["龘", "力"], ["ひ", "力"]))
 font = fonts.cjk_font()
 print(json.dumps({
     "listed_at_start": listed,
-    "font": None if font is None else [font.name, font.path],
+    "font": None if font is None else [font.name, font.path, font.bundled],
     "english": [str(w.message) for w in english],
     "chinese": [str(w.message) for w in chinese],
+    "rare": [str(w.message) for w in rare],
 }))
 """
 
@@ -360,7 +364,6 @@ def stale_mplconfig(tmp_path_factory):
 
     from matplotlib import font_manager
 
-    assert any("Noto Sans CJK" in e.name for e in font_manager.fontManager.ttflist), fonts.INSTALL_HINT
     d = tmp_path_factory.mktemp("mplconfig")
     stale = copy.copy(font_manager.fontManager)
     stale.ttflist = [e for e in font_manager.fontManager.ttflist if "CJK" not in e.name]
@@ -386,23 +389,60 @@ def _font_probe(mplconfig, **env) -> dict:
 
 
 def test_fonts_installed_after_matplotlib_built_its_cache_are_found(stale_mplconfig):
+    from matplotlib import font_manager
     from matplotlib.ft2font import FT2Font
+
+    assert any("Noto Sans CJK" in e.name for e in font_manager.fontManager.ttflist), fonts.INSTALL_HINT
 
     r = _font_probe(stale_mplconfig)
     assert r["listed_at_start"] == []  # matplotlib read the stale cache: it lists no CJK font
-    name, path = r["font"]
-    assert name.startswith("Noto Sans CJK")
+    name, path, bundled = r["font"]
+    assert name.startswith("Noto Sans CJK") and not bundled
     assert all(FT2Font(path).get_char_index(ord(c)) != 0 for c in "注意力啤酒")  # real glyphs
-    assert r["english"] == [] and r["chinese"] == []  # a font exists: nothing to warn about
+    assert r["english"] == [] and r["chinese"] == [] and r["rare"] == []  # nothing to warn about
 
 
-def test_without_any_cjk_font_one_warning_and_only_for_cjk_labels(stale_mplconfig):
-    # matplotlib told to ignore the system's fonts: no CJK font anywhere
+def test_without_a_system_cjk_font_the_bundled_one_draws_and_only_rare_characters_warn(stale_mplconfig):
+    # matplotlib told to ignore the system's fonts: only the font probe ships
     r = _font_probe(stale_mplconfig, MPL_IGNORE_SYSTEM_FONTS="1")
-    assert r["font"] is None
-    assert r["english"] == []  # English labels need no CJK glyph: no warning at all
-    # CJK labels in 9 figures: probe's one warning naming the fix, no per-glyph warnings
-    assert len(r["chinese"]) == 1 and fonts.INSTALL_HINT in r["chinese"][0], r["chinese"]
+    assert r["font"] == [fonts.BUNDLED_NAME, str(fonts.BUNDLED), True]
+    # the tutorial's labels and common Chinese: drawn, no warning at all
+    assert r["english"] == [] and r["chinese"] == []
+    # characters the subset lacks in 3 figures: probe's one warning naming them and the fix
+    assert len(r["rare"]) == 1 and "龘ひ" in r["rare"][0] and fonts.INSTALL_HINT in r["rare"][0], r["rare"]
+
+
+def test_the_bundled_font_draws_the_tutorial_labels_and_common_chinese():
+    from fontTools.ttLib import TTFont
+
+    cmap = TTFont(str(fonts.BUNDLED)).getBestCmap()  # the font file itself, read by fontTools
+    labels = [c for c in "Key / 被读取的位置 Query / 当前预测的位置" if fonts.has_cjk(c)]
+    assert all(ord(c) in cmap for c in [*labels, *"注意力啤酒的一是了我不人在他有这"])
+    assert fonts.bundled_chars() == {chr(c) for c in cmap}
+    props = mpl.font_manager.FontProperties(fname=str(fonts.BUNDLED))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # matplotlib warns "Glyph ... missing from font" for a box
+        a, b, c = _glyph_bitmaps(props, "被读取")
+    assert all((g < 128).any() for g in (a, b, c)) and len({x.tobytes() for x in (a, b, c)}) == 3
+    bundled = fonts.CJKFont(fonts.BUNDLED_NAME, str(fonts.BUNDLED), bundled=True)
+    assert fonts.missing(["被读 x", "龘"], bundled) == "龘"
+    assert fonts.missing(["被读 龘"], fonts.CJKFont("Noto Sans CJK SC", "/x.otf")) == ""
+
+
+def test_a_pages_css_embeds_exactly_its_own_cjk_glyphs():
+    import base64
+    import io
+    import re
+
+    from fontTools.ttLib import TTFont
+
+    assert fonts.css_font_face("attention only") == ""
+    css = fonts.css_font_face("<p>被读取的位置 attention 龘 被</p>")
+    assert css.startswith('@font-face { font-family: "Probe CJK Fallback"')
+    data = base64.b64decode(re.search(r"base64,([A-Za-z0-9+/=]+)\)", css)[1])
+    font = TTFont(io.BytesIO(data))
+    assert {chr(c) for c in font.getBestCmap() if c > 0x2E80} == set("被读取的位置")  # 龘: not in the subset
+    assert len(data) < 20_000
 
 
 def test_seed_figures_minigpt_and_fused(tmp_path):

@@ -144,6 +144,31 @@ def test_chinese_tokens_appear_with_real_glyphs(chromium, tmp_path):
     page.close()
 
 
+def test_the_pages_chinese_is_drawn_from_its_embedded_font(chromium, minigpt_report):
+    # the page carries the glyphs of its own CJK characters (the font probe ships), so the
+    # tutorial caption reads right on a machine with no CJK font, offline
+    _, path = minigpt_report
+    page, log = open_report(chromium, path)
+    faces = page.evaluate(
+        "async () => { await document.fonts.load('16px \"Probe CJK Fallback\"', '被读取的位置');"
+        " return [...document.fonts].filter(f => f.family.replaceAll('\"', '') === 'Probe CJK Fallback')"
+        ".map(f => f.status); }"
+    )
+    assert faces == ["loaded"]
+    shots = {}
+    for ch in ("被", "读", "\ue000"):  # two glyphs and a private-use char (a box in any font)
+        page.evaluate(
+            "ch => { const s = document.createElement('span'); s.id = 'glyph';"
+            " s.style.font = '40px \"Probe CJK Fallback\"'; s.textContent = ch; document.body.prepend(s); }",
+            ch,
+        )
+        shots[ch] = page.locator("#glyph").screenshot()
+        page.evaluate("document.getElementById('glyph').remove()")
+    assert len(set(shots.values())) == 3
+    _clean(log)
+    page.close()
+
+
 def test_screenshot_is_not_blank(chromium, minigpt_report, tmp_path):
     from PIL import Image
 

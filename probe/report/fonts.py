@@ -8,10 +8,13 @@ their artists inside this context; a Text keeps the font properties it was creat
 figure saves correctly later, outside the context. Global rcParams are never changed.
 
 Fonts installed after matplotlib built its font cache are found too (:func:`cjk_font` adds them
-to matplotlib's font list once). When no CJK font is installed and a figure does contain CJK
-text, one warning (per process) names the package to install, and matplotlib's per-glyph
-"missing from font" warnings are silenced where probe saves figures; the figure still renders
-(with missing-glyph boxes). Figures without CJK text never warn.
+to matplotlib's font list once). When the system has no CJK font, probe draws with the one it
+ships (:data:`BUNDLED`: "Probe CJK Fallback", a subset of Droid Sans Fallback with the 3,755
+common hanzi of GB 2312 level 1 and every CJK character of probe's own labels), so a fresh
+machine's figures are right. Only a figure with CJK characters that font lacks warns, once per
+process, on a line of its own, naming the characters and the package to install; matplotlib's
+per-glyph "missing from font" warnings are silenced where probe saves figures, and the figure
+still renders (with missing-glyph boxes for those characters).
 """
 
 from __future__ import annotations
@@ -22,12 +25,16 @@ import re
 import warnings
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
+from pathlib import Path
 
 import matplotlib as mpl
 from matplotlib import font_manager
 from matplotlib.ft2font import FT2Font
 
 INSTALL_HINT = "apt-get install fonts-noto-cjk"
+# the CJK font probe ships (fontdata/NOTICE.md): used when the system has none
+BUNDLED = Path(__file__).resolve().parent / "fontdata" / "ProbeCJKFallback.ttf"
+BUNDLED_NAME = "Probe CJK Fallback"
 
 # Preferred families, best first: Simplified Chinese first because most of our users write it;
 # then other common CJK fonts on Linux, macOS and Windows.
@@ -62,10 +69,12 @@ _warned = False
 
 @dataclass(frozen=True)
 class CJKFont:
-    """A font that covers CJK ideographs: its family ``name`` and file ``path``."""
+    """A font that covers CJK ideographs: its family ``name`` and file ``path``; ``bundled`` when
+    it is the subset probe ships (:data:`BUNDLED`), which covers common Chinese only."""
 
     name: str
     path: str
+    bundled: bool = False
 
 
 def has_cjk(text: str) -> bool:
@@ -84,19 +93,46 @@ def covers(path: str, chars: str = _PROBE_CHARS) -> bool:
 
 @functools.lru_cache(maxsize=1)
 def cjk_font() -> CJKFont | None:
-    """The installed CJK-capable font matplotlib will use as fallback, or None if there is none.
+    """The CJK-capable font matplotlib will use as fallback: the system's, else the one probe ships.
 
     Looks through matplotlib's font list: first the :data:`PREFERRED` families, then any family
     whose name says CJK; a candidate counts only if its file has real glyphs for Chinese
     characters. When none is listed, the system fonts matplotlib does not list yet (installed
     after its font cache was built, e.g. ``fonts-noto-cjk`` after the first ``import
     matplotlib``) are added to its in-memory list once (:func:`add_unlisted_fonts`) and the
-    search runs again. Cached for the process; matplotlib's cache file is left as it is.
+    search runs again. Without a system CJK font, :data:`BUNDLED` is added to the list and
+    returned (``bundled=True``); None only if that file is missing. Cached for the process;
+    matplotlib's cache file is left as it is.
     """
     font = _search(font_manager.fontManager.ttflist)
     if font is None and add_unlisted_fonts():
         font = _search(font_manager.fontManager.ttflist)
+    if font is None and BUNDLED.is_file():
+        font_manager.fontManager.addfont(str(BUNDLED))
+        font = CJKFont(BUNDLED_NAME, str(BUNDLED), bundled=True)
     return font
+
+
+@functools.lru_cache(maxsize=1)
+def bundled_chars() -> frozenset[str]:
+    """The characters :data:`BUNDLED` has glyphs for."""
+    return frozenset(chr(c) for c in FT2Font(str(BUNDLED)).get_charmap())
+
+
+def missing(texts: Iterable[str], font: CJKFont | None = None) -> str:
+    """The CJK characters of ``texts`` that the fallback font (default :func:`cjk_font`) cannot
+    draw, in order of first appearance: all of them without a CJK font, those the bundled subset
+    lacks with it, none with a system CJK font."""
+    font = cjk_font() if font is None else font
+    if font is not None and not font.bundled:
+        return ""
+    have = bundled_chars() if font is not None else frozenset()
+    out: dict[str, None] = {}
+    for t in texts:
+        for c in _CJK_RE.findall(t or ""):
+            if c not in have:
+                out[c] = None
+    return "".join(out)
 
 
 def _search(entries: list) -> CJKFont | None:
@@ -132,17 +168,24 @@ def add_unlisted_fonts() -> list[str]:
     return added
 
 
-def _warn_missing() -> None:
+def _warn_missing(chars: str) -> None:
     global _warned
     if _warned:
         return
     _warned = True
-    warnings.warn(
-        "no CJK font found: Chinese/Japanese/Korean characters in figures will show as boxes; "
-        f"install one (Debian/Ubuntu: `{INSTALL_HINT}`; other systems: any Noto Sans CJK font)",
-        UserWarning,
-        stacklevel=4,  # the caller of `with context(...)` (through contextlib)
+    shown = chars if len(chars) <= 12 else chars[:12] + "..."
+    message = (
+        f"no CJK font has glyphs for {shown} (they show as boxes in figures); install one "
+        f"(Debian/Ubuntu: `{INSTALL_HINT}`; other systems: any Noto Sans CJK font)"
     )
+    try:  # a line of its own, not the tail of a progress bar's line
+        from tqdm import tqdm
+
+        write_mode = tqdm.external_write_mode()
+    except ImportError:  # pragma: no cover - tqdm is a dependency
+        write_mode = contextlib.nullcontext()
+    with write_mode:
+        warnings.warn(message, UserWarning, stacklevel=4)  # the caller of `with context(...)`
 
 
 def families() -> list[str]:
@@ -155,17 +198,45 @@ def families() -> list[str]:
     return current
 
 
+def css_font_face(text: str) -> str:
+    """A CSS ``@font-face`` rule that embeds, as a data URI, the glyphs of :data:`BUNDLED` for the
+    CJK characters of ``text`` (an HTML page's own characters), under :data:`BUNDLED_NAME`; the
+    empty string when ``text`` has none it covers. A page that lists the family after the
+    system's fonts shows Chinese on a machine without a CJK font, offline, for a few KB."""
+    import base64
+    import io
+
+    chars = sorted({c for c in _CJK_RE.findall(text)} & bundled_chars()) if BUNDLED.is_file() else []
+    if not chars:
+        return ""
+    from fontTools import subset
+    from fontTools.ttLib import TTFont
+
+    font = TTFont(str(BUNDLED))
+    options = subset.Options()
+    options.name_IDs = [0, 1, 2, 3, 4, 5, 6]  # keep the copyright and the family's names
+    sub = subset.Subsetter(options)
+    sub.populate(text="".join(chars))
+    sub.subset(font)
+    buf = io.BytesIO()
+    font.save(buf)
+    data = base64.b64encode(buf.getvalue()).decode("ascii")
+    source = f'url(data:font/ttf;base64,{data}) format("truetype")'
+    return f'@font-face {{ font-family: "{BUNDLED_NAME}"; src: {source}; }}'
+
+
 @contextlib.contextmanager
 def context(texts: Iterable[str] = ()) -> Iterator[None]:
     """An ``rc_context`` in which CJK characters render with real glyphs.
 
-    ``texts`` are the strings the figure will show; if any contains CJK and no CJK font is
-    installed, warn once (naming the package) and render anyway.
+    ``texts`` are the strings the figure will show; if any has a CJK character no font can draw
+    (see :func:`missing`), warn once (naming the package) and render anyway.
     """
     font = cjk_font()
+    lacking = missing(texts, font)
+    if lacking:
+        _warn_missing(lacking)
     if font is None:
-        if any(has_cjk(t) for t in texts if t):
-            _warn_missing()
         yield
         return
     with mpl.rc_context({"font.family": families()}):
@@ -174,16 +245,21 @@ def context(texts: Iterable[str] = ()) -> Iterator[None]:
 
 @contextlib.contextmanager
 def quiet_missing_glyphs() -> Iterator[None]:
-    """Silence matplotlib's per-glyph "missing from font" warnings while drawing, when no CJK
-    font exists (the one warning from :func:`context` already named the fix)."""
+    """Silence matplotlib's per-glyph "missing from font" warnings while drawing, unless a system
+    CJK font draws every glyph (the one warning from :func:`context` already named the fix)."""
     with warnings.catch_warnings():
-        if cjk_font() is None:
+        font = cjk_font()
+        if font is None or font.bundled:
             warnings.filterwarnings("ignore", message=r"Glyph \d+ .* missing from font")
         yield
 
 
 __all__ = [
+    "BUNDLED",
     "CJKFont",
+    "bundled_chars",
+    "css_font_face",
+    "missing",
     "add_unlisted_fonts",
     "INSTALL_HINT",
     "cjk_font",

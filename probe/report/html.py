@@ -124,10 +124,14 @@ def render(ctx: ReportContext, sections: list[Section] | None = None, *, bar: An
 
     meta = ctx.cache.metadata
     model = model_title(str((meta.get("model") or {}).get("name") or "model"))
+    from probe.report.fonts import css_font_face
+
+    # the CJK characters the page shows, drawn from the font probe ships where the system has none
+    shown = "".join(f"{r['title']}{r['note'] or ''}{r['html']}" for r in rendered)
     return env.get_template("base.html.j2").render(
         title=f"probe report: {model}",
         sections=rendered,
-        css=Markup(_static("report.css")),
+        css=Markup(css_font_face(shown) + "\n" + _static("report.css")),
         js=Markup(_static("report.js")),
         version=_version(),
     )
