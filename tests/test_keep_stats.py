@@ -294,3 +294,21 @@ def test_report_residual_norms_of_a_stats_cache_equal_the_full_capture(tmp_path)
                 assert abs(v - want) <= 1e-6 * max(1.0, want), (name, layer, v, want)
     page = _report_text(probe.report(stats, tmp_path / "r", progress=False))
     assert "Residual stream norms" in page
+
+
+def test_distance_curves_keep_every_layer_visible():
+    # layers with equal curves lay on one another and L0 hid behind L1: each has its own hollow
+    # marker and dash now, the markers shrinking with depth
+    import models
+    from probe.report.sections import kept
+
+    cache = probe.capture(models.load("minigpt"), "attention lets tokens read.", keep="stats")
+
+    class Ctx:
+        figure = staticmethod(lambda fig, label: fig)
+
+    lines = kept._distance_item(Ctx, 0, cache, "decoder", [0, 1], "decoder")["fig"].axes[0].get_lines()
+    assert [line.get_label() for line in lines] == ["L0", "L1"]
+    assert len({(line.get_marker(), line.get_linestyle()) for line in lines}) == 2
+    assert lines[0].get_markersize() > lines[1].get_markersize()
+    assert all(line.get_fillstyle() == "none" for line in lines)

@@ -319,3 +319,34 @@ def test_explorer_key_labels_fit_and_cjk_stands_upright(chromium, tmp_path):
     assert rows and all(rows)
     _clean(log)
     page.close()
+
+
+def test_a_long_text_opens_collapsed_and_expands_on_demand(chromium, tmp_path):
+    # a keep="stats" cache of a long input: the summary shows the first 40 and last 10 tokens and
+    # the count, not a wall of chips before the first figure; all of them one click away
+    import torch
+    import transformers as tf
+
+    cfg = tf.LlamaConfig(
+        vocab_size=96,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+    )
+    torch.manual_seed(0)
+    ids = torch.randint(0, 96, (1, 300), generator=torch.Generator().manual_seed(1))
+    cache = probe.capture(tf.LlamaForCausalLM(cfg).eval(), ids, keep="stats")
+    page, log = open_report(chromium, probe.report(cache, tmp_path, progress=False))
+    want = [str(i) for i in ids[0].tolist()]
+    shown = page.locator("#sec-summary .probe-elided")
+    assert shown.locator(".tok").all_text_contents() == want[:40] + want[-10:]
+    assert "… 250 more …" in shown.text_content()
+    every = page.locator("#sec-summary .probe-all-tokens .tok")
+    assert every.count() == 300 and not every.first.is_visible()
+    page.click("#sec-summary .probe-all-tokens summary")
+    assert every.first.is_visible() and every.all_text_contents() == want
+    _clean(log)
+    page.close()

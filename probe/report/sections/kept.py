@@ -226,6 +226,10 @@ def _stats_items(ctx, ci: int, cache) -> list[dict]:
     return items
 
 
+_MARKERS = ("o", "s", "^", "D", "v", "P", "X", "*")
+_DASHES = ("-", "--", ":", "-.")
+
+
 def _distance_item(ctx, ci: int, cache, stack: str, layers: list[int], what: str) -> dict:
     """Per layer, the mean mass beyond each distance of :data:`DISTANCES` and the 90% reach."""
     base = [f"{stack}.blocks.{layer}.self_attn.stat." for layer in layers]
@@ -234,7 +238,17 @@ def _distance_item(ctx, ci: int, cache, stack: str, layers: list[int], what: str
     fig = Figure(figsize=(7.5, 3.2), dpi=DPI, layout="constrained")
     ax, ax2 = fig.subplots(1, 2)
     for i, layer in enumerate(layers):
-        ax.plot(DISTANCES, beyond[i], marker="o", label=f"L{layer}")
+        # layers often lie on one another (a short text: every mass 0): each its own hollow marker
+        # and dash, the markers shrinking with depth, so the first layers stay visible beneath
+        ax.plot(
+            DISTANCES,
+            beyond[i],
+            marker=_MARKERS[i % len(_MARKERS)],
+            linestyle=_DASHES[i % len(_DASHES)],
+            fillstyle="none",
+            markersize=max(3.0, 9.0 - 0.5 * i),
+            label=f"L{layer}",
+        )
     ax.set_xscale("log")
     ax.set_xlabel("distance d (tokens)")
     ax.set_ylabel("mass beyond d")
