@@ -202,7 +202,7 @@ def run_blocks(
     block_rows((1, 1, 1, 1), block)
     prepared = prepare(model, inputs, tokenizer=tokenizer, target=target)
     meta = prepared.meta
-    bar = tqdm(desc="attentions read", unit="attention", disable=not progress, leave=False)
+    bar = tqdm(desc="attentions read", unit=" attentions", disable=not progress, leave=False)
     consumer = BlockConsumer(sink, lambda role, shape: open_attention(meta, role, shape), block, bar)
     tracer = Tracer(model, sink, selection=selection, consumer=consumer)
     _claim(model)
