@@ -399,6 +399,7 @@ def test_report_section_builds_for_cross_attention_only(tmp_path):
     assert section.build(types.SimpleNamespace(cache=self_only, caches=[self_only], results={})) is None
 
 
+@pytest.mark.slow
 def test_probe_report_renders_the_alignment_section(tmp_path):
     import models
 

@@ -99,6 +99,7 @@ SAMPLE = [pytest.param(m, id=m) for m in EXACT] + [
 ]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("model_type", SAMPLE)
 def test_catalogue_family_is_exact(model_type):
     torch.manual_seed(0)
@@ -202,6 +203,7 @@ def test_the_sdpa_oracle_is_a_masked_softmax():
     torch.testing.assert_close(w @ v.repeat_interleave(2, dim=1), out, atol=1e-6, rtol=0)
 
 
+@pytest.mark.slow
 def test_sweep_cli_resumes_and_writes_the_page(tmp_path):
     # the benchmark end to end on one family: a verdict in the JSON file, a rerun skips it, and the
     # markdown page counts it

@@ -163,6 +163,7 @@ def _torchrun(work: Path, out: Path, **env) -> subprocess.CompletedProcess:
     return subprocess.run(cmd, env={**_env(), "OMP_NUM_THREADS": "1", **env}, capture_output=True, text=True)
 
 
+@pytest.mark.slow
 def test_torchrun_two_ranks_equal_one_process_and_resume_after_a_rank_dies(work):
     out = work / "ranks"
     r = _torchrun(work, out)
@@ -317,6 +318,7 @@ def _interrupt(cmd: list[str], out: Path, sig: int, rng: random.Random, env: dic
     return proc
 
 
+@pytest.mark.slow
 def test_thousand_texts_interrupted_and_resumed_are_identical(tmp_path):
     texts = tmp_path / "texts.txt"
     texts.write_text("\n".join(_big_texts()) + "\n", encoding="utf-8")

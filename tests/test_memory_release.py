@@ -131,6 +131,7 @@ def _live_storages(*sizes: int) -> list[int]:
     return [len(s) for s in seen]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("background", [False, True])
 def test_streamed_capture_holds_a_bounded_number_of_layers(background, monkeypatch, tmp_path):
     # gc is off, so anything kept by a reference cycle stays visible; at every tensor the writer

@@ -64,6 +64,7 @@ def test_batches_are_windows_and_their_next_characters():
     assert torch.equal(y, x + 1)  # on 0..99 "the next character" is "plus one"
 
 
+@pytest.mark.slow
 def test_recipe_reaches_the_tutorials_loss_in_200_steps(trained):
     model, stats = trained
     assert stats.steps == 200 and len(stats.losses) == 200
@@ -71,6 +72,7 @@ def test_recipe_reaches_the_tutorials_loss_in_200_steps(trained):
     assert stats.final_loss < 0.1
 
 
+@pytest.mark.slow
 def test_sampling_from_at_recites_the_corpus(trained):
     text = trained[0].generate_text("at", 160)
     assert len(text) == 162 and text.startswith("at")

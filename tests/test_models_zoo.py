@@ -71,6 +71,7 @@ def test_train_cli_help_exits_cleanly(capsys):
     assert "--out PATH" in capsys.readouterr().out
 
 
+@pytest.mark.slow
 def test_train_cli_writes_what_the_recipe_computes(tmp_path, capsys):
     out = tmp_path / "fd.safetensors"
     assert train_main(["fused_decoder", "--out", str(out)]) == 0

@@ -128,6 +128,7 @@ def _gpt2_shaped_cache(T: int):
     return probe.capture(model, ids)
 
 
+@pytest.mark.slow
 def test_12_by_12_heads_at_128_tokens_fit_in_5_mb_every_head_exact(tmp_path):
     cache = _gpt2_shaped_cache(128)
     path = probe.report(cache, tmp_path / "r", progress=False)
@@ -142,6 +143,7 @@ def test_12_by_12_heads_at_128_tokens_fit_in_5_mb_every_head_exact(tmp_path):
         assert np.abs(got[layer] - want).max() <= 0.5 / view["scale"] + 1e-9
 
 
+@pytest.mark.slow
 def test_worst_case_patterns_stay_under_5_mb_and_long_texts_degrade_to_thumbnails(tmp_path):
     # flat, incompressible rows (uniform random weights) for 144 heads at T = 128
     flat = rc.synthetic([f"t{i}" for i in range(128)], n_layers=12, n_heads=12, sharpness=0.3)

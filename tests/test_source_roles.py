@@ -18,6 +18,7 @@ import copy
 
 import catalogue_check as C
 import catalogue_configs as K
+import pytest
 import torch
 
 import probe
@@ -29,6 +30,7 @@ def _capture(model, x):
     return t.cache
 
 
+@pytest.mark.slow
 def test_blt_patch_over_byte_attention_is_cross_and_every_pattern_matches_sdpa_in_run_order():
     torch.manual_seed(0)
     model = K.build("blt")
