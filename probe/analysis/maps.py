@@ -1,0 +1,103 @@
+"""Attention on the picture: a query's weights over an image's patch grid, and attention rollout.
+
+A cache of an image model records, per stack, what each position is (``metadata["stacks"][stack]
+["positions"]``: kinds and the patch grid, see docs/cache-format.md). :func:`attention_map` reads
+one query row of a layer's pattern and lays its weights on the patches over ``[rows, cols]``
+(row-major, as the model cut the picture); the class and register columns are left out and the
+weights are not renormalised, so a map sums to the share of the query's attention that reached
+the picture.
+
+``query="rollout"`` is attention rollout (Abnar & Zuidema 2020): each layer's head-mean weights
+mixed half and half with the identity (the residual path), rows renormalised, multiplied from the
+first layer up to ``layer``; the map is the class token's row of that product.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from probe.errors import ProbeError
+
+
+def image_stack(cache: Any, stack: str | None = None) -> tuple[str, dict[str, Any]]:
+    """``(stack, positions)`` of the image stack: ``stack`` if given, else the first with a grid."""
+    stacks = cache.metadata.get("stacks") or {}
+    names = [stack] if stack is not None else list(stacks)
+    for s in names:
+        pos = (stacks.get(s) or {}).get("positions")
+        if isinstance(pos, dict) and pos.get("grid"):
+            return s, pos
+    note = cache.metadata.get("positions_note")
+    where = f"the {stack} stack has" if stack is not None else "no stack of this cache has"
+    raise ProbeError(
+        f"{where} no image patch grid{f' ({note})' if note else ''}; attention_map needs a capture "
+        "of an image model's pixel_values"
+    )
+
+
+def _query_index(query: Any, pos: dict[str, Any]) -> int:
+    grid, kinds = pos["grid"], pos["kinds"]
+    if query == "cls":
+        if "class" not in kinds:
+            raise ProbeError("this model has no class token; give a sequence index or a (row, col) as query")
+        return kinds.index("class")
+    if isinstance(query, tuple) and len(query) == 2 and all(isinstance(v, int) for v in query):
+        r, c = query
+        if not (0 <= r < grid["rows"] and 0 <= c < grid["cols"]):
+            raise ProbeError(f"patch {query} is outside the {grid['rows']}x{grid['cols']} grid")
+        return grid["offset"] + r * grid["cols"] + c
+    if isinstance(query, int) and not isinstance(query, bool):
+        if not 0 <= query < len(kinds):
+            raise ProbeError(f"query {query} is outside the sequence of {len(kinds)} positions")
+        return query
+    raise ProbeError(f"query must be 'cls', 'rollout', a sequence index or a (row, col) patch, not {query!r}")
+
+
+def _on_grid(row: Tensor, grid: dict[str, Any]) -> Tensor:
+    n = grid["rows"] * grid["cols"]
+    return row[..., grid["offset"] : grid["offset"] + n].reshape(*row.shape[:-1], grid["rows"], grid["cols"])
+
+
+def rollout(cache: Any, layer: int, stack: str, batch: int = 0) -> Tensor:
+    """Attention rollout ``[T, T]`` from the first layer up to ``layer`` (see the module docstring)."""
+    out = None
+    for i in range(layer + 1):
+        a = cache.pattern(stack, i, batch=batch).double().mean(0)  # [T, T], mean over heads
+        a = 0.5 * a + 0.5 * torch.eye(a.shape[-1], dtype=a.dtype)
+        a = a / a.sum(-1, keepdim=True)
+        out = a if out is None else a @ out
+    return out.float()
+
+
+def attention_map(
+    cache: Any,
+    layer: int,
+    head: int | None = None,
+    query: Any = "cls",
+    stack: str | None = None,
+    batch: int = 0,
+) -> Tensor:
+    """What one query of ``layer`` reads of the picture: a ``[rows, cols]`` tensor over the patches.
+
+    ``query``: ``"cls"`` (the class token), a sequence index, a ``(row, col)`` patch, or
+    ``"rollout"`` (attention rollout up to ``layer``, read from the class token). ``head=None``
+    takes the mean over heads (rollout always does). ``stack`` defaults to the first stack with an
+    image grid. The weights are the stored ones, not renormalised over the patches.
+    """
+    stack, pos = image_stack(cache, stack)
+    if query == "rollout":
+        if head is not None:
+            raise ProbeError("rollout mixes every head of every layer; leave head=None")
+        return _on_grid(rollout(cache, layer, stack, batch)[_query_index("cls", pos)], pos["grid"])
+    q = _query_index(query, pos)
+    if head is None:
+        row = cache.pattern(stack, layer, batch=batch)[:, q].double().mean(0)  # [head, T, T] -> [T]
+    else:
+        row = cache.pattern(stack, layer, head=head, batch=batch)[q]
+    return _on_grid(row.float(), pos["grid"])
+
+
+__all__ = ["attention_map", "image_stack", "rollout"]

@@ -1,0 +1,155 @@
+"""Image models: keyword inputs, what each position is, and maps on the patch grid (issue 30, first part).
+
+Oracles: HF eager ``output_attentions`` with the same weights, the layout each model's own code
+gives its sequence (written here per family), and maps and rollout computed here from those
+eager weights; never probe's own output.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import transformers as tf
+
+import probe
+from probe.errors import ProbeError
+
+tf.logging.set_verbosity_error()
+TOL = 1e-6
+SMALL = dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64)
+
+
+def _pair(cls, cfg):
+    torch.manual_seed(0)
+    model = cls._from_config(cfg).eval()  # the default implementation (sdpa: no weights returned)
+    eager = cls._from_config(copy.deepcopy(cfg), attn_implementation="eager").eval()
+    eager.load_state_dict(model.state_dict())
+    return model, eager
+
+
+def _eager(eager, **inputs):
+    with torch.no_grad():
+        return eager(**inputs, output_attentions=True).attentions
+
+
+def _vit():
+    # a non-square picture (32 x 48 pixels, 8-pixel patches: 4 rows, 6 columns), so rows and
+    # columns cannot be swapped unnoticed
+    return _pair(tf.ViTModel, tf.ViTConfig(**SMALL, image_size=(32, 48), patch_size=8))
+
+
+@pytest.fixture(scope="module")
+def vit_run():
+    model, eager = _vit()
+    x = torch.randn(2, 3, 32, 48, generator=torch.Generator().manual_seed(1))
+    return model, x, probe.capture(model, {"pixel_values": x}), _eager(eager, pixel_values=x)
+
+
+def test_vit_keyword_inputs_are_captured_exactly_and_positions_are_named(vit_run):
+    model, x, cache, want = vit_run
+    for i in range(2):
+        torch.testing.assert_close(cache.pattern("encoder", i), want[i], atol=TOL, rtol=0)
+    pos = cache.metadata["stacks"]["encoder"]["positions"]
+    assert pos["grid"] == {"rows": 4, "cols": 6, "patch": [8, 8], "image": [32, 48], "offset": 1}
+    assert pos["kinds"] == ["class"] + ["patch"] * 24
+    assert cache.tokens[1][:3] == ["[CLS]", "patch (0, 0)", "patch (0, 1)"]
+    assert cache.tokens[1][7] == "patch (1, 0)"  # row-major: the 7th patch starts row 1
+    assert cache.metadata["input_kind"] == "inputs" and cache.metadata["image_shape"] == [2, 3, 32, 48]
+    # a processor's BatchFeature is taken as it is
+    again = probe.capture(model, tf.BatchFeature({"pixel_values": x}))
+    torch.testing.assert_close(again.pattern("encoder", 1), want[1], atol=TOL, rtol=0)
+
+
+def test_attention_map_lays_a_query_on_the_grid(vit_run):
+    _, _, cache, want = vit_run
+    w = want[1][1]  # layer 1, image 1: [head, 25, 25]
+    got = probe.attention_map(cache, 1, query="cls", batch=1)
+    torch.testing.assert_close(got, w[:, 0, 1:].mean(0).reshape(4, 6), atol=TOL, rtol=0)
+    got = probe.attention_map(cache, 1, head=2, query=(3, 5), batch=1)
+    torch.testing.assert_close(got, w[2, 1 + 3 * 6 + 5, 1:].reshape(4, 6), atol=TOL, rtol=0)
+    # by hand: the weight of patch (r, c) is column 1 + 6 r + c
+    got = probe.attention_map(cache, 0, head=0, query=4)
+    for r in range(4):
+        for c in range(6):
+            assert abs(float(got[r, c]) - float(want[0][0, 0, 4, 1 + 6 * r + c])) <= TOL
+
+
+def test_rollout_against_a_loop_written_here(vit_run):
+    _, _, cache, want = vit_run
+    T = 25
+    joint = torch.eye(T, dtype=torch.float64)
+    for layer in range(2):
+        a = want[layer][0].double().mean(0)
+        a = (a + torch.eye(T, dtype=torch.float64)) / 2
+        a = a / a.sum(-1, keepdim=True)
+        joint = a @ joint
+    got = probe.attention_map(cache, 1, query="rollout")
+    torch.testing.assert_close(got, joint[0, 1:].float().reshape(4, 6), atol=1e-6, rtol=0)
+
+
+def test_registers_and_distillation_tokens_are_named():
+    # DINOv2 with registers: [CLS], the registers, then the patches (its embeddings' own order)
+    cfg = tf.Dinov2WithRegistersConfig(**SMALL, image_size=28, patch_size=14, num_register_tokens=2)
+    model, eager = _pair(tf.Dinov2WithRegistersModel, cfg)
+    x = torch.randn(1, 3, 28, 42)  # 2 x 3 patches (its position embeddings interpolate)
+    cache = probe.capture(model, {"pixel_values": x})
+    for i, w in enumerate(_eager(eager, pixel_values=x)):
+        torch.testing.assert_close(cache.pattern("encoder", i), w, atol=TOL, rtol=0)
+    assert cache.tokens[0][:4] == ["[CLS]", "reg 0", "reg 1", "patch (0, 0)"]
+    pos = cache.metadata["stacks"]["encoder"]["positions"]
+    assert pos["kinds"][:3] == ["class", "register", "register"] and pos["grid"]["offset"] == 3
+    assert (pos["grid"]["rows"], pos["grid"]["cols"]) == (2, 3)
+    # DeiT: [CLS], the distillation token, then the patches
+    model, eager = _pair(tf.DeiTModel, tf.DeiTConfig(**SMALL, image_size=32, patch_size=8))
+    x = torch.randn(1, 3, 32, 32)
+    cache = probe.capture(model, {"pixel_values": x})
+    torch.testing.assert_close(
+        cache.pattern("encoder", 1), _eager(eager, pixel_values=x)[1], atol=TOL, rtol=0
+    )
+    assert cache.tokens[0][:3] == ["[CLS]", "[DIST]", "patch (0, 0)"] and len(cache.tokens[0]) == 18
+
+
+def test_clip_vision_tower_class_embedding():
+    cfg = tf.CLIPVisionConfig(**SMALL, image_size=32, patch_size=8)
+    model, eager = _pair(tf.CLIPVisionModel, cfg)
+    x = torch.randn(1, 3, 32, 32)
+    cache = probe.capture(model, {"pixel_values": x})
+    want = _eager(eager, pixel_values=x)
+    for i in range(2):
+        torch.testing.assert_close(cache.pattern("encoder", i), want[i], atol=TOL, rtol=0)
+    assert cache.tokens[0][0] == "[CLS]" and cache.tokens[0][-1] == "patch (3, 3)"
+    torch.testing.assert_close(
+        probe.attention_map(cache, 0), want[0][0, :, 0, 1:].mean(0).reshape(4, 4), atol=TOL, rtol=0
+    )
+
+
+def test_bad_keyword_inputs_say_what_the_forward_takes(vit_run):
+    model, x, cache, _ = vit_run
+    with pytest.raises(ProbeError, match=r"forward takes no 'pixels'; it takes pixel_values, "):
+        probe.capture(model, {"pixels": x})
+    with pytest.raises(ProbeError, match="empty dict of inputs"):
+        probe.capture(model, {})
+    with pytest.raises(ProbeError, match="outside the 4x6 grid"):
+        probe.attention_map(cache, 0, query=(4, 0))
+    with pytest.raises(ProbeError, match="leave head=None"):
+        probe.attention_map(cache, 0, head=1, query="rollout")
+    import models
+
+    text = probe.capture(models.load("minigpt"), "attention lets tokens read.")
+    with pytest.raises(ProbeError, match="no image patch grid"):
+        probe.attention_map(text, 0)
+
+
+def test_a_sequence_that_is_not_prefix_plus_grid_says_so():
+    # ViT-MAE drops a random 75% of the patches: the sequence is no longer [CLS] + the grid
+    cfg = tf.ViTMAEConfig(**SMALL, image_size=32, patch_size=8, mask_ratio=0.75)
+    torch.manual_seed(0)
+    model = tf.ViTMAEModel(cfg).eval()
+    cache = probe.capture(model, {"pixel_values": torch.randn(1, 3, 32, 32)})
+    assert "positions" not in cache.metadata["stacks"]["encoder"]
+    assert "could not tell which positions are which patches" in cache.metadata["positions_note"]
+    assert cache.tokens[0] == [str(i) for i in range(5)]  # [CLS] + 4 kept patches, numbered
+    with pytest.raises(ProbeError, match="could not tell"):
+        probe.attention_map(cache, 0)
