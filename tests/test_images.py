@@ -153,3 +153,109 @@ def test_a_sequence_that_is_not_prefix_plus_grid_says_so():
     assert cache.tokens[0] == [str(i) for i in range(5)]  # [CLS] + 4 kept patches, numbered
     with pytest.raises(ProbeError, match="could not tell"):
         probe.attention_map(cache, 0)
+
+
+# -- pictures through the model's processor -----------------------------------------------------------------
+def _processor():
+    # what ViTImageProcessor does for this ViT: resize to 32 x 48, scale to [0, 1], normalise
+    return tf.ViTImageProcessor(size={"height": 32, "width": 48}, image_mean=[0.5] * 3, image_std=[0.5] * 3)
+
+
+def test_pictures_files_and_arrays_through_a_processor(vit_run, tmp_path):
+    import numpy as np
+    from PIL import Image
+
+    model, _, _, _ = vit_run
+    _, eager = _vit()
+    rng = np.random.default_rng(0)
+    arrays = [
+        rng.integers(0, 256, (40, 60, 3), dtype=np.uint8),
+        rng.integers(0, 256, (64, 96, 3), dtype=np.uint8),
+    ]
+    Image.fromarray(arrays[0]).save(tmp_path / "cat.png")
+    proc = _processor()
+    # the oracle: the processor's own tensors, run through eager attention
+    want = _eager(
+        eager,
+        pixel_values=proc(images=[Image.fromarray(a) for a in arrays], return_tensors="pt")["pixel_values"],
+    )
+    for inputs in (
+        [tmp_path / "cat.png", Image.fromarray(arrays[1])],
+        [str(tmp_path / "cat.png"), arrays[1]],
+    ):
+        cache = probe.capture(model, inputs, processor=proc)
+        for i in range(2):
+            torch.testing.assert_close(cache.pattern("encoder", i), want[i], atol=1e-5, rtol=0)
+        assert cache.metadata["images"] == ["cat.png", "image 1"]
+        assert cache.metadata["image_shape"] == [2, 3, 32, 48] and cache.tokens[0][1] == "patch (0, 0)"
+
+
+def test_bad_pictures_are_one_line_each(vit_run, tmp_path):
+    import numpy as np
+    from PIL import Image
+
+    model, _, _, _ = vit_run
+    proc = _processor()
+    broken = tmp_path / "broken.png"
+    broken.write_bytes(b"\x89PNG\r\n\x1a\n not a picture")
+    with pytest.raises(ProbeError, match=r"^image 0: cannot read '.*broken\.png' as a picture"):
+        probe.capture(model, broken, processor=proc)
+    picture = Image.fromarray(np.zeros((8, 8, 3), dtype=np.uint8))
+    picture.save(tmp_path / "ok.png")
+    with pytest.raises(ProbeError, match=r"^image 1: no such file '.*missing\.jpg'"):
+        probe.capture(model, [tmp_path / "ok.png", tmp_path / "missing.jpg"], processor=proc)
+    with pytest.raises(ProbeError, match=r"pictures need processor="):
+        probe.capture(model, picture)
+    with pytest.raises(ProbeError, match=r"processor= takes pictures"):
+        probe.capture(model, 42, processor=proc)
+    # a processor that is not the model's: 64 x 64 pictures for a 32 x 48 ViT
+    wrong = tf.ViTImageProcessor(size={"height": 64, "width": 64})
+    with pytest.raises(ProbeError, match=r"refused these inputs \(Input image size .*belong to the model"):
+        probe.capture(model, picture, processor=wrong)
+
+
+def test_cli_capture_of_images_from_a_hugging_face_folder(tmp_path, capsys):
+    import numpy as np
+    from PIL import Image
+
+    from probe.cli import main
+
+    model, eager = _vit()
+    folder = tmp_path / "my-vit"
+    model.save_pretrained(folder)
+    _processor().save_pretrained(folder)
+    rng = np.random.default_rng(3)
+    paths = []
+    for name in ("cat.png", "dog.png"):
+        Image.fromarray(rng.integers(0, 256, (40, 60, 3), dtype=np.uint8)).save(tmp_path / name)
+        paths.append(tmp_path / name)
+    out = tmp_path / "vit.safetensors"
+    argv = [
+        "capture",
+        "--hf",
+        str(folder),
+        "--image",
+        str(paths[0]),
+        "--image",
+        str(paths[1]),
+        "-o",
+        str(out),
+    ]
+    assert main(argv) == 0
+    assert f"wrote {out}" in capsys.readouterr().out
+    cache = probe.load(out)
+    pixels = _processor()(images=[Image.open(p).convert("RGB") for p in paths], return_tensors="pt")
+    want = _eager(eager, pixel_values=pixels["pixel_values"])
+    torch.testing.assert_close(cache.pattern("encoder", 1), want[1], atol=1e-5, rtol=0)
+    assert cache.metadata["images"] == ["cat.png", "dog.png"] and cache.tokens[1][0] == "[CLS]"
+    # no processor anywhere: one line, exit 2, nothing written
+    bare = tmp_path / "bare"
+    model.save_pretrained(bare)
+    capsys.readouterr()
+    again = tmp_path / "again.safetensors"
+    assert main(["capture", "--hf", str(bare), "--image", str(paths[0]), "-o", str(again)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("probe: error: --image needs the model's image processor") and "\n" not in err
+    assert main(["capture", "--hf", str(folder), "-o", str(again)]) == 2
+    assert "give a TEXT or --image PATH" in capsys.readouterr().err
+    assert not again.exists() and not list(tmp_path.glob("*.tmp*"))

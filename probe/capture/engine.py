@@ -226,6 +226,7 @@ def capture(
     *,
     tokenizer: Any = None,
     target: Any = None,
+    processor: Any = None,
     out: str | os.PathLike | None = None,
     layers: list[int] | None = None,
     heads: list[int] | None = None,
@@ -234,8 +235,11 @@ def capture(
 ) -> Cache:
     """Run ``model`` on ``inputs`` and capture every attention pattern and residual delta.
 
-    ``inputs`` is a text, a list of texts (padded into one batch), or a tensor of token ids or
-    of float inputs. The tokenizer comes from ``tokenizer`` or ``model.tokenizer``. For
+    ``inputs`` is a text, a list of texts (padded into one batch), a tensor of token ids or of
+    float inputs, a dict of keyword tensors (a processor's ``BatchFeature``: ``{"pixel_values":
+    x}``), or pictures (PIL images, numpy arrays, image files, or a list of them) with
+    ``processor`` (the model's image processor, called as ``processor(images=...,
+    return_tensors="pt")``). The tokenizer comes from ``tokenizer`` or ``model.tokenizer``. For
     encoder-decoders ``target`` is the decoder text for teacher forcing; without it probe decodes
     greedily (where the model offers it) and captures that forward. With ``out`` the cache is
     streamed to that safetensors file layer by layer and returned opened lazily.
@@ -261,7 +265,7 @@ def capture(
         )
     if out is not None:
         check_output(out)
-    prepared = prepare(model, inputs, tokenizer=tokenizer, target=target)
+    prepared = prepare(model, inputs, tokenizer=tokenizer, target=target, processor=processor)
     t = Trace(
         model,
         out=out,

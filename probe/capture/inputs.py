@@ -21,6 +21,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from probe.capture.images import is_images
 from probe.capture.tokenizers import Encoding, adapt, clip
 from probe.errors import ProbeError
 
@@ -148,17 +149,19 @@ def _record(meta: dict, prefix: str, texts: list[str], encs: list[Encoding], mas
     meta[f"{prefix}attention_mask"] = mask.tolist()
 
 
-def prepare(model: nn.Module, inputs: Any, *, tokenizer: Any = None, target: Any = None) -> Prepared:
+def prepare(
+    model: nn.Module, inputs: Any, *, tokenizer: Any = None, target: Any = None, processor: Any = None
+) -> Prepared:
     """Build the forward call for ``model`` on ``inputs`` (see :func:`probe.capture`)."""
     if not isinstance(model, nn.Module):
         raise ProbeError(f"probe captures torch.nn.Module models, not {type(model).__name__}")
     name = model_name(model)
+    if processor is not None or isinstance(inputs, Mapping) or is_images(inputs, files=False):
+        from probe.capture.keywords import prepare_keywords  # it builds on this module's helpers
+
+        return prepare_keywords(model, inputs, tokenizer=tokenizer, target=target, processor=processor)
     if isinstance(inputs, Tensor):
         return _prepare_tensor(model, inputs, tokenizer, name)
-    if isinstance(inputs, Mapping):  # keyword tensors, a processor's BatchFeature among them
-        if target is not None:
-            raise ProbeError("target= is for texts; with a dict of inputs pass decoder_input_ids in it")
-        return _prepare_kwargs(model, inputs, tokenizer, name)
     raw_tok = tokenizer if tokenizer is not None else getattr(model, "tokenizer", None)
     if raw_tok is None:
         raise ProbeError(f"{name} has no tokenizer; pass tokenizer=... or a tensor of token ids")
@@ -320,54 +323,6 @@ def _prepare_tensor(model: nn.Module, x: Tensor, tokenizer: Any, name: str) -> P
     if is_hf_model(model):
         return Prepared(lambda: model(input_ids=ids), meta)
     return Prepared(lambda: model(ids), meta)
-
-
-def _forward_params(model: nn.Module) -> tuple[list[str], bool]:
-    """The forward's parameter names (``self`` left out) and whether it takes ``**kwargs``."""
-    try:
-        params = inspect.signature(model.forward).parameters
-    except (TypeError, ValueError):
-        return [], True
-    names = [n for n, p in params.items() if p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)]
-    return names, any(p.kind == p.VAR_KEYWORD for p in params.values())
-
-
-def _prepare_kwargs(model: nn.Module, inputs: Mapping, tokenizer: Any, name: str) -> Prepared:
-    """A dict of keyword inputs (``pixel_values``, ``input_ids``, masks, grids; a processor's
-    ``BatchFeature``), handed to the forward as they are, moved to the model's device."""
-    if not inputs:
-        raise ProbeError(f"an empty dict of inputs; give the keyword tensors {name}'s forward takes")
-    params, var_kw = _forward_params(model)
-    # a transformers forward's **kwargs are attention flags: a misspelt input would vanish there
-    open_ended = var_kw and not is_hf_model(model)
-    unknown = [k for k in inputs if not isinstance(k, str) or (k not in params and not open_ended)]
-    if unknown:
-        raise ProbeError(
-            f"{name}'s forward takes no {', '.join(map(repr, unknown))}; it takes {', '.join(params)}"
-        )
-    device = device_of(model)
-    kwargs = {k: v.to(device) if isinstance(v, Tensor) else v for k, v in inputs.items()}
-    if not any(isinstance(v, Tensor) for v in kwargs.values()):
-        raise ProbeError(f"no tensor among the inputs {', '.join(kwargs)}; give the model's keyword tensors")
-    meta: dict[str, Any] = {"input_kind": "inputs", "input_keys": list(kwargs)}
-    pixels = kwargs.get("pixel_values")
-    if isinstance(pixels, Tensor):
-        meta["image_shape"] = list(pixels.shape)
-    ids = kwargs.get("input_ids")
-    if isinstance(ids, Tensor) and ids.dim() == 2 and not ids.is_floating_point():
-        raw_tok = tokenizer if tokenizer is not None else getattr(model, "tokenizer", None)
-        rows = ids.tolist()
-        if raw_tok is not None:
-            meta["tokens"] = [adapt(raw_tok).tokens_of(r) for r in rows]
-        else:
-            meta["tokens"] = [[str(i) for i in r] for r in rows]
-        meta["ids"] = rows
-        mask = kwargs.get("attention_mask")
-        full = isinstance(mask, Tensor) and mask.shape == ids.shape
-        meta["attention_mask"] = (mask if full else torch.ones_like(ids)).long().tolist()
-    if "use_cache" in params and "use_cache" not in kwargs:
-        kwargs["use_cache"] = False
-    return Prepared(lambda: model(**kwargs), meta)
 
 
 __all__ = ["Prepared", "prepare", "is_hf_model", "model_name", "position_ids"]

@@ -51,6 +51,7 @@ def capture_stats(
     *,
     tokenizer: Any = None,
     target: Any = None,
+    processor: Any = None,
     out: str | os.PathLike | None = None,
     layers: list[int] | None = None,
     heads: list[int] | None = None,
@@ -74,7 +75,15 @@ def capture_stats(
         check_output(out)
     sink = NormSink()
     names, meta, consumer = run_blocks(
-        model, inputs, open_attention, sink, tokenizer=tokenizer, target=target, layers=layers, block=block
+        model,
+        inputs,
+        open_attention,
+        sink,
+        tokenizer=tokenizer,
+        target=target,
+        processor=processor,
+        layers=layers,
+        block=block,
     )
     tensors = {f"{names[h]}.norm": n for h, n in sorted(sink.norms.items())}
     stats, extra = finish(meta, {names[h]: r for h, r in consumer.readers.items()})

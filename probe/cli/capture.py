@@ -6,7 +6,7 @@ import argparse
 from pathlib import Path
 
 from probe.cli import common
-from probe.cli.common import _human, _ints, add_model_args, examples
+from probe.cli.common import _human, _ints, add_image_args, add_model_args, examples
 from probe.errors import ProbeError
 
 
@@ -20,8 +20,19 @@ def cmd_capture(args: argparse.Namespace) -> int:
     if out.suffix != ".safetensors":
         raise ProbeError(f"output {out} should end in .safetensors")
     check_output(out)  # before loading the model and running the forward
+    if bool(args.text) == bool(args.image):
+        raise ProbeError(
+            "give a TEXT or --image PATH, not both (pictures with text, for vision-language models, "
+            "are not captured yet)"
+            if args.text
+            else "nothing to capture; give a TEXT or --image PATH"
+        )
+    processor = common.load_processor(args) if args.image else None  # refused before the model loads
     model, tok = common.load_model(args)
-    text = args.text if len(args.text) > 1 else args.text[0]
+    if args.image:
+        text = args.image
+    else:
+        text = args.text if len(args.text) > 1 else args.text[0]
     target = None
     if args.target is not None:
         target = args.target if len(args.target) > 1 else args.target[0]
@@ -30,6 +41,7 @@ def cmd_capture(args: argparse.Namespace) -> int:
         text,
         tokenizer=tok,
         target=target,
+        processor=processor,
         out=out,
         layers=args.layers,
         heads=args.heads,
@@ -136,13 +148,15 @@ def add_capture_parser(sub) -> None:
             "probe capture --model minigpt 'attention lets tokens read.' -o run.safetensors",
             "probe capture --model translator 'ich mochte ein bier' --target 'S i want a beer'",
             "probe capture --hf ./my-model 'some text' --layers 0,1 -o run.safetensors",
+            "probe capture --hf ./my-vit --image cat.png --image dog.png -o vit.safetensors",
             "probe capture --model minigpt 'a long text' --keep rows:-1,-2 -o rows.safetensors",
             "probe capture --model minigpt 'a long text' --keep topk:32 -o topk.safetensors",
             "probe capture --model minigpt 'a long text' --keep stats -o stats.safetensors",
         ),
     )
-    p.add_argument("text", nargs="+", metavar="TEXT", help="input text (several = one batch)")
+    p.add_argument("text", nargs="*", metavar="TEXT", help="input text (several = one batch)")
     add_model_args(p)
+    add_image_args(p)
     p.add_argument(
         "--target",
         "-t",

@@ -95,11 +95,57 @@ def _load_hf(path: str):
     elif any(a.endswith(("ForCausalLM", "LMHeadModel")) for a in (config.architectures or [])):
         auto = transformers.AutoModelForCausalLM
     try:
-        tok = transformers.AutoTokenizer.from_pretrained(folder)
+        tok = _hf_tokenizer(transformers, folder)
         model = auto.from_pretrained(folder).eval()
     except (OSError, ValueError) as e:
         raise ProbeError(f"--hf {path}: could not load ({str(e).splitlines()[0]})") from None
     return model, tok
+
+
+def _hf_tokenizer(transformers, folder: Path):
+    """The folder's tokenizer; None for a folder with no tokenizer files (an image model's)."""
+    files = ("tokenizer.json", "tokenizer_config.json", "vocab.txt", "vocab.json", "spiece.model")
+    if not any((folder / f).is_file() for f in files) and not list(folder.glob("*.model")):
+        return None
+    return transformers.AutoTokenizer.from_pretrained(folder)
+
+
+def add_image_args(p: argparse.ArgumentParser) -> None:
+    """``--image PATH`` (several allowed) and ``--processor NAME_OR_PATH``."""
+    p.add_argument(
+        "--image",
+        action="append",
+        default=None,
+        metavar="PATH",
+        help="a picture to capture (several = one batch)",
+    )
+    p.add_argument(
+        "--processor",
+        default=None,
+        metavar="PATH",
+        help="the model's image processor: a local folder with preprocessor_config.json "
+        "(default: the --hf folder's own)",
+    )
+
+
+def load_processor(args: argparse.Namespace):
+    """The image processor for ``--image``: ``--processor PATH``, else the ``--hf`` folder's own."""
+    import os
+
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    path = args.processor or getattr(args, "hf", None)
+    if path is None or not (Path(path) / "preprocessor_config.json").is_file():
+        where = f"{path} has no preprocessor_config.json" if path else "no processor given"
+        raise ProbeError(
+            f"--image needs the model's image processor ({where}); give --processor PATH, a local "
+            "folder with preprocessor_config.json"
+        )
+    import transformers
+
+    try:
+        return transformers.AutoImageProcessor.from_pretrained(path)
+    except (OSError, ValueError) as e:
+        raise ProbeError(f"--processor {path}: could not load ({str(e).splitlines()[0]})") from None
 
 
 def _export(result, args: argparse.Namespace) -> None:

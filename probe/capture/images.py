@@ -1,0 +1,87 @@
+"""Pictures as inputs: PIL images, numpy arrays and image files, turned into the model's keyword
+tensors by the user's processor (a transformers image processor or processor, called as
+``processor(images=..., return_tensors="pt")``, the way users already call it).
+
+Files are read with Pillow (matplotlib's own dependency) and converted to RGB; an unreadable or
+corrupt file, an empty list or a processor that fails on the pictures is one clear line.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from probe.errors import ProbeError
+
+SUFFIXES = {".png", ".jpg", ".jpeg", ".bmp", ".gif", ".webp", ".tif", ".tiff", ".ppm", ".pgm"}
+
+
+def _is_image(x: Any) -> bool:
+    if isinstance(x, (str, Path)):
+        return Path(x).suffix.lower() in SUFFIXES
+    if type(x).__module__.startswith("PIL."):
+        return True
+    return type(x).__module__ == "numpy" and getattr(x, "ndim", 0) in (2, 3)
+
+
+def is_images(inputs: Any, files: bool = True) -> bool:
+    """Whether ``inputs`` is a picture (a PIL image, an ``[H, W(, C)]`` numpy array, an image file
+    path unless ``files=False``: a string may as well be a text) or a non-empty list of them."""
+    items = inputs if isinstance(inputs, (list, tuple)) else [inputs]
+    ok = (lambda x: _is_image(x) and not isinstance(x, (str, Path))) if not files else _is_image
+    return bool(items) and all(ok(x) for x in items)
+
+
+def _open(x: Any, i: int) -> Any:
+    from PIL import Image, UnidentifiedImageError
+
+    if isinstance(x, (str, Path)):
+        path = Path(x)
+        if not path.is_file():
+            raise ProbeError(f"image {i}: no such file {str(path)!r}")
+        try:
+            with Image.open(path) as img:
+                return img.convert("RGB")
+        except (UnidentifiedImageError, OSError, ValueError) as e:
+            why = str(e).splitlines()[0] if str(e) else type(e).__name__
+            raise ProbeError(f"image {i}: cannot read {str(path)!r} as a picture ({why})") from None
+    if type(x).__module__ == "numpy":
+        if x.size == 0:
+            raise ProbeError(f"image {i}: an empty array; give [height, width] or [height, width, channels]")
+        return x
+    return x
+
+
+def load_images(inputs: Any) -> list[Any]:
+    """The pictures of ``inputs`` (see :func:`is_images`), files opened as RGB PIL images."""
+    items = list(inputs) if isinstance(inputs, (list, tuple)) else [inputs]
+    return [_open(x, i) for i, x in enumerate(items)]
+
+
+def process(processor: Any, images: list[Any]) -> Mapping:
+    """``processor(images=images, return_tensors="pt")``, its failure said in one line."""
+    if not callable(processor):
+        raise ProbeError(
+            f"processor= should be a transformers (image) processor, not {type(processor).__name__}"
+        )
+    try:
+        out = processor(images=images, return_tensors="pt")
+    except Exception as e:  # the processor is the user's library: say what failed and the way out
+        why = str(e).splitlines()[0] if str(e) else type(e).__name__
+        raise ProbeError(
+            f"the processor {type(processor).__name__} failed on the images ({why}); give the processor "
+            "that belongs to the model"
+        ) from None
+    if not isinstance(out, Mapping) or "pixel_values" not in out:
+        raise ProbeError(f"the processor {type(processor).__name__} returned no pixel_values for the images")
+    return out
+
+
+def image_names(inputs: Any) -> list[str]:
+    """What each picture is called in the cache: a file's name, else ``image i``."""
+    items = list(inputs) if isinstance(inputs, (list, tuple)) else [inputs]
+    return [Path(x).name if isinstance(x, (str, Path)) else f"image {i}" for i, x in enumerate(items)]
+
+
+__all__ = ["image_names", "is_images", "load_images", "process"]
