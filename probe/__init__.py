@@ -19,6 +19,7 @@ from probe.analysis.causal import CausalReport, check_causal  # noqa: E402
 from probe.analysis.compare import Comparison, compare  # noqa: E402
 from probe.analysis.focus import HeadStats, head_stats, induction_scores, retrieval_scores  # noqa: E402
 from probe.analysis.maps import attention_map  # noqa: E402
+from probe.analysis.pointing import Pointing, pointing  # noqa: E402
 from probe.analysis.residual import budget, logit_lens, residual  # noqa: E402
 from probe.cache import Cache, load  # noqa: E402
 from probe.capture import Trace, trace  # noqa: E402
@@ -57,7 +58,7 @@ __all__ += [
 __all__ += ["run_corpus", "open_corpus", "Corpus"]
 __all__ += ["ablate", "Ablation", "patch", "Patching", "head_importance", "HeadImportance"]
 __all__ += ["knockout", "Knockout", "intervene", "Intervention"]
-__all__ += ["attention_map"]
+__all__ += ["attention_map", "pointing", "Pointing"]
 
 
 def __getattr__(name: str):

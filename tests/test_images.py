@@ -259,3 +259,45 @@ def test_cli_capture_of_images_from_a_hugging_face_folder(tmp_path, capsys):
     assert main(["capture", "--hf", str(folder), "-o", str(again)]) == 2
     assert "give a TEXT or --image PATH" in capsys.readouterr().err
     assert not again.exists() and not list(tmp_path.glob("*.tmp*"))
+
+
+# -- the pointing game ---------------------------------------------------------------------------------------
+def test_pointing_game_against_loops_written_here():
+    # a 4 x 6 grid over a 32 x 48 image: patch (r, c) covers rows 8r..8r+7 and columns 8c..8c+7
+    m = torch.zeros(4, 6)
+    m[1, 2], m[3, 5], m[0, 0] = 0.5, 0.3, 0.2
+    box = (16, 8, 32, 20)  # x 16..32 (columns 2 and 3), y 8..20 (row 1 whole, row 2 half)
+    got = probe.pointing({"L0.H0": m, "flat": torch.ones(4, 6)}, box, image=(32, 48))
+    rows = {r["map"]: r for r in got.table}
+    assert rows["L0.H0"]["hit"] is True and rows["L0.H0"]["peak"] == [1, 2]
+    # the mass inside by a loop over pixels: each patch's weight times its share of object pixels
+    inside = 0.0
+    for r in range(4):
+        for c in range(6):
+            pixels = [(y, x) for y in range(8 * r, 8 * r + 8) for x in range(8 * c, 8 * c + 8)]
+            share = sum(16 <= x + 0.5 < 32 and 8 <= y + 0.5 < 20 for y, x in pixels) / 64
+            inside += float(m[r, c]) * share
+    assert abs(rows["L0.H0"]["mass_inside"] - inside / float(m.sum())) < 1e-6  # float32 weights
+    assert rows["flat"]["peak"] == [0, 0] and rows["flat"]["hit"] is False  # ties: the first patch
+    assert abs(rows["flat"]["mass_inside"] - (16 * 12) / (32 * 48)) < 1e-12
+    assert [r["map"] for r in got.by_map] == ["L0.H0", "flat"] and got.by_map[0]["hit_rate"] == 1.0
+    # masks, several images, one object each
+    mask = torch.zeros(32, 48, dtype=torch.bool)
+    mask[24:, 40:] = True  # patch (3, 5) exactly
+    both = probe.pointing(torch.stack([m, m.flip(0)]), [mask, mask], image=(32, 48))
+    assert [r["hit"] for r in both.table] == [False, False]
+    assert abs(both.table[0]["mass_inside"] - 0.3) < 1e-6
+    with pytest.raises(ProbeError, match="2 objects for 3 images"):
+        probe.pointing(torch.zeros(3, 4, 6), [box, box], image=(32, 48))
+    with pytest.raises(ProbeError, match="box .* is empty"):
+        probe.pointing(m, (5, 5, 5, 9), image=(32, 48))
+
+
+def test_pointing_on_maps_of_a_capture(vit_run):
+    _, _, cache, _ = vit_run
+    grid = cache.metadata["stacks"]["encoder"]["positions"]["grid"]
+    maps = {f"L1.H{h}": probe.attention_map(cache, 1, head=h) for h in range(4)}
+    got = probe.pointing(maps, (0, 0, 48, 32), image=tuple(grid["image"]))  # the whole picture
+    assert all(r["hit"] for r in got.table)
+    for r in got.table:  # the whole picture holds the whole map
+        assert abs(r["mass_inside"] - 1.0) < 1e-6
