@@ -301,3 +301,42 @@ def test_pointing_on_maps_of_a_capture(vit_run):
     assert all(r["hit"] for r in got.table)
     for r in got.table:  # the whole picture holds the whole map
         assert abs(r["mass_inside"] - 1.0) < 1e-6
+
+
+# -- vision-language models --------------------------------------------------------------------------------
+def _llava():
+    vision = tf.CLIPVisionConfig(**SMALL, image_size=32, patch_size=8)  # 4 x 4 patches + [CLS]
+    text = tf.LlamaConfig(**SMALL, vocab_size=96, num_key_value_heads=2, max_position_embeddings=128)
+    cfg = tf.LlavaConfig(
+        vision_config=vision, text_config=text, image_token_index=95, vision_feature_layer=-1
+    )
+    return _pair(tf.LlavaForConditionalGeneration, cfg)
+
+
+def test_llava_text_positions_read_the_picture_they_hold():
+    # LLaVA (its default feature strategy drops [CLS]): each image token is one vision patch, in
+    # the tower's row-major order; two pictures in one text take two runs of 16 image tokens
+    model, eager = _llava()
+    ids = torch.tensor([[1, 5] + [95] * 16 + [7] + [95] * 16 + [8, 9]])
+    pixels = torch.randn(2, 3, 32, 32, generator=torch.Generator().manual_seed(2))
+    inputs = {"input_ids": ids, "pixel_values": pixels, "attention_mask": torch.ones_like(ids)}
+    cache = probe.capture(model, inputs)
+    with torch.no_grad():
+        want = eager(**inputs, output_attentions=True).attentions  # the language model's
+    lm = "model.language_model.layers"
+    for i in range(2):
+        torch.testing.assert_close(cache.pattern(lm, i), want[i], atol=TOL, rtol=0)
+    rows = cache.metadata["stacks"][lm]["positions"]["rows"]
+    assert [g["offset"] for g in rows[0]["grids"]] == [2, 19]
+    assert rows[0]["kinds"][:3] == ["text", "text", "image"] and rows[0]["kinds"][18] == "text"
+    assert cache.tokens[0][2] == "img 0 (0, 0)" and cache.tokens[0][34] == "img 1 (3, 3)"
+    # what the last text position reads of each picture, by hand from eager's weights
+    for image, offset in ((0, 2), (1, 19)):
+        got = probe.attention_map(cache, 1, query=36, stack=lm, image=image)
+        expect = want[1][0, :, 36, offset : offset + 16].mean(0).reshape(4, 4)
+        torch.testing.assert_close(got, expect, atol=TOL, rtol=0)
+    # the vision tower keeps its own grid ([CLS] + 4 x 4) and its maps
+    tower = cache.metadata["stacks"]["model.vision_tower.encoder.layers"]["positions"]
+    assert tower["grid"]["offset"] == 1 and (tower["grid"]["rows"], tower["grid"]["cols"]) == (4, 4)
+    with pytest.raises(ProbeError, match="text 0 holds 2 images"):
+        probe.attention_map(cache, 1, query=36, stack=lm, image=2)

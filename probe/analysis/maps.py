@@ -28,7 +28,7 @@ def image_stack(cache: Any, stack: str | None = None) -> tuple[str, dict[str, An
     names = [stack] if stack is not None else list(stacks)
     for s in names:
         pos = (stacks.get(s) or {}).get("positions")
-        if isinstance(pos, dict) and pos.get("grid"):
+        if isinstance(pos, dict) and (pos.get("grid") or pos.get("rows")):
             return s, pos
     note = cache.metadata.get("positions_note")
     where = f"the {stack} stack has" if stack is not None else "no stack of this cache has"
@@ -42,7 +42,9 @@ def _query_index(query: Any, pos: dict[str, Any]) -> int:
     grid, kinds = pos["grid"], pos["kinds"]
     if query == "cls":
         if "class" not in kinds:
-            raise ProbeError("this model has no class token; give a sequence index or a (row, col) as query")
+            raise ProbeError(
+                "these positions have no class token; give a sequence index or a (row, col) as query"
+            )
         return kinds.index("class")
     if isinstance(query, tuple) and len(query) == 2 and all(isinstance(v, int) for v in query):
         r, c = query
@@ -72,6 +74,17 @@ def rollout(cache: Any, layer: int, stack: str, batch: int = 0) -> Tensor:
     return out.float()
 
 
+def _text_row(pos: dict[str, Any], batch: int, image: int) -> dict[str, Any]:
+    """A vision-language stack's positions: text ``batch``'s kinds and the grid of its ``image``."""
+    rows = pos["rows"]
+    if not 0 <= batch < len(rows):
+        raise ProbeError(f"batch {batch} is outside the {len(rows)} texts")
+    grids = rows[batch]["grids"]
+    if not 0 <= image < len(grids):
+        raise ProbeError(f"image {image}: text {batch} holds {len(grids)} images")
+    return {"kinds": rows[batch]["kinds"], "grid": grids[image]}
+
+
 def attention_map(
     cache: Any,
     layer: int,
@@ -79,15 +92,20 @@ def attention_map(
     query: Any = "cls",
     stack: str | None = None,
     batch: int = 0,
+    image: int = 0,
 ) -> Tensor:
     """What one query of ``layer`` reads of the picture: a ``[rows, cols]`` tensor over the patches.
 
     ``query``: ``"cls"`` (the class token), a sequence index, a ``(row, col)`` patch, or
     ``"rollout"`` (attention rollout up to ``layer``, read from the class token). ``head=None``
     takes the mean over heads (rollout always does). ``stack`` defaults to the first stack with an
-    image grid. The weights are the stored ones, not renormalised over the patches.
+    image grid; a vision-language model's language stack (``stack=`` its name) maps what a text
+    position (``query=`` its index) reads of picture ``image`` of text ``batch``. The weights are
+    the stored ones, not renormalised over the patches.
     """
     stack, pos = image_stack(cache, stack)
+    if "rows" in pos:
+        pos = _text_row(pos, batch, image)
     if query == "rollout":
         if head is not None:
             raise ProbeError("rollout mixes every head of every layer; leave head=None")

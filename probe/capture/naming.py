@@ -24,7 +24,7 @@ from probe.cache.format import FORMAT_VERSION, attention_name, key
 from probe.cache.selection import Selection
 from probe.capture.inputs import model_name
 from probe.capture.layers import LayerRecord
-from probe.capture.positions import image_positions
+from probe.capture.positions import name_positions
 from probe.capture.streams import distinct_streams
 from probe.capture.tracer import Tracer
 from probe.errors import ProbeError
@@ -273,7 +273,7 @@ def name(
     meta.setdefault("model", model_info(model))
     if meta.get("input_kind") == "tensor":
         _positions_from_patterns(meta, tr.records)
-    images = _image_positions(meta, model, tr.records, stack_of) if meta.get("image_shape") else {}
+    images = name_positions(meta, model, tr.records, stack_of) if meta.get("image_shape") else {}
     _mark_prompt_slots(meta, model, tr.records)
     meta.update(
         {
@@ -291,42 +291,8 @@ def name(
         }
     )
     for s, pos in images.items():
-        meta["stacks"][s]["positions"] = {"kinds": pos["kinds"], "grid": pos["grid"]}
+        meta["stacks"][s]["positions"] = {k: pos[k] for k in ("kinds", "grid", "rows") if k in pos}
     return names, meta
-
-
-def _image_positions(
-    meta: dict[str, Any], model: nn.Module, records: list[LayerRecord], stack_of: dict[str, str]
-) -> dict[str, dict[str, Any]]:
-    """Per stack whose self-attention runs over the picture's prefix tokens and patch grid, what
-    each position is (:func:`probe.capture.positions.image_positions`); the first such stack's
-    labels become the cache's tokens (``[CLS]``, ``patch (r, c)``) when the input had no text.
-    Where no stack's length fits, ``meta["positions_note"]`` says so and positions stay numbered."""
-    found: dict[str, dict[str, Any]] = {}
-    lengths: set[int] = set()
-    for r in records:
-        for role, _h, shape, _impl, _causal in r.patterns:
-            s = stack_of[r.container]
-            if role != "self" or s in found:
-                continue
-            lengths.add(shape[3])
-            pos = image_positions(model, meta["image_shape"], shape[3])
-            if pos is not None:
-                found[s] = pos
-    batch = meta["image_shape"][0]
-    if found and "tokens" not in meta:
-        meta["tokens"] = [list(next(iter(found.values()))["labels"]) for _ in range(batch)]
-    elif not found:
-        h, w = meta["image_shape"][2:4]
-        seen = ", ".join(map(str, sorted(lengths)))
-        meta["positions_note"] = (
-            f"probe could not tell which positions are which patches of the {h}x{w} image: no "
-            f"self-attention length ({seen}) is the model's learned prefix tokens plus the patch "
-            "grid of its patchify convolution"
-        )
-        if "tokens" not in meta and lengths:
-            meta["tokens"] = [[str(i) for i in range(min(lengths))] for _ in range(batch)]
-    return found
 
 
 def _mark_prompt_slots(meta: dict[str, Any], model: nn.Module, records: list[LayerRecord]) -> None:

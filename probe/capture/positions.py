@@ -17,6 +17,8 @@ from typing import Any
 
 from torch import nn
 
+from probe.capture.layers import LayerRecord
+
 # learned tokens placed before the patches, in the order the models place them: (kind, the
 # parameter names that hold them, label); registers hold several (their second dimension)
 PREFIX = (
@@ -94,4 +96,120 @@ def image_positions(model: nn.Module, pixel_shape: list[int], length: int) -> di
     return {"kinds": kinds, "labels": labels, "grid": grid.to_dict()}
 
 
-__all__ = ["Grid", "image_positions", "patch_conv", "prefix_tokens"]
+def image_token_id(model: nn.Module) -> int | None:
+    """The id a vision-language model puts in the text for each image position (LLaVA's
+    ``image_token_index``, most models' ``image_token_id``), None when the model has none."""
+    cfg = getattr(model, "config", None)
+    for attr in ("image_token_id", "image_token_index"):
+        v = getattr(cfg, attr, None)
+        if isinstance(v, int) and not isinstance(v, bool):
+            return v
+    return None
+
+
+def text_image_positions(ids: list[int], image_token: int, grid: dict[str, Any]) -> dict[str, Any] | None:
+    """``{"kinds", "labels", "grids"}`` for one text of a vision-language model whose image
+    positions (``image_token``) are the vision tower's patches: each run of image positions is
+    one or more whole ``grid``s (row-major), each laid at its own offset. None when a run is not
+    a whole number of grids (merged or pooled patches: probe does not guess)."""
+    n = grid["rows"] * grid["cols"]
+    kinds = ["image" if t == image_token else "text" for t in ids]
+    grids: list[dict[str, Any]] = []
+    i = 0
+    while i < len(ids):
+        if kinds[i] != "image":
+            i += 1
+            continue
+        j = i
+        while j < len(ids) and kinds[j] == "image":
+            j += 1
+        if (j - i) % n:
+            return None
+        grids += [{**grid, "offset": start} for start in range(i, j, n)]
+        i = j
+    labels: list[str | None] = [None] * len(ids)
+    for g, at in enumerate(grids):
+        name = "patch" if len(grids) == 1 else f"img {g}"
+        for k in range(n):
+            labels[at["offset"] + k] = f"{name} ({k // grid['cols']}, {k % grid['cols']})"
+    return {"kinds": kinds, "labels": labels, "grids": grids}
+
+
+def _text_image_positions(
+    meta: dict[str, Any],
+    model: nn.Module,
+    records: list[LayerRecord],
+    stack_of: dict[str, str],
+    found: dict[str, dict[str, Any]],
+) -> None:
+    """A vision-language model: in each stack over the text (``ids``), the image token's positions
+    laid on the vision tower's grid, per text (``found[stack]["rows"]``); the tokens at those
+    positions read ``patch (r, c)`` (``img i (r, c)`` with several images)."""
+    token = image_token_id(model)
+    grid = next((p["grid"] for p in found.values() if "grid" in p), None)
+    ids = meta.get("ids")
+    if token is None or grid is None or not ids:
+        return
+    length = len(ids[0])
+    for r in records:
+        s = stack_of[r.container]
+        if s in found or not any(role == "self" and shape[3] == length for role, _h, shape, *_ in r.patterns):
+            continue
+        rows = [text_image_positions(row, token, grid) for row in ids]
+        if any(row is None for row in rows):
+            meta["positions_note"] = (
+                f"probe could not lay the {s} stack's image positions on the vision tower's "
+                f"{grid['rows']}x{grid['cols']} grid (a run of image tokens is not a whole number of grids)"
+            )
+            return
+        found[s] = {"rows": [{"kinds": row["kinds"], "grids": row["grids"]} for row in rows]}
+        for b, row in enumerate(rows):
+            meta["tokens"][b] = [
+                lab or tok for lab, tok in zip(row["labels"], meta["tokens"][b], strict=True)
+            ]
+
+
+def name_positions(
+    meta: dict[str, Any], model: nn.Module, records: list[LayerRecord], stack_of: dict[str, str]
+) -> dict[str, dict[str, Any]]:
+    """Per stack whose self-attention runs over the picture's prefix tokens and patch grid, what
+    each position is (:func:`probe.capture.positions.image_positions`); the first such stack's
+    labels become the cache's tokens (``[CLS]``, ``patch (r, c)``) when the input had no text.
+    Where no stack's length fits, ``meta["positions_note"]`` says so and positions stay numbered."""
+    found: dict[str, dict[str, Any]] = {}
+    lengths: set[int] = set()
+    for r in records:
+        for role, _h, shape, _impl, _causal in r.patterns:
+            s = stack_of[r.container]
+            if role != "self" or s in found:
+                continue
+            lengths.add(shape[3])
+            pos = image_positions(model, meta["image_shape"], shape[3])
+            if pos is not None:
+                found[s] = pos
+    _text_image_positions(meta, model, records, stack_of, found)
+    batch = meta["image_shape"][0]
+    if found and "tokens" not in meta:
+        meta["tokens"] = [list(next(iter(found.values()))["labels"]) for _ in range(batch)]
+    elif not found:
+        h, w = meta["image_shape"][2:4]
+        seen = ", ".join(map(str, sorted(lengths)))
+        meta["positions_note"] = (
+            f"probe could not tell which positions are which patches of the {h}x{w} image: no "
+            f"self-attention length ({seen}) is the model's learned prefix tokens plus the patch "
+            "grid of its patchify convolution"
+        )
+        if "tokens" not in meta and lengths:
+            meta["tokens"] = [[str(i) for i in range(min(lengths))] for _ in range(batch)]
+    return found
+
+
+__all__ = [
+    "Grid",
+    "image_positions",
+    "image_token_id",
+    "name_positions",
+    "patch_conv",
+    "prefix_tokens",
+    "text_image_positions",
+]
