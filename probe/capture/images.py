@@ -22,7 +22,12 @@ def _is_image(x: Any) -> bool:
         return Path(x).suffix.lower() in SUFFIXES
     if type(x).__module__.startswith("PIL."):
         return True
-    return type(x).__module__ == "numpy" and getattr(x, "ndim", 0) in (2, 3)
+    if type(x).__module__ != "numpy" or getattr(x, "ndim", 0) not in (2, 3):
+        return False
+    # [H, W, C] with C a colour count, or a grey [H, W] of floats or bytes (not a 2-D array of ids)
+    if x.ndim == 3:
+        return x.shape[-1] in (1, 3, 4)
+    return x.dtype.kind in "fb" or x.dtype.str.endswith("u1")
 
 
 def is_images(inputs: Any, files: bool = True) -> bool:

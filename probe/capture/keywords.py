@@ -98,6 +98,8 @@ def _prepare_kwargs(model: nn.Module, inputs: Mapping, tokenizer: Any, name: str
     def run() -> Any:
         try:
             return model(**kwargs)
+        except ProbeError:  # probe's own (a ValueError too): already one line
+            raise
         except ValueError as e:  # the model's own check of its inputs (an image of the wrong size)
             why = str(e).strip().splitlines()[0] if str(e).strip() else "ValueError"
             raise ProbeError(
