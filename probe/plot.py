@@ -27,6 +27,7 @@ from probe.report.figures import (
     residual_norms,
 )
 from probe.report.fonts import cjk_font
+from probe.report.image_figures import image_heads, image_map
 from probe.report.matrix import matrix, save
 
 
@@ -73,6 +74,8 @@ __all__ = [
     "residual_norms",
     "residual_norm_values",
     "head_matrix",
+    "image_map",
+    "image_heads",
     "matrix",
     "save",
     "seed_caches",

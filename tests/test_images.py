@@ -340,3 +340,31 @@ def test_llava_text_positions_read_the_picture_they_hold():
     assert tower["grid"]["offset"] == 1 and (tower["grid"]["rows"], tower["grid"]["cols"]) == (4, 4)
     with pytest.raises(ProbeError, match="text 0 holds 2 images"):
         probe.attention_map(cache, 1, query=36, stack=lm, image=2)
+
+
+# -- figures on the picture ------------------------------------------------------------------------------
+def test_image_map_figures_draw_the_maps_over_the_pixels(vit_run):
+    import numpy as np
+
+    _, _, cache, want = vit_run
+    fig = probe.plot.image_map(cache, 1, query="cls", batch=1)
+    drawn = fig.axes[0].get_images()[-1]
+    expect = want[1][1, :, 0, 1:].mean(0).reshape(4, 6).numpy()  # eager's [CLS] row, by hand
+    np.testing.assert_allclose(np.asarray(drawn.get_array()), expect, atol=TOL)
+    assert drawn.get_extent() == [0, 48, 32, 0]  # 6 columns and 4 rows of 8-pixel patches
+    assert fig.axes[0].get_title() == "Layer 1, mean over heads: what [CLS] reads"
+    # a picture beneath: a pure red 40 x 60 picture, resized to the processed 32 x 48
+    red = np.zeros((40, 60, 3), dtype=np.uint8)
+    red[..., 0] = 255
+    fig = probe.plot.image_map(cache, 0, head=3, query=(2, 1), picture=red)
+    under, over = fig.axes[0].get_images()
+    assert np.asarray(under.get_array()).shape == (32, 48, 3)
+    assert np.all(np.asarray(under.get_array()) == np.array([1.0, 0.0, 0.0], dtype=np.float32))
+    np.testing.assert_allclose(
+        np.asarray(over.get_array()), want[0][0, 3, 1 + 2 * 6 + 1, 1:].reshape(4, 6), atol=TOL
+    )
+    # one map per head
+    heads = probe.plot.image_heads(cache, 1, query=5)
+    for h in range(4):
+        got = np.asarray(heads.axes[h].get_images()[-1].get_array())
+        np.testing.assert_allclose(got, want[1][0, h, 5, 1:].reshape(4, 6), atol=TOL)

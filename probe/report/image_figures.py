@@ -1,0 +1,147 @@
+"""Figures on the picture (``probe.plot.image_map``, ``probe.plot.image_heads``).
+
+A map over an image's patch grid (:func:`probe.attention_map`) drawn as the model cut the picture:
+patch (r, c) covers rows ``r * patch_h`` to ``(r + 1) * patch_h`` of the processed image and the
+matching columns, so the axes are in input pixels. Given the picture (a PIL image, an ``[H, W(,
+C)]`` array or an image file), it is resized to the processed size and drawn beneath the map.
+Like every probe figure: a bare ``Figure``, layers and heads counted from 0.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from matplotlib.axes import Axes
+from matplotlib.figure import Figure
+
+from probe.analysis.maps import attention_map, image_stack
+from probe.errors import ProbeError
+from probe.report.matrix import DPI
+
+
+def _picture(picture: Any, size: tuple[int, int]) -> np.ndarray:
+    """``picture`` as an RGB array resized to ``size`` (height, width), values in [0, 1]."""
+    from PIL import Image
+
+    if isinstance(picture, (str, Path)):
+        try:
+            with Image.open(picture) as img:
+                picture = img.convert("RGB")
+        except (OSError, ValueError) as e:
+            raise ProbeError(f"cannot read {str(picture)!r} as a picture ({e})") from None
+    if not isinstance(picture, Image.Image):
+        arr = np.asarray(picture)
+        if arr.dtype != np.uint8:
+            arr = (np.clip(arr, 0, 1) * 255).astype(np.uint8)
+        picture = Image.fromarray(arr.squeeze()).convert("RGB")
+    H, W = size
+    return np.asarray(picture.convert("RGB").resize((W, H)), dtype=np.float32) / 255.0
+
+
+def _query_name(query: Any, cache: Any, stack: str, batch: int) -> str:
+    if query == "rollout":
+        return "rollout from [CLS]"
+    if query == "cls":
+        return "[CLS]"
+    if isinstance(query, tuple):
+        return f"patch {query}"
+    tokens = cache.tokens[batch] if cache.tokens and batch < len(cache.tokens) else []
+    return f"position {query}" + (f" ({tokens[query]!r})" if 0 <= query < len(tokens) else "")
+
+
+def draw_map(
+    ax: Axes,
+    m: np.ndarray,
+    grid: dict[str, Any],
+    picture: Any = None,
+    alpha: float = 0.6,
+    cmap: str = "inferno",
+) -> Any:
+    """Draw map ``m`` ``[rows, cols]`` over its image's pixels on ``ax`` (the picture beneath)."""
+    H, W = grid["image"]
+    extent = (0, grid["cols"] * grid["patch"][1], grid["rows"] * grid["patch"][0], 0)
+    if picture is not None:
+        ax.imshow(_picture(picture, (H, W)), extent=(0, W, H, 0))
+    im = ax.imshow(
+        m,
+        extent=extent,
+        cmap=cmap,
+        alpha=alpha if picture is not None else 1.0,
+        interpolation="nearest",
+        vmin=0,
+    )
+    ax.set_xlim(0, W)
+    ax.set_ylim(H, 0)
+    return im
+
+
+def image_map(
+    cache: Any,
+    layer: int,
+    head: int | None = None,
+    *,
+    query: Any = "cls",
+    stack: str | None = None,
+    batch: int = 0,
+    image: int = 0,
+    picture: Any = None,
+    alpha: float = 0.6,
+    cmap: str = "inferno",
+) -> Figure:
+    """What one query reads of the picture (:func:`probe.attention_map`), over the image's pixels,
+    the picture beneath when given; a colour bar of the weights. Returns the Figure."""
+    m = attention_map(cache, layer, head, query, stack, batch, image).numpy()
+    stack, pos = image_stack(cache, stack)
+    grid = pos["grid"] if "grid" in pos else pos["rows"][batch]["grids"][image]
+    fig = Figure(figsize=(5.2, 4.2), dpi=DPI, layout="constrained")
+    ax = fig.subplots()
+    im = draw_map(ax, m, grid, picture, alpha, cmap)
+    fig.colorbar(im, ax=ax, label="attention weight")
+    who = "mean over heads" if head is None or query == "rollout" else f"Head {head}"
+    ax.set_title(f"Layer {layer}, {who}: what {_query_name(query, cache, stack, batch)} reads", fontsize=10)
+    ax.set_xlabel("x (input pixels)")
+    ax.set_ylabel("y (input pixels)")
+    return fig
+
+
+def image_heads(
+    cache: Any,
+    layer: int,
+    *,
+    query: Any = "cls",
+    stack: str | None = None,
+    batch: int = 0,
+    image: int = 0,
+    picture: Any = None,
+    alpha: float = 0.6,
+    cmap: str = "inferno",
+) -> Figure:
+    """One small map per head of ``layer`` for one query, side by side (each on its own scale)."""
+    if query == "rollout":
+        raise ProbeError("rollout mixes every head; use image_map(..., query='rollout')")
+    stack, pos = image_stack(cache, stack)
+    grid = pos["grid"] if "grid" in pos else pos["rows"][batch]["grids"][image]
+    n = cache.pattern(stack, layer, batch=batch).shape[0]
+    cols = min(n, 6)
+    rows = -(-n // cols)
+    fig = Figure(figsize=(2.2 * cols, 2.2 * rows + 0.4), dpi=DPI, layout="constrained")
+    axes = np.atleast_1d(fig.subplots(rows, cols)).reshape(-1)
+    for h, ax in enumerate(axes):
+        if h >= n:
+            ax.set_axis_off()
+            continue
+        draw_map(
+            ax, attention_map(cache, layer, h, query, stack, batch, image).numpy(), grid, picture, alpha, cmap
+        )
+        ax.set_title(f"Head {h}", fontsize=9)
+        ax.set_xticks([])
+        ax.set_yticks([])
+    fig.suptitle(
+        f"Layer {layer}: what {_query_name(query, cache, stack, batch)} reads, per head", fontsize=10
+    )
+    return fig
+
+
+__all__ = ["draw_map", "image_heads", "image_map"]
