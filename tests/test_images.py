@@ -368,3 +368,62 @@ def test_image_map_figures_draw_the_maps_over_the_pixels(vit_run):
     for h in range(4):
         got = np.asarray(heads.axes[h].get_images()[-1].get_array())
         np.testing.assert_allclose(got, want[1][0, h, 5, 1:].reshape(4, 6), atol=TOL)
+
+
+# -- the picture kept, and the report ------------------------------------------------------------------
+def test_the_picture_the_model_saw_is_kept(vit_run):
+    import base64
+    import io
+
+    import numpy as np
+    from PIL import Image
+
+    model, x, cache, _ = vit_run
+    colour = np.zeros((40, 60, 3), dtype=np.uint8)
+    colour[...] = (200, 100, 50)
+    # through the processor: its normalisation undone, at the processed size
+    seen = probe.capture(model, colour, processor=_processor()).metadata["image_png"]
+    img = np.asarray(Image.open(io.BytesIO(base64.b64decode(seen[0]))))
+    assert img.shape == (32, 48, 3) and np.abs(img.astype(int) - (200, 100, 50)).max() <= 1
+    # pixel_values given as they are: each picture scaled to [0, 1] (its normalisation unknown)
+    img = np.asarray(Image.open(io.BytesIO(base64.b64decode(cache.metadata["image_png"][1])))).astype(float)
+    want = x[1].permute(1, 2, 0).numpy()
+    want = (want - want.min()) / (want.max() - want.min()) * 255
+    assert np.abs(img - want).max() <= 1.0
+
+
+def test_probe_report_image_writes_the_picture_section(tmp_path, capsys):
+    import numpy as np
+    from PIL import Image
+
+    from probe.cli import main
+
+    model, _ = _vit()
+    folder = tmp_path / "my-vit"
+    model.save_pretrained(folder)
+    _processor().save_pretrained(folder)
+    Image.fromarray(np.random.default_rng(4).integers(0, 256, (40, 60, 3), dtype=np.uint8)).save(
+        tmp_path / "cat.png"
+    )
+    capsys.readouterr()
+    out = tmp_path / "rep"
+    assert main(["report", "--hf", str(folder), "--image", str(tmp_path / "cat.png"), "-o", str(out)]) == 0
+    page = (out / "index.html").read_text(encoding="utf-8")
+    assert "<h2>Attention on the picture</h2>" in page and "cat.png" in page
+    assert page.count('data-section="images"') == 1 and "could not be built" not in page
+    assert (
+        main(
+            [
+                "report",
+                "--hf",
+                str(folder),
+                "--image",
+                str(tmp_path / "cat.png"),
+                "text",
+                "-o",
+                str(tmp_path / "x"),
+            ]
+        )
+        == 2
+    )
+    assert "not both" in capsys.readouterr().err

@@ -350,3 +350,32 @@ def test_a_long_text_opens_collapsed_and_expands_on_demand(chromium, tmp_path):
     assert every.first.is_visible() and every.all_text_contents() == want
     _clean(log)
     page.close()
+
+
+def test_an_image_report_shows_the_maps_on_the_picture(chromium, tmp_path):
+    import numpy as np
+    import torch
+    import transformers as tf
+
+    cfg = tf.ViTConfig(
+        hidden_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        intermediate_size=64,
+        image_size=(32, 48),
+        patch_size=8,
+    )
+    torch.manual_seed(0)
+    vit = tf.ViTModel(cfg).eval()
+    pictures = [np.random.default_rng(i).integers(0, 256, (40, 60, 3), dtype=np.uint8) for i in range(2)]
+    processor = tf.ViTImageProcessor(size={"height": 32, "width": 48})
+    cache = probe.capture(vit, pictures, processor=processor)
+    page, log = open_report(chromium, probe.report(cache, tmp_path, progress=False))
+    section = page.locator("#sec-images")
+    assert section.locator("h3").all_text_contents() == ["image 0", "image 1"]
+    images = section.locator("img")
+    assert images.count() == 4  # per picture: layer by layer with rollout, and the last layer's heads
+    sizes = page.evaluate("[...document.querySelectorAll('#sec-images img')].map(i => i.naturalWidth)")
+    assert all(w > 100 for w in sizes)
+    _clean(log)
+    page.close()

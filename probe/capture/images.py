@@ -83,10 +83,38 @@ def process(processor: Any, images: list[Any]) -> Mapping:
     return out
 
 
+def pictures_seen(pixel_values: Any, processor: Any = None) -> list[str]:
+    """Each picture as the model saw it, a base64 PNG at the processed size: ``pixel_values``
+    ``[batch, 3, H, W]`` back through the processor's normalisation (``image_mean``/``image_std``;
+    crops and resizes included, since these are the model's own pixels), or scaled per picture
+    to [0, 1] when the normalisation is unknown. Empty when the pixels are not 1 or 3 channels."""
+    import base64
+    import io
+
+    import torch
+    from PIL import Image
+
+    x = pixel_values.detach().float().cpu()
+    if x.dim() != 4 or x.shape[1] not in (1, 3):
+        return []
+    mean, std = getattr(processor, "image_mean", None), getattr(processor, "image_std", None)
+    if mean is not None and std is not None and len(mean) == len(std) == x.shape[1]:
+        x = x * torch.tensor(std).view(1, -1, 1, 1) + torch.tensor(mean).view(1, -1, 1, 1)
+    else:
+        lo = x.amin(dim=(1, 2, 3), keepdim=True)
+        x = (x - lo) / (x.amax(dim=(1, 2, 3), keepdim=True) - lo).clamp(min=1e-12)
+    out = []
+    for img in (x.clamp(0, 1) * 255).round().to(torch.uint8).permute(0, 2, 3, 1).numpy():
+        buf = io.BytesIO()
+        Image.fromarray(img.squeeze(-1) if img.shape[-1] == 1 else img).save(buf, format="PNG")
+        out.append(base64.b64encode(buf.getvalue()).decode("ascii"))
+    return out
+
+
 def image_names(inputs: Any) -> list[str]:
     """What each picture is called in the cache: a file's name, else ``image i``."""
     items = list(inputs) if isinstance(inputs, (list, tuple)) else [inputs]
     return [Path(x).name if isinstance(x, (str, Path)) else f"image {i}" for i, x in enumerate(items)]
 
 
-__all__ = ["image_names", "is_images", "load_images", "process"]
+__all__ = ["image_names", "is_images", "load_images", "pictures_seen", "process"]

@@ -14,7 +14,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from probe.capture.images import image_names, is_images, load_images, process
+from probe.capture.images import image_names, is_images, load_images, pictures_seen, process
 from probe.capture.inputs import Prepared, device_of, is_hf_model, model_name
 from probe.capture.tokenizers import adapt
 from probe.errors import ProbeError
@@ -44,8 +44,10 @@ def _prepare_images(model: nn.Module, inputs: Any, tokenizer: Any, processor: An
             "processor= takes pictures: a PIL image, a numpy array, an image file path, or a list of "
             f"them, not {type(inputs).__name__}"
         )
-    prepared = _prepare_kwargs(model, dict(process(processor, load_images(inputs))), tokenizer, name)
+    batch = dict(process(processor, load_images(inputs)))
+    prepared = _prepare_kwargs(model, batch, tokenizer, name)
     prepared.meta["images"] = image_names(inputs)
+    prepared.meta["image_png"] = pictures_seen(batch["pixel_values"], processor)
     return prepared
 
 
@@ -80,6 +82,7 @@ def _prepare_kwargs(model: nn.Module, inputs: Mapping, tokenizer: Any, name: str
     pixels = kwargs.get("pixel_values")
     if isinstance(pixels, Tensor):
         meta["image_shape"] = list(pixels.shape)
+        meta["image_png"] = pictures_seen(pixels)  # the processor's normalisation unknown: scaled
     ids = kwargs.get("input_ids")
     if isinstance(ids, Tensor) and ids.dim() == 2 and not ids.is_floating_point():
         raw_tok = tokenizer if tokenizer is not None else getattr(model, "tokenizer", None)

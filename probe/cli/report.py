@@ -6,7 +6,7 @@ import argparse
 from pathlib import Path
 
 from probe.cli import common
-from probe.cli.common import _human, add_model_args, examples
+from probe.cli.common import _human, add_image_args, add_model_args, examples
 from probe.cli.intervene import add_metric_args, metric_kwargs
 from probe.errors import ProbeError
 
@@ -69,6 +69,8 @@ def cmd_report(args: argparse.Namespace) -> int:
     if model_given and args.importance not in (None, MEASURE) and not args.importance.endswith(".json"):
         inputs.append(args.importance)  # --model minigpt --importance "text": the flag took the text
         args.importance = MEASURE
+    if args.image:
+        return _report_images(args, inputs)
     if not inputs:
         raise ProbeError("nothing to report; give a cache file (run.safetensors) or --model NAME and a text")
     from_caches = not model_given and all(i.endswith(".safetensors") for i in inputs)
@@ -127,6 +129,32 @@ def cmd_report(args: argparse.Namespace) -> int:
     return 0
 
 
+def _report_images(args: argparse.Namespace, inputs: list[str]) -> int:
+    """``probe report --hf DIR --image PATH...``: capture the pictures, then the report."""
+    import probe
+    from probe.capture.kept import parse_keep_arg
+    from probe.report.html import check_report_dir
+
+    if inputs:
+        raise ProbeError(
+            "give --image pictures or CACHE_OR_TEXT, not both (pictures with text, for vision-language "
+            "models, are not reported yet)"
+        )
+    if args.importance or args.patching or args.gold or args.target:
+        raise ProbeError(
+            "--importance, --patching, --gold and --target are for texts; drop them with --image"
+        )
+    keep = parse_keep_arg(args.keep) if args.keep is not None else None
+    out = Path(args.output) if args.output else Path("reports") / _report_name(Path(args.image[0]).stem)
+    check_report_dir(out)  # before loading the model and running the forward
+    processor = common.load_processor(args)
+    model, tok = common.load_model(args)
+    cache = probe.capture(model, args.image, tokenizer=tok, processor=processor, keep=keep)
+    path = probe.report([cache], out, model=model, tokenizer=tok)
+    print(f"wrote {path} ({_human(path.stat().st_size)}); open it in a browser: {path.resolve().as_uri()}")
+    return 0
+
+
 def add_parser(sub) -> None:
     """``probe report``."""
     p = sub.add_parser(
@@ -142,6 +170,7 @@ def add_parser(sub) -> None:
             "probe report run.safetensors -o reports/run",
             "probe report before.safetensors after.safetensors -o reports/diff",
             "probe report --hf ./my-bert 'some text'",
+            "probe report --hf ./my-vit --image cat.png -o reports/cat",
             "probe report --model minigpt --keep stats 'a long text'",
             "probe report --model minigpt 'attention lets tokens read.' --importance",
             "probe report run.safetensors --importance importance.json --patching heads.json",
@@ -154,6 +183,7 @@ def add_parser(sub) -> None:
         help="cache files (.safetensors), or texts to capture with --model/--hf (default model: minigpt)",
     )
     add_model_args(p)
+    add_image_args(p)
     p.add_argument(
         "--target", "-t", nargs="+", default=None, help="decoder text for encoder-decoders (teacher forcing)"
     )

@@ -144,4 +144,58 @@ def image_heads(
     return fig
 
 
-__all__ = ["draw_map", "image_heads", "image_map"]
+def picture_of(cache: Any, batch: int = 0) -> np.ndarray | None:
+    """The picture the model saw for text ``batch`` (the cache's ``image_png``), as an RGB array
+    in [0, 1]; None when the cache holds none."""
+    import base64
+    import io
+
+    from PIL import Image
+
+    pngs = cache.metadata.get("image_png") or []
+    if not 0 <= batch < len(pngs):
+        return None
+    with Image.open(io.BytesIO(base64.b64decode(pngs[batch]))) as img:
+        return np.asarray(img.convert("RGB"), dtype=np.float32) / 255.0
+
+
+def image_layers(
+    cache: Any,
+    *,
+    query: Any = "cls",
+    stack: str | None = None,
+    batch: int = 0,
+    picture: Any = None,
+    alpha: float = 0.6,
+    cmap: str = "inferno",
+) -> Figure:
+    """One map per layer for one query (mean over heads), then attention rollout up to the last
+    layer when the model has a class token; each on its own scale."""
+    stack, pos = image_stack(cache, stack)
+    if "grid" not in pos:
+        raise ProbeError("image_layers draws an image model's own grid; for a text's pictures use image_map")
+    layers = cache.pattern_layers(stack)
+    panels = [(f"Layer {i}", attention_map(cache, i, None, query, stack, batch)) for i in layers]
+    if "class" in pos["kinds"] and layers == list(range(len(layers))):
+        panels.append(
+            (f"rollout to L{layers[-1]}", attention_map(cache, layers[-1], None, "rollout", stack, batch))
+        )
+    cols = min(len(panels), 6)
+    rows = -(-len(panels) // cols)
+    fig = Figure(figsize=(2.2 * cols, 2.1 * rows + 0.4), dpi=DPI, layout="constrained")
+    axes = np.atleast_1d(fig.subplots(rows, cols)).reshape(-1)
+    for ax, panel in zip(axes, [*panels, *[None] * (len(axes) - len(panels))], strict=True):
+        if panel is None:
+            ax.set_axis_off()
+            continue
+        draw_map(ax, panel[1].numpy(), pos["grid"], picture, alpha, cmap)
+        ax.set_title(panel[0], fontsize=9)
+        ax.set_xticks([])
+        ax.set_yticks([])
+    fig.suptitle(
+        f"What {_query_name(query, cache, stack, batch)} reads, layer by layer (mean over heads)", fontsize=10
+    )
+    return fig
+
+
+__all__ = ["draw_map", "image_heads", "image_layers", "image_map", "picture_of"]
