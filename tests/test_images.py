@@ -427,3 +427,31 @@ def test_probe_report_image_writes_the_picture_section(tmp_path, capsys):
         == 2
     )
     assert "not both" in capsys.readouterr().err
+
+
+# -- statistics ---------------------------------------------------------------------------------------
+def test_distance_px_against_a_loop_written_here(vit_run):
+    import math
+
+    _, _, cache, want = vit_run
+    stats = probe.head_stats(cache, progress=False)
+    rows = {(r["layer"], r["head"]): r for r in stats.table}
+    for layer in range(2):
+        for head in range(4):
+            per_image = []
+            for b in range(2):
+                w = want[layer][b, head].double()
+                total = 0.0
+                for i in range(24):  # patch queries: sequence positions 1..24
+                    ri, ci = divmod(i, 6)
+                    for j in range(24):
+                        rj, cj = divmod(j, 6)
+                        dist = math.hypot((ri - rj) * 8, (ci - cj) * 8)  # centres 8 pixels apart
+                        total += float(w[1 + i, 1 + j]) * dist
+                per_image.append(total / 24)
+            expect = sum(per_image) / 2  # the table's mean over texts
+            assert abs(rows[(layer, head)]["distance_px"] - expect) < 1e-4
+    # text models have no grid: NaN; statistics computed while a model runs say why they lack it
+    streamed = probe.head_stats(vit_run[0], {"pixel_values": vit_run[1]}, progress=False)
+    assert all(math.isnan(r["distance_px"]) for r in streamed.table)
+    assert "image grid" in streamed.not_computed["distance_px"]

@@ -80,6 +80,11 @@ beyond_16/128/1024  self    Σ_{|i−j|>D} a_ij: the mass further than D tokens 
                             how much a head reads from afar)
 reach90             self    the smallest distance d with Σ_{|i−j|≤d} a_ij ≥ 0.9 Σ_j a_ij: the
                             distance within which 90% of the row's mass lies
+distance_px         self    images: Σ_j a_ij ‖c_i − c_j‖ over the patch keys j of query i's
+                            picture, c the patch centres in input pixels, averaged over patch
+                            queries (class, register and text rows and columns left out, weights
+                            not renormalised): the mean attention distance of Dosovitskiy et al.
+                            2020, Fig. 7. NaN without an image grid; whole patterns only
 ==================  ======  ==================================================================
 
 Attention rollout (Abnar & Zuidema 2020): per stack, ``Â_l = 0.5·mean_h W_l + 0.5·I`` (padded rows

@@ -27,6 +27,7 @@ import torch
 
 from probe.analysis.focus.metrics import METRICS
 from probe.analysis.focus.running import RunningStats
+from probe.analysis.focus.streaming import streamed_not_computed
 from probe.cache.format import parse_key, parse_name
 from probe.errors import ProbeError
 
@@ -61,7 +62,13 @@ def stats_fields(meta: dict[str, Any], readers: dict[str, Any]) -> tuple[dict[st
             tensors[f"{base}.stat.{m}"] = values[..., i].contiguous()
         tensors[f"{base}.received"] = terms.received()
         causal[f"{stack}/{layer}/{kind}"] = bool(terms.causal)
-    extra = {"stats": {"metrics": list(METRICS), "causal": causal, "not_computed": {"rollout": ROLLOUT_NOTE}}}
+    extra = {
+        "stats": {
+            "metrics": list(METRICS),
+            "causal": causal,
+            "not_computed": streamed_not_computed(meta, ROLLOUT_NOTE),
+        }
+    }
     return tensors, extra
 
 

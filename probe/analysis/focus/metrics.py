@@ -47,6 +47,7 @@ METRICS = (
     "induction_matches",
     *(f"beyond_{d}" for d in BEYOND),
     "reach90",
+    "distance_px",
 )
 IDX = {m: i for i, m in enumerate(METRICS)}
 LOCAL_WINDOW = 2  # local mass: keys with |i - j| <= this
@@ -121,6 +122,15 @@ class Layout:
         return ok[:, None, :] & self.counted
 
     @cached_property
+    def pixel_distances(self) -> torch.Tensor:
+        """``[B, Q, K]``: ‖c_i − c_j‖ in input pixels between patch query i and patch key j of the
+        same picture, 0 for every other pair (class, register and text positions, other pictures)."""
+        q, k = self.q, self.k
+        d = torch.cdist(torch.nan_to_num(q.centre), torch.nan_to_num(k.centre))
+        same = (q.picture[:, :, None] == k.picture[:, None, :]) & (q.picture >= 0)[:, :, None]
+        return torch.where(same, d, 0.0).float()
+
+    @cached_property
     def words_split(self) -> bool:
         """Whether some word has more than one piece (else word metrics equal token metrics)."""
         return any(bool(((s.word.amax(-1) + 1) < s.real.sum(-1)).any()) for s in (self.q, self.k))
@@ -187,6 +197,7 @@ class Terms:
     hits: dict[str, torch.Tensor] | None = None
     beyond: dict[int, torch.Tensor] = field(default_factory=dict)
     reach: torch.Tensor | None = None
+    dist_px: torch.Tensor | None = None  # Σ_j a_ij ‖c_i − c_j‖ over patch keys of i's picture
 
     def to(self, device: torch.device | str) -> Terms:
         """These terms with every tensor on ``device`` (a new :class:`Terms`)."""
@@ -224,6 +235,8 @@ def pattern_terms(P: torch.Tensor, lay: Layout, *, self_attn: bool) -> Terms:
     if not lay.causal:
         qf, kf = lay.qi.float(), lay.kj.float()
         t.dist = (P * (kf[None, :] - qf[:, None]).abs()).sum(-1)
+    if lay.q.centre is not None and lay.k.centre is not None:
+        t.dist_px = (P * lay.pixel_distances[:, None]).sum(-1)
     if words:
         t.word = word_masses(rows.cum, lay, lay.qi)
     if lay.q.ids is not None and lay.k.ids is not None:
@@ -263,6 +276,10 @@ def reduce(t: Terms, lay: Layout, *, self_attn: bool) -> torch.Tensor:
     for D, v in t.beyond.items():
         out[..., IDX[f"beyond_{D}"]] = _mean(v, counted)
     out[..., IDX["reach90"]] = _mean(t.reach, counted)
+    if t.dist_px is not None:  # over patch queries only
+        out[..., IDX["distance_px"]] = _mean(
+            t.dist_px.to(t.ent.dtype), counted & (lay.q.picture >= 0)[:, None, :]
+        )
 
     # positional: the most common offset (argmax key - query) and the share of queries using it
     hist = torch.zeros(B, h, Q + K - 1)

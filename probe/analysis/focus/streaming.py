@@ -36,6 +36,18 @@ ROLLOUT_NOTE = (
     "attention rollout multiplies every layer's whole T x T pattern; head_stats(model, ...) never "
     "holds one: capture the model (probe.capture) and pass the cache to compute it"
 )
+PIXELS_NOTE = (
+    "distance_px needs the image grid, which is named after the forward: capture the patterns "
+    "(probe.capture) and pass the cache to compute it"
+)
+
+
+def streamed_not_computed(meta: dict[str, Any], rollout: str = ROLLOUT_NOTE) -> dict[str, str]:
+    """What statistics computed while the model runs leave out, with the reason."""
+    out = {"rollout": rollout}
+    if any(isinstance(s, dict) and s.get("positions") for s in (meta.get("stacks") or {}).values()):
+        out["distance_px"] = PIXELS_NOTE
+    return out
 
 
 class RowTerms:
@@ -323,8 +335,15 @@ def accumulate(meta: dict[str, Any], readers: dict[str, Any]):
         acc.received[name] = terms.received()
         batch = values.shape[0]
     acc.n_texts = batch
-    acc.not_computed = {"rollout": ROLLOUT_NOTE}
+    acc.not_computed = streamed_not_computed(meta)
     return acc
 
 
-__all__ = ["RowTerms", "model_head_stats", "stats_readers", "accumulate", "ROLLOUT_NOTE"]
+__all__ = [
+    "RowTerms",
+    "model_head_stats",
+    "stats_readers",
+    "accumulate",
+    "streamed_not_computed",
+    "ROLLOUT_NOTE",
+]

@@ -32,6 +32,10 @@ class Side:
     n_words: int  # the largest number of words of a text in the batch
     first: torch.Tensor  # long [batch]: position of the first real token
     end: torch.Tensor  # long [batch]: position of the last real token if it is special, else -1
+    # an image grid's positions: each patch's centre (y, x) in input pixels, [batch, T, 2], and
+    # which picture it belongs to, [batch, T] (-1: not a patch); None without an image grid
+    centre: torch.Tensor | None = None
+    picture: torch.Tensor | None = None
 
 
 def _prefix(meta: dict[str, Any], stack: str, role: str) -> str:
@@ -121,7 +125,30 @@ def side(meta: dict[str, Any], stack: str, role: str, batch: int, length: int) -
     first = torch.where(real, idx, length).amin(-1)
     last = torch.where(real, idx, -1).amax(-1)
     end = torch.where(special[torch.arange(batch), last.clamp(min=0)] & (last >= 0), last, -1)
-    return Side(real, special, punct, id_t, word, n_words, first, end)
+    centre, picture = patch_centres(meta, stack, batch, length) if role == "own" else (None, None)
+    return Side(real, special, punct, id_t, word, n_words, first, end, centre, picture)
 
 
-__all__ = ["Side", "side", "is_punct", "word_starts"]
+def patch_centres(meta: dict[str, Any], stack: str, batch: int, length: int) -> tuple[Any, Any]:
+    """``(centre [batch, T, 2], picture [batch, T])`` of the stack's image grid positions (see
+    :class:`Side`), or ``(None, None)`` when the stack has none or they do not fit ``length``."""
+    pos = ((meta.get("stacks") or {}).get(stack) or {}).get("positions")
+    if not isinstance(pos, dict):
+        return None, None
+    rows = pos.get("rows") or [{"kinds": pos.get("kinds", []), "grids": [pos["grid"]]}] * batch
+    if len(rows) != batch or any(len(r["kinds"]) != length for r in rows):
+        return None, None
+    centre = torch.full((batch, length, 2), float("nan"), dtype=torch.float64)
+    picture = torch.full((batch, length), -1, dtype=torch.long)
+    for b, row in enumerate(rows):
+        for g, grid in enumerate(row["grids"]):
+            n, ph, pw = grid["rows"] * grid["cols"], grid["patch"][0], grid["patch"][1]
+            k = torch.arange(n)
+            at = grid["offset"] + k
+            centre[b, at, 0] = ((k // grid["cols"]).double() + 0.5) * ph
+            centre[b, at, 1] = ((k % grid["cols"]).double() + 0.5) * pw
+            picture[b, at] = g
+    return centre, picture
+
+
+__all__ = ["Side", "side", "is_punct", "patch_centres", "word_starts"]
