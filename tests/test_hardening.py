@@ -350,9 +350,12 @@ def test_bad_inputs_are_probe_errors(lm):
         def decode(self, ids):
             return "".join(chr(97 + i) for i in ids)
 
-    for bad in (None, 3, {"text": "x"}):
-        with pytest.raises(ProbeError, match="string, a list of strings or a tensor"):
+    for bad in (None, 3):
+        with pytest.raises(ProbeError, match="string, a list of strings, a tensor of ids or a dict"):
             probe.capture(lm, bad, tokenizer=Chars())
+    # a dict is the forward's keyword inputs: a key it does not take is named with what it takes
+    with pytest.raises(ProbeError, match=r"forward takes no 'text'; it takes ids"):
+        probe.capture(lm, {"text": "x"}, tokenizer=Chars())
 
 
 def test_pattern_arguments_say_what_exists(lm, ids, good_cache):

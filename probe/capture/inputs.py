@@ -57,7 +57,8 @@ def _texts(inputs: Any, what: str = "text") -> list[str]:
         texts = list(inputs)
     else:
         raise ProbeError(
-            f"{what} should be a string, a list of strings or a tensor of ids, not {type(inputs).__name__}"
+            f"{what} should be a string, a list of strings, a tensor of ids"
+            f"{' or a dict of keyword inputs' if what == 'text' else ''}, not {type(inputs).__name__}"
         )
     if not texts:
         raise ProbeError(f"no {what} given; pass a string or a non-empty list of strings")
