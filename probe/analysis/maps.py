@@ -74,6 +74,16 @@ def rollout(cache: Any, layer: int, stack: str, batch: int = 0) -> Tensor:
     return out.float()
 
 
+def image_grid(
+    cache: Any, stack: str | None = None, batch: int = 0, image: int = 0
+) -> tuple[str, dict[str, Any]]:
+    """``(stack, {"kinds", "grid"})``: the image stack (:func:`image_stack`) and the positions of
+    picture ``image`` in text ``batch`` (an image model's one grid; a text's own for a
+    vision-language model)."""
+    stack, pos = image_stack(cache, stack)
+    return stack, (_text_row(pos, batch, image) if "rows" in pos else pos)
+
+
 def _text_row(pos: dict[str, Any], batch: int, image: int) -> dict[str, Any]:
     """A vision-language stack's positions: text ``batch``'s kinds and the grid of its ``image``."""
     rows = pos["rows"]
@@ -103,9 +113,7 @@ def attention_map(
     position (``query=`` its index) reads of picture ``image`` of text ``batch``. The weights are
     the stored ones, not renormalised over the patches.
     """
-    stack, pos = image_stack(cache, stack)
-    if "rows" in pos:
-        pos = _text_row(pos, batch, image)
+    stack, pos = image_grid(cache, stack, batch, image)
     if query == "rollout":
         if head is not None:
             raise ProbeError("rollout mixes every head of every layer; leave head=None")
@@ -118,4 +126,4 @@ def attention_map(
     return _on_grid(row.float(), pos["grid"])
 
 
-__all__ = ["attention_map", "image_stack", "rollout"]
+__all__ = ["attention_map", "image_grid", "image_stack", "rollout"]

@@ -16,7 +16,7 @@ import numpy as np
 from matplotlib.axes import Axes
 from matplotlib.figure import Figure
 
-from probe.analysis.maps import attention_map, image_stack
+from probe.analysis.maps import attention_map, image_grid, image_stack
 from probe.errors import ProbeError
 from probe.report.matrix import DPI
 
@@ -93,8 +93,8 @@ def image_map(
     """What one query reads of the picture (:func:`probe.attention_map`), over the image's pixels,
     the picture beneath when given; a colour bar of the weights. Returns the Figure."""
     m = attention_map(cache, layer, head, query, stack, batch, image).numpy()
-    stack, pos = image_stack(cache, stack)
-    grid = pos["grid"] if "grid" in pos else pos["rows"][batch]["grids"][image]
+    stack, pos = image_grid(cache, stack, batch, image)
+    grid = pos["grid"]
     fig = Figure(figsize=(5.2, 4.2), dpi=DPI, layout="constrained")
     ax = fig.subplots()
     im = draw_map(ax, m, grid, picture, alpha, cmap)
@@ -121,8 +121,8 @@ def image_heads(
     """One small map per head of ``layer`` for one query, side by side (each on its own scale)."""
     if query == "rollout":
         raise ProbeError("rollout mixes every head; use image_map(..., query='rollout')")
-    stack, pos = image_stack(cache, stack)
-    grid = pos["grid"] if "grid" in pos else pos["rows"][batch]["grids"][image]
+    stack, pos = image_grid(cache, stack, batch, image)
+    grid = pos["grid"]
     n = cache.pattern(stack, layer, batch=batch).shape[0]
     cols = min(n, 6)
     rows = -(-n // cols)
