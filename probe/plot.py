@@ -27,7 +27,7 @@ from probe.report.figures import (
     residual_norms,
 )
 from probe.report.fonts import cjk_font
-from probe.report.image_figures import image_heads, image_map
+from probe.report.image_figures import distance_depth, image_heads, image_layers, image_map
 from probe.report.matrix import matrix, save
 
 
@@ -76,6 +76,8 @@ __all__ = [
     "head_matrix",
     "image_map",
     "image_heads",
+    "image_layers",
+    "distance_depth",
     "matrix",
     "save",
     "seed_caches",

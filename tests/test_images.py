@@ -455,3 +455,21 @@ def test_distance_px_against_a_loop_written_here(vit_run):
     streamed = probe.head_stats(vit_run[0], {"pixel_values": vit_run[1]}, progress=False)
     assert all(math.isnan(r["distance_px"]) for r in streamed.table)
     assert "image grid" in streamed.not_computed["distance_px"]
+
+
+def test_distance_against_depth_plots_the_tables_values(vit_run):
+    import numpy as np
+
+    import models
+
+    _, _, cache, _ = vit_run
+    stats = probe.head_stats(cache, progress=False)
+    fig = probe.plot.distance_depth(stats)
+    dots = np.asarray(fig.axes[0].collections[0].get_offsets())
+    want = sorted((r["layer"], r["distance_px"]) for r in stats.table)
+    np.testing.assert_allclose(sorted(map(tuple, dots)), want, atol=1e-6)
+    text = probe.head_stats(
+        probe.capture(models.load("minigpt"), "attention lets tokens read."), progress=False
+    )
+    with pytest.raises(ProbeError, match="no distance_px in these statistics"):
+        probe.plot.distance_depth(text)

@@ -374,7 +374,8 @@ def test_an_image_report_shows_the_maps_on_the_picture(chromium, tmp_path):
     section = page.locator("#sec-images")
     assert section.locator("h3").all_text_contents() == ["image 0", "image 1"]
     images = section.locator("img")
-    assert images.count() == 4  # per picture: layer by layer with rollout, and the last layer's heads
+    # per picture: layer by layer with rollout, and the last layer's heads; distance against depth
+    assert images.count() == 5
     sizes = page.evaluate("[...document.querySelectorAll('#sec-images img')].map(i => i.naturalWidth)")
     assert all(w > 100 for w in sizes)
     _clean(log)

@@ -198,4 +198,35 @@ def image_layers(
     return fig
 
 
-__all__ = ["draw_map", "image_heads", "image_layers", "image_map", "picture_of"]
+def distance_depth(stats: Any, stack: str | None = None) -> Figure:
+    """Mean attention distance in input pixels per head against depth (Dosovitskiy et al. 2020,
+    Fig. 7): one dot per head at its layer, ``distance_px`` from a :class:`probe.HeadStats` of an
+    image cache (``probe.head_stats(cache)``)."""
+    rows = [
+        r
+        for r in stats.table
+        if r["kind"] == "self"
+        and (stack is None or r["stack"] == stack)
+        and r["distance_px"] == r["distance_px"]
+    ]
+    if not rows:
+        raise ProbeError(
+            "no distance_px in these statistics: compute them with probe.head_stats(cache) from a capture "
+            "of an image model's pixels (whole patterns)"
+        )
+    stacks = list(dict.fromkeys(r["stack"] for r in rows))
+    fig = Figure(figsize=(5.2, 3.6), dpi=DPI, layout="constrained")
+    ax = fig.subplots()
+    for s in stacks:
+        mine = [r for r in rows if r["stack"] == s]
+        ax.scatter([r["layer"] for r in mine], [r["distance_px"] for r in mine], s=18, label=s, alpha=0.8)
+    ax.set_xlabel("layer")
+    ax.set_ylabel("mean attention distance (input pixels)")
+    ax.set_title("How far across the picture each head reads", fontsize=10)
+    ax.set_xticks(sorted({r["layer"] for r in rows}))
+    if len(stacks) > 1:
+        ax.legend(fontsize=7)
+    return fig
+
+
+__all__ = ["distance_depth", "draw_map", "image_heads", "image_layers", "image_map", "picture_of"]

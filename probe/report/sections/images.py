@@ -15,7 +15,7 @@ def build(ctx) -> dict | None:
     from probe.errors import ProbeError
     from probe.report import image_figures as imf
 
-    items, left_out = [], 0
+    items, left_out, depth = [], 0, []
     for ci, cache in enumerate(ctx.caches):
         try:
             stack, pos = image_stack(cache)
@@ -28,6 +28,16 @@ def build(ctx) -> dict | None:
         n = cache.n_texts
         left_out += max(0, n - MAX_IMAGES)
         last = cache.pattern_layers(stack)[-1]
+        stats = _stats(ctx, cache)
+        try:
+            fig = imf.distance_depth(stats, stack)
+        except ProbeError:  # no distance_px (a stats cache: none computed)
+            fig = None
+        if fig is not None:
+            label = f"cache {ci + 1}" if len(ctx.caches) > 1 else ""
+            depth.append(
+                {"label": label, "fig": ctx.figure(fig, "distance against depth"), "name": f"depth_{ci}"}
+            )
         for b in range(min(n, MAX_IMAGES)):
             ctx.progress(f"picture {b + 1}")
             picture = imf.picture_of(cache, b)
@@ -47,4 +57,17 @@ def build(ctx) -> dict | None:
     if not items:
         return None
     pictures = any(c.metadata.get("image_png") for c in ctx.caches)
-    return {"pictures": items, "left_out": left_out, "has_picture": pictures}
+    return {"pictures": items, "depth": depth, "left_out": left_out, "has_picture": pictures}
+
+
+def _stats(ctx, cache):
+    """The head statistics of ``cache``; shared with the heads section when it is the report's
+    only cache (that section computes the same, so nothing is computed twice)."""
+    from probe.analysis.focus import head_stats
+
+    if len(ctx.caches) == 1 and ctx.results.get("head_stats") is not None:
+        return ctx.results["head_stats"]
+    stats = head_stats(cache, rollout=False, progress=False)
+    if len(ctx.caches) == 1:
+        ctx.results["head_stats"] = stats
+    return stats
