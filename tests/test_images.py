@@ -473,3 +473,29 @@ def test_distance_against_depth_plots_the_tables_values(vit_run):
     )
     with pytest.raises(ProbeError, match="no distance_px in these statistics"):
         probe.plot.distance_depth(text)
+
+
+def test_ablating_a_head_of_an_image_classifier_from_keyword_inputs():
+    # the interventions take the same keyword inputs; oracle: a pre-hook on layer 1's output
+    # projection zeroing head 2's slice of its input (8 dims a head), logits compared by hand
+    cfg = tf.ViTConfig(**SMALL, image_size=(32, 48), patch_size=8, num_labels=3)
+    torch.manual_seed(0)
+    model = tf.ViTForImageClassification(cfg).eval()
+    x = {"pixel_values": torch.randn(2, 3, 32, 48, generator=torch.Generator().manual_seed(5))}
+    result = probe.ablate(model, x, [(1, 2)])
+    dense = model.vit.layers[1].attention.o_proj
+
+    def zero_head(module, args):
+        h = args[0].clone()
+        h[..., 16:24] = 0
+        return (h,)
+
+    with torch.no_grad():
+        clean = model(**x).logits
+        handle = dense.register_forward_pre_hook(zero_head)
+        try:
+            ablated = model(**x).logits
+        finally:
+            handle.remove()
+    assert abs(result.summary["max_abs_change"] - float((ablated - clean).abs().max())) < 1e-6
+    assert result.summary["max_abs_change"] > 0
