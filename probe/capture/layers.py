@@ -286,7 +286,7 @@ class LayerTracker:
 
     def fused(self, x: Tensor, after_attn: Tensor, out: Tensor) -> None:
         """The layer ran as one fused kernel: its input ``x`` and the stream after its attention
-        and at its output, as replayed (:mod:`probe.capture.fused`)."""
+        and at its output, as replayed (:mod:`probe.capture.layouts.fused`)."""
         lay = self.layer
         if lay is not None and lay.wanted:
             if lay.resid_pre is None or lay.resid_pre.is_nested:  # the padded form of a nested input

@@ -40,10 +40,10 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from probe.capture import layouts
 from probe.capture.calls import Attention, Forward
-from probe.capture.fused import mha_weights
 from probe.capture.layers import LayerTracker
-from probe.capture.local import LocalHandlers
+from probe.capture.layouts.fused import mha_weights
 from probe.capture.patterns import flex_weights
 from probe.capture.residual import LayerStream
 from probe.capture.streams import caller, is_new_stream, join
@@ -148,7 +148,7 @@ def merged_split(
     return None
 
 
-class Recorder(LocalHandlers):
+class Recorder:
     """Attention events of one capture, read against ``layers``, handed to ``consumer``."""
 
     def __init__(self, layers: LayerTracker, forward: Forward, consumer: PatternConsumer) -> None:
@@ -166,14 +166,14 @@ class Recorder(LocalHandlers):
         if self._mixes_streams(out):
             self.layers.after_op(func, args, kwargs, out)
             return out
-        if not self._local(out):  # local layouts: mapped back or refused (probe.capture.local)
+        if not layouts.on_softmax(self, out):  # a family's own layout: mapped back or refused
             self._softmax(args, kwargs, out)
         self.layers.after_op(func, args, kwargs, out)
         return out
 
     def _softmax(self, args: tuple, kwargs: dict, out: Any) -> None:
-        """A softmax that is no local layout: a pattern, a pattern with a sink column, a layout
-        probe does not read (refused), or no attention."""
+        """A softmax that is no registered layout's (:mod:`probe.capture.layouts`): a pattern, a
+        pattern with a sink column, a layout probe does not read (refused), or no attention."""
         kind = self._over_sequence(args, kwargs, out)
         if kind is None:
             if self._attention_shaped(args, kwargs, out):
@@ -249,7 +249,9 @@ class Recorder(LocalHandlers):
 
     def sdpa(self, func: Any, args: tuple, kwargs: dict) -> Any:
         out = func(*args, **kwargs)
-        if self.wants():
+        if layouts.on_sdpa(self, args, kwargs):
+            pass  # a family's own layout (Swin's windows): mapped back or refused
+        elif self.wants():
             query = args[0] if args else kwargs["query"]
             key = args[1] if len(args) > 1 else kwargs["key"]
             self.consumer.sdpa(self._open((query.size(-2), key.size(-2)), "sdpa"), args, kwargs)
@@ -292,6 +294,17 @@ class Recorder(LocalHandlers):
         else:
             self.note_event()
         self.layers.after_op(FLEX, args, kwargs, out)
+
+    # -- the other ops some layout reads (Reformer's logsumexp), handed on by the watcher's mode --
+    def reads_op(self, func: Any) -> bool:
+        """Whether a registered layout reads the op ``func`` inside the module running now."""
+        return layouts.op_layout(self.stack, func) is not None
+
+    def layout_op(self, func: Any, args: tuple, kwargs: dict) -> Any:
+        """Run ``func`` where :meth:`reads_op` said a layout reads it; that layout reads it, and
+        the op's output is returned."""
+        layout, call = layouts.op_layout(self.stack, func)
+        return layout.op(self, call, func, args, kwargs)
 
     # -- torch's fused modules, after they returned (the watcher calls these) ------------------
     def mha_module(self, module: nn.MultiheadAttention, args: tuple, kwargs: dict) -> None:

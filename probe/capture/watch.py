@@ -13,7 +13,7 @@ softmax inside is seen like any other; inside a layer every other op goes to the
 
 ``nn.MultiheadAttention`` and torch's encoder layers, whose fast paths switch off under any
 torch-function mode, run with the mode suspended; their weights are recomputed after the call
-(:mod:`probe.capture.fused`). ``nn.TransformerEncoderLayer`` also leaves its fast path when a
+(:mod:`probe.capture.layouts.fused`). ``nn.TransformerEncoderLayer`` also leaves its fast path when a
 hook sits on it or inside it, so those subtrees get no per-module hooks: a global hook pair,
 filtered to these layers, sees their calls instead.
 """
@@ -29,10 +29,10 @@ from torch import Tensor, nn
 from torch.overrides import TorchFunctionMode
 
 from probe.capture.calls import Call, Forward, first_tensor, layer_cache_length, output_tensor, tensors
-from probe.capture.fused import replay_encoder_layer
 from probe.capture.layers import LayerTracker
+from probe.capture.layouts import OPS as LAYOUT_OPS
+from probe.capture.layouts.fused import replay_encoder_layer
 from probe.capture.record import FLEX, SDPA, SOFTMAX, Recorder
-from probe.capture.reformer import REFORMER_OPS
 from probe.capture.residual import ADD, ADD_INPLACE
 
 _ADDS = ADD | ADD_INPLACE
@@ -65,8 +65,8 @@ class _Mode(TorchFunctionMode):
             return func(*args, **kwargs)
         if self.recorder.flex_calls and not torch.compiler.is_compiling():
             self.recorder.flush()  # flex_attention calls torch.compile traced, now run
-        if func in REFORMER_OPS and self.recorder.in_reformer():
-            return self.recorder.reformer_op(func, args, kwargs)  # Reformer's exp(x - logsumexp(x))
+        if func in LAYOUT_OPS and self.recorder.reads_op(func):
+            return self.recorder.layout_op(func, args, kwargs)  # Reformer's exp(x - logsumexp(x))
         if func not in _SEEN:
             # every other op: only the residual tracking of the layer running now looks at it
             layers = self.layers

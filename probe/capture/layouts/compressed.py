@@ -10,9 +10,12 @@ column's mass). Each query's three together sum to 1.
 
 from __future__ import annotations
 
+from typing import Any
+
 from torch import Tensor, nn
 
 from probe.capture.calls import Call
+from probe.capture.layouts.registry import Layout, attention, refuse, register, skipped
 
 COMPRESSED_KIND = (
     "softmax over the positions, compressed block summaries and a sink column (DeepSeek-V4): "
@@ -26,27 +29,31 @@ def is_compressed(module: nn.Module) -> bool:
     return getattr(module, "compressor", None) is not None and hasattr(module, "sinks")
 
 
-class CompressedHandlers:
-    """The recorder's handler of DeepSeek-V4's compressed attention (see the module's docstring).
-    Uses the recorder's ``forward``, ``consumer``, ``wants``, ``note_event``, ``_open`` and
-    ``_unseen``."""
+class Compressed(Layout):
+    """A 4-d softmax of a compressed layer (the innermost call): split into pattern, compressed and
+    sink; refused where the positions ``K = cached + q`` leave no room for them."""
 
-    def _compressed(self, call: Call, out: Tensor) -> None:
-        """Split the softmax ``out`` ``[b, h, q, K + C + 1]`` into pattern, compressed and sink;
-        refused (unseen) where the positions ``K = cached + q`` leave no room for them."""
-        if not isinstance(out, Tensor) or out.dim() != 4:
-            self._unseen()
-            return
+    name = "deepseek-compressed"
+    priority = 30
+
+    def claim(self, stack: list[Call], out: Any) -> Call | None:
+        if stack and is_compressed(stack[-1].module) and isinstance(out, Tensor) and out.dim() == 4:
+            return stack[-1]
+        return None
+
+    def softmax(self, rec, call: Call, out: Tensor) -> bool:
         q = out.shape[-2]
-        k = self.forward.cached + q
+        k = rec.forward.cached + q
         if out.shape[-1] < k + 1:
-            self._unseen()
-            return
-        if not self.wants():
-            self.note_event()
-            return
-        a = self._open((q, k), "softmax")
-        a.kind = COMPRESSED_KIND
+            refuse(rec)
+            return True
+        if skipped(rec):
+            return True
+        a = attention(rec, (q, k), COMPRESSED_KIND)
         a.sinks.append(out[..., -1])
         a.extra = {"compressed": out[..., k:-1]}
-        self.consumer.weights(a, out[..., :k], "softmax")
+        rec.consumer.weights(a, out[..., :k], "softmax")
+        return True
+
+
+COMPRESSED = register(Compressed())

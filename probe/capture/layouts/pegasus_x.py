@@ -19,10 +19,13 @@ model's, over the sequence padded to a multiple of ``n`` (its first T positions 
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 from torch import Tensor, nn
 
 from probe.capture.calls import Call
+from probe.capture.layouts.registry import Layout, attention, refuse, register, skipped
 
 GLOBAL_LOCAL_KIND = (
     "block-local attention with global tokens (Pegasus-X): pattern = the tokens' weights on the "
@@ -71,22 +74,25 @@ def input_length(call: Call) -> int | None:
     return None
 
 
-class GlobalLocalHandlers:
-    """The recorder's handler of Pegasus-X's global-local attention (see the module's docstring).
-    Uses the recorder's ``stack``, ``consumer``, ``wants``, ``note_event``, ``_open`` and
-    ``_unseen``."""
+class GlobalLocal(Layout):
+    """Pegasus-X's global-local attention (see the module's docstring), claimed by the innermost
+    call: the global tokens' softmax is held on the call until the blocks' arrives, then both are
+    mapped and handed on. Refused where the shapes or the input's length do not fit."""
 
-    def _global_local(self, call: Call, out: Tensor, n: int) -> None:
-        """One of the two softmaxes of a global-local call: the global tokens' (held on the call
-        until the blocks' arrives) or the blocks' (then both are mapped and handed on). Refused
-        (unseen) where the shapes or the input's length do not fit."""
-        p = call.primary
+    name = "pegasus-x-global-local"
+    priority = 60
+
+    def claim(self, stack: list[Call], out: Any) -> Call | None:
+        return stack[-1] if stack and global_block_of(stack[-1].module) is not None else None
+
+    def softmax(self, rec, call: Call, out: Any) -> bool:
+        n, p = global_block_of(call.module), call.primary
         if p is None or p.dim() != 3 or not isinstance(out, Tensor):
-            self._unseen()
-            return
+            refuse(rec)
+            return True
         if out.dim() == 4:
             call.chunks = out  # the global tokens' softmax: the blocks' follows in the same call
-            return
+            return True
         held, call.chunks = call.chunks, None
         T, padded = input_length(call), p.shape[1]
         outer = call.parent.primary if call.parent is not None else None
@@ -100,15 +106,17 @@ class GlobalLocalHandlers:
             or out.shape[-1] != held.shape[-2] + n
             or outer.shape[1] < T
         ):
-            self._unseen()
-            return
-        if not self.wants():
-            self.note_event()
-            return
+            refuse(rec)
+            return True
+        if skipped(rec):
+            return True
         g, off = held.shape[-2], (padded - outer.shape[1]) // 2  # staggered layers pad n // 2 each side
         pattern, globals_ = local_rows(out, g, off, T)
-        a = self._open((T, T), "softmax")
-        a.kind = GLOBAL_LOCAL_KIND
+        a = attention(rec, (T, T), GLOBAL_LOCAL_KIND)
         a.self_only = True  # the global tokens are a second stream of the layer's own
         a.extra = {"globals": globals_, "global_rows": global_rows(held, g, off, T)}
-        self.consumer.weights(a, pattern, "softmax")
+        rec.consumer.weights(a, pattern, "softmax")
+        return True
+
+
+GLOBAL_LOCAL = register(GlobalLocal())

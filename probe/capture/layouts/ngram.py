@@ -11,9 +11,12 @@ stored as ``self_attn.<n>``, ``[batch, heads, T, 2T]``: column ``j < T`` is main
 
 from __future__ import annotations
 
+from typing import Any
+
 from torch import Tensor, nn
 
 from probe.capture.calls import Call
+from probe.capture.layouts.registry import Layout, attention, refuse, register, skipped
 
 MAIN_KIND = "ProphetNet main stream: its queries over its own keys, [batch, heads, T, T]"
 
@@ -33,33 +36,38 @@ def ngram_of(module: nn.Module) -> int | None:
     return n if ok else None
 
 
-class NgramHandlers:
-    """The recorder's handler of ProphetNet's predict-stream softmax (see the module docstring).
-    Uses the recorder's ``layers``, ``consumer``, ``wants``, ``note_event``, ``_open``, ``close``
-    and ``_unseen``."""
+class NgramStreams(Layout):
+    """The predict streams' softmax ``[batch, ngram, heads, T, 2T]`` of an n-gram module (the
+    innermost call): each stream handed on as an attention of its own. A 4-d softmax (the main
+    stream's) is left to the plain path; any other shape is refused."""
 
-    def _predict_streams(self, call: Call, out: Tensor, ngram: int) -> bool:
-        """Whether ``out`` is the predict streams' softmax ``[batch, ngram, heads, T, 2T]`` of
-        ``call``; each stream is handed on as an attention of its own when it is. A 4-d softmax
-        (the main stream's) is left to the plain path (False); any other shape is refused."""
+    name = "prophetnet-ngram"
+    priority = 40
+
+    def claim(self, stack: list[Call], out: Any) -> Call | None:
+        return stack[-1] if stack and ngram_of(stack[-1].module) is not None else None
+
+    def softmax(self, rec, call: Call, out: Any) -> bool:
+        ngram = ngram_of(call.module)
         if not isinstance(out, Tensor) or out.dim() == 4:
             return False
         if out.dim() != 5 or out.shape[1] != ngram or out.shape[-1] != 2 * out.shape[-2]:
-            self._unseen()
+            refuse(rec)
             return True
-        if not self.wants():
-            self.note_event()
+        if skipped(rec):
             return True
-        sub = self.layers.sublayer_call()
+        sub = rec.layers.sublayer_call()
         main = sub.attn
         if main is not None and main.kind is None and main.qk == (out.shape[-2],) * 2:
             main.kind = MAIN_KIND
         for n in range(ngram):
             if sub.attn is not None:
-                self.close(sub.attn)  # each stream an attention of its own, never one merged
+                rec.close(sub.attn)  # each stream an attention of its own, never one merged
                 sub.attn = None
-            a = self._open(tuple(out.shape[-2:]), "softmax")
-            a.kind = predict_kind(n + 1, ngram)
+            a = attention(rec, tuple(out.shape[-2:]), predict_kind(n + 1, ngram))
             a.self_only = True  # its keys are the layer's own streams, not a source's
-            self.consumer.weights(a, out[:, n], "softmax")
+            rec.consumer.weights(a, out[:, n], "softmax")
         return True
+
+
+NGRAM = register(NgramStreams())

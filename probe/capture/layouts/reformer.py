@@ -20,8 +20,13 @@ and recomputes the weights with the same two ops (the same numbers):
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 from torch import Tensor, nn
+
+from probe.capture.calls import Call
+from probe.capture.layouts.registry import Layout, attention, refuse, register, skipped
 
 LOGSUMEXP = frozenset({torch.logsumexp, Tensor.logsumexp})
 # the ops read inside Reformer's attention modules: the softmax's logsumexp, and the comparison
@@ -62,22 +67,24 @@ def chunks_to_keys(probs: Tensor, before: int) -> Tensor:
     return out
 
 
-class ReformerHandlers:
-    """The recorder's handler of Reformer's ``logsumexp`` (see the module's docstring). Uses the
-    recorder's ``stack``, ``layers``, ``consumer``, ``wants``, ``note_event``, ``_open``,
-    ``_softmax`` and ``_unseen``."""
+class ReformerAttention(Layout):
+    """Reformer's attention modules (the innermost call), read at their ``logsumexp`` and, for the
+    LSH layers, at the comparison of the sorted positions (see the module's docstring). Reads no
+    softmax: Reformer calls none."""
 
-    def in_reformer(self) -> bool:
-        """Whether the op running now is inside a Reformer attention module."""
-        return bool(self.stack) and reformer_kind(self.stack[-1].module) is not None
+    name = "reformer"
+    priority = 100
+    reads = frozenset()
+    ops = frozenset(REFORMER_OPS)
 
-    def reformer_op(self, func, args: tuple, kwargs: dict) -> Tensor:
-        """Run one of :data:`REFORMER_OPS` inside a Reformer attention module and read it."""
+    def claim(self, stack: list[Call], out: Any) -> Call | None:
+        return stack[-1] if stack and reformer_kind(stack[-1].module) is not None else None
+
+    def op(self, rec, call: Call, func: Any, args: tuple, kwargs: dict) -> Tensor:
         if func in LOGSUMEXP:
-            return self.logsumexp(func, args, kwargs)
+            return self.logsumexp(rec, call, func, args, kwargs)
         out = func(*args, **kwargs)
         q, k = (args + (None, None))[:2]
-        call = self.stack[-1]
         if (
             reformer_kind(call.module) == "lsh"
             and isinstance(q, Tensor)
@@ -88,10 +95,10 @@ class ReformerHandlers:
             and k.shape[-2] == 1
         ):
             call.chunks = (q[..., 0], k[..., 0, :])  # the sorted positions of queries and keys
-        self.layers.after_op(func, args, kwargs, out)
+        rec.layers.after_op(func, args, kwargs, out)
         return out
 
-    def logsumexp(self, func, args: tuple, kwargs: dict) -> Tensor:
+    def logsumexp(self, rec, call: Call, func: Any, args: tuple, kwargs: dict) -> Tensor:
         """Run Reformer's ``logsumexp``; its weights are read (stored, mapped back or refused)."""
         out = func(*args, **kwargs)
         x = args[0] if args else kwargs.get("input")
@@ -100,39 +107,34 @@ class ReformerHandlers:
         if isinstance(x, Tensor) and dim in (-1, x.dim() - 1) and x.dim() >= 4:
             keep = args[2] if len(args) > 2 else kwargs.get("keepdim", False)
             lse = out if keep else out.unsqueeze(-1)
-            self._reformer_weights(torch.exp(x - lse), lse)
-        self.layers.after_op(func, args, kwargs, out)
+            self._weights(rec, call, torch.exp(x - lse), lse)
+        rec.layers.after_op(func, args, kwargs, out)
         return out
 
-    def _reformer_weights(self, probs: Tensor, lse: Tensor) -> None:
+    def _weights(self, rec, call: Call, probs: Tensor, lse: Tensor) -> None:
         """Reformer's weights ``probs`` (``lse``: their logsumexp): plain ``[b, h, T, T]`` ones as
         any softmax, local and LSH chunks mapped back; refused where they do not fit."""
-        call = self.stack[-1]
         module = call.module
         if probs.dim() == 4:
-            self._softmax((probs, -1), {}, probs)
+            rec._softmax((probs, -1), {}, probs)
             return
         held, call.chunks = call.chunks, None
-        if reformer_kind(module) == "lsh" and self._lsh(call, probs, lse, held):
+        if reformer_kind(module) == "lsh" and self._lsh(rec, call, probs, lse, held):
             return
         if reformer_kind(module) == "lsh" or probs.dim() != 5:
-            self._unseen()
-            if reformer_kind(module) == "lsh" and LSH_WHY not in self.forward.unseen_why:
-                self.forward.unseen_why.append(LSH_WHY)
+            refuse(rec, LSH_WHY if reformer_kind(module) == "lsh" else None)
             return
         c = module.chunk_length
         if probs.shape[-2] != c or probs.shape[-1] % c:
-            self._unseen()
+            refuse(rec)
             return
-        if not self.wants():
-            self.note_event()
+        if skipped(rec):
             return
         pattern = chunks_to_keys(probs, module.num_chunks_before)
-        a = self._open(tuple(pattern.shape[-2:]), "softmax")
-        a.kind = REFORMER_LOCAL_KIND
-        self.consumer.weights(a, pattern, "softmax")
+        a = attention(rec, tuple(pattern.shape[-2:]), REFORMER_LOCAL_KIND)
+        rec.consumer.weights(a, pattern, "softmax")
 
-    def _lsh(self, call, probs: Tensor, lse: Tensor, held) -> bool:
+    def _lsh(self, rec, call: Call, probs: Tensor, lse: Tensor, held) -> bool:
         """LSH weights ``probs`` ``[b, h, chunks, c, m·c]`` over the sorted positions ``held`` (the
         queries' ``[b, h, chunks, c]``, the keys' ``[b, h, chunks, m·c]``) mapped back to
         ``[b, h, T, T]``; False (then refused) where they do not fit."""
@@ -147,12 +149,10 @@ class ReformerHandlers:
         rounds = qi.reshape(b, h, -1, T).sort(-1).values  # each round a permutation of 0..T-1
         if not bool((rounds == torch.arange(T, device=qi.device)).all()):
             return False
-        if not self.wants():
-            self.note_event()
+        if skipped(rec):
             return True
-        a = self._open((T, T), "softmax")
-        a.kind = LSH_KIND
-        self.consumer.weights(a, lsh_pattern(probs, lse, qi, ki, T), "softmax")
+        a = attention(rec, (T, T), LSH_KIND)
+        rec.consumer.weights(a, lsh_pattern(probs, lse, qi, ki, T), "softmax")
         return True
 
 
@@ -175,3 +175,6 @@ def lsh_pattern(probs: Tensor, lse: Tensor, qi: Tensor, ki: Tensor, T: int) -> T
     out = probs.new_zeros(b, h, T * T)
     out.scatter_add_(-1, (rows * T + cols).reshape(b, h, -1), (probs * w_sorted).reshape(b, h, -1))
     return out.view(b, h, T, T)
+
+
+REFORMER = register(ReformerAttention())
