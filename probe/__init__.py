@@ -15,6 +15,7 @@ __version__ = "0.1.0"
 # submodules (probe.report.html, probe.report.sections, ...) import as usual.
 from probe import report  # noqa: E402
 from probe.analysis.alignment import Alignment, align  # noqa: E402
+from probe.analysis.artifacts import Artifacts, artifacts  # noqa: E402
 from probe.analysis.causal import CausalReport, check_causal  # noqa: E402
 from probe.analysis.compare import Comparison, compare  # noqa: E402
 from probe.analysis.focus import HeadStats, head_stats, induction_scores, retrieval_scores  # noqa: E402
@@ -58,7 +59,7 @@ __all__ += [
 __all__ += ["run_corpus", "open_corpus", "Corpus"]
 __all__ += ["ablate", "Ablation", "patch", "Patching", "head_importance", "HeadImportance"]
 __all__ += ["knockout", "Knockout", "intervene", "Intervention"]
-__all__ += ["attention_map", "pointing", "Pointing"]
+__all__ += ["attention_map", "pointing", "Pointing", "artifacts", "Artifacts"]
 
 
 def __getattr__(name: str):

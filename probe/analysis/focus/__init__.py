@@ -85,6 +85,13 @@ distance_px         self    images: Σ_j a_ij ‖c_i − c_j‖ over the patch k
                             queries (class, register and text rows and columns left out, weights
                             not renormalised): the mean attention distance of Dosovitskiy et al.
                             2020, Fig. 7. NaN without an image grid; whole patterns only
+on_class            self    images: Σ a_ij over class keys ([CLS], DeiT's [DIST]), over every
+                            counted query (NaN when the stack has no class token)
+on_register         self    images: Σ a_ij over register keys (Darcet et al. 2024), the same way
+on_image            self    vision-language models: Σ a_ij over image-token keys, over the text
+                            queries that can see an image position (in a causal layer, text
+                            after the first image token): the share of a word's attention that
+                            lands on the picture. NaN without text beside an image
 ==================  ======  ==================================================================
 
 Attention rollout (Abnar & Zuidema 2020): per stack, ``Â_l = 0.5·mean_h W_l + 0.5·I`` (padded rows

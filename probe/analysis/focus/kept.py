@@ -15,13 +15,15 @@ import torch
 
 from probe.analysis.focus.metrics import IDX, LOCAL_WINDOW, METRICS, SPAN_MASS, _mean
 from probe.analysis.focus.running import RunningStats
-from probe.analysis.focus.tokens import Side, side
+from probe.analysis.focus.tokens import CLASS, IMAGE, REGISTER, Side, side
 from probe.cache.format import parse_key, parse_name
 from probe.errors import ProbeError
 
 # the metrics of one query row at a time: the table's first ones, up to the first that needs
-# every query row of a text (positions, words, duplicates, distances over the text)
-ROW_METRICS = METRICS[: METRICS.index("pos_offset")]
+# every query row of a text (positions, words, duplicates, distances over the text), and the
+# masses on the kinds of an image stack's positions
+KIND_METRICS = ("on_class", "on_register", "on_image")
+ROW_METRICS = METRICS[: METRICS.index("pos_offset")] + KIND_METRICS
 _EVERY_ROW = "needs every query row of the pattern"
 NOT_COMPUTED = {m: _EVERY_ROW for m in METRICS if m not in ROW_METRICS} | {"rollout": _EVERY_ROW}
 
@@ -29,6 +31,9 @@ NOT_COMPUTED = {m: _EVERY_ROW for m in METRICS if m not in ROW_METRICS} | {"roll
 def _length(meta: dict[str, Any], stack: str, fallback: int) -> int:
     """The number of query positions of ``stack`` (its own side's padded length)."""
     prefix = "target_" if meta.get("target_tokens") is not None and stack == "decoder" else ""
+    pos = ((meta.get("stacks") or {}).get(stack) or {}).get("positions")
+    if isinstance(pos, dict) and "grid" in pos:  # an image stack: its own sequence of positions
+        return len(pos["kinds"])
     mask = meta.get(f"{prefix}attention_mask")
     if mask:
         return len(mask[0])
@@ -92,7 +97,27 @@ def row_values(
     signed = (P * offset[:, None]).sum(-1)
     out[..., IDX["distance"]] = _mean((P * offset.abs()[:, None]).sum(-1), counted)
     out[..., IDX["signed_distance"]] = _mean(signed, counted)
+    if qs.kind is not None and ks.kind is not None:
+        _kind_rows(P, i, qs, ks, counted, causal, out)
     return out, causal
+
+
+def _kind_rows(P, i, qs: Side, ks: Side, counted, causal: bool, out: torch.Tensor) -> None:
+    """``on_class``, ``on_register`` and ``on_image`` over the kept rows (the definitions of
+    :mod:`probe.analysis.focus`): rows ``P`` ``[B, H, R, K]`` at query positions ``i`` ``[B, R]``."""
+    kind, real = ks.kind, ks.real
+    for name, code in (("on_class", CLASS), ("on_register", REGISTER)):
+        mask = (kind == code) & real
+        has = mask.any(-1)[:, None, None]
+        out[..., IDX[name]] = _mean((P * mask[:, None, None, :]).sum(-1), counted & has)
+    img = (kind == IMAGE) & real  # [B, K]
+    if causal:
+        first = torch.where(img, torch.arange(img.shape[1]), img.shape[1]).amin(-1)  # [B]
+        sees = i >= first[:, None]
+    else:
+        sees = img.any(-1, keepdim=True).expand_as(i)
+    text = (qs.kind.gather(1, i) == 0) & sees
+    out[..., IDX["on_image"]] = _mean((P * img[:, None, None, :]).sum(-1), counted & text[:, None, :])
 
 
 def add_rows(acc: Any, cache: Any) -> None:

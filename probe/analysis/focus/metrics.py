@@ -16,7 +16,7 @@ import torch
 
 from probe.analysis.focus.reach import BEYOND, pattern_distance_terms
 from probe.analysis.focus.rows import BANDS, SPAN_MASS, _Rows
-from probe.analysis.focus.tokens import Side
+from probe.analysis.focus.tokens import CLASS, IMAGE, REGISTER, Side
 
 METRICS = (
     "entropy",
@@ -48,6 +48,9 @@ METRICS = (
     *(f"beyond_{d}" for d in BEYOND),
     "reach90",
     "distance_px",
+    "on_class",
+    "on_register",
+    "on_image",
 )
 IDX = {m: i for i, m in enumerate(METRICS)}
 LOCAL_WINDOW = 2  # local mass: keys with |i - j| <= this
@@ -131,6 +134,25 @@ class Layout:
         return torch.where(same, d, 0.0).float()
 
     @cached_property
+    def kind_masks(self) -> torch.Tensor:
+        """``[B, 1, K, 3]``: whether each key is a class token ([CLS], [DIST]), a register, or an
+        image position (a patch, a vision-language model's image token); needs ``k.kind``."""
+        kind = self.k.kind
+        return torch.stack([kind == CLASS, kind == REGISTER, kind == IMAGE], -1).float()[:, None]
+
+    @cached_property
+    def image_queries(self) -> torch.Tensor:
+        """``[B, 1, Q]``: the counted text queries that can see an image position (a causal layer's
+        text before the first image token reads none and is left out)."""
+        q, k = self.q, self.k
+        img = (k.kind == IMAGE) & k.real
+        if self.causal:
+            sees = img.long().cumsum(-1)[:, : self.Q] > 0
+        else:
+            sees = img.any(-1, keepdim=True).expand(-1, self.Q)
+        return self.counted & ((q.kind == 0) & sees)[:, None, :]
+
+    @cached_property
     def words_split(self) -> bool:
         """Whether some word has more than one piece (else word metrics equal token metrics)."""
         return any(bool(((s.word.amax(-1) + 1) < s.real.sum(-1)).any()) for s in (self.q, self.k))
@@ -198,6 +220,7 @@ class Terms:
     beyond: dict[int, torch.Tensor] = field(default_factory=dict)
     reach: torch.Tensor | None = None
     dist_px: torch.Tensor | None = None  # Σ_j a_ij ‖c_i − c_j‖ over patch keys of i's picture
+    kinds: torch.Tensor | None = None  # [B, h, Q, 3]: mass on class, register, image keys
 
     def to(self, device: torch.device | str) -> Terms:
         """These terms with every tensor on ``device`` (a new :class:`Terms`)."""
@@ -237,6 +260,8 @@ def pattern_terms(P: torch.Tensor, lay: Layout, *, self_attn: bool) -> Terms:
         t.dist = (P * (kf[None, :] - qf[:, None]).abs()).sum(-1)
     if lay.q.centre is not None and lay.k.centre is not None:
         t.dist_px = (P * lay.pixel_distances[:, None]).sum(-1)
+    if lay.q.kind is not None and lay.k.kind is not None:
+        t.kinds = P @ lay.kind_masks
     if words:
         t.word = word_masses(rows.cum, lay, lay.qi)
     if lay.q.ids is not None and lay.k.ids is not None:
@@ -280,6 +305,8 @@ def reduce(t: Terms, lay: Layout, *, self_attn: bool) -> torch.Tensor:
         out[..., IDX["distance_px"]] = _mean(
             t.dist_px.to(t.ent.dtype), counted & (lay.q.picture >= 0)[:, None, :]
         )
+    if t.kinds is not None:
+        _kinds(t.kinds.to(t.ent.dtype), lay, out)
 
     # positional: the most common offset (argmax key - query) and the share of queries using it
     hist = torch.zeros(B, h, Q + K - 1)
@@ -298,6 +325,16 @@ def reduce(t: Terms, lay: Layout, *, self_attn: bool) -> torch.Tensor:
     if t.tmpl is not None:
         _templates(t, lay, out)
     return out
+
+
+def _kinds(mass: torch.Tensor, lay: Layout, out: torch.Tensor) -> None:
+    """``on_class`` / ``on_register`` (over every counted query of a text that has such keys) and
+    ``on_image`` (over the text queries that can see an image position) into ``out``."""
+    real = lay.k.real
+    for c, (name, code) in enumerate((("on_class", CLASS), ("on_register", REGISTER))):
+        has = ((lay.k.kind == code) & real).any(-1)[:, None, None]  # [B, 1, 1]
+        out[..., IDX[name]] = _mean(mass[..., c], lay.counted & has)
+    out[..., IDX["on_image"]] = _mean(mass[..., 2], lay.image_queries)
 
 
 WORD_STEPS = (("word_prev", -1), ("word_self", 0), ("word_next", 1))

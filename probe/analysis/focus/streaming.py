@@ -37,16 +37,17 @@ ROLLOUT_NOTE = (
     "holds one: capture the model (probe.capture) and pass the cache to compute it"
 )
 PIXELS_NOTE = (
-    "distance_px needs the image grid, which is named after the forward: capture the patterns "
-    "(probe.capture) and pass the cache to compute it"
+    "{} needs what each position is (the image grid), which is named after the forward: capture "
+    "the patterns (probe.capture) and pass the cache to compute it"
 )
+IMAGE_METRICS = ("distance_px", "on_class", "on_register", "on_image")
 
 
 def streamed_not_computed(meta: dict[str, Any], rollout: str = ROLLOUT_NOTE) -> dict[str, str]:
     """What statistics computed while the model runs leave out, with the reason."""
     out = {"rollout": rollout}
     if any(isinstance(s, dict) and s.get("positions") for s in (meta.get("stacks") or {}).values()):
-        out["distance_px"] = PIXELS_NOTE
+        out.update({m: PIXELS_NOTE.format(m) for m in IMAGE_METRICS})
     return out
 
 

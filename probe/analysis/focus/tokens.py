@@ -36,12 +36,33 @@ class Side:
     # which picture it belongs to, [batch, T] (-1: not a patch); None without an image grid
     centre: torch.Tensor | None = None
     picture: torch.Tensor | None = None
+    # what each position of an image stack is, [batch, T]: KIND_CODES (class, register, image
+    # patch or image token, text); None without recorded positions
+    kind: torch.Tensor | None = None
+
+
+# position kinds as the image metrics group them: [CLS] and DeiT's [DIST] are class tokens
+KIND_CODES = {"text": 0, "class": 1, "distillation": 1, "register": 2, "patch": 3, "image": 3}
+CLASS, REGISTER, IMAGE = 1, 2, 3
 
 
 def _prefix(meta: dict[str, Any], stack: str, role: str) -> str:
     """``"target_"`` where the decoder of an encoder-decoder reads its own tokens, else ``""``."""
     enc_dec = meta.get("target_tokens") is not None
     return "target_" if enc_dec and stack == "decoder" and role == "own" else ""
+
+
+def _runs_over_pictures(meta: dict[str, Any], stack: str, batch: int, length: int, mask: Any) -> bool:
+    """Whether ``stack`` is a vision-language model's vision tower: its sequences are the pictures
+    (prefix tokens and a patch grid, none padded), not the texts the attention mask describes."""
+    if len(mask) == batch and all(len(m) == length for m in mask):
+        return False
+    pos = ((meta.get("stacks") or {}).get(stack) or {}).get("positions")
+    if isinstance(pos, dict) and "grid" in pos:
+        return len(pos.get("kinds", [])) == length
+    # while the model runs the stacks are not named yet: one sequence per picture
+    pictures = meta.get("image_shape")
+    return pos is None and bool(pictures) and pictures[0] == batch
 
 
 def is_punct(token: str) -> bool:
@@ -86,7 +107,7 @@ def side(meta: dict[str, Any], stack: str, role: str, batch: int, length: int) -
     tokens = meta.get(f"{p}tokens") or []
     specials = meta.get(f"{p}special_tokens_mask")
     ids = meta.get(f"{p}ids")
-    if mask is None:
+    if mask is None or _runs_over_pictures(meta, stack, batch, length, mask):
         real = torch.ones(batch, length, dtype=torch.bool)
     else:
         real = torch.tensor(mask, dtype=torch.bool)
@@ -125,21 +146,23 @@ def side(meta: dict[str, Any], stack: str, role: str, batch: int, length: int) -
     first = torch.where(real, idx, length).amin(-1)
     last = torch.where(real, idx, -1).amax(-1)
     end = torch.where(special[torch.arange(batch), last.clamp(min=0)] & (last >= 0), last, -1)
-    centre, picture = patch_centres(meta, stack, batch, length) if role == "own" else (None, None)
-    return Side(real, special, punct, id_t, word, n_words, first, end, centre, picture)
+    centre, picture, kind = patch_centres(meta, stack, batch, length) if role == "own" else (None,) * 3
+    return Side(real, special, punct, id_t, word, n_words, first, end, centre, picture, kind)
 
 
-def patch_centres(meta: dict[str, Any], stack: str, batch: int, length: int) -> tuple[Any, Any]:
-    """``(centre [batch, T, 2], picture [batch, T])`` of the stack's image grid positions (see
-    :class:`Side`), or ``(None, None)`` when the stack has none or they do not fit ``length``."""
+def patch_centres(meta: dict[str, Any], stack: str, batch: int, length: int) -> tuple[Any, Any, Any]:
+    """``(centre [batch, T, 2], picture [batch, T], kind [batch, T])`` of the stack's image
+    positions (see :class:`Side`), or ``(None, None, None)`` when the stack has none or they do
+    not fit ``length``."""
     pos = ((meta.get("stacks") or {}).get(stack) or {}).get("positions")
     if not isinstance(pos, dict):
-        return None, None
+        return None, None, None
     rows = pos.get("rows") or [{"kinds": pos.get("kinds", []), "grids": [pos["grid"]]}] * batch
     if len(rows) != batch or any(len(r["kinds"]) != length for r in rows):
-        return None, None
+        return None, None, None
     centre = torch.full((batch, length, 2), float("nan"), dtype=torch.float64)
     picture = torch.full((batch, length), -1, dtype=torch.long)
+    kind = torch.tensor([[KIND_CODES.get(k, 0) for k in row["kinds"]] for row in rows], dtype=torch.long)
     for b, row in enumerate(rows):
         for g, grid in enumerate(row["grids"]):
             n, ph, pw = grid["rows"] * grid["cols"], grid["patch"][0], grid["patch"][1]
@@ -148,7 +171,7 @@ def patch_centres(meta: dict[str, Any], stack: str, batch: int, length: int) -> 
             centre[b, at, 0] = ((k // grid["cols"]).double() + 0.5) * ph
             centre[b, at, 1] = ((k % grid["cols"]).double() + 0.5) * pw
             picture[b, at] = g
-    return centre, picture
+    return centre, picture, kind
 
 
-__all__ = ["Side", "side", "is_punct", "patch_centres", "word_starts"]
+__all__ = ["KIND_CODES", "Side", "side", "is_punct", "patch_centres", "word_starts"]
