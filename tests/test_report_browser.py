@@ -373,10 +373,14 @@ def test_an_image_report_shows_the_maps_on_the_picture(chromium, tmp_path):
     page, log = open_report(chromium, probe.report(cache, tmp_path, progress=False))
     section = page.locator("#sec-images")
     assert section.locator("h3").all_text_contents() == ["image 0", "image 1"]
-    images = section.locator("img")
+    images = section.locator("figure img")
     # per picture: layer by layer with rollout, and the last layer's heads; distance against depth
     assert images.count() == 5
-    sizes = page.evaluate("[...document.querySelectorAll('#sec-images img')].map(i => i.naturalWidth)")
+    sizes = page.evaluate("[...document.querySelectorAll('#sec-images figure img')].map(i => i.naturalWidth)")
     assert all(w > 100 for w in sizes)
+    # each picture's hover view shows the picture the model saw (the cache's own PNG)
+    shown = page.evaluate("[...document.querySelectorAll('#sec-images .probe-pic-img')].map(i => i.src)")
+    assert shown == ["data:image/png;base64," + png for png in cache.metadata["image_png"]]
+    page.wait_for_function("() => document.documentElement.dataset.probeImagesReady === '1'")
     _clean(log)
     page.close()

@@ -1,63 +1,131 @@
 """Attention on the picture: for an image model's cache, what [CLS] reads layer by layer and its
-attention rollout, and each head of the last layer, laid over the picture the model saw."""
+attention rollout, and each head of the last layer, laid over the picture the model saw; a hover
+view per picture (hover a patch: what it reads); for a vision-language model, the text beside
+each picture (hover a word: where on the picture it reads). The hover views' data is
+:mod:`probe.report.sections._image_hover`'s, drawn by ``static/image_hover.js``."""
 
 from __future__ import annotations
+
+from importlib import resources
+
+from markupsafe import Markup
 
 TITLE = "Attention on the picture"
 ORDER = 22
 MAX_IMAGES = 4  # pictures drawn per cache; the rest are left out (the section says so)
 
 
+def _positions(cache) -> list[tuple[str, dict]]:
+    """``(stack, positions)`` of every stack of ``cache`` that holds patterns and knows its picture's
+    positions (a grid, or a vision-language model's rows)."""
+    out = []
+    for s, meta in (cache.metadata.get("stacks") or {}).items():
+        pos = (meta or {}).get("positions")
+        if isinstance(pos, dict) and (pos.get("grid") or pos.get("rows")) and cache.pattern_layers(s):
+            out.append((s, pos))
+    return out
+
+
 def build(ctx) -> dict | None:
-    """Per picture (up to :data:`MAX_IMAGES` per cache) two figures; None when no cache holds an
+    """Per picture (up to :data:`MAX_IMAGES` per cache) two figures and a hover view; per
+    picture of a vision-language model's texts a word hover view; None when no cache holds an
     image grid."""
-    from probe.analysis.maps import image_stack
     from probe.errors import ProbeError
     from probe.report import image_figures as imf
+    from probe.report.sections import _image_hover as hv
 
-    items, left_out, depth = [], 0, []
+    items, words, views, left_out, depth = [], [], [], 0, []
+    multi = len(ctx.caches) > 1
     for ci, cache in enumerate(ctx.caches):
-        try:
-            stack, pos = image_stack(cache)
-        except ProbeError:
-            continue
-        if "grid" not in pos or not cache.pattern_layers(stack):
-            continue
-        query = "cls" if "class" in pos["kinds"] else pos["grid"]["offset"]
+        found = _positions(cache)
         names = cache.metadata.get("images") or []
-        n = cache.n_texts
-        left_out += max(0, n - MAX_IMAGES)
-        last = cache.pattern_layers(stack)[-1]
-        stats = _stats(ctx, cache)
-        try:
-            fig = imf.distance_depth(stats, stack)
-        except ProbeError:  # no distance_px (a stats cache: none computed)
-            fig = None
-        if fig is not None:
-            label = f"cache {ci + 1}" if len(ctx.caches) > 1 else ""
-            depth.append(
-                {"label": label, "fig": ctx.figure(fig, "distance against depth"), "name": f"depth_{ci}"}
-            )
-        for b in range(min(n, MAX_IMAGES)):
-            ctx.progress(f"picture {b + 1}")
-            picture = imf.picture_of(cache, b)
-            label = (f"cache {ci + 1}, " if len(ctx.caches) > 1 else "") + (
-                names[b] if b < len(names) else f"picture {b + 1}"
-            )
-            layers = imf.image_layers(cache, query=query, stack=stack, batch=b, picture=picture)
-            heads = imf.image_heads(cache, last, query=query, stack=stack, batch=b, picture=picture)
-            items.append(
-                {
-                    "label": label,
-                    "layers": ctx.figure(layers, f"{label}: layer by layer"),
-                    "heads": ctx.figure(heads, f"{label}: the heads of layer {last}"),
-                    "name": f"picture_{ci}_{b}",
-                }
-            )
-    if not items:
+        pngs = cache.metadata.get("image_png") or []
+        where = f"cache {ci + 1}, " if multi else ""
+        grids = [(s, p) for s, p in found if "grid" in p][:1]
+        for stack, pos in grids:
+            query = "cls" if "class" in pos["kinds"] else pos["grid"]["offset"]
+            n = int((cache.metadata.get("image_shape") or [cache.n_texts])[0])
+            left_out += max(0, n - MAX_IMAGES)
+            last = cache.pattern_layers(stack)[-1]
+            try:
+                fig = imf.distance_depth(_stats(ctx, cache), stack)
+            except ProbeError:  # no distance_px (a stats cache: none computed)
+                fig = None
+            if fig is not None:
+                depth.append(
+                    {
+                        "label": f"cache {ci + 1}" if multi else "",
+                        "fig": ctx.figure(fig, "distance against depth"),
+                        "name": f"depth_{ci}",
+                    }
+                )
+            for b in range(min(n, MAX_IMAGES)):
+                ctx.progress(f"picture {b}")
+                picture = imf.picture_of(cache, b)
+                label = where + (names[b] if b < len(names) else f"picture {b}")
+                layers = imf.image_layers(cache, query=query, stack=stack, batch=b, picture=picture)
+                heads = imf.image_heads(cache, last, query=query, stack=stack, batch=b, picture=picture)
+                view = hv.patch_view(cache, stack, pos, b, label)
+                views.append(view)
+                items.append(
+                    {
+                        "label": label,
+                        "layers": ctx.figure(layers, f"{label}: layer by layer"),
+                        "heads": ctx.figure(heads, f"{label}: the heads of layer {last}"),
+                        "name": f"picture_{ci}_{b}",
+                        "view": view,
+                        "png": pngs[b] if b < len(pngs) else None,
+                    }
+                )
+        for stack, pos in [(s, p) for s, p in found if "rows" in p]:
+            text = hv.text_views(cache, stack, pos, cache.n_texts, names)
+            left_out += max(0, len(text) - MAX_IMAGES)
+            for view in text[:MAX_IMAGES]:
+                view.label = where + view.label
+                views.append(view)
+                png = pngs[view.picture] if view.picture < len(pngs) else None
+                words.append({"label": view.label, "view": view, "png": png, "stack": stack})
+    if not items and not words:
         return None
-    pictures = any(c.metadata.get("image_png") for c in ctx.caches)
-    return {"pictures": items, "depth": depth, "left_out": left_out, "has_picture": pictures}
+    hv.plan(views)
+    embedded = 0
+    for it in [*items, *words]:
+        ctx.progress(f"hover maps: {it['label']}")
+        v = it.pop("view")
+        it["data"] = hv.view_data(v)
+        it["chips"] = v.chips
+        it["note"] = _layers_note(v)
+        embedded += hv.embedded_bytes(it["data"])
+    return {
+        "pictures": items,
+        "words": words,
+        "depth": depth,
+        "left_out": left_out,
+        "has_picture": any(c.metadata.get("image_png") for c in ctx.caches),
+        "embedded_mb": f"{embedded / 2**20:.2f}",
+        "lut": _lut(),
+        "js": Markup(resources.files("probe.report").joinpath("static", "image_hover.js").read_text("utf-8")),
+    }
+
+
+def _lut() -> str:
+    from probe.report.sections._patterns import colour_lut
+
+    return colour_lut("inferno")  # the figures' colour map
+
+
+def _layers_note(v) -> str:
+    """What of the view's layers the page holds, when not all of them (the budget's choice)."""
+    parts = []
+    if len(v.mean_layers) < len(v.layers):
+        parts.append(
+            f"the maps of layers {', '.join(map(str, v.mean_layers))} of {len(v.layers)} are embedded "
+            "(the page's budget)"
+        )
+    if v.n_heads > 1 and len(v.head_layers) < len(v.mean_layers):
+        which = ", ".join(map(str, sorted(v.head_layers))) if v.head_layers else "no layer"
+        parts.append(f"single heads for {which} (the rest: the mean over heads only)")
+    return "; ".join(parts)
 
 
 def _stats(ctx, cache):
