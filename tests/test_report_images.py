@@ -23,6 +23,7 @@ from probe.report.browser import browser, open_report
 from probe.report.context import ReportContext
 from probe.report.html import discover, render
 from probe.report.sections import _image_hover as hv
+from probe.report.sections import images
 
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
 LM = "model.language_model.layers"
@@ -177,6 +178,26 @@ def test_the_budget_keeps_the_last_layer_and_spreads_the_rest(vit):
     a, b = (hv.patch_view(cache, "encoder", pos, i, str(i)) for i in range(2))
     hv.plan([a, b], cells=2 * 2 * per + 4 * per)
     assert a.mean_layers == b.mean_layers == [0, 1] and (a.head_layers, b.head_layers) == ([1], [])
+
+
+def test_a_long_text_maps_its_last_words(llava, monkeypatch):
+    cache, want, _ = llava
+    monkeypatch.setattr(hv, "MAX_WORDS", 3)
+    views = hv.text_views(cache, LM, cache.metadata["stacks"][LM]["positions"], 1, [])
+    assert [v.queries for v in views] == [[18, 35, 36]] * 2 and views[0].words_left_out == 2
+    # every word is shown beside the picture; the first two are not mapped
+    assert [(c["t"], c["q"]) for c in views[0].chips] == [
+        ("1", None),
+        ("5", None),
+        ("[picture 0]", None),
+        ("7", 0),
+        ("[picture 1]", None),
+        ("8", 1),
+        ("9", 2),
+    ]
+    hv.plan(views)
+    _check_block(hv.view_data(views[1])["layers"][1]["mean"], want[1][0][:, [18, 35, 36], 19:35].mean(0))
+    assert images._layers_note(views[0]) == "the last 3 words' maps (the 2 before them are shown only)"
 
 
 def test_a_page_over_budget_says_what_it_holds(monkeypatch, tmp_path):

@@ -29,6 +29,7 @@ import numpy as np
 import torch
 
 MAP_CELLS = 2_000_000  # quantised weights embedded over the whole report (means first, then heads)
+MAX_WORDS = 512  # a text view's queries: its last MAX_WORDS words (the earlier ones are shown, not mapped)
 
 
 @dataclass
@@ -47,6 +48,7 @@ class HoverView:
     picture: int  # index into the cache's image_png
     label: str
     chips: list[dict[str, Any]] = field(default_factory=list)  # text views: the text beside the picture
+    words_left_out: int = 0  # text views: earlier words shown but not mapped (MAX_WORDS)
     mean_layers: list[int] = field(default_factory=list)  # planned by plan()
     head_layers: list[int] = field(default_factory=list)
 
@@ -89,6 +91,7 @@ def text_views(cache: Any, stack: str, pos: dict[str, Any], texts: int, names: l
         grids = row["grids"]
         if b >= texts:
             break
+        base, first = first, first + len(grids)  # the cache's pictures are the texts' in order
         kinds = row["kinds"]
         # the real positions (a padded batch's pads left out) and their tokens, as the text was given
         mask = (cache.metadata.get("attention_mask") or [[1] * len(kinds)] * (b + 1))[b]
@@ -96,20 +99,24 @@ def text_views(cache: Any, stack: str, pos: dict[str, Any], texts: int, names: l
             cache.tokens[b] if cache.tokens and b < len(cache.tokens) else [str(i) for i in range(len(kinds))]
         )
         shown = {p: display(tokens[p], None) for p in range(len(kinds)) if mask[p]}
-        queries = [p for p in shown if kinds[p] == "text"]
+        words = [p for p in shown if kinds[p] == "text"]
+        if not words:
+            continue
+        queries = words[-MAX_WORDS:]  # a long text: its last words (in a causal model they see the pictures)
+        index = {p: i for i, p in enumerate(queries)}
         starts = {g["offset"]: i for i, g in enumerate(grids)}
         for i, g in enumerate(grids):
             chips, p = [], 0
             while p < len(kinds):
                 if p in starts:
                     j = starts[p]
-                    chips.append({"q": None, "t": f"[picture {j}]", "here": j == i})
+                    chips.append({"q": None, "t": f"[picture {j}]", "here": j == i, "pos": None})
                     p += grids[j]["rows"] * grids[j]["cols"]
                     continue
                 if p in shown and kinds[p] == "text":
-                    chips.append({"q": queries.index(p), "t": shown[p], "pos": p})
+                    chips.append({"q": index.get(p), "t": shown[p], "here": False, "pos": p})
                 p += 1
-            name = names[first + i] if first + i < len(names) else f"picture {first + i}"
+            name = names[base + i] if base + i < len(names) else f"picture {base + i}"
             text = f"text {b}, " if len(pos["rows"]) > 1 else ""
             out.append(
                 HoverView(
@@ -122,12 +129,12 @@ def text_views(cache: Any, stack: str, pos: dict[str, Any], texts: int, names: l
                     [shown[q] for q in queries],
                     layers,
                     n_heads,
-                    first + i,
+                    base + i,
                     f"{text}{name}",
                     chips,
+                    words_left_out=len(words) - len(queries),
                 )
             )
-        first += len(grids)
     return out
 
 

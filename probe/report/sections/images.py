@@ -117,6 +117,10 @@ def _lut() -> str:
 def _layers_note(v) -> str:
     """What of the view's layers the page holds, when not all of them (the budget's choice)."""
     parts = []
+    if v.words_left_out:
+        parts.append(
+            f"the last {len(v.queries)} words' maps (the {v.words_left_out} before them are shown only)"
+        )
     if len(v.mean_layers) < len(v.layers):
         parts.append(
             f"the maps of layers {', '.join(map(str, v.mean_layers))} of {len(v.layers)} are embedded "
