@@ -249,6 +249,8 @@ def stack_info(
                 info["tokens"] = "target"
             else:
                 info["tokens"] = None
+        if len(seen) > 1 and meta.get("image_shape"):
+            info["tokens"] = None  # grids of several sizes (Swin's stages): each layer's patches, not tokens
     return out
 
 
@@ -291,7 +293,8 @@ def name(
         }
     )
     for s, pos in images.items():
-        meta["stacks"][s]["positions"] = {k: pos[k] for k in ("kinds", "grid", "rows") if k in pos}
+        keep = ("kinds", "grid", "rows", "layer_grids")
+        meta["stacks"][s]["positions"] = {k: pos[k] for k in keep if k in pos}
     return names, meta
 
 

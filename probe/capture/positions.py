@@ -18,6 +18,7 @@ from typing import Any
 from torch import nn
 
 from probe.capture.layers import LayerRecord
+from probe.capture.layouts.swin import layer_grids
 
 # learned tokens placed before the patches, in the order the models place them: (kind, the
 # parameter names that hold them, label); registers hold several (their second dimension)
@@ -188,6 +189,7 @@ def name_positions(
             if pos is not None:
                 found[s] = pos
     _text_image_positions(meta, model, records, stack_of, found)
+    found.update(layer_grids(model, meta["image_shape"], records, stack_of))  # Swin: a grid per stage
     batch = meta["image_shape"][0]
     if found and "tokens" not in meta:
         meta["tokens"] = [list(next(iter(found.values()))["labels"]) for _ in range(batch)]
