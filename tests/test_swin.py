@@ -112,14 +112,14 @@ def _build(family, impl="eager", **over):
     return cls._from_config(cfg, attn_implementation=impl).eval()
 
 
-def _pixels(batch=2):
-    return torch.randn(batch, 3, 48, 80, generator=torch.Generator().manual_seed(1))
+def _pixels(batch=2, size=(48, 80)):
+    return torch.randn(batch, 3, *size, generator=torch.Generator().manual_seed(1))
 
 
-def _check(model, eager, x):
+def _check(model, eager, x, grids=((12, 20), (6, 10))):
     cache = probe.capture(model, {"pixel_values": x})
     blocks, returned = _eager_windows(eager, x)
-    assert [b[1] for b in blocks] == [(12, 20), (12, 20), (6, 10), (6, 10)]
+    assert [b[1] for b in blocks] == [grids[0], grids[0], grids[1], grids[1]]
     assert [b[3] for b in blocks] == [0, 2, 0, 2] and {b[2] for b in blocks} == {4}
     # the hook's weights are what output_attentions returns, for the blocks it returns
     if returned is not None:
@@ -157,6 +157,15 @@ def test_swin_default_sdpa_is_recomputed_onto_the_grid(tmp_path):
     stored = probe.capture(model, {"pixel_values": x}, out=tmp_path / "swin.safetensors")
     for k in cache.keys():
         assert torch.equal(stored[k], cache[k]), k
+
+
+def test_a_picture_the_model_pads_is_mapped_on_its_padded_grid():
+    # 50 x 83 pixels: padded by the model to 52 x 84 (13 x 21 patches, 4 x 6 windows after the
+    # grid is padded to 16 x 24); the patch merging pads 13 x 21 to 14 x 22: stage 1 is 7 x 11
+    model = _build("swin")
+    cache, _ = _check(model, model, _pixels(1, (50, 83)), grids=((13, 21), (7, 11)))
+    grids = cache.metadata["stacks"]["encoder"]["positions"]["layer_grids"]
+    assert [(g["rows"], g["cols"], g["patch"]) for g in grids.values()] == [(13, 21, [4, 4]), (7, 11, [8, 8])]
 
 
 def test_shifted_windows_keep_the_mask_and_padding_is_dropped():
