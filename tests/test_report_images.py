@@ -116,19 +116,21 @@ def test_patch_maps_are_the_eager_weights_quantised(vit, vit_page):
     assert len(views) == 2 and "Embedded:" not in vit_page  # every layer and head fits
     for b, d in enumerate(views):
         assert (d["kind"], d["rows"], d["cols"], d["patch"], d["image"]) == ("patch", 4, 6, [8, 8], [32, 48])
-        assert d["positions"] == list(range(1, 25)) and d["nHeads"] == 4
+        # the queries: [CLS] (a chip beside the picture), then the 24 patches: the sequence itself
+        assert d["positions"] == list(range(25)) and d["nPrefix"] == 1 and d["labels"] == ["[CLS]"]
+        assert d["nHeads"] == 4
         assert [e["layer"] for e in d["layers"]] == [0, 1]
         for e in d["layers"]:
-            w = want[e["layer"]][b][:, 1:, 1:]  # [head, patch query, patch key]: [CLS] left out
+            w = want[e["layer"]][b][:, :, 1:]  # [head, query, patch key]: the [CLS] column left out
             _check_block(e["mean"], w.mean(0))
             assert len(e["heads"]) == 4
             for h in range(4):
                 _check_block(e["heads"][h], w[h])
         # and probe.attention_map's maps, patch by patch
-        q, mx, _ = _decode(d["layers"][1]["mean"], 24, 24)
-        for r, c in [(0, 0), (3, 5), (2, 1)]:
-            got = q[r * 6 + c] / 255.0 * mx[r * 6 + c]
-            m = probe.attention_map(cache, 1, query=(r, c), batch=b).double().reshape(-1).numpy()
+        q, mx, _ = _decode(d["layers"][1]["mean"], 25, 24)
+        for i, query in [(0, "cls"), (1, (0, 0)), (24, (3, 5)), (14, (2, 1))]:
+            got = q[i] / 255.0 * mx[i]
+            m = probe.attention_map(cache, 1, query=query, batch=b).double().reshape(-1).numpy()
             assert np.abs(got - m).max() <= m.max() / 510 + 1e-6
     assert re.search(r"256 steps of its own largest weight .*32-bit floats; [0-9.]+ MB of maps", vit_page)
 
@@ -145,7 +147,7 @@ def test_word_maps_are_the_eager_weights_quantised(llava, llava_page):
     ]
     views = _views(llava_page)
     for b in range(2):  # the tower's batch is the pictures, not the texts
-        _check_block(views[b]["layers"][1]["mean"], tower[1][b][:, 1:, 1:].mean(0))
+        _check_block(views[b]["layers"][1]["mean"], tower[1][b][:, :, 1:].mean(0))
     text = [0, 1, 18, 35, 36]  # the real text positions (the rest: two runs of 16 image tokens)
     for image, (d, offset) in enumerate(zip(views[2:], (2, 19), strict=True)):
         assert d["kind"] == "text" and d["positions"] == text and (d["rows"], d["cols"]) == (4, 4)
@@ -165,7 +167,7 @@ def test_the_budget_keeps_the_last_layer_and_spreads_the_rest(vit):
     pos = cache.metadata["stacks"]["encoder"]["positions"]
     v = hv.patch_view(cache, "encoder", pos, 0, "x")
     v.layers = list(range(12))  # as if the model had 12 layers: the plan reads only shapes
-    per = 24 * 24
+    per = 25 * 24  # [CLS] and 24 patches over 24 patches
     hv.plan([v], cells=4 * per)
     assert v.mean_layers == [0, 4, 7, 11] and v.head_layers == []
     v.mean_layers, v.head_layers = [], []
@@ -203,11 +205,11 @@ def test_a_long_text_maps_its_last_words(llava, monkeypatch):
 def test_a_page_over_budget_says_what_it_holds(monkeypatch, tmp_path):
     model, eager = _vit()
     x = torch.randn(1, 3, 32, 48, generator=torch.Generator().manual_seed(3))
-    monkeypatch.setattr(hv, "MAP_CELLS", 24 * 24)  # one layer's head-mean maps
+    monkeypatch.setattr(hv, "MAP_CELLS", 25 * 24)  # one layer's head-mean maps
     page = _render(probe.capture(model, {"pixel_values": x}), tmp_path / "index.html")
     (d,) = _views(page)
     assert [e["layer"] for e in d["layers"]] == [1] and d["layers"][0]["heads"] is None
-    _check_block(d["layers"][0]["mean"], _eager(eager, pixel_values=x)[1][0].double()[:, 1:, 1:].mean(0))
+    _check_block(d["layers"][0]["mean"], _eager(eager, pixel_values=x)[1][0].double()[:, :, 1:].mean(0))
     assert (
         "Embedded: the maps of layers 1 of 2 are embedded (the page&#39;s budget); single heads for no "
         "layer (the rest: the mean over heads only)." in page
@@ -282,7 +284,7 @@ def test_hovering_a_patch_lays_its_map_over_the_picture(chromium, vit, vit_page)
     assert page.locator("#sec-images .probe-imgview").count() == 2
     for view, (r, c) in [(0, (0, 0)), (0, (3, 5)), (1, (2, 1))]:
         page.mouse.move(*_patch_point(page, view, r, c))
-        _wait(page, view, r * 6 + c, 1)
+        _wait(page, view, 1 + r * 6 + c, 1)
         w = want[1][view][:, 1 + r * 6 + c, 1:].mean(0)
         _check_drawn(page, view, w)
         readout = page.locator("#sec-images .probe-readout").nth(view).text_content()
@@ -298,8 +300,8 @@ def test_hovering_a_patch_lays_its_map_over_the_picture(chromium, vit, vit_page)
     root = page.locator("#sec-images .probe-imgview").first
     root.locator(".sel-layer").select_option("0")
     root.locator(".sel-head").select_option("2")
-    _wait(page, 0, 23, 0, "2")  # still the last patch hovered there, (3, 5)
-    _check_drawn(page, 0, want[0][0][2, 1 + 23, 1:])
+    _wait(page, 0, 24, 0, "2")  # still the last patch hovered there, (3, 5)
+    _check_drawn(page, 0, want[0][0][2, 24, 1:])
     assert "Layer 0, head 2: patch (3, 5) reads" in root.locator(".probe-readout").text_content()
     _clean(log)
     page.close()
@@ -308,20 +310,23 @@ def test_hovering_a_patch_lays_its_map_over_the_picture(chromium, vit, vit_page)
 def test_the_keyboard_moves_the_patch_and_changes_head_and_layer(chromium, vit, vit_page):
     want = vit[1]
     page, log = _open(chromium, vit_page)
-    start = 2 * 6 + 3  # the middle patch, before any hover
-    _wait(page, 0, start, 1)
+    _wait(page, 0, 0, 1)  # before any hover: what [CLS] reads, no patch outlined
+    _check_drawn(page, 0, want[1][0][:, 0, 1:].mean(0))
+    assert page.locator("#sec-images .band-cell").first.is_hidden()
     page.locator("#sec-images .probe-pic").first.focus()
+    _wait(page, 0, 1 + 2 * 6 + 3, 1)  # focused, the picture shows the middle patch (2, 3)
     page.keyboard.press("ArrowRight")
-    _wait(page, 0, start + 1, 1)
+    _wait(page, 0, 1 + 2 * 6 + 4, 1)
     page.keyboard.press("ArrowDown")
     page.keyboard.press("ArrowDown")  # the last row: stays there
-    _wait(page, 0, start + 1 + 6, 1)
-    _check_drawn(page, 0, want[1][0][:, 1 + start + 7, 1:].mean(0))
+    _wait(page, 0, 1 + 3 * 6 + 4, 1)
+    _check_drawn(page, 0, want[1][0][:, 23, 1:].mean(0))
+    assert "patch (3, 4) reads" in page.locator("#sec-images .probe-readout").first.text_content()
     page.keyboard.press("]")  # head 0
-    _wait(page, 0, start + 7, 1, "0")
+    _wait(page, 0, 23, 1, "0")
     page.keyboard.press("PageUp")  # layer 0, still head 0
-    _wait(page, 0, start + 7, 0, "0")
-    _check_drawn(page, 0, want[0][0][0, 1 + start + 7, 1:])
+    _wait(page, 0, 23, 0, "0")
+    _check_drawn(page, 0, want[0][0][0, 23, 1:])
     assert page.locator("#sec-images .sel-head").first.input_value() == "0"
     # a tap (a pointer press, no hover before it) picks a patch as well
     x, y = _patch_point(page, 0, 0, 4)
@@ -330,7 +335,17 @@ def test_the_keyboard_moves_the_patch_and_changes_head_and_layer(chromium, vit, 
         " { clientX: x, clientY: y, bubbles: true, pointerType: 'touch' }))",
         [x, y],
     )
-    _wait(page, 0, 4, 0, "0")
+    _wait(page, 0, 5, 0, "0")
+    # [CLS] beside the picture: hover it, or Tab to it
+    page.locator("#sec-images .probe-imgview").nth(1).locator(".probe-words .tok").hover()
+    _wait(page, 1, 0, 1)
+    _check_drawn(page, 1, want[1][1][:, 0, 1:].mean(0))
+    assert (
+        page.locator("#sec-images .probe-readout")
+        .nth(1)
+        .text_content()
+        .startswith("Layer 1, mean over heads: [CLS] reads: ")
+    )
     _clean(log)
     page.close()
 

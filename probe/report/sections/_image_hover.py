@@ -3,8 +3,9 @@
 Two kinds of view, one per picture:
 
 - ``patch``: an image model's stack (or a vision-language model's vision tower) with a patch
-  grid; each patch is a query, and its map is its row of the layer's pattern over the patches
-  (``probe.attention_map(cache, layer, head, (r, c))``).
+  grid; the queries are the tokens that are not patches ([CLS], [DIST], registers), then each
+  patch, and a query's map is its row of the layer's pattern over the patches
+  (``probe.attention_map(cache, layer, head, (r, c))``, or ``query="cls"``).
 - ``text``: a vision-language model's language stack (positions ``{"rows": [...]}``); each real
   text position is a query, and its map is its row over one picture's image tokens
   (``probe.attention_map(cache, layer, head, query=i, stack=..., image=...)``).
@@ -58,23 +59,39 @@ class HoverView:
         return len(self.queries) * self.grid["rows"] * self.grid["cols"]
 
 
+PREFIX_LABELS = {"class": "[CLS]", "distillation": "[DIST]"}  # registers read "reg i"
+
+
 def patch_view(cache: Any, stack: str, pos: dict[str, Any], batch: int, label: str) -> HoverView:
-    """The patch view of picture ``batch`` of a stack with one grid (an image model)."""
+    """The patch view of picture ``batch`` of a stack with one grid (an image model): its queries
+    the tokens that are not patches ([CLS], [DIST], registers), shown as chips beside the picture,
+    then every patch, row-major."""
     g = pos["grid"]
     n = g["rows"] * g["cols"]
     layers = cache.pattern_layers(stack)
+    inside = range(g["offset"], g["offset"] + n)
+    prefix = [i for i, kind in enumerate(pos["kinds"]) if i not in inside]
+    labels, regs = [], 0
+    for i in prefix:
+        kind = pos["kinds"][i]
+        labels.append(PREFIX_LABELS.get(kind, f"reg {regs}" if kind == "register" else f"{kind} {i}"))
+        regs += kind == "register"
+    chips = [
+        {"q": q, "t": t, "here": False, "pos": i} for q, (i, t) in enumerate(zip(prefix, labels, strict=True))
+    ]
     return HoverView(
         "patch",
         cache,
         stack,
         batch,
         g,
-        list(range(g["offset"], g["offset"] + n)),
-        [f"patch ({k // g['cols']}, {k % g['cols']})" for k in range(n)],
+        prefix + list(inside),
+        labels,  # the patches' names are made by the page
         layers,
         int(cache.pattern(stack, layers[0], batch=batch).shape[0]),
         batch,
         label,
+        chips,
     )
 
 
@@ -214,7 +231,8 @@ def view_data(v: HoverView) -> dict[str, Any]:
         "cols": g["cols"],
         "patch": list(g["patch"]),
         "image": list(g["image"]),
-        "labels": v.labels if v.kind == "text" else [],  # a patch's name is made by the page
+        "labels": v.labels,
+        "nPrefix": len(v.queries) - n if v.kind == "patch" else 0,
         "positions": v.queries,
         "nHeads": v.n_heads,
         "layers": layers,

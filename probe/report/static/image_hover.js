@@ -15,13 +15,15 @@
       const d = (this.data = JSON.parse(root.querySelector("script.probe-data").textContent));
       this.P = d.rows * d.cols;
       this.Q = d.positions.length;
+      this.pre = d.nPrefix; // a patch view's queries: the tokens that are not patches ([CLS], ...), then the patches
       this.el = (sel) => root.querySelector(sel);
       this.pic = this.el(".probe-pic");
       this.canvas = this.el(".probe-pic-map");
       this.blocks = new Map();
       this.li = d.layers.length - 1;
       this.head = -1; // -1: the mean over heads
-      this.query = d.kind === "patch" ? (d.rows >> 1) * d.cols + (d.cols >> 1) : this.defaultWord();
+      // a patch view starts from [CLS] (or the middle patch), a text view from its last word
+      this.query = d.kind === "patch" ? (this.pre > 0 ? 0 : this.middle()) : this.Q - 1;
       this.layout();
       const selL = this.el(".sel-layer");
       d.layers.forEach((e, i) => selL.add(new Option(String(e.layer), String(i))));
@@ -34,9 +36,7 @@
       this.ready = this.show().then(() => { root.dataset.ready = "1"; });
     }
 
-    // the last text position that reads any of the picture in the last layer is not known before
-    // decoding: start from the last word (in a causal model it has seen the whole picture)
-    defaultWord() { return this.Q - 1; }
+    middle() { const d = this.data; return this.pre + (d.rows >> 1) * d.cols + (d.cols >> 1); }
 
     // The picture and its map at the same scale: the longer side about 360 px, the grid's patches
     // at their place in the processed image's pixels.
@@ -114,8 +114,8 @@
       root.dataset.layer = String(d.layers[this.li].layer);
       root.dataset.head = this.head < 0 ? "mean" : String(this.head);
       root.dataset.query = String(this.query);
-      if (d.kind === "patch") this.outline();
-      else this.markWord();
+      this.outline();
+      this.markWord();
       this.el(".probe-readout").textContent = this.readout(b);
     }
 
@@ -123,7 +123,8 @@
 
     queryName() {
       const d = this.data;
-      if (d.kind === "patch") return this.patchName(this.query);
+      if (d.kind === "patch" && this.query >= this.pre) return this.patchName(this.query - this.pre);
+      if (d.kind === "patch") return d.labels[this.query];
       return "\u201c" + d.labels[this.query] + "\u201d (position " + d.positions[this.query] + ")";
     }
 
@@ -139,10 +140,12 @@
         "; its largest weight " + mx.toFixed(4) + " is the top of the colour scale";
     }
 
+    // the hovered patch outlined (none when the query is a word or [CLS])
     outline() {
-      const d = this.data, s = this.zoom, band = this.el(".band-cell");
-      const r = Math.floor(this.query / d.cols), c = this.query % d.cols;
-      band.hidden = false;
+      const d = this.data, s = this.zoom, band = this.el(".band-cell"), k = this.query - this.pre;
+      band.hidden = d.kind !== "patch" || k < 0;
+      if (band.hidden) return;
+      const r = Math.floor(k / d.cols), c = k % d.cols;
       band.style.left = c * d.patch[1] * s - 2 + "px"; band.style.top = r * d.patch[0] * s - 2 + "px";
       band.style.width = d.patch[1] * s + 4 + "px"; band.style.height = d.patch[0] * s + 4 + "px";
     }
@@ -169,20 +172,23 @@
         ev.preventDefault();
       };
       if (d.kind === "patch") {
-        const at = (ev) => { const k = this.patchAt(ev); if (k >= 0 && k !== this.query) this.setQuery(k); };
+        const at = (ev) => { const k = this.patchAt(ev); if (k >= 0 && this.pre + k !== this.query) this.setQuery(this.pre + k); };
         this.pic.addEventListener("pointermove", at);
         this.pic.addEventListener("pointerdown", at);
+        // focused (Tab), the picture shows a patch's map: the middle one if [CLS]'s was shown
+        this.pic.addEventListener("focus", () => { if (this.query < this.pre) this.setQuery(this.middle()); });
         this.pic.addEventListener("keydown", (ev) => keys(ev, (key) => {
           const m = { ArrowUp: [-1, 0], ArrowDown: [1, 0], ArrowLeft: [0, -1], ArrowRight: [0, 1] }[key];
           if (!m) return false;
-          const r = Math.max(0, Math.min(d.rows - 1, Math.floor(this.query / d.cols) + m[0]));
-          const c = Math.max(0, Math.min(d.cols - 1, (this.query % d.cols) + m[1]));
-          this.setQuery(r * d.cols + c);
+          const k = Math.max(0, this.query - this.pre);
+          const r = Math.max(0, Math.min(d.rows - 1, Math.floor(k / d.cols) + m[0]));
+          const c = Math.max(0, Math.min(d.cols - 1, (k % d.cols) + m[1]));
+          this.setQuery(this.pre + r * d.cols + c);
           return true;
         }));
-        return;
       }
       const words = this.el(".probe-words");
+      if (!words) return;
       const pick = (ev) => {
         const t = ev.target.closest(".tok[data-q]");
         if (t && +t.dataset.q !== this.query) this.setQuery(+t.dataset.q);
