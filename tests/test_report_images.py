@@ -16,7 +16,7 @@ import zlib
 import numpy as np
 import pytest
 import torch
-from test_images import _eager, _llava, _vit
+from test_images import SMALL, _eager, _llava, _pair, _vit
 
 import probe
 from probe.report.browser import browser, open_report
@@ -160,6 +160,25 @@ def test_word_maps_are_the_eager_weights_quantised(llava, llava_page):
         q, mx, _ = _decode(d["layers"][0]["mean"], 5, 16)
         m = probe.attention_map(cache, 0, query=36, stack=LM, image=image).double().reshape(-1).numpy()
         assert np.abs(q[4] / 255.0 * mx[4] - m).max() <= m.max() / 510 + 1e-6
+
+
+def test_registers_are_queries_beside_the_picture():
+    import transformers as tf
+
+    cfg = tf.Dinov2WithRegistersConfig(**SMALL, image_size=28, patch_size=14, num_register_tokens=2)
+    model, eager = _pair(tf.Dinov2WithRegistersModel, cfg)
+    x = torch.randn(1, 3, 28, 42, generator=torch.Generator().manual_seed(5))  # 2 x 3 patches
+    cache = probe.capture(model, {"pixel_values": x})
+    v = hv.patch_view(cache, "encoder", cache.metadata["stacks"]["encoder"]["positions"], 0, "x")
+    assert v.labels == ["[CLS]", "reg 0", "reg 1"] and v.queries == list(range(9))
+    assert [(c["t"], c["q"]) for c in v.chips] == [("[CLS]", 0), ("reg 0", 1), ("reg 1", 2)]
+    hv.plan([v])
+    d = hv.view_data(v)
+    assert d["nPrefix"] == 3 and (d["rows"], d["cols"]) == (2, 3)
+    for e, w in zip(d["layers"], _eager(eager, pixel_values=x), strict=True):
+        _check_block(e["mean"], w[0].double()[:, :, 3:].mean(0))  # every query over the 6 patches
+        for h in range(4):
+            _check_block(e["heads"][h], w[0].double()[h, :, 3:])
 
 
 def test_the_budget_keeps_the_last_layer_and_spreads_the_rest(vit):
