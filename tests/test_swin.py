@@ -168,6 +168,21 @@ def test_a_picture_the_model_pads_is_mapped_on_its_padded_grid():
     assert [(g["rows"], g["cols"], g["patch"]) for g in grids.values()] == [(13, 21, [4, 4]), (7, 11, [8, 8])]
 
 
+@pytest.mark.parametrize("family", ["swinv2", "maskformer-swin"])
+def test_a_last_stage_smaller_than_a_window_is_mapped(family):
+    # a third stage of 3 x 5 patches: Swinv2 clamps its window to 3 (no shift), MaskFormerSwin
+    # keeps 4 x 4 windows, shifted, over the grid padded to 4 x 8 (Swin and DonutSwin fail there)
+    model = _build(family, depths=[2, 2, 2], num_heads=[2, 2, 2])
+    x = _pixels(1)
+    cache = probe.capture(model, {"pixel_values": x})
+    blocks, _ = _eager_windows(model, x)
+    assert [b[1] for b in blocks[4:]] == [(3, 5), (3, 5)]
+    assert [b[2:] for b in blocks[4:]] == ([[3, 0]] * 2 if family == "swinv2" else [[4, 0], [4, 2]])
+    for i, (w, (H, W), ws, shift) in enumerate(blocks):
+        got = cache[f"encoder.blocks.{i // 2}.self_attn.{i % 2}.pattern"]
+        torch.testing.assert_close(got, _on_grid(w, 1, H, W, ws, shift), atol=TOL, rtol=0)
+
+
 def test_shifted_windows_keep_the_mask_and_padding_is_dropped():
     model = _build("swin")
     x = _pixels()
