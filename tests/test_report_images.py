@@ -195,6 +195,9 @@ def test_the_budget_keeps_the_last_layer_and_spreads_the_rest(vit):
     v.mean_layers, v.head_layers = [], []
     hv.plan([v], cells=12 * per + 2 * 4 * per + per)  # every mean, then two layers of heads
     assert v.mean_layers == list(range(12)) and v.head_layers == [11, 10]
+    # a stack whose stages have grids of their own (Swin): only the layers on the picture's grid
+    staged = {**pos, "layer_grids": {"0": pos["grid"], "1": {**pos["grid"], "rows": 2, "cols": 3}}}
+    assert hv.patch_view(cache, "encoder", staged, 0, "x").layers == [0]
     # two views share the budget: each its half of the means, then heads from the last layer down
     a, b = (hv.patch_view(cache, "encoder", pos, i, str(i)) for i in range(2))
     hv.plan([a, b], cells=2 * 2 * per + 4 * per)

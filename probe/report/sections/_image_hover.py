@@ -68,7 +68,9 @@ def patch_view(cache: Any, stack: str, pos: dict[str, Any], batch: int, label: s
     then every patch, row-major."""
     g = pos["grid"]
     n = g["rows"] * g["cols"]
-    layers = cache.pattern_layers(stack)
+    # a stack whose stages have grids of their own (Swin: positions["layer_grids"]): the layers on this grid
+    own = pos.get("layer_grids") or {}
+    layers = [i for i in cache.pattern_layers(stack) if own.get(str(i), g) == g]
     inside = range(g["offset"], g["offset"] + n)
     prefix = [i for i, kind in enumerate(pos["kinds"]) if i not in inside]
     labels, regs = [], 0
@@ -88,7 +90,7 @@ def patch_view(cache: Any, stack: str, pos: dict[str, Any], batch: int, label: s
         prefix + list(inside),
         labels,  # the patches' names are made by the page
         layers,
-        int(cache.pattern(stack, layers[0], batch=batch).shape[0]),
+        int(cache.pattern(stack, layers[0], batch=batch).shape[0]) if layers else 0,
         batch,
         label,
         chips,

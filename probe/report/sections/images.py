@@ -66,14 +66,15 @@ def build(ctx) -> dict | None:
                 layers = imf.image_layers(cache, query=query, stack=stack, batch=b, picture=picture)
                 heads = imf.image_heads(cache, last, query=query, stack=stack, batch=b, picture=picture)
                 view = hv.patch_view(cache, stack, pos, b, label)
-                views.append(view)
+                if view.layers:
+                    views.append(view)
                 items.append(
                     {
                         "label": label,
                         "layers": ctx.figure(layers, f"{label}: layer by layer"),
                         "heads": ctx.figure(heads, f"{label}: the heads of layer {last}"),
                         "name": f"picture_{ci}_{b}",
-                        "view": view,
+                        "view": view if view.layers else None,
                         "png": pngs[b] if b < len(pngs) else None,
                     }
                 )
@@ -90,8 +91,11 @@ def build(ctx) -> dict | None:
     hv.plan(views)
     embedded = 0
     for it in [*items, *words]:
-        ctx.progress(f"hover maps: {it['label']}")
         v = it.pop("view")
+        if v is None:  # no layer on the picture's own grid: the figures only
+            it["data"] = None
+            continue
+        ctx.progress(f"hover maps: {it['label']}")
         it["data"] = hv.view_data(v)
         it["chips"] = v.chips
         it["note"] = _layers_note(v)
