@@ -110,9 +110,14 @@ def attention_map(
     ``"rollout"`` (attention rollout up to ``layer``, read from the class token). ``head=None``
     takes the mean over heads (rollout always does). ``stack`` defaults to the first stack with an
     image grid; a vision-language model's language stack (``stack=`` its name) maps what a text
-    position (``query=`` its index) reads of picture ``image`` of text ``batch``. The weights are
-    the stored ones, not renormalised over the patches.
+    position (``query=`` its index) reads of picture ``image`` of text ``batch``. A stack without
+    a grid of its own whose cross-attention reads an image stack (DETR's decoder: its object
+    queries over the encoder's feature map) maps that cross-attention: ``query=`` an index of its
+    queries. The weights are the stored ones, not renormalised over the patches.
     """
+    cross = _cross_source(cache, stack, layer)
+    if cross is not None:
+        return _cross_map(cache, stack, layer, head, query, cross, batch)
     stack, pos = image_grid(cache, stack, batch, image)
     if query == "rollout":
         if head is not None:
@@ -124,6 +129,39 @@ def attention_map(
     else:
         row = cache.pattern(stack, layer, head=head, batch=batch)[q]
     return _on_grid(row.float(), pos["grid"])
+
+
+def _cross_source(cache: Any, stack: str | None, layer: int) -> dict[str, Any] | None:
+    """The grid a cross-attention of ``stack`` reads, when ``stack`` has no grid of its own and
+    exactly one other stack has an image grid as long as that cross-attention's keys."""
+    stacks = cache.metadata.get("stacks") or {}
+    if stack is None or stack not in stacks or (stacks[stack] or {}).get("positions"):
+        return None
+    if ("cross", None) not in cache.attentions(stack, layer):
+        return None
+    K = cache.shape(f"{stack}.blocks.{layer}.cross_attn.pattern")[-1]
+    grids = [
+        p["grid"]
+        for s, info in stacks.items()
+        if s != stack
+        and isinstance(p := (info or {}).get("positions"), dict)
+        and "grid" in p
+        and len(p["kinds"]) == K
+    ]
+    return grids[0] if len(grids) == 1 else None
+
+
+def _cross_map(cache, stack, layer, head, query, grid, batch) -> Tensor:
+    if query == "rollout" or query == "cls" or isinstance(query, tuple):
+        raise ProbeError(
+            f"the {stack} stack reads the picture through cross-attention: give query= the index of "
+            "one of its query positions"
+        )
+    P = cache.pattern(stack, layer, "cross", batch=batch)  # [head, Q, K]
+    if not (isinstance(query, int) and not isinstance(query, bool) and 0 <= query < P.shape[1]):
+        raise ProbeError(f"query {query!r} is not one of the {P.shape[1]} query positions of {stack}")
+    row = P[:, query].double().mean(0) if head is None else P[head, query]
+    return _on_grid(row.float(), grid)
 
 
 __all__ = ["attention_map", "image_grid", "image_stack", "rollout"]

@@ -53,6 +53,7 @@ class Attention:
     """
 
     inputs: list[Tensor] = field(default_factory=list)
+    positional: list[Tensor] = field(default_factory=list)  # the sublayer's position embeddings
     primary: Tensor | None = None
     qk: tuple[int, int] = (0, 0)
     impl: set[str] = field(default_factory=set)
@@ -96,6 +97,25 @@ class Call:
     # positions a cache handed to this call already held for its module's layer, filled earlier in
     # the same forward by another stack (DiffusionGemma's decoder attends over its encoder's keys)
     kv_prefix: int = 0
+    # tensors handed in as position embeddings (DETR's object queries and spatial embeddings,
+    # added to the queries and keys): never a second sequence
+    positional: list[Tensor] = field(default_factory=list)
+
+
+def positional_inputs(kwargs: dict) -> list[Tensor]:
+    """The tensors of a call's keyword arguments named as position embeddings
+    (``position_embeddings``, ``object_queries``, ``query_pos``, ``pos``, ...)."""
+    out = []
+    for name, v in kwargs.items():
+        if "position" in name or name in ("pos", "query_pos", "object_queries", "pos_embed"):
+            out += (
+                [v]
+                if isinstance(v, Tensor)
+                else [t for t in v if isinstance(t, Tensor)]
+                if isinstance(v, (tuple, list))
+                else []
+            )
+    return out
 
 
 @dataclass
@@ -110,9 +130,15 @@ class Forward:
     # local, chunked or banded layouts (Longformer's sliding chunks, LongT5's blocks) probe cannot map
     unseen: list[str] = field(default_factory=list)
     unseen_why: list[str] = field(default_factory=list)  # what the unseen layers run, where known
+    # the first model call's keyword inputs when it was handed pixels (what probe.trace names
+    # the positions from): pixel_values, input_ids, attention_mask, image_grid_thw
+    root_images: dict[str, Any] = field(default_factory=dict)
 
     def note_root(self, inputs: list[Tensor], kwargs: dict) -> None:
         """The model's own call: its inputs' sizes, and a KV cache's length, are sequence lengths."""
+        if not self.root_calls and isinstance(kwargs.get("pixel_values"), Tensor):
+            keys = ("pixel_values", "input_ids", "attention_mask", "image_grid_thw")
+            self.root_images = {k: kwargs[k] for k in keys if isinstance(kwargs.get(k), Tensor)}
         self.root_calls += 1
         self.lengths |= _lengths(inputs)
         past = kwargs.get("past_key_values")

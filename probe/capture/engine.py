@@ -26,6 +26,7 @@ from probe.cache.selection import Selection
 from probe.cache.writer import FileSink, MemorySink, check_output
 from probe.capture.inputs import model_name, prepare
 from probe.capture.kept import parse_keep
+from probe.capture.keywords import inputs_metadata
 from probe.capture.naming import check_forward, check_unseen, model_info, name
 from probe.capture.tracer import Tracer
 from probe.errors import ProbeError
@@ -201,6 +202,11 @@ class Trace:
 
     def _finish(self) -> Cache:
         check_forward(self._tracer, self.model, self.selection)
+        root = self._tracer.forward.root_images
+        if root and not any(k in self.metadata for k in ("image_shape", "pixel_shape", "input_kind")):
+            # a forward run inside probe.trace on pixels: its positions named as probe.capture's
+            for k, v in inputs_metadata(self.model, root).items():
+                self.metadata.setdefault(k, v)
         names, meta = name(self._tracer, self.model, self.metadata, self.selection)
         check_unseen(self._tracer, self.model)
         if isinstance(self._sink, FileSink):

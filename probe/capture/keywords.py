@@ -61,6 +61,37 @@ def _forward_params(model: nn.Module) -> tuple[list[str], bool]:
     return names, any(p.kind == p.VAR_KEYWORD for p in params.values())
 
 
+def inputs_metadata(model: nn.Module, kwargs: Mapping, tokenizer: Any = None) -> dict[str, Any]:
+    """What the cache records of keyword inputs: their names; the pixels' shape and the pictures
+    as the model saw them (``[batch, C, H, W]``), another pixel layout's shape, Qwen2-VL's
+    ``image_grid_thw``; the token ids, their display tokens and the attention mask."""
+    meta: dict[str, Any] = {"input_kind": "inputs", "input_keys": list(kwargs)}
+    pixels = kwargs.get("pixel_values")
+    if isinstance(pixels, Tensor) and pixels.dim() == 4:
+        meta["image_shape"] = list(pixels.shape)
+        meta["image_png"] = pictures_seen(pixels)  # the processor's normalisation unknown: scaled
+    elif isinstance(pixels, Tensor):
+        # Qwen2-VL's flattened patches [patches, C·t·p·p], Idefics3's [batch, images, C, H, W]: not
+        # the [batch, C, H, W] whose patch grid positions.py names; the positions stay numbered
+        meta["pixel_shape"] = list(pixels.shape)
+    thw = kwargs.get("image_grid_thw")
+    if isinstance(thw, Tensor) and thw.dim() == 2 and thw.shape[-1] == 3:
+        meta["image_grid_thw"] = thw.tolist()  # each picture's (frames, rows, cols) of patches
+    ids = kwargs.get("input_ids")
+    if isinstance(ids, Tensor) and ids.dim() == 2 and not ids.is_floating_point():
+        raw_tok = tokenizer if tokenizer is not None else getattr(model, "tokenizer", None)
+        rows = ids.tolist()
+        if raw_tok is not None:
+            meta["tokens"] = [adapt(raw_tok).tokens_of(r) for r in rows]
+        else:
+            meta["tokens"] = [[str(i) for i in r] for r in rows]
+        meta["ids"] = rows
+        mask = kwargs.get("attention_mask")
+        full = isinstance(mask, Tensor) and mask.shape == ids.shape
+        meta["attention_mask"] = (mask if full else torch.ones_like(ids)).long().tolist()
+    return meta
+
+
 def _prepare_kwargs(model: nn.Module, inputs: Mapping, tokenizer: Any, name: str) -> Prepared:
     """A dict of keyword inputs (``pixel_values``, ``input_ids``, masks, grids; a processor's
     ``BatchFeature``), handed to the forward as they are, moved to the model's device."""
@@ -78,23 +109,7 @@ def _prepare_kwargs(model: nn.Module, inputs: Mapping, tokenizer: Any, name: str
     kwargs = {k: v.to(device) if isinstance(v, Tensor) else v for k, v in inputs.items()}
     if not any(isinstance(v, Tensor) for v in kwargs.values()):
         raise ProbeError(f"no tensor among the inputs {', '.join(kwargs)}; give the model's keyword tensors")
-    meta: dict[str, Any] = {"input_kind": "inputs", "input_keys": list(kwargs)}
-    pixels = kwargs.get("pixel_values")
-    if isinstance(pixels, Tensor):
-        meta["image_shape"] = list(pixels.shape)
-        meta["image_png"] = pictures_seen(pixels)  # the processor's normalisation unknown: scaled
-    ids = kwargs.get("input_ids")
-    if isinstance(ids, Tensor) and ids.dim() == 2 and not ids.is_floating_point():
-        raw_tok = tokenizer if tokenizer is not None else getattr(model, "tokenizer", None)
-        rows = ids.tolist()
-        if raw_tok is not None:
-            meta["tokens"] = [adapt(raw_tok).tokens_of(r) for r in rows]
-        else:
-            meta["tokens"] = [[str(i) for i in r] for r in rows]
-        meta["ids"] = rows
-        mask = kwargs.get("attention_mask")
-        full = isinstance(mask, Tensor) and mask.shape == ids.shape
-        meta["attention_mask"] = (mask if full else torch.ones_like(ids)).long().tolist()
+    meta = inputs_metadata(model, kwargs, tokenizer)
     if "use_cache" in params and "use_cache" not in kwargs:
         kwargs["use_cache"] = False
 

@@ -24,6 +24,7 @@ from probe.cache.format import FORMAT_VERSION, attention_name, key
 from probe.cache.selection import Selection
 from probe.capture.inputs import model_name
 from probe.capture.layers import LayerRecord
+from probe.capture.merged import merged_positions
 from probe.capture.positions import name_positions
 from probe.capture.streams import distinct_streams
 from probe.capture.tracer import Tracer
@@ -275,7 +276,10 @@ def name(
     meta.setdefault("model", model_info(model))
     if meta.get("input_kind") == "tensor":
         _positions_from_patterns(meta, tr.records)
-    images = name_positions(meta, model, tr.records, stack_of) if meta.get("image_shape") else {}
+    if meta.get("image_grid_thw"):  # Qwen2-VL's pictures at their own sizes, merged patches
+        images = merged_positions(meta, model, tr.records, stack_of)
+    else:
+        images = name_positions(meta, model, tr.records, stack_of) if meta.get("image_shape") else {}
     _mark_prompt_slots(meta, model, tr.records)
     meta.update(
         {

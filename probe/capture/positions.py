@@ -97,6 +97,27 @@ def image_positions(model: nn.Module, pixel_shape: list[int], length: int) -> di
     return {"kinds": kinds, "labels": labels, "grid": grid.to_dict()}
 
 
+FEATURE_STRIDES = (4, 8, 16, 32, 64)  # the output strides of convolutional backbones
+
+
+def feature_positions(model: nn.Module, pixel_shape: list[int], length: int) -> dict[str, Any] | None:
+    """A convolutional backbone's feature map flattened into the sequence (DETR's encoder):
+    ``{"kinds", "labels", "grid"}`` when ``length`` is ``ceil(H/s) x ceil(W/s)`` for exactly one
+    backbone stride ``s`` (a stride-2 convolution or pooling with "same" padding rounds up),
+    each position one ``s x s`` cell of the input; None otherwise (ambiguous or no match)."""
+    if len(pixel_shape) != 4 or not any(isinstance(m, nn.Conv2d) for m in model.modules()):
+        return None
+    H, W = pixel_shape[2], pixel_shape[3]
+    fits = [s for s in FEATURE_STRIDES if -(-H // s) * -(-W // s) == length]
+    if len(fits) != 1:
+        return None
+    s = fits[0]
+    rows, cols = -(-H // s), -(-W // s)
+    grid = Grid(rows, cols, (s, s), (H, W), 0)
+    labels = [f"cell ({r}, {c})" for r in range(rows) for c in range(cols)]
+    return {"kinds": ["patch"] * length, "labels": labels, "grid": grid.to_dict()}
+
+
 def image_token_id(model: nn.Module) -> int | None:
     """The id a vision-language model puts in the text for each image position (LLaVA's
     ``image_token_index``, most models' ``image_token_id``), None when the model has none."""
@@ -186,6 +207,8 @@ def name_positions(
                 continue
             lengths.add(shape[3])
             pos = image_positions(model, meta["image_shape"], shape[3])
+            if pos is None and patch_conv(model, meta["image_shape"][1]) is None:
+                pos = feature_positions(model, meta["image_shape"], shape[3])
             if pos is not None:
                 found[s] = pos
     _text_image_positions(meta, model, records, stack_of, found)

@@ -99,6 +99,7 @@ def _sources(attn: Attention, stream: LayerStream | None, upstream: Tensor | Non
         for t in attn.inputs
         if t is not p0
         and t is not upstream
+        and not any(t is p for p in attn.positional)
         and not t.is_nested
         and t.dim() == 3
         and t.is_floating_point()
@@ -357,6 +358,7 @@ class Recorder:
                 # softmax of the same module call: recorded on its own
                 self.close(a)
             a = Attention(inputs=sub.inputs, primary=sub.primary, qk=qk)
+            a.positional = sub.positional
             a.module = self.layers.name_of(sub.module)
             a.kv_prefix = max((c.kv_prefix for c in self.stack), default=0)
             a.diff_lambda = differential_lambda(sub.module)

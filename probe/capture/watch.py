@@ -28,7 +28,15 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.overrides import TorchFunctionMode
 
-from probe.capture.calls import Call, Forward, first_tensor, layer_cache_length, output_tensor, tensors
+from probe.capture.calls import (
+    Call,
+    Forward,
+    first_tensor,
+    layer_cache_length,
+    output_tensor,
+    positional_inputs,
+    tensors,
+)
 from probe.capture.layers import LayerTracker
 from probe.capture.layouts import OPS as LAYOUT_OPS
 from probe.capture.layouts.fused import replay_encoder_layer
@@ -181,6 +189,7 @@ class Watcher:
             parent = self.stack[-1] if self.stack else None
             inputs = tensors(args, kwargs)
             call = Call(module, parent, first_tensor(args, kwargs), inputs)
+            call.positional = positional_inputs(kwargs) if kwargs else []
             if kwargs and parent is not None:
                 call.kv_prefix = layer_cache_length(module, kwargs)
             if parent is None:

@@ -60,6 +60,9 @@ def _runs_over_pictures(meta: dict[str, Any], stack: str, batch: int, length: in
     pos = ((meta.get("stacks") or {}).get(stack) or {}).get("positions")
     if isinstance(pos, dict) and "grid" in pos:
         return len(pos.get("kinds", [])) == length
+    thw = meta.get("image_grid_thw")  # Qwen2-VL's tower: every picture's patches packed in one
+    if thw and batch == 1 and length == sum(t * h * w for t, h, w in thw):
+        return True
     # while the model runs the stacks are not named yet: one sequence per picture
     pictures = meta.get("image_shape")
     return pos is None and bool(pictures) and pictures[0] == batch
