@@ -217,3 +217,28 @@ def test_trace_of_a_pixel_forward_names_the_positions():
     assert cache.tokens[0][:2] == ["[CLS]", "patch (0, 0)"] and cache.metadata["image_png"]
     got = probe.attention_map(cache, 1)
     torch.testing.assert_close(got, want[1][0, :, 0, 1:].mean(0).reshape(4, 6), atol=TOL, rtol=0)
+
+
+# -- Swin: a map on each stage's own grid, one block of the stage at a time ---------------------------
+def test_swin_maps_each_stage_on_its_own_grid():
+    from test_swin import _build, _eager_windows, _on_grid, _pixels
+
+    model = _build("swin")  # 48 x 80 pixels: 12 x 20 patches, then 6 x 10 after the merging
+    x = _pixels(batch=1)
+    cache = probe.capture(model, {"pixel_values": x})
+    blocks, _ = _eager_windows(model, x)
+    for layer, index, (rows, cols) in ((0, 1, (12, 20)), (1, 1, (6, 10)), (1, 0, (6, 10))):
+        w, (H, W), ws, shift = blocks[2 * layer + index]
+        grid = _on_grid(w, 1, H, W, ws, shift)[0]  # the eager windows laid on the grid, here
+        q = 2 * cols + 3  # patch (2, 3) of the stage's grid
+        got = probe.attention_map(cache, layer, query=(2, 3), index=index)
+        torch.testing.assert_close(got, grid[:, q].mean(0).reshape(rows, cols), atol=TOL, rtol=0)
+        got = probe.attention_map(cache, layer, head=1, query=(2, 3), index=index)
+        torch.testing.assert_close(got, grid[1, q].reshape(rows, cols), atol=TOL, rtol=0)
+    with pytest.raises(ProbeError, match="outside the 6x10 grid"):
+        probe.attention_map(cache, 1, query=(7, 0), index=0)
+    with pytest.raises(ProbeError, match="grids of their own"):
+        probe.attention_map(cache, 1, query="rollout")
+    # head statistics read one attention per layer: said, not skipped silently
+    with pytest.raises(ProbeError, match="hold several"):
+        probe.head_stats(cache, progress=False)

@@ -103,6 +103,7 @@ def attention_map(
     stack: str | None = None,
     batch: int = 0,
     image: int = 0,
+    index: int | None = None,
 ) -> Tensor:
     """What one query of ``layer`` reads of the picture: a ``[rows, cols]`` tensor over the patches.
 
@@ -113,21 +114,32 @@ def attention_map(
     position (``query=`` its index) reads of picture ``image`` of text ``batch``. A stack without
     a grid of its own whose cross-attention reads an image stack (DETR's decoder: its object
     queries over the encoder's feature map) maps that cross-attention: ``query=`` an index of its
-    queries. The weights are the stored ones, not renormalised over the patches.
+    queries. A stack whose layers have grids of their own (Swin's stages: ``positions
+    ["layer_grids"]``) maps each layer on its own grid, and ``index`` picks one of a layer's several
+    attentions (Swin's blocks in a stage). The weights are the stored ones, not renormalised.
     """
     cross = _cross_source(cache, stack, layer)
     if cross is not None:
         return _cross_map(cache, stack, layer, head, query, cross, batch)
     stack, pos = image_grid(cache, stack, batch, image)
+    staged = (pos.get("layer_grids") or {}).get(str(layer))
+    if staged is not None:  # this layer's own grid: every position a patch of it
+        n = staged["rows"] * staged["cols"]
+        pos = {"kinds": ["patch"] * n, "grid": staged}
     if query == "rollout":
         if head is not None:
             raise ProbeError("rollout mixes every head of every layer; leave head=None")
+        if pos.get("layer_grids") or staged is not None:
+            raise ProbeError(
+                "rollout multiplies layers of one sequence; this stack's layers have grids of their own"
+            )
         return _on_grid(rollout(cache, layer, stack, batch)[_query_index("cls", pos)], pos["grid"])
     q = _query_index(query, pos)
     if head is None:
-        row = cache.pattern(stack, layer, batch=batch)[:, q].double().mean(0)  # [head, T, T] -> [T]
+        P = cache.pattern(stack, layer, batch=batch, index=index)
+        row = P[:, q].double().mean(0)  # [head, T, T] -> [T]
     else:
-        row = cache.pattern(stack, layer, head=head, batch=batch)[q]
+        row = cache.pattern(stack, layer, head=head, batch=batch, index=index)[q]
     return _on_grid(row.float(), pos["grid"])
 
 

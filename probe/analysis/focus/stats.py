@@ -38,6 +38,15 @@ def _kv_group(meta: dict[str, Any]) -> int | None:
     return n_q // n_kv
 
 
+def _numbered(cache: Cache) -> list[str]:
+    """The attentions numbered within their layer (several of one kind: ``self_attn.0``, ...)."""
+    out = []
+    for s in cache.stacks:
+        for i in cache.layer_indices(s):
+            out += [f"{s}.blocks.{i}.{k}_attn.{n}" for k, n in cache.attentions(s, i) if n is not None]
+    return out
+
+
 class FocusAccumulator:
     """Per-head statistics accumulated cache by cache (one pattern block in memory at a time).
 
@@ -86,8 +95,20 @@ class FocusAccumulator:
             for kind in ("self", "cross")
             if f"{s}.blocks.{i}.{kind}_attn.pattern" in cache
         ]
+        several = _numbered(cache)
+        if not layers and several:
+            raise ProbeError(
+                f"head_stats reads one attention of a kind per layer, and this cache's layers hold several "
+                f"({', '.join(several[:2])}{', ...' if len(several) > 2 else ''}: Swin's blocks in a stage, "
+                "two attention sublayers); read them with cache.pattern(stack, layer, index=i)"
+            )
         if not layers:
             raise ProbeError("the cache holds no attention patterns; capture without dropping them")
+        if several:
+            self.not_computed["several attentions per layer"] = (
+                f"not read: {', '.join(several)} (head_stats reads one attention of a kind per layer; "
+                "read them with cache.pattern(stack, layer, index=i))"
+            )
         roll: dict[str, torch.Tensor] = {}
         roll_causal: dict[str, bool] = {}
         layouts: dict[tuple, Layout] = {}
