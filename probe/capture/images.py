@@ -58,10 +58,11 @@ def _open(x: Any, i: int) -> Any:
     return x
 
 
-def load_images(inputs: Any) -> list[Any]:
-    """The pictures of ``inputs`` (see :func:`is_images`), files opened as RGB PIL images."""
+def load_images(inputs: Any, start: int = 0) -> list[Any]:
+    """The pictures of ``inputs`` (see :func:`is_images`), files opened as RGB PIL images; errors
+    number them from ``start`` (a corpus run opens its pictures one at a time)."""
     items = list(inputs) if isinstance(inputs, (list, tuple)) else [inputs]
-    return [_open(x, i) for i, x in enumerate(items)]
+    return [_open(x, start + i) for i, x in enumerate(items)]
 
 
 def process(processor: Any, images: list[Any]) -> Mapping:

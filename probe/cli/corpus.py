@@ -1,4 +1,4 @@
-"""``probe corpus``: capture many texts, bounded memory, resumable, torchrun-aware."""
+"""``probe corpus``: capture many texts (or pictures), bounded memory, resumable, torchrun-aware."""
 
 from __future__ import annotations
 
@@ -24,16 +24,30 @@ def cmd_corpus(args: argparse.Namespace) -> int:
         keep = {"layers": None, "heads": None}
     elif keep is None:
         keep = "stats"
-    input_file(args.texts, "--texts", "give a .txt (one text per line) or .jsonl file")
+    if (args.texts is None) == (args.images is None):
+        raise ProbeError("give --texts FILE or --images FOLDER_OR_FILES (one of them)")
+    if args.texts is not None:
+        if args.processor:
+            raise ProbeError("--processor reads pictures; give --images with it, or drop it")
+        input_file(args.texts, "--texts", "give a .txt (one text per line) or .jsonl file")
     from probe.corpus.run import check_run_dir
 
     check_run_dir(args.output)  # before loading the model
-    model, tok = common.load_model(args)
+    processor = None
+    if args.images is not None:
+        inputs = _images(args.images)
+        if args.field is not None:
+            raise ProbeError("--field names a JSONL field of texts; drop it with --images")
+        model, tok, processor = common.load_image_model(args)
+    else:
+        inputs = args.texts
+        model, tok = common.load_model(args)
     corpus = run_corpus(
         model,
-        args.texts,
+        inputs,
         args.output,
         tokenizer=tok,
+        processor=processor,
         batch_size=args.batch_size,
         keep=keep,
         shard_size=args.shard_size,
@@ -48,23 +62,48 @@ def cmd_corpus(args: argparse.Namespace) -> int:
     return 0
 
 
+def _images(paths: list[str]) -> str | list[str]:
+    """``--images``: one folder (its image files, sorted by name) or image files."""
+    from pathlib import Path
+
+    folders = [p for p in paths if Path(p).is_dir()]
+    if folders and len(paths) > 1:
+        raise ProbeError(f"--images: give one folder ({folders[0]}) or image files, not both")
+    return folders[0] if folders else list(paths)
+
+
 def add_parser(sub) -> None:
     """``probe corpus``."""
     p = sub.add_parser(
         "corpus",
         help="capture a corpus: bounded memory, resumable, torchrun-aware",
-        description="Run a model over many texts: shards of cache files (or statistics only), a "
-        "manifest mapping every text to its shard and row (or its error), and merged per-head "
-        "statistics (head_stats.json/.csv). Rerun the same command to resume; launch it with "
+        description="Run a model over many texts (or pictures, --images): shards of cache files (or "
+        "statistics only), a manifest mapping every text to its shard and row (or its error), and "
+        "merged per-head statistics (head_stats.json/.csv). Rerun the same command to resume; launch it with "
         "`torchrun --nproc_per_node=N -m probe corpus ...` to share the shards between processes.",
         epilog=examples(
             "probe corpus --model minigpt --texts texts.txt -o run/",
             "probe corpus --hf ./gpt2 --texts data.jsonl --field text -o run/ --layers 0 5 --heads 1 2",
             "torchrun --nproc_per_node=2 -m probe corpus --model minigpt --texts texts.txt -o run/",
+            "probe corpus --hf ./vit --images pictures/ -o run/  # the folder's preprocessor_config.json",
         ),
     )
     add_model_args(p, default=None)
-    p.add_argument("--texts", metavar="FILE", required=True, help="one text per line, or JSONL with --field")
+    p.add_argument("--texts", metavar="FILE", default=None, help="one text per line, or JSONL with --field")
+    p.add_argument(
+        "--images",
+        nargs="+",
+        default=None,
+        metavar="FOLDER_OR_FILES",
+        help="pictures instead of texts: a folder (every image file in it, sorted by name) or image files",
+    )
+    p.add_argument(
+        "--processor",
+        default=None,
+        metavar="DIR",
+        help="the model's image processor for --images: a folder with preprocessor_config.json "
+        "(default: the --hf folder's own, or a zoo image model's)",
+    )
     p.add_argument("--field", default=None, help="JSONL field holding the text (default: text)")
     p.add_argument("-o", "--output", required=True, help="output folder (resumed when it holds this run)")
     p.add_argument("--batch-size", type=int, default=8, help="texts per forward pass (default 8)")

@@ -50,7 +50,9 @@ class Corpus:
 
     @property
     def texts(self) -> list[dict[str, Any]]:
-        """Per text (in input order): ``{"shard", "file", "row"}`` or ``{"shard", "error"}``."""
+        """Per text (in input order): ``{"shard", "file", "row"}`` or ``{"shard", "error"}``; a
+        picture's entry also names it: ``"image"``, its file's path (a folder's: its name) or, for a
+        picture given in memory, its index."""
         return self.manifest["texts"]
 
     @property
@@ -79,7 +81,10 @@ class Corpus:
         p = self.path / "stats.json"
         if not p.is_file():
             raise ProbeError(f"{self.path}: the run computed no statistics (stats=False)")
-        return FocusAccumulator.from_dict(json.loads(p.read_text(encoding="utf-8"))).result()
+        d = json.loads(p.read_text(encoding="utf-8"))
+        acc = FocusAccumulator.from_dict(d)
+        acc.not_computed.update(d.get("not_computed") or {})  # left out while the model ran, and why
+        return acc.result()
 
     def summary(self) -> str:
         """A few readable lines: model, texts, failures, shards, files and disk use."""
@@ -87,18 +92,20 @@ class Corpus:
         size = sum(f.stat().st_size for f in self.path.rglob("*") if f.is_file())
         has_stats = (self.path / "stats.json").is_file()
         keep = c["keep"] if isinstance(c["keep"], str) else json.dumps(c["keep"])
+        what = "picture" if c.get("inputs") == "images" else "text"
         lines = [
             f"{self.path}  (corpus run, {_human(size)})",
             f"model:     {c['model'].get('name')}  ({c['model'].get('class')}, "
             f"{c['model'].get('parameters') or 0:,} parameters)",
-            f"texts:     {m['n_texts']:,} ({m['n_ok']:,} captured, {m['n_failed']:,} failed)",
-            f"shards:    {m['n_shards']} of {c['shard_size']} texts, batches of {c['batch_size']}",
+            f"{what + 's:':<10} {m['n_texts']:,} ({m['n_ok']:,} captured, {m['n_failed']:,} failed)",
+            f"shards:    {m['n_shards']} of {c['shard_size']} {what}s, batches of {c['batch_size']}",
             f"kept:      {keep}; {len(m['files'])} cache files"
             + (f", stored as {c['dtype']}" if c.get("dtype") and m["files"] else ""),
             f"stats:     {'head_stats.json / head_stats.csv' if has_stats else 'none'}",
         ]
         for i, err in list(self.errors.items())[:5]:
-            lines.append(f"failed:    text {i}: {err}")
+            # a picture's error already names it ("image 3: cannot read 'x.png' ...")
+            lines.append(f"failed:    {err}" if what == "picture" else f"failed:    text {i}: {err}")
         if m["n_failed"] > 5:
             lines.append(f"           ... and {m['n_failed'] - 5} more (see manifest.json)")
         return "\n".join(lines)

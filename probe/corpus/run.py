@@ -35,6 +35,13 @@ from probe.capture.naming import model_info
 from probe.corpus import shards
 from probe.corpus.dist import Group
 from probe.corpus.keep import KEEPS, keep_spec
+from probe.corpus.pictures import (
+    load_pictures,
+    picture_inputs,
+    pictures_digest,
+    processor_name,
+    run_picture_shard,
+)
 from probe.corpus.shards import finish
 from probe.corpus.texts import load_texts
 from probe.errors import ProbeError
@@ -43,13 +50,12 @@ from probe.files import check_writable_dir, write_text_atomic
 __all__ = ["CorpusFailed", "KEEPS", "check_run_dir", "finish", "load_texts", "run_corpus"]
 
 
-def _config(model, texts: list[str], keep, batch_size: int, shard_size: int, stats: bool, dtype) -> dict:
+def _config(model, n: int, inputs: dict, keep, batch_size: int, shard_size: int, stats: bool, dtype) -> dict:
     info = model_info(model)
-    digest = hashlib.sha256("\x00".join(texts).encode("utf-8")).hexdigest()
     return {
         "model": {"name": info.get("name"), "class": info.get("class"), "parameters": info.get("parameters")},
-        "n_texts": len(texts),
-        "texts_sha256": digest,
+        "n_texts": n,
+        **inputs,  # texts: their digest; pictures: "inputs": "images", their digest, the processor
         "keep": keep,
         "stats": stats,
         "batch_size": batch_size,
@@ -95,6 +101,7 @@ def run_corpus(
     stats: bool = True,
     shard_size: int = 256,
     field: str | None = None,
+    processor: Any = None,
     dtype: Any = None,
     progress: bool = True,
 ):
@@ -109,6 +116,14 @@ def run_corpus(
     ``shard_size`` texts per shard, batches of ``batch_size`` texts of similar length. A text that
     fails (ProbeError: too long, out of vocabulary) is recorded in the manifest (``Corpus.errors``)
     and skipped.
+
+    Pictures for an image model: ``texts`` a folder (its image files, sorted by name), or a list of
+    image paths, PIL images or numpy arrays, with ``processor`` the model's image processor
+    (default: the model's own ``processor`` when it has no tokenizer). Each picture is one item
+    (its manifest entry names it under ``"image"``); batches hold pictures of one processed size;
+    an unreadable picture is recorded and skipped; statistics come from whole patterns, one batch
+    at a time, so the image metrics are computed. See :mod:`probe.corpus.pictures`.
+
     Rerunning the same call resumes; another configuration in ``out_dir`` is refused. Under
     ``torchrun`` rank ``r`` takes shards ``i`` with ``i % world == r``; rank 0 merges.
 
@@ -118,10 +133,42 @@ def run_corpus(
     from probe.corpus.read import Corpus
 
     keep, dtype = _check_args(batch_size, shard_size, keep, stats, dtype)
-    texts = load_texts(texts, field=field)
     tokenizer = tokenizer if tokenizer is not None else getattr(model, "tokenizer", None)
+    if processor is None and tokenizer is None:  # an image model carrying its processor (vit_zoo)
+        processor = getattr(model, "processor", None)
     out = Path(out_dir)
-    cfg = _config(model, texts, keep, batch_size, shard_size, stats, dtype)
+    if picture_inputs(texts, processor):
+        items, names = _pictures(texts, processor, field, model)
+        cfg = _config(
+            model,
+            len(items),
+            {
+                "inputs": "images",
+                "images_sha256": pictures_digest(items),
+                "processor": processor_name(processor),
+            },
+            keep,
+            batch_size,
+            shard_size,
+            stats,
+            dtype,
+        )
+
+        def run_shard(a: int, b: int, folder: Path, bar: Any) -> dict:
+            return run_picture_shard(
+                model, processor, items[a:b], names[a:b], a, folder, *_shard_args(cfg, bar)
+            )
+
+        n = len(items)
+    else:
+        texts = load_texts(texts, field=field)
+        digest = hashlib.sha256("\x00".join(texts).encode("utf-8")).hexdigest()
+        cfg = _config(model, len(texts), {"texts_sha256": digest}, keep, batch_size, shard_size, stats, dtype)
+
+        def run_shard(a: int, b: int, folder: Path, bar: Any) -> dict:
+            return shards.run_shard(model, tokenizer, texts[a:b], a, folder, *_shard_args(cfg, bar))
+
+        n = len(texts)
     resumed = _check_config(out, cfg)  # every rank checks: they all refuse alike, none waits forever
     existed = out.exists()
     group = Group()
@@ -129,7 +176,7 @@ def run_corpus(
         if group.rank == 0 and not resumed:
             write_text_atomic(out / "config.json", json.dumps(cfg, indent=1, ensure_ascii=False))
         group.barrier()
-        _run_mine(model, tokenizer, texts, out, cfg, group, progress)
+        _run_mine(run_shard, n, out, cfg, group, progress)
         group.barrier()
         if group.rank == 0:
             shards.finish(out)
@@ -159,35 +206,42 @@ def _check_args(
     return keep, dtype
 
 
-def _run_mine(model, tokenizer, texts: list[str], out: Path, cfg: dict, group: Group, progress: bool) -> None:
-    """Capture this rank's unfinished shards, each record written atomically after its caches."""
+def _pictures(inputs: Any, processor: Any, field: Any, model: Any) -> tuple[list, list]:
+    """The pictures of a picture run, checked: a processor to read them, no ``field``."""
+    if processor is None:
+        raise ProbeError(
+            f"pictures need processor= (the image processor of {model_info(model).get('name')}) "
+            "to become pixel_values"
+        )
+    if field is not None:
+        raise ProbeError("field= names a JSONL field of texts; drop it for pictures")
+    return load_pictures(inputs)
+
+
+def _shard_args(cfg: dict, bar: Any) -> tuple:
+    """The settings every shard runner takes after its items and folder."""
+    return cfg["keep"], cfg["batch_size"], cfg["stats"], bar, cfg["dtype"]
+
+
+def _run_mine(run_shard: Any, n: int, out: Path, cfg: dict, group: Group, progress: bool) -> None:
+    """Capture this rank's unfinished shards, each record written atomically after its caches;
+    ``run_shard(a, b, folder, bar)`` captures items ``a:b`` and returns the shard's record."""
     shard_size = cfg["shard_size"]
-    n_shards = -(-len(texts) // shard_size)
+    n_shards = -(-n // shard_size)
     todo = [
         i
         for i in range(n_shards)
         if group.mine(i) and not shards.shard_done(out / "shards" / f"{i:05d}.json")
     ]
-    total = sum(len(texts[i * shard_size : (i + 1) * shard_size]) for i in todo)
+    total = sum(min(n, (i + 1) * shard_size) - i * shard_size for i in todo)
     desc = "corpus" if group.world == 1 else f"corpus rank {group.rank}"
-    with tqdm(total=total, desc=desc, unit="text", disable=not progress, smoothing=0.1) as bar:
+    unit = "image" if cfg.get("inputs") == "images" else "text"
+    with tqdm(total=total, desc=desc, unit=unit, disable=not progress, smoothing=0.1) as bar:
         for i in todo:
-            part = texts[i * shard_size : (i + 1) * shard_size]
             folder = out / "shards" / f"{i:05d}"
             # this shard's record may have been half-written by a killed run: drop its temp files
             shards.remove_stale(out / "shards", f".{i:05d}.json.*.tmp")
-            rec = shards.run_shard(
-                model,
-                tokenizer,
-                part,
-                i * shard_size,
-                folder,
-                cfg["keep"],
-                cfg["batch_size"],
-                cfg["stats"],
-                bar,
-                cfg["dtype"],
-            )
+            rec = run_shard(i * shard_size, min(n, (i + 1) * shard_size), folder, bar)
             write_text_atomic(out / "shards" / f"{i:05d}.json", json.dumps(rec, ensure_ascii=False))
 
 
@@ -203,8 +257,10 @@ class CorpusFailed(ProbeError):
         i, err = next(iter(corpus.errors.items()))
         first = (str(err).splitlines() or [""])[0]
         first = first if len(first) <= 160 else first[:157] + "..."
+        what = "picture" if corpus.config.get("inputs") == "images" else "text"
+        which = first if what == "picture" else f"text {i}: {first}"  # a picture's error names it
         super().__init__(
-            f"no text captured: all {m['n_texts']:,} texts failed (text {i}: {first}); "
+            f"no {what} captured: all {m['n_texts']:,} {what}s failed ({which}); "
             f"each error is in {corpus.path / 'manifest.json'}"
         )
         self.corpus = corpus

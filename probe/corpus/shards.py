@@ -35,31 +35,61 @@ def remove_stale(folder: Path, *patterns: str) -> None:
             stale.unlink(missing_ok=True)
 
 
+class ShardRecord:
+    """One shard's record while it runs: stores each capture (statistics folded in, the kept part
+    saved as the shard's next batch file), notes each failure, and gives the JSON record."""
+
+    def __init__(self, folder: Path, n: int, keep, stats: bool, dtype, start: int) -> None:
+        # left by a killed writer: our temp files (.NAME.XXXX.tmp) and safetensors' own (.tmpXXXXXX,
+        # which its save_file writes before renaming onto ours)
+        remove_stale(folder, ".*.tmp", ".tmp*")
+        self.folder, self.keep, self.stats, self.dtype, self.start = folder, keep, stats, dtype, start
+        self.shard = int(folder.name)
+        self.acc = FocusAccumulator()
+        self.entries: list[dict | None] = [None] * n
+        self.n_files = 0
+
+    def store(self, cache: Cache, rows: list[int], extra: list[dict] | None = None) -> None:
+        """Fold ``cache`` (its batch rows are the shard's items ``rows``) into the statistics and
+        save what ``keep`` stores; ``extra`` adds fields to each row's manifest entry."""
+        if self.stats:
+            self.acc.add(cache)
+        part = kept(cache, self.keep, self.dtype)  # statistics above read the float32 patterns
+        rel = None
+        if part is not None:
+            rel = f"shards/{self.folder.name}/b{self.n_files:03d}.safetensors"
+            part.save(self.folder.parent.parent / rel)
+            self.n_files += 1
+        for r, i in enumerate(rows):
+            self.entries[i] = {"shard": self.shard, **(extra[r] if extra else {}), "file": rel, "row": r}
+
+    def fail(self, i: int, error: str, extra: dict | None = None) -> None:
+        """Item ``i`` of the shard could not be captured: its manifest entry is the error."""
+        self.entries[i] = {"shard": self.shard, **(extra or {}), "error": error}
+
+    def record(self) -> dict:
+        """The shard's JSON record (see :mod:`probe.corpus.run`)."""
+        stats = None
+        if self.stats and self.acc.n_texts:
+            stats = self.acc.to_dict()
+            if self.acc.not_computed:  # what statistics computed while the model ran leave out
+                stats["not_computed"] = dict(self.acc.not_computed)
+        return {
+            "shard": self.shard,
+            "start": self.start,
+            "texts": self.entries,
+            "files": self.n_files,
+            "stats": stats,
+        }
+
+
 def run_shard(model, tokenizer, texts, start, folder: Path, keep, batch_size, stats, bar, dtype) -> dict:
     """Capture one shard's texts (bucketed by length) and return its JSON record. With
     ``keep="stats"`` each batch's statistics are computed block by block while the model runs
     (``probe.capture(..., keep="stats")``): a batch holds one row block of patterns, never a layer's."""
-    # left by a killed writer: our temp files (.NAME.XXXX.tmp) and safetensors' own (.tmpXXXXXX,
-    # which its save_file writes before renaming onto ours)
-    remove_stale(folder, ".*.tmp", ".tmp*")
+    rec = ShardRecord(folder, len(texts), keep, stats, dtype, start)
     order = sorted(range(len(texts)), key=lambda i: (len(texts[i]), i))
     batches = [order[j : j + batch_size] for j in range(0, len(order), batch_size)]
-    acc = FocusAccumulator()
-    entries: list[dict | None] = [None] * len(texts)
-    n_files = 0
-
-    def store(cache: Cache, rows: list[int]) -> None:
-        nonlocal n_files
-        if stats:
-            acc.add(cache)
-        part = kept(cache, keep, dtype)  # statistics above read the float32 patterns
-        rel = None
-        if part is not None:
-            rel = f"shards/{folder.name}/b{n_files:03d}.safetensors"
-            part.save(folder.parent.parent / rel)
-            n_files += 1
-        for r, i in enumerate(rows):
-            entries[i] = {"shard": int(folder.name), "file": rel, "row": r}
 
     def run(batch: list[str]) -> Cache:
         if keep == "stats":
@@ -76,18 +106,12 @@ def run_shard(model, tokenizer, texts, start, folder: Path, keep, batch_size, st
                 try:
                     caches.append((run([texts[i]]), [i]))
                 except ProbeError as e:
-                    entries[i] = {"shard": int(folder.name), "error": str(e)}
+                    rec.fail(i, str(e))
         for cache, got in caches:  # errors past capture are probe's or the disk's: they stop the run
-            store(cache, got)
+            rec.store(cache, got)
         del caches
         bar.update(len(rows))
-    return {
-        "shard": int(folder.name),
-        "start": start,
-        "texts": entries,
-        "files": n_files,
-        "stats": acc.to_dict() if stats and acc.n_texts else None,
-    }
+    return rec.record()
 
 
 def finish(out: Path) -> dict:
@@ -99,6 +123,7 @@ def finish(out: Path) -> dict:
     entries: list[dict] = []
     acc = FocusAccumulator()
     files: list[str] = []
+    not_computed: dict[str, str] = {}
     for i in range(n_shards):
         p = out / "shards" / f"{i:05d}.json"
         if not shard_done(p):
@@ -108,6 +133,7 @@ def finish(out: Path) -> dict:
         files += [f"shards/{i:05d}/b{j:03d}.safetensors" for j in range(rec["files"])]
         if rec["stats"]:
             acc.merge(FocusAccumulator.from_dict(rec["stats"]))
+            not_computed.update(rec["stats"].get("not_computed") or {})
     failed = sum("error" in e for e in entries)
     manifest = {
         "format": "probe-corpus/1",
@@ -120,7 +146,11 @@ def finish(out: Path) -> dict:
         "texts": entries,
     }
     if cfg["stats"] and acc.n_texts:
-        write_text_atomic(out / "stats.json", json.dumps(acc.to_dict()))
+        merged = acc.to_dict()
+        if not_computed:  # kept beside the accumulator: Corpus.head_stats says what is missing
+            merged["not_computed"] = not_computed
+        write_text_atomic(out / "stats.json", json.dumps(merged))
+        acc.not_computed.update(not_computed)
         hs = acc.result()
         hs.to_json(out / "head_stats.json")
         hs.to_csv(out / "head_stats.csv")
@@ -128,4 +158,4 @@ def finish(out: Path) -> dict:
     return manifest
 
 
-__all__ = ["finish", "remove_stale", "run_shard", "shard_done"]
+__all__ = ["ShardRecord", "finish", "remove_stale", "run_shard", "shard_done"]
