@@ -30,31 +30,31 @@ sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
 
 
 def one(model_type: str) -> dict:
-    """Build, run and check one model type; the verdict as a dict (never raises)."""
-    import inspect
-
-    import catalogue_check as C
+    """Build, run and check one model type; the verdict as a dict (never raises). ``image`` is True
+    for a family whose forward takes pixels (run on pixels, and image tokens in its text, made from
+    its config by ``tests/catalogue_inputs.py``; ``inputs`` names their shapes)."""
     import catalogue_configs as K
+    import catalogue_inputs as I
     from catalogue_classify import classify_build_error, other_input
 
     t0 = time.time()
     cls = None
     try:
         cls = K.model_class(K.tiny_config(model_type))
-        if cls is not None and "input_ids" not in inspect.signature(cls.forward).parameters:
-            # decided before building: vision and audio towers take no token ids
-            return {"status": "cannot run on text", "reason": f"{cls.__name__}.forward takes no input_ids"}
+        image = {"image": True} if cls is not None and I.takes_pixels(cls) else {}
+        if cls is not None and "input_ids" not in I.forward_params(cls) and not image:
+            # decided before building: audio towers, time series, ... take neither ids nor pixels
+            return {"status": "cannot run", "reason": I.not_image(cls)}
         model = K.build(model_type)
     except Exception as e:  # noqa: BLE001
-        return classify_build_error(model_type, e, cls)
-    try:
-        res = C.check_model(model)
-    except Exception as e:  # noqa: BLE001
-        res = C.run_failure(e, model)
-    res = other_input(res)  # check_model reports a failing forward as run failed itself
+        image = {"image": True} if cls is not None and I.takes_pixels(cls) else {}
+        return {**classify_build_error(model_type, e, cls), **image}
+    res = I.check_family(model)
+    if res["status"] == "run failed":
+        res = other_input(res)  # a forward that asks for layout boxes, visual features, ...
     res["class"] = type(model).__name__
     res["seconds"] = round(time.time() - t0, 2)
-    return res
+    return {**res, **image}
 
 
 def worker() -> None:

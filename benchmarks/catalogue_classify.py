@@ -97,9 +97,9 @@ def classify_build_error(model_type: str, e: BaseException, cls: Any) -> dict[st
 
 
 def other_input(verdict: dict) -> dict:
-    """``cannot run on text`` for a ``run failed`` verdict whose message asks for an input other than
+    """``cannot run`` for a ``run failed`` verdict whose message asks for an input other than
     token ids (layout boxes, visual features, retrieved contexts, embeddings); else the verdict."""
     if verdict.get("status") == "run failed" and _OTHER_INPUT.search(verdict.get("reason", "").lower()):
         why = "needs other inputs: " + verdict["reason"]
-        return {**verdict, "status": "cannot run on text", "reason": why}
+        return {**verdict, "status": "cannot run", "reason": why}
     return verdict

@@ -17,7 +17,28 @@ PER_LAYER = (
 UNMAPPED = "a softmax over a layout probe does not map: refused with a clear error naming the layers"
 TWO = "two self-attention softmaxes in one layer: refused (issue 22, several patterns per layer)"
 
+WINDOWS = (
+    "windowed vision attention (issue 30 item 3, in progress elsewhere): probe maps the windows back to "
+    "the patch grid, while eager returns `[windows, heads, 49, 49]`, which this checker does not map "
+    "back yet"
+)
+
 CAUSES: dict[str, str] = {
+    **dict.fromkeys(("swin", "swinv2", "donut-swin", "maskformer-swin"), WINDOWS),
+    "idefics2": "probe: the perceiver resampler's latents run one softmax over `[image features; latents]` "
+    "(image first, `torch.concat([context, latents])`); probe splits it as the layer's own keys first "
+    "(`merged_split` in capture/record.py), so its `self` part holds the 49 image keys and 15 latents "
+    "(joined back `[self | cross]` it equals SDPA to 4e-8): the split must follow the order of the keys",
+    "mobilevit": "probe: each MobileViT stage runs a small transformer (2 to 4 layers) inside one "
+    "`encoder.layer[i]`; probe takes the stage for one layer and stores its inner layers' attentions "
+    "side by side as heads (`[4, 8, 256, 256]` for 2 layers of 4 heads)",
+    "shieldgemma2": "probe: with an image, ShieldGemma 2's stacks are named `encoder` (the SigLIP tower) and "
+    "`decoder`, and the language model's two layers are stored as one layer of 8 heads (`decoder[0]`, "
+    "`[2, 8, 57, 57]` where SDPA has two `[2, 4, 57, 57]` calls), with the tower's pooling head as its "
+    "cross-attention; on text alone (no tower run) it was exact",
+    "phi4_multimodal_vision": "transformers' eager and SDPA paths of Phi-4's vision tower compute "
+    "different weights (max 1.0 apart); probe's two layers equal SDPA's, and its attention-pooling head "
+    "(a softmax outside the attention interface) then has no oracle",
     "albert": LOOP + " (ALBERT's shared layer group)",
     "hrm_text": LOOP + " (HRM's L-module layer, 6 calls)",
     "gpt_oss": SINK,

@@ -11,7 +11,7 @@ ORDER = (
     "timeout",
     "refused",
     "no softmax attention",
-    "cannot run on text",
+    "cannot run",
     "run failed",
     "build failed",
     "needs a library",
@@ -26,9 +26,10 @@ MEANING = {
     "timeout": "no verdict within the per-model timeout",
     "refused": "probe raised `ProbeError` (the reason is its message)",
     "no softmax attention": "probe found no attention, and neither eager nor SDPA has any",
-    "cannot run on text": "the model does not run on token ids alone (it asks for pixel, audio or other "
-    "inputs)",
-    "run failed": "the tiny model's forward fails without probe (the shrunk config does not suit it)",
+    "cannot run": "the model takes inputs other than token ids and pictures (audio, video, a time series, "
+    "layout boxes, ...; the reason names them): not run",
+    "run failed": "the tiny model's forward fails without probe (the shrunk config, or the inputs made "
+    "from it, do not suit it)",
     "build failed": "no tiny config/model could be built from the generic shrink and the overrides",
     "needs a library": "the modeling code needs an optional library that is not installed here (the reason "
     "names it); not a failure of the shrink or of probe",
@@ -49,6 +50,20 @@ def _cell(s: str, n: int = 400) -> str:
     return s if len(s) <= n else s[: n - 1] + "…"
 
 
+RAN = ("exact", "wrong", "crash", "refused", "no softmax attention")
+
+
+def _inputs(v: dict) -> str:
+    """What the model ran on, in a few words: ids, or the image inputs' shapes."""
+    if v.get("inputs") == "text only":
+        return "ids (text only)"
+    if v.get("inputs"):
+        return _cell(v["inputs"], 200)
+    if v.get("image"):
+        return "pixels (not run)"
+    return "ids" if v.get("status") in RAN else ""
+
+
 def _cause(mt: str, v: dict) -> str:
     """The verdict's reason, with the diagnosed cause first where there is one."""
     from catalogue_diagnosis import CAUSES
@@ -63,8 +78,10 @@ def page(data: dict[str, dict]) -> str:
     import transformers
 
     counts = {s: 0 for s in ORDER}
+    images = {s: 0 for s in ORDER}
     for v in data.values():
         counts[v["status"]] = counts.get(v["status"], 0) + 1
+        images[v["status"]] = images.get(v["status"], 0) + bool(v.get("image"))
     lines = [
         "# The catalogue sweep",
         "",
@@ -79,6 +96,20 @@ def page(data: dict[str, dict]) -> str:
         "hands to `scaled_dot_product_attention` where eager returns nothing or differs. The "
         "comparison is `tests/catalogue_check.py`; `tests/test_catalogue.py` runs it in CI on a "
         "fixed sample.",
+        "",
+        "Image and vision-language families (those whose forward takes `pixel_values`) are run on "
+        "inputs made from their own shrunk config by `tests/catalogue_inputs.py`: random pixels at the "
+        "config's image size and channel count (64×96 where the config names no size), one image for "
+        "a vision model and one per row for a model that also reads text; a `pixel_mask` of ones where "
+        "the forward takes one; Qwen2-VL-style towers get flattened patches with an `image_grid_thw` of "
+        "a 2m × 3m patch grid (m the merge size); a vision-language model's text is random ids `[2, n + 8]` "
+        "with one run of `n` image tokens (the config's image token id, after a vision-start token where "
+        "the config has one), `n` the count its config states or its patch grid, corrected to the number "
+        "of image features the forward reports; the second row padded after its last three words. Where "
+        "a forward refuses 4-d pixels, one image per row as `[batch, 1, C, H, W]` is used, and "
+        "`image_sizes` where it asks for them. The pixels go through `probe.capture(model, inputs)` (the "
+        "keyword-inputs path that names patch positions). A vision-language model whose forward refuses "
+        "these inputs is checked on text ids as before, and the row says why (`text only`).",
         "",
         "A few model types run in seconds (`--only`, comma-separated; `--jobs`, `--timeout` and "
         "`--out` as `--help` says; a rerun resumes the JSON file, `--redo` reruns what is there):",
@@ -104,11 +135,23 @@ def page(data: dict[str, dict]) -> str:
         "",
         "## Counts",
         "",
-        "| verdict | model types | meaning |",
-        "|---|---|---|",
+        "The column *image* counts the image and vision-language families among them (forward takes "
+        "`pixel_values`); *text only* those of them checked on text ids because their forward refused "
+        "the image inputs.",
+        "",
+        "| verdict | model types | image | text only | meaning |",
+        "|---|---|---|---|---|",
     ]
-    lines += [f"| {s} | {counts[s]} | {MEANING.get(s, '')} |" for s in counts if counts[s] or s in MEANING]
-    lines += [f"| total | {len(data)} | |", ""]
+    text_only = {
+        st: sum(v["status"] == st and v.get("inputs") == "text only" for v in data.values()) for st in counts
+    }
+    lines += [
+        f"| {st} | {counts[st]} | {images[st]} | {text_only[st]} | {MEANING.get(st, '')} |"
+        for st in counts
+        if counts[st] or st in MEANING
+    ]
+    total_img = sum(images.values())
+    lines += [f"| total | {len(data)} | {total_img} | {sum(text_only.values())} | |", ""]
     for s in ORDER:
         rows = sorted((mt, v) for mt, v in data.items() if v["status"] == s)
         if not rows:
@@ -116,8 +159,8 @@ def page(data: dict[str, dict]) -> str:
         lines += [f"## {s} ({len(rows)})", ""]
         if s in ("exact", "wrong"):
             lines += [
-                "| model type | class | patterns | vs eager | vs SDPA | note |",
-                "|---|---|---|---|---|---|",
+                "| model type | class | inputs | patterns | vs eager | vs SDPA | note |",
+                "|---|---|---|---|---|---|---|",
             ]
             for mt, v in rows:
                 v = {**v, "reason": _cause(mt, v)}
@@ -125,12 +168,17 @@ def page(data: dict[str, dict]) -> str:
                 note = "" if plain else v.get("reason", "")
                 if (v.get("pad_diff") or 0) > 1e-5:
                     note = f"padded query rows differ by {v['pad_diff']:.1e}; " + note
+                if v.get("image_failed"):
+                    note = f"image inputs refused by the forward ({v['image_failed']}); " + note
                 lines.append(
-                    f"| `{mt}` | {v.get('class', '')} | {v.get('n_probe', '')} | {_fmt(v.get('eager_diff'))} "
-                    f"| {_fmt(v.get('sdpa_diff'))} | {_cell(note)} |"
+                    f"| `{mt}` | {v.get('class', '')} | {_inputs(v)} | {v.get('n_probe', '')} "
+                    f"| {_fmt(v.get('eager_diff'))} | {_fmt(v.get('sdpa_diff'))} | {_cell(note)} |"
                 )
         else:
-            lines += ["| model type | class | reason |", "|---|---|---|"]
-            lines += [f"| `{mt}` | {v.get('class', '')} | {_cell(_cause(mt, v), 400)} |" for mt, v in rows]
+            lines += ["| model type | class | inputs | reason |", "|---|---|---|---|"]
+            lines += [
+                f"| `{mt}` | {v.get('class', '')} | {_inputs(v)} | {_cell(_cause(mt, v), 400)} |"
+                for mt, v in rows
+            ]
         lines.append("")
     return "\n".join(lines)

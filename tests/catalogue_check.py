@@ -17,6 +17,7 @@ import traceback
 from typing import Any
 
 import catalogue_layouts as L
+import catalogue_oracles as O
 import torch
 
 import probe
@@ -29,7 +30,7 @@ STATUSES = (
     "crash",
     "refused",
     "no softmax attention",
-    "cannot run on text",
+    "cannot run",
     "run failed",
     "build failed",
 )
@@ -52,20 +53,27 @@ _NOT_TEXT = (
 _OTHER_INPUTS = ("pixel_values", "input_features", "input_values", "pixel_values_videos", "past_values")
 
 
-def run_failure(e: BaseException, model: Any = None) -> dict[str, str]:
-    """A forward that fails without probe: ``cannot run on text`` when it asks for other inputs
-    (its message names them, or the forward takes them and fails on their absence)."""
+def run_failure(e: BaseException, model: Any = None, inputs: dict | None = None) -> dict[str, str]:
+    """A forward that fails without probe: ``cannot run`` when it asks for inputs other than those
+    given (its message names them, or the forward takes them and fails on their absence); ``run
+    failed`` otherwise (the shrunk config or the inputs made from it do not suit the model)."""
     msg = f"{type(e).__name__}: {str(e)[:300]}"
     params = inspect.signature(model.forward).parameters if model is not None else {}
-    wants = [p for p in _OTHER_INPUTS if p in params]
-    if any(w in msg.lower() for w in _NOT_TEXT):
-        return {"status": "cannot run on text", "reason": msg}
+    given = set(inputs or ())
+    wants = [p for p in _OTHER_INPUTS if p in params and p not in given]
+    words = [w for w in _NOT_TEXT if not ("pixel_values" in given and w in ("pixel_values", "image"))]
+    if any(w in msg.lower() for w in words):
+        return {"status": "cannot run", "reason": msg}
     if wants and "NoneType" in msg:
-        return {"status": "cannot run on text", "reason": f"needs {wants[0]} ({msg})"}
+        return {"status": "cannot run", "reason": f"needs {wants[0]} ({msg})"}
     return {"status": "run failed", "reason": msg}
 
 
 BATCH, T, T_DEC = 2, 8, 6
+# the global generator is seeded alike before every forward: a model that draws at random in eval
+# (ViLT's patch sampling) draws the same in probe's run and in each oracle's
+SEED = 0
+_TEXT_KEYS = {"input_ids", "attention_mask", "decoder_input_ids"}
 
 
 def make_inputs(model: Any, seed: int = 1) -> dict[str, torch.Tensor]:
@@ -109,6 +117,14 @@ def eager_patterns(outputs: Any) -> dict[str, list[torch.Tensor]]:
                 # every tensor, whatever its layout: a local-attention block layout (LongT5's 5-d
                 # blocks) must count, or an encoder that probe and the filter both skip looks exact
                 found += [t.float() for t in v if isinstance(t, torch.Tensor)]
+                # pairs per layer (BridgeTower's cross-modal layers: the text's and the image's)
+                found += [
+                    t.float()
+                    for u in v
+                    if isinstance(u, (tuple, list))
+                    for t in u
+                    if isinstance(t, torch.Tensor)
+                ]
         if not found and depth < 2 and hasattr(obj, "values"):  # nested outputs (FLAVA's text_output)
             for v in obj.values():
                 if hasattr(v, "values") and not isinstance(v, torch.Tensor):
@@ -167,6 +183,7 @@ def run_sdpa_oracle(model: Any, inputs: dict) -> list[torch.Tensor]:
     torch.nn.functional.scaled_dot_product_attention = sdpa_spy(store)
     try:
         with torch.no_grad():
+            torch.manual_seed(SEED)
             model(**inputs)
     finally:
         torch.nn.functional.scaled_dot_product_attention = saved
@@ -273,11 +290,16 @@ def trace_and_eager(model: Any, inputs: dict, hooks: Any = ()) -> tuple[Any, Any
 
 
 def _capture(model: Any, inputs: dict) -> tuple[Any, dict]:
-    """probe's capture of one forward; (cache, None) or (None, the failure as a result dict)."""
+    """probe's capture of one forward; (cache, None) or (None, the failure as a result dict). Token
+    ids are run under ``probe.trace``; inputs with pixels through ``probe.capture(model, inputs)``
+    (keyword inputs, whose positions probe names from the pixels)."""
     try:
-        with torch.no_grad(), probe.trace(model) as t:
-            model(**inputs)
-        return t.cache, {}
+        torch.manual_seed(SEED)
+        if "input_ids" in inputs and len(inputs.keys() - _TEXT_KEYS) == 0:
+            with torch.no_grad(), probe.trace(model) as t:
+                model(**inputs)
+            return t.cache, {}
+        return probe.capture(model, dict(inputs)), {}
     except ProbeError as e:
         return None, {"status": "refused", "reason": str(e).splitlines()[0][:400]}
     except Exception as e:  # noqa: BLE001 - every other exception is a crash to report
@@ -300,15 +322,18 @@ def check_model(model: Any, inputs: dict | None = None) -> dict[str, Any]:
     try:
         sdpa = run_sdpa_oracle(model, inputs)
     except Exception as e:  # noqa: BLE001
-        return {**res, **run_failure(e, model)}
+        return {**res, **run_failure(e, model, inputs)}
     cache, failed = _capture(model, inputs)
     blocks: list = []  # Pegasus-X's encoder weights, which eager's outputs leave out
+    mha: list = []  # nn.MultiheadAttention's weights (SigLIP's pooling head), read by a hook
+    softmaxes: list = []  # every softmax of the eager forward, for the union check
     try:
         twin = eager_twin(model)
         lsh: list = []  # Reformer's LSH buckets, to map its hash-sorted weights back
-        hooks = L.global_local_hooks(twin, blocks) + L.lsh_hooks(twin, lsh)
+        hooks = L.global_local_hooks(twin, blocks) + L.lsh_hooks(twin, lsh) + O.mha_hooks(twin, mha)
         try:
-            with torch.no_grad():
+            with torch.no_grad(), O.softmax_spy(softmaxes):
+                torch.manual_seed(SEED)
                 outputs = twin(**inputs, output_attentions=True)
             eager = L.prophetnet_streams(model, outputs) or eager_patterns(outputs)
             eager = L.split_compressed(model, L.reformer_in_probe_layout(model, eager, lsh))
@@ -374,6 +399,25 @@ def check_model(model: Any, inputs: dict | None = None) -> dict[str, Any]:
     if (isinstance(e, tuple) or not n_eager) and isinstance(s, tuple) and s[0] <= TOL:
         # eager computes something else (Falcon's ALiBi order) or returns nothing: SDPA decides
         return {**res, "status": "exact", "oracle": "sdpa", "reason": why}
+    if mha or n_eager or sdpa or softmaxes:
+        # eager, SDPA and MultiheadAttention each see a part (a vision-language model's eager outputs
+        # hold its language model only): exact where they and the stored patterns cover each other
+        flat = [p for _, _, p in got]
+        sdpa = O.join_chunks(sdpa, flat)  # a packed vision tower's per-picture calls, block-diagonal
+        softmaxes = O.join_chunks(softmaxes, flat)
+        oracles = {"eager": eager["self"] + eager["cross"], "sdpa": sdpa, "MultiheadAttention": mha}
+        close = lambda a, b: _real_diff(a, b, mask) <= TOL  # noqa: E731
+        ok, union = O.union_check(flat, oracles, close, {"eager softmax": softmaxes})
+        if not ok and sdpa and n_eager:
+            # eager computes something else than the SDPA path probe ran (Phi-4's vision tower): SDPA
+            # decides, as for the whole-count comparison above
+            only = {"sdpa": sdpa, "MultiheadAttention": mha}
+            ok, alone = O.union_check(flat, only, close, {"eager softmax": softmaxes})
+            union = f"{alone} (eager differs: {union})" if ok else union
+        res["n_mha"] = len(mha)
+        if ok:
+            return {**res, "status": "exact", "oracle": "union", "reason": f"{why}; {union}"}
+        why += f"; union: {union}"
     # eager's count or shapes disagree: an omission or a different layout, whatever SDPA says
     return {**res, "status": "wrong", "reason": why}
 

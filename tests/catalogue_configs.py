@@ -27,7 +27,19 @@ _HIDDEN = (
     "d_embed",
     "hidden_size_global",  # BLT's byte encoder/decoder: the width of the global (patch) transformer
 )
-_EMBED = ("embedding_size", "word_embed_proj_dim", "embedding_dim", "projection_dim", "proj_dim")
+_EMBED = ("embedding_size", "word_embed_proj_dim", "embedding_dim")
+# widths a vision tower's projector hands to the text model (or a joint space): the text width
+_OUT_HIDDEN = (
+    "projection_dim",
+    "proj_dim",
+    "out_hidden_size",
+    "text_hidden_size",
+    "projector_hidden_size",
+    "projection_size",
+    "vision_output_dim",
+    "projector_output_dim",
+    "image_text_hidden_size",
+)
 _LAYERS = (
     "num_hidden_layers",
     "n_layer",
@@ -39,6 +51,7 @@ _LAYERS = (
     "num_encoder_layers",
     "decoder_num_layers",
     "encoder_num_layers",
+    "depth",  # vision towers (Qwen2-VL, GLM-4V, ...)
 )
 _HEADS = (
     "num_attention_heads",
@@ -136,6 +149,7 @@ def _shrink_kwargs(cls: Any, base: Any, depth: int = 0) -> dict[str, Any]:
 
     put(_HIDDEN, HIDDEN)
     put(_EMBED, 32)
+    put(_OUT_HIDDEN, HIDDEN)
     old_layers = next((d[k] for k in _LAYERS if isinstance(d.get(k), int)), None)
     n_layers = LAYERS
     for k in _PER_TYPE:
@@ -174,7 +188,22 @@ def _shrink_kwargs(cls: Any, base: Any, depth: int = 0) -> dict[str, Any]:
     _respect_validators(d, kw, n_layers)
     if depth < 3:
         _shrink_sub_configs(cls, base, kw, depth)
+    if not isinstance(vocab, int):
+        _special_ids_in_text_vocab(d, kw)
     return kw
+
+
+def _special_ids_in_text_vocab(d: dict, kw: dict[str, Any]) -> None:
+    """A composite config's own special ids (LLaVA's ``image_token_index`` 32000) moved into its
+    shrunk text config's vocabulary, where the image tokens of its inputs are looked up (in place)."""
+    text = kw.get("text_config")
+    vocab = text.get("vocab_size") if isinstance(text, dict) else None
+    if not isinstance(vocab, int):
+        return
+    for i, (k, v) in enumerate(sorted(d.items())):
+        special = k.endswith(("_token_id", "_token_index"))
+        if special and isinstance(v, int) and not isinstance(v, bool) and v >= vocab and k not in kw:
+            kw[k] = vocab - 1 - (i % 16)
 
 
 def _respect_validators(d: dict, kw: dict[str, Any], n_layers: int) -> None:
@@ -222,7 +251,10 @@ def tiny_config(model_type: str) -> Any:
     cls = tf.CONFIG_MAPPING[model_type]
     base = cls()
     kw = _shrink_kwargs(cls, base)
-    kw.update(copy.deepcopy(OVERRIDES.get(model_type, {})))
+    for k, v in copy.deepcopy(OVERRIDES.get(model_type, {})).items():
+        # a dict for a sub-config is laid over its shrunk dict (LLaVA-style vision_config sizes)
+        sub = kw.get(k) if k.endswith("_config") else None
+        kw[k] = {**sub, **v} if isinstance(sub, dict) and isinstance(v, dict) else v
     for _ in range(6):  # a validator that ties one size to another: set it as the message says, again
         try:
             cfg = cls(**kw)

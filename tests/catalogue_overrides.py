@@ -71,13 +71,6 @@ OVERRIDES: dict[str, dict[str, Any]] = {
     # towers whose adapters feed the text model: out at the text width
     "dots3_note_vision_encoder": {"adapter_out_dim": HIDDEN},
     "dots3_note_audio_encoder": {"adapter_out_dim": HIDDEN},
-    "shieldgemma2": {
-        "image_token_index": 509,
-        "boi_token_index": 510,
-        "eoi_token_index": 511,
-        "yes_token_index": 507,
-        "no_token_index": 508,
-    },  # the blocks run at the embedding width
     # sub-model configs whose defaults lack an attribute their model reads
     "t5gemma2_text": {"dropout_rate": 0.0},
     "pix2struct_text_model": {"initializer_range": 0.1},
@@ -136,6 +129,38 @@ OVERRIDES: dict[str, dict[str, Any]] = {
     # validators: ESM C has no grouped-query attention; Mamba-2 ties heads·head_dim to hidden·expand
     "esmc": {"num_key_value_heads": HEADS},
     "mamba2": {"num_heads": 8},
+    # image and vision-language families (inputs from tests/catalogue_inputs.py): a dict for a
+    # sub-config is laid over its shrunk dict. Image tokens need an id in the text vocabulary.
+    "blip-2": {"image_token_index": 500},
+    "instructblip": {"image_token_index": 500},
+    # the joint space is the EfficientNet tower's pooled width, which it does not project
+    "align": {"projection_dim": 640},
+    # patch grids the pixel shuffle / pooling divides: 14 × 14 patches pooled 2 × 2 (7 × 7 tokens)
+    "gemma3": {"mm_tokens_per_image": 49},
+    "shieldgemma2": {
+        "mm_tokens_per_image": 49,
+        "image_token_index": 509,
+        "boi_token_index": 510,
+        "eoi_token_index": 511,
+        "yes_token_index": 507,
+        "no_token_index": 508,
+    },
+    # VipLLaVA reads five layers of a 24-layer tower: two of the shrunk one, in the same count
+    "vipllava": {"vision_feature_layers": [-2, -1, -2, -1, 0]},
+    "idefics3": {"vision_config": {"patch_size": 16}},
+    "smolvlm": {"vision_config": {"patch_size": 16}},
+    "aya_vision": {"vision_config": {"image_size": 364}},  # 26 × 26 patches, downsampled 2 × 2
+    "aria": {"vision_config": {"image_size": 490, "patch_size": 14}},  # 35 × 35: its 1225-patch query set
+    # Pixtral's image_size is the largest it takes (1540 px: 12,100 patches); it runs any size below
+    "pixtral": {"image_size": 224},
+    # ViLT samples image patches at random per forward unless it keeps them all
+    "vilt": {"max_image_length": -1},
+    # windowed towers: stages of widths 32 and 64, heads dividing them (the generic shrink leaves the
+    # per-stage lists alone)
+    "swin": {"embed_dim": 32, "depths": [2, 2], "num_heads": [2, 4]},
+    "swinv2": {"embed_dim": 32, "depths": [2, 2], "num_heads": [2, 4]},
+    "donut-swin": {"embed_dim": 32, "depths": [2, 2], "num_heads": [2, 4]},
+    "maskformer-swin": {"embed_dim": 32, "depths": [2, 2], "num_heads": [2, 4]},
 }
 
 

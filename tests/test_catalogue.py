@@ -13,7 +13,9 @@ from __future__ import annotations
 
 import catalogue_check as C
 import catalogue_configs as K
+import catalogue_inputs as I
 import catalogue_layouts as L
+import catalogue_oracles as O
 import pytest
 import torch
 
@@ -89,6 +91,14 @@ EXACT = {
     "blt": "patch-over-byte attention is cross; five stacks; eager returns 4 of 11 (the rest vs SDPA)",
     "diffusion_gemma": "decoder's one softmax over the encoder's cached prompt keys then its own",
     "musicgen_melody": "a T5 text encoder eager does not return (checked against SDPA)",
+    # image and vision-language families, on inputs made from their config (catalogue_inputs.py)
+    "vit": "pixels at the config's image size: [CLS] + patch grid",
+    "dinov2_with_registers": "[CLS], register tokens and patches",
+    "clip": "a text tower on ids and a vision tower on pixels",
+    "siglip_vision_model": "an attention-pooling head (nn.MultiheadAttention, checked by a hook)",
+    "llava": "image tokens in the text, as many as the tower makes of one image",
+    "idefics3": "pixels [batch, images, C, H, W] and a pixel mask, pixel-shuffled image tokens",
+    "git": "eager-only towers that output_attentions leaves out (checked against the eager softmaxes)",
 }
 
 # model type -> why it is not exact yet (issue 22); the owner removes the mark with the fix
@@ -104,7 +114,7 @@ SAMPLE = [pytest.param(m, id=m) for m in EXACT] + [
 def test_catalogue_family_is_exact(model_type):
     torch.manual_seed(0)
     model = K.build(model_type)
-    verdict = C.check_model(model)
+    verdict = I.check_family(model)
     assert verdict["status"] == "exact", verdict
     assert verdict["n_probe"] > 0
 
@@ -245,3 +255,88 @@ def test_sub_configs_and_missing_libraries_are_not_build_failures():
     e = ImportError("\nTimmWrapperModel requires the timm library but it was not found in your environment.")
     assert missing_library(e)["status"] == "needs a library" and "`timm`" in missing_library(e)["reason"]
     assert missing_library(ImportError("cannot import name x")) is None
+
+
+def test_the_union_check_sees_a_wrong_pooling_head(monkeypatch):
+    # SigLIP's pooling head is an nn.MultiheadAttention that neither eager's outputs nor the SDPA
+    # spy returns: the union check holds it to the hook's weights, so one head moved is "wrong"
+    model = K.build("siglip_vision_model")
+    inputs = I.fitted_inputs(model)
+    assert C.check_model(model, inputs)["status"] == "exact"
+    real = C.probe_patterns
+
+    def shifted(cache):
+        out = real(cache)
+        i = next(i for i, (_, _, p) in enumerate(out) if p.shape[-2] == 1)  # the one-query pooling head
+        label, kind, p = out[i]
+        p = p.clone()
+        p[:, 0] = p[:, 0].roll(1, dims=-1)
+        return out[:i] + [(label, kind, p)] + out[i + 1 :]
+
+    monkeypatch.setattr(C, "probe_patterns", shifted)
+    verdict = C.check_model(model, inputs)
+    assert verdict["status"] == "wrong" and "union: MultiheadAttention pattern 0" in verdict["reason"], (
+        verdict
+    )
+
+
+def test_the_union_check_wants_every_oracle_pattern_stored():
+    # against tensors written here: a pattern an oracle returns and probe left out is "wrong"; the
+    # eager softmaxes may vouch for a stored pattern but need not all be stored
+    g = torch.Generator().manual_seed(0)
+    a, b, c = (torch.randn(1, 2, 3, 3, generator=g).softmax(-1) for _ in range(3))
+    close = lambda x, y: float((x - y).abs().max()) <= 1e-6  # noqa: E731
+    assert O.union_check([a, b], {"eager": [a], "sdpa": [b]}, close)[0]
+    ok, why = O.union_check([a], {"eager": [a], "sdpa": [b]}, close)
+    assert not ok and "sdpa pattern 0" in why
+    assert not O.union_check([a, c], {"eager": [a]}, close)[0]
+    assert O.union_check([a, c], {"eager": [a]}, close, {"eager softmax": [b, c, a]})[0]
+    assert O.union_check([a], {"eager": [a, a.clone()]}, close)[0]  # a duplicate listed twice
+    assert O.union_check([a], {}, close, {"eager softmax": [a.flatten(0, 1)]})[0]  # heads in the batch
+    # a packed tower's per-picture calls (3 and 2 patches) joined block-diagonally for a stored 5 x 5
+    x, y = torch.rand(1, 2, 3, 3, generator=g), torch.rand(1, 2, 2, 2, generator=g)
+    want = torch.zeros(1, 2, 5, 5)
+    want[..., :3, :3], want[..., 3:, 3:] = x, y
+    joined = O.join_chunks([x, y, b], [want, b])
+    assert len(joined) == 2 and torch.equal(joined[0], want) and joined[1] is b
+    assert O.join_chunks([x, y], [a]) == [x, y]  # no stored pattern of their joint size: left alone
+
+
+def test_image_inputs_follow_the_config():
+    # pixels at the config's size and channels; a vision-language text with as many image tokens as
+    # the model makes of one image (LLaVA: the 12 x 12 patch grid of a 336 px image, no [CLS])
+    vit = K.build("vit")
+    x = I.fitted_inputs(vit)
+    cfg = vit.config
+    assert list(x) == ["pixel_values"] and x["pixel_values"].shape == (
+        1,
+        cfg.num_channels,
+        cfg.image_size,
+        cfg.image_size,
+    )
+    llava = K.build("llava")
+    x = I.fitted_inputs(llava)
+    v = llava.config.vision_config
+    n = (x["input_ids"] == llava.config.image_token_id).sum(1)
+    assert n.tolist() == [(v.image_size // v.patch_size) ** 2] * 2
+    assert x["attention_mask"][1, -2:].sum() == 0 and x["attention_mask"][0].all()
+    assert "takes input_features (audio features)" in I.not_image(type(K.build("whisper")))
+
+
+def test_flattened_patches_are_captured_without_a_grid():
+    # Qwen2-VL's pixels are flattened patches [patches, C*t*p*p] with image_grid_thw: probe.capture
+    # takes them (no patch grid named from them), and the language model's patterns equal eager's
+    import probe
+
+    model = K.build("qwen2_vl")
+    inputs = I.fitted_inputs(model)
+    assert inputs["pixel_values"].dim() == 2
+    cache = probe.capture(model, dict(inputs))
+    assert cache.metadata["pixel_shape"] == list(inputs["pixel_values"].shape)
+    assert "image_shape" not in cache.metadata
+    with torch.no_grad():
+        want = C.eager_twin(model)(**inputs, output_attentions=True).attentions
+    got = [cache.pattern(s, i) for s in cache.stacks if "language" in s for i in cache.layer_indices(s)]
+    assert len(got) == len(want) == 2
+    for p, w in zip(got, want, strict=True):
+        torch.testing.assert_close(p.float(), w.float(), atol=1e-5, rtol=0)
