@@ -280,3 +280,16 @@ def test_cli_corpus_of_images(vit, tmp_path, capsys):
     err = capsys.readouterr().err.strip()
     assert "one of them" in err and "\n" not in err
     assert not (tmp_path / "x").exists() and not (tmp_path / "y").exists()
+
+
+def test_statistics_computed_while_the_model_ran_say_what_they_leave_out_after_the_merge(tmp_path):
+    # a text run's keep="stats" statistics leave out the rollout (and, for a model with an image
+    # grid, the image metrics): the merged statistics of the run say so, as one capture's do
+    from models import load
+
+    model = load("minigpt")
+    texts = ["the cat sat", "a rat", "fish are here"]
+    c = probe.run_corpus(model, texts, tmp_path / "run", shard_size=2, progress=False)
+    alone = probe.head_stats(probe.capture(model, texts[:1], keep="stats"), progress=False)
+    assert "rollout" in alone.not_computed
+    assert c.head_stats().not_computed == alone.not_computed
