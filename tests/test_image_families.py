@@ -242,3 +242,35 @@ def test_swin_maps_each_stage_on_its_own_grid():
     # head statistics read one attention per layer: said, not skipped silently
     with pytest.raises(ProbeError, match="hold several"):
         probe.head_stats(cache, progress=False)
+
+
+# -- a vision-language cache end to end: saved, loaded, read by the other analyses -----------------------
+def test_a_llava_cache_saves_loads_and_reads_like_any_other(tmp_path):
+    from test_images import _llava
+
+    model, eager = _llava()
+    ids = torch.tensor([[1, 5] + [95] * 16 + [7, 8]])
+    pixels = torch.randn(2, 3, 32, 32, generator=torch.Generator().manual_seed(7))[:1]
+    inputs = {"input_ids": ids, "pixel_values": pixels, "attention_mask": torch.ones_like(ids)}
+    cache = probe.capture(model, inputs)
+    streamed = probe.capture(model, inputs, out=tmp_path / "llava.safetensors")  # written layer by layer
+    cache.save(tmp_path / "saved.safetensors")
+    loaded = probe.load(tmp_path / "saved.safetensors")
+    lm, tower = "model.language_model.layers", "model.vision_tower.encoder.layers"
+    with torch.no_grad():
+        out = eager(**inputs, output_attentions=True, output_hidden_states=True)
+    for c in (streamed, loaded):
+        torch.testing.assert_close(c.pattern(lm, 1), out.attentions[1], atol=TOL, rtol=0)
+        assert c.metadata["stacks"][tower]["tokens"] is None  # its positions are the picture's
+    # the residual stream of both stacks, each over its own positions: the tower's picture (17), the
+    # text (20); its norm leaving the language model's last layer is eager's last hidden state's
+    stats = probe.residual(loaded)
+    rows = [
+        r for r in stats.tokens if r["stack"] == tower and r["layer"] == 0 and r["sublayer"] == "self_attn"
+    ]
+    assert len(rows) == 17
+    post = [r for r in stats.layers if r["stack"] == lm and r["layer"] == 1 and r["sublayer"] == "self_attn"]
+    assert post[0]["tokens"] == 20
+    want = float(out.hidden_states[1][0].norm(dim=-1).mean())  # the stream entering layer 1
+    assert abs(post[0]["mean_norm_E"] - want) < 1e-4 * want
+    assert loaded.head_ids(lm, 1) == [0, 1, 2, 3] and len(loaded.axes(lm)[0].tokens) == 20

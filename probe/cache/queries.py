@@ -13,7 +13,7 @@ from typing import Any
 import torch
 
 from probe.cache import axes as _axes
-from probe.cache.format import STACKS, key
+from probe.cache.format import is_stack_name, key
 from probe.errors import ProbeError
 
 
@@ -115,7 +115,7 @@ class CacheQueries:
         """The key of a ``stack``/``layer``/``kind`` pattern, or a one-line error naming what exists."""
         _check_kind(kind)
         name = f"{kind}_attn.pattern"
-        k = key(stack, layer, name) if stack in STACKS else None
+        k = key(stack, layer, name) if is_stack_name(stack) else None
         if k is not None and k in self:
             return k
         have = self.layer_indices(stack, name)

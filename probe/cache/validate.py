@@ -316,6 +316,14 @@ def check_consistency(shapes: Mapping[str, tuple], meta: dict[str, Any], name: s
 _SIDES = {"source": "tokens", "target": "target_tokens"}
 
 
+def _pictures(meta: dict[str, Any]) -> int | None:
+    """How many sequences a vision tower runs: one per picture (``image_shape``), or Qwen2-VL's one
+    packed sequence (``image_grid_thw``); None without pictures."""
+    if meta.get("image_shape"):
+        return int(meta["image_shape"][0])
+    return 1 if meta.get("image_grid_thw") else None
+
+
 def _check_shape(k: str, shape: tuple, what: Any, side: str | None, meta: dict[str, Any], name: str) -> None:
     """One tensor's shape against its layout and, where the stack's positions are tokens, the tokens."""
     layout = what.layout
@@ -325,6 +333,8 @@ def _check_shape(k: str, shape: tuple, what: Any, side: str | None, meta: dict[s
     if tokens is None:
         return
     own = meta.get(_SIDES[side]) if side is not None else None
+    if side is None and shape[0] == _pictures(meta):
+        return  # a vision-language model's vision tower: one sequence per picture, not per text
     rows = own if own is not None else tokens
     sequence_first = layout == ("batch", "pos", "d_model") and shape[0] != len(rows) and shape[1] == len(rows)
     if shape[0] != len(rows) and not sequence_first:

@@ -111,7 +111,8 @@ def retrieval_scores(
                 r = readers[key]
                 if r.mass is None:
                     continue
-                stack, layer = key.split(".blocks.")[0], int(key.split(".")[2])
+                stack, rest = key.split(".blocks.", 1)
+                layer = int(rest.split(".")[0])
                 for h in range(r.mass.shape[1]):
                     rows.append(
                         {

@@ -20,7 +20,7 @@ import torch
 
 from probe.analysis.residual.exports import TableExports
 from probe.analysis.table import Table
-from probe.cache.format import key
+from probe.cache.format import key, parse_key, token_side
 from probe.errors import ProbeError
 
 SUBLAYERS = ("self_attn", "cross_attn", "mlp")
@@ -81,8 +81,13 @@ class ResidualStats(TableExports):
 
 
 def _tokens_of(cache, stack: str) -> tuple[list[list[str]], list[list[int]]]:
+    """The display tokens and attention mask of ``stack``'s positions; none for a stack whose
+    positions are not tokens (a vision-language model's vision tower: its pictures' patches)."""
     meta = cache.metadata
-    prefix = "target_" if stack == "decoder" and meta.get("target_tokens") else ""
+    side = token_side(meta, stack)
+    if side is None:
+        return [], []
+    prefix = "target_" if side == "target" and meta.get("target_tokens") else ""
     return meta.get(f"{prefix}tokens") or [], meta.get(f"{prefix}attention_mask") or []
 
 
@@ -122,7 +127,13 @@ def layer_components(
 def captured_layers(cache, stack: str) -> list[int]:
     """Layer indices of ``stack`` with a residual stream in the cache, ascending."""
     return sorted(
-        {int(k.split(".")[2]) for k in cache.keys() if k.startswith(f"{stack}.") and k.endswith("resid_pre")}
+        {
+            layer
+            for k in cache.keys()
+            if k.endswith("resid_pre")
+            for s, layer, _name in [parse_key(k)]
+            if s == stack
+        }
     )
 
 
