@@ -293,3 +293,37 @@ def test_statistics_computed_while_the_model_ran_say_what_they_leave_out_after_t
     alone = probe.head_stats(probe.capture(model, texts[:1], keep="stats"), progress=False)
     assert "rollout" in alone.not_computed
     assert c.head_stats().not_computed == alone.not_computed
+
+
+@pytest.mark.slow
+def test_torchrun_two_ranks_share_the_pictures_like_one_process(vit, tmp_path):
+    import os
+    import subprocess
+    import sys
+
+    model, _ = vit
+    folder = tmp_path / "my-vit"
+    model.save_pretrained(folder)
+    _processor().save_pretrained(folder)
+    _write(tmp_path / "pics", 5)
+    (tmp_path / "pics" / "bad.png").write_bytes(b"not a picture")
+    root = Path(__file__).resolve().parent.parent
+    env = {**os.environ, "PYTHONPATH": f"{root}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+    env["OMP_NUM_THREADS"] = "1"
+    args = ["-m", "probe", "corpus", "--hf", str(folder), "--images", str(tmp_path / "pics"), "-q"]
+    args += ["--shard-size", "2", "--batch-size", "2"]
+    one = subprocess.run([sys.executable, *args, "-o", str(tmp_path / "one")], env=env, capture_output=True)
+    assert one.returncode == 0, one.stderr[-2000:]
+    launch = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
+    two = subprocess.run([*launch, *args[1:], "-o", str(tmp_path / "two")], env=env, capture_output=True)
+    assert two.returncode == 0, two.stderr[-2000:]
+    assert (tmp_path / "two" / "manifest.json").read_text() == (
+        tmp_path / "one" / "manifest.json"
+    ).read_text()
+    a, b = (probe.open_corpus(tmp_path / d).head_stats().table for d in ("one", "two"))
+    for ra, rb in zip(a, b, strict=True):
+        for k, v in ra.items():
+            if isinstance(v, float) and not math.isnan(v):
+                assert abs(v - rb[k]) < 1e-6, k
+            else:
+                assert v == rb[k] or (isinstance(v, float) and math.isnan(rb[k])), k
