@@ -133,42 +133,9 @@ def run_corpus(
     from probe.corpus.read import Corpus
 
     keep, dtype = _check_args(batch_size, shard_size, keep, stats, dtype)
-    tokenizer = tokenizer if tokenizer is not None else getattr(model, "tokenizer", None)
-    if processor is None and tokenizer is None:  # an image model carrying its processor (vit_zoo)
-        processor = getattr(model, "processor", None)
     out = Path(out_dir)
-    if picture_inputs(texts, processor):
-        items, names = _pictures(texts, processor, field, model)
-        cfg = _config(
-            model,
-            len(items),
-            {
-                "inputs": "images",
-                "images_sha256": pictures_digest(items),
-                "processor": processor_name(processor),
-            },
-            keep,
-            batch_size,
-            shard_size,
-            stats,
-            dtype,
-        )
-
-        def run_shard(a: int, b: int, folder: Path, bar: Any) -> dict:
-            return run_picture_shard(
-                model, processor, items[a:b], names[a:b], a, folder, *_shard_args(cfg, bar)
-            )
-
-        n = len(items)
-    else:
-        texts = load_texts(texts, field=field)
-        digest = hashlib.sha256("\x00".join(texts).encode("utf-8")).hexdigest()
-        cfg = _config(model, len(texts), {"texts_sha256": digest}, keep, batch_size, shard_size, stats, dtype)
-
-        def run_shard(a: int, b: int, folder: Path, bar: Any) -> dict:
-            return shards.run_shard(model, tokenizer, texts[a:b], a, folder, *_shard_args(cfg, bar))
-
-        n = len(texts)
+    settings = (keep, batch_size, shard_size, stats, dtype)
+    cfg, n, run_shard = _inputs(model, texts, tokenizer, processor, field, settings)
     resumed = _check_config(out, cfg)  # every rank checks: they all refuse alike, none waits forever
     existed = out.exists()
     group = Group()
@@ -188,6 +155,37 @@ def run_corpus(
     finally:
         group.close()
     return _result(Corpus(out))
+
+
+def _inputs(model, texts: Any, tokenizer: Any, processor: Any, field: Any, settings: tuple) -> tuple:
+    """``(config, n, run_shard)`` of the texts or pictures ``texts``: ``run_shard(a, b, folder, bar)``
+    captures items ``a:b`` into ``folder`` and returns the shard's record."""
+    tokenizer = tokenizer if tokenizer is not None else getattr(model, "tokenizer", None)
+    if processor is None and tokenizer is None:  # an image model carrying its processor (vit_zoo)
+        processor = getattr(model, "processor", None)
+    if picture_inputs(texts, processor):
+        items, names = _pictures(texts, processor, field, model)
+        what = {
+            "inputs": "images",
+            "images_sha256": pictures_digest(items),
+            "processor": processor_name(processor),
+        }
+        cfg = _config(model, len(items), what, *settings)
+
+        def run_pictures(a: int, b: int, folder: Path, bar: Any) -> dict:
+            return run_picture_shard(
+                model, processor, items[a:b], names[a:b], a, folder, *_shard_args(cfg, bar)
+            )
+
+        return cfg, len(items), run_pictures
+    texts = load_texts(texts, field=field)
+    digest = hashlib.sha256("\x00".join(texts).encode("utf-8")).hexdigest()
+    cfg = _config(model, len(texts), {"texts_sha256": digest}, *settings)
+
+    def run_texts(a: int, b: int, folder: Path, bar: Any) -> dict:
+        return shards.run_shard(model, tokenizer, texts[a:b], a, folder, *_shard_args(cfg, bar))
+
+    return cfg, len(texts), run_texts
 
 
 def _check_args(
