@@ -38,7 +38,10 @@ def cmd_corpus(args: argparse.Namespace) -> int:
         inputs = _images(args.images)
         if args.field is not None:
             raise ProbeError("--field names a JSONL field of texts; drop it with --images")
-        model, tok, processor = common.load_image_model(args)
+        try:
+            model, tok, processor = common.load_image_model(args)
+        except ProbeError as e:  # its messages name capture's --image; this command's flag is --images
+            raise ProbeError(str(e).replace("--image ", "--images ")) from None
     else:
         inputs = args.texts
         model, tok = common.load_model(args)
