@@ -75,15 +75,16 @@ def load_pictures(inputs: Any) -> tuple[list[Any], list[str | int]]:
     return items, names
 
 
-def pictures_digest(items: list[Any]) -> str:
-    """What config.json records to recognise the pictures when resuming: each file's path and size
-    (the files are not read), each picture in memory's size and pixels."""
+def pictures_digest(items: list[Any], names: list[str | int]) -> str:
+    """What config.json records to recognise the pictures when resuming: each file's name (its path
+    as given; in a folder, its name there, so the folder may be named another way) and size (the
+    files are not read), each picture in memory's size and pixels."""
     h = hashlib.sha256()
-    for x in items:
+    for x, name in zip(items, names, strict=True):
         if isinstance(x, (str, os.PathLike)):
             p = Path(x)
             size = p.stat().st_size if p.is_file() else -1
-            h.update(f"file\x00{x}\x00{size}\x00".encode())
+            h.update(f"file\x00{name}\x00{size}\x00".encode())
         elif type(x).__module__ == "numpy":
             h.update(f"array\x00{x.shape}\x00{x.dtype}\x00".encode())
             h.update(x.tobytes())

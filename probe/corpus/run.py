@@ -167,7 +167,7 @@ def _inputs(model, texts: Any, tokenizer: Any, processor: Any, field: Any, setti
         items, names = _pictures(texts, processor, field, model)
         what = {
             "inputs": "images",
-            "images_sha256": pictures_digest(items),
+            "images_sha256": pictures_digest(items, names),
             "processor": processor_name(processor),
         }
         cfg = _config(model, len(items), what, *settings)
