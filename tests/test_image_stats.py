@@ -126,3 +126,34 @@ def test_artifacts_need_the_residual_stream(dino_run):
     patterns_only = Cache({k: cache[k] for k in cache.keys() if "resid" not in k}, cache.metadata)
     with pytest.raises(ProbeError, match="no residual stream for encoder layer 0"):
         probe.artifacts(patterns_only)
+
+
+def test_artifact_patches_are_outlined_in_the_figure_and_named_in_the_report(dino_run, tmp_path):
+    from matplotlib.patches import Rectangle
+
+    cache = dino_run[2]
+    found = probe.artifacts(cache, received_min=1.0, norm_min=1.0)
+    fig = probe.plot.image_layers(cache, batch=1, artifacts=found)
+    per_layer = [len(found.positions(layer, batch=1)) for layer in range(2)]
+    outlined = [sum(isinstance(p, Rectangle) for p in ax.patches) for ax in fig.axes[:2]]
+    assert outlined == per_layer and sum(per_layer) > 0
+    # the report's picture section says what the default thresholds find (none, in a random model)
+    page = probe.report(cache, tmp_path / "r", progress=False).read_text(encoding="utf-8")
+    assert "Artifact patches (Darcet et al. 2024): no artifact patches (receiving at least 5x" in page
+
+
+def test_artifacts_of_a_vision_language_models_tower_per_picture():
+    model, eager = _llava()
+    ids = torch.tensor([[1, 5] + [95] * 16 + [7] + [95] * 16 + [8, 9]])
+    pixels = torch.randn(2, 3, 32, 32, generator=torch.Generator().manual_seed(2))
+    inputs = {"input_ids": ids, "pixel_values": pixels, "attention_mask": torch.ones_like(ids)}
+    cache = probe.capture(model, inputs)
+    with torch.no_grad():
+        tower = eager.model.vision_tower(pixels, output_attentions=True, output_hidden_states=True)
+    found = probe.artifacts(cache, 1, stack="model.vision_tower.encoder.layers", received_min=0, norm_min=0)
+    assert {r["batch"] for r in found.table} == {0, 1} and len(found.table) == 2 * 16
+    for r in found.table:  # the tower's one sequence per picture: [CLS] + 4 x 4, none padded
+        w = tower.attentions[1][r["batch"]].double()
+        received = float(w[:, :, r["pos"]].sum()) * 17 / (4 * 17)
+        norm = float(tower.hidden_states[2][r["batch"], r["pos"]].norm())
+        assert abs(r["received"] - received) < 1e-4 and abs(r["norm"] - norm) < 1e-3 * norm

@@ -25,7 +25,7 @@ import torch
 
 from probe.analysis.maps import image_stack
 from probe.analysis.table import Table
-from probe.cache.format import key
+from probe.cache.format import key, token_side
 from probe.errors import ProbeError
 
 COLUMNS = [
@@ -125,7 +125,8 @@ def artifacts(
     if not layers:
         raise ProbeError(f"the cache holds no layers of the {stack} stack")
     meta = cache.metadata
-    mask = meta.get("attention_mask")
+    # the text's mask pads the stacks over the text; a vision tower's pictures are never padded
+    mask = meta.get("attention_mask") if token_side(meta, stack) is not None else None
     rows_out = []
     for li in layers:
         k = key(stack, li, "resid_post")
@@ -139,7 +140,7 @@ def artifacts(
             P = cache.pattern(stack, li, batch=b)  # [heads, T, T]
             T = P.shape[-1]
             real = torch.ones(T, dtype=torch.bool)
-            if mask is not None and len(mask[b]) == T:
+            if mask is not None and b < len(mask) and len(mask[b]) == T:
                 real = torch.tensor(mask[b], dtype=torch.bool)
             got = _received(P, real)
             norms = resid[b].norm(dim=-1).double()

@@ -77,6 +77,15 @@ def draw_map(
     return im
 
 
+def _outline(ax: Axes, cells: list[tuple[int, int]], grid: dict[str, Any]) -> None:
+    """Outline the patches ``cells`` ``(row, col)`` of ``grid`` on ``ax``."""
+    from matplotlib.patches import Rectangle
+
+    ph, pw = grid["patch"]
+    for r, c in cells:
+        ax.add_patch(Rectangle((c * pw, r * ph), pw, ph, fill=False, edgecolor="cyan", linewidth=1.2))
+
+
 def image_map(
     cache: Any,
     layer: int,
@@ -168,9 +177,11 @@ def image_layers(
     picture: Any = None,
     alpha: float = 0.6,
     cmap: str = "inferno",
+    artifacts: Any = None,
 ) -> Figure:
     """One map per layer for one query (mean over heads), then attention rollout up to the last
-    layer when the model has a class token; each on its own scale."""
+    layer when the model has a class token; each on its own scale. With ``artifacts`` (a
+    :class:`probe.Artifacts` of the cache) each layer's artifact patches are outlined in cyan."""
     stack, pos = image_stack(cache, stack)
     if "grid" not in pos:
         raise ProbeError("image_layers draws an image model's own grid; for a text's pictures use image_map")
@@ -189,6 +200,8 @@ def image_layers(
             ax.set_axis_off()
             continue
         draw_map(ax, panel[1].numpy(), pos["grid"], picture, alpha, cmap)
+        if artifacts is not None and panel[0].startswith("Layer "):
+            _outline(ax, artifacts.positions(int(panel[0].split()[1]), batch=batch), pos["grid"])
         ax.set_title(panel[0], fontsize=9)
         ax.set_xticks([])
         ax.set_yticks([])

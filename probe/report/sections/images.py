@@ -34,7 +34,7 @@ def build(ctx) -> dict | None:
     from probe.report import image_figures as imf
     from probe.report.sections import _image_hover as hv
 
-    items, words, views, left_out, depth = [], [], [], 0, []
+    items, words, views, left_out, depth, artifacts = [], [], [], 0, [], []
     multi = len(ctx.caches) > 1
     for ci, cache in enumerate(ctx.caches):
         found = _positions(cache)
@@ -47,6 +47,9 @@ def build(ctx) -> dict | None:
             n = int((cache.metadata.get("image_shape") or [cache.n_texts])[0])
             left_out += max(0, n - MAX_IMAGES)
             last = cache.pattern_layers(stack)[-1]
+            found_art = _artifacts(cache, stack)
+            if found_art is not None:
+                artifacts.append(_artifact_line(found_art, where))
             try:
                 fig = imf.distance_depth(_stats(ctx, cache), stack)
             except ProbeError:  # no distance_px (a stats cache: none computed)
@@ -63,7 +66,9 @@ def build(ctx) -> dict | None:
                 ctx.progress(f"picture {b}")
                 picture = imf.picture_of(cache, b)
                 label = where + (names[b] if b < len(names) else f"picture {b}")
-                layers = imf.image_layers(cache, query=query, stack=stack, batch=b, picture=picture)
+                layers = imf.image_layers(
+                    cache, query=query, stack=stack, batch=b, picture=picture, artifacts=found_art
+                )
                 heads = imf.image_heads(cache, last, query=query, stack=stack, batch=b, picture=picture)
                 view = hv.patch_view(cache, stack, pos, b, label)
                 if view.layers:
@@ -104,12 +109,44 @@ def build(ctx) -> dict | None:
         "pictures": items,
         "words": words,
         "depth": depth,
+        "artifacts": artifacts,
         "left_out": left_out,
         "has_picture": any(c.metadata.get("image_png") for c in ctx.caches),
         "embedded_mb": f"{embedded / 2**20:.2f}",
         "lut": _lut(),
         "js": Markup(resources.files("probe.report").joinpath("static", "image_hover.js").read_text("utf-8")),
     }
+
+
+def _artifacts(cache, stack: str):
+    """:func:`probe.artifacts` of the stack with its default thresholds; None when the cache holds
+    no residual stream or no whole patterns (then the section says nothing of artifacts)."""
+    from probe.analysis.artifacts import artifacts
+    from probe.errors import ProbeError
+
+    if not cache.pattern_layers(stack):
+        return None
+    try:
+        return artifacts(cache, stack=stack)
+    except ProbeError:
+        return None
+
+
+def _artifact_line(found, where: str) -> str:
+    """One sentence: the artifact patches per layer and picture, or that there are none."""
+    rule = (
+        f"receiving at least {found.received_min:g}x a uniform share with a residual norm at least "
+        f"{found.norm_min:g}x the picture's median"
+    )
+    if not len(found.found):
+        return f"{where}no artifact patches ({rule})."
+    per: dict[tuple[int, int], list[str]] = {}
+    for r in found.found:
+        per.setdefault((r["layer"], r["batch"]), []).append(f"({r['row']}, {r['col']})")
+    shown = "; ".join(
+        f"layer {layer}, picture {b}: {', '.join(cells)}" for (layer, b), cells in sorted(per.items())
+    )
+    return f"{where}artifact patches, outlined in cyan ({rule}): {shown}."
 
 
 def _lut() -> str:
