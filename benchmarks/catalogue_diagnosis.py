@@ -17,14 +17,23 @@ PER_LAYER = (
 UNMAPPED = "a softmax over a layout probe does not map: refused with a clear error naming the layers"
 TWO = "two self-attention softmaxes in one layer: refused (issue 22, several patterns per layer)"
 
+CHUNKS = (
+    "probe: this vision tower runs one SDPA call per picture (its `cu_seqlens` chunks, the two rows' "
+    "pictures packed in one sequence) through an attention module that the packed-segment layout "
+    "(Qwen2-VL's, which is exact) does not cover: the two calls of a layer are stored as one pattern "
+    "with their heads side by side (`[1, 8, 24, 24]` for two pictures of 24 patches and 4 heads) where "
+    "the model attends within each picture's patches (block-diagonal over the 48); the language "
+    "model's patterns are exact"
+)
 WINDOWS = (
-    "windowed vision attention (issue 30 item 3, in progress elsewhere): probe maps the windows back to "
-    "the patch grid, while eager returns `[windows, heads, 49, 49]`, which this checker does not map "
-    "back yet"
+    "windowed vision attention (issue 30 item 3, in progress elsewhere): probe maps the (shifted) "
+    "windows back to the patch grid (`[1, 2, 3136, 3136]`), while eager returns them per window "
+    "(`[windows, heads, 49, 49]`, or nothing), which this checker does not map back yet"
 )
 
 CAUSES: dict[str, str] = {
     **dict.fromkeys(("swin", "swinv2", "donut-swin", "maskformer-swin"), WINDOWS),
+    **dict.fromkeys(("hunyuan_vl", "hy_v4_vl"), CHUNKS),
     "idefics2": "probe: the perceiver resampler's latents run one softmax over `[image features; latents]` "
     "(image first, `torch.concat([context, latents])`); probe splits it as the layer's own keys first "
     "(`merged_split` in capture/record.py), so its `self` part holds the 49 image keys and 15 latents "
