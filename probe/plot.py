@@ -27,7 +27,7 @@ from probe.report.figures import (
     residual_norms,
 )
 from probe.report.fonts import cjk_font
-from probe.report.image_figures import distance_depth, image_heads, image_layers, image_map
+from probe.report.image_figures import distance_depth, image_heads, image_layers, image_map, stage_maps
 from probe.report.matrix import matrix, save
 
 
@@ -78,6 +78,7 @@ __all__ = [
     "image_heads",
     "image_layers",
     "distance_depth",
+    "stage_maps",
     "matrix",
     "save",
     "seed_caches",

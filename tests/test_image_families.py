@@ -274,3 +274,20 @@ def test_a_llava_cache_saves_loads_and_reads_like_any_other(tmp_path):
     want = float(out.hidden_states[1][0].norm(dim=-1).mean())  # the stream entering layer 1
     assert abs(post[0]["mean_norm_E"] - want) < 1e-4 * want
     assert loaded.head_ids(lm, 1) == [0, 1, 2, 3] and len(loaded.axes(lm)[0].tokens) == 20
+
+
+def test_swin_stage_maps_and_the_reports_picture_section(tmp_path):
+    from test_swin import _build, _eager_windows, _on_grid, _pixels
+
+    model = _build("swin")
+    x = _pixels(batch=1)
+    cache = probe.capture(model, {"pixel_values": x})
+    blocks, _ = _eager_windows(model, x)
+    fig = probe.plot.stage_maps(cache)
+    centres = [(6, 10), (6, 10), (3, 5), (3, 5)]  # each stage's centre patch: 12 x 20, then 6 x 10
+    for ax, (w, (H, W), ws, shift), (r, c) in zip(fig.axes[:4], blocks, centres, strict=True):
+        want = _on_grid(w, 1, H, W, ws, shift)[0][:, r * W + c].mean(0).reshape(H, W)
+        got = torch.as_tensor(ax.images[-1].get_array().data)
+        torch.testing.assert_close(got.float(), want, atol=TOL, rtol=0)
+    page = probe.report(cache, tmp_path / "r", progress=False).read_text(encoding="utf-8")
+    assert "what the centre patch of each stage reads" in page and "Attention on the picture" in page

@@ -211,6 +211,50 @@ def image_layers(
     return fig
 
 
+def stage_maps(
+    cache: Any,
+    *,
+    stack: str | None = None,
+    batch: int = 0,
+    picture: Any = None,
+    alpha: float = 0.6,
+    cmap: str = "inferno",
+) -> Figure:
+    """For a stack whose layers have grids of their own (Swin's stages, ``positions
+    ["layer_grids"]``): what the patch at the centre of each stage's grid reads, one panel per
+    block of each stage (mean over heads), the query patch outlined."""
+    stack, pos = image_stack(cache, stack)
+    grids = pos.get("layer_grids") or {}
+    if not grids:
+        raise ProbeError("stage_maps draws a stack whose layers have grids of their own (Swin's stages)")
+    panels = []
+    for layer in sorted(int(k) for k in grids):
+        g = grids[str(layer)]
+        centre = (g["rows"] // 2, g["cols"] // 2)
+        for _kind, index in [a for a in cache.attentions(stack, layer) if a[0] == "self"]:
+            m = attention_map(cache, layer, None, centre, stack, batch, index=index)
+            name = f"L{layer}" + (f" block {index}" if index is not None else "")
+            panels.append((name, m, g, centre))
+    if not panels:
+        raise ProbeError(f"the {stack} stack has no self-attention stored on its stages' grids")
+    cols = min(len(panels), 4)
+    rows = -(-len(panels) // cols)
+    fig = Figure(figsize=(2.8 * cols, 2.1 * rows + 0.4), dpi=DPI, layout="constrained")
+    axes = np.atleast_1d(fig.subplots(rows, cols)).reshape(-1)
+    for ax, panel in zip(axes, [*panels, *[None] * (len(axes) - len(panels))], strict=True):
+        if panel is None:
+            ax.set_axis_off()
+            continue
+        name, m, g, centre = panel
+        draw_map(ax, m.numpy(), g, picture, alpha, cmap)
+        _outline(ax, [centre], g)
+        ax.set_title(f"{name}: patch {centre}", fontsize=8)
+        ax.set_xticks([])
+        ax.set_yticks([])
+    fig.suptitle("What the centre patch of each stage reads, block by block (mean over heads)", fontsize=10)
+    return fig
+
+
 def distance_depth(stats: Any, stack: str | None = None) -> Figure:
     """Mean attention distance in input pixels per head against depth (Dosovitskiy et al. 2020,
     Fig. 7): one dot per head at its layer, ``distance_px`` from a :class:`probe.HeadStats` of an

@@ -26,6 +26,17 @@ def _positions(cache) -> list[tuple[str, dict]]:
     return out
 
 
+def _staged(cache) -> list[tuple[str, dict]]:
+    """``(stack, positions)`` of every stack whose layers have grids of their own (Swin's stages)
+    and whose blocks are numbered attentions (which the per-layer figures do not read)."""
+    out = []
+    for s, meta in (cache.metadata.get("stacks") or {}).items():
+        pos = (meta or {}).get("positions")
+        if isinstance(pos, dict) and pos.get("layer_grids") and not cache.pattern_layers(s):
+            out.append((s, pos))
+    return out
+
+
 def build(ctx) -> dict | None:
     """Per picture (up to :data:`MAX_IMAGES` per cache) two figures and a hover view; per
     picture of a vision-language model's texts a word hover view; None when no cache holds an
@@ -34,7 +45,7 @@ def build(ctx) -> dict | None:
     from probe.report import image_figures as imf
     from probe.report.sections import _image_hover as hv
 
-    items, words, views, left_out, depth, artifacts = [], [], [], 0, [], []
+    items, words, views, left_out, depth, artifacts, stages = [], [], [], 0, [], [], []
     multi = len(ctx.caches) > 1
     for ci, cache in enumerate(ctx.caches):
         found = _positions(cache)
@@ -83,6 +94,20 @@ def build(ctx) -> dict | None:
                         "png": pngs[b] if b < len(pngs) else None,
                     }
                 )
+        for stack, _pos in _staged(cache):  # Swin: a grid per stage, blocks numbered in a layer
+            n = int((cache.metadata.get("image_shape") or [cache.n_texts])[0])
+            left_out += max(0, n - MAX_IMAGES)
+            for b in range(min(n, MAX_IMAGES)):
+                ctx.progress(f"stages, picture {b}")
+                label = where + (names[b] if b < len(names) else f"picture {b}")
+                fig = imf.stage_maps(cache, stack=stack, batch=b, picture=imf.picture_of(cache, b))
+                stages.append(
+                    {
+                        "label": label,
+                        "fig": ctx.figure(fig, f"{label}: stage by stage"),
+                        "name": f"stages_{ci}_{b}",
+                    }
+                )
         for stack, pos in [(s, p) for s, p in found if "rows" in p]:
             text = hv.text_views(cache, stack, pos, cache.n_texts, names)
             left_out += max(0, len(text) - MAX_IMAGES)
@@ -91,7 +116,7 @@ def build(ctx) -> dict | None:
                 views.append(view)
                 png = pngs[view.picture] if view.picture < len(pngs) else None
                 words.append({"label": view.label, "view": view, "png": png, "stack": stack})
-    if not items and not words:
+    if not items and not words and not stages:
         return None
     hv.plan(views)
     embedded = 0
@@ -110,6 +135,7 @@ def build(ctx) -> dict | None:
         "words": words,
         "depth": depth,
         "artifacts": artifacts,
+        "stages": stages,
         "left_out": left_out,
         "has_picture": any(c.metadata.get("image_png") for c in ctx.caches),
         "embedded_mb": f"{embedded / 2**20:.2f}",
