@@ -2,7 +2,7 @@
 
     >>> import models
     >>> models.names()
-    ['single_head', 'minigpt', 'fused_decoder', 'translator', 'aligner']
+    ['single_head', 'minigpt', 'fused_decoder', 'translator', 'aligner', 'vit_zoo']
     >>> gpt = models.load("minigpt")          # trained, in eval mode
     >>> gpt.tokenizer.encode("attention")
     [2, 18, 18, 5, 13, 18, 9, 14, 13]
@@ -10,7 +10,10 @@
 Each model is one module in this package (`models.minigpt`, ...) and carries the same few
 attributes: `name`, `tokenizer` (encode / decode / tokenize / vocab_size / pad_id),
 `is_encoder_decoder`, `context_length` (max tokens per sequence, None if unlimited) and, once
-loaded, `train_info` (final loss, steps, seconds, recipe; read from the checkpoint).
+loaded, `train_info` (final loss, steps, seconds, recipe; read from the checkpoint). The image
+model `vit_zoo` reads pictures, not text: its `tokenizer` is None and it carries a `processor`
+instead, called like a Hugging Face image processor (`processor(images=[...],
+return_tensors="pt")` -> `{"pixel_values": ...}`).
 
 Weights: `models/checkpoints/NAME.safetensors` ships for the small models; the translator is
 trained on first `load` into the cache (`$PROBE_CACHE_DIR` or `~/.cache/probe`, under
@@ -41,8 +44,8 @@ __all__ = [
     "cache_dir",
 ]
 
-_ZOO = ("single_head", "minigpt", "fused_decoder", "translator", "aligner")
-SHIPPED = ("single_head", "minigpt", "fused_decoder", "aligner")  # small enough for git
+_ZOO = ("single_head", "minigpt", "fused_decoder", "translator", "aligner", "vit_zoo")
+SHIPPED = ("single_head", "minigpt", "fused_decoder", "aligner", "vit_zoo")  # small enough for git
 
 
 def names() -> list[str]:

@@ -42,6 +42,13 @@ def _show(name: str, model: torch.nn.Module) -> None:
     elif name == "aligner":
         source = "gestern sah der junge das hundehaus"
         print(f"  {source} -> {model.translate(source)}")
+    elif name == "vit_zoo":
+        from . import shapes
+
+        data = shapes.generate(6, seed=10_000)
+        truth = [shapes.CLASSES[i] for i in data.labels]
+        said = model.classify(list(data.images))
+        print(f"  6 held-out pictures of {', '.join(truth)} -> {', '.join(said)}")
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -188,3 +188,35 @@ def test_sink_profile(tmp_path):
             w = s.softmax(-1)
             assert got[i] == pytest.approx(float(w[0, :, 1:, 0].mean()), abs=1e-5)
     assert set(got) == {0, 1}
+
+
+def test_vit_pointing(tmp_path):
+    from matplotlib.image import imread
+
+    import models
+    from models import shapes
+
+    out = run("vit_pointing.py", "--seed", "5", cwd=tmp_path)
+    assert "wrote vit_pointing.png" in out and imread(tmp_path / "vit_pointing.png").ndim == 3
+    assert "positions: [CLS], reg 0, reg 1, patch (0, 0), ... (8x8 patches of 8 px)" in out
+    # oracle: the object's box by a loop over its mask, the class token's last-layer weights
+    # recomputed from the qkv projection (a forward hook), their peak patch and its centre pixel
+    data = shapes.generate(1, seed=5)
+    mask = data.masks[0]
+    xs = [x for y in range(64) for x in range(64) if mask[y, x]]
+    ys = [y for y in range(64) for x in range(64) if mask[y, x]]
+    box = [min(xs), min(ys), max(xs) + 1, max(ys) + 1]
+    assert f"in box {box};" in out
+    vit = models.load("vit_zoo")
+    seen = []
+    hook = vit.blocks[-1].attn.qkv.register_forward_hook(lambda m, a, o: seen.append(o))
+    with torch.no_grad():
+        vit(vit.processor(images=[shapes.to_pil(data.images[0])])["pixel_values"])
+    hook.remove()
+    q, k, _ = seen[0][0].view(67, 3, 4, -1).permute(1, 2, 0, 3)  # [heads, T, hs] each
+    w = ((q @ k.transpose(-1, -2)) / q.shape[-1] ** 0.5).softmax(-1)
+    r, c = divmod(int(w[:, 0, 3:].mean(0).argmax()), 8)
+    cy, cx = r * 8 + 4, c * 8 + 4
+    hit = box[0] <= cx < box[2] and box[1] <= cy < box[3]
+    want = f"last-layer [CLS]: peak at patch ({r}, {c}), {'on' if hit else 'off'} the object"
+    assert want in out

@@ -47,6 +47,8 @@ def _ints(text: str) -> list[int]:
 def _load_zoo(name: str):
     import models
 
+    if name not in models.names() and name.replace("-", "_") in models.names():
+        name = name.replace("-", "_")  # vit-zoo, fused-decoder: the shell spelling of a zoo name
     if name not in models.names():
         raise ProbeError(
             f"unknown model {name!r}; choose one of: {', '.join(models.names())} (see `probe models`)"
@@ -126,6 +128,24 @@ def add_image_args(p: argparse.ArgumentParser) -> None:
         help="the model's image processor: a local folder with preprocessor_config.json "
         "(default: the --hf folder's own)",
     )
+
+
+def load_image_model(args: argparse.Namespace):
+    """``(model, tokenizer, processor)`` for ``--image``: a ``--hf`` folder's model with its image
+    processor (or ``--processor PATH``), refused before the model loads; a zoo image model
+    (``--model vit-zoo``) with its own ``processor`` unless ``--processor`` is given."""
+    if getattr(args, "hf", None) or args.processor:
+        processor = load_processor(args)
+        model, tok = load_model(args)
+        return model, tok, processor
+    model, tok = load_model(args)
+    processor = getattr(model, "processor", None)
+    if processor is None:
+        raise ProbeError(
+            f"--image needs an image model: zoo model {getattr(model, 'name', '?')} reads text; give "
+            "--model vit-zoo, or --hf PATH with an image model"
+        )
+    return model, tok, processor
 
 
 def load_processor(args: argparse.Namespace):

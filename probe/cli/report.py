@@ -147,8 +147,7 @@ def _report_images(args: argparse.Namespace, inputs: list[str]) -> int:
     keep = parse_keep_arg(args.keep) if args.keep is not None else None
     out = Path(args.output) if args.output else Path("reports") / _report_name(Path(args.image[0]).stem)
     check_report_dir(out)  # before loading the model and running the forward
-    processor = common.load_processor(args)
-    model, tok = common.load_model(args)
+    model, tok, processor = common.load_image_model(args)
     cache = probe.capture(model, args.image, tokenizer=tok, processor=processor, keep=keep)
     path = probe.report([cache], out, model=model, tokenizer=tok)
     print(f"wrote {path} ({_human(path.stat().st_size)}); open it in a browser: {path.resolve().as_uri()}")
@@ -171,6 +170,7 @@ def add_parser(sub) -> None:
             "probe report before.safetensors after.safetensors -o reports/diff",
             "probe report --hf ./my-bert 'some text'",
             "probe report --hf ./my-vit --image cat.png -o reports/cat",
+            "probe report --model vit-zoo --image cat.png",
             "probe report --model minigpt --keep stats 'a long text'",
             "probe report --model minigpt 'attention lets tokens read.' --importance",
             "probe report run.safetensors --importance importance.json --patching heads.json",
