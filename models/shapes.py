@@ -11,7 +11,7 @@ every class, so the only way to name the class is to find the object.
     >>> batch.images.shape, batch.labels.shape, batch.boxes.shape, batch.masks.shape
     (torch.Size([4, 3, 64, 64]), torch.Size([4]), torch.Size([4, 4]), torch.Size([4, 64, 64]))
     >>> [shapes.CLASSES[i] for i in shapes.generate(6, seed=1).labels]
-    ['triangle', 'cross', 'square', 'circle', 'ring', 'diamond']
+    ['square', 'diamond', 'triangle', 'circle', 'cross', 'ring']
 
 ``masks[i]`` is the object's pixels (a pixel belongs to the shape when its centre does);
 ``boxes[i]`` is the tight box around them as ``(x0, y0, x1, y1)`` in pixels, x along the columns,
