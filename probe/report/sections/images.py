@@ -6,6 +6,7 @@ each picture (hover a word: where on the picture it reads). The hover views' dat
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
 from importlib import resources
 
 from markupsafe import Markup
@@ -37,90 +38,41 @@ def _staged(cache) -> list[tuple[str, dict]]:
     return out
 
 
+@dataclass
+class _Found:
+    """What the section gathers over the report's caches."""
+
+    items: list = field(default_factory=list)  # a picture of an image model: figures, hover view
+    words: list = field(default_factory=list)  # a picture of a text: the words' hover view
+    views: list = field(default_factory=list)  # every hover view (their budget is planned at once)
+    depth: list = field(default_factory=list)  # distance against depth, per cache
+    artifacts: list = field(default_factory=list)  # the artifact sentence, per cache
+    stages: list = field(default_factory=list)  # Swin: stage-by-stage figures, per picture
+    left_out: int = 0  # pictures not drawn
+
+
 def build(ctx) -> dict | None:
     """Per picture (up to :data:`MAX_IMAGES` per cache) two figures and a hover view; per
-    picture of a vision-language model's texts a word hover view; None when no cache holds an
-    image grid."""
-    from probe.errors import ProbeError
-    from probe.report import image_figures as imf
+    picture of a vision-language model's texts a word hover view; per picture of a Swin cache its
+    stages; None when no cache holds an image grid."""
     from probe.report.sections import _image_hover as hv
 
-    items, words, views, left_out, depth, artifacts, stages = [], [], [], 0, [], [], []
+    f = _Found()
     multi = len(ctx.caches) > 1
     for ci, cache in enumerate(ctx.caches):
         found = _positions(cache)
-        names = cache.metadata.get("images") or []
-        pngs = cache.metadata.get("image_png") or []
         where = f"cache {ci + 1}, " if multi else ""
-        grids = [(s, p) for s, p in found if "grid" in p][:1]
-        for stack, pos in grids:
-            query = "cls" if "class" in pos["kinds"] else pos["grid"]["offset"]
-            n = int((cache.metadata.get("image_shape") or [cache.n_texts])[0])
-            left_out += max(0, n - MAX_IMAGES)
-            last = cache.pattern_layers(stack)[-1]
-            found_art = _artifacts(cache, stack)
-            if found_art is not None:
-                artifacts.append(_artifact_line(found_art, where))
-            try:
-                fig = imf.distance_depth(_stats(ctx, cache), stack)
-            except ProbeError:  # no distance_px (a stats cache: none computed)
-                fig = None
-            if fig is not None:
-                depth.append(
-                    {
-                        "label": f"cache {ci + 1}" if multi else "",
-                        "fig": ctx.figure(fig, "distance against depth"),
-                        "name": f"depth_{ci}",
-                    }
-                )
-            for b in range(min(n, MAX_IMAGES)):
-                ctx.progress(f"picture {b}")
-                picture = imf.picture_of(cache, b)
-                label = where + (names[b] if b < len(names) else f"picture {b}")
-                layers = imf.image_layers(
-                    cache, query=query, stack=stack, batch=b, picture=picture, artifacts=found_art
-                )
-                heads = imf.image_heads(cache, last, query=query, stack=stack, batch=b, picture=picture)
-                view = hv.patch_view(cache, stack, pos, b, label)
-                if view.layers:
-                    views.append(view)
-                items.append(
-                    {
-                        "label": label,
-                        "layers": ctx.figure(layers, f"{label}: layer by layer"),
-                        "heads": ctx.figure(heads, f"{label}: the heads of layer {last}"),
-                        "name": f"picture_{ci}_{b}",
-                        "view": view if view.layers else None,
-                        "png": pngs[b] if b < len(pngs) else None,
-                    }
-                )
+        for stack, pos in [(s, p) for s, p in found if "grid" in p][:1]:
+            _grid_pictures(ctx, f, cache, ci, stack, pos, where, multi)
         for stack, _pos in _staged(cache):  # Swin: a grid per stage, blocks numbered in a layer
-            n = int((cache.metadata.get("image_shape") or [cache.n_texts])[0])
-            left_out += max(0, n - MAX_IMAGES)
-            for b in range(min(n, MAX_IMAGES)):
-                ctx.progress(f"stages, picture {b}")
-                label = where + (names[b] if b < len(names) else f"picture {b}")
-                fig = imf.stage_maps(cache, stack=stack, batch=b, picture=imf.picture_of(cache, b))
-                stages.append(
-                    {
-                        "label": label,
-                        "fig": ctx.figure(fig, f"{label}: stage by stage"),
-                        "name": f"stages_{ci}_{b}",
-                    }
-                )
+            _stage_pictures(ctx, f, cache, ci, stack, where)
         for stack, pos in [(s, p) for s, p in found if "rows" in p]:
-            text = hv.text_views(cache, stack, pos, cache.n_texts, names)
-            left_out += max(0, len(text) - MAX_IMAGES)
-            for view in text[:MAX_IMAGES]:
-                view.label = where + view.label
-                views.append(view)
-                png = pngs[view.picture] if view.picture < len(pngs) else None
-                words.append({"label": view.label, "view": view, "png": png, "stack": stack})
-    if not items and not words and not stages:
+            _text_pictures(f, cache, stack, pos, where)
+    if not f.items and not f.words and not f.stages:
         return None
-    hv.plan(views)
+    hv.plan(f.views)
     embedded = 0
-    for it in [*items, *words]:
+    for it in [*f.items, *f.words]:
         v = it.pop("view")
         if v is None:  # no layer on the picture's own grid: the figures only
             it["data"] = None
@@ -131,17 +83,105 @@ def build(ctx) -> dict | None:
         it["note"] = _layers_note(v)
         embedded += hv.embedded_bytes(it["data"])
     return {
-        "pictures": items,
-        "words": words,
-        "depth": depth,
-        "artifacts": artifacts,
-        "stages": stages,
-        "left_out": left_out,
+        "pictures": f.items,
+        "words": f.words,
+        "depth": f.depth,
+        "artifacts": f.artifacts,
+        "stages": f.stages,
+        "left_out": f.left_out,
         "has_picture": any(c.metadata.get("image_png") for c in ctx.caches),
         "embedded_mb": f"{embedded / 2**20:.2f}",
         "lut": _lut(),
         "js": Markup(resources.files("probe.report").joinpath("static", "image_hover.js").read_text("utf-8")),
     }
+
+
+def _n_pictures(cache) -> int:
+    return int((cache.metadata.get("image_shape") or [cache.n_texts])[0])
+
+
+def _label(cache, b: int, where: str) -> str:
+    names = cache.metadata.get("images") or []
+    return where + (names[b] if b < len(names) else f"picture {b}")
+
+
+def _grid_pictures(ctx, f: _Found, cache, ci: int, stack: str, pos: dict, where: str, multi: bool) -> None:
+    """An image model's pictures: what [CLS] (or the first patch) reads layer by layer, the last
+    layer's heads, a hover view; the cache's distance-against-depth figure and artifacts."""
+    from probe.errors import ProbeError
+    from probe.report import image_figures as imf
+    from probe.report.sections import _image_hover as hv
+
+    pngs = cache.metadata.get("image_png") or []
+    query = "cls" if "class" in pos["kinds"] else pos["grid"]["offset"]
+    n = _n_pictures(cache)
+    f.left_out += max(0, n - MAX_IMAGES)
+    last = cache.pattern_layers(stack)[-1]
+    found_art = _artifacts(cache, stack)
+    if found_art is not None:
+        f.artifacts.append(_artifact_line(found_art, where))
+    try:
+        fig = imf.distance_depth(_stats(ctx, cache), stack)
+    except ProbeError:  # no distance_px (a stats cache: none computed)
+        fig = None
+    if fig is not None:
+        f.depth.append(
+            {
+                "label": f"cache {ci + 1}" if multi else "",
+                "fig": ctx.figure(fig, "distance against depth"),
+                "name": f"depth_{ci}",
+            }
+        )
+    for b in range(min(n, MAX_IMAGES)):
+        ctx.progress(f"picture {b}")
+        picture = imf.picture_of(cache, b)
+        label = _label(cache, b, where)
+        layers = imf.image_layers(
+            cache, query=query, stack=stack, batch=b, picture=picture, artifacts=found_art
+        )
+        heads = imf.image_heads(cache, last, query=query, stack=stack, batch=b, picture=picture)
+        view = hv.patch_view(cache, stack, pos, b, label)
+        if view.layers:
+            f.views.append(view)
+        f.items.append(
+            {
+                "label": label,
+                "layers": ctx.figure(layers, f"{label}: layer by layer"),
+                "heads": ctx.figure(heads, f"{label}: the heads of layer {last}"),
+                "name": f"picture_{ci}_{b}",
+                "view": view if view.layers else None,
+                "png": pngs[b] if b < len(pngs) else None,
+            }
+        )
+
+
+def _stage_pictures(ctx, f: _Found, cache, ci: int, stack: str, where: str) -> None:
+    """A Swin cache's pictures: what each stage's centre patch reads, block by block."""
+    from probe.report import image_figures as imf
+
+    n = _n_pictures(cache)
+    f.left_out += max(0, n - MAX_IMAGES)
+    for b in range(min(n, MAX_IMAGES)):
+        ctx.progress(f"stages, picture {b}")
+        label = _label(cache, b, where)
+        fig = imf.stage_maps(cache, stack=stack, batch=b, picture=imf.picture_of(cache, b))
+        f.stages.append(
+            {"label": label, "fig": ctx.figure(fig, f"{label}: stage by stage"), "name": f"stages_{ci}_{b}"}
+        )
+
+
+def _text_pictures(f: _Found, cache, stack: str, pos: dict, where: str) -> None:
+    """A vision-language model's pictures: the words' hover view of each."""
+    from probe.report.sections import _image_hover as hv
+
+    pngs = cache.metadata.get("image_png") or []
+    text = hv.text_views(cache, stack, pos, cache.n_texts, cache.metadata.get("images") or [])
+    f.left_out += max(0, len(text) - MAX_IMAGES)
+    for view in text[:MAX_IMAGES]:
+        view.label = where + view.label
+        f.views.append(view)
+        png = pngs[view.picture] if view.picture < len(pngs) else None
+        f.words.append({"label": view.label, "view": view, "png": png, "stack": stack})
 
 
 def _artifacts(cache, stack: str):
