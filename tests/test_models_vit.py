@@ -207,6 +207,21 @@ def test_probe_report_of_the_zoo_vit_on_a_picture(tmp_path, capsys):
     assert main(["report", "--model", "minigpt", "--image", str(picture), "-o", str(tmp_path / "x")]) == 2
     assert "needs an image model" in capsys.readouterr().err
     assert not (tmp_path / "x").exists()
+    # probe capture takes the zoo model's own processor the same way
+    saved = tmp_path / "cat.safetensors"
+    assert main(["capture", "--model", "vit-zoo", "--image", str(picture), "-o", str(saved)]) == 0
+    cache = probe.load(saved)
+    x = vit_processor_pixels(picture)
+    torch.testing.assert_close(
+        cache.pattern("encoder", 3), _weights_by_hook(models.load("vit_zoo"), x)[3], atol=TOL, rtol=0
+    )
+    assert cache.metadata["images"] == ["cat.png"] and cache.tokens[0][:2] == ["[CLS]", "reg 0"]
+
+
+def vit_processor_pixels(path):
+    from PIL import Image
+
+    return models.load("vit_zoo").processor(images=[Image.open(path).convert("RGB")])["pixel_values"]
 
 
 def test_the_benchmarks_pointing_game_against_a_loop_written_here(vit):

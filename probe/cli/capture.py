@@ -27,8 +27,11 @@ def cmd_capture(args: argparse.Namespace) -> int:
             if args.text
             else "nothing to capture; give a TEXT or --image PATH"
         )
-    processor = common.load_processor(args) if args.image else None  # refused before the model loads
-    model, tok = common.load_model(args)
+    if args.image:  # a --hf folder's processor refused before its model loads; a zoo model's own
+        model, tok, processor = common.load_image_model(args)
+    else:
+        processor = None
+        model, tok = common.load_model(args)
     if args.image:
         text = args.image
     else:
