@@ -48,14 +48,20 @@ def test_mass_on_class_and_register_tokens_against_a_loop(dino_run):
             assert math.isnan(row["on_image"])  # no text beside the picture
 
 
-def test_on_image_is_the_share_of_text_attention_on_the_picture():
-    # ids: text 0-1, image 2-17, text 18, image 19-34, text 35-36; the language model is causal,
-    # so text 0 and 1 read no image and are left out
+@pytest.fixture(scope="module")
+def llava_run():
+    """A LLaVA-shaped model, its eager twin, a text holding two pictures and its capture."""
     model, eager = _llava()
     ids = torch.tensor([[1, 5] + [95] * 16 + [7] + [95] * 16 + [8, 9]])
     pixels = torch.randn(2, 3, 32, 32, generator=torch.Generator().manual_seed(2))
     inputs = {"input_ids": ids, "pixel_values": pixels, "attention_mask": torch.ones_like(ids)}
-    cache = probe.capture(model, inputs)
+    return model, eager, inputs, probe.capture(model, inputs)
+
+
+def test_on_image_is_the_share_of_text_attention_on_the_picture(llava_run):
+    # ids: text 0-1, image 2-17, text 18, image 19-34, text 35-36; the language model is causal,
+    # so text 0 and 1 read no image and are left out
+    model, eager, inputs, cache = llava_run
     with torch.no_grad():
         want = eager(**inputs, output_attentions=True).attentions
     image = [j for j in range(37) if 2 <= j <= 17 or 19 <= j <= 34]
@@ -142,13 +148,10 @@ def test_artifact_patches_are_outlined_in_the_figure_and_named_in_the_report(din
     assert "Artifact patches (Darcet et al. 2024): no artifact patches (receiving at least 5x" in page
 
 
-def test_artifacts_of_a_vision_language_models_tower_per_picture():
-    model, eager = _llava()
-    ids = torch.tensor([[1, 5] + [95] * 16 + [7] + [95] * 16 + [8, 9]])
-    pixels = torch.randn(2, 3, 32, 32, generator=torch.Generator().manual_seed(2))
-    inputs = {"input_ids": ids, "pixel_values": pixels, "attention_mask": torch.ones_like(ids)}
-    cache = probe.capture(model, inputs)
+def test_artifacts_of_a_vision_language_models_tower_per_picture(llava_run):
+    model, eager, inputs, cache = llava_run
     with torch.no_grad():
+        pixels = inputs["pixel_values"]
         tower = eager.model.vision_tower(pixels, output_attentions=True, output_hidden_states=True)
     found = probe.artifacts(cache, 1, stack="model.vision_tower.encoder.layers", received_min=0, norm_min=0)
     assert {r["batch"] for r in found.table} == {0, 1} and len(found.table) == 2 * 16
