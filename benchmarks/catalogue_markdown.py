@@ -109,7 +109,14 @@ def page(data: dict[str, dict]) -> str:
         "a forward refuses 4-d pixels, one image per row as `[batch, 1, C, H, W]` is used, and "
         "`image_sizes` where it asks for them. The pixels go through `probe.capture(model, inputs)` (the "
         "keyword-inputs path that names patch positions). A vision-language model whose forward refuses "
-        "these inputs is checked on text ids as before, and the row says why (`text only`).",
+        "these inputs is checked on text ids as before, and the row says why (`text only`). Such models' "
+        "eager outputs hold part of their attentions (a vision-language model's language model only), so "
+        "the check adds two oracles (`tests/catalogue_oracles.py`): the weights of every "
+        "`nn.MultiheadAttention` call recomputed by a hook (SigLIP's pooling head) and every softmax of the "
+        "eager forward; per-picture SDPA calls of a packed tower are joined block-diagonally. A row is "
+        "then exact when every pattern that eager, SDPA or the hook returns is stored and every stored "
+        "pattern equals one of theirs or one of the eager softmaxes (the note says `every stored pattern "
+        "equals one of the oracles'`).",
         "",
         "A few model types run in seconds (`--only`, comma-separated; `--jobs`, `--timeout` and "
         "`--out` as `--help` says; a rerun resumes the JSON file, `--redo` reruns what is there):",
@@ -119,11 +126,12 @@ def page(data: dict[str, dict]) -> str:
         "...",
         "```",
         "",
-        "The whole catalogue takes about a quarter of an hour on two cores (measured: 11 minutes), "
+        "The whole catalogue, image families included, takes 6 to 15 minutes on two cores (measured: "
+        "6 min 7 s with the cores to itself, 13 min 22 s beside other work), "
         "in worker processes with a per-model timeout; this page is generated from its JSON "
         "(`benchmarks/catalogue.json`):",
         "",
-        "<!-- no-run: a quarter of an hour on two cores -->",
+        "<!-- no-run: 6 to 15 minutes on two cores -->",
         "```console",
         "$ nice -n 19 python benchmarks/catalogue.py --out benchmarks/catalogue.json --jobs 2 --timeout 300",
         "$ python benchmarks/catalogue.py --markdown benchmarks/catalogue.json > docs/catalogue.md",
