@@ -11,7 +11,6 @@ oracle was not comparable), ``pad_diff`` (the same over the padded rows), ``n_pr
 
 from __future__ import annotations
 
-import copy
 import inspect
 import traceback
 from typing import Any
@@ -19,6 +18,7 @@ from typing import Any
 import catalogue_layouts as L
 import catalogue_oracles as O
 import torch
+from catalogue_oracles import SEED, eager_twin, run_sdpa_oracle, sdpa_spy  # noqa: F401 - used here and by tests
 
 import probe
 from probe.errors import ProbeError
@@ -70,9 +70,6 @@ def run_failure(e: BaseException, model: Any = None, inputs: dict | None = None)
 
 
 BATCH, T, T_DEC = 2, 8, 6
-# the global generator is seeded alike before every forward: a model that draws at random in eval
-# (ViLT's patch sampling) draws the same in probe's run and in each oracle's
-SEED = 0
 _TEXT_KEYS = {"input_ids", "attention_mask", "decoder_input_ids"}
 
 
@@ -151,54 +148,6 @@ def is_distribution(t: torch.Tensor, tol: float = 1e-3) -> bool:
     # a huge negative is a mask value left in a padded row (ProphetNet), not a weight
     neg = t[(t < -1e-6) & (t > -1e30)]
     return bool(neg.numel() == 0 and t.clamp(min=0).sum(-1).max() <= 1 + tol)
-
-
-def sdpa_spy(store: list):
-    """A stand-in for ``scaled_dot_product_attention`` that appends softmax(q·kᵀ·scale + mask)."""
-    sdpa = torch.nn.functional.scaled_dot_product_attention
-
-    def spy(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, **kw):
-        kk = k
-        if kk.dim() == 4 and q.dim() == 4 and kk.shape[1] != q.shape[1] and q.shape[1] % kk.shape[1] == 0:
-            kk = kk.repeat_interleave(q.shape[1] // kk.shape[1], dim=1)
-        s = (q.float() @ kk.float().transpose(-1, -2)) * (q.shape[-1] ** -0.5 if scale is None else scale)
-        if is_causal:
-            s = s.masked_fill(torch.ones(s.shape[-2:], dtype=torch.bool).triu(1), float("-inf"))
-        if attn_mask is not None:
-            s = (
-                s.masked_fill(~attn_mask, float("-inf"))
-                if attn_mask.dtype == torch.bool
-                else s + attn_mask.float()
-            )
-        store.append(s.softmax(-1))
-        return sdpa(q, k, v, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal, scale=scale, **kw)
-
-    return spy
-
-
-def run_sdpa_oracle(model: Any, inputs: dict) -> list[torch.Tensor]:
-    """The softmax of every ``scaled_dot_product_attention`` call of one forward, in call order."""
-    store: list = []
-    saved = torch.nn.functional.scaled_dot_product_attention
-    torch.nn.functional.scaled_dot_product_attention = sdpa_spy(store)
-    try:
-        with torch.no_grad():
-            torch.manual_seed(SEED)
-            model(**inputs)
-    finally:
-        torch.nn.functional.scaled_dot_product_attention = saved
-    return store
-
-
-def eager_twin(model: Any) -> Any:
-    """The same weights on eager attention (built anew; else the same object switched to eager)."""
-    try:
-        twin = type(model)._from_config(copy.deepcopy(model.config), attn_implementation="eager")
-        twin.load_state_dict(model.state_dict())
-        return twin.eval()
-    except Exception:
-        model.set_attn_implementation("eager")
-        return model
 
 
 def _run_order(
@@ -327,10 +276,12 @@ def check_model(model: Any, inputs: dict | None = None) -> dict[str, Any]:
     blocks: list = []  # Pegasus-X's encoder weights, which eager's outputs leave out
     mha: list = []  # nn.MultiheadAttention's weights (SigLIP's pooling head), read by a hook
     softmaxes: list = []  # every softmax of the eager forward, for the union check
+    windows: list = []  # Swin's layer calls (shift, window, grid), to map its windows to the grid
     try:
         twin = eager_twin(model)
         lsh: list = []  # Reformer's LSH buckets, to map its hash-sorted weights back
         hooks = L.global_local_hooks(twin, blocks) + L.lsh_hooks(twin, lsh) + O.mha_hooks(twin, mha)
+        hooks += L.window_hooks(twin, windows)
         try:
             with torch.no_grad(), O.softmax_spy(softmaxes):
                 torch.manual_seed(SEED)
@@ -349,7 +300,13 @@ def check_model(model: Any, inputs: dict | None = None) -> dict[str, Any]:
             {"self": [], "cross": [], "other": []},
             f"{type(e).__name__}: {str(e)[:200]}",
         )
+        softmaxes[:], windows[:] = O.eager_softmaxes(model, inputs)  # MaskFormer-Swin: fails on the flag only
     eager = L.eager_in_probe_layout(model, eager, inputs)
+    if windows:  # Swin: eager returns each stage's last layer, SDPA every call, per window
+        n = int(inputs["pixel_values"].shape[0]) if "pixel_values" in inputs else 1
+        eager = {**eager, "self": L.windows_in_grid(eager["self"], windows, n, last_of_grid=True)}
+        sdpa = L.windows_in_grid(sdpa, windows, n)
+        softmaxes = L.windows_in_grid(softmaxes, windows, n)
     n_eager = len(eager["self"]) + len(eager["cross"])
     res.update(n_eager=n_eager, n_sdpa=len(sdpa))
     if eager.get("other"):

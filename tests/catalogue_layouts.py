@@ -337,3 +337,78 @@ def split_compressed(model: Any, eager: dict) -> dict:
         return eager
     cut = [(t[..., : t.shape[-2]], t[..., t.shape[-2] :]) for t in eager["self"]]
     return {**eager, "self": [a for a, _ in cut], "compressed": [b for _, b in cut]}
+
+
+def window_hooks(twin: Any, store: list) -> list:
+    """Forward hooks on Swin-style layers of ``twin`` (modules with ``shift_size``, ``window_size``
+    and a forward taking ``input_dimensions``) that append each call's ``(shift, window, height, width)``,
+    read after the call (the layer sets its shift and window from the grid it is given)."""
+
+    def hook(m, args, kwargs, _out):
+        dims = kwargs.get("input_dimensions", args[1] if len(args) > 1 else None)
+        if dims is not None:
+            store.append((int(m.shift_size), int(m.window_size), int(dims[0]), int(dims[1])))
+
+    import inspect
+
+    def swin_layer(m: Any) -> bool:
+        if not (hasattr(m, "shift_size") and hasattr(m, "window_size")):
+            return False
+        return "input_dimensions" in inspect.signature(m.forward).parameters
+
+    return [m.register_forward_hook(hook, with_kwargs=True) for m in twin.modules() if swin_layer(m)]
+
+
+def windows_to_grid(t: torch.Tensor, shift: int, ws: int, H: int, W: int) -> torch.Tensor | None:
+    """Swin's eager ``[batch·windows, heads, ws², ws²]`` weights as ``[batch, heads, H·W, H·W]`` over
+    the patch grid (Swin's definition: the grid padded to whole windows, rolled by ``-shift`` on
+    both axes, cut into windows row by row; window position ``(r, c)`` of window ``(a, b)`` is rolled
+    position ``(a·ws + r, b·ws + c)``, grid position ``((y + shift) mod Hp, (x + shift) mod Wp)``;
+    padding positions left out). None where the shape does not fit."""
+    Hp, Wp = -(-H // ws) * ws, -(-W // ws) * ws
+    nW = (Hp // ws) * (Wp // ws)
+    if t.dim() != 4 or t.shape[0] % nW or t.shape[-1] != ws * ws or t.shape[-2] != ws * ws:
+        return None
+    B, h = t.shape[0] // nW, t.shape[1]
+    tw = t.reshape(B, nW, h, ws * ws, ws * ws)
+    out = t.new_zeros(B, h, H * W, H * W)
+    r = torch.arange(ws * ws)
+    for w in range(nW):
+        a, b = divmod(w, Wp // ws)
+        y = (a * ws + r // ws + shift) % Hp
+        x = (b * ws + r % ws + shift) % Wp
+        keep = (y < H) & (x < W)
+        q = (y * W + x)[keep]
+        out[:, :, q[:, None], q[None, :]] = tw[:, w][:, :, keep][:, :, :, keep]
+    return out
+
+
+def windows_in_grid(
+    ts: list[torch.Tensor], calls: list, batch: int, last_of_grid: bool = False
+) -> list[torch.Tensor]:
+    """``ts`` (one windowed tensor per Swin layer call, in call order; or, with ``last_of_grid``, one
+    per stage, the stage's last call, as eager's ``output_attentions`` returns them) mapped to the
+    grid by :func:`windows_to_grid` (``batch`` pictures); ``ts`` unchanged where they do not pair
+    with ``calls``."""
+    if not calls or not ts:
+        return ts
+
+    def windows(c: tuple) -> int:
+        _, ws, H, W = c
+        return batch * (-(-H // ws)) * (-(-W // ws))
+
+    if last_of_grid:
+        last = list({(c[2], c[3]): c for c in calls}.values())  # each grid's last call
+        pairs = []
+        for t in ts:
+            match = [c for c in last if t.shape[0] == windows(c) and t.shape[-1] == c[1] ** 2]
+            pairs.append(match[0] if len(match) == 1 else None)
+    elif len(ts) == len(calls):
+        pairs = list(calls)
+    else:
+        return ts
+    out = []
+    for t, c in zip(ts, pairs, strict=True):
+        mapped = windows_to_grid(t, *c) if c is not None else None
+        out.append(t if mapped is None else mapped)
+    return out

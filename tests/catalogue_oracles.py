@@ -12,13 +12,90 @@ whose attentions neither eager ``output_attentions`` nor the SDPA spy sees whole
 * the eager twin's softmaxes (:func:`softmax_spy`): every 3-d or 4-d softmax over the last axis of the
   eager forward, which may vouch for a stored pattern that no other oracle returns (an eager-only
   model's towers that ``output_attentions`` leaves out) but need not all be stored.
+
+The SDPA spy (a softmax of the arguments handed to ``scaled_dot_product_attention``), the eager twin
+(the same weights on eager attention) and the seed every forward starts from live here too.
 """
 
 from __future__ import annotations
 
+import copy
 from typing import Any
 
+import catalogue_layouts as L
 import torch
+
+# the global generator is seeded alike before every forward: a model that draws at random in eval
+# (ViLT's patch sampling) draws the same in probe's run and in each oracle's
+SEED = 0
+
+
+def sdpa_spy(store: list):
+    """A stand-in for ``scaled_dot_product_attention`` that appends softmax(q·kᵀ·scale + mask)."""
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+
+    def spy(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, **kw):
+        kk = k
+        if kk.dim() == 4 and q.dim() == 4 and kk.shape[1] != q.shape[1] and q.shape[1] % kk.shape[1] == 0:
+            kk = kk.repeat_interleave(q.shape[1] // kk.shape[1], dim=1)
+        s = (q.float() @ kk.float().transpose(-1, -2)) * (q.shape[-1] ** -0.5 if scale is None else scale)
+        if is_causal:
+            s = s.masked_fill(torch.ones(s.shape[-2:], dtype=torch.bool).triu(1), float("-inf"))
+        if attn_mask is not None:
+            s = (
+                s.masked_fill(~attn_mask, float("-inf"))
+                if attn_mask.dtype == torch.bool
+                else s + attn_mask.float()
+            )
+        store.append(s.softmax(-1))
+        return sdpa(q, k, v, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal, scale=scale, **kw)
+
+    return spy
+
+
+def run_sdpa_oracle(model: Any, inputs: dict) -> list[torch.Tensor]:
+    """The softmax of every ``scaled_dot_product_attention`` call of one forward, in call order."""
+    store: list = []
+    saved = torch.nn.functional.scaled_dot_product_attention
+    torch.nn.functional.scaled_dot_product_attention = sdpa_spy(store)
+    try:
+        with torch.no_grad():
+            torch.manual_seed(SEED)
+            model(**inputs)
+    finally:
+        torch.nn.functional.scaled_dot_product_attention = saved
+    return store
+
+
+def eager_twin(model: Any) -> Any:
+    """The same weights on eager attention (built anew; else the same object switched to eager)."""
+    try:
+        twin = type(model)._from_config(copy.deepcopy(model.config), attn_implementation="eager")
+        twin.load_state_dict(model.state_dict())
+        return twin.eval()
+    except Exception:
+        model.set_attn_implementation("eager")
+        return model
+
+
+def eager_softmaxes(model: Any, inputs: dict) -> tuple[list, list]:
+    """The eager twin's softmaxes and Swin layer calls from a forward without ``output_attentions``
+    (for a model whose eager forward fails with the flag); empty where that fails too."""
+    softmaxes: list = []
+    windows: list = []
+    try:
+        twin = eager_twin(model)
+        hooks = L.window_hooks(twin, windows)
+        try:
+            with torch.no_grad(), softmax_spy(softmaxes):
+                torch.manual_seed(SEED)
+                twin(**inputs)
+        finally:
+            for h in hooks:
+                h.remove()
+    except Exception:  # noqa: BLE001 - no eager forward at all: no eager softmaxes
+        return [], []
+    return softmaxes, windows
 
 
 def mha_hooks(twin: Any, store: list) -> list:
@@ -56,9 +133,17 @@ def softmax_spy(store: list):
     def spy():
         saved = torch.nn.functional.softmax, torch.softmax, torch.Tensor.softmax
 
+        inside: list = []  # F.softmax calls Tensor.softmax: one record per outermost call
+
         def wrap(fn):
             def inner(x, *args, **kwargs):
-                out = fn(x, *args, **kwargs)
+                inside.append(1)
+                try:
+                    out = fn(x, *args, **kwargs)
+                finally:
+                    inside.pop()
+                if inside:
+                    return out
                 dim = kwargs.get("dim", args[0] if args else None)
                 if isinstance(out, torch.Tensor) and out.dim() in (3, 4) and dim in (-1, out.dim() - 1):
                     store.append(out.detach().float())
