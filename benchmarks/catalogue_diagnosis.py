@@ -25,14 +25,7 @@ CHUNKS = (
     "the model attends within each picture's patches (block-diagonal over the 48); the language "
     "model's patterns are exact"
 )
-WINDOWS = (
-    "windowed vision attention (issue 30 item 3, in progress elsewhere): probe maps the (shifted) "
-    "windows back to the patch grid (`[1, 2, 3136, 3136]`), while eager returns them per window "
-    "(`[windows, heads, 49, 49]`, or nothing), which this checker does not map back yet"
-)
-
 CAUSES: dict[str, str] = {
-    **dict.fromkeys(("swin", "swinv2", "donut-swin", "maskformer-swin"), WINDOWS),
     **dict.fromkeys(("hunyuan_vl", "hy_v4_vl"), CHUNKS),
     "idefics2": "probe: the perceiver resampler's latents run one softmax over `[image features; latents]` "
     "(image first, `torch.concat([context, latents])`); probe splits it as the layer's own keys first "

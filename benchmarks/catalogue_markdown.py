@@ -127,7 +127,7 @@ def page(data: dict[str, dict]) -> str:
         "```",
         "",
         "The whole catalogue, image families included, takes 6 to 15 minutes on two cores (measured: "
-        "6 min 7 s with the cores to itself, 13 min 22 s beside other work), "
+        "5 min 44 s with the cores to itself, 13 min 22 s beside other work), "
         "in worker processes with a per-model timeout; this page is generated from its JSON "
         "(`benchmarks/catalogue.json`):",
         "",
