@@ -287,8 +287,10 @@ def fitted_inputs(model: Any, seed: int = 1) -> dict | None:
         except Exception as e:  # noqa: BLE001 - the model's own complaint decides the next try
             msg = f"{type(e).__name__}: {e}"
         m = _MISMATCH.search(msg)
-        if m and "input_ids" in inputs and int(m.group(2)) % BATCH == 0:
-            state["n_image_tokens"] = int(m.group(2)) // BATCH
+        counts = _counts(model, int(m.group(2))) if m and "input_ids" in inputs else []
+        fresh = [n for n in counts if {**state, "n_image_tokens": n} not in tried]
+        if fresh:  # the features' count, or (Mistral 3 counts elements) it over the text width
+            state["n_image_tokens"] = fresh[0]
         elif _CROPS.search(msg) and state["sizes"]:  # LLaVA-NeXT: the crops its image_sizes ask for
             state["five_d"] = int(_CROPS.search(msg).group(1))
         elif not state["five_d"] and _FIVE_D.search(msg):
@@ -300,6 +302,16 @@ def fitted_inputs(model: Any, seed: int = 1) -> dict | None:
         if state in tried:
             return inputs
     return inputs
+
+
+def _counts(model: Any, features: int) -> list[int]:
+    """Image tokens per row that a mismatch message's feature count may stand for: the count over
+    the batch, and (a message that counts elements) over the batch and the text width."""
+    width = getattr(_text_config(model.config), "hidden_size", None)
+    out = [features // BATCH] if features % BATCH == 0 else []
+    if isinstance(width, int) and features % (BATCH * width) == 0:
+        out.append(features // (BATCH * width))
+    return out
 
 
 _CROPS = re.compile(r"split_sizes=\[(\d+)")
