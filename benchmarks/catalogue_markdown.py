@@ -126,12 +126,12 @@ def page(data: dict[str, dict]) -> str:
         "...",
         "```",
         "",
-        "The whole catalogue, image families included, takes 6 to 15 minutes on two cores (measured: "
-        "5 min 44 s with the cores to itself, 13 min 22 s beside other work), "
+        "The whole catalogue, image families included, takes 4 to 15 minutes on two cores (measured: "
+        "3 min 36 s with the cores to itself, 13 min 22 s beside other work), "
         "in worker processes with a per-model timeout; this page is generated from its JSON "
         "(`benchmarks/catalogue.json`):",
         "",
-        "<!-- no-run: 6 to 15 minutes on two cores -->",
+        "<!-- no-run: 4 to 15 minutes on two cores -->",
         "```console",
         "$ nice -n 19 python benchmarks/catalogue.py --out benchmarks/catalogue.json --jobs 2 --timeout 300",
         "$ python benchmarks/catalogue.py --markdown benchmarks/catalogue.json > docs/catalogue.md",
