@@ -238,7 +238,8 @@ def test_sweep_cli_resumes_and_writes_the_page(tmp_path):
     page = subprocess.run(
         [sys.executable, str(script), "--markdown", str(out)], capture_output=True, text=True, check=True
     ).stdout
-    assert "| exact | 1 |" in page and "| `gpt2` | GPT2Model | 2 |" in page  # two layers, one pattern each
+    # one exact family, no image family among them; two layers, one pattern each, run on ids
+    assert "| exact | 1 | 0 | 0 |" in page and "| `gpt2` | GPT2Model | ids | 2 |" in page
 
 
 def test_sub_configs_and_missing_libraries_are_not_build_failures():
