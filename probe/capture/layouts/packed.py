@@ -34,14 +34,16 @@ WHY = (
 
 def cu_seqlens_of(call: Call) -> list[int] | None:
     """The segment boundaries handed to ``call`` (a 1-D integer tensor from 0 up to the packed
-    length of its 2-D ``[positions, dim]`` input), or None when it has none."""
+    length of its ``[positions, dim]`` input, or ``[1, positions, dim]``: HunYuan-VL's tower), or
+    None when it has none."""
     p = call.primary
-    if p is None or p.dim() != 2:
+    if p is None or not (p.dim() == 2 or (p.dim() == 3 and p.shape[0] == 1)):
         return None
+    n = p.shape[-2]
     for t in call.inputs:
         if t.dim() == 1 and not t.is_floating_point() and t.dtype != torch.bool and t.numel() >= 2:
             cu = [int(v) for v in t.tolist()]
-            if cu[0] == 0 and cu[-1] == p.shape[0] and all(a <= b for a, b in zip(cu, cu[1:], strict=False)):
+            if cu[0] == 0 and cu[-1] == n and all(a <= b for a, b in zip(cu, cu[1:], strict=False)):
                 return cu
     return None
 
