@@ -17,20 +17,7 @@ PER_LAYER = (
 UNMAPPED = "a softmax over a layout probe does not map: refused with a clear error naming the layers"
 TWO = "two self-attention softmaxes in one layer: refused (issue 22, several patterns per layer)"
 
-CHUNKS = (
-    "probe: this vision tower runs one SDPA call per picture (its `cu_seqlens` chunks, the two rows' "
-    "pictures packed in one sequence) through an attention module that the packed-segment layout "
-    "(Qwen2-VL's, which is exact) does not cover: the two calls of a layer are stored as one pattern "
-    "with their heads side by side (`[1, 8, 24, 24]` for two pictures of 24 patches and 4 heads) where "
-    "the model attends within each picture's patches (block-diagonal over the 48); the language "
-    "model's patterns are exact"
-)
 CAUSES: dict[str, str] = {
-    **dict.fromkeys(("hunyuan_vl", "hy_v4_vl"), CHUNKS),
-    "idefics2": "probe: the perceiver resampler's latents run one softmax over `[image features; latents]` "
-    "(image first, `torch.concat([context, latents])`); probe splits it as the layer's own keys first "
-    "(`merged_split` in capture/record.py), so its `self` part holds the 49 image keys and 15 latents "
-    "(joined back `[self | cross]` it equals SDPA to 4e-8): the split must follow the order of the keys",
     "mobilevit": "probe: each MobileViT stage runs a small transformer (2 to 4 layers) inside one "
     "`encoder.layer[i]`; probe takes the stage for one layer and stores its inner layers' attentions "
     "side by side as heads (`[4, 8, 256, 256]` for 2 layers of 4 heads)",

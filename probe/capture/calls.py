@@ -72,6 +72,8 @@ class Attention:
     fields: dict[str, int] = field(default_factory=dict)
     split: int | None = None
     source_first: bool = False  # the source's keys come first (DiffusionGemma), then the own keys
+    # the module concatenates its keys source first (SOURCE_FIRST in record.py: Idefics2's resampler)
+    source_first_module: bool = False
     kv_prefix: int = 0  # positions the sublayer's cache held for its layer, filled in this forward
     also: list[Attention] = field(default_factory=list)
     caller: Any = None  # the innermost module call that computed the last part (probe.capture.streams)

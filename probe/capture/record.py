@@ -134,6 +134,12 @@ def is_cross(
     return cross
 
 
+# attention modules whose one softmax runs over a source's keys followed by their own, read from
+# their code: Idefics2's perceiver resampler attends from its latents over
+# ``torch.concat([context, latents])`` (the image features first)
+SOURCE_FIRST = frozenset({"Idefics2PerceiverAttention"})
+
+
 def merged_split(
     attn: Attention, cached: int, stream: LayerStream | None, upstream: Tensor | None = None
 ) -> int | None:
@@ -359,6 +365,7 @@ class Recorder:
                 self.close(a)
             a = Attention(inputs=sub.inputs, primary=sub.primary, qk=qk)
             a.positional = sub.positional
+            a.source_first_module = type(sub.module).__name__ in SOURCE_FIRST
             a.module = self.layers.name_of(sub.module)
             a.kv_prefix = max((c.kv_prefix for c in self.stack), default=0)
             a.diff_lambda = differential_lambda(sub.module)
@@ -384,6 +391,8 @@ class Recorder:
         upstream = layer.upstream if layer is not None else None
         cached = self.forward.cached
         attn.split = merged_split(attn, cached, stream, upstream)
+        if attn.split is not None and attn.source_first_module:
+            attn.split, attn.source_first = attn.qk[1] - attn.split, True  # the source's keys count
         if attn.split is None and attn.kv_prefix and attn.kv_prefix != cached:
             # keys = the positions another stack put in the layer's cache earlier in this forward
             # (DiffusionGemma's encoder prompt), then the layer's own: source first, then self
