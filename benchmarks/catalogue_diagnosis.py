@@ -18,13 +18,13 @@ UNMAPPED = "a softmax over a layout probe does not map: refused with a clear err
 TWO = "two self-attention softmaxes in one layer: refused (issue 22, several patterns per layer)"
 
 CAUSES: dict[str, str] = {
-    "mobilevit": "probe: each MobileViT stage runs a small transformer (2 to 4 layers) inside one "
-    "`encoder.layer[i]`; probe takes the stage for one layer and stores its inner layers' attentions "
-    "side by side as heads (`[4, 8, 256, 256]` for 2 layers of 4 heads)",
-    "shieldgemma2": "probe: with an image, ShieldGemma 2's stacks are named `encoder` (the SigLIP tower) and "
-    "`decoder`, and the language model's two layers are stored as one layer of 8 heads (`decoder[0]`, "
-    "`[2, 8, 57, 57]` where SDPA has two `[2, 4, 57, 57]` calls), with the tower's pooling head as its "
-    "cross-attention; on text alone (no tower run) it was exact",
+    "mobilevit": "refused, named: each MobileViT stage runs a small transformer (2 to 4 layers) inside "
+    "one `encoder.layer[i]`, which probe takes for one layer; its inner layers' attentions, once "
+    "stored side by side as heads, are now attentions of their own, and one layer holding several "
+    "in one sublayer is refused (mapping a stage's inner layers to layers of their own is not built)",
+    "shieldgemma2": "refused, named: with an image, the language model's two layers are not recognised "
+    "as layers (the whole `model` is taken for one); their attentions, once stored as one layer of "
+    "8 heads, are now attentions of their own and the layer is refused. Exact on text alone",
     "phi4_multimodal_vision": "transformers' eager and SDPA paths of Phi-4's vision tower compute "
     "different weights (max 1.0 apart); probe's two layers equal SDPA's, and its attention-pooling head "
     "(a softmax outside the attention interface) then has no oracle",

@@ -291,3 +291,16 @@ def test_swin_stage_maps_and_the_reports_picture_section(tmp_path):
         torch.testing.assert_close(got.float(), want, atol=TOL, rtol=0)
     page = probe.report(cache, tmp_path / "r", progress=False).read_text(encoding="utf-8")
     assert "what the centre patch of each stage reads" in page and "Attention on the picture" in page
+
+
+def test_attentions_of_other_modules_are_not_joined_as_heads():
+    # MobileViT runs a small transformer inside one stage of its encoder: its inner layers' softmaxes
+    # share a shape, and they used to be stored side by side as heads of one layer; now each is an
+    # attention of its own, and a layer holding two of them in one sublayer is refused, named
+    cfg = tf.MobileViTConfig(
+        image_size=64, hidden_sizes=[16, 24, 32], neck_hidden_sizes=[8, 8, 16, 16, 24, 32, 48]
+    )
+    torch.manual_seed(0)
+    model = tf.MobileViTModel(cfg).eval()
+    with pytest.raises(ProbeError, match="computes 2 self-attention patterns, not each in a sublayer"):
+        probe.capture(model, {"pixel_values": torch.randn(1, 3, 64, 64)})

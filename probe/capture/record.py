@@ -46,7 +46,7 @@ from probe.capture.layers import LayerTracker
 from probe.capture.layouts.fused import mha_weights
 from probe.capture.patterns import flex_weights
 from probe.capture.residual import LayerStream
-from probe.capture.streams import caller, is_new_stream, join
+from probe.capture.streams import caller, is_new_stream, is_other_module, join
 
 try:  # the higher-order op flex_attention runs; its scores never exist outside the kernel
     from torch._higher_order_ops.flex_attention import flex_attention as FLEX
@@ -261,7 +261,8 @@ class Recorder:
         elif self.wants():
             query = args[0] if args else kwargs["query"]
             key = args[1] if len(args) > 1 else kwargs["key"]
-            self.consumer.sdpa(self._open((query.size(-2), key.size(-2)), "sdpa"), args, kwargs)
+            whole = (*query.shape[:-2], query.size(-2), key.size(-2)) if query.dim() == 4 else None
+            self.consumer.sdpa(self._open((query.size(-2), key.size(-2)), "sdpa", whole=whole), args, kwargs)
         else:
             self.note_event()  # a layer left out by `layers=`: count it, skip the work
         self.layers.after_op(func, args, kwargs, out)
@@ -348,17 +349,27 @@ class Recorder:
         qk = tuple(pattern.shape[-2:])
         self.consumer.weights(self._open(qk, impl, tuple(pattern.shape)), pattern, impl)
 
-    def _open(self, qk: tuple[int, int], impl: str, shape: tuple[int, ...] | None = None) -> Attention:
+    def _open(
+        self,
+        qk: tuple[int, int],
+        impl: str,
+        shape: tuple[int, ...] | None = None,
+        *,
+        whole: tuple[int, ...] | None = None,
+    ) -> Attention:
         """The open Attention of the sublayer running now for a ``qk``-shaped pattern (an event);
         ``shape``: the whole shape of a softmax output, to tell a module's second whole softmax
-        (an attention of its own, :mod:`probe.capture.streams`) from more heads of the first."""
+        (an attention of its own, :mod:`probe.capture.streams`) from more heads of the first;
+        ``whole``: an SDPA call's ``[batch, heads, q, k]``, to tell another module's attention
+        from more heads (:func:`~probe.capture.streams.is_other_module`; softmaxes: ``shape``)."""
+        whole = shape if whole is None else whole
         self.note_event()
         layer = self.layers.current()
         sub = self.layers.sublayer_call()
         a = sub.attn
         call = caller(self.stack)
         previous = a if a is not None and a.qk == qk and is_new_stream(a, call, shape) else None
-        if a is None or a.qk != qk or previous is not None:
+        if a is None or a.qk != qk or previous is not None or is_other_module(a, call, whole):
             if a is not None:
                 # a second, differently shaped attention in the same sublayer, or a second whole
                 # softmax of the same module call: recorded on its own
@@ -375,7 +386,7 @@ class Recorder:
                 join(previous, a, call.module)
             sub.attn = a
             layer.attns.append(a)
-        a.caller, a.last_shape = call, shape
+        a.caller, a.last_shape = call, whole
         a.impl.add(impl)
         self.impls.add(impl)
         return a

@@ -50,6 +50,24 @@ def is_new_stream(a: Attention, call: Call | None, shape: tuple[int, ...] | None
     )
 
 
+def is_other_module(a: Attention, call: Call | None, shape: tuple[int, ...] | None) -> bool:
+    """Whether a softmax of ``shape`` over several heads (``[batch, heads, q, k]``, heads > 1)
+    computed in ``call`` is another attention module's than ``a``'s last part, which had the
+    same shape: a second attention inside one sublayer (MobileViT's inner transformer layers, a
+    language model run whole inside one module), not more heads of ``a``. Per-head modules
+    (``[batch, q, k]`` or one head each) are parts of one attention and are not this."""
+    return (
+        call is not None
+        and a.caller is not None
+        and shape is not None
+        and len(shape) == 4
+        and shape[1] > 1
+        and a.diff_lambda is None
+        and a.last_shape == shape
+        and a.caller.module is not call.module
+    )
+
+
 def join(previous: Attention, new: Attention, module: Any) -> None:
     """Put ``new`` in ``previous``'s group of streams and name every member's kind."""
     group = previous.streams if previous.streams is not None else [previous]
