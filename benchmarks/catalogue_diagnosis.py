@@ -25,9 +25,6 @@ CAUSES: dict[str, str] = {
     "shieldgemma2": "refused, named: with an image, the language model's two layers are not recognised "
     "as layers (the whole `model` is taken for one); their attentions, once stored as one layer of "
     "8 heads, are now attentions of their own and the layer is refused. Exact on text alone",
-    "phi4_multimodal_vision": "transformers' eager and SDPA paths of Phi-4's vision tower compute "
-    "different weights (max 1.0 apart); probe's two layers equal SDPA's, and its attention-pooling head "
-    "(a softmax outside the attention interface) then has no oracle",
     "albert": LOOP + " (ALBERT's shared layer group)",
     "hrm_text": LOOP + " (HRM's L-module layer, 6 calls)",
     "gpt_oss": SINK,

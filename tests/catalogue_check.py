@@ -368,8 +368,10 @@ def check_model(model: Any, inputs: dict | None = None) -> dict[str, Any]:
         if not ok and sdpa and n_eager:
             # eager computes something else than the SDPA path probe ran (Phi-4's vision tower): SDPA
             # decides, as for the whole-count comparison above
-            only = {"sdpa": sdpa, "MultiheadAttention": mha}
-            ok, alone = O.union_check(flat, only, close, {"eager softmax": softmaxes})
+            own, own_mha = O.model_softmaxes(model, inputs)
+            only = {"sdpa": sdpa, "MultiheadAttention": own_mha}  # the model's own, not the twin's
+            cover = {"eager softmax": softmaxes, "model softmax": O.join_chunks(own, flat)}
+            ok, alone = O.union_check(flat, only, close, cover)
             union = f"{alone} (eager differs: {union})" if ok else union
         res["n_mha"] = len(mha)
         if ok:

@@ -67,6 +67,25 @@ def run_sdpa_oracle(model: Any, inputs: dict) -> list[torch.Tensor]:
     return store
 
 
+def model_softmaxes(model: Any, inputs: dict) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """``(softmaxes, mha)``: every softmax the model itself computes in one forward on its own
+    attention implementation (:func:`softmax_spy`) and its ``nn.MultiheadAttention`` weights
+    (:func:`mha_hooks` on the model, not the twin). Where eager computes something else (Phi-4's
+    vision tower), the only oracles for what lies outside the attention interface, such as its
+    attention-pooling head."""
+    store: list = []
+    mha: list = []
+    hooks = mha_hooks(model, mha)
+    try:
+        with torch.no_grad(), softmax_spy(store):
+            torch.manual_seed(SEED)
+            model(**inputs)
+    finally:
+        for h in hooks:
+            h.remove()
+    return store, mha
+
+
 def eager_twin(model: Any) -> Any:
     """The same weights on eager attention (built anew; else the same object switched to eager)."""
     try:

@@ -104,6 +104,7 @@ EXACT = {
     "qwen2_vl": "packed pictures: per-picture SDPA calls joined block-diagonally by the check",
     "hunyuan_vl": "packed pictures in a [1, positions, dim] tower (stored as extra heads before)",
     "idefics2": "the resampler's one softmax over [image features; latents]: cross first, then self",
+    "phi4_multimodal_vision": "eager differs from SDPA: the model's own softmaxes and pooling weights decide",
 }
 
 # model type -> why it is not exact yet (issue 22); the owner removes the mark with the fix
