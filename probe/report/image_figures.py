@@ -77,6 +77,18 @@ def draw_map(
     return im
 
 
+def _panels(n: int, max_cols: int, size: tuple[float, float]) -> tuple[Figure, list[Axes]]:
+    """A figure of ``n`` panels in rows of at most ``max_cols``, each ``size`` (width, height)
+    inches; the first ``n`` axes, the grid's spare ones turned off."""
+    cols = min(n, max_cols)
+    rows = -(-n // cols)
+    fig = Figure(figsize=(size[0] * cols, size[1] * rows + 0.4), dpi=DPI, layout="constrained")
+    axes = list(np.atleast_1d(fig.subplots(rows, cols)).reshape(-1))
+    for ax in axes[n:]:
+        ax.set_axis_off()
+    return fig, axes[:n]
+
+
 def _outline(ax: Axes, cells: list[tuple[int, int]], grid: dict[str, Any]) -> None:
     """Outline the patches ``cells`` ``(row, col)`` of ``grid`` on ``ax``."""
     from matplotlib.patches import Rectangle
@@ -133,14 +145,8 @@ def image_heads(
     stack, pos = image_grid(cache, stack, batch, image)
     grid = pos["grid"]
     n = cache.pattern(stack, layer, batch=batch).shape[0]
-    cols = min(n, 6)
-    rows = -(-n // cols)
-    fig = Figure(figsize=(2.2 * cols, 2.2 * rows + 0.4), dpi=DPI, layout="constrained")
-    axes = np.atleast_1d(fig.subplots(rows, cols)).reshape(-1)
+    fig, axes = _panels(n, 6, (2.2, 2.2))
     for h, ax in enumerate(axes):
-        if h >= n:
-            ax.set_axis_off()
-            continue
         draw_map(
             ax, attention_map(cache, layer, h, query, stack, batch, image).numpy(), grid, picture, alpha, cmap
         )
@@ -191,14 +197,8 @@ def image_layers(
         panels.append(
             (f"rollout to L{layers[-1]}", attention_map(cache, layers[-1], None, "rollout", stack, batch))
         )
-    cols = min(len(panels), 6)
-    rows = -(-len(panels) // cols)
-    fig = Figure(figsize=(2.2 * cols, 2.1 * rows + 0.4), dpi=DPI, layout="constrained")
-    axes = np.atleast_1d(fig.subplots(rows, cols)).reshape(-1)
-    for ax, panel in zip(axes, [*panels, *[None] * (len(axes) - len(panels))], strict=True):
-        if panel is None:
-            ax.set_axis_off()
-            continue
+    fig, axes = _panels(len(panels), 6, (2.2, 2.1))
+    for ax, panel in zip(axes, panels, strict=True):
         draw_map(ax, panel[1].numpy(), pos["grid"], picture, alpha, cmap)
         if artifacts is not None and panel[0].startswith("Layer "):
             _outline(ax, artifacts.positions(int(panel[0].split()[1]), batch=batch), pos["grid"])
@@ -237,14 +237,8 @@ def stage_maps(
             panels.append((name, m, g, centre))
     if not panels:
         raise ProbeError(f"the {stack} stack has no self-attention stored on its stages' grids")
-    cols = min(len(panels), 4)
-    rows = -(-len(panels) // cols)
-    fig = Figure(figsize=(2.8 * cols, 2.1 * rows + 0.4), dpi=DPI, layout="constrained")
-    axes = np.atleast_1d(fig.subplots(rows, cols)).reshape(-1)
-    for ax, panel in zip(axes, [*panels, *[None] * (len(axes) - len(panels))], strict=True):
-        if panel is None:
-            ax.set_axis_off()
-            continue
+    fig, axes = _panels(len(panels), 4, (2.8, 2.1))
+    for ax, panel in zip(axes, panels, strict=True):
         name, m, g, centre = panel
         draw_map(ax, m.numpy(), g, picture, alpha, cmap)
         _outline(ax, [centre], g)
