@@ -236,12 +236,15 @@ def run(args: argparse.Namespace) -> int:
     """
     import signal
 
+    from probe import interrupt
     from probe.errors import describe_os_error
 
     old = _catch_signals()
+    previous_int = interrupt.install()
     try:
         _check_exports(args)
         code = args.func(args)
+        interrupt.check()  # a Ctrl-C swallowed where it landed (in a __del__) still stops with 130
         sys.stdout.flush()
         return code
     except ProbeError as e:
@@ -261,5 +264,6 @@ def run(args: argparse.Namespace) -> int:
         print("probe: interrupted", file=sys.stderr)
         return 130
     finally:
+        interrupt.restore(previous_int)
         for sig, handler in old.items():
             signal.signal(sig, handler)

@@ -26,6 +26,7 @@ from typing import Any
 
 import torch
 
+from probe import interrupt
 from probe.capture import capture
 from probe.capture.images import SUFFIXES, is_images, load_images, pictures_seen, process
 from probe.corpus.shards import ShardRecord
@@ -168,6 +169,7 @@ def run_picture_shard(
             rec.store(cache, got, [{"image": names[i]} for i in got])
         del caches
         bar.update(len(rows))
+        interrupt.check()  # a Ctrl-C swallowed inside a __del__ stops the run here (command line)
 
     for i, x in enumerate(items):
         try:

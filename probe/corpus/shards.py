@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from probe import interrupt
 from probe.analysis.focus.stats import FocusAccumulator
 from probe.cache import Cache
 from probe.capture import capture
@@ -111,6 +112,7 @@ def run_shard(model, tokenizer, texts, start, folder: Path, keep, batch_size, st
             rec.store(cache, got)
         del caches
         bar.update(len(rows))
+        interrupt.check()  # a Ctrl-C swallowed inside a __del__ stops the run here (command line)
     return rec.record()
 
 
