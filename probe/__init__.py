@@ -19,6 +19,7 @@ from probe.analysis.artifacts import Artifacts, artifacts  # noqa: E402
 from probe.analysis.causal import CausalReport, check_causal  # noqa: E402
 from probe.analysis.compare import Comparison, compare  # noqa: E402
 from probe.analysis.focus import HeadStats, head_stats, induction_scores, retrieval_scores  # noqa: E402
+from probe.analysis.generation import Lookback, lookback  # noqa: E402
 from probe.analysis.maps import attention_map  # noqa: E402
 from probe.analysis.pointing import Pointing, pointing  # noqa: E402
 from probe.analysis.residual import budget, logit_lens, residual  # noqa: E402
@@ -60,6 +61,7 @@ __all__ += ["run_corpus", "open_corpus", "Corpus"]
 __all__ += ["ablate", "Ablation", "patch", "Patching", "head_importance", "HeadImportance"]
 __all__ += ["knockout", "Knockout", "intervene", "Intervention"]
 __all__ += ["attention_map", "pointing", "Pointing", "artifacts", "Artifacts"]
+__all__ += ["lookback", "Lookback"]
 
 
 def __getattr__(name: str):

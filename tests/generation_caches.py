@@ -1,0 +1,91 @@
+"""Generation caches built per the generation contract, for the analysis, report and CLI tests.
+
+A full-pattern generation cache is exactly a ``probe.capture`` of the sequence the model read
+(prompt + output[:-1]) with ``metadata["generation"]`` and the positions' kinds added (see
+/work/notes/generation_contract.md, docs/generation.md). Greedy decoding is done here, with the
+model's own forward; the oracle weights come from the model's own attention code (minigpt's heads
+return their weights), never from probe.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+
+import probe
+
+PROMPT = "attention lets"
+NEW = 12  # minigpt's context holds 32 positions: 14 + 12 - 1 fit
+
+
+def greedy(model, ids: list[int], n: int) -> list[int]:
+    """``n`` tokens after ``ids`` by argmax of minigpt's logits (its own forward)."""
+    seq = list(ids)
+    with torch.no_grad():
+        for _ in range(n):
+            logits, _ = model(torch.tensor([seq]))
+            seq.append(int(logits[0, -1].argmax()))
+    return seq[len(ids) :]
+
+
+def as_generation(
+    cache, prompt_len: int, new_ids: list[int], *, text=None, prompt_text=None, stack="decoder"
+):
+    """``cache`` (a capture of prompt + output[:-1]) as the contract's generation cache."""
+    meta = copy.deepcopy(dict(cache.metadata))
+    length = prompt_len + len(new_ids) - 1
+    meta["generation"] = {
+        "prompt_length": prompt_len,
+        "new_tokens": len(new_ids),
+        "output_ids": list(new_ids),
+        "output_text": text,
+        "prompt_text": prompt_text,
+        "last_token_read": False,
+        "strategy": "greedy",
+        "stack": stack,
+    }
+    stacks = meta.setdefault("stacks", {})
+    entry = stacks.setdefault(stack, {})
+    pos = dict(entry.get("positions") or {})
+    kinds = pos.get("kinds") or ["prompt"] * prompt_len
+    pos["kinds"] = list(kinds[:prompt_len]) + ["generated"] * (length - prompt_len)
+    entry["positions"] = pos
+    return probe.Cache({k: cache[k] for k in cache.keys()}, meta)
+
+
+def minigpt_generation(model, keep=None, prompt: str = PROMPT, n: int = NEW):
+    """(generation cache, prompt ids, new ids) of minigpt's greedy continuation of ``prompt``."""
+    tok = model.tokenizer
+    ids = tok.encode(prompt)
+    new = greedy(model, ids, n)
+    read = torch.tensor([ids + new[:-1]])
+    cache = probe.capture(model, read, keep=keep)
+    gen = as_generation(cache, len(ids), new, text=tok.decode(new), prompt_text=prompt)
+    return gen, ids, new
+
+
+def minigpt_weights(model, ids: list[int]) -> list[torch.Tensor]:
+    """Every layer's weights ``[head, T, T]`` (float64) as minigpt's own heads return them."""
+    x = torch.tensor([ids])
+    out = []
+    with torch.no_grad():
+        h = model.token_embedding_table(x) + model.position_embedding_table(torch.arange(x.shape[1]))
+        for block in model.blocks:
+            _, w = block.attn(block.ln1(h), return_weights=True)
+            out.append(w[0].double())
+            h = block(h)
+    return out
+
+
+def aligner_generation(model, source: str = "gestern sah der junge das hundehaus"):
+    """(generation cache, decoder ids read) of the aligner's greedy translation: the decoder's
+    prompt is its start token; probe.capture decodes greedily when given no target."""
+    cache = probe.capture(model, source)
+    read = cache.metadata["target_ids"][0]
+    eos = model.tokenizer.eos_id
+    new = read[1:] + [eos]
+    words = cache.metadata["target_tokens"][0][1:] + ["E"]
+    gen = as_generation(cache, 1, new, text=" ".join(words), prompt_text=source)
+    gen.metadata["generation"]["output_tokens"] = words
+    return gen, read
