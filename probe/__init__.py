@@ -25,6 +25,7 @@ from probe.analysis.pointing import Pointing, pointing  # noqa: E402
 from probe.analysis.residual import budget, logit_lens, residual  # noqa: E402
 from probe.cache import Cache, load  # noqa: E402
 from probe.capture import Trace, trace  # noqa: E402
+from probe.capture.generate import Generation, generate  # noqa: E402
 from probe.corpus import Corpus, open_corpus, run_corpus  # noqa: E402
 from probe.entry import capture  # noqa: E402  (keep="stats" too)
 from probe.errors import ProbeError  # noqa: E402
@@ -58,6 +59,7 @@ __all__ += [
     "Comparison",
 ]
 __all__ += ["run_corpus", "open_corpus", "Corpus"]
+__all__ += ["generate", "Generation"]
 __all__ += ["ablate", "Ablation", "patch", "Patching", "head_importance", "HeadImportance"]
 __all__ += ["knockout", "Knockout", "intervene", "Intervention"]
 __all__ += ["attention_map", "pointing", "Pointing", "artifacts", "Artifacts"]

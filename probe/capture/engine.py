@@ -222,7 +222,13 @@ def trace(model: nn.Module, **kwargs: Any) -> Trace:
     """``with probe.trace(model) as t: model(x)`` captures that forward; then use ``t.cache``.
 
     Keyword arguments: ``out``, ``layers``, ``heads``, ``dtype``, ``metadata``, ``keep`` (see :class:`Trace`).
+    ``steps=True`` records every forward inside the block as a step of one growing sequence (a
+    generation loop; :class:`~probe.capture.steps.StepTrace`) instead of refusing more than one.
     """
+    if kwargs.pop("steps", False):
+        from probe.capture.steps import StepTrace  # it builds on this module
+
+        return StepTrace(model, **kwargs)
     return Trace(model, **kwargs)
 
 

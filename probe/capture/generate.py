@@ -1,0 +1,249 @@
+"""``probe.generate``: what a model read while it wrote, captured step by step through its KV cache.
+
+The model's own ``generate`` runs inside :class:`~probe.capture.steps.StepTrace` (``probe.trace(model,
+steps=True)``): every forward it makes (the prefill of the prompt, then one per new token, and an
+encoder-decoder's encoder once) is captured as it ran and assembled into one cache over the
+sequence the decoder read, prompt + output less the last token (see
+``docs/generation.md`` and ``/work/notes``' contract: ``metadata["generation"]``, position
+kinds ``prompt``/``generated``).
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+from tqdm.auto import tqdm
+
+from probe.cache import Cache
+from probe.capture.inputs import _record, device_of, is_hf_model, model_name
+from probe.capture.kept import parse_keep
+from probe.capture.loop import own_loop
+from probe.capture.steps import StepTrace
+from probe.capture.tokenizers import adapt
+from probe.errors import ProbeError
+
+
+class Generation:
+    """A captured generation: :attr:`cache` (a :class:`~probe.Cache` over the sequence the model
+    read), :attr:`text` (the output), :attr:`ids` (prompt + output ids ``[batch, P + N]``),
+    :attr:`new_ids` (``[batch, N]``), :attr:`prompt_length`; :meth:`save` writes the cache."""
+
+    def __init__(self, cache: Cache, ids: Tensor, prompt_length: int, text: str | None) -> None:
+        self.cache, self.ids, self.prompt_length, self.text = cache, ids, prompt_length, text
+
+    @property
+    def new_ids(self) -> Tensor:
+        return self.ids[:, self.prompt_length :]
+
+    def save(self, path: str | os.PathLike) -> None:
+        """Save the cache (a safetensors file; ``probe.load`` reads it back with its generation facts)."""
+        self.cache.save(path)
+
+    def __repr__(self) -> str:
+        g = self.cache.metadata["generation"]
+        shown = repr(self.text if self.text is not None else g["output_ids"])
+        shown = shown if len(shown) <= 80 else shown[:77] + "..."
+        return (
+            f"Generation({g['new_tokens']} new tokens after {g['prompt_length']}, {g['strategy']}: {shown})"
+        )
+
+    def _repr_html_(self) -> str:
+        import html
+
+        return f"<pre>{html.escape(repr(self))}</pre>"
+
+
+def _prompt_ids(model: nn.Module, prompt: Any, tok: Any) -> tuple[Tensor, dict[str, Any]]:
+    """The prompt as ids ``[1, P]`` on the model's device, and keyword inputs for ``generate``."""
+    extra: dict[str, Any] = {}
+    if isinstance(prompt, dict) or hasattr(prompt, "keys") and not isinstance(prompt, Tensor):
+        extra = dict(prompt)
+        prompt = extra.pop("input_ids", None)
+        extra.pop("attention_mask", None)
+        if prompt is None:
+            raise ProbeError("the prompt's inputs hold no input_ids; give the tokenizer's output or a text")
+    if isinstance(prompt, str):
+        if tok is None:
+            raise ProbeError(
+                f"{model_name(model)} has no tokenizer; pass tokenizer=... or a tensor of token ids"
+            )
+        ids = torch.tensor([tok.encode(prompt).ids], dtype=torch.long)
+    elif isinstance(prompt, Tensor) and not prompt.is_floating_point():
+        ids = prompt.reshape(1, -1) if prompt.dim() == 1 else prompt
+    elif isinstance(prompt, (list, tuple)) and prompt and all(isinstance(p, str) for p in prompt):
+        raise ProbeError("probe.generate captures one prompt at a time; call it once per text")
+    else:
+        raise ProbeError(
+            "the prompt should be a text, a tensor of token ids or a dict of inputs, "
+            f"not {type(prompt).__name__}"
+        )
+    if ids.dim() != 2 or ids.size(0) != 1:
+        raise ProbeError(f"probe.generate captures one prompt at a time; got ids of shape {list(ids.shape)}")
+    if ids.size(1) == 0:
+        raise ProbeError("the prompt is empty; give at least one token")
+    return ids.to(device_of(model)), extra
+
+
+def _check(model: nn.Module, max_new_tokens: Any, kwargs: dict[str, Any]) -> int:
+    if not isinstance(model, nn.Module):
+        raise ProbeError(f"probe captures torch.nn.Module models, not {type(model).__name__}")
+    if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
+        raise ProbeError(f"max_new_tokens must be a positive number of tokens, not {max_new_tokens!r}")
+    beams = kwargs.get("num_beams", 1) or 1
+    if beams > 1:
+        raise ProbeError(
+            f"num_beams={beams}: beam search reorders the KV cache between steps, which probe does not "
+            "follow; capture greedy decoding or sampling (num_beams=1)"
+        )
+    for k in ("output_attentions", "return_dict_in_generate", "streamer", "assistant_model"):
+        if kwargs.get(k):
+            raise ProbeError(f"probe.generate runs generate itself; drop {k}=")
+    return max_new_tokens
+
+
+def generate(
+    model: nn.Module,
+    prompt: Any,
+    *,
+    max_new_tokens: int = 32,
+    tokenizer: Any = None,
+    processor: Any = None,
+    keep: Any = None,
+    layers: list[int] | None = None,
+    heads: list[int] | None = None,
+    dtype: Any = None,
+    seed: int | None = None,
+    progress: bool = False,
+    **generate_kwargs: Any,
+) -> Generation:
+    """Generate from ``prompt`` and capture what every new token read, as the model ran.
+
+    A transformers model runs its own ``generate`` (greedy by default; ``do_sample=True`` samples,
+    reproducibly under ``seed``; other keywords pass on) with its KV cache; every forward is one
+    step of :func:`probe.trace` ``(model, steps=True)``. A model without a transformers
+    ``generate`` (probe's zoo minigpt and translator) is run by a greedy loop here (sampling from
+    the softmax under ``seed`` with ``do_sample=True``): one forward over the whole sequence so far
+    per token, as they have no KV cache; the translator's decoder starts from its start token and
+    stops at its end token. ``keep``: whole patterns (default), ``"rows"`` (the row of every
+    generated token over every key: ``rows``/``row_index``), ``{"topk": k}``; never a ``T x T``
+    pattern for the last two. ``tokenizer`` (or ``processor``'s, or ``model.tokenizer``) encodes a
+    text prompt and decodes the output. Beam search is refused.
+
+    Returns a :class:`Generation`; its cache's ``metadata["generation"]`` holds the facts.
+    """
+    max_new_tokens = _check(model, max_new_tokens, generate_kwargs)
+    kept = parse_keep(keep) if keep != "rows" else None
+    if kept is not None and kept.kind == "stats":
+        raise ProbeError(
+            "keep='stats' is not supported by probe.generate yet; use keep='rows' (every generated row) "
+            "or {'topk': k}, and probe.head_stats on the cache"
+        )
+    raw_tok = tokenizer or getattr(processor, "tokenizer", None) or getattr(model, "tokenizer", None)
+    tok = adapt(raw_tok) if raw_tok is not None else None
+    ids, extra = _prompt_ids(model, prompt, tok)
+    hf = is_hf_model(model) and callable(getattr(model, "generate", None))
+    enc_dec = bool(
+        getattr(model, "is_encoder_decoder", False)
+        or getattr(getattr(model, "config", None), "is_encoder_decoder", False)
+    )
+    if not hf and not hasattr(model, "forward"):
+        raise ProbeError(f"{model_name(model)} cannot generate")
+    sample = bool(generate_kwargs.get("do_sample", False))
+    P = 1 if enc_dec else ids.size(1)
+    bar = tqdm(total=max_new_tokens, desc="tokens", disable=not progress, leave=False)
+    st = StepTrace(
+        model,
+        layers=layers,
+        heads=heads,
+        dtype=dtype,
+        keep=keep,
+        hint=(max_new_tokens, P + max_new_tokens - 1),
+        on_step=lambda i: bar.update(1),
+    )
+    if seed is not None:
+        torch.manual_seed(seed)
+    try:
+        with torch.no_grad(), st:
+            if hf:
+                out = _hf_generate(model, ids, extra, max_new_tokens, generate_kwargs)
+            else:
+                out = own_loop(model, ids, max_new_tokens, enc_dec, sample, seed, generate_kwargs)
+    finally:
+        bar.close()
+    new = out[:, P:] if not enc_dec else out[:, 1:]
+    target = adapt(getattr(raw_tok, "target", raw_tok)) if raw_tok is not None and not hf else tok
+    meta = _meta((tok, target), ids, out, enc_dec, P, (sample, seed), st.cache.metadata)
+    text = meta["generation"]["output_text"]
+    cache = Cache(st.assembler.finished, meta)
+    return Generation(cache, torch.cat([ids, new], 1), ids.size(1), text)
+
+
+def _hf_generate(model, ids, extra, max_new_tokens, kwargs) -> Tensor:
+    kwargs = dict(kwargs)
+    kwargs.setdefault("do_sample", False)
+    kwargs.setdefault("num_beams", 1)
+    try:
+        return model.generate(
+            input_ids=ids,
+            attention_mask=torch.ones_like(ids),
+            max_new_tokens=max_new_tokens,
+            **extra,
+            **kwargs,
+        )
+    except ProbeError:
+        raise
+    except (TypeError, ValueError) as err:
+        first = (str(err).strip().splitlines() or [""])[0][:200]
+        raise ProbeError(
+            f"{model_name(model)}.generate() refused its arguments ({type(err).__name__}: {first})"
+        ) from None
+
+
+def _meta(toks, ids, out, enc_dec, P, sampling, meta) -> dict[str, Any]:
+    """The cache metadata: the tokens the model read, and ``generation`` (see the contract);
+    ``toks``: the source's and the output's tokenizers (None: ids only)."""
+    (src_tok, tok), (sample, seed) = toks, sampling
+    meta = dict(meta)
+    new = out[0, P:].tolist() if not enc_dec else out[0, 1:].tolist()
+    read = out[0, : out.size(1) - 1].tolist()
+    N = len(new)
+    side = "target_" if enc_dec else ""
+    if enc_dec:
+        _tokens(meta, "", src_tok, ids[0].tolist())
+    _tokens(meta, side, tok, read)
+    meta["input_kind"] = "ids"
+    decode = (lambda x: tok.decode(x)) if tok is not None else (lambda x: None)
+    src_decode = (lambda x: src_tok.decode(x)) if src_tok is not None else (lambda x: None)
+    meta["generation"] = {
+        "prompt_length": P,
+        "new_tokens": N,
+        "output_ids": new,
+        "output_text": decode(new),
+        "prompt_text": src_decode(ids[0].tolist()),
+        "last_token_read": False,
+        "strategy": "sample" if sample else "greedy",
+        "stack": "decoder",
+    }
+    if sample:
+        meta["generation"]["seed"] = seed
+    kinds = ["prompt"] * P + ["generated"] * (len(read) - P)
+    meta["stacks"] = dict(meta.get("stacks", {}))
+    if "decoder" in meta["stacks"]:
+        meta["stacks"]["decoder"] = dict(meta["stacks"]["decoder"], positions={"kinds": kinds})
+    return meta
+
+
+def _tokens(meta: dict[str, Any], prefix: str, tok: Any, ids: list[int]) -> None:
+    if tok is not None:
+        enc = tok.from_ids(ids)
+        _record(meta, prefix, [tok.decode(ids)], [enc], torch.ones(1, len(ids), dtype=torch.long))
+    else:
+        meta[f"{prefix}tokens"] = [[str(i) for i in ids]]
+        meta[f"{prefix}ids"] = [ids]
+        meta[f"{prefix}attention_mask"] = [[1] * len(ids)]
+
+
+__all__ = ["Generation", "generate"]

@@ -1,0 +1,291 @@
+"""probe.generate and probe.trace(steps=True): a generation captured step by step through the KV cache.
+
+Oracles, each independent of the stepped capture: the model's eager ``generate(output_attentions=True,
+return_dict_in_generate=True)`` on a twin with the same weights, its ragged per-step tuples
+reassembled here into one causal pattern; a capture (or probe.trace) of the whole final sequence
+in one forward; ``torch.topk`` on those weights; an argmax loop written here for the zoo model.
+"""
+
+from __future__ import annotations
+
+import hf_fixtures as H
+import pytest
+import torch
+
+import models
+import probe
+from probe.errors import ProbeError
+
+ATOL = 1e-5
+PROMPT = torch.tensor([[5, 6, 7, 8, 9, 10, 11, 12]])
+N = 6
+
+
+def reassemble(steps, T: int) -> torch.Tensor:
+    """Eager generate's attentions of one layer, one ``[B, H, q, K]`` per step, placed in
+    ``[B, H, T, T]``: a step's q rows end at the positions read so far; its K keys are the last K
+    of them (a sliding-window cache keeps fewer than all)."""
+    B, Hh = steps[0].shape[:2]
+    out = torch.zeros(B, Hh, T, T)
+    end = 0
+    for a in steps:
+        q, K = a.shape[2], a.shape[3]
+        end += q
+        out[:, :, end - q : end, end - K : end] = a
+    return out
+
+
+def eager_decoder_only(model, n=N, prompt=PROMPT):
+    twin = H.eager_twin(model)
+    with torch.no_grad():
+        out = twin.generate(
+            input_ids=prompt,
+            attention_mask=torch.ones_like(prompt),
+            max_new_tokens=n,
+            min_new_tokens=n,
+            do_sample=False,
+            output_attentions=True,
+            return_dict_in_generate=True,
+        )
+    T = out.sequences.size(1) - 1
+    layers = len(out.attentions[0])
+    return out.sequences, [reassemble([step[i] for step in out.attentions], T) for i in range(layers)]
+
+
+def whole_sequence(model, ids):
+    """probe.trace of one forward over the whole sequence the generation read."""
+    with torch.no_grad(), probe.trace(model) as t:
+        model(input_ids=ids, use_cache=False)
+    return t.cache
+
+
+@pytest.mark.parametrize("build", [H.gpt2, H.llama, H.mistral], ids=["gpt2", "llama-gqa", "mistral-window"])
+def test_generated_rows_match_eager_generate_and_one_forward(build):
+    model = build(100)
+    g = probe.generate(model, PROMPT, max_new_tokens=N, min_new_tokens=N)
+    seq, eager = eager_decoder_only(model)
+    assert torch.equal(g.ids, seq)
+    T = PROMPT.size(1) + N - 1
+    full = whole_sequence(model, seq[:, :-1])
+    for layer, want in enumerate(eager):
+        got = g.cache.pattern("decoder", layer)
+        assert got.shape == (1, want.shape[1], T, T)
+        torch.testing.assert_close(got, want, atol=ATOL, rtol=0)
+        torch.testing.assert_close(got, full.pattern("decoder", layer), atol=ATOL, rtol=0)
+        for name in ("resid_pre", "resid_post"):
+            torch.testing.assert_close(
+                g.cache[f"decoder.blocks.{layer}.{name}"],
+                full[f"decoder.blocks.{layer}.{name}"],
+                atol=ATOL,
+                rtol=0,
+            )
+
+
+def test_mistral_steps_ran_past_the_window():
+    # the oracle's own steps show the sliding cache: keys fewer than the positions read
+    model = H.mistral(100)
+    twin = H.eager_twin(model)
+    with torch.no_grad():
+        out = twin.generate(
+            input_ids=PROMPT,
+            max_new_tokens=3,
+            min_new_tokens=3,
+            output_attentions=True,
+            return_dict_in_generate=True,
+        )
+    assert out.attentions[-1][0].shape[-1] < PROMPT.size(1) + 2
+    g = probe.generate(model, PROMPT, max_new_tokens=3, min_new_tokens=3)
+    p = g.cache.pattern("decoder", 0)[0, :, -1]
+    assert (p[:, : PROMPT.size(1) + 2 - model.config.sliding_window] == 0).all() and (
+        p.sum(-1) - 1
+    ).abs().max() < 1e-5
+
+
+@pytest.mark.parametrize("build", [H.bart, H.t5], ids=["bart", "t5"])
+def test_encoder_decoder_cross_attention_per_step(build):
+    model = build(100)
+    g = probe.generate(model, PROMPT, max_new_tokens=N, min_new_tokens=N)
+    twin = H.eager_twin(model)
+    with torch.no_grad():
+        out = twin.generate(
+            input_ids=PROMPT,
+            max_new_tokens=N,
+            min_new_tokens=N,
+            output_attentions=True,
+            return_dict_in_generate=True,
+        )
+    assert torch.equal(g.new_ids, out.sequences[:, 1:])
+    T = out.sequences.size(1) - 1
+    S = PROMPT.size(1)
+    for layer in range(len(out.decoder_attentions[0])):
+        self_want = reassemble([s[layer] for s in out.decoder_attentions], T)
+        cross_want = torch.cat([s[layer] for s in out.cross_attentions], 2)
+        torch.testing.assert_close(g.cache.pattern("decoder", layer), self_want, atol=ATOL, rtol=0)
+        torch.testing.assert_close(g.cache.pattern("decoder", layer, "cross"), cross_want, atol=ATOL, rtol=0)
+        assert cross_want.shape[-2:] == (T, S)
+    for layer, want in enumerate(out.encoder_attentions):
+        torch.testing.assert_close(g.cache.pattern("encoder", layer), want, atol=ATOL, rtol=0)
+    with torch.no_grad(), probe.trace(model) as t:  # the whole decoder sequence in one forward
+        model(input_ids=PROMPT, decoder_input_ids=out.sequences[:, :-1], use_cache=False)
+    for layer in range(len(out.decoder_attentions[0])):
+        torch.testing.assert_close(
+            g.cache.pattern("decoder", layer, "cross"),
+            t.cache.pattern("decoder", layer, "cross"),
+            atol=ATOL,
+            rtol=0,
+        )
+    assert g.cache.metadata["generation"]["prompt_length"] == 1
+
+
+def test_zoo_minigpt_greedy_loop():
+    model = models.load("minigpt")
+    g = probe.generate(model, "attention lets", max_new_tokens=8)
+    ids = torch.tensor([model.tokenizer.encode("attention lets")])
+    with torch.no_grad():  # the greedy loop, written here
+        for _ in range(8):
+            ids = torch.cat([ids, model(ids)[0][:, -1].argmax(-1, keepdim=True)], 1)
+    assert torch.equal(g.ids, ids)
+    assert g.text == model.tokenizer.decode(ids[0, 14:].tolist())
+    full = probe.capture(model, ids[:, :-1])
+    for layer in range(2):
+        torch.testing.assert_close(
+            g.cache.pattern("decoder", layer), full.pattern("decoder", layer), atol=ATOL, rtol=0
+        )
+    meta = g.cache.metadata
+    assert meta["generation"]["new_tokens"] == 8 and meta["generation"]["prompt_length"] == 14
+    kinds = meta["stacks"]["decoder"]["positions"]["kinds"]
+    assert kinds == ["prompt"] * 14 + ["generated"] * 7
+
+
+def test_zoo_translator_untrained_loop():
+    model = models.module("translator").build().eval()
+    src = "ich mochte ein bier"
+    g = probe.generate(model, src, max_new_tokens=5)
+    enc = torch.tensor([model.tokenizer.encode(src)])
+    dec = g.cache.metadata["target_ids"]
+    with torch.no_grad():
+        _, enc_attn, dec_attn, cross_attn = model(enc, torch.tensor(dec))  # its own returned weights
+    for layer in range(len(dec_attn)):
+        torch.testing.assert_close(g.cache.pattern("decoder", layer), dec_attn[layer], atol=ATOL, rtol=0)
+        torch.testing.assert_close(
+            g.cache.pattern("decoder", layer, "cross"), cross_attn[layer], atol=ATOL, rtol=0
+        )
+        torch.testing.assert_close(g.cache.pattern("encoder", layer), enc_attn[layer], atol=ATOL, rtol=0)
+
+
+def test_keep_rows_and_topk_per_step():
+    model = H.llama(100)
+    full = probe.generate(model, PROMPT, max_new_tokens=N, min_new_tokens=N)
+    rows = probe.generate(model, PROMPT, max_new_tokens=N, min_new_tokens=N, keep="rows")
+    top = probe.generate(model, PROMPT, max_new_tokens=N, min_new_tokens=N, keep={"topk": 3})
+    T, P = PROMPT.size(1) + N - 1, PROMPT.size(1)
+    assert rows.cache.kept == {"rows": list(range(-N, 0))}
+    for layer in range(2):
+        want = full.cache.pattern("decoder", layer)
+        got = rows.cache.rows("decoder", layer)
+        assert got.shape == (1, 8, N, T)
+        torch.testing.assert_close(got, want[:, :, P - 1 :], atol=ATOL, rtol=0)
+        assert rows.cache.row_index("decoder", layer).tolist() == [list(range(P - 1, T))]
+        values, indices, mass = top.cache.topk("decoder", layer, batch=0)
+        torch.testing.assert_close(values, want[0].topk(3, dim=-1).values, atol=ATOL, rtol=0)
+        torch.testing.assert_close(want[0].gather(-1, indices.long()), values, atol=ATOL, rtol=0)
+        torch.testing.assert_close(mass, values.sum(-1), atol=ATOL, rtol=0)
+    assert not any(k.endswith(".pattern") for k in rows.cache.keys() + top.cache.keys())
+
+
+def test_keep_rows_past_the_window_and_with_cross_attention():
+    model = H.mistral(100)
+    full = probe.generate(model, PROMPT, max_new_tokens=N, min_new_tokens=N)
+    rows = probe.generate(model, PROMPT, max_new_tokens=N, min_new_tokens=N, keep="rows")
+    P = PROMPT.size(1)
+    torch.testing.assert_close(
+        rows.cache.rows("decoder", 1), full.cache.pattern("decoder", 1)[:, :, P - 1 :], atol=ATOL, rtol=0
+    )
+    bart = H.bart(100)
+    full = probe.generate(bart, PROMPT, max_new_tokens=N, min_new_tokens=N)
+    rows = probe.generate(bart, PROMPT, max_new_tokens=N, min_new_tokens=N, keep="rows")
+    torch.testing.assert_close(
+        rows.cache.rows("decoder", 0, "cross"), full.cache.pattern("decoder", 0, "cross"), atol=ATOL, rtol=0
+    )
+
+
+def test_static_cache():
+    model = H.llama(100)
+    full = probe.generate(model, PROMPT, max_new_tokens=N, min_new_tokens=N)
+    static = probe.generate(model, PROMPT, max_new_tokens=N, min_new_tokens=N, cache_implementation="static")
+    assert torch.equal(full.ids, static.ids)
+    torch.testing.assert_close(
+        static.cache.pattern("decoder", 1), full.cache.pattern("decoder", 1), atol=ATOL, rtol=0
+    )
+
+
+def test_trace_steps_records_a_loop_written_by_hand(tmp_path):
+    model = H.gpt2(100)
+    ids = PROMPT
+    with torch.no_grad(), probe.trace(model, steps=True) as t:
+        out = model(input_ids=ids, use_cache=True)
+        past = out.past_key_values
+        for _ in range(3):
+            nxt = out.logits[:, -1:].argmax(-1)
+            ids = torch.cat([ids, nxt], 1)
+            out = model(input_ids=nxt, past_key_values=past, use_cache=True)
+    assert t.steps == 4
+    full = whole_sequence(model, ids)
+    torch.testing.assert_close(t.cache.pattern("decoder", 2), full.pattern("decoder", 2), atol=ATOL, rtol=0)
+    with pytest.raises(ProbeError, match="forward passes inside probe.trace"):
+        with torch.no_grad(), probe.trace(model):
+            model(input_ids=PROMPT)
+            model(input_ids=PROMPT)
+    with pytest.raises(ProbeError, match="read already"):
+        with torch.no_grad(), probe.trace(model, steps=True):
+            model(input_ids=PROMPT)
+            model(input_ids=PROMPT)
+
+
+def test_generation_saves_and_loads(tmp_path):
+    model = H.gpt2(100)
+    g = probe.generate(model, PROMPT, max_new_tokens=3, min_new_tokens=3)
+    g.save(tmp_path / "g.safetensors")
+    back = probe.load(tmp_path / "g.safetensors")
+    assert back.metadata["generation"] == g.cache.metadata["generation"]
+    assert back.metadata["generation"]["output_ids"] == g.new_ids[0].tolist()
+    assert "3 new tokens after 8" in repr(g)
+
+
+def test_sampling_under_a_seed():
+    model = H.gpt2(100)
+    a = probe.generate(model, PROMPT, max_new_tokens=4, do_sample=True, seed=3)
+    b = probe.generate(model, PROMPT, max_new_tokens=4, do_sample=True, seed=3)
+    assert torch.equal(a.ids, b.ids) and a.cache.metadata["generation"]["strategy"] == "sample"
+    torch.manual_seed(3)
+    with torch.no_grad():
+        plain = model.generate(
+            input_ids=PROMPT, attention_mask=torch.ones_like(PROMPT), max_new_tokens=4, do_sample=True
+        )
+    assert torch.equal(a.ids, plain)
+
+
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        ({"max_new_tokens": 0}, "max_new_tokens must be a positive"),
+        ({"max_new_tokens": 3, "num_beams": 2}, "beam search"),
+        ({"max_new_tokens": 3, "keep": {"rows": [-1]}}, "last query row"),
+        ({"max_new_tokens": 3, "keep": "nope"}, "keep="),
+    ],
+)
+def test_bad_input_is_one_line(kwargs, match):
+    with pytest.raises(ProbeError, match=match) as e:
+        probe.generate(H.gpt2(100), PROMPT, **kwargs)
+    assert "\n" not in str(e.value)
+
+
+def test_bad_prompts_and_models():
+    with pytest.raises(ProbeError, match="one prompt at a time"):
+        probe.generate(H.gpt2(100), ["a", "b"], max_new_tokens=2)
+    with pytest.raises(ProbeError, match="torch.nn.Module"):
+        probe.generate(object(), PROMPT, max_new_tokens=2)
+    with pytest.raises(ProbeError, match="reads at most"):
+        probe.generate(models.load("minigpt"), "a", max_new_tokens=10_000)
+    with pytest.raises(ProbeError, match="no tokenizer"):
+        probe.generate(H.gpt2(100), "text", max_new_tokens=2)
