@@ -160,7 +160,9 @@ def patch_centres(meta: dict[str, Any], stack: str, batch: int, length: int) -> 
     pos = ((meta.get("stacks") or {}).get(stack) or {}).get("positions")
     if not isinstance(pos, dict):
         return None, None, None
-    rows = pos.get("rows") or [{"kinds": pos.get("kinds", []), "grids": [pos["grid"]]}] * batch
+    # kinds without a grid (a generation's prompt/generated positions) name no patch
+    grids = [pos["grid"]] if pos.get("grid") else []
+    rows = pos.get("rows") or [{"kinds": pos.get("kinds", []), "grids": grids}] * batch
     if len(rows) != batch or any(len(r["kinds"]) != length for r in rows):
         return None, None, None
     centre = torch.full((batch, length, 2), float("nan"), dtype=torch.float64)
