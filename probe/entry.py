@@ -24,6 +24,7 @@ def capture(
     tokenizer: Any = None,
     target: Any = None,
     processor: Any = None,
+    text: Any = None,
     out: str | os.PathLike | None = None,
     layers: list[int] | None = None,
     heads: list[int] | None = None,
@@ -33,9 +34,14 @@ def capture(
 ):
     """:func:`probe.capture.engine.capture`, and ``keep="stats"``: every head's statistics computed
     block by block while the model runs and each residual tensor's norm, no pattern ever whole
-    (``block`` query rows at a time, default about 16 MiB of weights). See ``docs/long-context.md``."""
+    (``block`` query rows at a time, default about 16 MiB of weights). See ``docs/long-context.md``.
+    ``text``: what a vision-language model reads beside the pictures (``processor`` its processor,
+    which places the image tokens in it); see ``docs/images.md``."""
+    from probe.capture.images import with_text  # a text read beside pictures by the processor
     from probe.forward import capture as capture_full
     from probe.forward import capture_stats, parse_keep
+
+    processor = with_text(processor, text)
 
     if parse_keep(keep).kind != "stats":
         if block is not None:

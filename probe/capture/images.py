@@ -2,6 +2,11 @@
 tensors by the user's processor (a transformers image processor or processor, called as
 ``processor(images=..., return_tensors="pt")``, the way users already call it).
 
+A vision-language model reads the pictures beside a text: its processor (``LlavaProcessor``,
+``PaliGemmaProcessor``, ...) is called ``processor(images=..., text=..., return_tensors="pt")``
+and places the image tokens in the text itself. Before it runs, the count of the processor's
+image token (``processor.image_token``) in the texts is checked against the pictures.
+
 Files are read with Pillow (matplotlib's own dependency) and converted to RGB; an unreadable or
 corrupt file, an empty list or a processor that fails on the pictures is one clear line.
 """
@@ -65,18 +70,84 @@ def load_images(inputs: Any, start: int = 0) -> list[Any]:
     return [_open(x, start + i) for i, x in enumerate(items)]
 
 
-def process(processor: Any, images: list[Any]) -> Mapping:
-    """``processor(images=images, return_tensors="pt")``, its failure said in one line."""
+def texts_of(text: Any) -> list[str]:
+    """``text=`` as a list of texts: one string, or a non-empty list of strings."""
+    texts = [text] if isinstance(text, str) else text
+    if not isinstance(texts, (list, tuple)) or not texts or not all(isinstance(t, str) for t in texts):
+        raise ProbeError(
+            f"text= takes a text or a list of texts to read beside the pictures, not {type(text).__name__}"
+        )
+    return list(texts)
+
+
+class WithText:
+    """A vision-language model's processor and the text(s) it reads beside the pictures: what
+    ``probe.capture(model, pictures, processor=proc, text=...)`` hands the capture as its
+    processor (:func:`with_text`)."""
+
+    def __init__(self, processor: Any, texts: list[str]):
+        self.processor, self.texts = processor, texts
+
+
+def with_text(processor: Any, text: Any) -> Any:
+    """``processor`` unchanged when ``text`` is None, else a :class:`WithText` (a text read beside
+    pictures needs a processor; the text checked here, one line when it is not one)."""
+    if text is None:
+        return processor
+    if processor is None:
+        raise ProbeError(
+            "text= is read beside pictures: give the pictures and processor= (the vision-language "
+            "model's processor); for a text alone pass it as the inputs"
+        )
+    return WithText(processor, texts_of(text))
+
+
+def _image_tokens_error(processor: Any, texts: list[str], n: int, failed: bool) -> ProbeError | None:
+    """The texts should hold one image token (``processor.image_token``) per picture, in the
+    order the pictures are given, or none at all where the processor places them itself
+    (PaliGemma's puts them before the text): the error when they do not (with none, only once
+    the processor has ``failed``), else None."""
+    token = getattr(processor, "image_token", None)
+    if not isinstance(token, str) or not token:
+        return None
+    found = sum(t.count(token) for t in texts)
+    if found == n or (found == 0 and not failed):
+        return None
+    return ProbeError(
+        f"the text{'s hold' if len(texts) > 1 else ' holds'} {found or 'no'} {token!r} token"
+        f"{'s' if found > 1 else ''} for {n} picture{'s' if n != 1 else ''}; put one {token!r} "
+        "where each picture goes, the pictures in the order of their tokens"
+    )
+
+
+def process(processor: Any, images: list[Any], text: list[str] | None = None) -> Mapping:
+    """``processor(images=images, return_tensors="pt")`` (and ``text=``, the texts padded to one
+    batch, for a vision-language model's processor), its failure said in one line."""
     if not callable(processor):
         raise ProbeError(
             f"processor= should be a transformers (image) processor, not {type(processor).__name__}"
         )
+    kwargs: dict[str, Any] = {}
+    if text is not None:
+        if getattr(processor, "tokenizer", None) is None:
+            raise ProbeError(
+                f"text= needs a vision-language processor (one with a tokenizer); "
+                f"{type(processor).__name__} reads pictures only"
+            )
+        error = _image_tokens_error(processor, text, len(images), failed=False)
+        if error is not None:
+            raise error
+        kwargs = {"text": text if len(text) > 1 else text[0], "padding": True}
     try:
-        out = processor(images=images, return_tensors="pt")
+        out = processor(images=images, return_tensors="pt", **kwargs)
     except Exception as e:  # the processor is the user's library: say what failed and the way out
-        why = str(e).splitlines()[0] if str(e) else type(e).__name__
+        error = _image_tokens_error(processor, text, len(images), failed=True) if text else None
+        if error is not None:
+            raise error from None
+        why = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        what = "the images" if text is None else "the pictures and text"
         raise ProbeError(
-            f"the processor {type(processor).__name__} failed on the images ({why}); give the processor "
+            f"the processor {type(processor).__name__} failed on {what} ({why}); give the processor "
             "that belongs to the model"
         ) from None
     if not isinstance(out, Mapping) or "pixel_values" not in out:
@@ -98,7 +169,8 @@ def pictures_seen(pixel_values: Any, processor: Any = None) -> list[str]:
     x = pixel_values.detach().float().cpu()
     if x.dim() != 4 or x.shape[1] not in (1, 3):
         return []
-    mean, std = getattr(processor, "image_mean", None), getattr(processor, "image_std", None)
+    images = getattr(processor, "image_processor", processor)  # a vision-language processor's own
+    mean, std = getattr(images, "image_mean", None), getattr(images, "image_std", None)
     if mean is not None and std is not None and len(mean) == len(std) == x.shape[1]:
         x = x * torch.tensor(std).view(1, -1, 1, 1) + torch.tensor(mean).view(1, -1, 1, 1)
     else:
@@ -118,4 +190,13 @@ def image_names(inputs: Any) -> list[str]:
     return [Path(x).name if isinstance(x, (str, Path)) else f"image {i}" for i, x in enumerate(items)]
 
 
-__all__ = ["image_names", "is_images", "load_images", "pictures_seen", "process"]
+__all__ = [
+    "WithText",
+    "image_names",
+    "is_images",
+    "load_images",
+    "pictures_seen",
+    "process",
+    "texts_of",
+    "with_text",
+]

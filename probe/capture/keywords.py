@@ -14,26 +14,38 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from probe.capture.images import image_names, is_images, load_images, pictures_seen, process
+from probe.capture.images import WithText, image_names, is_images, load_images, pictures_seen, process
 from probe.capture.inputs import Prepared, device_of, is_hf_model, model_name
 from probe.capture.tokenizers import adapt
 from probe.errors import ProbeError
 
 
 def prepare_keywords(
-    model: nn.Module, inputs: Any, *, tokenizer: Any = None, target: Any = None, processor: Any = None
+    model: nn.Module,
+    inputs: Any,
+    *,
+    tokenizer: Any = None,
+    target: Any = None,
+    processor: Any = None,
 ) -> Prepared:
-    """The forward call for keyword inputs or pictures (see :func:`probe.capture`)."""
+    """The forward call for keyword inputs or pictures (see :func:`probe.capture`); a processor
+    given with a text (:class:`~probe.capture.images.WithText`) reads it beside the pictures."""
     name = model_name(model)
     if target is not None:
         raise ProbeError("target= is for texts; with keyword inputs pass decoder_input_ids among them")
+    text = None
+    if isinstance(processor, WithText):
+        processor, text = processor.processor, processor.texts
     if isinstance(inputs, Mapping) and processor is None:
         return _prepare_kwargs(model, inputs, tokenizer, name)
-    return _prepare_images(model, inputs, tokenizer, processor, name)
+    return _prepare_images(model, inputs, tokenizer, processor, name, text)
 
 
-def _prepare_images(model: nn.Module, inputs: Any, tokenizer: Any, processor: Any, name: str) -> Prepared:
-    """Pictures (PIL images, numpy arrays, image files) through ``processor`` to keyword tensors."""
+def _prepare_images(
+    model: nn.Module, inputs: Any, tokenizer: Any, processor: Any, name: str, text: Any = None
+) -> Prepared:
+    """Pictures (PIL images, numpy arrays, image files) through ``processor`` to keyword tensors;
+    with ``text``, a vision-language processor places the image tokens in the text."""
     if processor is None:
         raise ProbeError(
             f"pictures need processor= (the image processor of {name}) to become pixel_values; "
@@ -44,9 +56,16 @@ def _prepare_images(model: nn.Module, inputs: Any, tokenizer: Any, processor: An
             "processor= takes pictures: a PIL image, a numpy array, an image file path, or a list of "
             f"them, not {type(inputs).__name__}"
         )
-    batch = dict(process(processor, load_images(inputs)))
+    batch = dict(process(processor, load_images(inputs), text))
+    if text is not None:
+        from probe.capture.vlm import check_processor  # the text's ids and image tokens
+
+        check_processor(model, processor, batch, name)
+        tokenizer = tokenizer if tokenizer is not None else processor.tokenizer
     prepared = _prepare_kwargs(model, batch, tokenizer, name)
     prepared.meta["images"] = image_names(inputs)
+    if text is not None:
+        prepared.meta["prompts"] = text
     prepared.meta["image_png"] = pictures_seen(batch["pixel_values"], processor)
     return prepared
 
