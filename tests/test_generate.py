@@ -289,3 +289,18 @@ def test_bad_prompts_and_models():
         probe.generate(models.load("minigpt"), "a", max_new_tokens=10_000)
     with pytest.raises(ProbeError, match="no tokenizer"):
         probe.generate(H.gpt2(100), "text", max_new_tokens=2)
+
+
+def test_keep_stats_of_a_generation():
+    model = H.llama(100)
+    full = probe.generate(model, PROMPT, max_new_tokens=N, min_new_tokens=N)
+    stats = probe.generate(model, PROMPT, max_new_tokens=N, min_new_tokens=N, keep="stats")
+    assert torch.equal(full.ids, stats.ids) and stats.cache.kept == "stats"
+    assert stats.cache.metadata["generation"]["output_ids"] == full.new_ids[0].tolist()
+    assert not any(k.endswith((".pattern", ".rows")) for k in stats.cache.keys())
+    want, got = probe.head_stats(full.cache), probe.head_stats(stats.cache)
+    for metric in ("entropy", "first", "distance", "induction_score"):
+        for layer_map in ((got.map(metric), want.map(metric)),):
+            torch.testing.assert_close(*layer_map, atol=1e-5, rtol=0)
+    with pytest.raises(ProbeError, match="decoder-only"):
+        probe.generate(H.bart(100), PROMPT, max_new_tokens=2, keep="stats")

@@ -10,6 +10,7 @@ kinds ``prompt``/``generated``).
 
 from __future__ import annotations
 
+import contextlib
 import os
 from typing import Any
 
@@ -19,11 +20,15 @@ from tqdm.auto import tqdm
 
 from probe.cache import Cache
 from probe.capture.inputs import _record, device_of, is_hf_model, model_name
-from probe.capture.kept import parse_keep
 from probe.capture.loop import own_loop
 from probe.capture.steps import StepTrace
 from probe.capture.tokenizers import adapt
 from probe.errors import ProbeError
+
+STATS_NOTE = (
+    "statistics of the sequence the model read, computed block by block in one forward over it "
+    "after generate (each row equals the row its step computed through the KV cache)"
+)
 
 
 class Generation:
@@ -117,6 +122,7 @@ def generate(
     dtype: Any = None,
     seed: int | None = None,
     progress: bool = False,
+    stats_of: Any = None,
     **generate_kwargs: Any,
 ) -> Generation:
     """Generate from ``prompt`` and capture what every new token read, as the model ran.
@@ -130,16 +136,19 @@ def generate(
     stops at its end token. ``keep``: whole patterns (default), ``"rows"`` (the row of every
     generated token over every key: ``rows``/``row_index``), ``{"topk": k}``; never a ``T x T``
     pattern for the last two. ``tokenizer`` (or ``processor``'s, or ``model.tokenizer``) encodes a
-    text prompt and decodes the output. Beam search is refused.
+    text prompt and decodes the output. Beam search is refused. ``keep="stats"`` (decoder-only
+    models): the model generates uncaptured, then ``stats_of(model, ids, tokenizer, layers)`` (the
+    top-level ``probe.generate`` passes ``probe.capture(..., keep="stats")``) streams the focus
+    statistics of the sequence it read through one forward, a block of rows at a time: each row
+    is the one its step computed (the tests hold stepped and one-forward rows equal).
 
     Returns a :class:`Generation`; its cache's ``metadata["generation"]`` holds the facts.
     """
     max_new_tokens = _check(model, max_new_tokens, generate_kwargs)
-    kept = parse_keep(keep) if keep != "rows" else None
-    if kept is not None and kept.kind == "stats":
+    stats = keep == "stats"
+    if stats and stats_of is None:
         raise ProbeError(
-            "keep='stats' is not supported by probe.generate yet; use keep='rows' (every generated row) "
-            "or {'topk': k}, and probe.head_stats on the cache"
+            "keep='stats' computes statistics with probe's analysis: call probe.generate (the top-level)"
         )
     raw_tok = tokenizer or getattr(processor, "tokenizer", None) or getattr(model, "tokenizer", None)
     tok = adapt(raw_tok) if raw_tok is not None else None
@@ -149,8 +158,11 @@ def generate(
         getattr(model, "is_encoder_decoder", False)
         or getattr(getattr(model, "config", None), "is_encoder_decoder", False)
     )
-    if not hf and not hasattr(model, "forward"):
-        raise ProbeError(f"{model_name(model)} cannot generate")
+    if stats and (enc_dec or heads is not None or dtype is not None):
+        raise ProbeError(
+            "keep='stats' of a generation: decoder-only models, every head, float32 (drop heads=/dtype=; "
+            "for an encoder-decoder keep='rows' or {'topk': k})"
+        )
     sample = bool(generate_kwargs.get("do_sample", False))
     P = 1 if enc_dec else ids.size(1)
     bar = tqdm(total=max_new_tokens, desc="tokens", disable=not progress, leave=False)
@@ -159,10 +171,12 @@ def generate(
         layers=layers,
         heads=heads,
         dtype=dtype,
-        keep=keep,
+        keep=None if stats else keep,
         hint=(max_new_tokens, P + max_new_tokens - 1),
         on_step=lambda i: bar.update(1),
     )
+    if stats:
+        st = contextlib.nullcontext()
     if seed is not None:
         torch.manual_seed(seed)
     try:
@@ -175,9 +189,16 @@ def generate(
         bar.close()
     new = out[:, P:] if not enc_dec else out[:, 1:]
     target = adapt(getattr(raw_tok, "target", raw_tok)) if raw_tok is not None and not hf else tok
-    meta = _meta((tok, target), ids, out, enc_dec, P, (sample, seed), st.cache.metadata)
+    if stats:  # the final sequence's statistics, streamed block by block (no pattern whole)
+        base = stats_of(model, out[:, :-1], raw_tok, layers)
+        tensors = {k: base[k] for k in base.keys()}
+        meta = _meta((tok, target), ids, out, enc_dec, P, (sample, seed), base.metadata)
+        meta["generation"]["stats"] = STATS_NOTE
+    else:
+        tensors = st.assembler.finished
+        meta = _meta((tok, target), ids, out, enc_dec, P, (sample, seed), st.cache.metadata)
     text = meta["generation"]["output_text"]
-    cache = Cache(st.assembler.finished, meta)
+    cache = Cache(tensors, meta)
     return Generation(cache, torch.cat([ids, new], 1), ids.size(1), text)
 
 
