@@ -32,22 +32,23 @@ sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
 def one(model_type: str) -> dict:
     """Build, run and check one model type; the verdict as a dict (never raises). ``image`` is True
     for a family whose forward takes pixels (run on pixels, and image tokens in its text, made from
-    its config by ``tests/catalogue_inputs.py``; ``inputs`` names their shapes)."""
+    its config by ``tests/catalogue_inputs.py``; ``inputs`` names their shapes), ``audio`` for one
+    run on audio (a spectrogram or a waveform made from its config by ``tests/catalogue_audio.py``)."""
     import catalogue_configs as K
     import catalogue_inputs as I
     from catalogue_classify import classify_build_error, other_input
 
     t0 = time.time()
     cls = None
+    image: dict = {}
     try:
         cls = K.model_class(K.tiny_config(model_type))
-        image = {"image": True} if cls is not None and I.takes_pixels(cls) else {}
+        image = _kind(cls)
         if cls is not None and "input_ids" not in I.forward_params(cls) and not image:
-            # decided before building: audio towers, time series, ... take neither ids nor pixels
+            # decided before building: time series, video, ... take neither ids, pixels nor audio
             return {"status": "cannot run", "reason": I.not_image(cls)}
         model = K.build(model_type)
     except Exception as e:  # noqa: BLE001
-        image = {"image": True} if cls is not None and I.takes_pixels(cls) else {}
         return {**classify_build_error(model_type, e, cls), **image}
     res = I.check_family(model)
     if res["status"] == "run failed":
@@ -55,6 +56,17 @@ def one(model_type: str) -> dict:
     res["class"] = type(model).__name__
     res["seconds"] = round(time.time() - t0, 2)
     return {**res, **image}
+
+
+def _kind(cls) -> dict:
+    """``{"image": True}`` for a forward that takes pixels, ``{"audio": True}`` for one run on audio
+    (``tests/catalogue_audio.py``), else ``{}``."""
+    import catalogue_audio as A
+    import catalogue_inputs as I
+
+    if cls is not None and I.takes_pixels(cls):
+        return {"image": True}
+    return {"audio": True} if cls is not None and A.takes_audio(cls) else {}
 
 
 def worker() -> None:

@@ -26,7 +26,7 @@ MEANING = {
     "timeout": "no verdict within the per-model timeout",
     "refused": "probe raised `ProbeError` (the reason is its message)",
     "no softmax attention": "probe found no attention, and neither eager nor SDPA has any",
-    "cannot run": "the model takes inputs other than token ids and pictures (audio, video, a time series, "
+    "cannot run": "the model takes inputs other than token ids, pictures and audio (video, a time series, "
     "layout boxes, ...; the reason names them): not run",
     "run failed": "the tiny model's forward fails without probe (the shrunk config, or the inputs made "
     "from it, do not suit it)",
@@ -61,6 +61,8 @@ def _inputs(v: dict) -> str:
         return _cell(v["inputs"], 200)
     if v.get("image"):
         return "pixels (not run)"
+    if v.get("audio"):
+        return "audio (not run)"
     return "ids" if v.get("status") in RAN else ""
 
 
@@ -79,9 +81,11 @@ def page(data: dict[str, dict]) -> str:
 
     counts = {s: 0 for s in ORDER}
     images = {s: 0 for s in ORDER}
+    audio = {s: 0 for s in ORDER}
     for v in data.values():
         counts[v["status"]] = counts.get(v["status"], 0) + 1
         images[v["status"]] = images.get(v["status"], 0) + bool(v.get("image"))
+        audio[v["status"]] = audio.get(v["status"], 0) + bool(v.get("audio"))
     lines = [
         "# The catalogue sweep",
         "",
@@ -118,6 +122,20 @@ def page(data: dict[str, dict]) -> str:
         "pattern equals one of theirs or one of the eager softmaxes (the note says `every stored pattern "
         "equals one of the oracles'`).",
         "",
+        "Audio families (those whose forward's main input is a spectrogram or a waveform, "
+        "`input_features`, `input_values` or `audio_mel`, and no token ids) are run on inputs made from "
+        "their shrunk config by `tests/catalogue_audio.py`: two random spectrograms `[2, mel bins, "
+        "frames]` (or `[2, frames, mel bins]`, frames stacked as wide as the config's input projection, "
+        "`[2, 1, frames, mel bins]`, whichever the forward takes) at the length the config fixes "
+        "(Whisper-style encoders: 2 · `max_source_positions` frames, 32 positions in the shrunk "
+        "configs; Qwen3-ASR: whole windows; else 128 frames), or two random waveforms long enough for "
+        "16 frames of the convolution feature extractor (its kernels and strides) or of a codec's "
+        "down-sampling; an attention mask over the input with the second row's last quarter padded "
+        "where the forward takes one and runs with it; random decoder ids `[2, 6]` for an "
+        "encoder-decoder. They go through `probe.capture(model, inputs)` as the pictures do. Where eager "
+        "returns a layer's weights averaged over the heads (WavLM), the stored patterns' head means "
+        "are compared with eager and each head with the eager forward's own softmax.",
+        "",
         "A few model types run in seconds (`--only`, comma-separated; `--jobs`, `--timeout` and "
         "`--out` as `--help` says; a rerun resumes the JSON file, `--redo` reruns what is there):",
         "",
@@ -126,7 +144,7 @@ def page(data: dict[str, dict]) -> str:
         "...",
         "```",
         "",
-        "The whole catalogue, image families included, takes 4 to 15 minutes on two cores (measured: "
+        "The whole catalogue, image and audio families included, takes 4 to 15 minutes on two cores (measured: "
         "3 min 36 s with the cores to itself, 13 min 22 s beside other work), "
         "in worker processes with a per-model timeout; this page is generated from its JSON "
         "(`benchmarks/catalogue.json`):",
@@ -145,21 +163,22 @@ def page(data: dict[str, dict]) -> str:
         "",
         "The column *image* counts the image and vision-language families among them (forward takes "
         "`pixel_values`); *text only* those of them checked on text ids because their forward refused "
-        "the image inputs.",
+        "the image inputs; *audio* the audio families (run on a spectrogram or a waveform).",
         "",
-        "| verdict | model types | image | text only | meaning |",
-        "|---|---|---|---|---|",
+        "| verdict | model types | image | text only | audio | meaning |",
+        "|---|---|---|---|---|---|",
     ]
     text_only = {
         st: sum(v["status"] == st and v.get("inputs") == "text only" for v in data.values()) for st in counts
     }
     lines += [
-        f"| {st} | {counts[st]} | {images[st]} | {text_only[st]} | {MEANING.get(st, '')} |"
+        f"| {st} | {counts[st]} | {images[st]} | {text_only[st]} | {audio[st]} | {MEANING.get(st, '')} |"
         for st in counts
         if counts[st] or st in MEANING
     ]
     total_img = sum(images.values())
-    lines += [f"| total | {len(data)} | {total_img} | {sum(text_only.values())} | |", ""]
+    total_audio = sum(audio.values())
+    lines += [f"| total | {len(data)} | {total_img} | {sum(text_only.values())} | {total_audio} | |", ""]
     for s in ORDER:
         rows = sorted((mt, v) for mt, v in data.items() if v["status"] == s)
         if not rows:

@@ -356,6 +356,19 @@ def check_model(model: Any, inputs: dict | None = None) -> dict[str, Any]:
     if (isinstance(e, tuple) or not n_eager) and isinstance(s, tuple) and s[0] <= TOL:
         # eager computes something else (Falcon's ALiBi order) or returns nothing: SDPA decides
         return {**res, "status": "exact", "oracle": "sdpa", "reason": why}
+    if n_eager and not sdpa:  # WavLM: eager averages the heads; the softmaxes hold each head
+        close = lambda a, b: _real_diff(a, b, mask) <= TOL  # noqa: E731
+        flat = by_kind[0] + by_kind[1]
+        averaged = O.head_averaged(flat, eager["self"] + eager["cross"], softmaxes, close)
+        if averaged is not None:
+            ok, note = averaged
+            res["eager_diff"] = None  # eager's weights are head means: the note says what was compared
+            return {
+                **res,
+                "status": "exact" if ok else "wrong",
+                "oracle": "eager mean",
+                "reason": f"{why}; {note}",
+            }
     if mha or n_eager or sdpa or softmaxes:
         # eager, SDPA and MultiheadAttention each see a part (a vision-language model's eager outputs
         # hold its language model only): exact where they and the stored patterns cover each other

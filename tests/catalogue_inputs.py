@@ -327,9 +327,15 @@ def check_family(model: Any) -> dict:
     """``catalogue_check.check_model`` on the inputs this module makes where the forward takes pixels
     (``inputs`` names their shapes); a vision-language model whose forward refuses them is checked on
     text ids instead (``inputs`` is ``text only``, ``image_failed`` the forward's complaint)."""
+    import catalogue_audio as A
     import catalogue_check as C
 
-    inputs = fitted_inputs(model) if takes_pixels(type(model)) else None
+    if A.takes_audio(type(model)):  # audio families: a spectrogram or a waveform (catalogue_audio.py)
+        inputs, failed = A.audio_inputs(model)
+        if inputs is None:
+            return {"status": "run failed", "reason": f"no audio input made from the config runs: {failed}"}
+    else:
+        inputs = fitted_inputs(model) if takes_pixels(type(model)) else None
     try:
         res = C.check_model(model, inputs)
     except Exception as e:  # noqa: BLE001 - the failure is the verdict

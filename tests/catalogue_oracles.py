@@ -263,3 +263,35 @@ def union_check(
         return False, f"stored pattern {i} {tuple(got[i].shape)} matches no oracle's pattern"
     counts = ", ".join(f"{n} {len(w)}" for n, w in {**oracles, **(cover or {})}.items() if w)
     return True, f"every stored pattern equals one of the oracles' ({counts}), and each of theirs is stored"
+
+
+def head_averaged(
+    got: list[torch.Tensor], want: list[torch.Tensor], softmaxes: list[torch.Tensor], close: Any
+) -> tuple[bool, str] | None:
+    """Where eager returns a layer's weights averaged over the heads and broadcast to every head
+    (WavLM: ``F.multi_head_attention_forward``'s default average, a transformers issue it notes in
+    its code), the stored per-head patterns are held to eager through their head mean and, per
+    head, to the eager forward's own softmaxes (the one inside the function, ``[batch·heads, q,
+    k]``). ``(exact, why)``; None where no eager pattern is such a broadcast average."""
+
+    def broadcast(w: torch.Tensor) -> bool:
+        return w.dim() == 4 and w.shape[1] > 1 and torch.equal(w, w[:, :1].expand_as(w))
+
+    if len(got) != len(want) or not any(broadcast(w) for w in want):
+        return None
+    for i, (p, w) in enumerate(zip(got, want, strict=True)):
+        if p.shape != w.shape:
+            return False, f"pattern {i}: shape {tuple(p.shape)} vs eager {tuple(w.shape)}"
+        if not broadcast(w):
+            if not close(p, w):
+                return False, f"pattern {i} differs from eager"
+            continue
+        if not close(p.mean(1, keepdim=True).expand_as(p), w):
+            return False, f"pattern {i}: its head mean differs from eager's averaged weights"
+        if not any(_same(p, s, close) for s in softmaxes):
+            return False, f"pattern {i} matches none of the eager forward's softmaxes per head"
+    n = sum(broadcast(w) for w in want)
+    return True, (
+        f"eager returns {n} layer(s) averaged over the heads (broadcast to each head): the stored "
+        "patterns' head means equal eager's, and each per head one of the eager forward's softmaxes"
+    )

@@ -161,6 +161,18 @@ OVERRIDES: dict[str, dict[str, Any]] = {
     "swinv2": {"embed_dim": 32, "depths": [2, 2], "num_heads": [2, 4]},
     "donut-swin": {"embed_dim": 32, "depths": [2, 2], "num_heads": [2, 4]},
     "maskformer-swin": {"embed_dim": 32, "depths": [2, 2], "num_heads": [2, 4]},
+    # audio families (inputs from tests/catalogue_audio.py): encoders whose positions fix the input
+    # length (2 · max_source_positions mel frames) take 64 frames, not 3000
+    "whisper": {"max_source_positions": 32},
+    "qwen2_audio_encoder": {"max_source_positions": 32},
+    "voxtral_encoder": {"max_source_positions": 32},
+    "moss_transcribe_diarize_audio": {"max_source_positions": 32},
+    "audioflamingo3_encoder": {"max_source_positions": 32},
+    "audio-spectrogram-transformer": {"max_length": 64, "num_mel_bins": 32},
+    # codecs' up-sampling convolutions are grouped: groups that divide the shrunk width
+    "mimi": {"upsample_groups": HIDDEN},
+    "pocket_tts_audio_tokenizer": {"upsample_groups": HIDDEN},
+    "moonshine_streaming": {"num_key_value_heads": HEADS},  # the decoder reads it, its default lacks it
 }
 
 
@@ -169,4 +181,6 @@ OVERRIDES: dict[str, dict[str, Any]] = {
 CLASSES: dict[str, str] = {
     "musicgen": "MusicgenForConditionalGeneration",
     "musicgen_melody": "MusicgenMelodyForConditionalGeneration",
+    # SpeechT5's base model has no pre-net: its inputs are hidden states; speech to text reads a waveform
+    "speecht5": "SpeechT5ForSpeechToText",
 }

@@ -106,9 +106,11 @@ class KeepPatterns:
             return
         for p, v in attn.parts:
             if p._version != v:
-                raise RuntimeError(
-                    "an attention pattern was modified in place after softmax; "
-                    "probe cannot capture it exactly"
+                # the weights the model used are those before or after the edit, which probe cannot
+                # tell (SEW-D's XSoftmax zeroes the masked keys in place after its softmax)
+                raise ProbeError(
+                    f"{attn.module or 'a layer'}: its attention pattern was modified in place after "
+                    "the softmax; probe cannot capture it exactly and refuses the layer"
                 )
         parts = [p for p, _ in attn.parts]
         pattern = restore_layout(parts, batch_size(attn.primary, attn.qk[0]))

@@ -7,8 +7,8 @@ returns, and the :class:`~probe.capture.record.Recorder` about each sublayer tha
 
 The mode's ``__torch_function__`` runs for every torch call while a capture is on, so it stays
 lean: softmaxes, ``F.scaled_dot_product_attention`` and ``flex_attention`` go to the recorder;
-``F.multi_head_attention_forward`` runs with the mode re-entered, so the SDPA or
-softmax inside is seen like any other; inside a layer every other op goes to the layer's
+a direct ``F.multi_head_attention_forward`` call runs with the mode off and its per-head weights
+recomputed after it (:mod:`probe.capture.layouts.fused`); inside a layer every other op goes to the layer's
 :class:`~probe.capture.residual.LayerStream`; everything else runs untouched.
 
 ``nn.MultiheadAttention`` and torch's encoder layers, whose fast paths switch off under any
@@ -39,7 +39,7 @@ from probe.capture.calls import (
 )
 from probe.capture.layers import LayerTracker
 from probe.capture.layouts import OPS as LAYOUT_OPS
-from probe.capture.layouts.fused import replay_encoder_layer
+from probe.capture.layouts.fused import mha_function_weights, replay_encoder_layer
 from probe.capture.record import FLEX, SDPA, SOFTMAX, Recorder
 from probe.capture.residual import ADD, ADD_INPLACE
 
@@ -101,9 +101,13 @@ class _Mode(TorchFunctionMode):
         if func is SDPA:
             return self.recorder.sdpa(func, args, kwargs)
         if func is _MHA_FN:
-            # re-enter the mode so the SDPA or softmax inside is seen like any other
-            with self:
-                out = func(*args, **kwargs)
+            # called directly, not by an nn.MultiheadAttention (WavLM): the mode is off inside (re-
+            # entering it would dispatch the call to itself again), its weights recomputed after
+            out = func(*args, **kwargs)
+            with torch.no_grad():
+                w = mha_function_weights(func, args, kwargs)
+            if w is not None:
+                self.recorder.pattern(w, "mha")
             self.layers.after_op(func, args, kwargs, out)
             return out
         return self.recorder.flex(func, args, kwargs)  # in _SEEN only where torch has it

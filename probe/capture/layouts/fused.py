@@ -80,6 +80,20 @@ def mha_weights(module: nn.MultiheadAttention, args: tuple, kwargs: dict) -> Ten
     return weights if batched else weights.unsqueeze(0)
 
 
+def mha_function_weights(func: Any, args: tuple, kwargs: dict) -> Tensor | None:
+    """The per-head weights ``[batch, head, L, S]`` of a direct ``F.multi_head_attention_forward``
+    call (WavLM's attention calls the function, no module): the call repeated with
+    ``need_weights=True, average_attn_weights=False`` and no dropout, with the mode off."""
+    import inspect
+
+    bound = inspect.signature(func).bind(*args, **kwargs)
+    bound.arguments.update(need_weights=True, average_attn_weights=False, training=False, dropout_p=0.0)
+    _, weights = func(*bound.args, **bound.kwargs)
+    if weights is None:
+        return None
+    return weights if bound.arguments["query"].dim() == 3 else weights.unsqueeze(0)
+
+
 @dataclass
 class EncoderLayerReplay:
     """An ``nn.TransformerEncoderLayer`` call replayed: its input and output (padded where they were
