@@ -2,7 +2,7 @@
 
     >>> import models
     >>> models.names()
-    ['single_head', 'minigpt', 'fused_decoder', 'translator', 'aligner', 'vit_zoo']
+    ['single_head', 'minigpt', 'fused_decoder', 'translator', 'aligner', 'vit_zoo', 'speech']
     >>> gpt = models.load("minigpt")          # trained, in eval mode
     >>> gpt.tokenizer.encode("attention")
     [2, 18, 18, 5, 13, 18, 9, 14, 13]
@@ -13,7 +13,9 @@ attributes: `name`, `tokenizer` (encode / decode / tokenize / vocab_size / pad_i
 loaded, `train_info` (final loss, steps, seconds, recipe; read from the checkpoint). The image
 model `vit_zoo` reads pictures, not text: its `tokenizer` is None and it carries a `processor`
 instead, called like a Hugging Face image processor (`processor(images=[...],
-return_tensors="pt")` -> `{"pixel_values": ...}`).
+return_tensors="pt")` -> `{"pixel_values": ...}`). The speech model `speech` hears 16 kHz audio:
+its `processor` is called like a Whisper processor (`processor(audio, sampling_rate=16000)` ->
+`{"input_features": ...}`), its `tokenizer` spells the transcript's words.
 
 Weights: `models/checkpoints/NAME.safetensors` ships for the small models; the translator is
 trained on first `load` into the cache (`$PROBE_CACHE_DIR` or `~/.cache/probe`, under
@@ -44,8 +46,8 @@ __all__ = [
     "cache_dir",
 ]
 
-_ZOO = ("single_head", "minigpt", "fused_decoder", "translator", "aligner", "vit_zoo")
-SHIPPED = ("single_head", "minigpt", "fused_decoder", "aligner", "vit_zoo")  # small enough for git
+_ZOO = ("single_head", "minigpt", "fused_decoder", "translator", "aligner", "vit_zoo", "speech")
+SHIPPED = ("single_head", "minigpt", "fused_decoder", "aligner", "vit_zoo", "speech")  # small enough for git
 
 
 def names() -> list[str]:

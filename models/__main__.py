@@ -49,6 +49,12 @@ def _show(name: str, model: torch.nn.Module) -> None:
         truth = [shapes.CLASSES[i] for i in data.labels]
         said = model.classify(list(data.images))
         print(f"  6 held-out pictures of {', '.join(truth)} -> {', '.join(said)}")
+    elif name == "speech":
+        from . import speech_data
+
+        for s in speech_data.test_set()[:2]:
+            said = model.transcribe(s.audio)[0]
+            print(f"  held-out sentence {s.seed} ({s.seconds:.2f} s): {s.text!r} -> {said!r}")
 
 
 def main(argv: list[str] | None = None) -> int:
