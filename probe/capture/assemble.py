@@ -296,5 +296,5 @@ def _pad_topk(out: dict[str, Tensor], k: int, seen: dict[str, int]) -> None:
                 idx = indices[tuple(row)]
                 holes = empty[tuple(row)]
                 free = sorted(set(range(width)) - set(idx[~holes].tolist()))
-                idx[holes] = torch.tensor(free[: int(holes.sum())], dtype=idx.dtype)
+                idx[holes] = torch.tensor(free[: int(holes.sum())], dtype=idx.dtype, device=idx.device)
         out[key], out[base + ".topk_indices"] = values, indices

@@ -192,7 +192,7 @@ class StepTrace:
                 keys.update({names[h]: int(shape[3]) for h in fields.values() if h in names})
         self.assembler.add(Step(tensors, meta, root is self.model, tr.forward.cached, keys))
         self.steps += 1
-        if self.on_step is not None:
+        if self.on_step is not None and root is self.model:  # one per token (not the encoder's)
             self.on_step(self.steps)
 
     def __exit__(self, exc_type, exc, tb) -> bool:
