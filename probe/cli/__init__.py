@@ -21,6 +21,7 @@ from probe.cli import (
     corpus,
     diff,
     export,
+    generate,
     intervene,
     report,
     residual,
@@ -33,6 +34,7 @@ from probe.cli.common import Terminated, add_model_args, load_model
 from probe.cli.corpus import cmd_corpus
 from probe.cli.diff import cmd_diff
 from probe.cli.export import cmd_export
+from probe.cli.generate import cmd_generate
 from probe.cli.intervene import cmd_ablate, cmd_patch
 from probe.cli.report import cmd_report
 from probe.cli.residual import cmd_budget, cmd_lens, cmd_residual
@@ -51,6 +53,7 @@ __all__ = [
     "cmd_corpus",
     "cmd_diff",
     "cmd_export",
+    "cmd_generate",
     "cmd_info",
     "cmd_lens",
     "cmd_models",
@@ -89,6 +92,7 @@ def build_parser() -> argparse.ArgumentParser:
     corpus.add_parser(sub)
     check.add_parser(sub)
     report.add_parser(sub)
+    generate.add_parser(sub)
     diff.add_parser(sub)
     export.add_parser(sub)
     stats.add_parser(sub)

@@ -105,9 +105,10 @@ def _output_tokens(gen: dict[str, Any], batch: int, read: list[str]) -> list[str
     ids = _per_text(gen.get("output_ids"), batch) or []
     text = gen.get("output_text")
     text = text[batch] if isinstance(text, list) else text
-    head = "".join(read)
-    if isinstance(text, str) and text.startswith(head) and text != head:
-        return [*read, text[len(head) :]]
+    for sep in ("", " "):  # characters or pieces joined as they are, or words joined by spaces
+        head = sep.join(read)
+        if isinstance(text, str) and text.startswith(head) and text[len(head) :].strip():
+            return [*read, text[len(head) :].strip() if sep else text[len(head) :]]
     last = f"id {ids[-1]}" if ids else "?"
     return [*read, last]
 

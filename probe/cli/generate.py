@@ -1,0 +1,123 @@
+"""``probe generate``: generate from a prompt, capture what every new token read, write the cache
+and the report."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from probe.cli import common
+from probe.cli.common import _human, add_model_args, examples
+from probe.errors import ProbeError
+
+CACHE_NAME = "generation.safetensors"
+
+
+def _keep(text: str):
+    """``--keep``: ``patterns`` (default), ``rows`` (the row of every generated token), ``topk:k``
+    (and the other forms ``probe capture --keep`` takes)."""
+    if text == "rows":
+        return "rows"
+    from probe.capture.kept import parse_keep_arg
+
+    return parse_keep_arg(text)
+
+
+def _out_dir(args: argparse.Namespace) -> Path:
+    from probe.cli.report import _report_name
+
+    if args.output:
+        return Path(args.output)
+    name = Path(args.hf).name if args.hf else (args.model or args.default_model)
+    return Path("reports") / _report_name(f"{name}_generate")
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    import probe
+    from probe.cache.writer import check_output
+    from probe.report.html import check_report_dir
+
+    if len(args.prompt) != 1:
+        raise ProbeError(
+            "give one PROMPT (quote it: probe generate --model minigpt 'attention lets')"
+            if args.prompt
+            else "nothing to generate from; give a PROMPT"
+        )
+    if isinstance(args.max_new_tokens, int) and args.max_new_tokens < 1:
+        raise ProbeError(f"--max-new-tokens must be at least 1, got {args.max_new_tokens}")
+    keep = _keep(args.keep)  # refused before the model loads
+    out = _out_dir(args)
+    check_report_dir(out)  # before loading the model and generating
+    cache_path = out / CACHE_NAME
+    check_output(cache_path)
+    model, tok = common.load_model(args)
+    kwargs = {"do_sample": True} if args.seed is not None else {}
+    gen = probe.generate(
+        model,
+        args.prompt[0],
+        max_new_tokens=args.max_new_tokens,
+        tokenizer=tok,
+        keep=keep,
+        seed=args.seed,
+        **kwargs,
+    )
+    out.mkdir(parents=True, exist_ok=True)
+    gen.save(cache_path)
+    shown = gen.text if gen.text is not None else " ".join(str(i) for i in gen.new_ids[0].tolist())
+    print(f"generated {gen.new_ids.shape[1]} tokens: {shown}")
+    size = f"{cache_path} ({_human(cache_path.stat().st_size)})"
+    if args.no_report:
+        print(f"wrote {size}; report it later with `probe report {cache_path}`")
+        return 0
+    path = probe.report(gen.cache, out, model=model, tokenizer=tok, progress=not args.quiet)
+    print(f"wrote {size} and {path} ({_human(path.stat().st_size)})")
+    print(f"open the report in a browser: {path.resolve().as_uri()}")
+    return 0
+
+
+def add_parser(sub) -> None:
+    """``probe generate``."""
+    p = sub.add_parser(
+        "generate",
+        help="generate from a prompt and write what every new token read (cache and report)",
+        description="Run a model's own generation from PROMPT (greedy, or sampled under --seed), capture "
+        "what every generated token attended to as the model ran (through its KV cache where it has "
+        "one), and write the cache (OUT/generation.safetensors) and an offline HTML report "
+        "(OUT/index.html) whose generation section shows the output: hover a generated token to see "
+        "what it read, and each head's lookback ratio over the steps.",
+        epilog=examples(
+            "probe generate --model minigpt 'at' --max-new-tokens 30",
+            "probe generate --model minigpt 'attention lets' --max-new-tokens 12 --seed 7",
+            "probe generate --model translator 'ich mochte ein bier' -o reports/beer",
+            "probe generate --hf ./my-gpt2 'The attention' --max-new-tokens 200 --keep rows",
+            "probe generate --hf ./my-gpt2 'The attention' --max-new-tokens 2000 --keep topk:16",
+        ),
+    )
+    p.add_argument("prompt", nargs="*", metavar="PROMPT", help="the prompt (one text)")
+    add_model_args(p)
+    p.add_argument(
+        "--max-new-tokens", "-n", type=int, default=32, help="tokens to generate at most (default 32)"
+    )
+    p.add_argument(
+        "--seed",
+        type=int,
+        default=None,
+        help="sample from the model's softmax under this seed (default: greedy decoding)",
+    )
+    p.add_argument(
+        "--keep",
+        default="patterns",
+        metavar="WHAT",
+        help="what to keep of each attention: 'patterns' (default: the whole causal pattern over "
+        "prompt + output), 'rows' (the row of every generated token over every key, no whole pattern) "
+        "or 'topk:16' (the 16 largest weights of every row), for long generations",
+    )
+    p.add_argument(
+        "-o",
+        "--output",
+        default=None,
+        help="folder for the cache and report (default: reports/<model>_generate/)",
+    )
+    p.add_argument("--no-report", action="store_true", help="write the cache only (no index.html)")
+    p.add_argument("--quiet", "-q", action="store_true", help="no progress bar")
+    p.set_defaults(func=cmd_generate)
