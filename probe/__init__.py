@@ -14,7 +14,7 @@ __version__ = "0.1.0"
 # probe.report is a callable module: probe.report(cache, "out/") writes out/index.html, and its
 # submodules (probe.report.html, probe.report.sections, ...) import as usual.
 from probe import report  # noqa: E402
-from probe.analysis.alignment import Alignment, align  # noqa: E402
+from probe.analysis.alignment import Alignment, WordTimestamps, align, word_timestamps  # noqa: E402
 from probe.analysis.artifacts import Artifacts, artifacts  # noqa: E402
 from probe.analysis.causal import CausalReport, check_causal  # noqa: E402
 from probe.analysis.compare import Comparison, compare  # noqa: E402
@@ -62,6 +62,7 @@ __all__ += ["run_corpus", "open_corpus", "Corpus"]
 __all__ += ["generate", "Generation"]
 __all__ += ["ablate", "Ablation", "patch", "Patching", "head_importance", "HeadImportance"]
 __all__ += ["knockout", "Knockout", "intervene", "Intervention"]
+__all__ += ["word_timestamps", "WordTimestamps"]
 __all__ += ["attention_map", "pointing", "Pointing", "artifacts", "Artifacts"]
 __all__ += ["lookback", "Lookback"]
 

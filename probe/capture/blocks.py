@@ -190,6 +190,7 @@ def run_blocks(
     tokenizer: Any = None,
     target: Any = None,
     processor: Any = None,
+    sampling_rate: int | None = None,
     layers: list[int] | None = None,
     block: int | None = None,
     progress: bool = False,
@@ -201,7 +202,9 @@ def run_blocks(
         raise ProbeError(f"probe runs torch.nn.Module models, not {type(model).__name__}")
     selection = Selection.parse(layers, None)
     block_rows((1, 1, 1, 1), block)
-    prepared = prepare(model, inputs, tokenizer=tokenizer, target=target, processor=processor)
+    prepared = prepare(
+        model, inputs, tokenizer=tokenizer, target=target, processor=processor, sampling_rate=sampling_rate
+    )
     meta = prepared.meta
     bar = tqdm(desc="attentions read", unit=" attentions", disable=not progress, leave=False)
     consumer = BlockConsumer(sink, lambda role, shape: open_attention(meta, role, shape), block, bar)

@@ -239,6 +239,7 @@ def capture(
     tokenizer: Any = None,
     target: Any = None,
     processor: Any = None,
+    sampling_rate: int | None = None,
     out: str | os.PathLike | None = None,
     layers: list[int] | None = None,
     heads: list[int] | None = None,
@@ -251,7 +252,10 @@ def capture(
     float inputs, a dict of keyword tensors (a processor's ``BatchFeature``: ``{"pixel_values":
     x}``), or pictures (PIL images, numpy arrays, image files, or a list of them) with
     ``processor`` (the model's image processor, called as ``processor(images=...,
-    return_tensors="pt")``). The tokenizer comes from ``tokenizer`` or ``model.tokenizer``. For
+    return_tensors="pt")``), or sound (a waveform, a 1-D array or tensor with ``sampling_rate``
+    in Hz, a sound file, or a list of them) with ``processor`` (the model's feature extractor, at
+    whose rate probe resamples; see ``docs/speech.md``). The tokenizer comes from ``tokenizer`` or
+    ``model.tokenizer``. For
     encoder-decoders ``target`` is the decoder text for teacher forcing; without it probe decodes
     greedily (where the model offers it) and captures that forward. With ``out`` the cache is
     streamed to that safetensors file layer by layer and returned opened lazily.
@@ -277,7 +281,9 @@ def capture(
         )
     if out is not None:
         check_output(out)
-    prepared = prepare(model, inputs, tokenizer=tokenizer, target=target, processor=processor)
+    prepared = prepare(
+        model, inputs, tokenizer=tokenizer, target=target, processor=processor, sampling_rate=sampling_rate
+    )
     t = Trace(
         model,
         out=out,

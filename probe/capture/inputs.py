@@ -151,12 +151,23 @@ def _record(meta: dict, prefix: str, texts: list[str], encs: list[Encoding], mas
 
 
 def prepare(
-    model: nn.Module, inputs: Any, *, tokenizer: Any = None, target: Any = None, processor: Any = None
+    model: nn.Module,
+    inputs: Any,
+    *,
+    tokenizer: Any = None,
+    target: Any = None,
+    processor: Any = None,
+    sampling_rate: Any = None,
 ) -> Prepared:
     """Build the forward call for ``model`` on ``inputs`` (see :func:`probe.capture`)."""
     if not isinstance(model, nn.Module):
         raise ProbeError(f"probe captures torch.nn.Module models, not {type(model).__name__}")
     name = model_name(model)
+    from probe.capture import audio  # sound builds on this module's helpers
+
+    if audio.routes_here(inputs, processor, sampling_rate):
+        kw = {"tokenizer": tokenizer, "target": target, "processor": processor}
+        return audio.prepare_audio(model, inputs, sampling_rate=sampling_rate, **kw)
     if processor is not None or isinstance(inputs, Mapping) or is_images(inputs, files=False):
         from probe.capture.keywords import prepare_keywords  # it builds on this module's helpers
 

@@ -14,9 +14,11 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from probe.capture.audio import audio_metadata
 from probe.capture.images import WithText, image_names, is_images, load_images, pictures_seen, process
 from probe.capture.inputs import Prepared, device_of, is_hf_model, model_name
 from probe.capture.tokenizers import adapt
+from probe.capture.transcript import decoder_metadata
 from probe.errors import ProbeError
 
 
@@ -108,6 +110,8 @@ def inputs_metadata(model: nn.Module, kwargs: Mapping, tokenizer: Any = None) ->
         mask = kwargs.get("attention_mask")
         full = isinstance(mask, Tensor) and mask.shape == ids.shape
         meta["attention_mask"] = (mask if full else torch.ones_like(ids)).long().tolist()
+    meta.update(audio_metadata(kwargs))  # sound: its frames' times are named after the forward
+    meta.update(decoder_metadata(model, kwargs, tokenizer))  # decoder_input_ids: the target tokens
     return meta
 
 

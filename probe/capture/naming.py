@@ -22,6 +22,7 @@ from torch import nn
 from probe import __version__
 from probe.cache.format import FORMAT_VERSION, attention_name, key
 from probe.cache.selection import Selection
+from probe.capture.frames import frame_positions
 from probe.capture.inputs import model_name
 from probe.capture.layers import LayerRecord
 from probe.capture.merged import merged_positions
@@ -280,6 +281,8 @@ def name(
         images = merged_positions(meta, model, tr.records, stack_of)
     else:
         images = name_positions(meta, model, tr.records, stack_of) if meta.get("image_shape") else {}
+    if meta.get("audio_shape"):  # sound: each frame's time span (capture/frames.py)
+        images.update(frame_positions(meta, model, tr.records, stack_of))
     _mark_prompt_slots(meta, model, tr.records)
     meta.update(
         {
@@ -297,7 +300,7 @@ def name(
         }
     )
     for s, pos in images.items():
-        keep = ("kinds", "grid", "rows", "layer_grids")
+        keep = ("kinds", "grid", "rows", "layer_grids", "frames")
         meta["stacks"][s]["positions"] = {k: pos[k] for k in keep if k in pos}
     return names, meta
 

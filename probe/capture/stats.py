@@ -52,6 +52,7 @@ def capture_stats(
     tokenizer: Any = None,
     target: Any = None,
     processor: Any = None,
+    sampling_rate: int | None = None,
     out: str | os.PathLike | None = None,
     layers: list[int] | None = None,
     heads: list[int] | None = None,
@@ -82,6 +83,7 @@ def capture_stats(
         tokenizer=tokenizer,
         target=target,
         processor=processor,
+        sampling_rate=sampling_rate,
         layers=layers,
         block=block,
     )

@@ -9,13 +9,15 @@ Modules: :mod:`.words` (tokens -> words, special tokens), :mod:`.gold` (Pharaoh/
 :mod:`.metrics` (AER, precision, recall, diagonality, monotonicity, coverage, entropy, jumps,
 symmetrization), :mod:`.core` (soft matrices, :class:`Alignment`, :func:`align`),
 :mod:`.diagonal` (without gold: the most diagonal single heads, to compare with the heuristic
-default).
+default), :mod:`.timestamps` (speech: word start and end times from the cross-attention over an
+audio encoder's frames, :mod:`.dtw` and :mod:`.timing` its steps).
 """
 
 from probe.analysis.alignment.core import Alignment, align, cross_layers, hard_links, soft_matrices
 from probe.analysis.alignment.diagonal import candidates
 from probe.analysis.alignment.gold import Gold, parse_gold, pharaoh, read_gold
 from probe.analysis.alignment.metrics import kendall_tau_b, scores, shape_stats, symmetrize
+from probe.analysis.alignment.timestamps import WordTimestamps, word_timestamps
 from probe.analysis.alignment.words import Words, group_words, special_positions
 
 __all__ = [
@@ -36,4 +38,6 @@ __all__ = [
     "Words",
     "group_words",
     "special_positions",
+    "WordTimestamps",
+    "word_timestamps",
 ]
