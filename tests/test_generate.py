@@ -157,6 +157,7 @@ def test_zoo_minigpt_greedy_loop():
     assert kinds == ["prompt"] * 14 + ["generated"] * 7
 
 
+@pytest.mark.slow
 def test_zoo_translator_untrained_loop():
     model = models.module("translator").build().eval()
     src = "ich mochte ein bier"
@@ -193,6 +194,7 @@ def test_keep_rows_and_topk_per_step():
     assert not any(k.endswith(".pattern") for k in rows.cache.keys() + top.cache.keys())
 
 
+@pytest.mark.slow
 def test_keep_rows_past_the_window_and_with_cross_attention():
     model = H.mistral(100)
     full = probe.generate(model, PROMPT, max_new_tokens=N, min_new_tokens=N)
@@ -291,6 +293,7 @@ def test_bad_prompts_and_models():
         probe.generate(H.gpt2(100), "text", max_new_tokens=2)
 
 
+@pytest.mark.slow
 def test_keep_stats_of_a_generation():
     model = H.llama(100)
     full = probe.generate(model, PROMPT, max_new_tokens=N, min_new_tokens=N)
@@ -304,3 +307,33 @@ def test_keep_stats_of_a_generation():
             torch.testing.assert_close(*layer_map, atol=1e-5, rtol=0)
     with pytest.raises(ProbeError, match="decoder-only"):
         probe.generate(H.bart(100), PROMPT, max_new_tokens=2, keep="stats")
+
+
+def test_a_model_that_cannot_generate():
+    bert, _, _ = H.minilm()
+    with pytest.raises(ProbeError, match="logits") as e:
+        probe.generate(bert, torch.tensor([[101, 2000, 102]]), max_new_tokens=2)
+    assert "\n" not in str(e.value)
+    with pytest.raises(ProbeError, match="cannot generate here"):
+        probe.generate(torch.nn.Linear(4, 4).eval(), PROMPT, max_new_tokens=2)
+
+
+@pytest.mark.slow
+def test_layers_heads_and_keep_across_encoder_decoders():
+    model = H.llama(100)
+    full = probe.generate(model, PROMPT, max_new_tokens=4, min_new_tokens=4)
+    some = probe.generate(model, PROMPT, max_new_tokens=4, min_new_tokens=4, layers=[1], heads=[0, 5])
+    assert not any(k.startswith("decoder.blocks.0.") for k in some.cache.keys())
+    want = full.cache.pattern("decoder", 1)[:, [0, 5]]
+    torch.testing.assert_close(some.cache["decoder.blocks.1.self_attn.pattern"], want, atol=ATOL, rtol=0)
+    for build in (H.t5, H.marian):
+        m = build(100)
+        full = probe.generate(m, PROMPT, max_new_tokens=4, min_new_tokens=4)
+        top = probe.generate(m, PROMPT, max_new_tokens=4, min_new_tokens=4, keep={"topk": 2})
+        for kind in ("self", "cross"):
+            values, indices, _ = top.cache.topk("decoder", 1, kind, batch=0)
+            w = full.cache.pattern("decoder", 1, kind)[0]
+            torch.testing.assert_close(values, w.topk(2, dim=-1).values, atol=ATOL, rtol=0)
+            torch.testing.assert_close(w.gather(-1, indices.long()), values, atol=ATOL, rtol=0)
+    with pytest.raises(ProbeError, match="probe.generate"):
+        probe.trace(model, steps=True, keep="stats")

@@ -28,6 +28,21 @@ def _logits(out: Any, name: str) -> Tensor:
     return first
 
 
+def _call(model: nn.Module, name: str, *args: Tensor) -> Tensor:
+    """The model's logits on ``args``; a forward that fails on ids says so in one line."""
+    try:
+        out = model(*args)
+    except ProbeError:
+        raise
+    except (TypeError, ValueError, RuntimeError, IndexError) as err:
+        first = (str(err).strip().splitlines() or [""])[0][:160]
+        raise ProbeError(
+            f"{name} cannot generate here: its forward on token ids failed ({type(err).__name__}: {first}); "
+            "give a language model (logits [batch, positions, vocab])"
+        ) from None
+    return _logits(out, name)
+
+
 def _next(logits: Tensor, sample: bool, gen: torch.Generator | None) -> Tensor:
     last = logits[:, -1, :].float()
     if sample:
@@ -59,7 +74,7 @@ def own_loop(
                 f"{name} reads at most {limit} target tokens; ask for max_new_tokens <= {limit - 1}"
             )
         for _ in range(max_new):
-            nxt = _next(_logits(model(ids, seq), name), sample, gen)
+            nxt = _next(_call(model, name, ids, seq), sample, gen)
             seq = torch.cat([seq, nxt], 1)
             if eos is not None and int(nxt) == eos:
                 break
@@ -71,7 +86,7 @@ def own_loop(
         )
     seq = ids
     for _ in range(max_new):
-        seq = torch.cat([seq, _next(_logits(model(seq), name), sample, gen)], 1)
+        seq = torch.cat([seq, _next(_call(model, name, seq), sample, gen)], 1)
     return seq
 
 

@@ -68,7 +68,8 @@ class _StepWatcher(Watcher):
         mine = not self._replaying and threading.get_ident() == self._thread
         if mine and module is self.root and not self.stack:
             self.root = None
-            self._end(module)
+            if rest and rest[-1] is not None:  # None: the forward raised (its error goes on)
+                self._end(module)
 
 
 class _ByStack:
