@@ -426,7 +426,8 @@ def test_probe_report_image_writes_the_picture_section(tmp_path, capsys):
         )
         == 2
     )
-    assert "not both" in capsys.readouterr().err
+    # a text beside the pictures is for a vision-language model: its processor is not in a ViT's folder
+    assert "--image with a TEXT needs the vision-language model's processor" in capsys.readouterr().err
 
 
 # -- statistics ---------------------------------------------------------------------------------------

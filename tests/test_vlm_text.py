@@ -293,3 +293,82 @@ def test_bad_texts_pictures_and_processors_are_one_line_each(llava, tmp_path):
             probe.capture(model, pictures, processor=proc, text=text, out=out)
         assert "\n" not in str(e.value)
         assert not out.exists() and not list(tmp_path.glob("*.tmp*"))
+
+
+# -- the command line and corpus runs ------------------------------------------------------------------
+def _saved(model, tmp_path):
+    folder = tmp_path / "my-llava"
+    model.save_pretrained(folder)
+    llava_processor().save_pretrained(folder)  # processor_config.json, the tokenizer
+    return folder
+
+
+@pytest.mark.slow
+def test_cli_report_of_a_text_with_pictures(llava, tmp_path, capsys):
+    from probe.cli import main
+
+    folder = _saved(llava[0], tmp_path)
+    given, _ = _pictures(tmp_path)
+    text = "USER: <image> what is the cat"
+    rep = tmp_path / "rep"
+    assert main(["report", "--hf", str(folder), "--image", str(given[0]), text, "-o", str(rep)]) == 0
+    page = (rep / "index.html").read_text(encoding="utf-8")
+    assert "<h2>Attention on the picture</h2>" in page and "could not be built" not in page
+    import re
+
+    # the hover view of the words beside the picture: the text's own words, read by the tokenizer
+    assert re.findall(r"<h3>([^<]*)</h3>", page).count("What the words read: cat.png") == 1
+
+
+def test_cli_capture_and_corpus_of_a_text_with_pictures(llava, tmp_path, capsys):
+    import json
+
+    from probe.cli import main
+
+    model, eager = llava
+    proc = llava_processor()
+    folder = _saved(model, tmp_path)
+    given, pil = _pictures(tmp_path)
+    text = "USER: <image> what is the cat"
+    out = tmp_path / "llava.safetensors"
+    argv = ["capture", "--hf", str(folder), "--image", str(given[0]), text, "-o", str(out)]
+    assert main(argv) == 0
+    cache = probe.load(out)
+    inputs = proc(images=pil[:1], text=text, return_tensors="pt")
+    want = _eager(eager, inputs)
+    lm = "language_model.layers"  # the CLI loads the folder as AutoModel: LlavaModel, the same weights
+    torch.testing.assert_close(cache.pattern(lm, 1), want[1], atol=TOL, rtol=0)
+    assert cache.tokens[0][:2] == ["USER:", "patch (0, 0)"] and cache.metadata["prompts"] == [text]
+    # a folder without the processor: one line, exit 2, nothing written
+    bare = tmp_path / "bare"
+    model.save_pretrained(bare)
+    capsys.readouterr()
+    again = tmp_path / "again.safetensors"
+    assert main(["capture", "--hf", str(bare), "--image", str(given[0]), text, "-o", str(again)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "--image with a TEXT needs the vision-language model's processor" in err and "\n" not in err
+    assert not again.exists()
+    # a corpus: a folder of pictures, one text read beside each
+    pics = tmp_path / "pics"
+    pics.mkdir()
+    rng = np.random.default_rng(5)
+    arrays = [rng.integers(0, 256, (40 + 4 * i, 44, 3), dtype=np.uint8) for i in range(3)]
+    for i, a in enumerate(arrays):
+        Image.fromarray(a).save(pics / f"p{i}.png")
+    (pics / "bad.png").write_bytes(b"not a picture")
+    run = tmp_path / "run"
+    argv = ["corpus", "--hf", str(folder), "--images", str(pics), "--text", text, "-o", str(run)]
+    assert main([*argv, "--keep", "all", "--batch-size", "2", "-q"]) == 0
+    corpus = probe.open_corpus(run)
+    assert [e["image"] for e in corpus.texts] == ["bad.png", "p0.png", "p1.png", "p2.png"]
+    assert list(corpus.errors) == [0] and all(e["text"] == text for e in corpus.texts)
+    for i, a in enumerate(arrays, start=1):
+        c, row = corpus.cache_of(i)
+        want = _eager(eager, proc(images=[Image.fromarray(a)], text=text, return_tensors="pt"))
+        torch.testing.assert_close(c.pattern(lm, 0)[row], want[0][0], atol=TOL, rtol=0)
+        assert c.tokens[row][-1] == "cat"
+    assert json.loads((run / "config.json").read_text())["texts_sha256"]
+    with pytest.raises(ProbeError, match="2 texts for 4 pictures"):
+        probe.run_corpus(model, pics, tmp_path / "run2", processor=proc, text=["<image> a", "<image> b"])
+    with pytest.raises(ProbeError, match="text= is read beside pictures"):
+        probe.run_corpus(model, ["a text"], tmp_path / "run3", tokenizer=proc.tokenizer, text="<image> a")

@@ -20,15 +20,15 @@ def cmd_capture(args: argparse.Namespace) -> int:
     if out.suffix != ".safetensors":
         raise ProbeError(f"output {out} should end in .safetensors")
     check_output(out)  # before loading the model and running the forward
-    if bool(args.text) == bool(args.image):
+    if not args.text and not args.image:
         raise ProbeError(
-            "give a TEXT or --image PATH, not both (pictures with text, for vision-language models, "
-            "are not captured yet)"
-            if args.text
-            else "nothing to capture; give a TEXT or --image PATH"
+            "nothing to capture; give a TEXT or --image PATH (and a TEXT for a vision-language model)"
         )
+    prompt = None
     if args.image:  # a --hf folder's processor refused before its model loads; a zoo model's own
-        model, tok, processor = common.load_image_model(args)
+        model, tok, processor = common.load_image_model(args, text=bool(args.text))
+        if args.text:  # pictures with a text: a vision-language model
+            prompt = args.text if len(args.text) > 1 else args.text[0]
     else:
         processor = None
         model, tok = common.load_model(args)
@@ -45,6 +45,7 @@ def cmd_capture(args: argparse.Namespace) -> int:
         tokenizer=tok,
         target=target,
         processor=processor,
+        text=prompt,
         out=out,
         layers=args.layers,
         heads=args.heads,
@@ -152,6 +153,7 @@ def add_capture_parser(sub) -> None:
             "probe capture --model translator 'ich mochte ein bier' --target 'S i want a beer'",
             "probe capture --hf ./my-model 'some text' --layers 0,1 -o run.safetensors",
             "probe capture --hf ./my-vit --image cat.png --image dog.png -o vit.safetensors",
+            "probe capture --hf ./my-llava --image cat.png 'USER: <image> what is it?' -o llava.safetensors",
             "probe capture --model minigpt 'a long text' --keep rows:-1,-2 -o rows.safetensors",
             "probe capture --model minigpt 'a long text' --keep topk:32 -o topk.safetensors",
             "probe capture --model minigpt 'a long text' --keep stats -o stats.safetensors",

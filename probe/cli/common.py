@@ -130,12 +130,13 @@ def add_image_args(p: argparse.ArgumentParser) -> None:
     )
 
 
-def load_image_model(args: argparse.Namespace):
+def load_image_model(args: argparse.Namespace, text: bool = False):
     """``(model, tokenizer, processor)`` for ``--image``: a ``--hf`` folder's model with its image
     processor (or ``--processor PATH``), refused before the model loads; a zoo image model
-    (``--model vit-zoo``) with its own ``processor`` unless ``--processor`` is given."""
+    (``--model vit-zoo``) with its own ``processor`` unless ``--processor`` is given. With
+    ``text`` (pictures with a text, for a vision-language model) the folder's whole processor."""
     if getattr(args, "hf", None) or args.processor:
-        processor = load_processor(args)
+        processor = load_processor(args, text)
         model, tok = load_model(args)
         return model, tok, processor
     model, tok = load_model(args)
@@ -148,12 +149,15 @@ def load_image_model(args: argparse.Namespace):
     return model, tok, processor
 
 
-def load_processor(args: argparse.Namespace):
-    """The image processor for ``--image``: ``--processor PATH``, else the ``--hf`` folder's own."""
+def load_processor(args: argparse.Namespace, text: bool = False):
+    """The image processor for ``--image``: ``--processor PATH``, else the ``--hf`` folder's own;
+    with ``text``, the vision-language processor (image processor and tokenizer) saved there."""
     import os
 
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     path = args.processor or getattr(args, "hf", None)
+    if text:
+        return _vlm_processor(path)
     if path is None or not (Path(path) / "preprocessor_config.json").is_file():
         where = f"{path} has no preprocessor_config.json" if path else "no processor given"
         raise ProbeError(
@@ -164,6 +168,23 @@ def load_processor(args: argparse.Namespace):
 
     try:
         return transformers.AutoImageProcessor.from_pretrained(path)
+    except (OSError, ValueError) as e:
+        raise ProbeError(f"--processor {path}: could not load ({str(e).splitlines()[0]})") from None
+
+
+def _vlm_processor(path: str | None):
+    """``AutoProcessor.from_pretrained(path)`` for pictures with a text: a folder with the
+    processor a vision-language model saves (``processor_config.json``), refused in one line."""
+    if path is None or not (Path(path) / "processor_config.json").is_file():
+        where = f"{path} has no processor_config.json" if path else "no processor given"
+        raise ProbeError(
+            f"--image with a TEXT needs the vision-language model's processor ({where}); give "
+            "--processor PATH, a folder where the processor was saved (processor.save_pretrained)"
+        )
+    import transformers
+
+    try:
+        return transformers.AutoProcessor.from_pretrained(path)
     except (OSError, ValueError) as e:
         raise ProbeError(f"--processor {path}: could not load ({str(e).splitlines()[0]})") from None
 

@@ -29,6 +29,8 @@ def cmd_corpus(args: argparse.Namespace) -> int:
     if args.texts is not None:
         if args.processor:
             raise ProbeError("--processor reads pictures; give --images with it, or drop it")
+        if args.text is not None:
+            raise ProbeError("--text is read beside --images pictures; with --texts FILE drop it")
         input_file(args.texts, "--texts", "give a .txt (one text per line) or .jsonl file")
     from probe.corpus.run import check_run_dir
 
@@ -39,7 +41,7 @@ def cmd_corpus(args: argparse.Namespace) -> int:
         if args.field is not None:
             raise ProbeError("--field names a JSONL field of texts; drop it with --images")
         try:
-            model, tok, processor = common.load_image_model(args)
+            model, tok, processor = common.load_image_model(args, text=args.text is not None)
         except ProbeError as e:  # its messages name capture's --image; this command's flag is --images
             raise ProbeError(str(e).replace("--image ", "--images ")) from None
     else:
@@ -51,6 +53,7 @@ def cmd_corpus(args: argparse.Namespace) -> int:
         args.output,
         tokenizer=tok,
         processor=processor,
+        text=args.text,
         batch_size=args.batch_size,
         keep=keep,
         shard_size=args.shard_size,
@@ -89,6 +92,7 @@ def add_parser(sub) -> None:
             "probe corpus --hf ./gpt2 --texts data.jsonl --field text -o run/ --layers 0 5 --heads 1 2",
             "torchrun --nproc_per_node=2 -m probe corpus --model minigpt --texts texts.txt -o run/",
             "probe corpus --hf ./vit --images pictures/ -o run/  # the folder's preprocessor_config.json",
+            "probe corpus --hf ./llava --images pictures/ --text 'USER: <image> what is it?' -o run/",
         ),
     )
     add_model_args(p, default=None)
@@ -106,6 +110,13 @@ def add_parser(sub) -> None:
         metavar="DIR",
         help="the model's image processor for --images: a folder with preprocessor_config.json "
         "(default: the --hf folder's own, or a zoo image model's)",
+    )
+    p.add_argument(
+        "--text",
+        default=None,
+        metavar="TEXT",
+        help="what a vision-language model reads beside each of the --images pictures (with the "
+        "processor's image token, e.g. '<image>', where the picture goes)",
     )
     p.add_argument("--field", default=None, help="JSONL field holding the text (default: text)")
     p.add_argument("-o", "--output", required=True, help="output folder (resumed when it holds this run)")

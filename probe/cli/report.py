@@ -130,15 +130,15 @@ def cmd_report(args: argparse.Namespace) -> int:
 
 
 def _report_images(args: argparse.Namespace, inputs: list[str]) -> int:
-    """``probe report --hf DIR --image PATH...``: capture the pictures, then the report."""
+    """``probe report --hf DIR --image PATH... [TEXT...]``: capture the pictures (with the texts a
+    vision-language model reads beside them), then the report."""
     import probe
     from probe.capture.kept import parse_keep_arg
     from probe.report.html import check_report_dir
 
-    if inputs:
+    if any(i.endswith(".safetensors") for i in inputs):
         raise ProbeError(
-            "give --image pictures or CACHE_OR_TEXT, not both (pictures with text, for vision-language "
-            "models, are not reported yet)"
+            "give --image pictures (and a TEXT for a vision-language model) or cache files, not both"
         )
     if args.importance or args.patching or args.gold or args.target:
         raise ProbeError(
@@ -147,8 +147,9 @@ def _report_images(args: argparse.Namespace, inputs: list[str]) -> int:
     keep = parse_keep_arg(args.keep) if args.keep is not None else None
     out = Path(args.output) if args.output else Path("reports") / _report_name(Path(args.image[0]).stem)
     check_report_dir(out)  # before loading the model and running the forward
-    model, tok, processor = common.load_image_model(args)
-    cache = probe.capture(model, args.image, tokenizer=tok, processor=processor, keep=keep)
+    model, tok, processor = common.load_image_model(args, text=bool(inputs))
+    prompt = (inputs if len(inputs) > 1 else inputs[0]) if inputs else None
+    cache = probe.capture(model, args.image, tokenizer=tok, processor=processor, text=prompt, keep=keep)
     path = probe.report([cache], out, model=model, tokenizer=tok)
     print(f"wrote {path} ({_human(path.stat().st_size)}); open it in a browser: {path.resolve().as_uri()}")
     return 0
@@ -171,6 +172,7 @@ def add_parser(sub) -> None:
             "probe report --hf ./my-bert 'some text'",
             "probe report --hf ./my-vit --image cat.png -o reports/cat",
             "probe report --model vit-zoo --image cat.png",
+            "probe report --hf ./my-llava --image cat.png 'USER: <image> what is it?'",
             "probe report --model minigpt --keep stats 'a long text'",
             "probe report --model minigpt 'attention lets tokens read.' --importance",
             "probe report run.safetensors --importance importance.json --patching heads.json",

@@ -10,6 +10,13 @@ size), and a batch is captured as the model's keyword inputs (``probe.capture(mo
 {"pixel_values": ...})``), named like a capture of the pictures themselves. A picture that cannot
 be opened, processed or run is recorded as the item's error and skipped.
 
+A vision-language model reads a text beside each picture (``run_corpus(..., text=...)``: one text
+for every picture, or one per picture): each picture is processed with its text
+(``processor(images=[picture], text=text)``, the processor placing the image tokens; a processor
+that is not the model's refused as :func:`probe.capture.vlm.check_processor` does), items whose
+processed tensors have the same shapes (the same text length) are batched, and the manifest entry
+records ``"text"`` beside ``"image"``.
+
 Statistics come from whole patterns, one batch at a time (an image model's sequence is short):
 the image metrics ``distance_px``, ``on_class`` and ``on_register`` need each position's kind and
 place on the grid, which are named after the forward, so statistics computed while the model runs
@@ -28,7 +35,9 @@ import torch
 
 from probe import interrupt
 from probe.capture import capture
-from probe.capture.images import SUFFIXES, is_images, load_images, pictures_seen, process
+from probe.capture.images import SUFFIXES, is_images, load_images, pictures_seen, process, texts_of
+from probe.capture.inputs import model_name
+from probe.capture.vlm import check_processor
 from probe.corpus.shards import ShardRecord
 from probe.errors import ProbeError
 
@@ -74,6 +83,21 @@ def load_pictures(inputs: Any) -> tuple[list[Any], list[str | int]]:
             )
     names = [str(x) if isinstance(x, (str, os.PathLike)) else i for i, x in enumerate(items)]
     return items, names
+
+
+def picture_texts(text: Any, n: int) -> list[str] | None:
+    """Each picture's text for a vision-language run: ``text`` repeated for every picture, or a
+    list of ``n`` texts; None without ``text``."""
+    if text is None:
+        return None
+    if isinstance(text, str):
+        return [text] * n
+    texts = texts_of(text)
+    if len(texts) != n:
+        raise ProbeError(
+            f"{len(texts)} texts for {n} pictures; give one text for every picture, or one per picture"
+        )
+    return texts
 
 
 def pictures_digest(items: list[Any], names: list[str | int]) -> str:
@@ -131,12 +155,17 @@ def _batch(outs: list[Mapping]) -> dict[str, Any]:
 
 
 def run_picture_shard(
-    model, processor, items, names, start, folder: Path, keep, batch_size, stats, bar, dtype
+    model, processor, items, names, start, folder: Path, keep, batch_size, stats, bar, dtype, texts=None
 ) -> dict:
-    """Capture one shard's pictures (batches of one processed size, in input order) and return its
-    JSON record; memory holds at most ``batch_size`` processed pictures per size."""
+    """Capture one shard's pictures (batches of one processed size, in input order; ``texts``, one
+    per picture, read beside them by a vision-language model) and return its JSON record; memory
+    holds at most ``batch_size`` processed pictures per size."""
     rec = ShardRecord(folder, len(items), keep, stats, dtype, start)
     pending: dict[tuple, list[tuple[int, Mapping]]] = {}
+    tokenizer = getattr(processor, "tokenizer", None) if texts is not None else None
+
+    def entry(i: int) -> dict:
+        return {"image": names[i]} if texts is None else {"image": names[i], "text": texts[i]}
 
     def label(i: int) -> str:
         name = names[i]
@@ -148,8 +177,10 @@ def run_picture_shard(
 
     def run(rows: list[int], outs: list[Mapping]):
         batch = _batch(outs)
-        cache = capture(model, batch)
+        cache = capture(model, batch, tokenizer=tokenizer)
         cache.metadata["images"] = [shown(i) for i in rows]
+        if texts is not None:
+            cache.metadata["prompts"] = [texts[i] for i in rows]
         cache.metadata["image_png"] = pictures_seen(batch["pixel_values"], processor)
         return cache
 
@@ -164,9 +195,9 @@ def run_picture_shard(
                 try:
                     caches.append((run([i], [o]), [i]))
                 except ProbeError as e:
-                    rec.fail(i, f"{label(i)}: {e}", {"image": names[i]})
+                    rec.fail(i, f"{label(i)}: {e}", entry(i))
         for cache, got in caches:  # errors past capture are probe's or the disk's: they stop the run
-            rec.store(cache, got, [{"image": names[i]} for i in got])
+            rec.store(cache, got, [entry(i) for i in got])
         del caches
         bar.update(len(rows))
         interrupt.check()  # a Ctrl-C swallowed inside a __del__ stops the run here (command line)
@@ -175,13 +206,15 @@ def run_picture_shard(
         try:
             picture = load_images([x], start=start + i)  # its error names the file and why
         except ProbeError as e:
-            rec.fail(i, str(e), {"image": names[i]})
+            rec.fail(i, str(e), entry(i))
             bar.update(1)
             continue
         try:
-            out = dict(process(processor, picture))
+            out = dict(process(processor, picture, None if texts is None else [texts[i]]))
+            if texts is not None:
+                check_processor(model, processor, out, model_name(model))
         except ProbeError as e:
-            rec.fail(i, f"{label(i)}: {e}", {"image": names[i]})
+            rec.fail(i, f"{label(i)}: {e}", entry(i))
             bar.update(1)
             continue
         del picture
@@ -198,6 +231,7 @@ __all__ = [
     "EXTENSIONS",
     "load_pictures",
     "picture_inputs",
+    "picture_texts",
     "pictures_digest",
     "processor_name",
     "run_picture_shard",

@@ -38,6 +38,7 @@ from probe.corpus.keep import KEEPS, keep_spec
 from probe.corpus.pictures import (
     load_pictures,
     picture_inputs,
+    picture_texts,
     pictures_digest,
     processor_name,
     run_picture_shard,
@@ -102,6 +103,7 @@ def run_corpus(
     shard_size: int = 256,
     field: str | None = None,
     processor: Any = None,
+    text: Any = None,
     dtype: Any = None,
     progress: bool = True,
 ):
@@ -122,7 +124,10 @@ def run_corpus(
     (default: the model's own ``processor`` when it has no tokenizer). Each picture is one item
     (its manifest entry names it under ``"image"``); batches hold pictures of one processed size;
     an unreadable picture is recorded and skipped; statistics come from whole patterns, one batch
-    at a time, so the image metrics are computed. See :mod:`probe.corpus.pictures`.
+    at a time, so the image metrics are computed. See :mod:`probe.corpus.pictures`. For a
+    vision-language model, ``text`` is what it reads beside each picture (``processor`` its
+    processor, which places the image tokens): one text for every picture, or a list, one per
+    picture (the manifest entry names it under ``"text"``).
 
     Rerunning the same call resumes; another configuration in ``out_dir`` is refused. Under
     ``torchrun`` rank ``r`` takes shards ``i`` with ``i % world == r``; rank 0 merges.
@@ -135,7 +140,7 @@ def run_corpus(
     keep, dtype = _check_args(batch_size, shard_size, keep, stats, dtype)
     out = Path(out_dir)
     settings = (keep, batch_size, shard_size, stats, dtype)
-    cfg, n, run_shard = _inputs(model, texts, tokenizer, processor, field, settings)
+    cfg, n, run_shard = _inputs(model, texts, tokenizer, processor, field, settings, text)
     resumed = _check_config(out, cfg)  # every rank checks: they all refuse alike, none waits forever
     existed = out.exists()
     group = Group()
@@ -157,27 +162,36 @@ def run_corpus(
     return _result(Corpus(out))
 
 
-def _inputs(model, texts: Any, tokenizer: Any, processor: Any, field: Any, settings: tuple) -> tuple:
-    """``(config, n, run_shard)`` of the texts or pictures ``texts``: ``run_shard(a, b, folder, bar)``
-    captures items ``a:b`` into ``folder`` and returns the shard's record."""
+def _inputs(
+    model, texts: Any, tokenizer: Any, processor: Any, field: Any, settings: tuple, text: Any = None
+) -> tuple:
+    """``(config, n, run_shard)`` of the texts or pictures ``texts`` (``text`` read beside the
+    pictures): ``run_shard(a, b, folder, bar)`` captures items ``a:b`` into ``folder`` and
+    returns the shard's record."""
     tokenizer = tokenizer if tokenizer is not None else getattr(model, "tokenizer", None)
     if processor is None and tokenizer is None:  # an image model carrying its processor (vit_zoo)
         processor = getattr(model, "processor", None)
     if picture_inputs(texts, processor):
         items, names = _pictures(texts, processor, field, model)
+        prompts = picture_texts(text, len(items))
         what = {
             "inputs": "images",
             "images_sha256": pictures_digest(items, names),
             "processor": processor_name(processor),
         }
+        if prompts is not None:
+            what["texts_sha256"] = hashlib.sha256("\x00".join(prompts).encode("utf-8")).hexdigest()
         cfg = _config(model, len(items), what, *settings)
 
         def run_pictures(a: int, b: int, folder: Path, bar: Any) -> dict:
+            mine = prompts[a:b] if prompts is not None else None
             return run_picture_shard(
-                model, processor, items[a:b], names[a:b], a, folder, *_shard_args(cfg, bar)
+                model, processor, items[a:b], names[a:b], a, folder, *_shard_args(cfg, bar), texts=mine
             )
 
         return cfg, len(items), run_pictures
+    if text is not None:
+        raise ProbeError("text= is read beside pictures: give pictures and processor=, or drop text=")
     texts = load_texts(texts, field=field)
     digest = hashlib.sha256("\x00".join(texts).encode("utf-8")).hexdigest()
     cfg = _config(model, len(texts), {"texts_sha256": digest}, *settings)
