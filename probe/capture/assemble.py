@@ -42,14 +42,15 @@ _TOPK = ("topk_values", "topk_indices", "topk_mass")
 @dataclass
 class Step:
     """One captured forward: its named ``tensors`` and metadata, whether its root call was the
-    model itself (False: a submodule such as the encoder ``generate`` runs first) and the KV
-    cache's length before it."""
+    model itself (False: a submodule such as the encoder, or a vision tower, that ``generate``
+    runs first; ``source`` names its stack) and the KV cache's length before it."""
 
     tensors: dict[str, Tensor]
     meta: dict[str, Any]
     whole_model: bool
     cached: int
     keys: dict[str, int] = field(default_factory=dict)  # attention field key -> the step's key count
+    source: str | None = None  # a submodule's step: the name of its lone stack (None: the model's)
 
 
 @dataclass
@@ -105,14 +106,17 @@ class Assembler:
         self.steps = 0
         self.impls: set[str] = set()
         self.finished: dict[str, Tensor] = {}
+        self.sources: set[str] = set()  # stacks of submodule steps (read once, never generated)
 
     # -- one step ------------------------------------------------------------------------------
     def add(self, step: Step) -> None:
         """Fold one captured forward in (its new rows only)."""
         stacks = _stacks_of(step)
+        if step.source is not None:
+            self.sources.update(stacks)
         for stack, keys in stacks.items():
             q = _queries(step.tensors, keys)
-            generating = step.whole_model and stack != "encoder"
+            generating = step.whole_model and stack != "encoder" and stack not in self.sources
             end = step.cached + q if generating else q
             seen = self.seen.get(stack, 0)
             start = end - q
@@ -189,7 +193,8 @@ class Assembler:
             )
         if self.keep.kind == "topk":
             _pad_topk(out, self.keep.k, self.seen)
-        self.finished = dict(sorted(out.items(), key=lambda kv: _order(kv[0])))
+        order = {stack: i for i, stack in enumerate(self.metas)}  # the stacks as they first ran
+        self.finished = dict(sorted(out.items(), key=lambda kv: _order(kv[0], order)))
         return self.finished
 
     def keep_json(self) -> Any:
@@ -225,22 +230,26 @@ def _full_k(t: Tensor, k: int, indices: bool) -> Tensor:
     return torch.nn.functional.pad(t, (0, k - t.size(-1)), value=-1 if indices else 0)
 
 
-def _order(k: str) -> tuple:
-    stack, layer, name = parse_key(k)
-    return (stack != "encoder", stack, layer)
+def _order(k: str, order: dict[str, int]) -> tuple:
+    stack, layer, _ = parse_key(k)
+    return (order.get(stack, len(order)), layer)
 
 
 def _stacks_of(step: Step) -> dict[str, list[str]]:
-    """Each stack of the step -> its keys; a submodule's lone stack is the encoder."""
+    """Each stack of the step -> its keys; a submodule's lone stack is named ``step.source``."""
     out: dict[str, list[str]] = {}
     for k in step.tensors:
         out.setdefault(parse_key(k)[0], []).append(k)
-    if not step.whole_model and len(out) == 1:
+    new = step.source
+    if not step.whole_model and len(out) == 1 and new is not None:
         ((only, keys),) = out.items()
-        if only != "encoder":
-            out = {"encoder": [k.replace(f"{only}.", "encoder.", 1) for k in keys]}
-            step.tensors.update({n: step.tensors.pop(o) for o, n in zip(keys, out["encoder"], strict=True)})
-            step.meta = _rename_stack(step.meta, only, "encoder")
+        if only != new:
+            out = {new: [new + k[len(only) :] for k in keys]}
+            step.tensors.update({n: step.tensors.pop(o) for o, n in zip(keys, out[new], strict=True)})
+            step.keys = {
+                (new + k[len(only) :] if k.startswith(only + ".") else k): v for k, v in step.keys.items()
+            }
+            step.meta = _rename_stack(step.meta, only, new)
     return out
 
 

@@ -192,11 +192,11 @@ def generate(
     if stats:  # the final sequence's statistics, streamed block by block (no pattern whole)
         base = stats_of(model, out[:, :-1], raw_tok, layers)
         tensors = {k: base[k] for k in base.keys()}
-        meta = _meta((tok, target), ids, out, enc_dec, P, (sample, seed), base.metadata)
+        meta = _meta(model, (tok, target), ids, out, enc_dec, P, (sample, seed), base.metadata)
         meta["generation"]["stats"] = STATS_NOTE
     else:
         tensors = st.assembler.finished
-        meta = _meta((tok, target), ids, out, enc_dec, P, (sample, seed), st.cache.metadata)
+        meta = _meta(model, (tok, target), ids, out, enc_dec, P, (sample, seed), st.cache.metadata)
     text = meta["generation"]["output_text"]
     cache = Cache(tensors, meta)
     return Generation(cache, torch.cat([ids, new], 1), ids.size(1), text)
@@ -223,7 +223,7 @@ def _hf_generate(model, ids, extra, max_new_tokens, kwargs) -> Tensor:
         ) from None
 
 
-def _meta(toks, ids, out, enc_dec, P, sampling, meta) -> dict[str, Any]:
+def _meta(model, toks, ids, out, enc_dec, P, sampling, meta) -> dict[str, Any]:
     """The cache metadata: the tokens the model read, and ``generation`` (see the contract);
     ``toks``: the source's and the output's tokenizers (None: ids only)."""
     (src_tok, tok), (sample, seed) = toks, sampling
@@ -253,8 +253,23 @@ def _meta(toks, ids, out, enc_dec, P, sampling, meta) -> dict[str, Any]:
     kinds = ["prompt"] * P + ["generated"] * (len(read) - P)
     meta["stacks"] = dict(meta.get("stacks", {}))
     if "decoder" in meta["stacks"]:
-        meta["stacks"]["decoder"] = dict(meta["stacks"]["decoder"], positions={"kinds": kinds})
+        positions: dict[str, Any] = {"kinds": kinds}
+        image = _image_token(model)
+        if image is not None and image in read[:P]:  # a vision-language prompt: which are pictures
+            positions["rows"] = [{"kinds": ["image" if i == image else "text" for i in read]}]
+        meta["stacks"]["decoder"] = dict(meta["stacks"]["decoder"], positions=positions)
     return meta
+
+
+def _image_token(model: nn.Module) -> int | None:
+    """The id a vision-language model's prompt holds for each image position, if it has one."""
+    cfg = getattr(model, "config", None)
+    for c in (cfg, getattr(cfg, "text_config", None)):
+        for name in ("image_token_index", "image_token_id"):
+            v = getattr(c, name, None)
+            if isinstance(v, int):
+                return v
+    return None
 
 
 def _tokens(meta: dict[str, Any], prefix: str, tok: Any, ids: list[int]) -> None:

@@ -180,6 +180,9 @@ class StepTrace:
 
     def _end(self, root: nn.Module) -> None:
         tr, self._tr = self._tr, None
+        if root is not self.model and not tr.kept and not tr.forward.blind:
+            tr.layers.forget()  # a submodule called on its own without attention (an embedding): no step
+            return
         try:
             check_forward(tr, self.model, self.selection)
             names, meta = name(tr, self.model, {}, self.selection)
@@ -191,10 +194,21 @@ class StepTrace:
         for r in tr.records:
             for _role, fields, shape, _impl, _causal in r.patterns:
                 keys.update({names[h]: int(shape[3]) for h in fields.values() if h in names})
-        self.assembler.add(Step(tensors, meta, root is self.model, tr.forward.cached, keys))
+        source = None if root is self.model else self._source(root, meta)
+        self.assembler.add(Step(tensors, meta, root is self.model, tr.forward.cached, keys, source))
         self.steps += 1
         if self.on_step is not None and root is self.model:  # one per token (not the encoder's)
             self.on_step(self.steps)
+
+    def _source(self, root: nn.Module, meta: dict[str, Any]) -> str:
+        """The stack name of a submodule's step: ``encoder`` for the encoder of an encoder-decoder,
+        else its layer list's module path (a vision tower), as a capture of the model names it."""
+        path = next((n for n, m in self.model.named_modules() if m is root), None)
+        if path is not None and path == self.encoder:
+            return "encoder"
+        module = (meta.get("layers") or [{}])[0].get("module") or path or "encoder"
+        head, _, tail = module.rpartition(".")
+        return head if tail.isdigit() and head else module
 
     def __exit__(self, exc_type, exc, tb) -> bool:
         try:
@@ -217,7 +231,7 @@ class StepTrace:
         meta = dict(self.metadata)
         meta.setdefault("model", model_info(self.model))
         stacks, layers = {}, []
-        for stack, m in sorted(a.metas.items(), key=lambda kv: kv[0] != "encoder"):
+        for stack, m in a.metas.items():  # in the order the stacks first ran
             stacks.update({s: v for s, v in m.get("stacks", {}).items() if s == stack})
             for e in m.get("layers", []):
                 if e.get("stack") == stack:
