@@ -211,13 +211,22 @@ def test_keep_rows_past_the_window_and_with_cross_attention():
     )
 
 
-def test_static_cache():
-    model = H.llama(100)
+@pytest.mark.parametrize(
+    "build, kwargs",
+    [
+        (H.llama, {"cache_implementation": "static"}),
+        (H.mistral, {"cache_implementation": "static"}),  # a static sliding window, past it
+        (H.gpt2, {"use_cache": False}),  # every step re-reads the whole sequence
+    ],
+    ids=["llama-static", "mistral-static-window", "gpt2-no-cache"],
+)
+def test_other_caches(build, kwargs):
+    model = build(100)
     full = probe.generate(model, PROMPT, max_new_tokens=N, min_new_tokens=N)
-    static = probe.generate(model, PROMPT, max_new_tokens=N, min_new_tokens=N, cache_implementation="static")
-    assert torch.equal(full.ids, static.ids)
+    other = probe.generate(model, PROMPT, max_new_tokens=N, min_new_tokens=N, **kwargs)
+    assert torch.equal(full.ids, other.ids)
     torch.testing.assert_close(
-        static.cache.pattern("decoder", 1), full.cache.pattern("decoder", 1), atol=ATOL, rtol=0
+        other.cache.pattern("decoder", 1), full.cache.pattern("decoder", 1), atol=ATOL, rtol=0
     )
 
 
