@@ -66,7 +66,8 @@ def _kind(cls) -> dict:
 
     if cls is not None and I.takes_pixels(cls):
         return {"image": True}
-    return {"audio": True} if cls is not None and A.takes_audio(cls) else {}
+    audio = cls is not None and (A.takes_audio(cls) or A.takes_audio_text(cls))
+    return {"audio": True} if audio else {}
 
 
 def worker() -> None:

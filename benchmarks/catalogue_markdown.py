@@ -144,8 +144,8 @@ def page(data: dict[str, dict]) -> str:
         "...",
         "```",
         "",
-        "The whole catalogue, image and audio families included, takes 4 to 15 minutes on two cores (measured: "
-        "3 min 36 s with the cores to itself, 13 min 22 s beside other work), "
+        "The whole catalogue, image and audio families included, takes 4 to 15 minutes on two cores "
+        "(measured: 3 min 36 s with the cores to itself, 13 min 22 s beside other work), "
         "in worker processes with a per-model timeout; this page is generated from its JSON "
         "(`benchmarks/catalogue.json`):",
         "",
@@ -196,7 +196,8 @@ def page(data: dict[str, dict]) -> str:
                 if (v.get("pad_diff") or 0) > 1e-5:
                     note = f"padded query rows differ by {v['pad_diff']:.1e}; " + note
                 if v.get("image_failed"):
-                    note = f"image inputs refused by the forward ({v['image_failed']}); " + note
+                    what = "audio" if v.get("audio") else "image"
+                    note = f"{what} inputs refused by the forward ({v['image_failed']}); " + note
                 lines.append(
                     f"| `{mt}` | {v.get('class', '')} | {_inputs(v)} | {v.get('n_probe', '')} "
                     f"| {_fmt(v.get('eager_diff'))} | {_fmt(v.get('sdpa_diff'))} | {_cell(note)} |"

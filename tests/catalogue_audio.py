@@ -82,7 +82,7 @@ def _conv_length(n: int, kernels: list[int], strides: list[int]) -> int:
 
 def _samples(cfgs: list[Any]) -> list[int]:
     """Waveform lengths to try: those that make :data:`FRAMES` frames of the convolution feature
-    extractor (its kernels and strides) or of a codec's down-sampling, then fixed lengths."""
+    extractor (its kernels and strides) or 4 of a codec's down-sampling, then fixed lengths."""
     out = []
     kernels, strides = _first(cfgs, "conv_kernel"), _first(cfgs, "conv_stride")
     if isinstance(kernels, (list, tuple)) and isinstance(strides, (list, tuple)):
@@ -92,7 +92,7 @@ def _samples(cfgs: list[Any]) -> list[int]:
         out.append(n)
     ratios = _first(cfgs, "downsampling_ratios", "upsampling_ratios")
     if isinstance(ratios, (list, tuple)) and ratios:
-        out.append(math.prod(ratios) * FRAMES)
+        out.append(math.prod(ratios) * 4)  # a codec's frames are long (320 to 3200 samples): 4 of them
     hop = _first(cfgs, "hop_length", "samples_per_token")
     if isinstance(hop, int) and hop > 0:
         out.append(hop * FRAMES)
@@ -210,4 +210,86 @@ def audio_inputs(model: Any, seed: int = 1) -> tuple[dict | None, str]:
             if failed is None:
                 return inputs, ""
             first = first or failed
+    return None, first
+
+
+# audio-language models: the audio's positions in the text are marked with this id
+_AUDIO_TOKEN_KEYS = ("audio_token_id", "audio_token_index", "audio_token")
+_AUDIO_MASKS = ("input_features_mask", "feature_attention_mask", "audio_attention_mask", "padding_mask")
+
+
+def takes_audio_text(cls: Any) -> bool:
+    """Whether ``cls``'s forward reads token ids and audio, and no pixels: an audio-language
+    model (Qwen2-Audio, Voxtral), a speech translator (Seamless M4T), a joint audio-text tower (CLAP)."""
+    params = _params(cls)
+    return audio_key(cls) is not None and "input_ids" in params and "pixel_values" not in params
+
+
+def audio_token(cfg: Any) -> int | None:
+    """The id that marks an audio position in the text, or None (the model places no audio in its text)."""
+    import catalogue_inputs as I
+
+    for c in (cfg, I._text_config(cfg)):
+        for k in _AUDIO_TOKEN_KEYS:
+            v = getattr(c, k, None)
+            if isinstance(v, int) and not isinstance(v, bool):
+                return v
+    return None
+
+
+def _text(model: Any, n: int, seed: int) -> dict[str, Any]:
+    """Random ids ``[2, n + 8]`` with ``n`` audio tokens after the third (where the config has an
+    audio token), the second row padded after its last three words."""
+    import catalogue_inputs as I
+
+    g = torch.Generator().manual_seed(seed + 1)
+    token = audio_token(model.config)
+    before, after = 3, 5
+    ids = I._text_ids(model.config, before + (n if token is not None else 0) + after, g)
+    if token is not None:
+        ids[:, before : before + n] = token
+    out: dict[str, Any] = {"input_ids": ids}
+    if "attention_mask" in _params(model):
+        mask = torch.ones_like(ids)
+        mask[1, -2:] = 0
+        out["attention_mask"] = mask
+    return out
+
+
+def audio_text_inputs(model: Any, seed: int = 1) -> tuple[dict | None, str]:
+    """``(inputs, failure)``: one audio per row (the layouts of :func:`candidates`, a mask of ones
+    where the forward takes one for the audio) and a text with as many audio tokens as the forward
+    reports audio features (its "tokens do not match, tokens: n, features: m"), or, for a forward
+    that reads ids or audio but not both, the audio alone (as :func:`audio_inputs` makes it);
+    ``(None, the first failure)`` where no combination runs."""
+    import catalogue_inputs as I
+
+    params = _params(model)
+    first = ""
+    for cand in candidates(model)[:8]:
+        g = torch.Generator().manual_seed(seed)
+        audio: dict[str, Any] = {cand["key"]: torch.randn(*cand["shape"], generator=g)}
+        key = next((k for k in _AUDIO_MASKS if k in params), None)
+        if key is not None:
+            audio[key] = torch.ones(BATCH, cand["shape"][cand["time"]], dtype=torch.long)
+        n, tried = 8, set()
+        while n not in tried and len(tried) < 4:
+            tried.add(n)
+            inputs = {**_text(model, n, seed), **audio}
+            if "decoder_input_ids" in params:
+                inputs["decoder_input_ids"] = inputs["input_ids"][:, :T_DEC].clone()
+            failed = _runs(model, inputs)
+            if failed is None:
+                return inputs, ""
+            first = first or failed
+            m = I._MISMATCH.search(failed)
+            counts = I._counts(model, int(m.group(2))) if m else []
+            if not counts:
+                break
+            n = counts[0]
+        # a forward that reads ids or audio, not both (Seamless M4T's encoder, Pop2Piano): audio alone
+        alone = _make(model, cand, "attention_mask" in params, seed)
+        failed = _runs(model, alone)
+        if failed is None:
+            return alone, ""
     return None, first

@@ -348,8 +348,13 @@ def check_model(model: Any, inputs: dict | None = None) -> dict[str, Any]:
     res["pad_diff"] = max([x[1] for x in (e, s) if isinstance(x, tuple)], default=None)
     why = _why(e, s) + (f"; {res['eager_other']}" if "eager_other" in res else "")
     if subset:
-        exact = isinstance(e, tuple) and e[0] <= TOL and s[0] <= TOL
+        # eager computes something else than the SDPA path probe ran (Seamless M4T v2's speech
+        # encoder; the models' outputs differ too): SDPA, which sees every stored pattern, decides,
+        # as for the whole-count comparison below
+        exact = isinstance(s, tuple) and s[0] <= TOL
         why += f"; {res['eager_subset']}, every one against SDPA"
+        if exact and not (isinstance(e, tuple) and e[0] <= TOL):
+            why += " (eager differs: SDPA decides)"
         return {**res, "status": "exact" if exact else "wrong", "oracle": "eager+sdpa", "reason": why}
     if isinstance(e, tuple) and e[0] <= TOL:
         return {**res, "status": "exact", "oracle": "eager", "reason": why}
@@ -363,6 +368,7 @@ def check_model(model: Any, inputs: dict | None = None) -> dict[str, Any]:
         if averaged is not None:
             ok, note = averaged
             res["eager_diff"] = None  # eager's weights are head means: the note says what was compared
+            why = _why("its weights are head means", s)
             return {
                 **res,
                 "status": "exact" if ok else "wrong",

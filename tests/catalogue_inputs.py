@@ -330,10 +330,18 @@ def check_family(model: Any) -> dict:
     import catalogue_audio as A
     import catalogue_check as C
 
+    audio_failed = None
     if A.takes_audio(type(model)):  # audio families: a spectrogram or a waveform (catalogue_audio.py)
         inputs, failed = A.audio_inputs(model)
         if inputs is None:
             return {"status": "run failed", "reason": f"no audio input made from the config runs: {failed}"}
+    elif A.takes_audio_text(type(model)):  # audio-language models: audio tokens in the text
+        inputs, audio_failed = A.audio_text_inputs(model)
+        if inputs is None:
+            text = C.check_model(model)
+            if text["status"] in ("run failed", "cannot run"):
+                return {**text, "reason": f"{text['reason']}; with audio: {audio_failed}"}
+            return {**text, "inputs": "text only", "image_failed": audio_failed}
     else:
         inputs = fitted_inputs(model) if takes_pixels(type(model)) else None
     try:

@@ -169,12 +169,33 @@ OVERRIDES: dict[str, dict[str, Any]] = {
     "moss_transcribe_diarize_audio": {"max_source_positions": 32},
     "audioflamingo3_encoder": {"max_source_positions": 32},
     "audio-spectrogram-transformer": {"max_length": 64, "num_mel_bins": 32},
+    # Seamless M4T's speech encoder and unit model keep their own (full) sizes under their own names
+    "seamless_m4t": {
+        "speech_encoder_layers": LAYERS,
+        "speech_encoder_attention_heads": HEADS,
+        "speech_encoder_intermediate_size": FFN,
+        "t2u_encoder_layers": LAYERS,
+        "t2u_decoder_layers": LAYERS,
+        "t2u_encoder_attention_heads": HEADS,
+        "t2u_decoder_attention_heads": HEADS,
+        "t2u_encoder_ffn_dim": FFN,
+        "t2u_decoder_ffn_dim": FFN,
+    },
+    # VibeVoice's tokenizers: 26 convolution blocks over the waveform, one per stage is enough
+    "vibevoice_acoustic_tokenizer": {"depths": [1] * 7},
+    "vibevoice_acoustic_tokenizer_encoder": {"depths": [1] * 7},
+    # CLAP's audio tower (HTSAT, a Swin over the spectrogram) ends at patch width · 2^(stages - 1)
+    "clap_audio_model": {"hidden_size": 192},
+    "voxtral": {"audio_token_id": 500},  # None by default: no audio position in the text
+    "qwen3_asr_encoder": {"output_dim": HIDDEN},  # the audio features enter the text at its width
     # codecs' up-sampling convolutions are grouped: groups that divide the shrunk width
     "mimi": {"upsample_groups": HIDDEN},
     "pocket_tts_audio_tokenizer": {"upsample_groups": HIDDEN},
     "moonshine_streaming": {"num_key_value_heads": HEADS},  # the decoder reads it, its default lacks it
 }
 
+
+OVERRIDES["seamless_m4t_v2"] = OVERRIDES["seamless_m4t"]
 
 # per-family model classes where the auto mapping's base class does not take the family's config
 # (MusicGen's MODEL_MAPPING entry is the decoder alone, which wants the decoder's config)

@@ -152,3 +152,17 @@ def test_the_check_sees_a_wrong_head_behind_wavlms_averaged_eager(monkeypatch):
     monkeypatch.setattr(C, "probe_patterns", swapped)
     verdict = C.check_model(model, inputs)
     assert verdict["status"] == "wrong" and "pattern 0 matches none" in verdict["reason"], verdict
+
+
+def test_audio_tokens_in_the_text_as_many_as_the_audio_features():
+    # Qwen2-Audio: one audio per row and as many audio tokens as its encoder makes of it (the
+    # 64 frames of max_source_positions 32, pooled 2x), the forward runs, the capture is exact
+    import catalogue_check as C
+
+    model = K.build("qwen2_audio")
+    assert A.takes_audio_text(type(model)) and not A.takes_audio(type(model))
+    inputs, failed = A.audio_text_inputs(model)
+    assert inputs is not None, failed
+    n = (inputs["input_ids"] == model.config.audio_token_index).sum(1)
+    assert n.tolist() == [model.config.audio_config.max_source_positions // 2] * 2
+    assert C.check_model(model, inputs)["status"] == "exact"

@@ -111,7 +111,8 @@ EXACT = {
     "wav2vec2": "a waveform through the convolution feature extractor, a padded row",
     "wavlm": "a direct F.multi_head_attention_forward call; eager returns the head mean",
     "audio-spectrogram-transformer": "a spectrogram cut into patches",
-    "parakeet_encoder": "a conformer with 8-fold subsampling and relative positions",
+    "qwen2_audio": "audio tokens in the text, as many as the audio encoder makes of one audio",
+    "seamless_m4t_v2": "speech encoder on stacked frames; eager differs from SDPA (SDPA decides)",
 }
 
 # model type -> why it is not exact yet (issue 22); the owner removes the mark with the fix
