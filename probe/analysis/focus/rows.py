@@ -58,19 +58,29 @@ class _Rows:
             if self_attn:
                 # Σ (j − i)·a as Σ (j − q0)·a − (i − q0)·Σ a: the terms stay near the band, not i
                 self.signed[..., q0:q1] = band @ (kf[:n] - q0) - (kf[q0:q1] - q0) * self.total[..., q0:q1]
-            vals = torch.from_numpy(np.sort(band.numpy(), -1))
-            self.top[..., q0:q1] = vals[..., -1]
-            torch.cumsum(vals, -1, out=vals)
-            # leftover keys: the most smallest weights whose sum stays within the (1 − SPAN_MASS) rest
-            rest = (1 - SPAN_MASS) * vals[..., -1:]
-            left = torch.searchsorted(vals, rest.contiguous(), side="right")[..., 0]
-            self.span[..., q0:q1] = (n - left).to(P.dtype)
-            del vals
+            self.top[..., q0:q1], self.span[..., q0:q1] = _top_span(band, n)
             if cumsum:
                 c = self.cum[..., q0:q1, :]
                 c[..., :n] = band.cumsum(-1)
                 if n < K:  # right of the visible keys a causal row adds nothing: its sum stays
                     c[..., n:] = c[..., n - 1 : n]
+
+
+def _top_span(band: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each row's largest weight and effective span: the selection of
+    :mod:`probe.analysis.focus.rowfused` where numba is installed (as the streamed path uses),
+    else numpy's sort with float32 running sums (as the streamed path then does)."""
+    from probe.analysis.focus import rowfused
+
+    if rowfused.available() and bool((band >= 0).all()):
+        return band.amax(-1), rowfused.spans(band).to(band.dtype)
+    vals = torch.from_numpy(np.sort(band.numpy(), -1))
+    top = vals[..., -1].clone()
+    torch.cumsum(vals, -1, out=vals)
+    # leftover keys: the most smallest weights whose sum stays within the (1 − SPAN_MASS) rest
+    rest = (1 - SPAN_MASS) * vals[..., -1:]
+    left = torch.searchsorted(vals, rest.contiguous(), side="right")[..., 0]
+    return top, (n - left).to(band.dtype)
 
 
 __all__ = ["SPAN_MASS", "BANDS"]

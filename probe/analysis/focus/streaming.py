@@ -109,6 +109,14 @@ class RowTerms:
             self.t = self.t.to(device)
             self.recv, self.recv_first = self.recv.to(device), self.recv_first.to(device)
 
+    def sdpa_call(self, args: tuple, kwargs: dict) -> bool:
+        """Fold in a whole SDPA call from its ``q`` and ``k`` where the fused kernel applies
+        (:mod:`probe.analysis.focus.fused`: the weights are never written); False: hand the
+        weights to :meth:`rows` instead."""
+        from probe.analysis.focus import fused
+
+        return fused.read_call(self, args, kwargs)
+
     def rows(self, q0: int, q1: int, blk: torch.Tensor) -> None:
         """Fold in the weights ``blk`` ``[B, H, q1 - q0, kend]`` of query rows ``q0:q1``."""
         B, H, r, kend = blk.shape
@@ -119,25 +127,49 @@ class RowTerms:
             buf = ws.get("pad", tuple(P.shape), P.dtype, P.device)
             P = torch.mul(P, dev["real"][:, None, None, :kend], out=buf)
         rows = torch.arange(q0, q1, device=blk.device)
-        lower = self._lower(P, q0, q1, rows)
         t, sl = self.t, slice(q0, q1)
-        # on a GPU one kernel pass gives the per-row terms that otherwise take a sort and prefix sums
-        got = _kernel_terms(P, q0, self.shape[3] if self.self_attn else None)
+        # on a GPU one kernel pass gives the per-row terms that otherwise take a sort and prefix sums;
+        # on a CPU a compiled loop reads each row once for every per-row term (numba, if installed)
+        got = _kernel_terms(P, q0, self.shape[3] if self.self_attn else None) or self._cpu_terms(P, sl)
         if got is None:
             got = {"ent": rb.entropy(P, ws), "total": P.sum(-1)}
             got["top"], got["arg"], got["span"] = rb.sorted_terms(P, ws)
         for n in ("ent", "total", "top", "arg", "span"):
             getattr(t, n)[..., sl] = got[n]
-        t.masks[:, :, sl] = torch.einsum("bhrk,bck->bhrc", P, dev["cols"][..., :kend])
-        first = dev["first"].clamp(max=kend - 1)[:, None, None, None].expand(B, H, r, 1)
-        at_first = P.gather(-1, first)[..., 0]
-        t.first[..., sl] = torch.where((dev["first"] < kend)[:, None, None], at_first, 0)
+        if "after" in got:  # the compiled loop: masks, first weight and the causal audit too
+            t.masks[:, :, sl] = torch.stack([got["special"], got["punct"], got["content"]], -1)
+            t.first[..., sl] = got["first"]
+            lower = self._after(got["after"], sl)
+        else:
+            lower = self._lower(P, q0, q1, rows)
+            t.masks[:, :, sl] = torch.einsum("bhrk,bck->bhrc", P, dev["cols"][..., :kend])
+            first = dev["first"].clamp(max=kend - 1)[:, None, None, None].expand(B, H, r, 1)
+            at_first = P.gather(-1, first)[..., 0]
+            t.first[..., sl] = torch.where((dev["first"] < kend)[:, None, None], at_first, 0)
         self.recv[..., :kend] += rb.received(P, dev["qreal"][:, q0:q1])
         for b, f in enumerate(self.qs.first.tolist()):
             if q0 <= f < q1:
                 self.recv_first[b, :, :kend] = P[b, :, f - q0]
         if self.self_attn:
             self._self_rows(P, rows, sl, lower, got)
+
+    def _cpu_terms(self, P: torch.Tensor, sl: slice) -> dict[str, torch.Tensor] | None:
+        """The compiled row loop's terms of a CPU block (:mod:`probe.analysis.focus.rowfused`),
+        or None without numba (then the block is sorted)."""
+        from probe.analysis.focus import rowfused
+
+        if P.device.type != "cpu" or not rowfused.available():
+            return None
+        dev, kend = self._on(P.device), P.shape[-1]
+        words = {n: (s[:, sl], e[:, sl]) for n, (s, e) in dev["words"].items()} if self.words else None
+        K = self.shape[3] if self.self_attn else None
+        return rowfused.row_terms(P, sl.start, K, dev["cols"][..., :kend], dev["first"], words)
+
+    def _after(self, after: torch.Tensor, sl: slice) -> bool:
+        """:meth:`_lower` from each row's largest weight after its query (real queries only)."""
+        if self.causal and bool((after * self._on(after.device)["qreal"][:, None, sl]).amax() > 0):
+            self.causal = False
+        return bool(self.causal)
 
     def _lower(self, P: torch.Tensor, q0: int, q1: int, rows: torch.Tensor) -> bool:
         """Whether no real query of this block puts weight on a key after it (only keys after
@@ -161,7 +193,12 @@ class RowTerms:
         t, kend, q0 = self.t, P.shape[-1], sl.start
         for d, v in rb.diagonals(P, rows, LOCAL_WINDOW).items():
             t.diag[d][..., sl] = v
-        C = rb.prefix_sums(P, self.ws) if "reach" not in got or t.word is not None else None
+        words_done = "word_prev" in got
+        C = (
+            rb.prefix_sums(P, self.ws)
+            if "reach" not in got or (t.word is not None and not words_done)
+            else None
+        )
         if "reach" in got:  # the row kernel summed them (float64, no cancellation)
             t.signed[..., sl], t.dist[..., sl] = got["signed"], got["dist"]
             beyond, reach = {D: got[f"beyond_{D}"] for D in BEYOND}, got["reach"]
@@ -180,7 +217,10 @@ class RowTerms:
         if t.reach is None:
             t.reach = torch.zeros_like(t.ent)
         t.reach[..., sl] = reach
-        if t.word is not None:
+        if t.word is not None and words_done:
+            for n in t.word:
+                t.word[n][..., sl] = got[n]
+        elif t.word is not None:
             at = {n: (s[:, sl], e[:, sl]) for n, (s, e) in self._on(P.device)["words"].items()}
             for n, m in word_masses(C, self.lay, rows, at).items():
                 t.word[n][..., sl] = m
@@ -230,6 +270,9 @@ class _Candidates:
 
     def __init__(self, readers: dict[str, RowTerms]) -> None:
         self.readers = readers
+
+    def sdpa_call(self, args: tuple, kwargs: dict) -> bool:
+        return len(self.readers) == 1 and next(iter(self.readers.values())).sdpa_call(args, kwargs)
 
     def rows(self, q0: int, q1: int, blk: torch.Tensor) -> None:
         for r in self.readers.values():

@@ -1,0 +1,115 @@
+"""The CPU row loop without a sort (probe/analysis/focus/rowfused.py): the effective span by a
+histogram of the weights' bit patterns and an exact walk of the one bin that crosses the
+threshold, and every other per-row term from one read of the row.
+
+Oracles written here: a full sort with float64 running sums (the span), loops and plain torch
+sums over the block (the other terms).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytest.importorskip("numba")
+
+from probe.analysis.focus import rowfused  # noqa: E402
+
+
+def _sorted_span(P):
+    """The fewest keys covering 90% of each row's mass, by a sort: ascending values, float64 running
+    sums, the most smallest weights whose sum stays within the 10% rest are left out. Also whether
+    a running sum lies within float64 rounding of the rest (where any summation order may decide
+    either way: an exact tie of the threshold with a partial sum)."""
+    vals = P.double().sort(-1).values
+    c = vals.cumsum(-1)
+    rest = 0.1 * c[..., -1:]
+    span = P.shape[-1] - (c <= rest).sum(-1)
+    ambiguous = ((c - rest).abs() <= 1e-12 * c[..., -1:]).any(-1) & (c[..., -1] > 0)
+    return span, ambiguous
+
+
+def _rows(K, seed):
+    g = torch.Generator().manual_seed(seed)
+    P = torch.softmax(torch.randn(3, 40, K, generator=g) * torch.linspace(0.1, 8, 40)[:, None], -1)
+    P[0, 0] = 1.0 / K  # one value K times
+    P[0, 1] = 0.0  # an all-masked row
+    P[0, 2, : min(K, 3)] = 1.0 / min(K, 3)  # a few equal weights, zeros elsewhere
+    P[0, 2, 3:] = 0
+    P[1, :8] = torch.randint(0, 4, (8, K), generator=g).float() / 11  # many ties, not normalised
+    P[2, :5, : K // 2] = 0  # rows with many zeros
+    return P
+
+
+@pytest.mark.parametrize("K", [1, 2, 3, 7, 64, 300, 4096, 20000])
+def test_span_equals_the_sort(K):
+    P = _rows(K, K)
+    want, amb = _sorted_span(P)
+    got = rowfused.spans(P)
+    assert got.dtype == torch.float32 and got.shape == want.shape
+    ok = got.long() == want
+    assert bool((ok | amb).all()), (got[~ok], want[~ok])
+    assert int(amb.sum()) <= 6  # the test still checks nearly every row exactly
+    assert float(got[0, 1]) == 0  # a masked row spans nothing
+    assert float(got[0, 2]) == min(K, 3) if K > 1 else True
+
+
+def test_span_of_ties_crossing_the_threshold():
+    """Equal weights straddling the threshold count one by one: 10 keys of 0.05, 10 of 0.011 and
+    20 zeros; the rest (0.061) holds the zeros and five of the 0.011 (0.055), not a sixth (0.066):
+    the span is 40 − 25 = 15 keys."""
+    row = torch.zeros(1, 40)
+    row[0, :10] = 0.05
+    row[0, 10:20] = 0.011
+    want, amb = _sorted_span(row)
+    assert int(want) == 15 and not bool(amb.any())
+    assert int(rowfused.spans(row)) == 15
+    assert int(rowfused.spans(row[:, torch.randperm(40)])) == 15  # the order of keys does not matter
+
+
+def _loop_terms(P, q0, K, cols, first):
+    """Per-row terms by loops over one row at a time (float64), as metrics.py defines them."""
+    B, h, r, n = P.shape
+    out = {k: torch.zeros(B, h, r, dtype=torch.float64) for k in ("total", "ent", "signed", "dist", "reach")}
+    out.update({f"beyond_{D}": torch.zeros(B, h, r, dtype=torch.float64) for D in (16, 128, 1024)})
+    for b in range(B):
+        for hh in range(h):
+            for a in range(r):
+                x = P[b, hh, a].double()
+                i = q0 + a
+                j = torch.arange(n, dtype=torch.float64)
+                t = float(x.sum())
+                out["total"][b, hh, a] = t
+                out["ent"][b, hh, a] = -float((x * x.clamp_min(torch.finfo(torch.float32).tiny).log()).sum())
+                out["signed"][b, hh, a] = float(((j - i) * x).sum())
+                out["dist"][b, hh, a] = float(((j - i).abs() * x).sum())
+                for D in (16, 128, 1024):
+                    out[f"beyond_{D}"][b, hh, a] = float(x[(j - i).abs() > D].sum()) if D < K else 0.0
+                d = 0
+                while float(x[(j - i).abs() <= d].sum()) < 0.9 * t - 1e-12 and d < K - 1:
+                    d += 1
+                out["reach"][b, hh, a] = d
+    return out
+
+
+def test_row_terms_against_loops():
+    g = torch.Generator().manual_seed(3)
+    B, h, r, q0, n = 2, 2, 6, 140, 146
+    P = torch.softmax(torch.randn(B, h, r, n, generator=g) * 3, -1)
+    P = P.masked_fill(torch.arange(n)[None, :] > torch.arange(q0, q0 + r)[:, None], 0)  # causal rows
+    P[1, 0, 2, 5:] = 0
+    P[1, 0, 2, :5] = 0.2  # ties
+    cols = (torch.rand(B, 3, n, generator=g) > 0.5).float()
+    first = torch.tensor([0, 3])
+    got = rowfused.row_terms(P, q0, n, cols, first)
+    want = _loop_terms(P, q0, n, cols, first)
+    for k, v in want.items():
+        torch.testing.assert_close(got[k].double(), v, rtol=1e-5, atol=2e-5, msg=k)
+    assert torch.equal(got["arg"], P.argmax(-1))
+    torch.testing.assert_close(got["top"], P.amax(-1))
+    torch.testing.assert_close(got["special"].double(), (P.double() * cols[:, None, None, 0]).sum(-1))
+    torch.testing.assert_close(got["first"], torch.stack([P[0, ..., 0], P[1, ..., 3]]))
+    assert float(got["after"].max()) == 0  # nothing after the query
+    P[0, 1, 0, q0 + 3] = 0.5
+    assert float(rowfused.row_terms(P, q0, n, cols, first)["after"][0, 1, 0]) == 0.5
+    assert rowfused.row_terms(-P, q0, n, cols, first) is None  # a negative weight: sort instead
