@@ -69,7 +69,8 @@ class _Rows:
         need_r, need_k = self.n + 1, off + K
         if self.buf is None or need_r > self.buf.size(2) or need_k > self.buf.size(3):
             old = self.buf
-            cap_r = max(need_r, 2 * (old.size(2) if old is not None else 0), self.hint_rows)
+            rows = old.size(2) if old is not None else 0
+            cap_r = rows if need_r <= rows else max(need_r, 2 * rows, self.hint_rows)
             cap_k = _w(old) if need_k <= _w(old) else max(need_k, 2 * _w(old), self.hint)
             self.buf = row.new_zeros(B, H, cap_r, cap_k)
             if old is not None:
@@ -102,11 +103,12 @@ class Assembler:
         self.rows: dict[str, _Rows] = {}
         self.lists: dict[str, list[Tensor]] = {}  # residuals and top-k fields, per key
         self.metas: dict[str, dict[str, Any]] = {}  # stack -> the meta of its first step
-        self.renamed: set[str] = set()  # keys judged cross by a step, self-attention of the stack
+        self.renamed: set[str] = set()  # stacks whose self-attention a step judged cross (see _field)
         self.steps = 0
         self.impls: set[str] = set()
         self.finished: dict[str, Tensor] = {}
         self.sources: set[str] = set()  # stacks of submodule steps (read once, never generated)
+        self.first: dict[str, set[str]] = {}  # stack -> the keys of its first step
 
     # -- one step ------------------------------------------------------------------------------
     def add(self, step: Step) -> None:
@@ -127,6 +129,7 @@ class Assembler:
                 )
             if stack not in self.metas:
                 self.metas[stack] = step.meta
+                self.first[stack] = set(keys)
             elif end <= seen and not generating:
                 continue  # the source read again (a loop re-running the encoder): nothing new
             elif end <= seen:
@@ -146,10 +149,12 @@ class Assembler:
         _, _, name = parse_key(k)
         n = parse_name(name)
         skip = max(0, seen - start)
-        if n.role == "cross" and gen and "encoder" not in self.seen:
+        own_key = k.replace(".cross_attn", ".self_attn")
+        both = {k, own_key} <= self.first.get(stack, set())  # its first step had both: real cross
+        if n.role == "cross" and gen and "encoder" not in self.seen and not both:
             # a decoder-only model's self-attention over a sliding-window or static cache, whose
             # key count is no sequence length of the step: judged cross by the step alone
-            k = k.replace(".cross_attn", ".self_attn")
+            k = own_key
             self.renamed.add(stack)
             n = parse_name(parse_key(k)[2])
         if n.field is None:  # a residual tensor [batch, q, d] (or a delta)
