@@ -176,3 +176,43 @@ def test_encoder_decoder_generation_reads_its_start_token():
     assert lb.steps.output[:-1] == cache.metadata["target_tokens"][0][1:]
     w = cache.pattern("decoder", 2, batch=0).double()  # checked against eager in test_capture_zoo
     assert float(lb.prompt_mass[2, 1, 3]) == pytest.approx(float(w[1, 3, 0]), abs=1e-7)
+
+
+def test_vision_language_generation_share_on_image_tokens():
+    """A LLaVA-shaped model generates from a text holding a picture: the share of each generated
+    token's attention on the image tokens, against eager generate's own per-step attentions."""
+    import copy
+
+    import transformers as tf
+
+    small = dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64)
+    vision = tf.CLIPVisionConfig(**small, image_size=32, patch_size=8)  # 4 x 4 patches + [CLS]
+    text = tf.LlamaConfig(**small, vocab_size=96, num_key_value_heads=2, max_position_embeddings=128)
+    cfg = tf.LlavaConfig(
+        vision_config=vision, text_config=text, image_token_index=95, vision_feature_layer=-1
+    )
+    torch.manual_seed(0)
+    model = tf.LlavaForConditionalGeneration._from_config(cfg).eval()
+    eager = tf.LlavaForConditionalGeneration._from_config(
+        copy.deepcopy(cfg), attn_implementation="eager"
+    ).eval()
+    eager.load_state_dict(model.state_dict())
+    ids = torch.tensor([[1, 5] + [95] * 16 + [7, 8, 9]])
+    pixels = torch.randn(1, 3, 32, 32, generator=torch.Generator().manual_seed(2))
+    inputs = {"input_ids": ids, "pixel_values": pixels, "attention_mask": torch.ones_like(ids)}
+    g = probe.generate(model, inputs, max_new_tokens=5, min_new_tokens=5)
+    with torch.no_grad():
+        out = eager.generate(
+            **inputs, max_new_tokens=5, min_new_tokens=5, output_attentions=True, return_dict_in_generate=True
+        )
+    lb = probe.lookback(g.cache)
+    assert lb.steps.image_positions() == list(range(2, 18)) and len(lb.steps.prompt) == 21
+    for t in range(5):
+        for layer in range(2):
+            step = out.attentions[t][layer][0].double()  # [H, q, keys so far]
+            row = step[:, -1]  # the row that wrote token t (the prefill's last row at t = 0)
+            want_img = row[:, 2:18].sum(-1)
+            want_prompt = row[:, :21].sum(-1)
+            assert torch.allclose(lb.image_mass[layer, :, t], want_img, atol=1e-5)
+            assert torch.allclose(lb.prompt_mass[layer, :, t], want_prompt, atol=1e-5)
+    assert "image_mass" in lb.table.columns and "attention on the image tokens" in lb.summary()

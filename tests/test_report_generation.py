@@ -20,9 +20,20 @@ from generation_caches import aligner_generation, minigpt_generation, minigpt_we
 import models
 import probe
 from probe.report.browser import browser, open_report
+from probe.report.context import ReportContext
+from probe.report.html import discover, render
 
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
 ALLOWED = ("file:", "data:", "blob:")
+
+
+def _report(cache, folder):
+    """The generation section alone, as a page (``folder/index.html``); the whole report of a
+    generation is written by tests/test_cli_generate.py."""
+    text = render(ReportContext(caches=[cache]), [x for x in discover() if x.name == "generation"])
+    out = folder / "index.html"
+    out.write_text(text, encoding="utf-8")
+    return out
 
 
 @pytest.fixture(scope="module")
@@ -33,7 +44,7 @@ def gpt():
 @pytest.fixture(scope="module")
 def minigpt_page(gpt, tmp_path_factory):
     cache, ids, new = minigpt_generation(gpt)
-    path = probe.report(cache, tmp_path_factory.mktemp("gen"), progress=False)
+    path = _report(cache, tmp_path_factory.mktemp("gen"))
     return cache, ids, new, minigpt_weights(gpt, ids + new[:-1]), path
 
 
@@ -44,7 +55,7 @@ def aligner_page(tmp_path_factory):
     src = torch.tensor([cache.metadata["ids"][0]])
     with torch.no_grad():
         cross = [w[0].double() for w in model(src, torch.tensor([read]))[3]]  # the model's own
-    return cache, cross, probe.report(cache, tmp_path_factory.mktemp("gen2"), progress=False)
+    return cache, cross, _report(cache, tmp_path_factory.mktemp("gen2"))
 
 
 @pytest.fixture(scope="module")
@@ -169,7 +180,7 @@ def test_chinese_text_and_the_cross_view_in_the_browser(chromium, aligner_page, 
     zh, _, _ = minigpt_generation(gpt)
     zh.metadata["tokens"][0][:3] = ["注", "意", "力"]
     zh.metadata["generation"]["prompt_text"] = "注意力 lets"
-    page, log = open_report(chromium, probe.report(zh, tmp_path, progress=False))
+    page, log = open_report(chromium, _report(zh, tmp_path))
     _ready(page)
     chips = page.locator(".probe-genview .probe-gen-keys .tok")
     assert [chips.nth(i).text_content() for i in range(3)] == ["注", "意", "力"]
@@ -180,6 +191,43 @@ def test_chinese_text_and_the_cross_view_in_the_browser(chromium, aligner_page, 
 
 def test_a_stats_generation_is_a_one_line_note(gpt, tmp_path):
     cache, _, _ = minigpt_generation(gpt, keep="stats")
-    page = probe.report(cache, tmp_path, progress=False).read_text(encoding="utf-8")
+    page = _report(cache, tmp_path).read_text(encoding="utf-8")
     section = page.split('id="sec-generation"')[1].split("</section>")[0]
     assert "This section could not be built: this generation cache kept each head" in section
+
+
+def test_a_picture_in_the_prompt_adds_the_share_on_its_image_tokens(tmp_path):
+    """A LLaVA-shaped generation: the rows embedded are eager generate's own per-step rows."""
+    import copy
+
+    import transformers as tf
+
+    small = dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64)
+    vision = tf.CLIPVisionConfig(**small, image_size=32, patch_size=8)
+    text = tf.LlamaConfig(**small, vocab_size=96, num_key_value_heads=2, max_position_embeddings=128)
+    cfg = tf.LlavaConfig(
+        vision_config=vision, text_config=text, image_token_index=95, vision_feature_layer=-1
+    )
+    torch.manual_seed(0)
+    model = tf.LlavaForConditionalGeneration._from_config(cfg).eval()
+    eager = tf.LlavaForConditionalGeneration._from_config(
+        copy.deepcopy(cfg), attn_implementation="eager"
+    ).eval()
+    eager.load_state_dict(model.state_dict())
+    ids = torch.tensor([[1, 5] + [95] * 16 + [7, 8, 9]])
+    pixels = torch.randn(1, 3, 32, 32, generator=torch.Generator().manual_seed(2))
+    inputs = {"input_ids": ids, "pixel_values": pixels, "attention_mask": torch.ones_like(ids)}
+    g = probe.generate(model, inputs, max_new_tokens=4, min_new_tokens=4)
+    with torch.no_grad():
+        out = eager.generate(
+            **inputs, max_new_tokens=4, min_new_tokens=4, output_attentions=True, return_dict_in_generate=True
+        )
+    page = _report(g.cache, tmp_path).read_text(encoding="utf-8")
+    assert "and on the prompt&#39;s image tokens" in page or "and on the prompt's image tokens" in page
+    (d,) = _views(page)
+    for e in d["layers"]:
+        rows = [out.attentions[t][e["layer"]][0, :, -1].double() for t in range(4)]  # [H, keys so far]
+        want = torch.zeros(4, 4, 24, dtype=torch.float64)
+        for t, r in enumerate(rows):
+            want[:, t, : r.shape[-1]] = r
+        _check(e["mean"], want.mean(0))

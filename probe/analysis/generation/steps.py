@@ -39,6 +39,7 @@ class Steps:
     tokens: list[str]
     output: list[str]
     length: int
+    images: tuple[int, ...] = ()  # the prompt's image token positions (a vision-language prompt)
 
     @property
     def n_steps(self) -> int:
@@ -47,7 +48,7 @@ class Steps:
 
     def image_positions(self) -> list[int]:
         """The prompt positions that are image tokens (a vision-language prompt), else ``[]``."""
-        return [p for p in self.prompt if self.kinds[p] == "image"]
+        return [p for p in self.prompt if self.kinds[p] == "image" or p in self.images]
 
 
 def generation_meta(cache: Any) -> dict[str, Any]:
@@ -141,7 +142,16 @@ def steps(cache: Any, batch: int = 0, stack: str | None = None) -> Steps:
         else [str(p) for p in range(length)]
     )
     output = _output_tokens(gen, batch, [tokens[p] for p in generated])
-    return Steps(stack, batch, prompt, generated, writers, kinds, tokens, output, length)
+    images = tuple(p for p in prompt if p in _image_positions(cache, stack, batch))
+    return Steps(stack, batch, prompt, generated, writers, kinds, tokens, output, length, images)
+
+
+def _image_positions(cache: Any, stack: str, batch: int) -> set[int]:
+    """The positions a vision-language stack's per-text kinds (``positions["rows"]``) call image."""
+    pos = ((cache.metadata.get("stacks") or {}).get(stack) or {}).get("positions") or {}
+    rows = pos.get("rows") or []
+    kinds = rows[batch].get("kinds") or [] if batch < len(rows) else []
+    return {p for p, k in enumerate(kinds) if k == "image"}
 
 
 def _length(cache: Any, stack: str) -> int:

@@ -107,7 +107,7 @@ def text_views(cache: Any, stack: str, pos: dict[str, Any], texts: int, names: l
     layers = cache.pattern_layers(stack)
     n_heads = int(cache.pattern(stack, layers[0], batch=0).shape[0])
     for b, row in enumerate(pos["rows"]):
-        grids = row["grids"]
+        grids = row.get("grids") or []  # a generation's kinds may come without the grids
         if b >= texts:
             break
         base, first = first, first + len(grids)  # the cache's pictures are the texts' in order
