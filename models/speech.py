@@ -59,6 +59,11 @@ class Config:
     d_ff: int = 256
     max_source_positions: int = 1500  # encoder positions: 30 s at 20 ms each, as Whisper
     max_target_positions: int = 16
+    # what a Hugging Face encoder-decoder's config says (class attributes: not saved, not options)
+    is_encoder_decoder = True
+    pad_token_id = 0
+    decoder_start_token_id = bos_token_id = 1
+    eos_token_id = 2
 
 
 class SpeechTokenizer(WordTokenizer):
@@ -224,6 +229,24 @@ class SpeechModel(nn.Module):
                 break
         return ids[:, 1:]
 
+    @property
+    def generation_config(self) -> Config:
+        """What `generate` reads its special ids from (the config, as in transformers)."""
+        return self.config
+
+    @torch.no_grad()
+    def generate(
+        self, input_features: torch.Tensor, max_new_tokens: int | None = None, **kwargs
+    ) -> torch.Tensor:
+        """Greedy decoding called like transformers' `generate` (sampling and beams are not
+        offered): ids [B, 1 + n], the start token first, each row ending at `</s>`."""
+        if kwargs.get("do_sample") or kwargs.get("num_beams", 1) != 1:
+            raise ValueError(f"{NAME}.generate decodes greedily: do_sample=False, num_beams=1")
+        limit = min(max_new_tokens or self.context_length, self.context_length - 1)
+        ids = self.greedy_decode(input_features, limit)
+        start = torch.full((ids.shape[0], 1), self.tokenizer.bos_id, dtype=torch.long)
+        return torch.cat([start, ids], dim=1)
+
     def transcribe(self, audio) -> list[str]:
         """The transcript of each waveform (16 kHz float arrays, or one array)."""
         feats = self.processor(audio, sampling_rate=self.config.sampling_rate)["input_features"]
@@ -243,7 +266,7 @@ def from_config(config: dict) -> SpeechModel:
 def batch(model: SpeechModel, sentences: list[speech_data.Sentence]):
     """(input_features, decoder_input_ids, targets) for `sentences`; targets pad with -100."""
     tok = model.tokenizer
-    feats = model.processor([s.audio for s in sentences])["input_features"]
+    feats = model.processor([s.audio for s in sentences], padding="longest")["input_features"]
     width = max(len(s.words) for s in sentences) + 1
     dec = torch.full((len(sentences), width), tok.pad_id, dtype=torch.long)
     out = torch.full((len(sentences), width), -100, dtype=torch.long)

@@ -9,9 +9,12 @@ floored at 8 below the waveform's own maximum and mapped by `(x + 4) / 4`.
 
 `SpeechProcessor` is called like a Hugging Face `WhisperProcessor`:
 `processor(audio, sampling_rate=16000, return_tensors="pt")` -> `{"input_features": [batch,
-feature_size, frames]}` (waveforms of a batch zero-padded to the longest: silence, as Whisper pads
-to 30 s), `processor(text=...)` -> `{"labels": ...}`; `processor.feature_extractor` carries
-`sampling_rate`, `hop_length`, `n_fft` and `feature_size`, `processor.tokenizer` the model's words.
+feature_size, frames]}`: every waveform zero-padded (silence) to `chunk_length` = 6 seconds, or to
+the longest of the batch when that is longer, as Whisper pads to 30 s (`padding="longest"` pads to
+the longest only: the training batches' padding; the model learned to end a transcript where
+the padding's silence begins, so it needs it after the speech); `processor(text=...)` ->
+`{"labels": ...}`; `processor.feature_extractor` carries `sampling_rate`, `hop_length`, `n_fft`,
+`feature_size` and `chunk_length`, `processor.tokenizer` the model's words.
 """
 
 from __future__ import annotations
@@ -52,9 +55,16 @@ class FeatureExtractor:
     """Waveforms (16 kHz, float) to log-mel ``input_features`` ``[batch, feature_size, frames]``."""
 
     def __init__(
-        self, sampling_rate: int = 16_000, n_fft: int = 400, hop_length: int = 160, feature_size: int = 40
+        self,
+        sampling_rate: int = 16_000,
+        n_fft: int = 400,
+        hop_length: int = 160,
+        feature_size: int = 40,
+        chunk_length: int = 6,
     ):
         self.sampling_rate = sampling_rate
+        self.chunk_length = chunk_length
+        self.n_samples = chunk_length * sampling_rate
         self.n_fft = n_fft
         self.hop_length = hop_length
         self.feature_size = feature_size
@@ -63,8 +73,8 @@ class FeatureExtractor:
 
     def __repr__(self) -> str:
         return (
-            f"FeatureExtractor(sampling_rate={self.sampling_rate}, n_fft={self.n_fft}, "
-            f"hop_length={self.hop_length}, feature_size={self.feature_size})"
+            f"FeatureExtractor(sampling_rate={self.sampling_rate}, n_fft={self.n_fft}, hop_length="
+            f"{self.hop_length}, feature_size={self.feature_size}, chunk_length={self.chunk_length})"
         )
 
     def log_mel(self, audio: torch.Tensor, lengths: list[int] | None = None) -> torch.Tensor:
@@ -80,7 +90,11 @@ class FeatureExtractor:
         return (logs + 4.0) / 4.0
 
     def __call__(
-        self, raw_speech, sampling_rate: int | None = None, return_tensors: str | None = "pt"
+        self,
+        raw_speech,
+        sampling_rate: int | None = None,
+        return_tensors: str | None = "pt",
+        padding: str = "max_length",
     ) -> dict:
         if sampling_rate is not None and sampling_rate != self.sampling_rate:
             raise ValueError(
@@ -102,7 +116,11 @@ class FeatureExtractor:
                 raise ValueError(f"a waveform is one channel of samples [samples], not {list(a.shape)}")
             if len(a) < self.n_fft:
                 raise ValueError(f"a waveform of {len(a)} samples; at least {self.n_fft} are needed")
+        if padding not in ("max_length", "longest"):
+            raise ValueError(f"padding={padding!r}: 'max_length' (to chunk_length seconds) or 'longest'")
         longest = max(len(a) for a in items)
+        if padding == "max_length":
+            longest = max(longest, self.n_samples)
         batch = torch.zeros(len(items), longest)
         for b, a in enumerate(items):
             batch[b, : len(a)] = torch.from_numpy(a)
@@ -125,7 +143,12 @@ class SpeechProcessor:
         out = {}
         if audio is not None:
             out.update(
-                self.feature_extractor(audio, sampling_rate=sampling_rate, return_tensors=return_tensors)
+                self.feature_extractor(
+                    audio,
+                    sampling_rate=sampling_rate,
+                    return_tensors=return_tensors,
+                    padding=kw.get("padding", "max_length"),
+                )
             )
         if text is not None:
             texts = [text] if isinstance(text, str) else list(text)

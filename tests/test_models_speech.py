@@ -112,12 +112,16 @@ def test_log_mel_matches_transformers_spectrogram():
     )[:, :-1]  # Whisper drops the last frame
     spec = np.maximum(spec, spec.max() - 8.0)
     want = torch.tensor((spec + 4.0) / 4.0, dtype=torch.float32)
-    assert got.shape == (40, len(s.audio) // 160) == want.shape
-    torch.testing.assert_close(got, want, atol=2e-4, rtol=0)
-    # two waveforms in a batch: the shorter one zero-padded, its own frames unchanged
+    n = len(s.audio) // 160
+    longest = fe(s.audio, sampling_rate=16_000, padding="longest")["input_features"][0]
+    assert longest.shape == (40, n) == want.shape and got.shape == (40, 6 * 16_000 // 160)
+    torch.testing.assert_close(longest, want, atol=2e-4, rtol=0)
+    # zero-padded to 6 s (Whisper pads to 30 s): the audio's own frames unchanged but the last two,
+    # whose windows reach into the padding; the padding's frames at the floor, 8 below the maximum
+    torch.testing.assert_close(got[:, : n - 2], want[:, : n - 2], atol=2e-4, rtol=0)
+    torch.testing.assert_close(got[:, n + 2 :], torch.full_like(got[:, n + 2 :], float(want.max()) - 2.0))
     both = fe([s.audio, speech_data.sentence(6).audio])["input_features"]
-    n = min(len(s.audio), len(speech_data.sentence(6).audio)) // 160 - 2
-    torch.testing.assert_close(both[0, :, :n], got[:, :n], atol=1e-5, rtol=0)
+    torch.testing.assert_close(both[0], got, atol=1e-5, rtol=0)
     with pytest.raises(ValueError, match="audio at 22050 Hz; this feature extractor takes 16000 Hz"):
         fe(s.audio, sampling_rate=22_050)
 
@@ -209,3 +213,27 @@ def test_capture_is_exact_encoder_decoder_and_cross(model):
         got = cache.pattern(stack, layer, kind) if kind == "cross" else cache.pattern(stack, layer)
         torch.testing.assert_close(got, w, atol=TOL, rtol=0)
     assert cache.pattern("encoder", 0).shape[-1] == math.ceil(feats.shape[-1] / 2)
+
+
+def test_capture_of_waveforms_through_the_models_processor(model):
+    test = speech_data.test_set()[2:4]
+    waves = [s.audio for s in test]
+    greedy = probe.capture(model, waves, processor=model.processor, sampling_rate=16_000)
+    assert greedy.metadata["target_source"] == "greedy"
+    assert greedy.metadata["target_tokens"] == [["<s>", *s.words] for s in test]
+    given = probe.capture(
+        model, waves, processor=model.processor, sampling_rate=16_000, target=[s.text for s in test]
+    )
+    assert given.metadata["target_tokens"] == greedy.metadata["target_tokens"]
+    frames = given.metadata["stacks"]["encoder"]["positions"]["frames"]
+    # 160 samples per feature frame, the second convolution's stride 2: 20 ms per position
+    assert frames["hop"] == 0.02 and frames["audio"] == [math.ceil(len(w) // 160 / 2) for w in waves]
+    feats = model.processor(waves)["input_features"]
+    rows = [[1, *model.tokenizer.encode(s.text)] for s in test]
+    ids = torch.tensor([r + [0] * (max(map(len, rows)) - len(r)) for r in rows])
+    for (stack, layer, kind), w in _weights_by_hook(model, feats, ids).items():
+        got = given.pattern(stack, layer, kind) if kind == "cross" else given.pattern(stack, layer)
+        torch.testing.assert_close(got, w, atol=TOL, rtol=0)
+    # the word timestamps read the decoder's words, not its start token
+    ts = probe.word_timestamps(given, heads=[(1, 0)])
+    assert [r["word"] for r in ts.words.rows] == [w for s in test for w in s.words]

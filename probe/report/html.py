@@ -201,8 +201,12 @@ def report(
     results: dict[str, Any] = {}
     if gold is not None:  # read (and refused) before any section runs
         from probe.analysis.alignment.gold import as_gold
+        from probe.report.sections.audio import timings_of
 
-        results["alignment_gold"] = as_gold(gold)
+        if timings_of(gold) is not None:  # word timings of an audio cache, per input
+            results["audio_gold"] = timings_of(gold)
+        else:
+            results["alignment_gold"] = as_gold(gold)
     if tutorial is not None:
         # a Cache is itself a Mapping (of tensors): test for it first
         given = (

@@ -22,7 +22,11 @@ from dataclasses import dataclass
 
 from probe.cache.format import real_token_flags
 
-ZOO_SYMBOLS = {"translator": {"S", "E", "P"}, "aligner": {"S", "E", "P"}}
+ZOO_SYMBOLS = {
+    "translator": {"S", "E", "P"},
+    "aligner": {"S", "E", "P"},
+    "speech": {"<s>", "</s>", "<pad>"},
+}
 _SPACE = (" ", "\u2581")
 
 
