@@ -103,6 +103,15 @@ def test_keep_rows_holds_every_generated_row_exactly(gpt, tmp_path, capsys):
         assert float(lb.ratio[1, 2, t]) == pytest.approx(ctx / (ctx + mine), abs=1e-6)
 
 
+def test_the_default_length_fits_a_zoo_models_context(gpt, tmp_path, capsys):
+    # minigpt reads 32 positions: a prompt of 14 leaves room for 19 new tokens (T = P + N - 1)
+    assert main(["generate", "--model", "minigpt", PROMPT, "-o", str(tmp_path), "-q", "--no-report"]) == 0
+    cache = probe.load(tmp_path / "generation.safetensors")
+    want = greedy(gpt, gpt.tokenizer.encode(PROMPT), 19)
+    assert cache.metadata["generation"]["output_ids"] == want
+    assert capsys.readouterr().out.startswith(f"generated 19 tokens: {gpt.tokenizer.decode(want)}")
+
+
 @pytest.mark.parametrize(
     "args, message",
     [

@@ -11,6 +11,7 @@ from probe.cli.common import _human, add_model_args, examples
 from probe.errors import ProbeError
 
 CACHE_NAME = "generation.safetensors"
+DEFAULT_NEW = 32
 
 
 def _keep(text: str):
@@ -21,6 +22,19 @@ def _keep(text: str):
     from probe.capture.kept import parse_keep_arg
 
     return parse_keep_arg(text)
+
+
+def _default_new(model, tok, prompt: str) -> int:
+    """``--max-new-tokens`` left out: :data:`DEFAULT_NEW`, or what a zoo model's context leaves
+    room for after the prompt (minigpt reads 32 positions, the translator 16 target tokens)."""
+    limit = getattr(model, "context_length", None)
+    if not isinstance(limit, int) or isinstance(limit, bool):
+        return DEFAULT_NEW
+    if getattr(model, "is_encoder_decoder", False):
+        return max(1, min(DEFAULT_NEW, limit - 1))
+    if not callable(getattr(tok, "encode", None)):
+        return DEFAULT_NEW
+    return max(1, min(DEFAULT_NEW, limit - len(tok.encode(prompt)) + 1))
 
 
 def _out_dir(args: argparse.Namespace) -> Path:
@@ -52,10 +66,11 @@ def cmd_generate(args: argparse.Namespace) -> int:
     check_output(cache_path)
     model, tok = common.load_model(args)
     kwargs = {"do_sample": True} if args.seed is not None else {}
+    n = args.max_new_tokens if args.max_new_tokens is not None else _default_new(model, tok, args.prompt[0])
     gen = probe.generate(
         model,
         args.prompt[0],
-        max_new_tokens=args.max_new_tokens,
+        max_new_tokens=n,
         tokenizer=tok,
         keep=keep,
         seed=args.seed,
@@ -96,7 +111,12 @@ def add_parser(sub) -> None:
     p.add_argument("prompt", nargs="*", metavar="PROMPT", help="the prompt (one text)")
     add_model_args(p)
     p.add_argument(
-        "--max-new-tokens", "-n", type=int, default=32, help="tokens to generate at most (default 32)"
+        "--max-new-tokens",
+        "-n",
+        type=int,
+        default=None,
+        help=f"tokens to generate at most (default {DEFAULT_NEW}, or what a zoo model's context "
+        "leaves room for)",
     )
     p.add_argument(
         "--seed",
