@@ -220,3 +220,16 @@ def test_vit_pointing(tmp_path):
     hit = box[0] <= cx < box[2] and box[1] <= cy < box[3]
     want = f"last-layer [CLS]: peak at patch ({r}, {c}), {'on' if hit else 'off'} the object"
     assert want in out
+
+
+def test_speech_timestamps(tmp_path):
+    from models import speech_data
+
+    out = run("speech_timestamps.py", "--seed", "900005", cwd=tmp_path)
+    s = speech_data.sentence(900_005)
+    assert f"said: {s.text!r}" in out and f"heard: {s.text!r}" in out
+    rows = [line.split() for line in out.splitlines() if line.split()[:1] and line.split()[0] in s.words]
+    assert [r[0] for r in rows] == s.words
+    for r, (a, b) in zip(rows, s.times, strict=True):  # the gold column is the generator's spans
+        assert r[3] == f"{a:.2f}-{b:.2f}"
+    assert "mean boundary error" in out
