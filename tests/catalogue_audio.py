@@ -30,7 +30,16 @@ MASK_KEYS = (
     "padding_mask",
     "audio_attention_mask",
 )
-_MEL = ("num_mel_bins", "feature_size", "input_feat_per_channel", "n_mel_bins", "input_feat_size", "n_mels")
+_MEL = (
+    "num_mel_bins",
+    "feature_size",
+    "input_feat_per_channel",
+    "n_mel_bins",
+    "input_feat_size",
+    "n_mels",
+    "num_chroma",  # MusicGen-Melody: a chromagram [batch, frames, 12]
+    "input_dim",  # Granite Speech: stacked mel frames
+)
 _SUBS = ("audio_config", "encoder_config", "encoder", "audio_encoder_config", "speech_config")
 BATCH, FRAMES, T_DEC = 2, 16, 6
 
@@ -266,27 +275,31 @@ def audio_text_inputs(model: Any, seed: int = 1) -> tuple[dict | None, str]:
 
     params = _params(model)
     first = ""
+    key = next((k for k in _AUDIO_MASKS if k in params), None)
     for cand in candidates(model)[:8]:
         g = torch.Generator().manual_seed(seed)
-        audio: dict[str, Any] = {cand["key"]: torch.randn(*cand["shape"], generator=g)}
-        key = next((k for k in _AUDIO_MASKS if k in params), None)
-        if key is not None:
-            audio[key] = torch.ones(BATCH, cand["shape"][cand["time"]], dtype=torch.long)
-        n, tried = 8, set()
-        while n not in tried and len(tried) < 4:
-            tried.add(n)
-            inputs = {**_text(model, n, seed), **audio}
-            if "decoder_input_ids" in params:
-                inputs["decoder_input_ids"] = inputs["input_ids"][:, :T_DEC].clone()
-            failed = _runs(model, inputs)
-            if failed is None:
-                return inputs, ""
-            first = first or failed
-            m = I._MISMATCH.search(failed)
-            counts = I._counts(model, int(m.group(2))) if m else []
-            if not counts:
-                break
-            n = counts[0]
+        wave = torch.randn(*cand["shape"], generator=g)
+        # with a mask of ones over the audio's frames, then without (Granite Speech's mask is over
+        # its projected features, not the frames)
+        for masked in (True, False) if key is not None else (False,):
+            audio: dict[str, Any] = {cand["key"]: wave}
+            if masked:
+                audio[key] = torch.ones(BATCH, cand["shape"][cand["time"]], dtype=torch.long)
+            n, tried = 8, set()
+            while n not in tried and len(tried) < 4:
+                tried.add(n)
+                inputs = {**_text(model, n, seed), **audio}
+                if "decoder_input_ids" in params:
+                    inputs["decoder_input_ids"] = inputs["input_ids"][:, :T_DEC].clone()
+                failed = _runs(model, inputs)
+                if failed is None:
+                    return inputs, ""
+                first = first or failed
+                m = I._MISMATCH.search(failed)
+                counts = I._counts(model, int(m.group(2))) if m else []
+                if not counts:
+                    break
+                n = counts[0]
         # a forward that reads ids or audio, not both (Seamless M4T's encoder, Pop2Piano): audio alone
         alone = _make(model, cand, "attention_mask" in params, seed)
         failed = _runs(model, alone)

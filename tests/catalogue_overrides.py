@@ -186,6 +186,9 @@ OVERRIDES: dict[str, dict[str, Any]] = {
     "vibevoice_acoustic_tokenizer_encoder": {"depths": [1] * 7},
     # CLAP's audio tower (HTSAT, a Swin over the spectrogram) ends at patch width · 2^(stages - 1)
     "clap_audio_model": {"hidden_size": 192},
+    # Granite Speech's Q-Former projector reads the speech encoder's output (its hidden_dim)
+    "granite_speech": {"projector_config": {"encoder_hidden_size": FFN}},
+    "granite_speech_plus": {"projector_config": {"encoder_hidden_size": FFN}},
     "voxtral": {"audio_token_id": 500},  # None by default: no audio position in the text
     "qwen3_asr_encoder": {"output_dim": HIDDEN},  # the audio features enter the text at its width
     # codecs' up-sampling convolutions are grouped: groups that divide the shrunk width
