@@ -280,7 +280,7 @@ def test_sampling_under_a_seed():
     "kwargs, match",
     [
         ({"max_new_tokens": 0}, "max_new_tokens must be a positive"),
-        ({"max_new_tokens": 3, "num_beams": 2}, "beam search"),
+        ({"max_new_tokens": 3, "num_beams": 2, "num_return_sequences": 2}, "one returned sequence"),
         ({"max_new_tokens": 3, "keep": {"rows": [-1]}}, "last query row"),
         ({"max_new_tokens": 3, "keep": "nope"}, "keep="),
     ],
@@ -384,3 +384,46 @@ def test_vision_language_generation_reads_its_picture():
         )
     kinds = g.cache.metadata["stacks"]["decoder"]["positions"]["rows"][0]["kinds"]
     assert kinds[:3] == ["text", "text", "image"] and kinds.count("image") == 16 and len(kinds) == T
+
+
+@pytest.mark.parametrize("build", [H.gpt2, H.bart], ids=["gpt2", "bart"])
+def test_beam_search_follows_the_returned_beam(build):
+    model = build(100)
+    kw = {"max_new_tokens": N, "min_new_tokens": N, "num_beams": 3}
+    with torch.no_grad():  # the plain beam search: its sequence, and beams that really switch
+        plain = model.generate(input_ids=PROMPT, return_dict_in_generate=True, **kw)
+    assert bool((plain.beam_indices[0, 1:] > 0).any())
+    g = probe.generate(model, PROMPT, **kw)
+    rows = probe.generate(model, PROMPT, keep="rows", **kw)
+    assert g.cache.metadata["generation"]["strategy"] == "beam"
+    enc_dec = model.config.is_encoder_decoder
+    read = plain.sequences[:, :-1]
+    with torch.no_grad(), probe.trace(model) as t:  # the returned sequence in one forward
+        if enc_dec:
+            model(input_ids=PROMPT, decoder_input_ids=read, use_cache=False)
+        else:
+            model(input_ids=read, use_cache=False)
+    assert torch.equal(g.new_ids, plain.sequences[:, -N:])
+    P = 1 if enc_dec else PROMPT.size(1)
+    for layer in range(2):
+        want = t.cache.pattern("decoder", layer)
+        torch.testing.assert_close(g.cache.pattern("decoder", layer), want, atol=ATOL, rtol=0)
+        torch.testing.assert_close(rows.cache.rows("decoder", layer), want[:, :, P - 1 :], atol=ATOL, rtol=0)
+        for name in ("resid_post", "self_attn.delta"):
+            key = f"decoder.blocks.{layer}.{name}"
+            torch.testing.assert_close(g.cache[key], t.cache[key], atol=ATOL, rtol=0)
+        if enc_dec:
+            cross = t.cache.pattern("decoder", layer, "cross")
+            torch.testing.assert_close(g.cache.pattern("decoder", layer, "cross"), cross, atol=ATOL, rtol=0)
+
+
+def test_beam_search_that_ends_before_its_last_step():
+    model = H.llama(100)
+    kw = {"max_new_tokens": 6, "num_beams": 3, "eos_token_id": 10}
+    with torch.no_grad():
+        plain = model.generate(input_ids=PROMPT, return_dict_in_generate=True, **kw)
+    g = probe.generate(model, PROMPT, **kw)
+    assert g.cache.metadata["steps"]["forwards"] == 6 and plain.sequences.size(1) < PROMPT.size(1) + 6
+    assert torch.equal(g.ids, plain.sequences)
+    full = whole_sequence(model, plain.sequences[:, :-1])
+    torch.testing.assert_close(g.cache.pattern("decoder", 1), full.pattern("decoder", 1), atol=ATOL, rtol=0)

@@ -19,6 +19,7 @@ from torch import Tensor, nn
 from tqdm.auto import tqdm
 
 from probe.cache import Cache
+from probe.capture.beams import beam_of_rows, follow
 from probe.capture.inputs import _record, device_of, is_hf_model, model_name
 from probe.capture.loop import own_loop
 from probe.capture.steps import StepTrace
@@ -97,11 +98,11 @@ def _check(model: nn.Module, max_new_tokens: Any, kwargs: dict[str, Any]) -> int
         raise ProbeError(f"probe captures torch.nn.Module models, not {type(model).__name__}")
     if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
         raise ProbeError(f"max_new_tokens must be a positive number of tokens, not {max_new_tokens!r}")
-    beams = kwargs.get("num_beams", 1) or 1
-    if beams > 1:
+    returned = kwargs.get("num_return_sequences", 1) or 1
+    if returned > 1:
         raise ProbeError(
-            f"num_beams={beams}: beam search reorders the KV cache between steps, which probe does not "
-            "follow; capture greedy decoding or sampling (num_beams=1)"
+            f"num_return_sequences={returned}: probe.generate follows one returned sequence; drop it "
+            "(beam search returns its best beam)"
         )
     for k in ("output_attentions", "return_dict_in_generate", "streamer", "assistant_model"):
         if kwargs.get(k):
@@ -135,8 +136,9 @@ def generate(
     per token, as they have no KV cache; the translator's decoder starts from its start token and
     stops at its end token. ``keep``: whole patterns (default), ``"rows"`` (the row of every
     generated token over every key: ``rows``/``row_index``), ``{"topk": k}``; never a ``T x T``
-    pattern for the last two. ``tokenizer`` (or ``processor``'s, or ``model.tokenizer``) encodes a
-    text prompt and decodes the output. Beam search is refused. ``keep="stats"`` (decoder-only
+    pattern for the last two. Beam search (``num_beams > 1``) keeps the returned beam, row by row
+    as the cache was reordered (:mod:`probe.capture.beams`). ``tokenizer`` (or ``processor``'s, or
+    ``model.tokenizer``) encodes a text prompt and decodes the output. ``keep="stats"`` (decoder-only
     models): the model generates uncaptured, then ``stats_of(model, ids, tokenizer, layers)`` (the
     top-level ``probe.generate`` passes ``probe.capture(..., keep="stats")``) streams the focus
     statistics of the sequence it read through one forward, a block of rows at a time: each row
@@ -182,7 +184,7 @@ def generate(
     try:
         with torch.no_grad(), st:
             if hf:
-                out = _hf_generate(model, ids, extra, max_new_tokens, generate_kwargs)
+                out, beam_indices = _hf_generate(model, ids, extra, max_new_tokens, generate_kwargs)
             else:
                 out = own_loop(model, ids, max_new_tokens, enc_dec, sample, seed, generate_kwargs)
     finally:
@@ -197,23 +199,32 @@ def generate(
     else:
         tensors = st.assembler.finished
         meta = _meta(model, (tok, target), ids, out, enc_dec, P, (sample, seed), st.cache.metadata)
+        beams = int(generate_kwargs.get("num_beams", 1) or 1) if hf else 1
+        if beams > 1:  # the returned beam, row by row as it was reordered in the cache
+            rows = beam_of_rows(beam_indices, P)
+            tensors = follow(tensors, "decoder", rows, beams)
+            meta["steps"] = dict(meta["steps"], lengths=dict(meta["steps"]["lengths"], decoder=rows.numel()))
+            meta["generation"].update({"strategy": "beam", "num_beams": beams})
     text = meta["generation"]["output_text"]
     cache = Cache(tensors, meta)
     return Generation(cache, torch.cat([ids, new], 1), ids.size(1), text)
 
 
-def _hf_generate(model, ids, extra, max_new_tokens, kwargs) -> Tensor:
+def _hf_generate(model, ids, extra, max_new_tokens, kwargs) -> tuple[Tensor, Tensor | None]:
+    """The model's own ``generate``: the sequences, and with beam search the beam of each token."""
     kwargs = dict(kwargs)
     kwargs.setdefault("do_sample", False)
-    kwargs.setdefault("num_beams", 1)
+    beams = kwargs.setdefault("num_beams", 1) or 1
     try:
-        return model.generate(
+        out = model.generate(
             input_ids=ids,
             attention_mask=torch.ones_like(ids),
             max_new_tokens=max_new_tokens,
+            return_dict_in_generate=beams > 1,
             **extra,
             **kwargs,
         )
+        return (out.sequences, out.beam_indices) if beams > 1 else (out, None)
     except ProbeError:
         raise
     except (TypeError, ValueError) as err:
