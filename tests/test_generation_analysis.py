@@ -216,3 +216,27 @@ def test_vision_language_generation_share_on_image_tokens():
             assert torch.allclose(lb.image_mass[layer, :, t], want_img, atol=1e-5)
             assert torch.allclose(lb.prompt_mass[layer, :, t], want_prompt, atol=1e-5)
     assert "image_mass" in lb.table.columns and "attention on the image tokens" in lb.summary()
+
+
+def test_encoder_decoder_source_reads_are_its_cross_attention():
+    """What each generated word read of the source: the aligner's own returned cross-attention."""
+    model = models.load("aligner")
+    cache, read = aligner_generation(model)
+    src = torch.tensor([cache.metadata["ids"][0]])
+    with torch.no_grad():
+        cross = [w[0].double() for w in model(src, torch.tensor([read]))[3]]  # [H, T, S] per layer
+    lb = probe.lookback(cache, top=3)
+    words = cache.metadata["tokens"][0]
+    for t in (0, 3, 7):
+        row = cross[1][2, t]  # the decoder row that wrote word t (the start token wrote word 0)
+        order = sorted(range(len(words)), key=lambda j: -float(row[j]))[:3]
+        got = lb.reads(t, layer=1, head=2, source=True)
+        assert got.column("position") == order and got.column("token") == [words[j] for j in order]
+        assert got.column("weight") == pytest.approx([float(row[j]) for j in order], abs=1e-6)
+        every = torch.stack([w[:, t].mean(0) for w in cross]).mean(0)
+        assert (
+            lb.reads(t, source=True).column("position")
+            == sorted(range(len(words)), key=lambda j: -float(every[j]))[:3]
+        )
+    with pytest.raises(probe.ProbeError, match="has none"):
+        probe.lookback(minigpt_generation(models.load("minigpt"))[0]).reads(0, source=True)

@@ -18,6 +18,7 @@ from typing import Any
 
 import torch
 
+from probe.analysis.generation.cross import source_reads
 from probe.analysis.generation.result import Lookback
 from probe.analysis.generation.rows import check_kept, kept_steps, writer_rows
 from probe.analysis.generation.steps import Steps, generation_meta, steps
@@ -111,8 +112,9 @@ def lookback(
     docstring), the attention mass on the prompt and on the model's earlier output, on the first
     ``sink`` positions (the sink profile as the output grows) and, for a vision-language prompt,
     on its image tokens; and the ``top`` prompt tokens it read most, per head, per layer's head
-    mean and over all layers and heads. ``batch`` picks the text, ``stack`` the stack that
-    generated (default: the cache's ``metadata["generation"]["stack"]``).
+    mean and over all layers and heads; for an encoder-decoder also the source tokens each read
+    most through the cross-attention (``reads(..., source=True)``). ``batch`` picks the text,
+    ``stack`` the stack that generated (default: the cache's ``metadata["generation"]["stack"]``).
 
     Whole patterns give every number. A ``keep={"rows": ...}`` cache gives them for the generated
     tokens whose writing row was kept (NaN elsewhere); a ``keep={"topk": k}`` cache gives the
@@ -139,7 +141,10 @@ def lookback(
         for i in range(0, len(have), size):
             chunk = have[i : i + size]
             _layer(acc, li, writer_rows(cache, st, layer, "self", chunk), chunk, st, sink)
-    return Lookback(st, layers, n_heads, acc, sink=sink, kept=check_kept(cache), missing=missing)
+    source = source_reads(cache, st, self_layers(cache, st.stack, "cross"), top)
+    return Lookback(
+        st, layers, n_heads, acc, sink=sink, kept=check_kept(cache), missing=missing, source=source
+    )
 
 
 def _first_key(cache: Any, stack: str, layer: int) -> str:

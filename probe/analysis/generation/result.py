@@ -44,9 +44,19 @@ class Lookback:
     """
 
     def __init__(
-        self, st: Steps, layers: list[int], n_heads: int, acc: Any, *, sink: int, kept: str, missing
+        self,
+        st: Steps,
+        layers: list[int],
+        n_heads: int,
+        acc: Any,
+        *,
+        sink: int,
+        kept: str,
+        missing: dict[int, int],
+        source: Any = None,
     ):
         self.steps = st
+        self.source = source  # an encoder-decoder's SourceReads (cross-attention), else None
         self.layers = list(layers)
         self.n_heads = n_heads
         self.sink = sink
@@ -131,48 +141,58 @@ class Lookback:
         )
 
     # -- views ---------------------------------------------------------------------------------
-    def _layer_index(self, layer: int) -> int:
-        if layer not in self.layers:
-            raise ProbeError(f"layer {layer} is not in this result; it has layers {self.layers}")
-        return self.layers.index(layer)
-
-    def reads(self, step: int, layer: int | None = None, head: int | None = None) -> Table:
+    def reads(
+        self, step: int, layer: int | None = None, head: int | None = None, *, source: bool = False
+    ) -> Table:
         """The prompt tokens generated token ``step`` read most, with their weights: over every
-        layer and head (default), one ``layer``'s head mean, or one ``layer`` and ``head``."""
+        layer and head (default), one ``layer``'s head mean, or one ``layer`` and ``head``. With
+        ``source=True`` (an encoder-decoder): the source tokens it read most through the
+        decoder's cross-attention, the same way."""
         n = self.steps.n_steps
         if isinstance(step, bool) or not isinstance(step, int) or not -n <= step < n:
             raise ProbeError(f"step {step!r} is out of range: {n} tokens were generated (0-{n - 1})")
         step %= n
         if head is not None and layer is None:
             raise ProbeError("give layer= with head= (a head belongs to a layer)")
-        if layer is None:
-            idx, w, who = self.all_top_index[step], self.all_top_weight[step], "mean over layers and heads"
-        else:
-            li = self._layer_index(layer)
-            if head is None:
-                idx, w, who = (
-                    self.mean_top_index[li, step],
-                    self.mean_top_weight[li, step],
-                    f"layer {layer}, head mean",
-                )
-            else:
-                if not 0 <= head < self.n_heads:
-                    raise ProbeError(
-                        f"head {head} is out of range: layers have {self.n_heads} heads "
-                        f"(0-{self.n_heads - 1})"
-                    )
-                idx, w, who = (
-                    self.top_index[li, head, step],
-                    self.top_weight[li, head, step],
-                    f"layer {layer}, head {head}",
-                )
+        if source and self.source is None:
+            raise ProbeError("source=True reads cross-attention; this generation's model has none")
+        idx, w, who = self._picked(step, layer, head, source)
+        labels = dict(zip(self.source.positions, self.source.tokens, strict=True)) if source else None
         rows = [
-            {"rank": r, "position": int(p), "token": self.steps.tokens[int(p)], "weight": _f(x)}
+            {
+                "rank": r,
+                "position": int(p),
+                "token": labels[int(p)] if labels else self.steps.tokens[int(p)],
+                "weight": _f(x),
+            }
             for r, (p, x) in enumerate(zip(idx.tolist(), w.tolist(), strict=True))
             if p >= 0
         ]
-        title = f"what {self.steps.output[step]!r} (step {step}) read most of the prompt, {who}"
+        what = "the source" if source else "the prompt"
+        title = f"what {self.steps.output[step]!r} (step {step}) read most of {what}, {who}"
         return Table(rows, ["rank", "position", "token", "weight"], title=title)
+
+    def _picked(self, step: int, layer: int | None, head: int | None, source: bool):
+        """``(positions, weights, words)`` of one step's top keys (see :meth:`reads`)."""
+        src = self.source
+        if layer is None:
+            if source:
+                return src.all_index[step], src.all_weight[step], "mean over layers and heads"
+            return self.all_top_index[step], self.all_top_weight[step], "mean over layers and heads"
+        layers = src.layers if source else self.layers
+        if layer not in layers:
+            raise ProbeError(f"layer {layer} is not in this result; it has layers {layers}")
+        li = layers.index(layer)
+        if head is None:
+            if source:
+                return src.mean_index[li, step], src.mean_weight[li, step], f"layer {layer}, head mean"
+            return self.mean_top_index[li, step], self.mean_top_weight[li, step], f"layer {layer}, head mean"
+        n_heads = src.index.shape[1] if source else self.n_heads
+        if not 0 <= head < n_heads:
+            raise ProbeError(f"head {head} is out of range: layers have {n_heads} heads (0-{n_heads - 1})")
+        if source:
+            return src.index[li, head, step], src.weight[li, head, step], f"layer {layer}, head {head}"
+        return self.top_index[li, head, step], self.top_weight[li, head, step], f"layer {layer}, head {head}"
 
     def ratio_map(self) -> torch.Tensor:
         """``[layer, head]``: each head's lookback ratio averaged over the steps (NaN-skipping)."""
