@@ -303,3 +303,39 @@ def test_bad_audio_inputs(tmp_path):
     with pytest.raises(probe.ProbeError):
         probe.capture(model, str(junk), processor=fe, out=tmp_path / "run.safetensors")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["empty.wav", "junk.wav", "low.wav"]
+
+
+# --- the command line ----------------------------------------------------------------------------
+
+
+def test_cli_capture_and_report_audio(tmp_path, tok, capsys):
+    from probe.cli import main
+
+    model = _whisper(start=tok.eos_token_id)
+    folder = tmp_path / "whisper"
+    model.save_pretrained(folder)
+    _mel_extractor().save_pretrained(folder)
+    tok.save_pretrained(folder)
+    wave = _wave(0.5)
+    sf.write(tmp_path / "talk.wav", wave, RATE, subtype="FLOAT")
+    out = tmp_path / "talk.safetensors"
+    args = ["capture", "--hf", str(folder), "--audio", str(tmp_path / "talk.wav")]
+    assert main([*args, "--target", "one two", "-o", str(out)]) == 0
+    cache = probe.load(out)
+    feats = _mel_extractor()(wave, sampling_rate=RATE, return_tensors="pt").input_features
+    ids = torch.tensor(cache.metadata["target_ids"])
+    with torch.no_grad():
+        want = model(input_features=feats, decoder_input_ids=ids, output_attentions=True)
+    torch.testing.assert_close(cache.pattern("decoder", 1, "cross"), want.cross_attentions[1])
+    assert cache.metadata["audio"] == ["talk.wav"] and cache.metadata["tokens"][0][1] == "0.02 s"
+    # refused in one line, exit 2, before any model loads or file is written
+    capsys.readouterr()
+    bad = tmp_path / "bad.safetensors"
+    assert main([*args, "some text", "-o", str(bad)]) == 2
+    assert "--audio takes no TEXT" in capsys.readouterr().err
+    assert main(["capture", "--hf", str(folder), "--audio", str(tmp_path / "none.wav"), "-o", str(bad)]) == 2
+    assert "no such file" in capsys.readouterr().err
+    assert not bad.exists()
+    report = tmp_path / "report"
+    assert main(["report", *args[1:], "--target", "one two", "-o", str(report)]) == 0
+    assert (report / "index.html").is_file()

@@ -270,7 +270,8 @@ def prepare_audio(
 ) -> Prepared:
     """The forward call for sound or an audio model's keyword dict (see :func:`probe.capture`);
     ``target`` (an encoder-decoder's transcript) becomes ``decoder_input_ids``
-    (:func:`probe.capture.transcript.target_inputs`)."""
+    (:func:`probe.capture.transcript.target_inputs`); sound without it is decoded greedily, a
+    dict without it goes to the forward as it is."""
     from probe.capture.keywords import _prepare_kwargs  # keywords routes here: imported late
     from probe.capture.transcript import target_inputs
 
@@ -284,7 +285,8 @@ def prepare_audio(
     else:
         kwargs, meta = sound_inputs(model, inputs, processor, sampling_rate)
     target_meta = {}
-    if target is not None or _needs_target(model, kwargs):
+    # keyword tensors go to the forward as they are; sound gets its transcript (or a greedy one)
+    if target is not None or (not audio_dict(inputs) and _needs_target(model, kwargs)):
         kwargs, target_meta = target_inputs(model, kwargs, target, tokenizer, processor)
     _check_channels(model, kwargs)
     tok = tokenizer if tokenizer is not None else getattr(processor, "tokenizer", None)

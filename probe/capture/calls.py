@@ -138,9 +138,10 @@ class Forward:
 
     def note_root(self, inputs: list[Tensor], kwargs: dict) -> None:
         """The model's own call: its inputs' sizes, and a KV cache's length, are sequence lengths."""
-        sound = ("input_features", "input_values", "decoder_input_ids")
+        sound = ("input_features", "input_values")
         if not self.root_calls and any(isinstance(kwargs.get(k), Tensor) for k in ("pixel_values", *sound)):
             keys = ("pixel_values", "input_ids", "attention_mask", "image_grid_thw", *sound)
+            keys += ("decoder_input_ids",)  # a speech model's transcript
             self.root_images = {k: kwargs[k] for k in keys if isinstance(kwargs.get(k), Tensor)}
         self.root_calls += 1
         self.lengths |= _lengths(inputs)

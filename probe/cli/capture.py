@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from probe.cli import common
+from probe.cli import audio, common
 from probe.cli.common import _human, _ints, add_image_args, add_model_args, examples
 from probe.errors import ProbeError
 
@@ -20,6 +20,14 @@ def cmd_capture(args: argparse.Namespace) -> int:
     if out.suffix != ".safetensors":
         raise ProbeError(f"output {out} should end in .safetensors")
     check_output(out)  # before loading the model and running the forward
+    if args.audio:  # sound files through the model's feature extractor (probe/cli/audio.py)
+        audio.check_audio_args(args, args.text)
+        model, tok, processor = audio.load_audio_model(args)
+        kw = {"layers": args.layers, "heads": args.heads, "dtype": args.dtype, "keep": keep}
+        cache = audio.capture_audio(args, model, tok, processor, out=out, **kw)
+        n = len(cache.keys())
+        print(f"wrote {out} ({_human(out.stat().st_size)}, {n} tensors); inspect it with `probe info {out}`")
+        return 0
     if not args.text and not args.image:
         raise ProbeError(
             "nothing to capture; give a TEXT or --image PATH (and a TEXT for a vision-language model)"
@@ -153,6 +161,7 @@ def add_capture_parser(sub) -> None:
             "probe capture --model translator 'ich mochte ein bier' --target 'S i want a beer'",
             "probe capture --hf ./my-model 'some text' --layers 0,1 -o run.safetensors",
             "probe capture --hf ./my-vit --image cat.png --image dog.png -o vit.safetensors",
+            "probe capture --hf ./my-whisper --audio talk.wav --target 'the words said' -o talk.safetensors",
             "probe capture --hf ./my-llava --image cat.png 'USER: <image> what is it?' -o llava.safetensors",
             "probe capture --model minigpt 'a long text' --keep rows:-1,-2 -o rows.safetensors",
             "probe capture --model minigpt 'a long text' --keep topk:32 -o topk.safetensors",
@@ -162,6 +171,7 @@ def add_capture_parser(sub) -> None:
     p.add_argument("text", nargs="*", metavar="TEXT", help="input text (several = one batch)")
     add_model_args(p)
     add_image_args(p)
+    audio.add_audio_args(p)
     p.add_argument(
         "--target",
         "-t",

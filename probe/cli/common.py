@@ -92,7 +92,10 @@ def _load_hf(path: str):
         raise ProbeError("--hf needs transformers; install it with `pip install -e '.[hf]'`") from None
     config = transformers.AutoConfig.from_pretrained(folder)
     auto = transformers.AutoModel
-    if getattr(config, "is_encoder_decoder", False):
+    speech = transformers.models.auto.modeling_auto.MODEL_FOR_SPEECH_SEQ_2_SEQ_MAPPING_NAMES
+    if config.model_type in speech:  # Whisper, Speech2Text, Moonshine: audio in, text out
+        auto = transformers.AutoModelForSpeechSeq2Seq
+    elif getattr(config, "is_encoder_decoder", False):
         auto = transformers.AutoModelForSeq2SeqLM
     elif any(a.endswith(("ForCausalLM", "LMHeadModel")) for a in (config.architectures or [])):
         auto = transformers.AutoModelForCausalLM

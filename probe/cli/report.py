@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from probe.cli import common
+from probe.cli import audio, common
 from probe.cli.common import _human, add_image_args, add_model_args, examples
 from probe.cli.intervene import add_metric_args, metric_kwargs
 from probe.errors import ProbeError
@@ -69,6 +69,8 @@ def cmd_report(args: argparse.Namespace) -> int:
     if model_given and args.importance not in (None, MEASURE) and not args.importance.endswith(".json"):
         inputs.append(args.importance)  # --model minigpt --importance "text": the flag took the text
         args.importance = MEASURE
+    if args.audio:
+        return _report_audio(args, inputs)
     if args.image:
         return _report_images(args, inputs)
     if not inputs:
@@ -155,6 +157,25 @@ def _report_images(args: argparse.Namespace, inputs: list[str]) -> int:
     return 0
 
 
+def _report_audio(args: argparse.Namespace, inputs: list[str]) -> int:
+    """``probe report --hf DIR --audio PATH... [--target TEXT]``: capture the sound, then the report."""
+    import probe
+    from probe.capture.kept import parse_keep_arg
+    from probe.report.html import check_report_dir
+
+    audio.check_audio_args(args, inputs)
+    if args.importance or args.patching or args.gold:
+        raise ProbeError("--importance, --patching and --gold are for texts; drop them with --audio")
+    keep = parse_keep_arg(args.keep) if args.keep is not None else None
+    out = Path(args.output) if args.output else Path("reports") / _report_name(Path(args.audio[0]).stem)
+    check_report_dir(out)  # before loading the model and running the forward
+    model, tok, processor = audio.load_audio_model(args)
+    cache = audio.capture_audio(args, model, tok, processor, keep=keep)
+    path = probe.report([cache], out, model=model, tokenizer=tok)
+    print(f"wrote {path} ({_human(path.stat().st_size)}); open it in a browser: {path.resolve().as_uri()}")
+    return 0
+
+
 def add_parser(sub) -> None:
     """``probe report``."""
     p = sub.add_parser(
@@ -172,6 +193,7 @@ def add_parser(sub) -> None:
             "probe report --hf ./my-bert 'some text'",
             "probe report --hf ./my-vit --image cat.png -o reports/cat",
             "probe report --model vit-zoo --image cat.png",
+            "probe report --hf ./my-whisper --audio talk.wav --target 'the words said'",
             "probe report --hf ./my-llava --image cat.png 'USER: <image> what is it?'",
             "probe report --model minigpt --keep stats 'a long text'",
             "probe report --model minigpt 'attention lets tokens read.' --importance",
@@ -186,6 +208,7 @@ def add_parser(sub) -> None:
     )
     add_model_args(p)
     add_image_args(p)
+    audio.add_audio_args(p)
     p.add_argument(
         "--target", "-t", nargs="+", default=None, help="decoder text for encoder-decoders (teacher forcing)"
     )
