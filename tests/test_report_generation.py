@@ -154,13 +154,16 @@ def test_hovering_a_generated_token_shows_what_it_read(chromium, minigpt_page):
         assert "unread" not in (chips.nth(P + t - 1).get_attribute("class") or "")
         assert chips.nth(top).evaluate("e => e.style.background") != ""
     # keys: ] moves to head 1, PgUp to layer 0, the arrow to the next token
+    page.mouse.move(0, 0)  # the keyboard alone from here (a hovered chip would take the view back)
     view.locator('.tok[data-t="7"]').focus()
     page.keyboard.press("]")
     page.keyboard.press("]")
     page.keyboard.press("PageUp")
     page.keyboard.press("ArrowRight")
-    page.wait_for_function("document.querySelector('.probe-genview').dataset.step === '8'")
-    assert (view.get_attribute("data-layer"), view.get_attribute("data-head")) == ("0", "1")
+    page.wait_for_function(
+        "(d => d.step === '8' && d.layer === '0' && d.head === '1')"
+        "(document.querySelector('.probe-genview').dataset)"
+    )
     assert readout.text_content().startswith("Layer 0, head 1:")
     _clean(log)
     page.close()
