@@ -234,3 +234,18 @@ def test_a_picture_in_the_prompt_adds_the_share_on_its_image_tokens(tmp_path):
         for t, r in enumerate(rows):
             want[:, t, : r.shape[-1]] = r
         _check(e["mean"], want.mean(0))
+
+
+def test_rows_and_topk_generations_embed_what_they_kept(gpt, tmp_path):
+    ids = gpt.tokenizer.encode("attention lets")
+    g = probe.generate(gpt, "attention lets", max_new_tokens=8, keep="rows")
+    new = g.new_ids[0].tolist()
+    weights = minigpt_weights(gpt, ids + new[:-1])
+    P = len(ids)
+    (d,) = _views(_report(g.cache, tmp_path).read_text(encoding="utf-8"))
+    assert d["unknownAsZero"] is False
+    for e in d["layers"]:
+        _check(e["mean"], weights[e["layer"]][:, P - 1 : P - 1 + 8].mean(0))
+    top = probe.generate(gpt, "attention lets", max_new_tokens=8, keep={"topk": 4})
+    (d,) = _views(_report(top.cache, tmp_path).read_text(encoding="utf-8"))
+    assert d["unknownAsZero"] is True  # the other keys of a row are not kept: drawn as 0, said so
