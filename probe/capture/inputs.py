@@ -163,15 +163,9 @@ def prepare(
     if not isinstance(model, nn.Module):
         raise ProbeError(f"probe captures torch.nn.Module models, not {type(model).__name__}")
     name = model_name(model)
-    from probe.capture import audio  # sound builds on this module's helpers
-
-    if audio.routes_here(inputs, processor, sampling_rate):
-        kw = {"tokenizer": tokenizer, "target": target, "processor": processor}
-        return audio.prepare_audio(model, inputs, sampling_rate=sampling_rate, **kw)
-    if processor is not None or isinstance(inputs, Mapping) or is_images(inputs, files=False):
-        from probe.capture.keywords import prepare_keywords  # it builds on this module's helpers
-
-        return prepare_keywords(model, inputs, tokenizer=tokenizer, target=target, processor=processor)
+    kw = {"tokenizer": tokenizer, "target": target, "processor": processor}
+    if (routed := _routed(model, inputs, kw, sampling_rate)) is not None:  # sound, dicts, pictures
+        return routed
     if isinstance(inputs, Tensor):
         return _prepare_tensor(model, inputs, tokenizer, name)
     raw_tok = tokenizer if tokenizer is not None else getattr(model, "tokenizer", None)
@@ -231,15 +225,26 @@ def prepare(
     _record(meta, "target_", tgt_texts, tgt_encs, tgt_mask)
     if not hf:
         return Prepared(lambda: model(ids, tgt_ids), meta)
-    kwargs = {
-        "input_ids": ids,
-        "attention_mask": mask,
-        "decoder_input_ids": tgt_ids,
-        "decoder_attention_mask": tgt_mask,
-    }
+    kwargs = {"input_ids": ids, "attention_mask": mask}
+    kwargs |= {"decoder_input_ids": tgt_ids, "decoder_attention_mask": tgt_mask}
     if _accepts(model, "use_cache"):
         kwargs["use_cache"] = False
     return Prepared(lambda: model(**kwargs), meta)
+
+
+def _routed(model: nn.Module, inputs: Any, kw: dict[str, Any], sampling_rate: Any) -> Prepared | None:
+    """Sound (:mod:`probe.capture.audio`), keyword dicts and pictures
+    (:mod:`probe.capture.keywords`), each prepared by its own module on this module's helpers;
+    None for texts and tensors of ids."""
+    from probe.capture import audio
+
+    if audio.routes_here(inputs, kw["processor"], sampling_rate):
+        return audio.prepare_audio(model, inputs, sampling_rate=sampling_rate, **kw)
+    if kw["processor"] is not None or isinstance(inputs, Mapping) or is_images(inputs, files=False):
+        from probe.capture.keywords import prepare_keywords
+
+        return prepare_keywords(model, inputs, **kw)
+    return None
 
 
 def position_ids(model: nn.Module, mask: Tensor) -> Tensor:
