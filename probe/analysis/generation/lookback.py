@@ -138,9 +138,10 @@ def lookback(
         if len(have) < st.n_steps:
             missing[layer] = st.n_steps - len(have)
         size = max(1, CELLS // max(1, n_heads * st.length))
+        whole = cache.pattern(st.stack, layer, batch=batch) if cache.kept == "patterns" else None
         for i in range(0, len(have), size):
             chunk = have[i : i + size]
-            _layer(acc, li, writer_rows(cache, st, layer, "self", chunk), chunk, st, sink)
+            _layer(acc, li, writer_rows(cache, st, layer, "self", chunk, whole), chunk, st, sink)
     source = source_reads(cache, st, self_layers(cache, st.stack, "cross"), top)
     return Lookback(
         st, layers, n_heads, acc, sink=sink, kept=check_kept(cache), missing=missing, source=source

@@ -81,11 +81,18 @@ class Lookback:
         prompt = torch.tensor(st.prompt)
         self.all_top_index = torch.where(ok, prompt[idx], -1)
         self.all_top_weight = torch.where(ok, vals, float("nan"))
-        self.table = self._table()
+        self._long: Table | None = None
         self.by_step = self._by_step()
         self.by_head = self._by_head()
 
     # -- tables --------------------------------------------------------------------------------
+    @property
+    def table(self) -> Table:
+        """One row per step, layer and head (built on first use: a long generation has many)."""
+        if self._long is None:
+            self._long = self._table()
+        return self._long
+
     def _masses(self) -> list[tuple[str, torch.Tensor]]:
         out = [
             ("lookback_ratio", self.ratio),

@@ -38,16 +38,25 @@ def check_kept(cache: Any) -> str:
 
 
 def writer_rows(
-    cache: Any, st: Steps, layer: int, kind: str = "self", steps: list[int] | None = None
+    cache: Any,
+    st: Steps,
+    layer: int,
+    kind: str = "self",
+    steps: list[int] | None = None,
+    pattern: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """float64 ``[heads, len(steps), keys]``: the rows that wrote generated tokens ``steps``
-    (default all) in ``layer``, NaN where the cache did not keep a weight (see the module)."""
+    (default all) in ``layer``, NaN where the cache did not keep a weight (see the module).
+    ``pattern``: the layer's ``[heads, T, keys]`` pattern of this text already read (whole
+    patterns), so that reading a long generation in chunks of steps reads it once."""
     steps = list(range(st.n_steps)) if steps is None else steps
     q = torch.tensor([st.writers[t] for t in steps], dtype=torch.long)
     mode = check_kept(cache)
     b = st.batch
     if mode == "patterns":
-        return cache.pattern(st.stack, layer, kind, batch=b)[:, q].double()
+        if pattern is None:
+            pattern = cache.pattern(st.stack, layer, kind, batch=b)
+        return pattern[:, q].double()
     if mode == "rows":
         rows = cache.rows(st.stack, layer, kind, batch=b).double()  # [H, R, K]
         index = cache.row_index(st.stack, layer, kind)[b].tolist()
