@@ -16,6 +16,12 @@ predicts `w1 w2 ... </s>`. Trained by `python -m models.train speech` on sentenc
 `models.speech_data` (each word synthesized alone by espeak-ng and joined with silences of known
 length), with no timing supervision: where its cross-attention looks is learned from transcripts
 alone, and `benchmarks/speech_timestamps.py` measures it against the known word boundaries.
+
+The processor pads every waveform with silence to 6 s (Whisper pads to 30 s); training batches are
+padded to their longest sentence (`padding="longest"`), so the model learned to end a transcript
+where the padding's silence begins: give it the padding. `transcribe(audio)` decodes greedily;
+`generate(input_features=...)` does the same, called like transformers' (probe's capture uses it
+when no transcript is given).
 """
 
 from __future__ import annotations

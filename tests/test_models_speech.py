@@ -237,3 +237,35 @@ def test_capture_of_waveforms_through_the_models_processor(model):
     # the word timestamps read the decoder's words, not its start token
     ts = probe.word_timestamps(given, heads=[(1, 0)])
     assert [r["word"] for r in ts.words.rows] == [w for s in test for w in s.words]
+
+
+def test_the_benchmarks_numbers_against_a_loop_written_here(model):
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parent.parent / "benchmarks" / "speech_timestamps.py"
+    spec = importlib.util.spec_from_file_location("speech_timestamps", path)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    test = speech_data.test_set()[:3]
+    cache = bench.capture(model, test)
+    ts = probe.word_timestamps(cache, heads=[(1, 1)], gold=bench.gold(test))
+    got = bench.split(ts)
+    # oracle: every word's start and end against the generator's spans, in ms, by a loop here
+    starts, ends, later = [], [], []
+    rows = iter(ts.words.rows)
+    for s in test:
+        for k, (a, b) in enumerate(s.times):
+            r = next(rows)
+            starts.append(abs(r["start"] - a) * 1000)
+            ends.append(abs(r["end"] - b) * 1000)
+            if k > 0:
+                later.append(starts[-1])
+    both = starts + ends
+    assert got["all"]["boundaries"] == len(both) == 2 * sum(len(s.words) for s in test)
+    assert got["all"]["mean_error_ms"] == pytest.approx(sum(both) / len(both), abs=0.05)
+    assert got["all"]["within_50ms"] == round(sum(e <= 50 for e in both) / len(both), 3)
+    assert got["ends"]["within_100ms"] == round(sum(e <= 100 for e in ends) / len(ends), 3)
+    assert got["starts after the first word"]["mean_error_ms"] == pytest.approx(
+        sum(later) / len(later), abs=0.05
+    )
