@@ -16,8 +16,11 @@ statistics equal ``probe.head_stats(probe.capture(model, ids))`` and reports the
 difference over every metric (relative above 1).
 
 A third mode, ``weights``, runs the same forward recomputing every block of weights and computing
-nothing from them: the floor any exact statistic pays, since SDPA returns no weights (the table's
-``floor`` column, as a ratio to ``plain``).
+nothing from them: the floor of the block path, since SDPA returns no weights (the table's
+``floor`` column, as a ratio to ``plain``). On CUDA a fourth, ``stats_fused``, times the fused kernel
+(``PROBE_FUSED=1``: every statistic from tiles of q and k, the weights never written; see
+``probe/analysis/focus/qkkernel.py``) in the same loop, against ``stats``, the default block path
+(the ``fused`` column, as a ratio to ``plain``).
 
 Targets (issue 21): at T = 16,384 peak <= plain + 1 GiB and time <= 1.5 x plain.
 
@@ -76,6 +79,12 @@ def _run(mode: str, model, ids) -> None:
             from probe.forward import stream_attention
 
             stream_attention(model, ids, lambda meta, role, shape: _Drop())
+        elif mode == "stats_fused":  # the fused kernel from q and k tiles (opt-in: PROBE_FUSED=1)
+            os.environ["PROBE_FUSED"] = "1"
+            try:
+                probe.head_stats(model, ids)
+            finally:
+                os.environ.pop("PROBE_FUSED", None)
         else:
             probe.head_stats(model, ids)
     if ids.device.type == "cuda":
@@ -113,7 +122,12 @@ def child_peak(mode: str, T: int, device: str, width: dict) -> dict:
 
 def child_time(T: int, device: str, width: dict, repeats: int) -> dict:
     model, ids = _setup(T, device, width)
-    modes = ("plain", "weights", "stats")
+    # on a GPU the fused kernel (never writes the weights) and the previous block path, interleaved
+    modes = (
+        ("plain", "weights", "stats", "stats_fused")
+        if device.startswith("cuda")
+        else ("plain", "weights", "stats")
+    )
     for mode in modes:
         _run(mode, model, ids[:, :64])
     _run("plain", model, ids)  # the first full-length forward pays for cold memory: not timed
@@ -132,13 +146,15 @@ def child_check(T: int, device: str, width: dict) -> dict:
     model, ids = _setup(T, device, width)
     streamed = probe.head_stats(model, ids)
     full = probe.head_stats(probe.capture(model, ids), progress=False)
-    worst = 0.0
+    worst, where = 0.0, None
     for a, b in zip(streamed.table, full.table, strict=True):
         for c, v in a.items():
             w = b[c]
             if isinstance(v, float) and not (math.isnan(v) and math.isnan(w)):
-                worst = max(worst, abs(v - w) / max(1.0, abs(w)))
-    return {"T": T, "max_rel_diff": worst}
+                d = abs(v - w) / max(1.0, abs(w))
+                if d > worst:
+                    worst, where = d, c
+    return {"T": T, "max_rel_diff": worst, "worst_column": where}
 
 
 def child_report(T: int, device: str, width: dict, out: str) -> dict:
@@ -220,6 +236,7 @@ def main() -> None:
             "stats_s": t["stats_s"],
             "time_ratio": t["stats_s"] / t["plain_s"],
             "weights_ratio": t["weights_s"] / t["plain_s"],
+            "fused_ratio": t["stats_fused_s"] / t["plain_s"] if "stats_fused_s" in t else None,
             "plain_peak_mib": peaks["plain"],
             "stats_peak_mib": peaks["stats"],
             "extra_mib": peaks["stats"] - peaks["plain"],
@@ -239,13 +256,14 @@ def _print_row(r: dict, *, first: bool, device: str, width: dict) -> None:
             f"Llama-shaped {WIDTH}, batch 1, {device}; targets: time <= 1.5x plain, peak <= plain + 1024 MiB"
         )
         print(
-            f"{'T':>6} {'plain s':>9} {'stats s':>9} {'ratio':>6} {'floor':>6} {'plain MiB':>10} "
-            f"{'stats MiB':>10} {'extra MiB':>10} {'max diff':>9} targets"
+            f"{'T':>6} {'plain s':>9} {'stats s':>9} {'ratio':>6} {'floor':>6} {'fused':>6} "
+            f"{'plain MiB':>10} {'stats MiB':>10} {'extra MiB':>10} {'max diff':>9} targets"
         )
     diff = "-" if r["max_rel_diff"] is None else f"{r['max_rel_diff']:.1e}"
+    fused = "-" if r["fused_ratio"] is None else f"{r['fused_ratio']:.2f}"
     print(
         f"{r['T']:>6} {r['plain_s']:>9.2f} {r['stats_s']:>9.2f} {r['time_ratio']:>6.2f} "
-        f"{r['weights_ratio']:>6.2f} "
+        f"{r['weights_ratio']:>6.2f} {fused:>6} "
         f"{r['plain_peak_mib']:>10.0f} {r['stats_peak_mib']:>10.0f} {r['extra_mib']:>10.0f} "
         f"{diff:>9} {'met' if r['meets_targets'] else 'missed'}",
         flush=True,

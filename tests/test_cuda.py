@@ -106,3 +106,85 @@ def test_long_stats_on_cuda_match_the_full_patterns_on_cpu():
     for r in full.table:
         for c in ("entropy", "confidence", "first", "span", "distance", "reach90", "beyond_16", "dup_score"):
             assert a[r["layer"], r["head"]][c] == pytest.approx(r[c], rel=1e-4, abs=1e-5), c
+
+
+def _llama_ids(T, seed=0, **kw):
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+    from models.llama import VOCAB, build
+
+    model = build(**{"n_layers": 2, "n_heads": 4, "d_model": 128, **kw})
+    return model, torch.randint(0, VOCAB, (1, T), generator=torch.Generator().manual_seed(seed))
+
+
+@pytest.mark.parametrize("K", [1, 7, 300, 4096, 20000])
+def test_fused_kernel_matches_a_sort(K):
+    """The fused kernel (q and k tiles, weights never written) against a sort written here over
+    torch's weights: ties (equal keys), a row with no key, padding keys; float32 weights computed
+    two ways may differ by an ulp, so a span may move by one key on a few rows."""
+    qk = pytest.importorskip("probe.analysis.focus.qkkernel")
+    if qk.triton is None:
+        pytest.skip("Triton is not installed")
+    g = torch.Generator().manual_seed(K)
+    B, Hh, L, E = 2, 2, 40, 64
+    q = torch.randn(B, Hh, L, E, generator=g)
+    k = torch.randn(B, 1, K, E, generator=g)
+    k[0, 0, : K // 2] = k[0, 0, 0]
+    q[1, :, 3] = 0
+    mask = torch.ones(B, 1, L, K, dtype=torch.bool)
+    mask[0, 0, 2] = False
+    kreal = torch.ones(B, K, dtype=torch.bool)
+    kreal[1, : K // 3] = False
+    cols = torch.rand(B, 3, K, generator=g)
+    qreal, first = torch.ones(B, L, dtype=torch.bool), torch.zeros(B, dtype=torch.long)
+    got = qk.qk_terms(
+        q.cuda(),
+        k.cuda(),
+        mask.cuda(),
+        False,
+        None,
+        kreal=kreal.cuda(),
+        qreal=qreal.cuda(),
+        cols=cols.cuda(),
+        first=first.cuda(),
+    )
+    s = (q.double() @ k.double().repeat_interleave(Hh, 1).transpose(-1, -2)) / E**0.5
+    P = torch.softmax(s.masked_fill(~mask, float("-inf")), -1).nan_to_num(0.0)
+    P = (P * kreal[:, None, None]).float()
+    want = _sorted_oracle(P)
+    d = (got["span"].cpu().long() - want["span"]).abs()
+    assert d.max() <= 1 and (d == 0).float().mean() > 0.9
+    assert torch.equal(got["span"][1, :, 3].cpu().long(), want["span"][1, :, 3])  # equal weights: exact
+    assert float(got["span"][0, :, 2].abs().max()) == 0  # no key: span 0
+    torch.testing.assert_close(got["top"].cpu().double(), want["top"], rtol=1e-5, atol=1e-7)
+    torch.testing.assert_close(got["total"].cpu().double(), want["total"], rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(got["ent"].cpu().double(), want["ent"], rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(got["recv"].cpu(), P.double().sum(2), rtol=1e-5, atol=1e-5)
+
+
+def test_fused_path_on_cuda_equals_the_block_path_and_the_full_patterns(monkeypatch):
+    """At 1,500 tokens with grouped-query attention: with PROBE_FUSED=1 every attention goes
+    through the fused kernel, and its table and sink profile equal the block path's (the default)
+    and the whole-pattern statistics of a CPU capture."""
+    from probe.analysis.focus import fused
+
+    model, ids = _llama_ids(1500, n_kv_heads=2)
+    full = probe.head_stats(probe.capture(model, ids), progress=False)
+    calls = []
+    real = fused.read_call
+    monkeypatch.setattr(fused, "read_call", lambda *a: calls.append(real(*a)) or calls[-1])
+    monkeypatch.setenv("PROBE_FUSED", "1")
+    new = probe.head_stats(model.to("cuda"), ids.cuda())
+    assert len(calls) == 2 and all(calls)
+    monkeypatch.delenv("PROBE_FUSED")
+    old = probe.head_stats(model, ids.cuda())
+    assert len(calls) == 4 and not any(calls[2:])
+    a, o = {(r["layer"], r["head"]): r for r in new.table}, {(r["layer"], r["head"]): r for r in old.table}
+    for r in full.table:
+        for c, v in r.items():
+            if isinstance(v, float) and v == v:
+                for got in (a, o):
+                    assert got[r["layer"], r["head"]][c] == pytest.approx(v, rel=1e-4, abs=1e-5), c
+    torch.testing.assert_close(new.sink_profile(1), full.sink_profile(1), atol=1e-6, rtol=0)

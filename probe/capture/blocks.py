@@ -119,8 +119,11 @@ class BlockConsumer:
         blocks = self._sdpa(attn, batch) if "sdpa" in kinds else self._weights(attn, batch)
         shape = next(blocks)
         reader = self.open_attention(attn.role or "self", shape)
-        for i, e, blk in blocks:
-            reader.rows(i, e, blk)
+        whole = getattr(reader, "sdpa_call", None)  # a reader that reads one call's q and k itself
+        one_call = whole is not None and kinds == {"sdpa"} and len(attn.parts) == 1
+        if not (one_call and whole(*attn.parts[0][1:])):
+            for i, e, blk in blocks:
+                reader.rows(i, e, blk)
         attn.causal = reader.close() if attn.role == "self" else None
         attn.shape = shape
         attn.handle = self.sink.put(torch.empty(0))
