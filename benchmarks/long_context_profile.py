@@ -1,0 +1,77 @@
+"""Where the time of ``probe.head_stats(model, ids)`` goes: a cProfile split (issue 34).
+
+One call on the Llama-shaped model at GPT-2-small width with ``--layers`` layers (2) at ``--T``
+tokens (2048), profiled, split by the cumulative time of: the block recompute
+(``probe/capture/patterns.py`` ``_Scores.blocks``), the statistics (``RowTerms.rows`` less the
+column sums), the column sums (``rowblock.received``, the sink profile) and the reduction with
+its host copies (``RowTerms.values``, ``RowTerms.received``); the rest is the model's forward.
+``--sort`` hides numba, so the CPU sorts rows for the span as before the compiled row loop.
+
+    python benchmarks/long_context_profile.py            # the compiled row loop (numba)
+    python benchmarks/long_context_profile.py --sort     # the sort path
+    python benchmarks/long_context_profile.py --top 20   # also cProfile's own-time listing
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import pstats
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def _cum(stats: dict, file_end: str, func: str, first_only: bool = False) -> float:
+    hits = sorted((line, v[3]) for (f, line, fn), v in stats.items() if f.endswith(file_end) and fn == func)
+    if not hits:
+        return 0.0
+    return hits[0][1] if first_only else sum(v for _, v in hits)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--T", type=int, default=2048)
+    ap.add_argument("--layers", type=int, default=2)
+    ap.add_argument("--sort", action="store_true", help="hide numba: the span by sorting rows")
+    ap.add_argument("--top", type=int, default=0, help="print cProfile's own-time listing too")
+    a = ap.parse_args()
+    sys.path.insert(0, str(ROOT))
+    import torch
+
+    import probe
+    from models.llama import VOCAB, build
+    from probe.analysis.focus import rowfused
+
+    if a.sort:
+        rowfused.numba = None
+    model = build(n_layers=a.layers, n_heads=12, d_model=768)
+    ids = torch.randint(0, VOCAB, (1, a.T), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():  # warm-up (and numba's compile) at 64 tokens
+        model(ids[:, :64])
+    probe.head_stats(model, ids[:, :64])
+    pr = cProfile.Profile()
+    t0 = time.perf_counter()
+    pr.enable()
+    probe.head_stats(model, ids)
+    pr.disable()
+    total = time.perf_counter() - t0
+    st = pstats.Stats(pr).stats
+    rec = _cum(st, "capture/patterns.py", "blocks")
+    rows = _cum(st, "focus/streaming.py", "rows", first_only=True)  # RowTerms.rows, not _Candidates'
+    col = _cum(st, "focus/rowblock.py", "received")
+    host = _cum(st, "focus/streaming.py", "values") + _cum(st, "focus/streaming.py", "received")
+    if a.top:
+        pstats.Stats(pr).sort_stats("tottime").print_stats(a.top)
+    path = "sort" if a.sort else "row loop"
+    print(
+        f"{path}: total {total:.2f} s  recompute {rec:.2f}  statistics {rows - col:.2f}  "
+        f"column sums {col:.2f}  reduce+host copies {host:.2f}  model forward and rest "
+        f"{total - rec - rows - host:.2f}"
+    )
+
+
+if __name__ == "__main__":
+    main()
