@@ -339,3 +339,28 @@ def test_cli_capture_and_report_audio(tmp_path, tok, capsys):
     report = tmp_path / "report"
     assert main(["report", *args[1:], "--target", "one two", "-o", str(report)]) == 0
     assert (report / "index.html").is_file()
+
+
+def test_keep_stats_of_sound_matches_the_whole_capture():
+    model = _w2v("hubert", attn="sdpa")
+    wave = _wave(0.1)
+    stats = probe.capture(model, wave, sampling_rate=RATE, keep="stats")
+    full = probe.capture(model, wave, sampling_rate=RATE)
+    frames = stats.metadata["stacks"]["encoder"]["positions"]["frames"]
+    assert frames == full.metadata["stacks"]["encoder"]["positions"]["frames"]
+    a = probe.head_stats(stats, progress=False).table.column("entropy")
+    b = probe.head_stats(full, progress=False, rollout=False).table.column("entropy")
+    assert np.allclose(a, b, atol=1e-4)
+
+
+def test_trace_of_whisper_records_the_transcript(tok):
+    model = _whisper(start=tok.eos_token_id)
+    feats = _mel_extractor()(_wave(0.3), sampling_rate=RATE, return_tensors="pt").input_features
+    ids = torch.tensor([[tok.eos_token_id, *tok("one two").input_ids]])
+    with probe.trace(model, metadata={"sampling_rate": RATE, "feature_hop": MEL_HOP}) as t:
+        model(input_features=feats, decoder_input_ids=ids)
+    meta = t.cache.metadata
+    assert meta["target_ids"] == ids.tolist() and meta["tokens"][0][23] == "0.46 s"
+    wt = probe.word_timestamps(t.cache, heads=[(1, 0), (1, 3)])
+    # no tokenizer inside a trace: each text token is spelled by its id, a word of its own
+    assert wt.words.column("word") == [str(i) for i in ids[0, 1:].tolist()] and wt.chosen == [(1, 0), (1, 3)]
