@@ -304,3 +304,97 @@ def test_attentions_of_other_modules_are_not_joined_as_heads():
     model = tf.MobileViTModel(cfg).eval()
     with pytest.raises(ProbeError, match="computes 2 self-attention patterns, not each in a sublayer"):
         probe.capture(model, {"pixel_values": torch.randn(1, 3, 64, 64)})
+
+
+# -- ViTDet-style attention: the batch and the heads in one axis of the softmax -----------------------
+def _spatial_oracle(model, x):
+    """Each attention module's weights by hand, one (batch, head) at a time: its input map
+    ``[b, H, W, C]`` recorded by a pre-hook, ``qkv`` cut per head, the scores (plus the family's
+    own decomposed relative-position bias of that one query slice) and their softmax; unambiguous
+    in the batch and heads, whatever order the module flattens them in."""
+    import transformers.models.vitdet.modeling_vitdet as vd
+
+    maps, handles = [], []
+    for m in model.modules():
+        if isinstance(getattr(m, "qkv", None), torch.nn.Linear) and hasattr(m, "rel_pos_h"):
+            hook = lambda mod, args, kw: maps.append((mod, args[0] if args else next(iter(kw.values()))))  # noqa: E731
+            handles.append(m.register_forward_pre_hook(hook, with_kwargs=True))
+    try:
+        with torch.no_grad():
+            model(pixel_values=x)
+    finally:
+        for h in handles:
+            h.remove()
+    out = []
+    for m, hidden in maps:
+        b, H, W, C = hidden.shape
+        heads = getattr(m, "num_heads", None) or m.num_attention_heads
+        qkv = m.qkv(hidden).reshape(b, H * W, 3, heads, C // heads)
+        want = torch.zeros(b, heads, H * W, H * W)
+        for i in range(b):
+            for j in range(heads):
+                q, k = qkv[i, :, 0, j], qkv[i, :, 1, j]
+                s = (q * m.scale) @ k.T
+                rel = (m.rel_pos_h, m.rel_pos_w, (H, W), (H, W))
+                if isinstance(m, vd.VitDetAttention) and m.use_relative_position_embeddings:
+                    s = vd.add_decomposed_relative_positions(s[None], q[None], *rel)[0]
+                elif getattr(m, "use_rel_pos", False):
+                    s = s + m.get_decomposed_rel_pos(q[None], *rel).reshape(s.shape)
+                want[i, j] = s.softmax(-1)
+        out.append(want)
+    return out
+
+
+def test_vitdet_slanext_pp_formulanet_windows_and_global_blocks_against_hand_weights():
+    # two pictures (the batch and the heads share the softmax's first axis: swapped, they would
+    # differ); block 0 windowed (an 8 x 8 grid in 3 x 3 windows, padded to 9 x 9), block 1 global
+    torch.manual_seed(0)
+    cfg = tf.VitDetConfig(
+        hidden_size=32, num_hidden_layers=2, num_attention_heads=4, mlp_ratio=2, image_size=64,
+        patch_size=8, pretrain_image_size=64, window_size=3, window_block_indices=[0],
+        use_relative_position_embeddings=True,
+    )  # fmt: skip
+    vitdet = tf.VitDetModel(cfg).eval()
+    vis = dict(
+        hidden_size=32, num_hidden_layers=2, num_attention_heads=4, mlp_dim=64, image_size=64,
+        patch_size=8, window_size=3, global_attn_indexes=[1],
+    )  # fmt: skip
+    slanext = tf.SLANeXtForTableRecognition(tf.SLANeXtConfig(vision_config=vis)).eval()
+    formula = tf.PPFormulaNetVisionModel(tf.PPFormulaNetVisionConfig(**vis)).eval()
+    x = torch.randn(2, 3, 64, 64, generator=torch.Generator().manual_seed(8))
+    for model in (vitdet, slanext, formula):
+        cache = probe.capture(model, {"pixel_values": x})
+        want = _spatial_oracle(model, x)
+        assert [tuple(w.shape) for w in want] == [(18, 4, 9, 9), (2, 4, 64, 64)]
+        for layer in range(2):
+            torch.testing.assert_close(cache.pattern("encoder", layer), want[layer], atol=TOL, rtol=0)
+        assert "batch · heads" in cache.metadata["layers"][1]["self_attn"]["kind"]
+
+
+def test_batch_and_heads_in_an_order_probe_cannot_read_are_refused():
+    # the same attention with its first axis flattened heads first: probe does not read that code
+    # as batch first, so the layer is refused, named, rather than stored with the batch and heads mixed
+    import transformers.models.vitdet.modeling_vitdet as vd
+
+    class HeadsFirst(vd.VitDetAttention):
+        def forward(self, hidden_state, output_attentions=False):
+            b, h, w, _ = hidden_state.shape
+            qkv = self.qkv(hidden_state).reshape(b, h * w, 3, self.num_heads, -1).permute(2, 3, 0, 1, 4)
+            q, k, v = qkv.reshape(3, self.num_heads * b, h * w, -1).unbind(0)
+            probs = ((q * self.scale) @ k.transpose(-2, -1)).softmax(dim=-1)
+            out = (probs @ v).view(self.num_heads, b, h, w, -1).permute(1, 2, 3, 0, 4).reshape(b, h, w, -1)
+            return (self.proj(out),)
+
+    torch.manual_seed(0)
+    cfg = tf.VitDetConfig(
+        hidden_size=32, num_hidden_layers=2, num_attention_heads=4, mlp_ratio=2, image_size=32,
+        patch_size=8, pretrain_image_size=32,
+    )  # fmt: skip
+    model = tf.VitDetModel(cfg).eval()
+    layer = model.encoder.layer[1]
+    swapped = HeadsFirst(cfg, input_size=(4, 4))
+    swapped.load_state_dict(layer.attention.state_dict())
+    layer.attention = swapped
+    with pytest.raises(ProbeError, match=r"encoder\.layer\.1.*cannot tell the batch from the heads") as e:
+        probe.capture(model, {"pixel_values": torch.randn(2, 3, 32, 32)})
+    assert "\n" not in str(e.value)

@@ -13,6 +13,8 @@ imported here, and each registers its layouts when imported, so a new family is 
 * ``longformer.py``: Longformer's and LED's sliding window;
 * ``reformer.py``: Reformer's local and LSH chunks, read at their ``logsumexp``;
 * ``swin.py``: Swin's (shifted) windows over a picture's patch grid;
+* ``spatial_heads.py``: ViTDet/SAM-style attention over a feature map, its softmax over
+  ``[batch · heads, H·W, H·W]`` (batch first, read from the module's code; otherwise refused);
 * ``fused.py``: torch's fused ``nn.MultiheadAttention`` and encoder layers, whose weights are
   recomputed after they return (the watcher runs them with its mode suspended, so there is no op
   to claim: the watcher and recorder call its functions by module type).
