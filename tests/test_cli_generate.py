@@ -112,6 +112,14 @@ def test_the_default_length_fits_a_zoo_models_context(gpt, tmp_path, capsys):
     assert capsys.readouterr().out.startswith(f"generated 19 tokens: {gpt.tokenizer.decode(want)}")
 
 
+def test_keep_stats_and_topk_reach_probe_generate(tmp_path, capsys):
+    for keep, kept in (("stats", "stats"), ("topk:3", {"topk": 3})):
+        out = tmp_path / keep.replace(":", "")
+        argv = ["generate", "--model", "minigpt", PROMPT, "-n", "4", "--keep", keep, "-o", str(out), "-q"]
+        assert main([*argv, "--no-report"]) == 0
+        assert probe.load(out / "generation.safetensors").kept == kept
+
+
 @pytest.mark.parametrize(
     "args, message",
     [

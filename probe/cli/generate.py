@@ -17,8 +17,8 @@ DEFAULT_NEW = 32
 def _keep(text: str):
     """``--keep``: ``patterns`` (default), ``rows`` (the row of every generated token), ``topk:k``
     (and the other forms ``probe capture --keep`` takes)."""
-    if text == "rows":
-        return "rows"
+    if text in ("rows", "stats"):
+        return text  # probe.generate's own per-step forms
     from probe.capture.kept import parse_keep_arg
 
     return parse_keep_arg(text)
@@ -130,7 +130,8 @@ def add_parser(sub) -> None:
         metavar="WHAT",
         help="what to keep of each attention: 'patterns' (default: the whole causal pattern over "
         "prompt + output), 'rows' (the row of every generated token over every key, no whole pattern) "
-        "or 'topk:16' (the 16 largest weights of every row), for long generations",
+        "'topk:16' (the 16 largest weights of every row) or 'stats' (each head's statistics), for long "
+        "generations",
     )
     p.add_argument(
         "-o",

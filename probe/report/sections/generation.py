@@ -18,6 +18,7 @@ from markupsafe import Markup
 from probe.analysis.generation import generation_meta, lookback, steps
 from probe.analysis.generation.lookback import self_layers
 from probe.analysis.generation.rows import check_kept
+from probe.errors import ProbeError
 from probe.report.matrix import label_axis
 
 TITLE = "What the generated text read"
@@ -159,8 +160,17 @@ def build(ctx) -> dict | None:
     if not found:
         return None
     cache = found[0]
-    generation_meta(cache)
-    check_kept(cache)  # keep="stats": the section is a one-line note saying what to capture
+    gen = generation_meta(cache)
+    if cache.kept == "stats":  # no row kept: the text, and what to capture for the rest
+        try:
+            check_kept(cache)
+        except ProbeError as e:
+            note = str(e)
+        texts = [
+            {"prompt": _text(gen, "prompt_text", b) or "", "output": _text(gen, "output_text", b) or ""}
+            for b in range(min(MAX_TEXTS, cache.n_texts))
+        ]
+        return {"stats_only": True, "note": note, "texts": texts}
     views: list = []
     items = [_item(ctx, cache, b, views) for b in range(min(MAX_TEXTS, cache.n_texts))]
     gv.plan(views)
@@ -168,6 +178,7 @@ def build(ctx) -> dict | None:
         it["views"] = [_view(ctx, v) for v in it["views"]]
         it["table_html"] = Markup(it.pop("table")._repr_html_())
     return {
+        "stats_only": False,
         "texts": items,
         "left_out": cache.n_texts - len(items),
         "kept": cache.kept if cache.partial else None,
