@@ -141,29 +141,16 @@ def generate(
     ``model.tokenizer``) encodes a text prompt and decodes the output. ``keep="stats"`` (decoder-only
     models): the model generates uncaptured, then ``stats_of(model, ids, tokenizer, layers)`` (the
     top-level ``probe.generate`` passes ``probe.capture(..., keep="stats")``) streams the focus
-    statistics of the sequence it read through one forward, a block of rows at a time: each row
-    is the one its step computed (the tests hold stepped and one-forward rows equal).
-
-    Returns a :class:`Generation`; its cache's ``metadata["generation"]`` holds the facts.
+    statistics of the sequence it read through one forward, a block of rows at a time (each row
+    the one its step computed). Returns a :class:`Generation` (``metadata["generation"]``: the facts).
     """
     max_new_tokens = _check(model, max_new_tokens, generate_kwargs)
     stats = keep == "stats"
-    if stats and stats_of is None:
-        raise ProbeError(
-            "keep='stats' computes statistics with probe's analysis: call probe.generate (the top-level)"
-        )
-    raw_tok = tokenizer or getattr(processor, "tokenizer", None) or getattr(model, "tokenizer", None)
-    tok = adapt(raw_tok) if raw_tok is not None else None
-    ids, extra = _prompt_ids(model, prompt, tok)
-    hf = is_hf_model(model) and callable(getattr(model, "generate", None))
-    enc_dec = bool(
-        getattr(model, "is_encoder_decoder", False)
-        or getattr(getattr(model, "config", None), "is_encoder_decoder", False)
-    )
-    if stats and (enc_dec or heads is not None or dtype is not None):
+    raw_tok, tok, ids, extra, hf, enc_dec = _inputs(model, prompt, tokenizer, processor)
+    if stats and (stats_of is None or enc_dec or heads is not None or dtype is not None):
         raise ProbeError(
             "keep='stats' of a generation: decoder-only models, every head, float32 (drop heads=/dtype=; "
-            "for an encoder-decoder keep='rows' or {'topk': k})"
+            "for an encoder-decoder keep='rows' or {'topk': k}), through the top-level probe.generate"
         )
     sample = bool(generate_kwargs.get("do_sample", False))
     P = 1 if enc_dec else ids.size(1)
@@ -177,37 +164,55 @@ def generate(
         hint=(max_new_tokens, P + max_new_tokens - 1),
         on_step=lambda i: bar.update(1),
     )
-    if stats:
-        st = contextlib.nullcontext()
     if seed is not None:
         torch.manual_seed(seed)
     try:
-        with torch.no_grad(), st:
+        with torch.no_grad(), contextlib.nullcontext() if stats else st:
             if hf:
                 out, beam_indices = _hf_generate(model, ids, extra, max_new_tokens, generate_kwargs)
             else:
-                out = own_loop(model, ids, max_new_tokens, enc_dec, sample, seed, generate_kwargs)
+                out, beam_indices = (
+                    own_loop(model, ids, max_new_tokens, enc_dec, sample, seed, generate_kwargs),
+                    None,
+                )
     finally:
         bar.close()
-    new = out[:, P:] if not enc_dec else out[:, 1:]
-    target = adapt(getattr(raw_tok, "target", raw_tok)) if raw_tok is not None and not hf else tok
+    toks = (tok, adapt(getattr(raw_tok, "target", raw_tok)) if raw_tok is not None and not hf else tok)
+    facts = (ids, out, enc_dec, P, (sample, seed))
     if stats:  # the final sequence's statistics, streamed block by block (no pattern whole)
         base = stats_of(model, out[:, :-1], raw_tok, layers)
         tensors = {k: base[k] for k in base.keys()}
-        meta = _meta(model, (tok, target), ids, out, enc_dec, P, (sample, seed), base.metadata)
+        meta = _meta(model, toks, *facts, base.metadata)
         meta["generation"]["stats"] = STATS_NOTE
     else:
-        tensors = st.assembler.finished
-        meta = _meta(model, (tok, target), ids, out, enc_dec, P, (sample, seed), st.cache.metadata)
-        beams = int(generate_kwargs.get("num_beams", 1) or 1) if hf else 1
-        if beams > 1:  # the returned beam, row by row as it was reordered in the cache
-            rows = beam_of_rows(beam_indices, P)
-            tensors = follow(tensors, "decoder", rows, beams)
-            meta["steps"] = dict(meta["steps"], lengths=dict(meta["steps"]["lengths"], decoder=rows.numel()))
-            meta["generation"].update({"strategy": "beam", "num_beams": beams})
-    text = meta["generation"]["output_text"]
+        tensors, meta = _stepped(model, st, toks, facts, beam_indices, generate_kwargs)
+    new = out[:, P:] if not enc_dec else out[:, 1:]
     cache = Cache(tensors, meta)
-    return Generation(cache, torch.cat([ids, new], 1), ids.size(1), text)
+    return Generation(cache, torch.cat([ids, new], 1), ids.size(1), meta["generation"]["output_text"])
+
+
+def _inputs(model: nn.Module, prompt: Any, tokenizer: Any, processor: Any) -> tuple:
+    """``(tokenizer, adapted, ids [1, P], other inputs, transformers generate?, encoder-decoder?)``."""
+    raw_tok = tokenizer or getattr(processor, "tokenizer", None) or getattr(model, "tokenizer", None)
+    tok = adapt(raw_tok) if raw_tok is not None else None
+    ids, extra = _prompt_ids(model, prompt, tok)
+    hf = is_hf_model(model) and callable(getattr(model, "generate", None))
+    cfg = getattr(model, "config", None)
+    enc_dec = bool(getattr(model, "is_encoder_decoder", False) or getattr(cfg, "is_encoder_decoder", False))
+    return raw_tok, tok, ids, extra, hf, enc_dec
+
+
+def _stepped(model, st, toks, facts, beam_indices, kwargs) -> tuple[dict[str, Tensor], dict[str, Any]]:
+    """The stepped capture's tensors and metadata; with beam search, the returned beam's."""
+    tensors = st.assembler.finished
+    meta = _meta(model, toks, *facts, st.cache.metadata)
+    beams = int(kwargs.get("num_beams", 1) or 1) if beam_indices is not None else 1
+    if beams > 1:  # the returned beam, row by row as it was reordered in the cache
+        rows = beam_of_rows(beam_indices, facts[3])
+        tensors = follow(tensors, "decoder", rows, beams)
+        meta["steps"] = dict(meta["steps"], lengths=dict(meta["steps"]["lengths"], decoder=rows.numel()))
+        meta["generation"].update({"strategy": "beam", "num_beams": beams})
+    return tensors, meta
 
 
 def _hf_generate(model, ids, extra, max_new_tokens, kwargs) -> tuple[Tensor, Tensor | None]:
