@@ -348,6 +348,7 @@ def test_layers_heads_and_keep_across_encoder_decoders():
         probe.trace(model, steps=True, keep="stats")
 
 
+@pytest.mark.slow
 def test_vision_language_generation_reads_its_picture():
     import copy
 
@@ -417,6 +418,7 @@ def test_beam_search_follows_the_returned_beam(build):
             torch.testing.assert_close(g.cache.pattern("decoder", layer, "cross"), cross, atol=ATOL, rtol=0)
 
 
+@pytest.mark.slow
 def test_beam_search_that_ends_before_its_last_step():
     model = H.llama(100)
     kw = {"max_new_tokens": 6, "num_beams": 3, "eos_token_id": 10}
