@@ -145,7 +145,7 @@ def generate(
     the one its step computed). Returns a :class:`Generation` (``metadata["generation"]``: the facts).
     """
     max_new_tokens = _check(model, max_new_tokens, generate_kwargs)
-    stats = keep == "stats"
+    stats = keep == "stats" or getattr(keep, "kind", None) == "stats"  # the string or a parsed Keep
     raw_tok, tok, ids, extra, hf, enc_dec = _inputs(model, prompt, tokenizer, processor)
     if stats and (stats_of is None or enc_dec or heads is not None or dtype is not None):
         raise ProbeError(
