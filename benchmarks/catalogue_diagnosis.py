@@ -17,6 +17,12 @@ PER_LAYER = (
 UNMAPPED = "a softmax over a layout probe does not map: refused with a clear error naming the layers"
 TWO = "two self-attention softmaxes in one layer: refused (issue 22, several patterns per layer)"
 
+CHANNELS = (
+    "a false refusal, named: the channel check of `probe/capture/audio.py` (issue 32, in progress) takes "
+    "the conformer's depthwise `Conv1d` inside a layer (as wide as the hidden size) for a front end the "
+    "mel bins must fit; on the same inputs the capture was exact against eager and SDPA before that check"
+)
+
 CAUSES: dict[str, str] = {
     "mobilevit": "refused, named: each MobileViT stage runs a small transformer (2 to 4 layers) inside "
     "one `encoder.layer[i]`, which probe takes for one layer; its inner layers' attentions, once "
@@ -87,6 +93,39 @@ CAUSES: dict[str, str] = {
     "`qwen3_omni_moe_talker` (which holds it under a plain attribute)",
     "dia": "the decoder takes audio codebook ids ([batch, T, channels]), not token ids",
     "kyutai_speech_to_text": "the ids are audio codebook ids offset per codebook, not text token ids",
+    **dict.fromkeys(
+        (
+            "canary",
+            "cohere_asr",
+            "fun_asr_nano",
+            "fun_asr_nano_encoder",
+            "lasr_ctc",
+            "lasr_encoder",
+            "nemotron3_5_asr",
+            "nemotron3_diarization",
+            "nemotron_asr_streaming",
+            "nemotron_asr_streaming_encoder",
+            "parakeet_ctc",
+            "parakeet_encoder",
+            "parakeet_rnnt",
+            "parakeet_tdt",
+            "wav2vec2-bert",
+        ),
+        CHANNELS,
+    ),
+    "gemma4_audio": "its conformer's chunked local attention is a layout probe does not map (refused, named, "
+    "before the channel check of `probe/capture/audio.py` refused it earlier, falsely)",
+    "gemma3n_audio": "its conformer's chunked local attention is a layout probe does not map: refused, named",
+    "clap_audio_model": "HTSAT, a Swin over the spectrogram: the windows do not fit the grid probe reads off "
+    "the model (it reads it from pictures): refused, named",
+    "clap": "its audio tower is HTSAT (see clap_audio_model): refused, named",
+    "sew-d": "SEW-D's XSoftmax zeroes the masked keys in place after its softmax: refused, named",
+    "neucodec": "its forward takes a waveform and the features of a semantic model of it together; not made",
+    "xcodec2": "its forward takes a waveform and the features of a semantic model of it together; not made",
+    "granite_speech5_ctc": "the tiny config's block attention fails in transformers' own forward (heads "
+    "folded into the batch per block do not line up with its position bias)",
+    "granite_speech5_encoder": "the tiny config's block attention fails in transformers' own forward (heads "
+    "folded into the batch per block do not line up with its position bias)",
     "minimax": "exact on its softmax layer; the lightning (linear) attention layer has no softmax "
     "(eager returns q·kᵀ with decay, negative weights) and is not stored, with no note",
 }
