@@ -178,6 +178,7 @@ def test_encoder_decoder_generation_reads_its_start_token():
     assert float(lb.prompt_mass[2, 1, 3]) == pytest.approx(float(w[1, 3, 0]), abs=1e-7)
 
 
+@pytest.mark.slow  # a LLaVA-shaped model generating beside its eager twin: seconds each
 def test_vision_language_generation_share_on_image_tokens():
     """A LLaVA-shaped model generates from a text holding a picture: the share of each generated
     token's attention on the image tokens, against eager generate's own per-step attentions."""

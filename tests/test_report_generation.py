@@ -200,6 +200,7 @@ def test_a_stats_generation_shows_its_text_and_a_one_line_note(gpt, tmp_path):
     assert cache.metadata["generation"]["output_text"] in section  # the text is still shown
 
 
+@pytest.mark.slow  # a LLaVA-shaped model generating beside its eager twin: seconds each
 def test_a_picture_in_the_prompt_adds_the_share_on_its_image_tokens(tmp_path):
     """A LLaVA-shaped generation: the rows embedded are eager generate's own per-step rows."""
     import copy
