@@ -297,19 +297,49 @@ def prepare_audio(
     return prepared
 
 
-def _check_channels(model: nn.Module, kwargs: Mapping) -> None:
-    """Features whose channel count no convolution of the model takes (80 mel bins for a model of
-    128): refused in one line, before the forward fails inside a convolution."""
-    from probe.capture.frames import conv_chain
+MEL_KEYS = ("num_mel_bins", "input_feat_per_channel", "n_mels")
 
+
+def _mel_counts(model: nn.Module) -> set[int]:
+    """The feature channel counts the model's config (or one of its sub-configs: an audio-language
+    model's audio encoder) declares: Whisper's ``num_mel_bins``, Speech2Text's
+    ``input_feat_per_channel``; empty when it declares none."""
+    cfg = getattr(model, "config", None)
+    found: set[int] = set()
+    seen: set[int] = set()
+    todo = [cfg]
+    while todo:
+        c = todo.pop()
+        if c is None or id(c) in seen:
+            continue
+        seen.add(id(c))
+        for k in MEL_KEYS:
+            v = getattr(c, k, None)
+            if isinstance(v, int) and v > 0:
+                found.add(v)
+        for k in dir(c) if hasattr(c, "to_dict") else ():
+            if k.endswith("_config") and not k.startswith("_"):
+                sub = getattr(c, k, None)
+                if hasattr(sub, "to_dict"):
+                    todo.append(sub)
+    return found
+
+
+def _check_channels(model: nn.Module, kwargs: Mapping) -> None:
+    """Features whose channel count the model's config does not declare (80 mel bins for a model
+    of 128): refused in one line, before the forward fails inside a convolution. Only the config
+    decides: a model's first ``Conv1d`` may be a conformer block's depthwise convolution, not a
+    front end fed the features (Parakeet), so the modules are not read for it."""
     x = kwargs.get("input_features")
     if not isinstance(x, Tensor) or x.dim() != 3:
         return
-    convs = [m for m in model.modules() if isinstance(m, nn.Conv1d)]
-    if convs and not conv_chain(model, x.shape[1]) and not conv_chain(model, x.shape[2]):
+    want = _mel_counts(model)
+    # a multiple passes: several frames stacked into one feature vector (FunASR's 7 x 80)
+    if want and not any(d % v == 0 for d in x.shape[1:] for v in want):
+        n = " or ".join(str(v) for v in sorted(want))
         raise ProbeError(
-            f"the input features have {x.shape[1]} channels but {model_name(model)}'s first convolution "
-            f"takes {convs[0].in_channels}; give the processor that belongs to the model"
+            f"the input features have {x.shape[1]} channels but {model_name(model)} takes {n} "
+            "(its config's mel bins); give the processor that belongs to the model"
         )
 
 
