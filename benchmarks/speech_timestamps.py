@@ -6,7 +6,7 @@
 The 60 held-out sentences of `models.speech_data` (`TEST_SEEDS`: every word synthesized alone by
 espeak-ng and placed at a sample the generator knows) are captured with
 `probe.capture(model, waveforms, processor=model.processor, target=transcripts)` and their word
-times read by `probe.word_timestamps` (Whisper's recipe: per-head normalisation over frames,
+times read by `probe.word_timestamps` (Whisper's recipe: each head standardised per frame over the tokens,
 median filter, dynamic time warping on the chosen heads' cross-attention). Scored against the
 gold (start, end) of every word: the mean absolute boundary error in ms (starts and ends) and the
 share of boundaries within 20, 50 and 100 ms:

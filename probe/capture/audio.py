@@ -29,6 +29,7 @@ import torch
 from torch import Tensor, nn
 
 from probe.capture.inputs import Prepared, model_name
+from probe.capture.spectrogram import spectrograms
 from probe.errors import ProbeError
 
 SUFFIXES = {".wav", ".flac", ".ogg", ".oga", ".opus", ".mp3", ".aiff", ".aif", ".au", ".w64", ".caf"}
@@ -244,7 +245,9 @@ def sound_inputs(
     return kwargs, meta
 
 
-def audio_metadata(kwargs: Mapping, processor: Any = None, sampling_rate: Any = None) -> dict[str, Any]:
+def audio_metadata(
+    kwargs: Mapping, processor: Any = None, sampling_rate: Any = None, model: nn.Module | None = None
+) -> dict[str, Any]:
     """What the cache records of an audio model's keyword inputs (see the module docstring)."""
     key = next((k for k in AUDIO_KEYS if isinstance(kwargs.get(k), Tensor)), None)
     if key is None:
@@ -256,6 +259,7 @@ def audio_metadata(kwargs: Mapping, processor: Any = None, sampling_rate: Any = 
         meta["sampling_rate"] = rate
     if hop is not None:
         meta["feature_hop"] = hop
+    meta.update(spectrograms(kwargs, _mel_counts(model) if model is not None else set(), rate, hop))
     return meta
 
 
@@ -291,7 +295,7 @@ def prepare_audio(
     _check_channels(model, kwargs)
     tok = tokenizer if tokenizer is not None else getattr(processor, "tokenizer", None)
     prepared = _prepare_kwargs(model, kwargs, tok, model_name(model))
-    prepared.meta.update(audio_metadata(kwargs, processor, meta.get("sampling_rate", sampling_rate)))
+    prepared.meta.update(audio_metadata(kwargs, processor, meta.get("sampling_rate", sampling_rate), model))
     prepared.meta.update(meta)
     prepared.meta.update(target_meta)
     return prepared

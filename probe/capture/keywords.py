@@ -110,7 +110,7 @@ def inputs_metadata(model: nn.Module, kwargs: Mapping, tokenizer: Any = None) ->
         mask = kwargs.get("attention_mask")
         full = isinstance(mask, Tensor) and mask.shape == ids.shape
         meta["attention_mask"] = (mask if full else torch.ones_like(ids)).long().tolist()
-    meta.update(audio_metadata(kwargs))  # sound: its frames' times are named after the forward
+    meta.update(audio_metadata(kwargs, model=model))  # sound: its frames' times are named after the forward
     meta.update(decoder_metadata(model, kwargs, tokenizer))  # decoder_input_ids: the target tokens
     return meta
 

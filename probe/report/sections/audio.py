@@ -5,8 +5,9 @@ at its timestamps (and its gold span, when ``gold=`` timings are given); a hover
 its attention over time, drawn by ``static/audio_hover.js``); the encoder's self-attention with
 time on both axes.
 
-The cache holds no input features, so no spectrogram is drawn under the attention: the time axis
-is the encoder's (``frames``: each position's span in seconds)."""
+Above the words, the spectrogram the model heard (``metadata["spectrogram_png"]``, kept by the
+capture: the input features, or the log power of a raw waveform) on the same time axis, the
+encoder's (``frames``: each position's span in seconds); a cache without one draws none."""
 
 from __future__ import annotations
 
@@ -80,7 +81,24 @@ def _head_index(cache, head: int) -> int:
     return captured.index(head) if captured else head
 
 
-def _figure(ctx, att, words, enc, hop: float, label: str, has_gold: bool) -> str:
+def spectrogram_of(cache, b: int):
+    """``(uint8 [bins, columns], seconds per column, kind)`` of input ``b`` from the cache's
+    ``spectrogram_png``, or None when it kept none or does not know its time step."""
+    import base64
+    import io
+
+    import numpy as np
+    from PIL import Image
+
+    pngs = cache.metadata.get("spectrogram_png") or []
+    col_s = cache.metadata.get("spectrogram_hop")
+    if b >= len(pngs) or not col_s:
+        return None
+    img = np.asarray(Image.open(io.BytesIO(base64.b64decode(pngs[b]))))
+    return img, float(col_s), cache.metadata.get("spectrogram_kind") or "spectrogram"
+
+
+def _figure(ctx, att, words, enc, hop: float, label: str, has_gold: bool, spec=None) -> str:
     import matplotlib.pyplot as plt
     from matplotlib.patches import Rectangle
 
@@ -88,9 +106,21 @@ def _figure(ctx, att, words, enc, hop: float, label: str, has_gold: bool) -> str
 
     F = att.shape[1]
     end = F * hop
-    fig, (ax, ax2) = plt.subplots(
-        1, 2, figsize=(12, 0.45 * len(words) + 2.2), gridspec_kw={"width_ratios": [2.2, 1]}
-    )
+    if spec is None:
+        fig, (ax, ax2) = plt.subplots(
+            1, 2, figsize=(12, 0.45 * len(words) + 2.2), gridspec_kw={"width_ratios": [2.2, 1]}
+        )
+    else:
+        fig = plt.figure(figsize=(12, 0.45 * len(words) + 3.6))
+        grid = fig.add_gridspec(2, 2, width_ratios=[2.2, 1], height_ratios=[1.4, 0.45 * len(words) + 0.8])
+        ax, ax2 = fig.add_subplot(grid[1, 0]), fig.add_subplot(grid[:, 1])
+        top = fig.add_subplot(grid[0, 0], sharex=ax)
+        img, col_s, kind = spec
+        top.imshow(img, aspect="auto", cmap="magma", extent=(0, img.shape[1] * col_s, 0, 1), origin="upper")
+        top.set_xlim(0, end)
+        top.set_yticks([])
+        top.set_title(f"{label}: what the model heard ({kind})", fontsize=9)
+        top.tick_params(labelbottom=False)
     ax.imshow(att.numpy(), aspect="auto", cmap="inferno", extent=(0, end, len(words) - 0.5, -0.5))
     for i, w in enumerate(words):
         ax.add_patch(
@@ -170,7 +200,9 @@ def build(ctx) -> dict | None:
             items.append(
                 {
                     "label": label,
-                    "fig": _figure(ctx, att, words, enc, frames["hop"], label, has_gold),
+                    "fig": _figure(
+                        ctx, att, words, enc, frames["hop"], label, has_gold, spectrogram_of(cache, b)
+                    ),
                     "data": _view(att, words, frames["hop"], has_gold),
                 }
             )
