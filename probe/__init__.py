@@ -25,10 +25,10 @@ from probe.analysis.pointing import Pointing, pointing  # noqa: E402
 from probe.analysis.residual import budget, logit_lens, residual  # noqa: E402
 from probe.cache import Cache, load  # noqa: E402
 from probe.capture import Trace, trace  # noqa: E402
-from probe.generation import Generation, generate  # noqa: E402
 from probe.corpus import Corpus, open_corpus, run_corpus  # noqa: E402
 from probe.entry import capture  # noqa: E402  (keep="stats" too)
 from probe.errors import ProbeError  # noqa: E402
+from probe.generation import Generation, generate  # noqa: E402
 from probe.intervene import (  # noqa: E402
     Ablation,
     HeadImportance,

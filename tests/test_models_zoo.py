@@ -9,7 +9,15 @@ from models.train import main as train_main
 
 
 def test_names_list_the_zoo():
-    assert models.names() == ["single_head", "minigpt", "fused_decoder", "translator", "aligner", "vit_zoo", "speech"]
+    assert models.names() == [
+        "single_head",
+        "minigpt",
+        "fused_decoder",
+        "translator",
+        "aligner",
+        "vit_zoo",
+        "speech",
+    ]
 
 
 def test_unknown_name_is_an_error_listing_the_zoo():
