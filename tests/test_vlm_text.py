@@ -232,6 +232,13 @@ def test_trace_head_stats_and_ablation_on_the_processors_output(llava, tmp_path)
     row = next(r for r in stats.table if (r["stack"], r["layer"], r["head"]) == (LM, 0, 1))
     w = want[0][0, 1].double()[1:]  # counted queries: the first (one visible key) left out
     assert abs(row["entropy"] - float(-(w * w.clamp_min(1e-30).log()).sum(-1).mean())) < 1e-5
+    # the same from the pictures and the text, the processor called by probe
+    text = "USER: <image> what is the cat"
+    direct = probe.head_stats(model, pil[:1], processor=proc, text=text, progress=False)
+    row = next(r for r in direct.table if (r["stack"], r["layer"], r["head"]) == (LM, 0, 1))
+    assert abs(row["entropy"] - float(-(w * w.clamp_min(1e-30).log()).sum(-1).mean())) < 1e-5
+    with pytest.raises(probe.ProbeError, match="not a cache"):
+        probe.head_stats(t.cache, processor=proc)
     # ablating the language model's layer 1 head 2: a pre-hook zeroing its slice of o_proj's input
     result = probe.ablate(model, inputs, [(LM, 1, 2)])
     o_proj = model.model.language_model.layers[1].self_attn.o_proj

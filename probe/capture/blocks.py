@@ -234,6 +234,9 @@ def stream_attention(
     layers: list[int] | None = None,
     block: int | None = None,
     progress: bool = False,
+    processor: Any = None,
+    text: Any = None,
+    sampling_rate: int | None = None,
 ) -> tuple[dict[str, Any], dict[str, BlockReader]]:
     """Run ``model`` once on ``inputs`` (as :func:`probe.capture` would), handing every attention
     pattern row block by row block to ``open_attention(meta, role, [B, H, Q, K])``'s reader; keep
@@ -242,7 +245,10 @@ def stream_attention(
     ``block``: query rows per block (default: about 16 MiB of float32 weights per block).
     Returns ``(meta, readers)``: the metadata a cache of the same call would hold, and each
     reader under the cache key its pattern would have (``decoder.blocks.0.self_attn.pattern``).
+    ``processor``, ``text`` and ``sampling_rate``: pictures or sound, as for :func:`probe.capture`.
     """
+    from probe.capture.images import with_text
+
     names, full, consumer = run_blocks(
         model,
         inputs,
@@ -253,6 +259,8 @@ def stream_attention(
         layers=layers,
         block=block,
         progress=progress,
+        processor=with_text(processor, text),
+        sampling_rate=sampling_rate,
     )
     return full, {names[h]: r for h, r in consumer.readers.items()}
 

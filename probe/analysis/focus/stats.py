@@ -299,6 +299,9 @@ def head_stats(
     target: Any = None,
     layers: list[int] | None = None,
     block: int | None = None,
+    processor: Any = None,
+    text: Any = None,
+    sampling_rate: int | None = None,
 ) -> HeadStats:
     """Focus statistics of every captured head (see :mod:`probe.analysis.focus` for definitions).
 
@@ -306,8 +309,9 @@ def head_stats(
     or a generator that captures text after text: only one cache is held at a time). Returns
     :class:`HeadStats`; with several texts each metric is the mean over texts with ``_std``.
 
-    Or a model with its ``inputs`` (``tokenizer``, ``target``, ``layers`` as for
-    :func:`probe.capture`): one forward, every statistic computed ``block`` query rows at a time
+    Or a model with its ``inputs`` (``tokenizer``, ``target``, ``layers``, and pictures or sound
+    with ``processor``, ``text``, ``sampling_rate``, as for :func:`probe.capture`): one forward,
+    every statistic computed ``block`` query rows at a time
     while it runs, no pattern ever held whole (:mod:`probe.analysis.focus.streaming`); the same
     table as for the captured cache, without the rollout (``HeadStats.not_computed``).
     ``progress``: a bar (over caches, or over the attentions a model's forward reads).
@@ -325,7 +329,12 @@ def head_stats(
             layers=layers,
             block=block,
             progress=progress,
+            processor=processor,
+            text=text,
+            sampling_rate=sampling_rate,
         )
+    if processor is not None or text is not None or sampling_rate is not None:
+        raise ProbeError("processor=, text= and sampling_rate= are for a model's inputs, not a cache")
     if inputs is not None:
         raise ProbeError("head_stats(cache) takes no inputs; pass a model to run it on inputs")
     caches, n = _as_caches(cache_or_caches)

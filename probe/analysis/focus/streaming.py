@@ -332,6 +332,7 @@ def model_head_stats(
     layers: list[int] | None = None,
     block: int | None = None,
     progress: bool = False,
+    **pictures_or_sound: Any,
 ) -> HeadStats:
     """Focus statistics of every head of ``model`` on ``inputs`` from one forward, block by block
     (see the module docstring); the same :class:`HeadStats` as ``head_stats(capture(...))``, less
@@ -347,6 +348,7 @@ def model_head_stats(
         layers=layers,
         block=block,
         progress=progress,
+        **pictures_or_sound,  # processor=, text=, sampling_rate= as for probe.capture
     )
     return accumulate(meta, readers).result()
 
