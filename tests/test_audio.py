@@ -16,8 +16,9 @@ tf = pytest.importorskip("transformers")
 sf = pytest.importorskip("soundfile")
 pytest.importorskip("scipy")
 
+from hf_fixtures import bpe_tokenizer  # noqa: E402
+
 import probe  # noqa: E402
-from tests.hf_fixtures import bpe_tokenizer  # noqa: E402
 
 RATE = 16000
 MEL_HOP = 160

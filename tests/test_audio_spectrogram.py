@@ -16,9 +16,9 @@ tf = pytest.importorskip("transformers")
 pytest.importorskip("soundfile")
 pytest.importorskip("scipy")
 from PIL import Image  # noqa: E402
+from test_audio import MEL_HOP, RATE, _mel_extractor, _raw_extractor, _w2v, _wave, _whisper  # noqa: E402
 
 import probe  # noqa: E402
-from tests.test_audio import MEL_HOP, RATE, _mel_extractor, _raw_extractor, _w2v, _wave, _whisper  # noqa: E402
 
 
 def _decode(png: str) -> np.ndarray:
