@@ -89,3 +89,24 @@ def aligner_generation(model, source: str = "gestern sah der junge das hundehaus
     gen = as_generation(cache, 1, new, text=" ".join(words), prompt_text=source)
     gen.metadata["generation"]["output_tokens"] = words
     return gen, read
+
+
+def llava_pair():
+    """A LLaVA-shaped model (CLIP tower: 4 x 4 patches of 8 pixels + [CLS]; Llama language model
+    with GQA; random weights) on SDPA, its eager twin with the same weights, and inputs: a text of
+    21 ids whose positions 2..17 are the picture's 16 image tokens (id 95), and 32 x 32 pixels."""
+    import transformers as tf
+
+    small = dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64)
+    vision = tf.CLIPVisionConfig(**small, image_size=32, patch_size=8)
+    text = tf.LlamaConfig(**small, vocab_size=96, num_key_value_heads=2, max_position_embeddings=128)
+    cfg = tf.LlavaConfig(
+        vision_config=vision, text_config=text, image_token_index=95, vision_feature_layer=-1
+    )
+    torch.manual_seed(0)
+    model = tf.LlavaForConditionalGeneration._from_config(cfg).eval()
+    eager = tf.LlavaForConditionalGeneration._from_config(copy.deepcopy(cfg), attn_implementation="eager")
+    eager.eval().load_state_dict(model.state_dict())
+    ids = torch.tensor([[1, 5] + [95] * 16 + [7, 8, 9]])
+    pixels = torch.randn(1, 3, 32, 32, generator=torch.Generator().manual_seed(2))
+    return model, eager, {"input_ids": ids, "pixel_values": pixels, "attention_mask": torch.ones_like(ids)}

@@ -11,6 +11,7 @@ from __future__ import annotations
 import hf_fixtures as H
 import pytest
 import torch
+from generation_caches import llava_pair
 
 import models
 import probe
@@ -350,25 +351,8 @@ def test_layers_heads_and_keep_across_encoder_decoders():
 
 @pytest.mark.slow
 def test_vision_language_generation_reads_its_picture():
-    import copy
-
-    import transformers as tf
-
-    small = dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64)
-    vision = tf.CLIPVisionConfig(**small, image_size=32, patch_size=8)  # 4 x 4 patches + [CLS]
-    text = tf.LlamaConfig(**small, vocab_size=96, num_key_value_heads=2, max_position_embeddings=128)
-    cfg = tf.LlavaConfig(
-        vision_config=vision, text_config=text, image_token_index=95, vision_feature_layer=-1
-    )
-    torch.manual_seed(0)
-    model = tf.LlavaForConditionalGeneration._from_config(cfg).eval()
-    eager = tf.LlavaForConditionalGeneration._from_config(
-        copy.deepcopy(cfg), attn_implementation="eager"
-    ).eval()
-    eager.load_state_dict(model.state_dict())
-    ids = torch.tensor([[1, 5] + [95] * 16 + [7, 8, 9]])
-    pixels = torch.randn(1, 3, 32, 32, generator=torch.Generator().manual_seed(2))
-    inputs = {"input_ids": ids, "pixel_values": pixels, "attention_mask": torch.ones_like(ids)}
+    model, eager, inputs = llava_pair()
+    pixels = inputs["pixel_values"]
     g = probe.generate(model, inputs, max_new_tokens=4, min_new_tokens=4)
     with torch.no_grad():
         out = eager.generate(

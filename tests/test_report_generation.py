@@ -15,7 +15,7 @@ import zlib
 import numpy as np
 import pytest
 import torch
-from generation_caches import aligner_generation, minigpt_generation, minigpt_weights
+from generation_caches import aligner_generation, llava_pair, minigpt_generation, minigpt_weights
 
 import models
 import probe
@@ -203,25 +203,7 @@ def test_a_stats_generation_shows_its_text_and_a_one_line_note(gpt, tmp_path):
 @pytest.mark.slow  # a LLaVA-shaped model generating beside its eager twin: seconds each
 def test_a_picture_in_the_prompt_adds_the_share_on_its_image_tokens(tmp_path):
     """A LLaVA-shaped generation: the rows embedded are eager generate's own per-step rows."""
-    import copy
-
-    import transformers as tf
-
-    small = dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64)
-    vision = tf.CLIPVisionConfig(**small, image_size=32, patch_size=8)
-    text = tf.LlamaConfig(**small, vocab_size=96, num_key_value_heads=2, max_position_embeddings=128)
-    cfg = tf.LlavaConfig(
-        vision_config=vision, text_config=text, image_token_index=95, vision_feature_layer=-1
-    )
-    torch.manual_seed(0)
-    model = tf.LlavaForConditionalGeneration._from_config(cfg).eval()
-    eager = tf.LlavaForConditionalGeneration._from_config(
-        copy.deepcopy(cfg), attn_implementation="eager"
-    ).eval()
-    eager.load_state_dict(model.state_dict())
-    ids = torch.tensor([[1, 5] + [95] * 16 + [7, 8, 9]])
-    pixels = torch.randn(1, 3, 32, 32, generator=torch.Generator().manual_seed(2))
-    inputs = {"input_ids": ids, "pixel_values": pixels, "attention_mask": torch.ones_like(ids)}
+    model, eager, inputs = llava_pair()
     g = probe.generate(model, inputs, max_new_tokens=4, min_new_tokens=4)
     with torch.no_grad():
         out = eager.generate(
