@@ -237,12 +237,12 @@ _UPPER: dict[tuple[int, str], Tensor] = {}
 
 
 def _upper(n: int, device: torch.device) -> Tensor:
-    """``n x n`` float32: -inf above the diagonal, 0 elsewhere (cached: the same every layer)."""
+    """``n x n`` float32: -inf above the diagonal, 0 elsewhere (cached: the same every layer; only
+    the last size is kept, so a long text's mask does not outlive the next capture)."""
     k = (n, str(device))
     m = _UPPER.get(k)
     if m is None:
-        if len(_UPPER) > 16:
-            _UPPER.clear()
+        _UPPER.clear()
         m = torch.zeros(n, n, dtype=torch.float32, device=device)
         m.masked_fill_(torch.ones(n, n, dtype=torch.bool, device=device).triu_(1), float("-inf"))
         _UPPER[k] = m
