@@ -19,6 +19,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from probe.cache.queries import CacheKeyError
 from probe.errors import ProbeError
 
 
@@ -89,7 +90,12 @@ def _text_row(pos: dict[str, Any], batch: int, image: int) -> dict[str, Any]:
     rows = pos["rows"]
     if not 0 <= batch < len(rows):
         raise ProbeError(f"batch {batch} is outside the {len(rows)} texts")
-    grids = rows[batch]["grids"]
+    grids = rows[batch].get("grids")
+    if not grids:
+        raise ProbeError(
+            f"text {batch}'s image positions are not laid on a patch grid in this cache (see its "
+            "metadata's positions_note); the share on image tokens is there, a map is not"
+        )
     if not 0 <= image < len(grids):
         raise ProbeError(f"image {image}: text {batch} holds {len(grids)} images")
     return {"kinds": rows[batch]["kinds"], "grid": grids[image]}
@@ -135,12 +141,27 @@ def attention_map(
             )
         return _on_grid(rollout(cache, layer, stack, batch)[_query_index("cls", pos)], pos["grid"])
     q = _query_index(query, pos)
-    if head is None:
-        P = cache.pattern(stack, layer, batch=batch, index=index)
-        row = P[:, q].double().mean(0)  # [head, T, T] -> [T]
-    else:
-        row = cache.pattern(stack, layer, head=head, batch=batch, index=index)[q]
+    rows = _query_rows(cache, stack, layer, q, batch, index)  # [head, T]
+    row = rows.double().mean(0) if head is None else rows[head]
     return _on_grid(row.float(), pos["grid"])
+
+
+def _query_rows(cache: Any, stack: str, layer: int, q: int, batch: int, index: int | None) -> Tensor:
+    """Query ``q``'s row of every head ``[head, T]``: from the whole pattern, or from the rows a
+    ``keep="rows"`` cache kept (a generation keeps each generated token's row)."""
+    try:
+        return cache.pattern(stack, layer, batch=batch, index=index)[:, q]
+    except CacheKeyError:
+        if "rows" not in str(cache.metadata.get("keep") or {}):
+            raise
+    kept = cache.row_index(stack, layer, index=index)[batch].tolist()
+    if q not in kept:
+        raise ProbeError(
+            f"query {q}'s row was not kept in this cache (it kept rows {kept[:8]}"
+            f"{' ...' if len(kept) > 8 else ''} of text {batch}); ask for one of those, or capture "
+            "whole patterns"
+        )
+    return cache.rows(stack, layer, batch=batch, index=index)[:, kept.index(q)]
 
 
 def _cross_source(cache: Any, stack: str | None, layer: int) -> dict[str, Any] | None:

@@ -20,10 +20,13 @@ from tqdm.auto import tqdm
 
 from probe.cache import Cache
 from probe.capture.beams import beam_of_rows, follow
+from probe.capture.genpictures import as_decoder, name_pictures
+from probe.capture.images import is_images, load_images, process, texts_of
 from probe.capture.inputs import _record, device_of, is_hf_model, model_name
 from probe.capture.loop import own_loop
 from probe.capture.steps import StepTrace
 from probe.capture.tokenizers import adapt
+from probe.capture.vlm import check_processor
 from probe.errors import ProbeError
 
 STATS_NOTE = (
@@ -117,6 +120,7 @@ def generate(
     max_new_tokens: int = 32,
     tokenizer: Any = None,
     processor: Any = None,
+    text: Any = None,
     keep: Any = None,
     layers: list[int] | None = None,
     heads: list[int] | None = None,
@@ -138,15 +142,20 @@ def generate(
     generated token over every key: ``rows``/``row_index``), ``{"topk": k}``; never a ``T x T``
     pattern for the last two. Beam search (``num_beams > 1``) keeps the returned beam, row by row
     as the cache was reordered (:mod:`probe.capture.beams`). ``tokenizer`` (or ``processor``'s, or
-    ``model.tokenizer``) encodes a text prompt and decodes the output. ``keep="stats"`` (decoder-only
-    models): the model generates uncaptured, then ``stats_of(model, ids, tokenizer, layers)`` (the
-    top-level ``probe.generate`` passes ``probe.capture(..., keep="stats")``) streams the focus
-    statistics of the sequence it read through one forward, a block of rows at a time (each row
-    the one its step computed). Returns a :class:`Generation` (``metadata["generation"]``: the facts).
+    ``model.tokenizer``) encodes a text prompt and decodes the output. ``prompt``: a text, token
+    ids, a dict of inputs (a processor's output), or, for a vision-language model, pictures with
+    ``processor=`` and ``text=`` (one text holding the image token): the cache then names the
+    tower's patches and the prompt's image tokens on their grid, so :func:`probe.attention_map`
+    lays a generated word's row on the picture (:mod:`probe.capture.genpictures`).
+    ``keep="stats"`` (decoder-only models): the model generates uncaptured, then
+    ``stats_of(model, ids, tokenizer, layers)`` (the top-level ``probe.generate`` passes
+    ``probe.capture(..., keep="stats")``) streams the focus statistics of the sequence it read
+    (with the prompt's pictures) through one forward, a block of rows at a time (each row the one
+    its step computed). Returns a :class:`Generation` (``metadata["generation"]``: the facts).
     """
     max_new_tokens = _check(model, max_new_tokens, generate_kwargs)
     stats = keep == "stats" or getattr(keep, "kind", None) == "stats"  # the string or a parsed Keep
-    raw_tok, tok, ids, extra, hf, enc_dec = _inputs(model, prompt, tokenizer, processor)
+    raw_tok, tok, ids, extra, hf, enc_dec = _inputs(model, prompt, tokenizer, processor, text)
     if stats and (stats_of is None or enc_dec or heads is not None or dtype is not None):
         raise ProbeError(
             "keep='stats' of a generation: decoder-only models, every head, float32 (drop heads=/dtype=; "
@@ -180,19 +189,24 @@ def generate(
     toks = (tok, adapt(getattr(raw_tok, "target", raw_tok)) if raw_tok is not None and not hf else tok)
     facts = (ids, out, enc_dec, P, (sample, seed))
     if stats:  # the final sequence's statistics, streamed block by block (no pattern whole)
-        base = stats_of(model, out[:, :-1], raw_tok, layers)
-        tensors = {k: base[k] for k in base.keys()}
-        meta = _meta(model, toks, *facts, base.metadata)
+        read = out[:, :-1]
+        base = stats_of(model, {"input_ids": read, **extra} if extra else read, raw_tok, layers)
+        tensors, base_meta = as_decoder({k: base[k] for k in base.keys()}, base.metadata)
+        meta = _meta(model, toks, *facts, base_meta)
         meta["generation"]["stats"] = STATS_NOTE
     else:
         tensors, meta = _stepped(model, st, toks, facts, beam_indices, generate_kwargs)
+    if not enc_dec:
+        name_pictures(model, meta, tensors, extra, out[0, :-1].tolist(), P, processor)
     new = out[:, P:] if not enc_dec else out[:, 1:]
     cache = Cache(tensors, meta)
     return Generation(cache, torch.cat([ids, new], 1), ids.size(1), meta["generation"]["output_text"])
 
 
-def _inputs(model: nn.Module, prompt: Any, tokenizer: Any, processor: Any) -> tuple:
+def _inputs(model: nn.Module, prompt: Any, tokenizer: Any, processor: Any, text: Any) -> tuple:
     """``(tokenizer, adapted, ids [1, P], other inputs, transformers generate?, encoder-decoder?)``."""
+    if text is not None or (processor is not None and is_images(prompt)):
+        prompt = _pictures_prompt(model, prompt, processor, text)
     raw_tok = tokenizer or getattr(processor, "tokenizer", None) or getattr(model, "tokenizer", None)
     tok = adapt(raw_tok) if raw_tok is not None else None
     ids, extra = _prompt_ids(model, prompt, tok)
@@ -200,6 +214,23 @@ def _inputs(model: nn.Module, prompt: Any, tokenizer: Any, processor: Any) -> tu
     cfg = getattr(model, "config", None)
     enc_dec = bool(getattr(model, "is_encoder_decoder", False) or getattr(cfg, "is_encoder_decoder", False))
     return raw_tok, tok, ids, extra, hf, enc_dec
+
+
+def _pictures_prompt(model: nn.Module, pictures: Any, processor: Any, text: Any) -> dict[str, Any]:
+    """Pictures and one text through a vision-language ``processor``: the prompt's inputs."""
+    name = model_name(model)
+    if processor is None or text is None or not is_images(pictures):
+        raise ProbeError(
+            "a prompt with pictures is probe.generate(model, pictures, processor=..., text='... <image> "
+            "...'): the pictures (PIL images, arrays or files), the model's processor and one text"
+        )
+    texts = texts_of(text)
+    if len(texts) != 1:
+        raise ProbeError("probe.generate captures one prompt at a time; give one text")
+    batch = dict(process(processor, load_images(pictures), texts))
+    check_processor(model, processor, batch, name)
+    batch.pop("attention_mask", None)
+    return {k: v.to(device_of(model)) if isinstance(v, Tensor) else v for k, v in batch.items()}
 
 
 def _stepped(model, st, toks, facts, beam_indices, kwargs) -> tuple[dict[str, Tensor], dict[str, Any]]:
@@ -271,7 +302,12 @@ def _meta(model, toks, ids, out, enc_dec, P, sampling, meta) -> dict[str, Any]:
     if "decoder" in meta["stacks"]:
         positions: dict[str, Any] = {"kinds": kinds}
         image = _image_token(model)
-        if image is not None and image in read[:P]:  # a vision-language prompt: which are pictures
+        named = (meta["stacks"]["decoder"].get("positions") or {}).get("rows")
+        if (
+            named and len(named) == 1 and len(named[0]["kinds"]) == len(read)
+        ):  # a capture of the sequence named it
+            positions["rows"] = named
+        elif image is not None and image in read[:P]:  # a vision-language prompt: which are pictures
             positions["rows"] = [{"kinds": ["image" if i == image else "text" for i in read]}]
         meta["stacks"]["decoder"] = dict(meta["stacks"]["decoder"], positions=positions)
     return meta

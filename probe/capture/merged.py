@@ -47,7 +47,9 @@ def merged_grids(thw: list[list[int]], patch: int, merge: int) -> list[dict[str,
     return out
 
 
-def _lay(ids: list[int], token: int, grids: list[dict[str, Any]]) -> tuple[dict[str, Any], int] | None:
+def lay_pictures(
+    ids: list[int], token: int, grids: list[dict[str, Any]]
+) -> tuple[dict[str, Any], int] | None:
     """A text's kinds, labels and grids, taking pictures from ``grids`` in order for each run of
     image tokens (a run may hold several pictures back to back); ``(row, used)`` or None when the
     runs do not add up to whole pictures."""
@@ -90,7 +92,7 @@ def merged_positions(
         return {}
     rows, used = [], 0
     for text in ids:
-        laid = _lay(text, token, grids[used:])
+        laid = lay_pictures(text, token, grids[used:])
         if laid is None:
             meta["positions_note"] = (
                 f"probe could not lay text {len(rows)}'s image tokens on the merged grids of the "
@@ -119,4 +121,4 @@ def merged_positions(
     return found
 
 
-__all__ = ["merge_config", "merged_grids", "merged_positions"]
+__all__ = ["lay_pictures", "merge_config", "merged_grids", "merged_positions"]
