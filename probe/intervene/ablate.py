@@ -67,7 +67,7 @@ def _reference_values(
     if reference is None:
         run, meta = prep.run, prep.meta
     else:
-        p = _prepare(model, reference, tokenizer, target)
+        p = _prepare(model, reference, tokenizer, target, **prep.media)  # pictures: the same processor
         run, meta = p.run, p.meta
     with torch.no_grad(), recording(model, targets) as got:
         run()
@@ -76,7 +76,7 @@ def _reference_values(
         raise ProbeError(
             f"the reference run did not reach {', '.join(missing)}; give a reference like the inputs"
         )
-    ref = Prepared(model, run, meta, None, prep.sites)
+    ref = Prepared(model, run, meta, None, prep.sites, prep.media)
     return [got[(i, w)] for i, (_, w) in enumerate(targets)], ref
 
 

@@ -24,7 +24,14 @@ from probe.analysis.table import Table
 from probe.errors import ProbeError
 from probe.forward import outputs_of
 from probe.intervene.ablate import Ablation, _has_tensor, ablation_rows, build_edits, effect
-from probe.intervene.core import Prepared, parse_heads, parse_sublayers, prepare_sites, site_label
+from probe.intervene.core import (
+    Prepared,
+    media_kw,
+    parse_heads,
+    parse_sublayers,
+    prepare_sites,
+    site_label,
+)
 from probe.intervene.edits import exclusive, hooked
 from probe.intervene.knockout import Knockout, knock_plan, knock_table, knocked
 
@@ -83,6 +90,9 @@ def intervene(
     stack: str | None = None,
     tokenizer: Any = None,
     target: Any = None,
+    processor: Any = None,
+    text: Any = None,
+    sampling_rate: Any = None,
 ) -> Iterator[Intervention]:
     """Install the edits on ``model`` for the ``with`` block; yields an :class:`Intervention`.
 
@@ -91,11 +101,15 @@ def intervene(
     ``how`` says (``"zero"``, ``"mean"``, ``"resample"`` over ``reference``, default ``inputs``);
     ``knockout``: query → key edges to block (``[(query, keys), ...]`` or a bool ``[q, k]``
     tensor) in every head of ``stack``, or a dict ``{"edges", "layers", "heads", "role"}``.
-    ``inputs`` (texts, ids or a dict of model arguments; ``tokenizer``/``target`` as in
-    :func:`probe.capture`) locate the places. Blocks do not nest: a second intervention on the
-    same model inside one (this or a plain function) is a :class:`ProbeError`.
+    ``inputs`` locate the places: texts, ids, a dict of model arguments (a processor's
+    ``BatchFeature``), or pictures with ``processor`` (and ``text`` beside them for a
+    vision-language model) or sound with ``processor``/``sampling_rate``, all as in
+    :func:`probe.capture` (``tokenizer``/``target`` too); ``reference`` is prepared like them.
+    Blocks do not nest: a second intervention on the same model inside one (this or a plain
+    function) is a :class:`ProbeError`.
     """
-    prep = prepare_sites(model, inputs, tokenizer=tokenizer, target=target)
+    m = media_kw(processor, text, sampling_rate)
+    prep = prepare_sites(model, inputs, tokenizer=tokenizer, target=target, **m)
     heads = parse_heads(prep, ablate, stack)
     _no_repeats(heads)
     subs = parse_sublayers(prep, sublayers, stack)
@@ -133,18 +147,23 @@ def ablate(
     reference: Any = None,
     tokenizer: Any = None,
     target: Any = None,
+    processor: Any = None,
+    text: Any = None,
+    sampling_rate: Any = None,
 ) -> Ablation:
     """Run ``model`` on ``inputs`` with ``heads`` and ``sublayers`` removed; returns an :class:`Ablation`.
 
     ``heads``: ``[(layer, head), ...]`` (or ``(stack, layer, head)``, ``(stack, layer, "cross",
     head)``); ``sublayers``: ``[(layer, "attn"|"cross_attn"|"mlp"), ...]``; ``how``: ``"zero"``,
     ``"mean"`` or ``"resample"`` over ``reference`` (texts or ids like ``inputs``; default the
-    inputs). ``tokenizer``/``target`` as in :func:`probe.capture`. A place probe cannot edit (a
+    inputs). ``tokenizer``/``target``, and ``processor``/``text``/``sampling_rate`` for pictures
+    or sound, as in :func:`probe.capture`. A place probe cannot edit (a
     fused attention kernel) raises a :class:`ProbeError` naming the layer. The same edits as
     ``with probe.intervene(model, inputs, ablate=heads, ...)``.
     """
-    kw = dict(sublayers=sublayers, stack=stack, how=how, reference=reference)
-    with intervene(model, inputs, ablate=heads, tokenizer=tokenizer, target=target, **kw) as iv:
+    kw = dict(sublayers=sublayers, stack=stack, how=how, reference=reference, tokenizer=tokenizer)
+    kw |= media_kw(processor, text, sampling_rate)
+    with intervene(model, inputs, ablate=heads, target=target, **kw) as iv:
         pass
     return Ablation(iv.outputs, iv.clean, iv.ablated, iv.summary)
 
@@ -160,16 +179,21 @@ def knockout(
     role: str = "self",
     tokenizer: Any = None,
     target: Any = None,
+    processor: Any = None,
+    text: Any = None,
+    sampling_rate: Any = None,
 ) -> Knockout:
     """Run ``model`` on ``inputs`` with the query → key ``edges`` blocked in the ``role`` attention
     of ``layers`` (default all) and ``heads`` (default all) of ``stack``; returns a :class:`Knockout`.
 
     ``edges``: ``[(query, keys), ...]`` (e.g. ``[(-1, range(10, 21))]``: the last token may not
-    read positions 10-20) or a bool ``[q, k]`` tensor (True = blocked). The same edit as
+    read positions 10-20) or a bool ``[q, k]`` tensor (True = blocked). ``inputs`` as for
+    :func:`ablate` (pictures with ``processor``/``text``, sound). The same edit as
     ``with probe.intervene(model, inputs, knockout={"edges": edges, ...})``.
     """
     k = {"edges": edges, "layers": layers, "heads": heads, "role": role}
-    with intervene(model, inputs, knockout=k, stack=stack, tokenizer=tokenizer, target=target) as iv:
+    kw = dict(stack=stack, tokenizer=tokenizer, target=target) | media_kw(processor, text, sampling_rate)
+    with intervene(model, inputs, knockout=k, **kw) as iv:
         pass
     return Knockout(iv.outputs, iv.clean, iv.knocked, iv.summary)
 

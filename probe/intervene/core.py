@@ -5,17 +5,23 @@ capture for the names, a scan for the sites). A head is named ``(layer, head)``,
 layer, head)`` or ``(stack, layer, role, head)`` with ``role`` ``"self"``/``"cross"``; a sublayer
 ``(layer, kind)`` or ``(stack, layer, kind)`` with ``kind`` ``"attn"`` (= ``"self_attn"``),
 ``"cross_attn"`` or ``"mlp"``. Without a stack, the model's only stack (or ``stack=``) is meant.
+
+The inputs are whatever :func:`probe.capture` takes, prepared by its own entry
+(:func:`probe.capture.inputs.prepare`): texts, ids, a dict or ``BatchFeature`` of keyword
+tensors, pictures with ``processor=`` (and ``text=`` beside them for a vision-language model),
+sound with ``processor=``/``sampling_rate=``.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 from torch import Tensor, nn
 
 from probe.capture.engine import Trace
+from probe.capture.images import with_text
 from probe.capture.inputs import prepare
 from probe.errors import ProbeError
 from probe.intervene.edits import check_free
@@ -24,13 +30,18 @@ from probe.intervene.locate import Site, Sites, locate
 
 @dataclass
 class Prepared:
-    """The forward call on the inputs, its clean outputs, capture metadata and the sites."""
+    """The forward call on the inputs, its clean outputs, capture metadata and the sites;
+    ``media``: the ``processor``/``text``/``sampling_rate`` the inputs were prepared with (a
+    reference or corrupted run of pictures or sound is prepared with the same); ``labels``: the
+    captured positions' names per input (``[CLS]``, ``patch (r, c)``, words)."""
 
     model: nn.Module
     run: Any
     meta: dict
     outputs: Any
     sites: Sites
+    media: dict = field(default_factory=dict)
+    labels: list = field(default_factory=list)  # the capture's position names ([CLS], patch (r, c))
 
     def site(self, stack: str, layer: int, role: str) -> Site:
         """The site of an attention (``role`` self/cross) or MLP (``"mlp"``), else a ProbeError."""
@@ -63,12 +74,29 @@ class Prepared:
         return None
 
 
-def prepare_sites(model: nn.Module, inputs: Any, *, tokenizer: Any = None, target: Any = None) -> Prepared:
-    """The :class:`Prepared` of ``model`` on ``inputs`` (three forwards, none of them edited)."""
+def media_kw(processor: Any = None, text: Any = None, sampling_rate: Any = None) -> dict:
+    """The options that make pictures or sound into the model's inputs, as :func:`probe.capture`
+    takes them: ``processor``, ``text`` (read beside pictures), ``sampling_rate`` (of sound)."""
+    return {"processor": processor, "text": text, "sampling_rate": sampling_rate}
+
+
+def prepare_sites(
+    model: nn.Module,
+    inputs: Any,
+    *,
+    tokenizer: Any = None,
+    target: Any = None,
+    processor: Any = None,
+    text: Any = None,
+    sampling_rate: Any = None,
+) -> Prepared:
+    """The :class:`Prepared` of ``model`` on ``inputs`` (three forwards, none of them edited);
+    ``processor``/``text``/``sampling_rate``: pictures or sound, as for :func:`probe.capture`."""
     if not isinstance(model, nn.Module):
         raise ProbeError(f"probe intervenes on torch.nn.Module models, not {type(model).__name__}")
     check_free(model)
-    p = _prepare(model, inputs, tokenizer, target)
+    m = media_kw(processor, text, sampling_rate)
+    p = _prepare(model, inputs, tokenizer, target, **m)
     with torch.no_grad():
         outputs = p.run()
     t = Trace(model, metadata=p.meta)
@@ -77,14 +105,32 @@ def prepare_sites(model: nn.Module, inputs: Any, *, tokenizer: Any = None, targe
     sites = locate(model, p, t.cache)
     if not sites.heads:
         raise ProbeError(f"probe found no attention in {type(model).__name__}; nothing to intervene on")
-    return Prepared(model, p.run, p.meta, outputs, sites)
+    return Prepared(model, p.run, p.meta, outputs, sites, m, list(t.cache.tokens))
 
 
-def _prepare(model: nn.Module, inputs: Any, tokenizer: Any, target: Any) -> Any:
-    """:func:`probe.capture`'s forward call, or ``model(**inputs)`` for a dict of keyword arguments
-    (e.g. ``input_ids`` and ``decoder_input_ids`` of an encoder-decoder)."""
-    if not isinstance(inputs, dict):
-        return prepare(model, inputs, tokenizer=tokenizer, target=target)
+def _prepare(
+    model: nn.Module,
+    inputs: Any,
+    tokenizer: Any,
+    target: Any,
+    processor: Any = None,
+    text: Any = None,
+    sampling_rate: Any = None,
+) -> Any:
+    """:func:`probe.capture`'s forward call (pictures and sound too, through its own entry, which
+    also refuses a ``processor``/``text`` that does not fit the inputs), or ``model(**inputs)``
+    for a plain dict of keyword arguments (e.g. ``input_ids`` and ``decoder_input_ids`` of an
+    encoder-decoder)."""
+    if processor is not None or text is not None or sampling_rate is not None or not isinstance(inputs, dict):
+        pictures_or_sound = with_text(processor, text)  # text= needs pictures and their processor
+        return prepare(
+            model,
+            inputs,
+            tokenizer=tokenizer,
+            target=target,
+            processor=pictures_or_sound,
+            sampling_rate=sampling_rate,
+        )
     if target is not None:
         raise ProbeError("target= is for texts; with a dict of model arguments give decoder_input_ids in it")
     meta = {}
@@ -173,4 +219,4 @@ def site_label(site: Site, head: int | None = None) -> str:
     )
 
 
-__all__ = ["Prepared", "prepare_sites", "parse_heads", "parse_sublayers", "site_label"]
+__all__ = ["Prepared", "media_kw", "prepare_sites", "parse_heads", "parse_sublayers", "site_label"]

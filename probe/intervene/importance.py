@@ -27,7 +27,7 @@ from probe.analysis.table import Table
 from probe.errors import ProbeError
 from probe.forward import outputs_of
 from probe.intervene.ablate import _has_tensor, build_edits
-from probe.intervene.core import _stack, prepare_sites
+from probe.intervene.core import _stack, media_kw, prepare_sites
 from probe.intervene.edits import Edit, applied
 from probe.intervene.metrics import metric_tensor
 from probe.intervene.patch import _ids
@@ -76,6 +76,9 @@ def head_importance(
     reference: Any = None,
     tokenizer: Any = None,
     target: Any = None,
+    processor: Any = None,
+    text: Any = None,
+    sampling_rate: Any = None,
     batched: bool = True,
     max_batch: int = 64,
 ) -> HeadImportance:
@@ -86,13 +89,16 @@ def head_importance(
     ``"mean"`` (over ``reference``, default the inputs). ``batched``: run the heads of a layer as
     rows of one forward, the inputs repeated once per head (at most ``max_batch`` rows a forward);
     done for the built-in metrics where the model's outputs come back one row per input row, else
-    (or with ``batched=False``) one forward per head, said in ``notes``.
+    (or with ``batched=False``) one forward per head, said in ``notes``. ``inputs``: texts, ids,
+    a dict of model arguments, or pictures/sound with ``processor``/``text``/``sampling_rate``,
+    as for :func:`probe.capture`.
     """
     if how not in ("zero", "mean"):
         raise ProbeError(f"how= is 'zero' or 'mean' for head importance, not {how!r}")
     if not isinstance(max_batch, int) or max_batch < 1:
         raise ProbeError(f"max_batch= is a whole number of rows >= 1, not {max_batch!r}")
-    prep = prepare_sites(model, inputs, tokenizer=tokenizer, target=target)
+    m = media_kw(processor, text, sampling_rate)
+    prep = prepare_sites(model, inputs, tokenizer=tokenizer, target=target, **m)
     st = _stack(prep, stack)
     layers = sorted({i for s, i, r in prep.sites.heads if s == st and r == role})
     if not layers:

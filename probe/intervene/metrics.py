@@ -1,7 +1,8 @@
 """Metrics for activation patching: a number from the model's outputs.
 
 ``"logit_diff"`` (``answer`` minus ``wrong`` logit), ``"prob"`` (softmax probability of ``answer``)
-at the last real position of each text, averaged over texts; ``"loss"`` (next-token
+at the last real position of each text (or of each input's one row of logits ``[batch,
+labels]``: an image classifier's, ``answer`` a label id or name), averaged over texts; ``"loss"`` (next-token
 cross-entropy of the clean token ids over real positions); or any ``callable(outputs) -> float``.
 Each is a :class:`Metric`; the built-in ones also have a per-example form (:attr:`Metric.rows`),
 which lets :func:`probe.head_importance` run several ablations as rows of one batch.
@@ -30,6 +31,9 @@ def token_id(model: Any, tok: Any, tokenizer: Any = None) -> int:
         from probe.capture.tokenizers import adapt
 
         raw = tokenizer if tokenizer is not None else getattr(model, "tokenizer", None)
+        labels = getattr(getattr(model, "config", None), "label2id", None) or {}
+        if raw is None and tok in labels:  # a classifier's label name
+            return int(labels[tok])
         if raw is None:
             raise ProbeError(f"cannot turn {tok!r} into a token id without a tokenizer; give the id")
         ids = [
@@ -98,7 +102,10 @@ def metric_tensor(
         )
     if metric == "loss":
         if ids is None:
-            raise ProbeError("metric='loss' needs token ids (texts or an id tensor) as the clean inputs")
+            raise ProbeError(
+                "metric='loss' needs token ids (texts or an id tensor) as the clean inputs; for a "
+                "classifier use metric='prob' or 'logit_diff' with answer= (a label id) or a function"
+            )
 
         def loss(logits: Tensor) -> tuple[Tensor, Tensor]:
             logits = logits[:, :-1]
@@ -116,6 +123,8 @@ def metric_tensor(
     b = token_id(model, wrong, tokenizer) if wrong is not None else None
 
     def at_last(logits: Tensor) -> Tensor:
+        if logits.dim() == 2:  # one row of logits per input (an image classifier's labels)
+            return logits
         rows = torch.arange(logits.shape[0])
         return logits[rows, _last(mask, logits)]
 

@@ -26,7 +26,7 @@ from torch import Tensor, nn
 from probe.analysis.interventions import Patching
 from probe.analysis.table import Table
 from probe.errors import ProbeError
-from probe.intervene.core import _prepare, prepare_sites
+from probe.intervene.core import _prepare, media_kw, prepare_sites
 from probe.intervene.edits import Edit, applied, recording
 from probe.intervene.locate import Site
 from probe.intervene.metrics import metric_tensor
@@ -61,18 +61,25 @@ def patch(
     positions: list[int] | None = None,
     stack: str | None = None,
     tokenizer: Any = None,
+    processor: Any = None,
+    text: Any = None,
+    sampling_rate: Any = None,
 ) -> Patching:
     """Patch clean activations into the corrupted run, one cell at a time; returns :class:`Patching`.
 
     ``what``: ``"resid"``, ``"heads"``, ``"attn"`` or ``"mlp"`` (see the module docstring);
     ``metric``: ``"logit_diff"`` (needs ``answer`` and ``wrong``), ``"prob"`` (``answer``),
     ``"loss"`` or a function of the model's outputs; ``positions``: the positions to patch
-    (default all; for ``"heads"`` default all at once).
+    (default all; for ``"heads"`` default all at once). ``clean`` and ``corrupted``: texts, ids,
+    dicts of model arguments, or both pictures (or both sound) made into inputs by the same
+    ``processor`` (with the same ``text`` beside them for a vision-language model;
+    ``sampling_rate`` for sound), as :func:`probe.capture` takes them.
     """
     if what not in WHATS:
         raise ProbeError(f"what= is one of {', '.join(WHATS)}, not {what!r}")
-    prep = prepare_sites(model, clean, tokenizer=tokenizer)
-    corr = _prepare(model, corrupted, tokenizer, None)
+    m = media_kw(processor, text, sampling_rate)
+    prep = prepare_sites(model, clean, tokenizer=tokenizer, **m)
+    corr = _prepare(model, corrupted, tokenizer, None, **m)
     from probe.intervene.core import _stack
 
     st = _stack(prep, stack)
@@ -90,8 +97,7 @@ def patch(
     _same_shape(prep.outputs, out_corr)
     m_clean, m_corr = fn(prep.outputs), fn(out_corr)
     T = saved[0].shape[1]
-    tokens = (prep.meta.get("target_tokens") if st == "decoder" else None) or prep.meta.get("tokens") or []
-    row0 = tokens[0] if tokens else [str(i) for i in range(T)]
+    row0 = _labels(prep, st, T)
     cells = _cells(what, sites, T, positions)
     notes = []
     if m_clean == m_corr:
@@ -151,6 +157,20 @@ def _run_cells(
             }
         )
     return rows, grid
+
+
+def _labels(prep, st: str, T: int) -> list[str]:
+    """The first input's position names in stack ``st`` (``T`` positions): the decoder's tokens of
+    an encoder-decoder, else the capture's names (words, ``[CLS]``, ``patch (r, c)``) where they
+    cover this stack (as many, or the padded texts' length), else the positions' numbers."""
+    meta = prep.meta
+    tokens = (meta.get("target_tokens") if st == "decoder" else None) or prep.labels or meta.get("tokens")
+    key = "target_attention_mask" if st == "decoder" and meta.get("target_tokens") else "attention_mask"
+    padded = meta.get(key)
+    row = tokens[0] if tokens else []
+    if row and (len(row) == T or (padded and len(padded[0]) == T)):
+        return list(row)
+    return [str(i) for i in range(T)]
 
 
 def _same_shape(a: Any, b: Any) -> None:
