@@ -47,7 +47,7 @@ def _on_grid(row: torch.Tensor, at: int) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("keep", [None, "rows"])
-def test_each_generated_word_reads_the_picture(pair, keep):
+def test_each_generated_word_reads_the_picture(pair, keep, tmp_path):
     model, eager, inputs = pair
     g = probe.generate(model, inputs, max_new_tokens=N, min_new_tokens=N, keep=keep)
     sequences, steps = _eager_rows(eager, inputs)
@@ -69,6 +69,13 @@ def test_each_generated_word_reads_the_picture(pair, keep):
             torch.testing.assert_close(got, _on_grid(want.double().mean(0).float(), 2), atol=ATOL, rtol=0)
             one = probe.attention_map(g.cache, layer, head=3, query=q, stack="decoder")
             torch.testing.assert_close(one, _on_grid(want[3], 2), atol=ATOL, rtol=0)
+    g.save(tmp_path / "gen.safetensors")  # the tower's positions are patches, not the text's tokens
+    back = probe.load(tmp_path / "gen.safetensors")
+    q = P + N - 2
+    torch.testing.assert_close(
+        probe.attention_map(back, 1, query=q, stack="decoder"),
+        probe.attention_map(g.cache, 1, query=q, stack="decoder"),
+    )
     if keep == "rows":  # a prompt row was not kept: said, not guessed
         with pytest.raises(ProbeError, match="row was not kept"):
             probe.attention_map(g.cache, 0, query=3, stack="decoder")
@@ -131,3 +138,41 @@ def test_pictures_prompt_bad_input(pair):
         probe.generate(model, picture, processor=proc, text=["<image> a", "<image> b"], max_new_tokens=2)
     with pytest.raises(ProbeError, match="image"):  # a text without the image token: the model's own check
         probe.generate(model, picture, processor=proc, text="a red dog", max_new_tokens=2)
+
+
+@pytest.mark.slow
+def test_cli_generate_from_a_picture(pair, tmp_path, capsys):
+    from probe.cli import main
+
+    model, eager, _inputs = pair
+    folder = tmp_path / "my-llava"
+    model.save_pretrained(folder)
+    llava_processor().save_pretrained(folder)
+    pixels = np.random.default_rng(1).integers(0, 256, (32, 32, 3), dtype=np.uint8)
+    Image.fromarray(pixels).save(tmp_path / "cat.png")
+    text = "USER: <image> what is the cat ASSISTANT:"
+    out = tmp_path / "rep"
+    argv = [
+        "generate",
+        "--hf",
+        str(folder),
+        "--image",
+        str(tmp_path / "cat.png"),
+        text,
+        "-n",
+        "3",
+        "-o",
+        str(out),
+    ]
+    assert main([*argv, "-q"]) == 0
+    cache = probe.load(out / "generation.safetensors")
+    inputs = dict(llava_processor()(images=[Image.fromarray(pixels)], text=[text], return_tensors="pt"))
+    sequences, _ = _eager_rows(eager, inputs)  # N = 4 new tokens: the first 3 are the CLI's
+    assert (
+        cache.metadata["generation"]["output_ids"] == sequences[0, inputs["input_ids"].size(1) :].tolist()[:3]
+    )
+    page = (out / "index.html").read_text(encoding="utf-8")
+    assert "<h2>Attention on the picture</h2>" in page and "What the generated text read" in page
+    capsys.readouterr()
+    assert main(["generate", "--model", "minigpt", "--image", str(tmp_path / "cat.png"), "at", "-q"]) == 2
+    assert "image model" in capsys.readouterr().err

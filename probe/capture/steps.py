@@ -243,6 +243,9 @@ class StepTrace:
         stacks, layers = {}, []
         for stack, m in a.metas.items():  # in the order the stacks first ran
             stacks.update({s: v for s, v in m.get("stacks", {}).items() if s == stack})
+            if stack in a.sources and stack != "encoder" and stack in stacks:
+                # a submodule run on its own (a vision tower over pixels): its positions are not tokens
+                stacks[stack] = dict(stacks[stack], tokens=None)
             for e in m.get("layers", []):
                 if e.get("stack") == stack:
                     layers.append(_renamed(e) if stack in a.renamed else e)

@@ -66,10 +66,12 @@ def add_model_args(p: argparse.ArgumentParser, *, default: str | None = "minigpt
     p.set_defaults(default_model=default)
 
 
-def load_model(args: argparse.Namespace):
-    """The model named by ``--model`` / ``--hf``; returns ``(model, tokenizer)`` in eval mode."""
+def load_model(args: argparse.Namespace, writes: bool = False):
+    """The model named by ``--model`` / ``--hf``; returns ``(model, tokenizer)`` in eval mode.
+    ``writes``: a ``--hf`` vision-language model is loaded with its language head (to generate),
+    else as the model ``AutoModel`` gives (its stacks named as a capture of it names them)."""
     if getattr(args, "hf", None):
-        return _load_hf(args.hf)
+        return _load_hf(args.hf, writes)
     name = args.model or args.default_model
     if name is None:
         raise ProbeError("no model given; pass --model NAME (see `probe models`) or --hf PATH")
@@ -77,7 +79,7 @@ def load_model(args: argparse.Namespace):
     return model, model.tokenizer
 
 
-def _load_hf(path: str):
+def _load_hf(path: str, writes: bool = False):
     import os
 
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -99,6 +101,12 @@ def _load_hf(path: str):
         auto = transformers.AutoModelForSeq2SeqLM
     elif any(a.endswith(("ForCausalLM", "LMHeadModel")) for a in (config.architectures or [])):
         auto = transformers.AutoModelForCausalLM
+    elif (
+        writes
+        and config.model_type
+        in transformers.models.auto.modeling_auto.MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES
+    ):
+        auto = transformers.AutoModelForImageTextToText  # a vision-language model, with its LM head
     try:
         tok = _hf_tokenizer(transformers, folder)
         model = auto.from_pretrained(folder).eval()
@@ -115,15 +123,11 @@ def _hf_tokenizer(transformers, folder: Path):
     return transformers.AutoTokenizer.from_pretrained(folder)
 
 
-def add_image_args(p: argparse.ArgumentParser) -> None:
+def add_image_args(
+    p: argparse.ArgumentParser, help: str = "a picture to capture (several = one batch)"
+) -> None:
     """``--image PATH`` (several allowed) and ``--processor NAME_OR_PATH``."""
-    p.add_argument(
-        "--image",
-        action="append",
-        default=None,
-        metavar="PATH",
-        help="a picture to capture (several = one batch)",
-    )
+    p.add_argument("--image", action="append", default=None, metavar="PATH", help=help)
     p.add_argument(
         "--processor",
         default=None,
@@ -133,16 +137,16 @@ def add_image_args(p: argparse.ArgumentParser) -> None:
     )
 
 
-def load_image_model(args: argparse.Namespace, text: bool = False):
+def load_image_model(args: argparse.Namespace, text: bool = False, writes: bool = False):
     """``(model, tokenizer, processor)`` for ``--image``: a ``--hf`` folder's model with its image
     processor (or ``--processor PATH``), refused before the model loads; a zoo image model
     (``--model vit-zoo``) with its own ``processor`` unless ``--processor`` is given. With
     ``text`` (pictures with a text, for a vision-language model) the folder's whole processor."""
     if getattr(args, "hf", None) or args.processor:
         processor = load_processor(args, text)
-        model, tok = load_model(args)
+        model, tok = load_model(args, writes)
         return model, tok, processor
-    model, tok = load_model(args)
+    model, tok = load_model(args, writes)
     processor = getattr(model, "processor", None)
     if processor is None:
         raise ProbeError(

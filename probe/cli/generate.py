@@ -7,7 +7,7 @@ import argparse
 from pathlib import Path
 
 from probe.cli import common
-from probe.cli.common import _human, add_model_args, examples
+from probe.cli.common import _human, add_image_args, add_model_args, examples
 from probe.errors import ProbeError
 
 CACHE_NAME = "generation.safetensors"
@@ -64,12 +64,17 @@ def cmd_generate(args: argparse.Namespace) -> int:
     check_report_dir(out)  # before loading the model and generating
     cache_path = out / CACHE_NAME
     check_output(cache_path)
-    model, tok = common.load_model(args)
     kwargs = {"do_sample": True} if args.seed is not None else {}
+    if args.image:  # pictures and the text around them: a vision-language model's own processor
+        model, tok, processor = common.load_image_model(args, text=True, writes=True)
+        prompt, kwargs = args.image, dict(kwargs, processor=processor, text=args.prompt[0])
+    else:
+        model, tok = common.load_model(args, writes=True)
+        prompt = args.prompt[0]
     n = args.max_new_tokens if args.max_new_tokens is not None else _default_new(model, tok, args.prompt[0])
     gen = probe.generate(
         model,
-        args.prompt[0],
+        prompt,
         max_new_tokens=n,
         tokenizer=tok,
         keep=keep,
@@ -106,10 +111,16 @@ def add_parser(sub) -> None:
             "probe generate --model translator 'ich mochte ein bier' -o reports/beer",
             "probe generate --hf ./my-gpt2 'The attention' --max-new-tokens 200 --keep rows",
             "probe generate --hf ./my-gpt2 'The attention' --max-new-tokens 2000 --keep topk:16",
+            "probe generate --hf ./my-llava --image cat.png 'USER: <image> what is it? ASSISTANT:' -n 20",
         ),
     )
     p.add_argument("prompt", nargs="*", metavar="PROMPT", help="the prompt (one text)")
     add_model_args(p)
+    add_image_args(
+        p,
+        "a picture the PROMPT's image tokens stand for (several in their order); the "
+        "--hf folder's processor places them",
+    )
     p.add_argument(
         "--max-new-tokens",
         "-n",
