@@ -157,7 +157,8 @@ def process(processor: Any, images: list[Any], text: list[str] | None = None) ->
 
 def pictures_seen(pixel_values: Any, processor: Any = None) -> list[str]:
     """Each picture as the model saw it, a base64 PNG at the processed size: ``pixel_values``
-    ``[batch, 3, H, W]`` back through the processor's normalisation (``image_mean``/``image_std``;
+    ``[batch, 3, H, W]`` (Idefics3's ``[batch, images, 3, H, W]``: each tile the vision tower
+    runs) back through the processor's normalisation (``image_mean``/``image_std``;
     crops and resizes included, since these are the model's own pixels), or scaled per picture
     to [0, 1] when the normalisation is unknown. Empty when the pixels are not 1 or 3 channels."""
     import base64
@@ -167,6 +168,10 @@ def pictures_seen(pixel_values: Any, processor: Any = None) -> list[str]:
     from PIL import Image
 
     x = pixel_values.detach().float().cpu()
+    if x.dim() == 5:  # Idefics3's [batch, images, C, H, W]: the tiles the vision tower runs
+        from probe.capture.tiles import real_tiles
+
+        x = x.flatten(0, 1)[real_tiles(x).flatten()]
     if x.dim() != 4 or x.shape[1] not in (1, 3):
         return []
     images = getattr(processor, "image_processor", processor)  # a vision-language processor's own

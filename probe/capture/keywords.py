@@ -17,6 +17,7 @@ from torch import Tensor, nn
 from probe.capture.audio import audio_metadata
 from probe.capture.images import WithText, image_names, is_images, load_images, pictures_seen, process
 from probe.capture.inputs import Prepared, device_of, is_hf_model, model_name
+from probe.capture.tiles import tile_metadata
 from probe.capture.tokenizers import adapt
 from probe.capture.transcript import decoder_metadata
 from probe.errors import ProbeError
@@ -95,6 +96,9 @@ def inputs_metadata(model: nn.Module, kwargs: Mapping, tokenizer: Any = None) ->
         # Qwen2-VL's flattened patches [patches, C·t·p·p], Idefics3's [batch, images, C, H, W]: not
         # the [batch, C, H, W] whose patch grid positions.py names; the positions stay numbered
         meta["pixel_shape"] = list(pixels.shape)
+        meta.update(tile_metadata(pixels))  # Idefics3's tiles: which slots the vision tower runs
+        if "tiles" in meta:
+            meta["image_png"] = pictures_seen(pixels)  # each tile, scaled
     thw = kwargs.get("image_grid_thw")
     if isinstance(thw, Tensor) and thw.dim() == 2 and thw.shape[-1] == 3:
         meta["image_grid_thw"] = thw.tolist()  # each picture's (frames, rows, cols) of patches

@@ -28,6 +28,7 @@ from probe.capture.layers import LayerRecord
 from probe.capture.merged import merged_positions
 from probe.capture.positions import name_positions
 from probe.capture.streams import distinct_streams
+from probe.capture.tiles import tile_positions
 from probe.capture.tracer import Tracer
 from probe.errors import ProbeError
 
@@ -279,6 +280,8 @@ def name(
         _positions_from_patterns(meta, tr.records)
     if meta.get("image_grid_thw"):  # Qwen2-VL's pictures at their own sizes, merged patches
         images = merged_positions(meta, model, tr.records, stack_of)
+    elif meta.get("tiles"):  # Idefics3's tiles, pixel-shuffled for the text
+        images = tile_positions(meta, model, tr.records, stack_of)
     else:
         images = name_positions(meta, model, tr.records, stack_of) if meta.get("image_shape") else {}
     if meta.get("audio_shape"):  # sound: each frame's time span (capture/frames.py)

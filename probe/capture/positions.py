@@ -129,11 +129,14 @@ def image_token_id(model: nn.Module) -> int | None:
     return None
 
 
-def text_image_positions(ids: list[int], image_token: int, grid: dict[str, Any]) -> dict[str, Any] | None:
+def text_image_positions(
+    ids: list[int], image_token: int, grid: dict[str, Any], unit: str | None = None
+) -> dict[str, Any] | None:
     """``{"kinds", "labels", "grids"}`` for one text of a vision-language model whose image
     positions (``image_token``) are the vision tower's patches: each run of image positions is
     one or more whole ``grid``s (row-major), each laid at its own offset. None when a run is not
-    a whole number of grids (merged or pooled patches: probe does not guess)."""
+    a whole number of grids (merged or pooled patches: probe does not guess). The image tokens
+    read ``patch (r, c)`` (one grid) or ``img g (r, c)``; with ``unit``, always ``<unit> g (r, c)``."""
     n = grid["rows"] * grid["cols"]
     kinds = ["image" if t == image_token else "text" for t in ids]
     grids: list[dict[str, Any]] = []
@@ -151,7 +154,7 @@ def text_image_positions(ids: list[int], image_token: int, grid: dict[str, Any])
         i = j
     labels: list[str | None] = [None] * len(ids)
     for g, at in enumerate(grids):
-        name = "patch" if len(grids) == 1 else f"img {g}"
+        name = f"{unit} {g}" if unit else "patch" if len(grids) == 1 else f"img {g}"
         for k in range(n):
             labels[at["offset"] + k] = f"{name} ({k // grid['cols']}, {k % grid['cols']})"
     return {"kinds": kinds, "labels": labels, "grids": grids}
