@@ -9,7 +9,7 @@ import stat
 
 import pytest
 
-from probe.analysis.table import Table
+from probe.analysis.table import Exports, Table
 from probe.errors import ProbeError
 from probe.files import atomic_path, write_text_atomic
 
@@ -56,3 +56,27 @@ def test_atomic_write_mode_and_cleanup(tmp_path):
         tmp.write_text("half")
         raise RuntimeError("boom")
     assert sorted(x.name for x in tmp_path.iterdir()) == ["a.json"]
+
+
+class _Result(Exports):
+    """A result with nested numbers and a table named other than ``table``."""
+
+    _exported = "words"
+
+    def __init__(self):
+        self.words = Table(ROWS)
+
+    def to_dict(self):
+        return {"mean": float("nan"), "by": {"a": [1.5, float("inf")]}, "words": self.words.to_dict()}
+
+
+def test_result_exports_write_finite_json_atomically(tmp_path):
+    r = _Result()
+    path = tmp_path / "r.json"
+    d = json.loads(r.to_json(path))
+    assert d["mean"] is None and d["by"]["a"] == [1.5, None] and d["words"]["rows"][1]["entropy"] is None
+    assert json.loads(path.read_text(encoding="utf-8")) == d and [p.name for p in tmp_path.iterdir()] == [
+        "r.json"
+    ]
+    rows = list(csv.DictReader(io.StringIO(r.to_csv())))
+    assert [row["head"] for row in rows] == ["1", "0", "1"]

@@ -207,3 +207,42 @@ def _csv_value(v: Any) -> Any:
 
 
 __all__ = ["Table"]
+
+
+def _finite(x: Any) -> Any:
+    """``x`` with every NaN or infinite float (in nested dicts and lists) as None, for JSON."""
+    if isinstance(x, float) and not math.isfinite(x):
+        return None
+    if isinstance(x, dict):
+        return {k: _finite(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [_finite(v) for v in x]
+    return x
+
+
+class Exports:
+    """The exports of a result that has :meth:`to_dict` and a main :class:`Table` (the attribute
+    named by ``_exported``, ``table`` by default): JSON, CSV and pandas, files written atomically."""
+
+    _exported = "table"
+
+    def _export_dict(self) -> dict[str, Any]:
+        """What :meth:`to_json` writes: :meth:`to_dict` (a result adds its tables' rows here)."""
+        return self.to_dict()  # type: ignore[attr-defined]
+
+    def to_json(self, path: str | os.PathLike | None = None, **kw: Any) -> str:
+        """JSON of the result (NaN and infinities as null); also written atomically to ``path``."""
+        text = json.dumps(_finite(self._export_dict()), ensure_ascii=False, **kw)
+        if path is not None:
+            from probe.files import write_text_atomic
+
+            write_text_atomic(path, text)
+        return text
+
+    def to_csv(self, path: str | os.PathLike | None = None) -> str:
+        """CSV of the result's table (one line per row); also written atomically to ``path``."""
+        return getattr(self, self._exported).to_csv(path)
+
+    def to_pandas(self):
+        """The result's table as a ``pandas.DataFrame`` (pandas is optional)."""
+        return getattr(self, self._exported).to_pandas()

@@ -21,7 +21,6 @@ alone, with a note. Every head's scores are in ``heads``, the chosen ones marked
 from __future__ import annotations
 
 import html
-import json
 import math
 from dataclasses import dataclass, field
 from typing import Any
@@ -41,7 +40,7 @@ from probe.analysis.alignment.timing import (
     text_positions,
     token_words,
 )
-from probe.analysis.table import Table
+from probe.analysis.table import Exports, Table
 from probe.errors import ProbeError
 
 MONOTONE = 0.9
@@ -67,7 +66,7 @@ def _mean(xs: list[float]) -> float:
 
 
 @dataclass
-class WordTimestamps:
+class WordTimestamps(Exports):
     """Word and token times of every input of a cache, with the heads they came from.
 
     ``words`` (a Table: ``item``, ``word``, ``start``, ``end`` in seconds, its ``tokens``; with
@@ -77,6 +76,8 @@ class WordTimestamps:
     ``within_50ms``, ``within_100ms`` used alone; ``chosen``), ``chosen`` (the ``(layer, head)``
     pairs used), ``choice`` (``given``, ``gold`` or ``monotone``), ``metrics`` (the chosen set's
     boundary error against gold, None without gold), ``notes``."""
+
+    _exported = "words"  # CSV and pandas: a row per word
 
     words: Table
     tokens: Table
@@ -97,18 +98,6 @@ class WordTimestamps:
             "tokens": self.tokens.to_dict(),
             "heads": self.heads.to_dict(),
         }
-
-    def to_json(self, path: Any = None, **kw: Any) -> str:
-        """:meth:`to_dict` as JSON text, written to ``path`` when given."""
-        text = json.dumps(self.to_dict(), **{"indent": 2, **kw})
-        if path is not None:
-            with open(path, "w", encoding="utf-8") as f:
-                f.write(text + "\n")
-        return text
-
-    def to_pandas(self):
-        """The ``words`` table as a pandas DataFrame."""
-        return self.words.to_pandas()
 
     def _heads_line(self) -> str:
         chosen = ", ".join(f"{layer}.{head}" for layer, head in self.chosen)

@@ -2,16 +2,14 @@
 
 from __future__ import annotations
 
-import json
 import math
-import os
 from typing import TYPE_CHECKING, Any
 
 import torch
 
 from probe.analysis.focus.metrics import METRICS
 from probe.analysis.focus.roles import ROLE_RULES, SINK_EPSILON, roles_of
-from probe.analysis.table import Table
+from probe.analysis.table import Exports, Table
 from probe.errors import ProbeError
 
 if TYPE_CHECKING:
@@ -25,7 +23,7 @@ def _std_name(m: str) -> str:
     return f"{m}_std"
 
 
-class HeadStats:
+class HeadStats(Exports):
     """Focus statistics per (stack, layer, head, kind): mean over texts (and ``<metric>_std``,
     the sample standard deviation across texts, when there are several texts).
 
@@ -153,25 +151,9 @@ class HeadStats:
             d.update({"kept": self.kept, "not_computed": dict(self.not_computed)})
         return d
 
-    def to_json(self, path: str | os.PathLike | None = None, **kw: Any) -> str:
-        """JSON of :meth:`to_dict` (NaN as null); also written atomically to ``path`` if given."""
-        d = self.to_dict()
-        d["rows"] = json.loads(self.table.to_json())["rows"]
-        d["sink_rate"] = {k: (None if math.isnan(v) else v) for k, v in d["sink_rate"].items()}
-        text = json.dumps(d, ensure_ascii=False, **kw)
-        if path is not None:
-            from probe.files import write_text_atomic
-
-            write_text_atomic(path, text)
-        return text
-
-    def to_csv(self, path: str | os.PathLike | None = None) -> str:
-        """CSV of the table (one row per head); also written atomically to ``path`` if given."""
-        return self.table.to_csv(path)
-
-    def to_pandas(self):
-        """The table as a ``pandas.DataFrame`` (pandas is optional)."""
-        return self.table.to_pandas()
+    def _export_dict(self) -> dict[str, Any]:
+        """:meth:`to_dict` and the table's rows (one per head), for :meth:`to_json`."""
+        return {**self.to_dict(), "rows": self.table.to_dict()["rows"]}
 
     def summary(self) -> str:
         """One line per stack/kind: sink rate and how many heads hold each role."""

@@ -2,16 +2,14 @@
 
 from __future__ import annotations
 
-import json
 import math
-import os
 import warnings
 from typing import Any
 
 import torch
 
 from probe.analysis.generation.steps import Steps
-from probe.analysis.table import Table
+from probe.analysis.table import Exports, Table
 from probe.errors import ProbeError
 
 
@@ -25,7 +23,7 @@ def _f(v: Any) -> float:
     return float(v)
 
 
-class Lookback:
+class Lookback(Exports):
     """What each generated token of one text read (see :func:`probe.lookback`).
 
     Tensors ``[layer, head, step]`` (``layers`` lists the model's layer of each entry, ``step``
@@ -225,25 +223,10 @@ class Lookback:
         )
         return d
 
-    def to_json(self, path: str | os.PathLike | None = None, **kw: Any) -> str:
-        """JSON of :meth:`to_dict` (NaN as null); also written atomically to ``path`` if given."""
-        d = self.to_dict()
-        d["rows"] = json.loads(self.table.to_json())["rows"]
-        d["by_step"] = json.loads(self.by_step.to_json())["rows"]
-        text = json.dumps(d, ensure_ascii=False, **kw)
-        if path is not None:
-            from probe.files import write_text_atomic
-
-            write_text_atomic(path, text)
-        return text
-
-    def to_csv(self, path: str | os.PathLike | None = None) -> str:
-        """CSV of the long table (a row per step, layer and head); also written to ``path``."""
-        return self.table.to_csv(path)
-
-    def to_pandas(self):
-        """The long table as a ``pandas.DataFrame`` (pandas is optional)."""
-        return self.table.to_pandas()
+    def _export_dict(self) -> dict[str, Any]:
+        """:meth:`to_dict` with the long table's rows (a row per step, layer and head) and the
+        per-step rows, for :meth:`to_json` (CSV and pandas: the long table)."""
+        return {**self.to_dict(), "rows": self.table.to_dict()["rows"]}
 
     def summary(self) -> str:
         """A few lines: what was generated, the mean ratio, the heads that read the prompt least."""
