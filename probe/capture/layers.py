@@ -23,6 +23,7 @@ from probe.cache.selection import Selection
 from probe.capture.calls import Call, Forward, Layer, LayerRecord, fields_of, output_tensor
 from probe.capture.deltas import channels_last, layer_residuals
 from probe.capture.parallel import Group, list_elements, parallel_lists
+from probe.capture.pooling import pooling_heads
 from probe.capture.residual import LayerStream
 from probe.capture.store import Store
 from probe.errors import ProbeError
@@ -72,6 +73,10 @@ class LayerTracker:
         self.group_of = parallel_lists(model)
         for k in self.group_of:  # grouped by index: no element of them is a layer of its own
             self.container_of.pop(k, None)
+        self.pool_notes: dict[str, str] = {}  # attention pooling heads: one-layer lists of their own
+        for mid, (name, note) in pooling_heads(model).items():
+            if mid not in self.container_of:
+                self.container_of[mid], self.container_len[name], self.pool_notes[name] = (name, 0), 1, note
         self.layer: Layer | None = None
         self.layer_call: Call | None = None
         self.records: list[LayerRecord] = []
@@ -377,6 +382,8 @@ class LayerTracker:
         module = layer.module or self.name_of(call.module)
         if layer.skipped:
             notes["not_attention"] = "; ".join(sorted(layer.skipped))
+        if c in self.pool_notes:
+            notes["pooling"] = self.pool_notes[c]
         for role in ("self", "cross"):
             n = len({a.module for a in stored if a.role == role})  # sublayers, not softmaxes
             defs = notes.get("deltas", {})

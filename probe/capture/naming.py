@@ -26,6 +26,7 @@ from probe.capture.frames import frame_positions
 from probe.capture.inputs import model_name
 from probe.capture.layers import LayerRecord
 from probe.capture.merged import merged_positions
+from probe.capture.pooling import SUFFIX as POOL
 from probe.capture.positions import name_positions
 from probe.capture.streams import distinct_streams
 from probe.capture.tiles import tile_positions
@@ -118,17 +119,25 @@ def check_loops(records: list[LayerRecord], looped: set[str]) -> None:
 
 def _stack_path(container: str) -> str:
     """The stack name of a layer list named by its module path (an adopted layer: its module)."""
-    path = container.split(":")[0] if container.endswith(":single") else container
+    path = container.split(":")[0] if container.endswith((":single", POOL)) else container
     return path or "model"
 
 
 def stacks(kept: dict[str, int], records: list[LayerRecord], generates: bool) -> dict[str, str]:
     """Each layer list with attention (``kept``'s keys, in the order the model ran them) -> its
     stack name: ``encoder``/``decoder`` for one list, or an encoder beside a decoder that reads it
-    with cross-attention; else each list by its module path."""
+    with cross-attention; else each list by its module path. An attention pooling head
+    (:mod:`probe.capture.pooling`) is no decoder: it is named by its module path, the other lists
+    as if it were not there."""
+    pools = [c for c in kept if c.endswith(POOL)]
+    if pools and len(pools) < len(kept):
+        rest = stacks({c: n for c, n in kept.items() if c not in pools}, records, generates)
+        return {c: rest.get(c) or _stack_path(c) for c in kept}
     containers = list(kept)
     info: dict[str, dict[str, Any]] = {c: {"cross": False, "causal": []} for c in containers}
     for r in records:
+        if r.container not in info:
+            continue
         for role, _h, _shape, _impl, causal in r.patterns:
             if role == "cross":
                 info[r.container]["cross"] = True
