@@ -173,27 +173,15 @@ def generate(
         hint=(max_new_tokens, P + max_new_tokens - 1),
         on_step=lambda i: bar.update(1),
     )
-    if seed is not None:
-        torch.manual_seed(seed)
     try:
-        with torch.no_grad(), contextlib.nullcontext() if stats else st:
-            if hf:
-                out, beam_indices = _hf_generate(model, ids, extra, max_new_tokens, generate_kwargs)
-            else:
-                out, beam_indices = (
-                    own_loop(model, ids, max_new_tokens, enc_dec, sample, seed, generate_kwargs),
-                    None,
-                )
+        with contextlib.nullcontext() if stats else st:
+            out, beam_indices = _run(model, hf, ids, extra, max_new_tokens, enc_dec, seed, generate_kwargs)
     finally:
         bar.close()
     toks = (tok, adapt(getattr(raw_tok, "target", raw_tok)) if raw_tok is not None and not hf else tok)
     facts = (ids, out, enc_dec, P, (sample, seed))
     if stats:  # the final sequence's statistics, streamed block by block (no pattern whole)
-        read = out[:, :-1]
-        base = stats_of(model, {"input_ids": read, **extra} if extra else read, raw_tok, layers)
-        tensors, base_meta = as_decoder({k: base[k] for k in base.keys()}, base.metadata)
-        meta = _meta(model, toks, *facts, base_meta)
-        meta["generation"]["stats"] = STATS_NOTE
+        tensors, meta = _statistics(model, stats_of, toks, facts, extra, raw_tok, layers)
     else:
         tensors, meta = _stepped(model, st, toks, facts, beam_indices, generate_kwargs)
     if not enc_dec:
@@ -201,6 +189,29 @@ def generate(
     new = out[:, P:] if not enc_dec else out[:, 1:]
     cache = Cache(tensors, meta)
     return Generation(cache, torch.cat([ids, new], 1), ids.size(1), meta["generation"]["output_text"])
+
+
+def _run(model, hf, ids, extra, max_new_tokens, enc_dec, seed, kwargs) -> tuple[Tensor, Tensor | None]:
+    """Generate (the model's own ``generate``, or the greedy/sampling loop of a zoo model): the
+    sequences, and with beam search the beam of each token."""
+    if seed is not None:
+        torch.manual_seed(seed)
+    with torch.no_grad():
+        if hf:
+            return _hf_generate(model, ids, extra, max_new_tokens, kwargs)
+        sample = bool(kwargs.get("do_sample", False))
+        return own_loop(model, ids, max_new_tokens, enc_dec, sample, seed, kwargs), None
+
+
+def _statistics(model, stats_of, toks, facts, extra, raw_tok, layers) -> tuple[dict[str, Tensor], dict]:
+    """``keep="stats"``: the statistics of the sequence the model read (with the prompt's other
+    inputs, its pictures), streamed through one forward by ``stats_of``; tensors and metadata."""
+    read = facts[1][:, :-1]
+    base = stats_of(model, {"input_ids": read, **extra} if extra else read, raw_tok, layers)
+    tensors, base_meta = as_decoder({k: base[k] for k in base.keys()}, base.metadata)
+    meta = _meta(model, toks, *facts, base_meta)
+    meta["generation"]["stats"] = STATS_NOTE
+    return tensors, meta
 
 
 def _inputs(model: nn.Module, prompt: Any, tokenizer: Any, processor: Any, text: Any) -> tuple:
