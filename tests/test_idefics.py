@@ -248,3 +248,24 @@ def test_a_connector_that_does_not_merge_row_major_blocks_gets_no_grid(run):
     assert "does not merge the 8x8 patch grid into whole 2x2 blocks" in cache.metadata["positions_note"]
     with pytest.raises(ProbeError, match="does not merge"):
         probe.attention_map(cache, 0, query=39, stack=TEXT)
+
+
+def test_a_tiled_cache_saves_loads_and_streams(run, tmp_path):
+    # the tower's three tile sequences beside two texts pass the cache's own checks
+    model, inputs, cache, text, vis, _ = run
+    streamed = probe.capture(model, inputs, out=tmp_path / "streamed.safetensors")
+    cache.save(tmp_path / "saved.safetensors")
+    loaded = probe.load(tmp_path / "saved.safetensors")
+    for c in (streamed, loaded):
+        torch.testing.assert_close(c.pattern(TEXT, 1), text[1], atol=TOL, rtol=0)
+        torch.testing.assert_close(c.pattern(VISION, 1), vis[1], atol=TOL, rtol=0)
+        assert c.metadata["tiles"] == [[0, 0], [0, 1], [1, 0]]
+        assert c.metadata["stacks"][TEXT]["positions"] == cache.metadata["stacks"][TEXT]["positions"]
+
+
+@pytest.mark.slow
+def test_a_tiled_caches_report_draws_its_tiles(tmp_path):
+    model, _ = _model("idefics3")
+    cache = probe.capture(model, _inputs())
+    page = probe.report(cache, tmp_path / "r", progress=False).read_text(encoding="utf-8")
+    assert "Attention on the picture" in page and "tile 1 (3, 3)" in page

@@ -19,18 +19,16 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from probe.cache.pictures import picture_stacks
 from probe.cache.queries import CacheKeyError
 from probe.errors import ProbeError
 
 
 def image_stack(cache: Any, stack: str | None = None) -> tuple[str, dict[str, Any]]:
     """``(stack, positions)`` of the image stack: ``stack`` if given, else the first with a grid."""
-    stacks = cache.metadata.get("stacks") or {}
-    names = [stack] if stack is not None else list(stacks)
-    for s in names:
-        pos = (stacks.get(s) or {}).get("positions")
-        if isinstance(pos, dict) and (pos.get("grid") or pos.get("rows")):
-            return s, pos
+    found = [(s, p) for s, p in picture_stacks(cache.metadata) if stack is None or s == stack]
+    if found:
+        return found[0]
     note = cache.metadata.get("positions_note")
     where = f"the {stack} stack has" if stack is not None else "no stack of this cache has"
     raise ProbeError(

@@ -18,6 +18,7 @@ from collections.abc import Callable, Mapping
 from typing import IO, Any
 
 from probe.cache.format import FORMAT_MARKER, FORMAT_VERSION, is_stack_name, parse_key, parse_name, token_side
+from probe.cache.pictures import picture_count
 from probe.errors import ProbeError
 
 ITEMSIZE = {
@@ -316,14 +317,6 @@ def check_consistency(shapes: Mapping[str, tuple], meta: dict[str, Any], name: s
 _SIDES = {"source": "tokens", "target": "target_tokens"}
 
 
-def _pictures(meta: dict[str, Any]) -> int | None:
-    """How many sequences a vision tower runs: one per picture (``image_shape``), or Qwen2-VL's one
-    packed sequence (``image_grid_thw``); None without pictures."""
-    if meta.get("image_shape"):
-        return int(meta["image_shape"][0])
-    return 1 if meta.get("image_grid_thw") else None
-
-
 def _check_shape(k: str, shape: tuple, what: Any, side: str | None, meta: dict[str, Any], name: str) -> None:
     """One tensor's shape against its layout and, where the stack's positions are tokens, the tokens."""
     layout = what.layout
@@ -333,7 +326,7 @@ def _check_shape(k: str, shape: tuple, what: Any, side: str | None, meta: dict[s
     if tokens is None:
         return
     own = meta.get(_SIDES[side]) if side is not None else None
-    if side is None and shape[0] == _pictures(meta):
+    if side is None and shape[0] == picture_count(meta):
         return  # a vision-language model's vision tower: one sequence per picture, not per text
     rows = own if own is not None else tokens
     sequence_first = layout == ("batch", "pos", "d_model") and shape[0] != len(rows) and shape[1] == len(rows)

@@ -17,6 +17,7 @@ from probe.analysis.focus.metrics import IDX, LOCAL_WINDOW, METRICS, SPAN_MASS, 
 from probe.analysis.focus.running import RunningStats
 from probe.analysis.focus.tokens import CLASS, IMAGE, REGISTER, Side, side
 from probe.cache.format import parse_key, parse_name
+from probe.cache.pictures import stack_positions
 from probe.errors import ProbeError
 
 # the metrics of one query row at a time: the table's first ones, up to the first that needs
@@ -31,8 +32,8 @@ NOT_COMPUTED = {m: _EVERY_ROW for m in METRICS if m not in ROW_METRICS} | {"roll
 def _length(meta: dict[str, Any], stack: str, fallback: int) -> int:
     """The number of query positions of ``stack`` (its own side's padded length)."""
     prefix = "target_" if meta.get("target_tokens") is not None and stack == "decoder" else ""
-    pos = ((meta.get("stacks") or {}).get(stack) or {}).get("positions")
-    if isinstance(pos, dict) and "grid" in pos:  # an image stack: its own sequence of positions
+    pos = stack_positions(meta, stack)
+    if pos is not None and "grid" in pos:  # an image stack: its own sequence of positions
         return len(pos["kinds"])
     mask = meta.get(f"{prefix}attention_mask")
     if mask:

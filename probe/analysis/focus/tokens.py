@@ -17,6 +17,7 @@ from typing import Any
 import torch
 
 from probe.cache.format import real_token_flags
+from probe.cache.pictures import runs_over_pictures
 from probe.errors import ProbeError
 
 
@@ -50,22 +51,6 @@ def _prefix(meta: dict[str, Any], stack: str, role: str) -> str:
     """``"target_"`` where the decoder of an encoder-decoder reads its own tokens, else ``""``."""
     enc_dec = meta.get("target_tokens") is not None
     return "target_" if enc_dec and stack == "decoder" and role == "own" else ""
-
-
-def _runs_over_pictures(meta: dict[str, Any], stack: str, batch: int, length: int, mask: Any) -> bool:
-    """Whether ``stack`` is a vision-language model's vision tower: its sequences are the pictures
-    (prefix tokens and a patch grid, none padded), not the texts the attention mask describes."""
-    if len(mask) == batch and all(len(m) == length for m in mask):
-        return False
-    pos = ((meta.get("stacks") or {}).get(stack) or {}).get("positions")
-    if isinstance(pos, dict) and "grid" in pos:
-        return len(pos.get("kinds", [])) == length
-    thw = meta.get("image_grid_thw")  # Qwen2-VL's tower: every picture's patches packed in one
-    if thw and batch == 1 and length == sum(t * h * w for t, h, w in thw):
-        return True
-    # while the model runs the stacks are not named yet: one sequence per picture
-    pictures = meta.get("image_shape")
-    return pos is None and bool(pictures) and pictures[0] == batch
 
 
 def is_punct(token: str) -> bool:
@@ -110,7 +95,7 @@ def side(meta: dict[str, Any], stack: str, role: str, batch: int, length: int) -
     tokens = meta.get(f"{p}tokens") or []
     specials = meta.get(f"{p}special_tokens_mask")
     ids = meta.get(f"{p}ids")
-    if mask is None or _runs_over_pictures(meta, stack, batch, length, mask):
+    if mask is None or runs_over_pictures(meta, stack, batch, length, mask):
         real = torch.ones(batch, length, dtype=torch.bool)
     else:
         real = torch.tensor(mask, dtype=torch.bool)

@@ -19,12 +19,9 @@ MAX_IMAGES = 4  # pictures drawn per cache; the rest are left out (the section s
 def _positions(cache) -> list[tuple[str, dict]]:
     """``(stack, positions)`` of every stack of ``cache`` that holds patterns and knows its picture's
     positions (a grid, or a vision-language model's rows)."""
-    out = []
-    for s, meta in (cache.metadata.get("stacks") or {}).items():
-        pos = (meta or {}).get("positions")
-        if isinstance(pos, dict) and (pos.get("grid") or pos.get("rows")) and cache.pattern_layers(s):
-            out.append((s, pos))
-    return out
+    from probe.cache.pictures import picture_stacks
+
+    return [(s, pos) for s, pos in picture_stacks(cache.metadata) if cache.pattern_layers(s)]
 
 
 def _staged(cache) -> list[tuple[str, dict]]:
@@ -97,7 +94,9 @@ def build(ctx) -> dict | None:
 
 
 def _n_pictures(cache) -> int:
-    return int((cache.metadata.get("image_shape") or [cache.n_texts])[0])
+    from probe.cache.pictures import picture_count
+
+    return picture_count(cache.metadata) or cache.n_texts
 
 
 def _label(cache, b: int, where: str) -> str:
