@@ -335,3 +335,53 @@ def test_bad_inputs_are_one_line_each(vit, llava):
         with pytest.raises(ProbeError, match=pattern) as err:
             call()
         assert "\n" not in str(err.value), str(err.value)
+
+
+def test_cli_ablate_and_patch_pictures_of_the_zoo_vit(tmp_path, capsys):
+    """``probe ablate --image`` and ``probe patch --images``: the numbers the Python calls give
+    (themselves held to hooks above), from picture files, for the zoo ViT and its own processor."""
+    import models
+    from models import shapes
+    from probe.cli import main
+
+    vit = models.load("vit_zoo")
+    data = shapes.generate(3, seed=4)
+    files = []
+    for i, img in enumerate(data.images):
+        files.append(tmp_path / f"p{i}.png")
+        shapes.to_pil(img).save(files[-1])
+    capsys.readouterr()
+    assert main(["ablate", "--model", "vit-zoo", "--image", str(files[0]), "--heads", "0.1"]) == 0
+    want = probe.ablate(vit, [files[0]], [(0, 1)], processor=vit.processor)
+    line = "effect on the outputs: " + ", ".join(f"{k} {v:.4g}" for k, v in want.summary.items())
+    assert line in capsys.readouterr().out
+    a, w = int(data.labels[0]), int(data.labels[2])
+    argv = ["patch", "--model", "vit-zoo", "--images", "--clean", str(files[0]), "--corrupted", str(files[2])]
+    argv += [
+        "--positions",
+        "0,3",
+        "--answer",
+        f"id:{a}",
+        "--wrong",
+        f"id:{w}",
+        "--save",
+        str(tmp_path / "p.json"),
+    ]
+    capsys.readouterr()
+    assert main(argv) == 0
+    printed = capsys.readouterr().out
+    swap = probe.patch(
+        vit,
+        files[0],
+        files[2],
+        processor=vit.processor,
+        positions=[0, 3],
+        metric="logit_diff",
+        answer=a,
+        wrong=w,
+    )
+    assert str(swap) in printed and "[CLS]" in printed
+    assert main(["ablate", "--model", "minigpt", "--image", str(files[0]), "--heads", "0.1"]) == 2
+    assert "image model" in capsys.readouterr().err
+    assert main(["patch", "--model", "minigpt", "--clean", "a", "--corrupted", "b", "extra text"]) == 2
+    assert "--images" in capsys.readouterr().err

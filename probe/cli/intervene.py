@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 
 from probe.cli import common
-from probe.cli.common import _export, _export_args, _ints, add_model_args, examples
+from probe.cli.common import _export, _export_args, _ints, add_image_args, add_model_args, examples
 from probe.errors import ProbeError
 
 
@@ -36,14 +36,13 @@ def cmd_ablate(args: argparse.Namespace) -> int:
         raise ProbeError(
             "nothing to ablate: give --heads LAYER.HEAD,... and/or --sublayers LAYER.attn|mlp,..."
         )
-    model, tok = common.load_model(args)
-    text = args.text if len(args.text) > 1 else args.text[0]
+    model, tok, inputs, media = _inputs(args, args.text)
     ref = (
         None if args.reference is None else (args.reference if len(args.reference) > 1 else args.reference[0])
     )
     r = probe.ablate(
         model,
-        text,
+        inputs,
         heads,
         sublayers=subs,
         stack=args.stack,
@@ -51,6 +50,7 @@ def cmd_ablate(args: argparse.Namespace) -> int:
         reference=ref,
         tokenizer=tok,
         target=args.target,
+        **media,
     )
     print(r.table.to_text(max_rows=10_000))
     print("effect on the outputs: " + ", ".join(f"{k} {v:.4g}" for k, v in r.summary.items()))
@@ -61,7 +61,12 @@ def cmd_ablate(args: argparse.Namespace) -> int:
 def cmd_patch(args: argparse.Namespace) -> int:
     import probe
 
-    model, tok = common.load_model(args)
+    if args.images:  # --clean and --corrupted are pictures (with TEXT beside them for a VLM)
+        model, tok, _, media = _inputs(args, args.text, pictures=[args.clean])
+    else:
+        if args.text:
+            raise ProbeError("a TEXT beside --clean/--corrupted is for pictures; add --images")
+        (model, tok), media = common.load_model(args), {}
     r = probe.patch(
         model,
         args.clean,
@@ -71,12 +76,30 @@ def cmd_patch(args: argparse.Namespace) -> int:
         positions=args.positions,
         stack=args.stack,
         tokenizer=tok,
+        **media,
     )
     print(r)
     _export(r, args)
     if args.save:
         print(f"wrote {r.save(args.save)} (for probe report CACHE --patching FILE)")
     return 0
+
+
+def _inputs(args: argparse.Namespace, texts: list[str], pictures: list[str] | None = None) -> tuple:
+    """``(model, tokenizer, inputs, media keywords)``: the TEXTs, or with ``--image`` (or
+    ``pictures``) the pictures through the model's processor, the TEXT beside them for a
+    vision-language model (``processor=``, ``text=``)."""
+    pictures = pictures or getattr(args, "image", None)
+    if not pictures:
+        if not texts:
+            raise ProbeError("nothing to run the model on; give a TEXT (or --image PATH)")
+        model, tok = common.load_model(args)
+        return model, tok, texts if len(texts) > 1 else texts[0], {}
+    model, tok, processor = common.load_image_model(args, text=bool(texts))
+    media: dict = {"processor": processor}
+    if texts:
+        media["text"] = texts if len(texts) > 1 else texts[0]
+    return model, tok, pictures, media
 
 
 def _tok(t: str | None) -> int | str | None:
@@ -124,10 +147,18 @@ def add_parsers(sub) -> None:
             'probe ablate --model minigpt "attention lets tokens read" --heads 0.1,1.3',
             'probe ablate --model minigpt "attention lets" --sublayers 1.mlp --how mean '
             '--reference "graph neural"',
+            "probe ablate --model vit-zoo --image ring.png --heads 3.0,3.1",
+            "probe ablate --hf ./my-llava --image cat.png 'USER: <image> what is it?' "
+            "--heads language_model.layers.1.2",
         ),
     )
-    p.add_argument("text", nargs="+", metavar="TEXT", help="input text(s)")
+    p.add_argument(
+        "text", nargs="*", metavar="TEXT", help="input text(s); with --image, the text beside the pictures"
+    )
     add_model_args(p)
+    add_image_args(
+        p, "a picture to run the model on (several = one batch); --reference then takes pictures too"
+    )
     p.add_argument(
         "--heads",
         default=None,
@@ -155,11 +186,28 @@ def add_parsers(sub) -> None:
             '--corrupted "attention lets tokens send" --answer " " --wrong t',
             'probe patch --model minigpt --clean "attention lets" --corrupted "attention sets" '
             "--what heads --metric loss",
+            "probe patch --model vit-zoo --images --clean ring.png --corrupted square.png --metric prob "
+            "--answer ring",
         ),
     )
+    p.add_argument(
+        "text", nargs="*", metavar="TEXT", help="with --images: the text beside the pictures (a VLM)"
+    )
     add_model_args(p)
-    p.add_argument("--clean", required=True, help="the clean text")
-    p.add_argument("--corrupted", required=True, help="the corrupted text (same number of tokens)")
+    p.add_argument("--clean", required=True, help="the clean text (with --images: a picture file)")
+    p.add_argument(
+        "--corrupted",
+        required=True,
+        help="the corrupted text (same number of tokens; with --images: a picture)",
+    )
+    p.add_argument(
+        "--images",
+        action="store_true",
+        help="--clean and --corrupted are picture files, through the model's processor",
+    )
+    p.add_argument(
+        "--processor", default=None, metavar="PATH", help="the image processor (default: the --hf folder's)"
+    )
     p.add_argument(
         "--what",
         choices=("resid", "heads", "attn", "mlp"),
