@@ -127,7 +127,7 @@ def _clean(log):
 
 
 def _ready(page):
-    page.wait_for_function("document.documentElement.dataset.probeGenReady === '1'")
+    page.wait_for_function("() => document.documentElement.dataset.probeGenReady === '1'")
 
 
 def test_hovering_a_generated_token_shows_what_it_read(chromium, minigpt_page):
@@ -140,7 +140,7 @@ def test_hovering_a_generated_token_shows_what_it_read(chromium, minigpt_page):
     assert view.get_attribute("data-step") == str(len(new) - 1)  # starts at the last token
     for t in (3, 7):
         view.locator(f'.tok[data-t="{t}"]').hover()
-        page.wait_for_function(f"document.querySelector('.probe-genview').dataset.step === '{t}'")
+        page.wait_for_function(f"() => document.querySelector('.probe-genview').dataset.step === '{t}'")
         text = readout.text_content()
         assert f"(generated token {t})" in text and text.startswith("Layer 1, mean over heads")
         row = weights[1][:, P - 1 + t].mean(0)
@@ -161,7 +161,7 @@ def test_hovering_a_generated_token_shows_what_it_read(chromium, minigpt_page):
     page.keyboard.press("PageUp")
     page.keyboard.press("ArrowRight")
     page.wait_for_function(
-        "(d => d.step === '8' && d.layer === '0' && d.head === '1')"
+        "() => (d => d.step === '8' && d.layer === '0' && d.head === '1')"
         "(document.querySelector('.probe-genview').dataset)"
     )
     assert readout.text_content().startswith("Layer 0, head 1:")
@@ -175,7 +175,9 @@ def test_chinese_text_and_the_cross_view_in_the_browser(chromium, aligner_page, 
     _ready(page)
     cross = page.locator('.probe-genview[data-kind="cross"]')
     cross.locator('.probe-gen-out .tok[data-t="2"]').hover()
-    page.wait_for_function("document.querySelector('.probe-genview[data-kind=cross]').dataset.step === '2'")
+    page.wait_for_function(
+        "() => document.querySelector('.probe-genview[data-kind=cross]').dataset.step === '2'"
+    )
     assert "of the source:" in cross.locator(".probe-readout").text_content()
     _clean(log)
     page.close()

@@ -136,6 +136,11 @@ def metric_kwargs(args: argparse.Namespace) -> dict:
 
 def add_parsers(sub) -> None:
     """``probe ablate`` and ``probe patch``."""
+    _ablate_parser(sub)
+    _patch_parser(sub)
+
+
+def _ablate_parser(sub) -> None:
     p = sub.add_parser(
         "ablate",
         help="remove heads or sublayers and see how the model's outputs change",
@@ -174,6 +179,8 @@ def add_parsers(sub) -> None:
     _export_args(p, "the table of removed components")
     p.set_defaults(func=cmd_ablate)
 
+
+def _patch_parser(sub) -> None:
     p = sub.add_parser(
         "patch",
         help="activation patching: which layers, positions or heads carry the difference of two texts",

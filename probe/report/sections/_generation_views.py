@@ -72,24 +72,11 @@ def cross_view(cache: Any, st: Steps, layers: list[int], n_heads: int) -> GenVie
 
 def plan(views: list[GenView], cells: int = CELLS) -> None:
     """Every layer's head mean of each view while it fits (evenly spaced layers, the last always,
-    when not all fit), then every head of a layer from the last layer down."""
-    from probe.report.sections._image_hover import _spread
+    when not all fit), then every head of a layer from the last layer down: the picture views'
+    own plan (:func:`probe.report.sections._image_hover.plan`) on these views."""
+    from probe.report.sections._image_hover import plan as plan_maps
 
-    left = cells
-    share = cells // max(1, len(views))
-    for v in views:
-        k = max(1, min(len(v.layers), share // max(1, v.per_map)))
-        v.mean_layers = _spread(v.layers, k)
-        left -= k * v.per_map
-    for d in range(1, max((len(v.layers) for v in views), default=0) + 1):
-        for v in views:
-            if d > len(v.layers) or v.n_heads < 2:
-                continue
-            layer = v.layers[-d]
-            need = v.n_heads * v.per_map
-            if layer in v.mean_layers and need <= left:
-                v.head_layers.append(layer)
-                left -= need
+    plan_maps(views, cells)
 
 
 def _block(maps: torch.Tensor) -> str:

@@ -256,3 +256,14 @@ __all__ = [
     "text_views",
     "view_data",
 ]
+
+
+def view_script(name: str) -> str:
+    """A hover view's script for the page: ``static/layer_views.js`` (the layer and head selection
+    every hover view shares; it defines itself once per page) followed by ``static/<name>``."""
+    from importlib import resources
+
+    static = resources.files("probe.report").joinpath("static")
+    return (
+        static.joinpath("layer_views.js").read_text("utf-8") + "\n" + static.joinpath(name).read_text("utf-8")
+    )

@@ -10,7 +10,6 @@ the alignment as it was written. The hover views' data is
 from __future__ import annotations
 
 import warnings
-from importlib import resources
 from typing import Any
 
 from markupsafe import Markup
@@ -20,6 +19,7 @@ from probe.analysis.generation.lookback import self_layers
 from probe.analysis.generation.rows import check_kept
 from probe.errors import ProbeError
 from probe.report.matrix import label_axis
+from probe.report.sections._image_hover import view_script
 
 TITLE = "What the generated text read"
 ORDER = 21
@@ -183,9 +183,7 @@ def build(ctx) -> dict | None:
         "left_out": cache.n_texts - len(items),
         "kept": cache.kept if cache.partial else None,
         "lut": _lut(),
-        "js": Markup(
-            resources.files("probe.report").joinpath("static", "generation_hover.js").read_text("utf-8")
-        ),
+        "js": Markup(view_script("generation_hover.js")),
     }
 
 

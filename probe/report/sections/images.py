@@ -7,7 +7,6 @@ each picture (hover a word: where on the picture it reads). The hover views' dat
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from importlib import resources
 
 from markupsafe import Markup
 
@@ -89,7 +88,7 @@ def build(ctx) -> dict | None:
         "has_picture": any(c.metadata.get("image_png") for c in ctx.caches),
         "embedded_mb": f"{embedded / 2**20:.2f}",
         "lut": _lut(),
-        "js": Markup(resources.files("probe.report").joinpath("static", "image_hover.js").read_text("utf-8")),
+        "js": Markup(hv.view_script("image_hover.js")),
     }
 
 

@@ -2,31 +2,22 @@
  * every token it read by its weight: the prompt and the output before it (the generating stack),
  * or the source (an encoder-decoder's cross-attention). The rows come from the view's JSON block
  * (quantised per row, deflated, base64: see probe/report/sections/_generation_views.py), inflated
- * with report.js's probe.inflate; every model string reaches the page through textContent. */
+ * with report.js's probe.inflate; every model string reaches the page through textContent. The
+ * layer and head selection, the blocks and the keys are layer_views.js's, which runs first. */
 (function () {
   "use strict";
   const TOP = 5; // keys the readout names
 
-  class GenView {
+  class GenView extends window.probeViews.LayerHeadView {
     constructor(root, lut) {
-      this.root = root;
-      this.lut = lut;
-      const d = (this.data = JSON.parse(root.querySelector("script.probe-data").textContent));
-      this.K = d.keys.length;
+      super(root, lut);
+      const d = this.data;
+      this.K = this.width = d.keys.length;
       this.Q = d.mapped.length;
       this.row = new Map(d.mapped.map((t, i) => [t, i])); // generated token -> row of the blocks
-      this.el = (sel) => root.querySelector(sel);
-      this.blocks = new Map();
-      this.li = d.layers.length - 1;
-      this.head = -1; // -1: the mean over heads
       this.chips(); // the key chips and the generated tokens' chips
       this.step = d.mapped[d.mapped.length - 1];
-      const selL = this.el(".sel-layer");
-      d.layers.forEach((e, i) => selL.add(new Option(String(e.layer), String(i))));
-      selL.value = String(this.li);
-      selL.addEventListener("change", () => this.setLayer(+selL.value));
-      this.el(".sel-head").addEventListener("change", (ev) => { this.head = +ev.target.value; this.show(); });
-      this.fillHeads();
+      this.selectors();
       this.bind();
       this.ready = this.show().then(() => { root.dataset.ready = "1"; });
     }
@@ -53,57 +44,10 @@
       });
     }
 
-    fillHeads() {
-      const sel = this.el(".sel-head"), e = this.data.layers[this.li];
-      sel.textContent = "";
-      sel.add(new Option("mean over heads", "-1"));
-      if (e.heads) e.heads.forEach((_, h) => sel.add(new Option("head " + h, String(h))));
-      if (!e.heads || this.head >= e.heads.length) this.head = -1;
-      sel.value = String(this.head);
-      sel.disabled = !e.heads;
-      sel.title = e.heads ? "" : "this layer's single heads are not embedded (the page's budget): the mean only";
-    }
-
-    setLayer(li) {
-      this.li = Math.max(0, Math.min(this.data.layers.length - 1, li));
-      this.el(".sel-layer").value = String(this.li);
-      this.fillHeads();
-      return this.show();
-    }
-
-    setHead(h) {
-      const e = this.data.layers[this.li];
-      if (!e.heads) return this.show();
-      this.head = Math.max(-1, Math.min(e.heads.length - 1, h));
-      this.el(".sel-head").value = String(this.head);
-      return this.show();
-    }
-
     setStep(t) {
       if (!this.row.has(t)) return Promise.resolve();
       this.step = t;
       return this.show();
-    }
-
-    // One layer's rows (the mean, or head h): {max, sum: Float32Array [Q], q: Uint8Array [Q * K]}.
-    block(li, h) {
-      const key = li + ":" + h;
-      if (!this.blocks.has(key)) {
-        const e = this.data.layers[li], Q = this.Q;
-        this.blocks.set(key, window.probe.inflate(h < 0 ? e.mean : e.heads[h]).then((raw) => ({
-          max: new Float32Array(raw.buffer, raw.byteOffset, Q),
-          sum: new Float32Array(raw.buffer, raw.byteOffset + 4 * Q, Q),
-          q: raw.subarray(8 * Q, 8 * Q + Q * this.K),
-        })));
-      }
-      return this.blocks.get(key);
-    }
-
-    async show() {
-      const ticket = (this.ticket = (this.ticket || 0) + 1);
-      const b = await this.block(this.li, this.head);
-      if (ticket !== this.ticket) return; // a later hover has been drawn (or is on its way)
-      this.draw(b);
     }
 
     draw(b) {
@@ -142,12 +86,7 @@
     }
 
     bind() {
-      const keys = (ev, move) => {
-        if (ev.key === "[" || ev.key === "]") this.setHead(this.head + (ev.key === "]" ? 1 : -1));
-        else if (ev.key === "PageUp" || ev.key === "PageDown") this.setLayer(this.li + (ev.key === "PageDown" ? 1 : -1));
-        else if (!move(ev.key)) return;
-        ev.preventDefault();
-      };
+      const keys = (ev, move) => this.keys(ev, move);
       const pick = (ev) => {
         const t = ev.target.closest(".tok[data-t]");
         if (t && +t.dataset.t !== this.step) this.setStep(+t.dataset.t);
@@ -166,18 +105,5 @@
     }
   }
 
-  function start() {
-    const box = document.querySelector(".probe-gen");
-    const probe = (window.probe = window.probe || {});
-    probe.genViews = [];
-    if (!box) return;
-    const hex = box.dataset.lut, lut = new Uint8Array(hex.length / 2);
-    for (let i = 0; i < lut.length; i++) lut[i] = parseInt(hex.substr(2 * i, 2), 16);
-    box.querySelectorAll(".probe-genview").forEach((root) => probe.genViews.push(new GenView(root, lut)));
-    probe.genReady = Promise.all(probe.genViews.map((v) => v.ready)).then(() => {
-      document.documentElement.dataset.probeGenReady = "1";
-    });
-  }
-  if (document.readyState === "loading") document.addEventListener("DOMContentLoaded", start);
-  else start();
+  window.probeViews.start(".probe-gen", ".probe-genview", GenView, "genViews", "genReady", "probeGenReady");
 })();

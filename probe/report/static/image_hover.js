@@ -3,34 +3,25 @@
  * focus) a word of the text to lay what it reads of the picture. The maps come from the view's
  * JSON block (quantised per map, deflated, base64: see probe/report/sections/_image_hover.py),
  * inflated with report.js's probe.inflate; every model string reaches the page through
- * textContent. Runs once the page is parsed (report.js, loaded last, is there by then). */
+ * textContent. Runs once the page is parsed (report.js, loaded last, is there by then). The layer
+ * and head selection, the blocks and the keys are layer_views.js's, which runs first. */
 (function () {
   "use strict";
   const TOP = 5; // patches the readout names
 
-  class ImageView {
+  class ImageView extends window.probeViews.LayerHeadView {
     constructor(root, lut) {
-      this.root = root;
-      this.lut = lut;
-      const d = (this.data = JSON.parse(root.querySelector("script.probe-data").textContent));
-      this.P = d.rows * d.cols;
+      super(root, lut);
+      const d = this.data;
+      this.P = this.width = d.rows * d.cols;
       this.Q = d.positions.length;
       this.pre = d.nPrefix; // a patch view's queries: the tokens that are not patches ([CLS], ...), then the patches
-      this.el = (sel) => root.querySelector(sel);
       this.pic = this.el(".probe-pic");
       this.canvas = this.el(".probe-pic-map");
-      this.blocks = new Map();
-      this.li = d.layers.length - 1;
-      this.head = -1; // -1: the mean over heads
       // a patch view starts from [CLS] (or the middle patch), a text view from its last word
       this.query = d.kind === "patch" ? (this.pre > 0 ? 0 : this.middle()) : this.Q - 1;
       this.layout();
-      const selL = this.el(".sel-layer");
-      d.layers.forEach((e, i) => selL.add(new Option(String(e.layer), String(i))));
-      selL.value = String(this.li);
-      selL.addEventListener("change", () => this.setLayer(+selL.value));
-      this.el(".sel-head").addEventListener("change", (ev) => { this.head = +ev.target.value; this.show(); });
-      this.fillHeads();
+      this.selectors();
       this.bind();
       this.drawScale();
       this.ready = this.show().then(() => { root.dataset.ready = "1"; });
@@ -50,56 +41,9 @@
       this.canvas.style.height = d.rows * d.patch[0] * s + "px";
     }
 
-    fillHeads() {
-      const sel = this.el(".sel-head"), e = this.data.layers[this.li];
-      sel.textContent = "";
-      sel.add(new Option("mean over heads", "-1"));
-      if (e.heads) e.heads.forEach((_, h) => sel.add(new Option("head " + h, String(h))));
-      if (!e.heads || this.head >= e.heads.length) this.head = -1;
-      sel.value = String(this.head);
-      sel.disabled = !e.heads;
-      sel.title = e.heads ? "" : "this layer's single heads are not embedded (the page's budget): the mean only";
-    }
-
-    setLayer(li) {
-      this.li = Math.max(0, Math.min(this.data.layers.length - 1, li));
-      this.el(".sel-layer").value = String(this.li);
-      this.fillHeads();
-      return this.show();
-    }
-
-    setHead(h) {
-      const e = this.data.layers[this.li];
-      if (!e.heads) return this.show();
-      this.head = Math.max(-1, Math.min(e.heads.length - 1, h));
-      this.el(".sel-head").value = String(this.head);
-      return this.show();
-    }
-
     setQuery(q) {
       this.query = Math.max(0, Math.min(this.Q - 1, q));
       return this.show();
-    }
-
-    // One layer's maps (the mean, or head h): {max, sum: Float32Array [Q], q: Uint8Array [Q * P]}.
-    block(li, h) {
-      const key = li + ":" + h;
-      if (!this.blocks.has(key)) {
-        const e = this.data.layers[li], Q = this.Q;
-        this.blocks.set(key, window.probe.inflate(h < 0 ? e.mean : e.heads[h]).then((raw) => ({
-          max: new Float32Array(raw.buffer, raw.byteOffset, Q),
-          sum: new Float32Array(raw.buffer, raw.byteOffset + 4 * Q, Q),
-          q: raw.subarray(8 * Q, 8 * Q + Q * this.P),
-        })));
-      }
-      return this.blocks.get(key);
-    }
-
-    async show() {
-      const ticket = (this.ticket = (this.ticket || 0) + 1);
-      const b = await this.block(this.li, this.head);
-      if (ticket !== this.ticket) return; // a later hover has been drawn (or is on its way)
-      this.draw(b);
     }
 
     draw(b) {
@@ -165,12 +109,7 @@
 
     bind() {
       const d = this.data;
-      const keys = (ev, move) => {
-        if (ev.key === "[" || ev.key === "]") this.setHead(this.head + (ev.key === "]" ? 1 : -1));
-        else if (ev.key === "PageUp" || ev.key === "PageDown") this.setLayer(this.li + (ev.key === "PageDown" ? 1 : -1));
-        else if (!move(ev.key)) return;
-        ev.preventDefault();
-      };
+      const keys = (ev, move) => this.keys(ev, move);
       if (d.kind === "patch") {
         const at = (ev) => { const k = this.patchAt(ev); if (k >= 0 && this.pre + k !== this.query) this.setQuery(this.pre + k); };
         this.pic.addEventListener("pointermove", at);
@@ -216,18 +155,5 @@
     }
   }
 
-  function start() {
-    const box = document.querySelector(".probe-images");
-    const probe = (window.probe = window.probe || {});
-    probe.imageViews = [];
-    if (!box) return;
-    const hex = box.dataset.lut, lut = new Uint8Array(hex.length / 2);
-    for (let i = 0; i < lut.length; i++) lut[i] = parseInt(hex.substr(2 * i, 2), 16);
-    box.querySelectorAll(".probe-imgview").forEach((root) => probe.imageViews.push(new ImageView(root, lut)));
-    probe.imagesReady = Promise.all(probe.imageViews.map((v) => v.ready)).then(() => {
-      document.documentElement.dataset.probeImagesReady = "1";
-    });
-  }
-  if (document.readyState === "loading") document.addEventListener("DOMContentLoaded", start);
-  else start();
+  window.probeViews.start(".probe-images", ".probe-imgview", ImageView, "imageViews", "imagesReady", "probeImagesReady");
 })();
