@@ -176,3 +176,38 @@ def test_cli_generate_from_a_picture(pair, tmp_path, capsys):
     capsys.readouterr()
     assert main(["generate", "--model", "minigpt", "--image", str(tmp_path / "cat.png"), "at", "-q"]) == 2
     assert "image model" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("keep", [None, "rows", "stats"])
+def test_idefics3_generation_reads_its_tiles(keep):
+    """Idefics3's tiles (two, 8 x 8 patches each, pixel-shuffled into 4 x 4 image tokens): each
+    generated token's map over a tile is its eager row on that tile's 16 image tokens."""
+    from test_idefics import _inputs, _model
+
+    model, eager = _model("idefics3")
+    inputs = {k: v[:1] for k, v in _inputs().items()}  # one text: two tiles, the second half-padded
+    g = probe.generate(model, inputs, max_new_tokens=N, min_new_tokens=N, keep=keep)
+    meta = g.cache.metadata
+    (row,) = meta["stacks"]["decoder"]["positions"]["rows"]
+    ids = inputs["input_ids"][0].tolist()
+    starts = [i for i in range(len(ids)) if ids[i] == 120 and ids[i - 1] != 120]
+    assert [(g_["offset"], g_["tile"], g_["rows"], g_["cols"]) for g_ in row["grids"]] == [
+        (starts[0], 0, 4, 4),
+        (starts[1], 1, 4, 4),
+    ]
+    assert meta["tiles"] == [[0, 0], [0, 1]] and meta["tokens"][0][starts[1]] == "tile 1 (0, 0)"
+    if keep == "stats":
+        assert sorted(set(probe.head_stats(g.cache).table.column("stack"))) == [
+            "decoder",
+            "model.vision_model.encoder.layers",
+        ]
+        return
+    sequences, steps = _eager_rows(eager, inputs)
+    assert torch.equal(g.ids, sequences)
+    P = inputs["input_ids"].size(1)
+    for s, layers in enumerate(steps):
+        for tile, at in enumerate(starts):
+            got = probe.attention_map(g.cache, 1, query=P - 1 + s, stack="decoder", image=tile)
+            torch.testing.assert_close(
+                got, _on_grid(layers[1].double().mean(0).float(), at), atol=ATOL, rtol=0
+            )

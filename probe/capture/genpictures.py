@@ -6,8 +6,9 @@ forward of the language model), so the stepped capture sees no pixel inputs besi
 :func:`name_pictures` names the positions afterwards from the prompt's own inputs: the tower's
 patches from the pixels' shape (:func:`probe.capture.positions.image_positions`, checked against
 the tower's captured length) and the prompt's image tokens laid on that grid
-(:func:`~probe.capture.positions.text_image_positions`), or on the merged grids of Qwen2-VL's
-``image_grid_thw`` (:mod:`probe.capture.merged`). The generated positions are text. Where the
+(:func:`~probe.capture.positions.text_image_positions`), on the merged grids of Qwen2-VL's
+``image_grid_thw`` (:mod:`probe.capture.merged`), or on Idefics3's tiles, each pixel-shuffled
+into merged tokens (:mod:`probe.capture.tiles`). The generated positions are text. Where the
 grid cannot be laid exactly, ``metadata["positions_note"]`` says so and only the kinds are kept.
 """
 
@@ -21,6 +22,7 @@ from probe.cache.format import parse_key
 from probe.capture.images import pictures_seen
 from probe.capture.merged import lay_pictures, merge_config, merged_grids
 from probe.capture.positions import image_positions, image_token_id, text_image_positions
+from probe.capture.tiles import lay_tiles, tile_metadata
 
 
 def _length(tensors: dict[str, Tensor], stack: str) -> int | None:
@@ -58,7 +60,7 @@ def _labels(grids: list[dict[str, Any]], n: int) -> list[str | None]:
     several pictures) on the grids, None elsewhere."""
     labels: list[str | None] = [None] * n
     for g, at in enumerate(grids):
-        name = "patch" if len(grids) == 1 else f"img {g}"
+        name = f"tile {at['tile']}" if "tile" in at else "patch" if len(grids) == 1 else f"img {g}"
         for k in range(at["rows"] * at["cols"]):
             if at["offset"] + k < n:
                 labels[at["offset"] + k] = f"{name} ({k // at['cols']}, {k % at['cols']})"
@@ -123,6 +125,12 @@ def name_pictures(
         grids = merged_grids(thw.tolist(), *mc) if mc is not None else None
         got = lay_pictures(read[:P], token, grids) if grids else None
         laid = got[0] if got is not None and got[1] == len(grids) else None
+    elif len(shape) == 5:  # Idefics3, SmolVLM: tiles, pixel-shuffled into merged tokens
+        meta.update(tile_metadata(pixels), pixel_shape=shape)
+        n = len(meta["tiles"])
+        tower = _tower(model, meta, tensors, [n, *shape[2:]])
+        got = lay_tiles(model, tower, shape, [read[:P]], n)[0] if tower is not None else None
+        laid = got[0] if got else None
     else:
         grid = _tower(model, meta, tensors, shape) if len(shape) == 4 else None
         laid = text_image_positions(read[:P], token, grid) if grid is not None else None
@@ -130,8 +138,8 @@ def name_pictures(
         meta["image_grid_thw"] = thw.tolist()
     elif len(shape) == 4:
         meta["image_shape"] = shape
-    if len(shape) == 4:
-        meta["image_png"] = pictures_seen(pixels, processor)
+    if len(shape) in (4, 5):
+        meta["image_png"] = pictures_seen(pixels, processor)  # each picture (each tile)
     if laid is None:
         meta["positions_note"] = (
             f"probe could not lay the prompt's image tokens on the pictures' patch grid (pixels "

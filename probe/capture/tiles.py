@@ -119,6 +119,59 @@ def tile_positions(
     return found
 
 
+def merged_grid(model: nn.Module, tower: dict[str, Any], pixel_shape: list[int]) -> tuple[Any, str | None]:
+    """``(grid, None)``: a tile's grid of merged tokens (each ``s x s`` patches of the tower's
+    ``grid``), as the connector's ``pixel_shuffle`` merges them; ``(None, why)`` where it does not
+    merge whole row-major blocks."""
+    conn = _connector(model)
+    if conn is None:
+        return None, "the model has no pixel_shuffle connector with an integer scale_factor"
+    shuffle, s = conn
+    if tower["offset"]:
+        return (
+            None,
+            "the vision tower puts learned tokens before the patches, which the connector would merge",
+        )
+    if not shuffle_blocks(shuffle, tower["rows"], tower["cols"], s):
+        return None, (
+            f"its connector's pixel_shuffle does not merge the {tower['rows']}x{tower['cols']} patch "
+            f"grid into whole {s}x{s} blocks in row-major order"
+        )
+    conv = patch_conv(model, pixel_shape[2])
+    grid = {
+        "rows": tower["rows"] // s,
+        "cols": tower["cols"] // s,
+        "patch": [int(conv.stride[0]) * s, int(conv.stride[1]) * s],
+        "image": list(tower["image"]),
+        "offset": 0,
+    }
+    return grid, None
+
+
+def lay_tiles(
+    model: nn.Module, tower: dict[str, Any], pixel_shape: list[int], ids: list[list[int]], n_tiles: int
+) -> tuple[Any, str | None]:
+    """``(laid, None)``: each text's positions (``kinds``, ``labels``, ``grids``, each grid naming
+    its ``tile``, the vision stack's batch index) with its image tokens on the tiles' merged
+    grids, in order across the texts; ``(None, why)`` where they cannot be laid exactly."""
+    merged, why = merged_grid(model, tower, pixel_shape)
+    if merged is None:
+        return None, why
+    token = image_token_id(model)
+    laid = [text_image_positions(row, token, merged, unit="tile") for row in ids]
+    if any(row is None for row in laid):
+        n = merged["rows"] * merged["cols"]
+        return None, f"a run of image tokens is not a whole number of tiles of {n} merged tokens"
+    used = sum(len(row["grids"]) for row in laid)
+    if used != n_tiles:
+        return None, f"the texts hold {used} tiles' image tokens but the pixels {n_tiles} tiles"
+    k = 0
+    for row in laid:
+        for g in row["grids"]:
+            g["tile"], k = k, k + 1
+    return laid, None
+
+
 def _lay_text(
     meta: dict[str, Any],
     model: nn.Module,
@@ -128,38 +181,12 @@ def _lay_text(
     found: dict[str, dict[str, Any]],
 ) -> str | None:
     """Lay each text's image tokens on the tiles' merged grids (into ``found``); why not, or None."""
-    token, ids, conn = image_token_id(model), meta.get("ids"), _connector(model)
+    token, ids = image_token_id(model), meta.get("ids")
     if token is None or not ids:
         return "the model has no image token id, or the inputs no input_ids"
-    if conn is None:
-        return "the model has no pixel_shuffle connector with an integer scale_factor"
-    shuffle, s = conn
-    if tower["offset"]:
-        return "the vision tower puts learned tokens before the patches, which the connector would merge"
-    if not shuffle_blocks(shuffle, tower["rows"], tower["cols"], s):
-        return (
-            f"its connector's pixel_shuffle does not merge the {tower['rows']}x{tower['cols']} patch "
-            f"grid into whole {s}x{s} blocks in row-major order"
-        )
-    conv = patch_conv(model, meta["pixel_shape"][2])
-    merged = {
-        "rows": tower["rows"] // s,
-        "cols": tower["cols"] // s,
-        "patch": [int(conv.stride[0]) * s, int(conv.stride[1]) * s],
-        "image": list(tower["image"]),
-        "offset": 0,
-    }
-    laid = [text_image_positions(row, token, merged, unit="tile") for row in ids]
-    if any(row is None for row in laid):
-        n = merged["rows"] * merged["cols"]
-        return f"a run of image tokens is not a whole number of tiles of {n} merged tokens"
-    used = sum(len(row["grids"]) for row in laid)
-    if used != len(meta["tiles"]):
-        return f"the texts hold {used} tiles' image tokens but the pixels {len(meta['tiles'])} tiles"
-    k = 0
-    for row in laid:
-        for g in row["grids"]:
-            g["tile"], k = k, k + 1
+    laid, why = lay_tiles(model, tower, meta["pixel_shape"], ids, len(meta["tiles"]))
+    if laid is None:
+        return why
     length = len(ids[0])
     for r in records:
         st = stack_of[r.container]
