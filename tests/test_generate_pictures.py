@@ -211,3 +211,27 @@ def test_idefics3_generation_reads_its_tiles(keep):
             torch.testing.assert_close(
                 got, _on_grid(layers[1].double().mean(0).float(), at), atol=ATOL, rtol=0
             )
+
+
+def test_qwen2_vl_generation_reads_two_pictures_of_their_own_sizes():
+    """Qwen2-VL: two pictures at their own sizes (merged 2 x 3 and 1 x 2 tokens from its
+    ``image_grid_thw``); each generated token's map over each equals its eager row there."""
+    from test_image_families import END, IMAGE, START, _qwen2_vl, _qwen_inputs
+
+    model, eager = _qwen2_vl()
+    inputs = _qwen_inputs([1, 2, START] + [IMAGE] * 6 + [END, 5, START] + [IMAGE] * 2 + [END, 7, 8])
+    inputs.pop("mm_token_type_ids")
+    g = probe.generate(model, inputs, max_new_tokens=3, min_new_tokens=3)
+    grids = g.cache.metadata["stacks"]["decoder"]["positions"]["rows"][0]["grids"]
+    assert [(x["offset"], x["rows"], x["cols"]) for x in grids] == [(3, 2, 3), (12, 1, 2)]
+    with torch.no_grad():
+        out = eager.generate(
+            **inputs, max_new_tokens=3, min_new_tokens=3, output_attentions=True, return_dict_in_generate=True
+        )
+    assert torch.equal(out.sequences, g.ids)
+    P = inputs["input_ids"].size(1)
+    for s, step in enumerate(out.attentions):
+        row = step[1][0, :, -1].double().mean(0).float()
+        for image, (at, r, c) in enumerate([(3, 2, 3), (12, 1, 2)]):
+            got = probe.attention_map(g.cache, 1, query=P - 1 + s, stack="decoder", image=image)
+            torch.testing.assert_close(got, row[at : at + r * c].reshape(r, c), atol=ATOL, rtol=0)
