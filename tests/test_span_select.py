@@ -113,3 +113,69 @@ def test_row_terms_against_loops():
     P[0, 1, 0, q0 + 3] = 0.5
     assert float(rowfused.row_terms(P, q0, n, cols, first)["after"][0, 1, 0]) == 0.5
     assert rowfused.row_terms(-P, q0, n, cols, first) is None  # a negative weight: sort instead
+
+
+def test_log_of_bit_patterns():
+    """spanselect.ln (the vectorised log of the row loop) against float64 math.log, over every
+    binade, both sides of the sqrt(2) split, and the clamp at float32's smallest normal number."""
+    import math
+
+    import numpy as np
+    from numba import njit
+
+    from probe.analysis.focus import spanselect
+
+    @njit
+    def logs(bits, out):
+        for j in range(bits.shape[0]):
+            out[j] = spanselect.ln(max(bits[j], np.int32(spanselect.TINY_BITS)))
+
+    g = torch.Generator().manual_seed(0)
+    x = torch.cat(
+        [
+            torch.rand(20000, generator=g) ** 12,
+            torch.tensor(
+                [1.0, 0.5, 2.0**-126, 1e-45, 0.0, 0.70710677, 0.70710683, 1.4142135, 1.4142137, 3e38]
+            ),
+        ]
+    ).numpy()
+    got = np.empty(x.size)
+    logs(x.view(np.int32), got)
+    tiny = float(np.finfo(np.float32).tiny)
+    want = np.array([math.log(max(float(v), tiny)) for v in x])
+    assert np.abs(got - want).max() <= 1e-12 * np.abs(want).max()
+    assert got[-10] == 0.0 and got[-6] == got[-7] == math.log(tiny)
+
+
+def test_row_terms_column_sums_and_thread_split():
+    """The column sums Σ_i w_i a_ij summed in the loop, and one head's rows split over threads,
+    against float64 sums and the per-row loops written here."""
+    g = torch.Generator().manual_seed(5)
+    for B, h, r in ((1, 1, 37), (2, 3, 5)):
+        n, q0 = 300, 263
+        P = torch.softmax(torch.randn(B, h, r, n, generator=g) * 2, -1)
+        cols = (torch.rand(B, 3, n, generator=g) > 0.3).float()
+        first = torch.zeros(B, dtype=torch.long)
+        w = (torch.rand(B, r, generator=g) > 0.2).float()
+        got = rowfused.row_terms(P, q0, n, cols, first, colw=w)
+        want = (P.double() * w.double()[:, None, :, None]).sum(2)
+        torch.testing.assert_close(got["recv"], want, rtol=0, atol=1e-12)
+        loops = _loop_terms(P, q0, n, cols, first)
+        for k, v in loops.items():
+            torch.testing.assert_close(got[k].double(), v, rtol=1e-5, atol=2e-5, msg=k)
+        assert torch.equal(got["arg"], P.argmax(-1))
+
+
+def test_span_of_a_crowded_bin():
+    """Thousands of weights in the one bin that crosses the threshold (a near-uniform row), with
+    ties among them: the second histogram narrows them, and the span still equals the sort's."""
+    g = torch.Generator().manual_seed(11)
+    K = 6000
+    base = 1.0 + torch.randint(0, 40, (4, K), generator=g).float() / 4096  # many ties, one bin
+    base[1] += torch.rand(K, generator=g) * 1e-3  # near-ties
+    base[2, :100] = 50.0  # a few large weights, the crowded bin below them
+    base[3] = 1.0  # every weight equal
+    P = base / base.sum(-1, keepdim=True)
+    want, amb = _sorted_span(P)
+    got = rowfused.spans(P)
+    assert bool(((got.long() == want) | amb).all()) and not bool(amb.all())

@@ -1,26 +1,24 @@
-"""Every per-row term of a CPU block of weights from one read of each row: a compiled loop (numba).
+"""Every per-row term of a CPU block of weights, and its column sums, from a compiled loop (numba).
 
-The streamed statistics on a CPU used to make a pass over the block per statistic (the entropy's
-log, the masks' product, the causal audit, prefix sums, the gathers of ``beyond_<D>`` and
-``reach90``) and sort every row for the effective span (numpy's sort was 43% of the time at 16k
-tokens). Here each row is read once, by a loop compiled with numba and split over threads by
-rows; while the row sits in the core's cache the loop keeps:
+Each row is read while it sits in the core's cache, in three short loops (the first one
+vectorised by LLVM: it is plain arithmetic, with the log of :func:`~.spanselect.ln` instead of a
+call to the C library's, and the sums may be reordered):
 
-* the total, entropy, largest weight and its first position, the masses on the three key
-  classes, the weight on the text's first key, ``Σ (j − i)·a``, ``Σ |j − i|·a``, the largest
-  weight after the query (the causal audit) and the row's running sums ``C`` (float64);
-* a histogram of the weights' bit patterns (the top 11 bits: sign, exponent and 2 mantissa bits;
-  non-negative float32 order as their bit patterns do) holding each bin's count and mass.
+1. over chunks of :data:`CH` keys: the total, entropy, masses on the three key classes,
+   ``Σ (j − i)·a`` and ``Σ |j − i|·a`` (float64), the largest weight and the largest after the
+   query (the causal audit; as int32 bit patterns, which order non-negative float32 as their
+   values do), whether a weight is negative, each chunk's sum and largest weight, and the column
+   sums ``Σ_i w_i a_ij`` (the sink profile, float64, one accumulator per head);
+2. the first position of the largest weight (the first chunk holding it, then that chunk);
+3. the effective span by :func:`~.spanselect.select_span` (a histogram of bit patterns, no sort).
 
-Then ``beyond_<D>``, ``reach90`` (a binary search) and the word masses are differences of ``C``,
-and the effective span needs no sort: the histogram's running mass finds the one bin where the
-smallest weights stop fitting in the left-over mass ``(1 − SPAN_MASS) · total``; only that bin's
-weights are sorted (a few, unless a row is nearly uniform) and walked in ascending order, ties one
-by one, exactly as the sort of the whole row would (:func:`span_oracle` in the tests).
+``beyond_<D>``, ``reach90`` (a binary search) and the word masses are differences of running sums
+``C(j) = Σ_{j' <= j} a``: the chunk sums' running total plus a part of one chunk. Rows are split
+over :func:`~.spanselect.threads` plain threads by head (a head's rows on one thread, so its column
+sums need no lock), each running the compiled loop with the GIL released.
 
-Masses are float64. Used by :mod:`probe.analysis.focus.streaming` and by the whole-pattern path
-(:mod:`probe.analysis.focus.rows`) when numba is installed (the ``fast`` extra); without it both
-sort (:func:`spans`'s fallback), which gives the same spans.
+Masses are float64. Used by :mod:`probe.analysis.focus.streaming` when numba is installed (the
+``fast`` extra); without it the rows are sorted (:mod:`probe.analysis.focus.rowblock`).
 """
 
 from __future__ import annotations
@@ -28,149 +26,128 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from probe.analysis.focus import spanselect as ss
 from probe.analysis.focus.reach import BEYOND, REACH_MASS
-from probe.analysis.focus.rows import SPAN_MASS
+from probe.analysis.focus.spanselect import numba, spans
 
-try:  # an optional extra: without numba the rows are sorted instead
-    import numba
-    from numba import njit, prange
-except ImportError:  # pragma: no cover - depends on the install
-    numba = None
+if numba is not None:
+    from numba import njit
 
 NAMES = (
     "total", "ent", "top", "span", "signed", "dist", "reach", "beyond_16", "beyond_128", "beyond_1024",
     "special", "punct", "content", "first", "after", "neg", "word_prev", "word_self", "word_next",
 )  # fmt: skip
-SHIFT = 20  # histogram bins: the bit patterns' top 11 bits (2048 bins; +inf is 0x7F8)
-BINS = 1 << (31 - SHIFT)
-TINY32 = np.float32(np.finfo(np.float32).tiny)
+CH = 64  # keys per chunk: its sum and largest weight are kept for the running sums and argmax
 
 if numba is not None:
 
-    @njit(cache=True, nogil=True)
-    def _span(x, bits, total, hmass, hcnt, cand, kmin, kmax):  # pragma: no cover - compiled
-        """The effective span of one row (see the module docstring); the histogram's bins
-        ``kmin..kmax`` (the only ones the row touched) are zeroed again for the next row."""
-        span = 0
-        if total > 0.0:
-            rest = (1.0 - SPAN_MASS) * total
-            cum, left, b = 0.0, 0, kmin
-            while b < kmax and cum + hmass[b] <= rest:
-                cum += hmass[b]
-                left += hcnt[b]
-                b += 1
-            n = 0
-            for j in range(x.shape[0]):
-                if (bits[j] >> SHIFT) == b:
-                    cand[n] = x[j]
-                    n += 1
-            vals = np.sort(cand[:n])
-            for v in vals:
-                if cum + v > rest:
-                    break
-                cum += v
-                left += 1
-            span = x.shape[0] - left
-        hmass[kmin : kmax + 1] = 0.0
-        hcnt[kmin : kmax + 1] = 0
-        return span
+    @njit(fastmath=ss.FAST, cache=True, nogil=True, error_model="numpy")
+    def _run(x, lo, hi, PS, c):  # pragma: no cover - compiled
+        """``C(hi) − C(lo)`` for ``-1 <= lo <= hi < len(x)``: running sums from the chunk totals
+        ``PS`` (``PS[c]`` = the sum of chunks ``< c``) plus the parts of the chunks at the ends."""
+        return _upto(x, hi, PS, c) - _upto(x, lo, PS, c)
 
-    @njit(cache=True, nogil=True)
-    def _within(C, i, d):  # pragma: no cover - compiled
-        """Mass within distance ``d`` of query ``i`` from running sums ``C``."""
-        n = C.shape[0]
-        hi = min(i + d, n - 1)
-        lo = i - d - 1
-        return C[hi] - (C[lo] if lo >= 0 else 0.0)
+    @njit(fastmath=ss.FAST, cache=True, nogil=True, error_model="numpy")
+    def _upto(x, j, PS, c):  # pragma: no cover - compiled
+        if j < 0:
+            return 0.0
+        k = j // c
+        s = 0.0
+        for t in range(k * c, j + 1):
+            s += np.float64(x[t])
+        return PS[k] + s
 
-    @njit(cache=True, nogil=True)
-    def _one(x, row, i, self_attn, K, cols, first, words, out, arg, C, hmass, hcnt, cand):  # pragma: no cover
+    @njit(fastmath=ss.FAST, cache=True, nogil=True, error_model="numpy")
+    def _one(
+        x, i, self_attn, K, cols, first, words, w, acc, out, PS, M, hmass, hcnt, cand
+    ):  # pragma: no cover
+        """The terms of one row ``x`` (query ``i``) into ``out`` (:data:`NAMES`, then the argmax);
+        ``w · x`` added to the column sums ``acc``."""
         n = x.shape[0]
         bits = x.view(np.int32)
-        total, ent, top, at, kmin, kmax = 0.0, 0.0, -1.0, 0, BINS - 1, 0
-        signed, dist, m0, m1, m2, after, neg = 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0
-        for j in range(n):
-            v = x[j]
-            vd = np.float64(v)
-            total += vd
-            C[j] = total
-            if vd > top:
-                top, at = vd, j
-            ent -= vd * np.log(max(v, TINY32))  # float32 log, as the whole-pattern path takes it
-            m0 += vd * cols[0, j]
-            m1 += vd * cols[1, j]
-            m2 += vd * cols[2, j]
-            if v < 0:
-                neg = 1.0
+        ent, m0, m1, m2, signed, dist, neg = 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0
+        after, low = np.int32(0), np.int32(0x7FFFFFFF)
+        for j in range(n):  # one flat loop: LLVM keeps every sum in vector registers
+            b = bits[j]
+            v = np.float64(x[j])
+            ent += v * ss.ln(max(b, np.int32(ss.TINY_BITS)))  # p · log max(p, tiny)
+            m0 += v * cols[0, j]
+            m1 += v * cols[1, j]
+            m2 += v * cols[2, j]
+            d = np.float64(j - i)
+            signed += d * v
+            dist += abs(d) * v
+            after = max(after, b if j > i else np.int32(0))
+            low = min(low, b)
+            neg |= b < 0  # a negative weight (or -0.0): the caller sorts instead
+            acc[j] += w * v
+        nch = (n + CH - 1) // CH
+        top = np.int32(-1)
+        PS[0] = 0.0
+        for c in range(nch):  # each chunk's sum and largest weight
+            s, mx = 0.0, np.int32(-1)
+            for j in range(c * CH, min(n, c * CH + CH)):
+                s += np.float64(x[j])
+                mx = max(mx, bits[j])
+            PS[c + 1] = PS[c] + s
+            M[c] = mx
+            top = max(top, mx)
+        total = PS[nch]
+        out[15] = neg
+        if neg:
+            return
+        at = 0
+        for c in range(nch):  # the first chunk holding the largest weight, then its first place
+            if M[c] == top:
+                at = c * CH
+                while bits[at] != top:
+                    at += 1
+                break
+        out[0] = total
+        out[1] = -ent
+        out[2] = x[at]
+        out[19] = at
+        out[10], out[11], out[12] = m0, m1, m2
+        out[13] = x[first] if first < n else 0.0
+        out[14] = ss.f32(after)
+        out[3] = ss.select_span(x, bits, total, low >> ss.SHIFT, top >> ss.SHIFT, hmass, hcnt, cand)
+        if not self_attn:
+            return
+        out[4], out[5] = signed, dist
+        for t in range(3):
+            D = BEYOND[t]
+            out[7 + t] = total - _run(x, i - D - 1, min(i + D, n - 1), PS, CH) if D < K else 0.0
+        lo, hi = 0, K - 1  # reach: the smallest d with within(d) >= REACH_MASS · total
+        want = REACH_MASS * total
+        while lo < hi:
+            mid = (lo + hi) // 2
+            if _run(x, i - mid - 1, min(i + mid, n - 1), PS, CH) >= want:
+                hi = mid
             else:
-                k = bits[j] >> SHIFT
-                hmass[k] += vd
-                hcnt[k] += 1
-                kmin, kmax = min(kmin, k), max(kmax, k)
-            if self_attn:
-                d = j - i
-                signed += d * vd
-                dist += abs(d) * vd
-                if d > 0 and vd > after:
-                    after = vd
-        out[row, 0] = total
-        out[row, 1] = ent
-        out[row, 2] = max(top, 0.0)
-        out[row, 4] = signed
-        out[row, 5] = dist
-        out[row, 10] = m0
-        out[row, 11] = m1
-        out[row, 12] = m2
-        out[row, 13] = x[first] if first < n else 0.0
-        out[row, 14] = after
-        out[row, 15] = neg
-        arg[row] = at
-        out[row, 3] = _span(x, bits, total, hmass, hcnt, cand, kmin, max(kmin, kmax))
-        if self_attn:
-            for c in range(3):
-                D = BEYOND[c]
-                out[row, 7 + c] = total - _within(C, i, D) if D < K else 0.0
-            lo, hi = 0, K - 1  # reach: the smallest d with within(d) >= REACH_MASS · total
-            want = REACH_MASS * total
-            while lo < hi:
-                mid = (lo + hi) // 2
-                if _within(C, i, mid) >= want:
-                    hi = mid
-                else:
-                    lo = mid + 1
-            out[row, 6] = hi
-            for c in range(words.shape[0]):
-                w_lo, w_hi = words[c, 0], words[c, 1]
-                out[row, 16 + c] = C[w_hi] - (C[w_lo] if w_lo >= 0 else 0.0)
+                lo = mid + 1
+        out[6] = hi
+        for t in range(words.shape[0]):
+            out[16 + t] = _run(x, words[t, 0], words[t, 1], PS, CH)
 
-    @njit(parallel=True, cache=True, nogil=True)
-    def _rows(P, h, r, q0, self_attn, K, cols, first, words, out, arg, chunks):  # pragma: no cover
-        R, n = P.shape
-        step = (R + chunks - 1) // chunks
-        for c in prange(chunks):
-            C = np.empty(n, np.float64)
-            hmass = np.zeros(BINS, np.float64)  # zeroed again after each row, where it was touched
-            hcnt = np.zeros(BINS, np.int64)
-            cand = np.empty(n, np.float32)
-            for row in range(c * step, min(R, (c + 1) * step)):
-                b = row // (h * r)
-                i = q0 + row % r
+    @njit(fastmath=ss.FAST, cache=True, nogil=True, error_model="numpy")
+    def _tasks(x, tasks, h, r, q0, self_attn, K, cols, first, words, colw, out, acc):  # pragma: no cover
+        """The rows of each task ``(head, row start, row end)`` (``x`` ``[B·h·r, n]``); the
+        column sums of task ``t`` go to ``acc[t]``."""
+        n = x.shape[1]
+        PS = np.empty((n + CH - 1) // CH + 1, np.float64)
+        M = np.empty((n + CH - 1) // CH, np.int32)
+        hmass = np.zeros(ss.BINS, np.float64)  # left zero by each row's selection
+        hcnt = np.zeros(ss.BINS, np.int64)
+        cand = np.empty(n, np.float32)
+        for t in range(tasks.shape[0]):
+            bh, a0, a1 = tasks[t, 0], tasks[t, 1], tasks[t, 2]
+            b = bh // h
+            for a in range(a0, a1):
+                row = bh * r + a
                 _one(
-                    P[row],
-                    row,
-                    i,
-                    self_attn,
-                    K,
-                    cols[b],
-                    first[b],
-                    words[b, row % r],
-                    out,
-                    arg,
-                    C,
-                    hmass,
-                    hcnt,
-                    cand,
-                )
+                    x[row], q0 + a, self_attn, K, cols[b], first[b], words[b, a], colw[b, a],
+                    acc[t], out[row], PS, M, hmass, hcnt, cand,
+                )  # fmt: skip
 
 
 def available() -> bool:
@@ -185,6 +162,7 @@ def row_terms(
     cols: torch.Tensor,
     first: torch.Tensor,
     words: dict[str, tuple[torch.Tensor, torch.Tensor]] | None = None,
+    colw: torch.Tensor | None = None,
 ) -> dict[str, torch.Tensor] | None:
     """Every per-row term of a CPU block ``P`` ``[B, h, r, kend]`` (rows ``q0:q0 + r``), each
     ``[B, h, r]``: :data:`NAMES` (``after``: the largest weight on a key after the query) and
@@ -192,76 +170,56 @@ def row_terms(
     for self-attention (distances, ``beyond_<D>``, ``reach`` and, with ``words`` (``{name:
     (start, end)}`` ``[B, r]`` as :func:`~probe.analysis.focus.metrics.word_targets` gives them at
     these rows), the word masses); None for cross-attention. ``cols`` ``[B, 3, kend]``: the key
-    classes; ``first`` ``[B]``: each text's first real key."""
+    classes; ``first`` ``[B]``: each text's first real key. ``colw`` ``[B, r]``: each query's
+    weight in the column sums, returned as ``recv`` ``[B, h, kend]`` (float64, ``Σ_i w_i a_ij``)."""
     B, h, r, n = P.shape
     x = P.reshape(B * h * r, n).contiguous().numpy()
-    R = x.shape[0]
-    out = np.zeros((R, len(NAMES)), np.float64)
-    arg = np.zeros(R, np.int64)
+    out = np.zeros((B * h * r, len(NAMES) + 1), np.float64)  # + the argmax
     if words is not None:  # C[e] − C[s − 1], the ends clamped as word_masses clamps them
         names = ("word_prev", "word_self", "word_next")
         s = torch.stack([words[m][0] for m in names], 1)  # [B, 3, r]
         e = torch.stack([words[m][1] for m in names], 1)
-        w = torch.stack([torch.where(s > 0, (s - 1).clamp(0, n - 1), -1), e.clamp(0, n - 1)], -1)
+        wr = torch.stack([torch.where(s > 0, (s - 1).clamp(0, n - 1), -1), e.clamp(0, n - 1)], -1)
     else:
-        w = torch.zeros(B, 0, r, 2, dtype=torch.long)
-    w = w.permute(0, 2, 1, 3).contiguous().numpy().astype(np.int64)  # [B, r, 3, 2]
-    chunks = max(1, min(R, 4 * numba.get_num_threads()))
-    _rows(
-        x, h, r, q0, K is not None, K or n, cols.float().contiguous().numpy(),
-        first.long().numpy(), w, out, arg, chunks,
-    )  # fmt: skip
+        wr = torch.zeros(B, 0, r, 2, dtype=torch.long)
+    wr = wr.permute(0, 2, 1, 3).contiguous().numpy().astype(np.int64)  # [B, r, 3, 2]
+    w = np.zeros((B, r), np.float64) if colw is None else colw.double().contiguous().numpy()
+    # a head's rows on one thread (its column sums then need no lock), split further when there
+    # are fewer heads than threads
+    k = ss.threads()
+    per = -(-2 * k // (B * h)) if B * h < 2 * k else 1
+    tasks = np.array([(bh, a0, a1) for bh in range(B * h) for a0, a1 in ss.parts(r, per)], np.int64)
+    acc = np.zeros((len(tasks), n), np.float64)
+    args = (
+        h,
+        r,
+        q0,
+        K is not None,
+        K or n,
+        cols.float().contiguous().numpy(),
+        first.long().numpy(),
+        wr,
+        w,
+        out,
+    )
+    if k == 1 or len(tasks) == 1:
+        _tasks(x, tasks, *args, acc)
+    else:
+        runs = ss.parts(len(tasks), k)
+        list(ss.pool().map(lambda s: _tasks(x, tasks[s[0] : s[1]], *args, acc[s[0] : s[1]]), runs))
     if out[:, 15].any():
         return None
-    t = torch.from_numpy(out).float().T.reshape(len(NAMES), B, h, r)
+    t = torch.from_numpy(out[:, : len(NAMES)]).float().T.reshape(len(NAMES), B, h, r)
     got = {m: t[c] for c, m in enumerate(NAMES) if m != "neg"}
-    got["arg"] = torch.from_numpy(arg).reshape(B, h, r)
-    return got
-
-
-def spans(P: torch.Tensor) -> torch.Tensor:
-    """The effective span of every row of ``P`` ``[..., n]`` (float32), ``[...]``: the compiled
-    selection where numba is installed, else a sort with float64 running sums (the same rule)."""
-    n = P.shape[-1]
-    lead = P.shape[:-1]
-    if P.numel() == 0:
-        return torch.zeros(lead)
-    if numba is not None and bool((P >= 0).all()):
-        x = P.reshape(-1, n).float().contiguous().numpy()
-        return (
-            torch.from_numpy(_spans(x, max(1, min(x.shape[0], 4 * numba.get_num_threads()))))
-            .float()
-            .reshape(lead)
+    got["arg"] = torch.from_numpy(out[:, len(NAMES)]).long().reshape(B, h, r)
+    if colw is not None:
+        recv = torch.from_numpy(acc)
+        got["recv"] = (
+            torch.zeros(B * h, n, dtype=torch.float64)
+            .index_add_(0, torch.from_numpy(tasks[:, 0]), recv)
+            .view(B, h, n)
         )
-    vals = P.double().sort(-1).values
-    c = vals.cumsum(-1)
-    left = (c <= (1 - SPAN_MASS) * c[..., -1:]).sum(-1)
-    return (n - left).float()
-
-
-if numba is not None:
-
-    @njit(parallel=True, cache=True, nogil=True)
-    def _spans(x, chunks):  # pragma: no cover - compiled
-        R, n = x.shape
-        out = np.zeros(R, np.int64)
-        step = (R + chunks - 1) // chunks
-        for c in prange(chunks):
-            hmass = np.zeros(BINS, np.float64)  # zeroed again after each row, where it was touched
-            hcnt = np.zeros(BINS, np.int64)
-            cand = np.empty(n, np.float32)
-            for row in range(c * step, min(R, (c + 1) * step)):
-                v = x[row]
-                bits = v.view(np.int32)
-                total, kmin, kmax = 0.0, BINS - 1, 0
-                for j in range(n):
-                    k = bits[j] >> SHIFT
-                    hmass[k] += v[j]
-                    hcnt[k] += 1
-                    total += v[j]
-                    kmin, kmax = min(kmin, k), max(kmax, k)
-                out[row] = _span(v, bits, total, hmass, hcnt, cand, kmin, max(kmin, kmax))
-        return out
+    return got
 
 
 __all__ = ["row_terms", "spans", "available", "NAMES"]

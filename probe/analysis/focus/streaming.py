@@ -146,7 +146,8 @@ class RowTerms:
             first = dev["first"].clamp(max=kend - 1)[:, None, None, None].expand(B, H, r, 1)
             at_first = P.gather(-1, first)[..., 0]
             t.first[..., sl] = torch.where((dev["first"] < kend)[:, None, None], at_first, 0)
-        self.recv[..., :kend] += rb.received(P, dev["qreal"][:, q0:q1])
+        recv = got.get("recv")  # the compiled loop sums the columns while it reads each row
+        self.recv[..., :kend] += rb.received(P, dev["qreal"][:, q0:q1]) if recv is None else recv
         for b, f in enumerate(self.qs.first.tolist()):
             if q0 <= f < q1:
                 self.recv_first[b, :, :kend] = P[b, :, f - q0]
@@ -163,7 +164,9 @@ class RowTerms:
         dev, kend = self._on(P.device), P.shape[-1]
         words = {n: (s[:, sl], e[:, sl]) for n, (s, e) in dev["words"].items()} if self.words else None
         K = self.shape[3] if self.self_attn else None
-        return rowfused.row_terms(P, sl.start, K, dev["cols"][..., :kend], dev["first"], words)
+        return rowfused.row_terms(
+            P, sl.start, K, dev["cols"][..., :kend], dev["first"], words, colw=dev["qreal"][:, sl]
+        )
 
     def _after(self, after: torch.Tensor, sl: slice) -> bool:
         """:meth:`_lower` from each row's largest weight after its query (real queries only)."""

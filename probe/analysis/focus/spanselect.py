@@ -1,0 +1,210 @@
+"""The effective span of a row of weights without sorting it, and a log that vectorises (numba).
+
+The effective span is the fewest keys whose weights cover :data:`SPAN_MASS` of the row's mass: sort
+the row ascending, keep a float64 running sum, and leave out the most smallest weights whose sum
+stays within the rest ``(1 − SPAN_MASS) · total``. Here no row is sorted. Non-negative float32
+values order as their bit patterns do, so a histogram of the patterns' top 11 bits (sign, exponent
+and 2 mantissa bits: 2,048 bins, each bin's count and float64 mass) finds the one bin where the
+smallest weights stop fitting in the rest: every bin below it is left out whole. That bin's
+weights are then collected; where there are many (a near-uniform row puts thousands in one bin) a
+second histogram over the next 11 bits narrows them to the weights sharing their top 22 bits, and
+only those few are sorted and walked in ascending order, ties one by one, exactly as the sort of
+the whole row would (``tests/test_span_select.py`` checks it against a sort written in the test).
+
+:func:`ln` is the natural log of a float32 from its bit pattern (exponent · ln 2 plus
+``2·atanh((m − 1)/(m + 1))`` of the mantissa as a series in float64, accurate to about 1e-12
+relative): plain arithmetic that LLVM vectorises, where a call to the C library's ``logf`` would
+keep the row loop scalar.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from concurrent.futures import ThreadPoolExecutor
+
+import numpy as np
+import torch
+
+from probe.analysis.focus.rows import SPAN_MASS
+
+try:  # an optional extra: without numba the rows are sorted instead
+    import numba
+    from llvmlite import ir
+    from numba import njit, types
+    from numba.extending import intrinsic
+except ImportError:  # pragma: no cover - depends on the install
+    numba = None
+
+SHIFT = 20  # first histogram: the bit patterns' top 11 bits (2048 bins; +inf is 0x7F8)
+SHIFT2 = 9  # second histogram: the next 11 bits of the weights in the crossing bin
+BINS = 1 << (31 - SHIFT)
+FEW = 64  # a crossing bin with more weights than this is narrowed by the second histogram
+TINY_BITS = 0x00800000  # float32's smallest normal number: p·log max(p, tiny)
+LN2 = math.log(2.0)
+SQRT2 = math.sqrt(2.0)
+# the loops may reorder sums and fuse multiply-adds (vectorised reductions); no NaN/inf shortcuts
+FAST = {"reassoc", "contract"}
+
+_POOL: tuple[int, ThreadPoolExecutor] | None = None
+
+
+def threads() -> int:
+    """Worker threads for the compiled loops: torch's intra-op thread count (the cores torch was
+    told to use), so that the loops and torch's own kernels never ask for more cores than that."""
+    return max(1, min(torch.get_num_threads(), os.cpu_count() or 1))
+
+
+def pool() -> ThreadPoolExecutor:
+    """A thread pool of :func:`threads` workers. The compiled loops release the GIL and run on
+    these plain threads, not on numba's own OpenMP pool: that pool's workers spin after each
+    parallel loop, and with torch's OpenMP pool (a second runtime) spinning after each of torch's
+    kernels, the two took each other's cores for milliseconds at every hand-over."""
+    global _POOL
+    n = threads()
+    if _POOL is None or _POOL[0] != n:
+        _POOL = (n, ThreadPoolExecutor(n, thread_name_prefix="probe-rows"))
+    return _POOL[1]
+
+
+def parts(n: int, k: int) -> list[tuple[int, int]]:
+    """``n`` items cut into at most ``k`` contiguous ``(start, end)`` runs of near-equal size."""
+    k = max(1, min(k, n))
+    return [(n * a // k, n * (a + 1) // k) for a in range(k)]
+
+
+if numba is not None:
+
+    @intrinsic
+    def f32(typingctx, b):  # pragma: no cover - compiled
+        """The float32 whose bit pattern is the int32 ``b``."""
+        sig = types.float32(types.int32)
+
+        def codegen(context, builder, signature, args):
+            return builder.bitcast(args[0], ir.FloatType())
+
+        return sig, codegen
+
+    @njit(fastmath=FAST, inline="always", cache=True, error_model="numpy")
+    def ln(b):  # pragma: no cover - compiled
+        """``log`` of the positive normal float32 with bit pattern ``b`` (int32), in float64."""
+        e = (b >> 23) - 127
+        m = np.float64(f32((b & 0x007FFFFF) | 0x3F800000))  # the mantissa, in [1, 2)
+        if m > SQRT2:  # in [sqrt(1/2), sqrt(2)): the series converges fastest
+            m = 0.5 * m
+            e += 1
+        s = (m - 1.0) / (m + 1.0)  # |s| <= 0.1716: log m = 2·atanh(s) = 2s (1 + s²/3 + s⁴/5 + ...)
+        z = s * s
+        p = 1.0 / 15.0
+        p = 1.0 / 13.0 + z * p
+        p = 1.0 / 11.0 + z * p
+        p = 1.0 / 9.0 + z * p
+        p = 1.0 / 7.0 + z * p
+        p = 1.0 / 5.0 + z * p
+        p = 1.0 / 3.0 + z * p
+        return e * LN2 + 2.0 * s * (1.0 + z * p)
+
+    @njit(cache=True, nogil=True, error_model="numpy")
+    def _narrow(vals, m, bits_of, shift, cum, left, rest, hmass, hcnt):  # pragma: no cover
+        """One histogram level over ``vals[:m]`` (bins: ``(bits >> shift) & (BINS − 1)``): leave
+        out the bins below the one that crosses ``rest`` (adding their mass to ``cum`` and their
+        count to ``left``), compact that bin's weights to the front of ``vals``; returns
+        ``(kept, cum, left, crossed)`` (``crossed``: False when every bin fit)."""
+        kmin, kmax = BINS - 1, 0
+        for t in range(m):
+            k = (bits_of[t] >> shift) & (BINS - 1)
+            hmass[k] += vals[t]
+            hcnt[k] += 1
+            kmin, kmax = min(kmin, k), max(kmax, k)
+        b = kmin
+        while b <= kmax and cum + hmass[b] <= rest:
+            cum += hmass[b]
+            left += hcnt[b]
+            b += 1
+        hmass[kmin : kmax + 1] = 0.0
+        hcnt[kmin : kmax + 1] = 0
+        if b > kmax:
+            return 0, cum, left, False
+        kept = 0
+        for t in range(m):  # in place: kept <= t
+            v = vals[t]
+            vals[kept] = v
+            kept += ((bits_of[t] >> shift) & (BINS - 1)) == b
+        return kept, cum, left, True
+
+    @njit(cache=True, nogil=True, error_model="numpy")
+    def select_span(x, bits, total, kmin, kmax, hmass, hcnt, cand):  # pragma: no cover - compiled
+        """The effective span of the row ``x`` (float32, no negative weight; ``bits`` its int32
+        view; ``total`` its float64 sum; ``kmin``/``kmax`` the first-level bins of its smallest and
+        largest weight). ``hmass``/``hcnt`` are zero on entry and left zero; ``cand`` has ``len(x)``
+        float32 slots."""
+        n = x.shape[0]
+        if not total > 0.0:
+            return 0
+        rest = (1.0 - SPAN_MASS) * total
+        cum, left = 0.0, 0
+        for j in range(n):
+            k = bits[j] >> SHIFT
+            hmass[k] += x[j]
+            hcnt[k] += 1
+        b = kmin
+        while b < kmax and cum + hmass[b] <= rest:
+            cum += hmass[b]
+            left += hcnt[b]
+            b += 1
+        hmass[kmin : kmax + 1] = 0.0
+        hcnt[kmin : kmax + 1] = 0
+        m = 0
+        for j in range(n):  # the crossing bin's weights, compacted without a branch
+            cand[m] = x[j]
+            m += (bits[j] >> SHIFT) == b
+        if m > FEW:  # many weights share the bin: narrow them by their next 11 bits
+            m, cum, left, crossed = _narrow(
+                cand, m, cand.view(np.int32), SHIFT2, cum, left, rest, hmass, hcnt
+            )
+            if not crossed:
+                return n - left
+        for v in np.sort(cand[:m]):  # ascending, ties one by one, as the sort of the row
+            if cum + v > rest:
+                break
+            cum += v
+            left += 1
+        return n - left
+
+    @njit(fastmath=FAST, cache=True, nogil=True, error_model="numpy")
+    def _span_rows(x, r0, r1, out):  # pragma: no cover - compiled
+        n = x.shape[1]
+        hmass = np.zeros(BINS, np.float64)
+        hcnt = np.zeros(BINS, np.int64)
+        cand = np.empty(n, np.float32)
+        for row in range(r0, r1):
+            v = x[row]
+            bits = v.view(np.int32)
+            total, lo, hi = 0.0, np.int32(0x7FFFFFFF), np.int32(0)
+            for j in range(n):
+                total += np.float64(v[j])
+                lo = min(lo, bits[j])
+                hi = max(hi, bits[j])
+            out[row] = select_span(v, bits, total, lo >> SHIFT, hi >> SHIFT, hmass, hcnt, cand)
+
+
+def spans(P: torch.Tensor) -> torch.Tensor:
+    """The effective span of every row of ``P`` ``[..., n]`` (float32), ``[...]``: the selection
+    where numba is installed and no weight is negative, else a sort with float64 running sums
+    (the same rule)."""
+    n = P.shape[-1]
+    lead = P.shape[:-1]
+    if P.numel() == 0:
+        return torch.zeros(lead)
+    if numba is not None and not bool(torch.signbit(P).any()):  # -0.0 too: it would bin apart
+        x = P.reshape(-1, n).float().contiguous().numpy()
+        out = np.zeros(x.shape[0], np.int64)
+        list(pool().map(lambda s: _span_rows(x, s[0], s[1], out), parts(x.shape[0], threads())))
+        return torch.from_numpy(out).float().reshape(lead)
+    vals = P.double().sort(-1).values
+    c = vals.cumsum(-1)
+    left = (c <= (1 - SPAN_MASS) * c[..., -1:]).sum(-1)
+    return (n - left).float()
+
+
+__all__ = ["spans", "select_span", "ln", "f32", "pool", "threads", "parts", "SHIFT", "BINS"]
