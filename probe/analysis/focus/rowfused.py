@@ -37,7 +37,7 @@ NAMES = (
     "total", "ent", "top", "span", "signed", "dist", "reach", "beyond_16", "beyond_128", "beyond_1024",
     "special", "punct", "content", "first", "after", "neg", "word_prev", "word_self", "word_next",
 )  # fmt: skip
-CH = 64  # keys per chunk: its sum and largest weight are kept for the running sums and argmax
+CH = 256  # keys per chunk: its sum and largest weight are kept for the running sums and argmax
 
 if numba is not None:
 
@@ -53,9 +53,13 @@ if numba is not None:
             return 0.0
         k = j // c
         s = 0.0
-        for t in range(k * c, j + 1):
+        if j - k * c < c // 2 or (k + 1) * c > x.shape[0]:  # from the nearer end of its chunk
+            for t in range(k * c, j + 1):
+                s += np.float64(x[t])
+            return PS[k] + s
+        for t in range(j + 1, (k + 1) * c):
             s += np.float64(x[t])
-        return PS[k] + s
+        return PS[k + 1] - s
 
     @njit(fastmath=ss.FAST, cache=True, nogil=True, error_model="numpy")
     def _one(
@@ -84,11 +88,17 @@ if numba is not None:
         nch = (n + CH - 1) // CH
         top = np.int32(-1)
         PS[0] = 0.0
-        for c in range(nch):  # each chunk's sum and largest weight
+        for c in range(nch):  # each chunk's sum and largest weight (a fixed trip count vectorises)
             s, mx = 0.0, np.int32(-1)
-            for j in range(c * CH, min(n, c * CH + CH)):
-                s += np.float64(x[j])
-                mx = max(mx, bits[j])
+            base = c * CH
+            if base + CH <= n:
+                for t in range(CH):
+                    s += np.float64(x[base + t])
+                    mx = max(mx, bits[base + t])
+            else:
+                for j in range(base, n):
+                    s += np.float64(x[j])
+                    mx = max(mx, bits[j])
             PS[c + 1] = PS[c] + s
             M[c] = mx
             top = max(top, mx)
