@@ -70,7 +70,7 @@ if numba is not None:
         n = x.shape[0]
         bits = x.view(np.int32)
         ent, m0, m1, m2, signed, dist, neg = 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0
-        after, low = np.int32(0), np.int32(0x7FFFFFFF)
+        after, low, low_seen = np.int32(0), np.int32(0x7FFFFFFF), np.int32(0x7FFFFFFF)
         for j in range(n):  # one flat loop: LLVM keeps every sum in vector registers
             b = bits[j]
             v = np.float64(x[j])
@@ -83,6 +83,7 @@ if numba is not None:
             dist += abs(d) * v
             after = max(after, b if j > i else np.int32(0))
             low = min(low, b)
+            low_seen = min(low_seen, b if j <= i else np.int32(0x7FFFFFFF))
             neg |= b < 0  # a negative weight (or -0.0): the caller sorts instead
             acc[j] += w * v
         nch = (n + CH - 1) // CH
@@ -120,7 +121,15 @@ if numba is not None:
         out[10], out[11], out[12] = m0, m1, m2
         out[13] = x[first] if first < n else 0.0
         out[14] = ss.f32(after)
-        out[3] = ss.select_span(x, bits, total, low >> ss.SHIFT, top >> ss.SHIFT, hmass, hcnt, cand)
+        seen = min(n, i + 1)
+        if self_attn and after == 0 and 0 < seen < n:
+            # nothing after the query (a causal row): the zeros there are the smallest weights,
+            # all left out of the span, so only keys up to the query are binned
+            out[3] = ss.select_span(
+                x[:seen], bits[:seen], total, low_seen >> ss.SHIFT, top >> ss.SHIFT, hmass, hcnt, cand
+            )
+        else:
+            out[3] = ss.select_span(x, bits, total, low >> ss.SHIFT, top >> ss.SHIFT, hmass, hcnt, cand)
         if not self_attn:
             return
         out[4], out[5] = signed, dist
