@@ -106,6 +106,8 @@ def test_row_terms_against_loops():
     for k, v in want.items():
         torch.testing.assert_close(got[k].double(), v, rtol=1e-5, atol=2e-5, msg=k)
     assert torch.equal(got["arg"], P.argmax(-1))
+    span, amb = _sorted_span(P)  # causal rows: the zeros after the query are not binned
+    assert bool(((got["span"].long() == span) | amb).all()) and not bool(amb.all())
     torch.testing.assert_close(got["top"], P.amax(-1))
     torch.testing.assert_close(got["special"].double(), (P.double() * cols[:, None, None, 0]).sum(-1))
     torch.testing.assert_close(got["first"], torch.stack([P[0, ..., 0], P[1, ..., 3]]))
