@@ -17,6 +17,7 @@ reach it through :mod:`probe.forward`.
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable, Iterator
 from typing import Any, Protocol
 
@@ -64,6 +65,13 @@ class DropSink:
 
     def wait_written(self, tensor: Tensor) -> None:
         """Nothing is written."""
+
+
+def _reading(reader: Any) -> Any:
+    """The reader's own context around its block loop (``reader.reading()``: the CPU statistics
+    run torch single-threaded there while their compiled loop takes the cores), else none."""
+    ctx = getattr(reader, "reading", None)
+    return ctx() if ctx is not None else contextlib.nullcontext()
 
 
 def block_bytes(device: torch.device | str | None) -> int:
@@ -122,8 +130,9 @@ class BlockConsumer:
         whole = getattr(reader, "sdpa_call", None)  # a reader that reads one call's q and k itself
         one_call = whole is not None and kinds == {"sdpa"} and len(attn.parts) == 1
         if not (one_call and whole(*attn.parts[0][1:])):
-            for i, e, blk in blocks:
-                reader.rows(i, e, blk)
+            with _reading(reader):
+                for i, e, blk in blocks:
+                    reader.rows(i, e, blk)
         attn.causal = reader.close() if attn.role == "self" else None
         attn.shape = shape
         attn.handle = self.sink.put(torch.empty(0))

@@ -62,6 +62,47 @@ if numba is not None:
         return PS[k + 1] - s
 
     @njit(fastmath=ss.FAST, cache=True, nogil=True, error_model="numpy")
+    def _chunks(x, bits, PS, M):  # pragma: no cover - compiled
+        """Each chunk's sum (running, into ``PS``) and largest bit pattern (``M``); the largest."""
+        n = x.shape[0]
+        top = np.int32(-1)
+        PS[0] = 0.0
+        for c in range((n + CH - 1) // CH):  # a fixed trip count vectorises
+            s, mx = 0.0, np.int32(-1)
+            base = c * CH
+            if base + CH <= n:
+                for t in range(CH):
+                    s += np.float64(x[base + t])
+                    mx = max(mx, bits[base + t])
+            else:
+                for j in range(base, n):
+                    s += np.float64(x[j])
+                    mx = max(mx, bits[j])
+            PS[c + 1] = PS[c] + s
+            M[c] = mx
+            top = max(top, mx)
+        return top
+
+    @njit(fastmath=ss.FAST, cache=True, nogil=True, error_model="numpy")
+    def _distances(x, i, K, total, words, out, PS):  # pragma: no cover - compiled
+        """``beyond_<D>``, ``reach`` and the word masses of row ``x`` (query ``i``) into ``out``."""
+        n = x.shape[0]
+        for t in range(3):
+            D = BEYOND[t]
+            out[7 + t] = total - _run(x, i - D - 1, min(i + D, n - 1), PS, CH) if D < K else 0.0
+        lo, hi = 0, K - 1  # reach: the smallest d with within(d) >= REACH_MASS · total
+        want = REACH_MASS * total
+        while lo < hi:
+            mid = (lo + hi) // 2
+            if _run(x, i - mid - 1, min(i + mid, n - 1), PS, CH) >= want:
+                hi = mid
+            else:
+                lo = mid + 1
+        out[6] = hi
+        for t in range(words.shape[0]):
+            out[16 + t] = _run(x, words[t, 0], words[t, 1], PS, CH)
+
+    @njit(fastmath=ss.FAST, cache=True, nogil=True, error_model="numpy")
     def _one(
         x, i, self_attn, K, cols, first, words, w, acc, out, PS, M, hmass, hcnt, cand
     ):  # pragma: no cover
@@ -87,22 +128,7 @@ if numba is not None:
             neg |= b < 0  # a negative weight (or -0.0): the caller sorts instead
             acc[j] += w * v
         nch = (n + CH - 1) // CH
-        top = np.int32(-1)
-        PS[0] = 0.0
-        for c in range(nch):  # each chunk's sum and largest weight (a fixed trip count vectorises)
-            s, mx = 0.0, np.int32(-1)
-            base = c * CH
-            if base + CH <= n:
-                for t in range(CH):
-                    s += np.float64(x[base + t])
-                    mx = max(mx, bits[base + t])
-            else:
-                for j in range(base, n):
-                    s += np.float64(x[j])
-                    mx = max(mx, bits[j])
-            PS[c + 1] = PS[c] + s
-            M[c] = mx
-            top = max(top, mx)
+        top = _chunks(x, bits, PS, M)
         total = PS[nch]
         out[15] = neg
         if neg:
@@ -133,20 +159,7 @@ if numba is not None:
         if not self_attn:
             return
         out[4], out[5] = signed, dist
-        for t in range(3):
-            D = BEYOND[t]
-            out[7 + t] = total - _run(x, i - D - 1, min(i + D, n - 1), PS, CH) if D < K else 0.0
-        lo, hi = 0, K - 1  # reach: the smallest d with within(d) >= REACH_MASS · total
-        want = REACH_MASS * total
-        while lo < hi:
-            mid = (lo + hi) // 2
-            if _run(x, i - mid - 1, min(i + mid, n - 1), PS, CH) >= want:
-                hi = mid
-            else:
-                lo = mid + 1
-        out[6] = hi
-        for t in range(words.shape[0]):
-            out[16 + t] = _run(x, words[t, 0], words[t, 1], PS, CH)
+        _distances(x, i, K, total, words, out, PS)
 
     @njit(fastmath=ss.FAST, cache=True, nogil=True, error_model="numpy")
     def _tasks(x, tasks, h, r, q0, self_attn, K, cols, first, words, colw, out, acc):  # pragma: no cover

@@ -19,8 +19,10 @@ vectorises, where a call to the C library's ``logf`` would keep the row loop sca
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
@@ -49,10 +51,35 @@ FAST = {"reassoc", "contract"}
 _POOL: tuple[int, ThreadPoolExecutor] | None = None
 
 
+_CORES: int | None = None  # set by cores(): the thread count torch had before it was lowered
+
+
 def threads() -> int:
     """Worker threads for the compiled loops: torch's intra-op thread count (the cores torch was
-    told to use), so that the loops and torch's own kernels never ask for more cores than that."""
-    return max(1, min(torch.get_num_threads(), os.cpu_count() or 1))
+    told to use; inside :func:`cores`, the count it had before), so that the loops and torch's own
+    kernels never ask for more cores than that."""
+    return max(1, min(_CORES or torch.get_num_threads(), os.cpu_count() or 1))
+
+
+@contextlib.contextmanager
+def cores() -> Iterator[None]:
+    """Torch single-threaded inside, the compiled loops on :func:`threads` cores. Torch's OpenMP
+    workers spin for a while after each of its parallel kernels; with blocks of weights recomputed
+    by torch and read by the loop's threads in turn, the spinning workers and the loop's threads
+    took each other's cores at every hand-over (a block loop 3.6× slower than with torch on one
+    thread, on a shared two-core machine). Nested uses keep the outer count."""
+    global _CORES
+    n = torch.get_num_threads()
+    if _CORES is not None or n == 1 or numba is None:
+        yield
+        return
+    _CORES = n
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(n)
+        _CORES = None
 
 
 def pool() -> ThreadPoolExecutor:

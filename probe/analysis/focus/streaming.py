@@ -19,6 +19,7 @@ layer's whole pattern, so it is not computed on this path (``HeadStats.not_compu
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any
 
 import torch
@@ -116,6 +117,13 @@ class RowTerms:
         from probe.analysis.focus import fused
 
         return fused.read_call(self, args, kwargs)
+
+    def reading(self):
+        """The context of the block loop (``BlockConsumer``): torch single-threaded while the
+        compiled row loop reads the blocks on the cores torch had (:func:`~.spanselect.cores`)."""
+        from probe.analysis.focus import spanselect
+
+        return spanselect.cores()
 
     def rows(self, q0: int, q1: int, blk: torch.Tensor) -> None:
         """Fold in the weights ``blk`` ``[B, H, q1 - q0, kend]`` of query rows ``q0:q1``."""
@@ -277,6 +285,9 @@ class _Candidates:
     def sdpa_call(self, args: tuple, kwargs: dict) -> bool:
         return len(self.readers) == 1 and next(iter(self.readers.values())).sdpa_call(args, kwargs)
 
+    def reading(self):
+        return next(iter(self.readers.values())).reading()
+
     def rows(self, q0: int, q1: int, blk: torch.Tensor) -> None:
         for r in self.readers.values():
             r.rows(q0, q1, blk)
@@ -356,6 +367,16 @@ def model_head_stats(
     return accumulate(meta, readers).result()
 
 
+@contextlib.contextmanager
+def _one_thread():
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(n)
+
+
 def accumulate(meta: dict[str, Any], readers: dict[str, Any]):
     """The :class:`~probe.analysis.focus.stats.FocusAccumulator` of one forward's readers
     (:func:`stats_readers`'s, each under its pattern's cache key) and the capture's metadata;
@@ -376,12 +397,14 @@ def accumulate(meta: dict[str, Any], readers: dict[str, Any]):
     batch = 0
     for _, (stack, layer, kind), cands in sorted(keyed, key=lambda x: x[0]):
         terms = cands.of(stack)
-        values = terms.values()
+        with _one_thread():  # [B, H, Q] terms: torch's thread team only waits at each small op
+            values = terms.values()
+            received = terms.received()
         name = f"{stack}/{layer}/{kind}"
         acc.stats[name] = RunningStats().update(values)
         acc.heads[name] = list(range(values.shape[1]))
         acc.causal[name] = bool(terms.causal)
-        acc.received[name] = terms.received()
+        acc.received[name] = received
         batch = values.shape[0]
     acc.n_texts = batch
     acc.not_computed = streamed_not_computed(meta)
