@@ -121,9 +121,9 @@ class RowTerms:
     def reading(self):
         """The context of the block loop (``BlockConsumer``): torch single-threaded while the
         compiled row loop reads the blocks on the cores torch had (:func:`~.spanselect.cores`)."""
-        from probe.analysis.focus import spanselect
+        from probe.analysis.focus import rowfused, spanselect
 
-        return spanselect.cores()
+        return spanselect.cores() if rowfused.available() else contextlib.nullcontext()
 
     def rows(self, q0: int, q1: int, blk: torch.Tensor) -> None:
         """Fold in the weights ``blk`` ``[B, H, q1 - q0, kend]`` of query rows ``q0:q1``."""
