@@ -8,6 +8,7 @@ from __future__ import annotations
 import hf_fixtures as H
 import pytest
 import torch
+from sorted_oracle import sorted_terms
 
 import probe
 
@@ -50,22 +51,6 @@ def test_text_capture_on_cuda(gpt2_cuda):
     assert cache.pattern("decoder", 0).shape[0] == 2
 
 
-def _sorted_oracle(P):
-    """Span, top and first argmax by a full sort, written here: ascending values, float64 running
-    sums, the most smallest weights whose sum stays within 10% of the row's mass are left out."""
-    vals = P.double().sort(-1).values
-    c = vals.cumsum(-1)
-    left = (c <= 0.1 * c[..., -1:]).sum(-1)
-    ent = -(P.double() * P.double().clamp_min(torch.finfo(torch.float32).tiny).log()).sum(-1)
-    return {
-        "span": P.shape[-1] - left,
-        "top": vals[..., -1],
-        "total": c[..., -1],
-        "ent": ent,
-        "arg": P.argmax(-1),
-    }
-
-
 @pytest.mark.parametrize("K", [1, 7, 300, 4096, 16384, 20000])
 def test_row_kernel_matches_a_sort(K):
     rk = pytest.importorskip("probe.analysis.focus.rowkernel")
@@ -80,7 +65,7 @@ def test_row_kernel_matches_a_sort(K):
     P[1, 2, : min(K, 3)] = 1.0 / min(K, 3)
     P[1, 2, 3:] = 0
     got = rk.row_terms(P.cuda())
-    want = _sorted_oracle(P)
+    want = sorted_terms(P)
     assert torch.equal(got["span"].cpu().long(), want["span"])
     assert torch.equal(got["arg"].cpu(), want["arg"])
     torch.testing.assert_close(got["top"].cpu().double(), want["top"], rtol=0, atol=0)
@@ -153,7 +138,7 @@ def test_fused_kernel_matches_a_sort(K):
     s = (q.double() @ k.double().repeat_interleave(Hh, 1).transpose(-1, -2)) / E**0.5
     P = torch.softmax(s.masked_fill(~mask, float("-inf")), -1).nan_to_num(0.0)
     P = (P * kreal[:, None, None]).float()
-    want = _sorted_oracle(P)
+    want = sorted_terms(P)
     d = (got["span"].cpu().long() - want["span"]).abs()
     assert d.max() <= 1 and (d == 0).float().mean() > 0.9
     assert torch.equal(got["span"][1, :, 3].cpu().long(), want["span"][1, :, 3])  # equal weights: exact

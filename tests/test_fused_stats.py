@@ -14,6 +14,7 @@ import os
 import sys
 
 import torch
+from sorted_oracle import sorted_terms
 
 if not torch.cuda.is_available() and "triton" not in sys.modules:
     os.environ["TRITON_INTERPRET"] = "1"  # read when Triton is imported: its kernels run on the CPU
@@ -50,23 +51,6 @@ def kernel():
             os.environ.pop("PROBE_FUSED")
         else:
             os.environ["PROBE_FUSED"] = old
-
-
-def _oracle(P):
-    """Span, top, first argmax, total and entropy per row by a full sort, written here: ascending
-    values, float64 running sums; the most smallest weights whose sum stays within 10% of the row's
-    mass are left out."""
-    vals = P.double().sort(-1).values
-    c = vals.cumsum(-1)
-    left = (c <= 0.1 * c[..., -1:]).sum(-1)
-    ent = -(P.double() * P.double().clamp_min(torch.finfo(torch.float32).tiny).log()).sum(-1)
-    return {
-        "span": P.shape[-1] - left,
-        "top": vals[..., -1],
-        "total": c[..., -1],
-        "ent": ent,
-        "arg": P.argmax(-1),
-    }
 
 
 def _inputs(B, H, L, S, E, seed, kv=None):
@@ -111,7 +95,7 @@ def test_kernel_terms_match_a_sort(kernel, K):
     kreal[1, : K // 3] = False  # padding keys: their weight is zeroed after the softmax
     got, cols = _run(kernel, q, k, mask, False, kreal=kreal)
     P = _weights(q, k, mask, False, kreal)
-    want = _oracle(P)
+    want = sorted_terms(P)
     span_diff = (got["span"].long() - want["span"]).abs()
     assert (
         span_diff.max() <= 1 and (span_diff == 0).float().mean() > 0.9
