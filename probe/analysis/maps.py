@@ -150,7 +150,8 @@ def _query_rows(cache: Any, stack: str, layer: int, q: int, batch: int, index: i
     try:
         return cache.pattern(stack, layer, batch=batch, index=index)[:, q]
     except CacheKeyError:
-        if "rows" not in str(cache.metadata.get("keep") or {}):
+        kept = getattr(cache, "kept", None)
+        if not (isinstance(kept, dict) and "rows" in kept):
             raise
     kept = cache.row_index(stack, layer, index=index)[batch].tolist()
     if q not in kept:

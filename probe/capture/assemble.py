@@ -254,11 +254,12 @@ def _stacks_of(step: Step) -> dict[str, list[str]]:
             step.keys = {
                 (new + k[len(only) :] if k.startswith(only + ".") else k): v for k, v in step.keys.items()
             }
-            step.meta = _rename_stack(step.meta, only, new)
+            step.meta = rename_stack(step.meta, only, new)
     return out
 
 
-def _rename_stack(meta: dict[str, Any], old: str, new: str) -> dict[str, Any]:
+def rename_stack(meta: dict[str, Any], old: str, new: str) -> dict[str, Any]:
+    """``meta`` with stack ``old`` called ``new`` in its ``stacks`` and ``layers``."""
     meta = dict(meta)
     meta["stacks"] = {new if s == old else s: v for s, v in meta.get("stacks", {}).items()}
     meta["layers"] = [dict(e, stack=new) if e.get("stack") == old else e for e in meta.get("layers", [])]

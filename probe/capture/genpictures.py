@@ -19,6 +19,7 @@ from typing import Any
 from torch import Tensor, nn
 
 from probe.cache.format import parse_key
+from probe.capture.assemble import rename_stack
 from probe.capture.images import pictures_seen
 from probe.capture.merged import lay_pictures, merge_config, merged_grids
 from probe.capture.positions import image_positions, image_token_id, text_image_positions
@@ -77,11 +78,7 @@ def as_decoder(tensors: dict[str, Tensor], meta: dict[str, Any]) -> tuple[dict[s
         return tensors, meta
     old = text[0]
     tensors = {("decoder" + k[len(old) :] if k.startswith(old + ".") else k): v for k, v in tensors.items()}
-    meta = dict(meta)
-    meta["stacks"] = {("decoder" if s == old else s): v for s, v in stacks.items()}
-    meta["layers"] = [
-        dict(e, stack="decoder") if e.get("stack") == old else e for e in meta.get("layers", [])
-    ]
+    meta = rename_stack(meta, old, "decoder")
     if "stats" in meta:  # the statistics name each attention "stack/layer/kind"
         meta["stats"] = _renamed_keys(meta["stats"], old + "/", "decoder/")
     return tensors, meta
