@@ -24,6 +24,7 @@ from probe.capture.genpictures import as_decoder, name_pictures
 from probe.capture.images import is_images, load_images, process, texts_of
 from probe.capture.inputs import _record, device_of, is_hf_model, model_name
 from probe.capture.loop import own_loop
+from probe.capture.positions import image_token_id
 from probe.capture.steps import StepTrace
 from probe.capture.tokenizers import adapt
 from probe.capture.vlm import check_processor
@@ -312,7 +313,7 @@ def _meta(model, toks, ids, out, enc_dec, P, sampling, meta) -> dict[str, Any]:
     meta["stacks"] = dict(meta.get("stacks", {}))
     if "decoder" in meta["stacks"]:
         positions: dict[str, Any] = {"kinds": kinds}
-        image = _image_token(model)
+        image = image_token_id(model)
         named = (meta["stacks"]["decoder"].get("positions") or {}).get("rows")
         if (
             named and len(named) == 1 and len(named[0]["kinds"]) == len(read)
@@ -322,17 +323,6 @@ def _meta(model, toks, ids, out, enc_dec, P, sampling, meta) -> dict[str, Any]:
             positions["rows"] = [{"kinds": ["image" if i == image else "text" for i in read]}]
         meta["stacks"]["decoder"] = dict(meta["stacks"]["decoder"], positions=positions)
     return meta
-
-
-def _image_token(model: nn.Module) -> int | None:
-    """The id a vision-language model's prompt holds for each image position, if it has one."""
-    cfg = getattr(model, "config", None)
-    for c in (cfg, getattr(cfg, "text_config", None)):
-        for name in ("image_token_index", "image_token_id"):
-            v = getattr(c, name, None)
-            if isinstance(v, int):
-                return v
-    return None
 
 
 def _tokens(meta: dict[str, Any], prefix: str, tok: Any, ids: list[int]) -> None:

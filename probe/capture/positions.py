@@ -122,10 +122,11 @@ def image_token_id(model: nn.Module) -> int | None:
     """The id a vision-language model puts in the text for each image position (LLaVA's
     ``image_token_index``, most models' ``image_token_id``), None when the model has none."""
     cfg = getattr(model, "config", None)
-    for attr in ("image_token_id", "image_token_index"):
-        v = getattr(cfg, attr, None)
-        if isinstance(v, int) and not isinstance(v, bool):
-            return v
+    for c in (cfg, getattr(cfg, "text_config", None)):  # the model's own, else its language model's
+        for attr in ("image_token_id", "image_token_index"):
+            v = getattr(c, attr, None)
+            if isinstance(v, int) and not isinstance(v, bool):
+                return v
     return None
 
 
