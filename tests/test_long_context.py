@@ -186,9 +186,9 @@ def test_blocks_never_hold_a_whole_pattern(monkeypatch):
     seen = []
     real = streaming.RowTerms.rows
 
-    def spy(self, q0, q1, blk):
+    def spy(self, q0, q1, blk, fill=None):
         seen.append(tuple(blk.shape))
-        return real(self, q0, q1, blk)
+        return real(self, q0, q1, blk, fill)
 
     monkeypatch.setattr(streaming.RowTerms, "rows", spy)
     lm = ToyLM("sdpa_causal").eval()

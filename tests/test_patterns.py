@@ -181,3 +181,48 @@ def test_causal_blocks_take_more_rows_within_an_area(qkv):
     assert seen[0] == (0, 63) and seen[-1][1] == 300
     assert all(a[1] == b[0] for a, b in zip(seen, seen[1:], strict=False))
     assert len(seen) < 300 // 16  # fewer blocks than a fixed chunk of rows
+
+
+@pytest.mark.parametrize(
+    "case", ["causal", "bool_mask", "float_mask_causal", "gqa", "broadcast_keys", "3d", "masked_row"]
+)
+def test_lazy_blocks_filled_part_by_part_equal_the_oracle(qkv, case):
+    # lazy blocks come uncomputed; each (head, rows) part filled on its own (in any order, as the
+    # row loop's threads do) gives the oracle's weights for that part, whatever the mask's shape
+    from probe.capture.patterns import sdpa_blocks
+
+    q, k, v = qkv
+    g = torch.Generator().manual_seed(4)
+    tril = torch.ones(300, 300, dtype=torch.bool).tril()
+    kw, allowed, bias = {}, None, None
+    if case == "causal":
+        kw, allowed = {"is_causal": True}, tril
+    elif case == "bool_mask":
+        mask = torch.rand(2, 1, 300, 300, generator=g) > 0.2
+        kw, allowed = {"attn_mask": mask}, mask
+    elif case == "float_mask_causal":
+        bias = torch.randn(1, 3, 300, 300, generator=g)
+        kw, allowed = {"attn_mask": bias, "is_causal": True}, tril
+    elif case == "gqa":
+        k = k[:, :1]
+        kw, allowed = {"is_causal": True}, tril
+    elif case == "broadcast_keys":  # q and k with different batch shapes: not folded
+        k = k[:1]
+    elif case == "3d":
+        q, k = q.reshape(6, 300, 16), k.reshape(6, 300, 16)
+        kw, allowed = {"is_causal": True}, tril
+    else:  # rows that may see no key at all come out as zeros
+        mask = torch.rand(300, 300, generator=g) > 0.5
+        mask[7] = False
+        kw, allowed = {"attn_mask": mask}, mask
+    want = oracle(q, k.expand(q.shape[:-2] + k.shape[-2:]) if k.shape[:-2] != q.shape[:-2] else k,
+                  allowed=allowed, bias=bias)  # fmt: skip
+    n = math.prod(q.shape[:-2])
+    for start, end, block, fill in sdpa_blocks(q, k, v, chunk=70, lazy=True, **kw):
+        block.fill_(float("nan"))  # whatever the scratch held
+        r = end - start
+        parts = [(bh, a, min(r, a + 25)) for bh in range(n) for a in range(0, r, 25)]
+        for bh, a, b in reversed(parts):
+            fill(bh, a, b)
+        kend = block.shape[-1]
+        torch.testing.assert_close(block, want[..., start:end, :kend], atol=1e-6, rtol=0)

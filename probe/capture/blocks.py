@@ -74,6 +74,15 @@ def _reading(reader: Any) -> Any:
     return ctx() if ctx is not None else contextlib.nullcontext()
 
 
+def _fills(reader: Any, call: tuple) -> bool:
+    """Whether ``reader`` computes each block of this SDPA call itself, part by part as it reads
+    (``reader.fills(device)``: the CPU statistics' row loop), so the blocks come uncomputed."""
+    args, kwargs = call
+    q = args[0] if args else kwargs["query"]
+    ask = getattr(reader, "fills", None)
+    return ask is not None and bool(ask(q.device))
+
+
 def block_bytes(device: torch.device | str | None) -> int:
     """The float32 bytes of one row block on ``device``: :data:`CUDA_BLOCK_BYTES` on a GPU, else
     :data:`BLOCK_BYTES`."""
@@ -127,12 +136,19 @@ class BlockConsumer:
         blocks = self._sdpa(attn, batch) if "sdpa" in kinds else self._weights(attn, batch)
         shape = next(blocks)
         reader = self.open_attention(attn.role or "self", shape)
+        one_call = kinds == {"sdpa"} and len(attn.parts) == 1
         whole = getattr(reader, "sdpa_call", None)  # a reader that reads one call's q and k itself
-        one_call = whole is not None and kinds == {"sdpa"} and len(attn.parts) == 1
-        if not (one_call and whole(*attn.parts[0][1:])):
+        if not (one_call and whole is not None and whole(*attn.parts[0][1:])):
             with _reading(reader):
-                for i, e, blk in blocks:
-                    reader.rows(i, e, blk)
+                if one_call and _fills(reader, attn.parts[0][1:]):  # computed part by part as read
+                    blocks.close()
+                    lazy = self._sdpa(attn, batch, lazy=True)
+                    next(lazy)  # the shape, as above
+                    for i, e, blk, fill in lazy:
+                        reader.rows(i, e, blk, fill=fill)
+                else:
+                    for i, e, blk in blocks:
+                        reader.rows(i, e, blk)
         attn.causal = reader.close() if attn.role == "self" else None
         attn.shape = shape
         attn.handle = self.sink.put(torch.empty(0))
@@ -156,7 +172,7 @@ class BlockConsumer:
             e = min(Q, i + step)
             yield i, e, pattern[..., i:e, :].float()
 
-    def _sdpa(self, attn: Attention, batch: int | None) -> Iterator[Any]:
+    def _sdpa(self, attn: Attention, batch: int | None, lazy: bool = False) -> Iterator[Any]:
         calls = [(a, k) for _, a, k in attn.parts]
         shapes = []
         for args, kwargs in calls:
@@ -183,6 +199,10 @@ class BlockConsumer:
             if self.block is not None or len(calls) > 1
             else block_bytes(q.device) // (4 * max(1, B * shape[1]))
         )
+        if lazy:  # one call: each block uncomputed, with its fill (see sdpa_blocks)
+            for i, e, blk, fill in sdpa_blocks(*calls[0][0], **calls[0][1], chunk=step, area=area, lazy=True):
+                yield i, e, blk.view(B, shape[1], e - i, blk.size(-1)), fill
+            return
         gens = [sdpa_blocks(*a, **k, chunk=step, area=area) for a, k in calls]
         for parts in zip(*gens, strict=True):
             i, e = parts[0][0], parts[0][1]

@@ -13,6 +13,7 @@ semantics, a block of query rows at a time:
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Iterator
 from typing import Any
@@ -64,7 +65,7 @@ class _Scores:
         return out
 
     def blocks(
-        self, chunk: int, into: Tensor | None = None, area: int | None = None
+        self, chunk: int, into: Tensor | None = None, area: int | None = None, lazy: bool = False
     ) -> Iterator[tuple[int, int, Tensor]]:
         """``(start, end, block)``: the softmax weights of query rows ``start:end`` over the keys
         they may see, float32 ``[*batch, end - start, kend]`` (``kend`` is ``S``, or ``min(S, end)``
@@ -73,6 +74,10 @@ class _Scores:
         Blocks live in one contiguous scratch buffer (ATen's fused softmax runs in place there),
         valid until the next block. ``into``: a contiguous float32 tensor of the whole shape; when
         one block holds every query and key (a short sequence) it is computed there, no copy.
+        ``lazy``: yield ``(start, end, block, fill)`` with the block not yet computed;
+        ``fill(bh, a, b)`` computes rows ``a:b`` of its ``bh``-th head (batch and heads
+        flattened), so that a reader can compute each part on its own thread right before reading
+        it, while it is in that core's cache. Every part must be filled before the block is read.
         """
         L, S, n, batch = self.L, self.S, self.n, self.batch
         spans = self.spans(chunk, area)
@@ -90,6 +95,9 @@ class _Scores:
                     size = max((e1 - i1) * k1 for (i1, e1), k1 in zip(spans, kends, strict=True))
                     scratch = torch.empty(n * size, dtype=torch.float32, device=self.device)
                 blk = scratch[: n * (e - i) * kend].view(batch + (e - i, kend))
+            if lazy:
+                yield i, e, blk, functools.partial(self.fill, blk, i, kend, diag)
+                continue
             if self.folded:
                 b3 = blk.view(n, e - i, kend)
                 torch.baddbmm(b3, self.q[:, i:e], self.kt[..., :kend], beta=0.0, alpha=self.scale, out=b3)
@@ -104,6 +112,35 @@ class _Scores:
             if self.mask is not None and torch.isnan(blk[..., 0]).any():
                 blk.nan_to_num_(nan=0.0)
             yield i, e, blk
+
+    def fill(self, blk: Tensor, i: int, kend: int, diag: Tensor | None, bh: int, a: int, b: int) -> None:
+        """Compute rows ``i + a : i + b`` of the ``bh``-th flattened head of the block ``blk``
+        (:meth:`blocks` with ``lazy``): the same operations as a whole block, on one part."""
+        r = blk.size(-2)
+        out = blk.view(self.n, r, kend)[bh, a:b]
+        at = _unravel(bh, self.batch)
+        if self.folded:
+            q, kt = self.q[bh, i + a : i + b], self.kt[bh, :, :kend]
+            torch.addmm(out, q, kt, beta=0.0, alpha=self.scale, out=out)
+        else:
+            q = self.q.expand(self.batch + self.q.shape[-2:])[at]
+            kt = self.kt.expand(self.batch + self.kt.shape[-2:])[at]
+            torch.matmul(q[i + a : i + b], kt[:, :kend], out=out)
+        q0, q1 = i + a, i + b
+        if self.causal and kend > q0:  # the part of the diagonal block
+            out[:, q0:kend].add_(diag[a:b, a : a + kend - q0])
+        m = self.mask
+        if m is not None:
+            m = m.expand(self.batch + m.shape[-2:])[at] if m.dim() > 2 else m
+            m = m[q0:q1] if m.size(-2) == self.L else m
+            m = m[..., :kend] if m.size(-1) == self.S else m
+            if m.dtype == torch.bool:
+                out.masked_fill_(~m, float("-inf"))
+            else:
+                out.add_(m)
+        torch.ops.aten._softmax.out(out, -1, False, out=out)
+        if m is not None and torch.isnan(out[:, 0]).any():
+            out.nan_to_num_(nan=0.0)
 
     def _mask(self, blk: Tensor, i: int, e: int, kend: int) -> None:
         m = self.mask
@@ -130,6 +167,7 @@ def sdpa_blocks(
     *,
     chunk: int = 128,
     area: int | None = None,
+    lazy: bool = False,
 ) -> Iterator[tuple[int, int, Tensor]]:
     """The weights of an SDPA call, ``chunk`` query rows at a time: ``(start, end, block)``.
 
@@ -139,9 +177,10 @@ def sdpa_blocks(
     of a causal block) are zero. A block is overwritten by the next: copy what you keep.
     ``area``: under ``is_causal``, let blocks take more rows while ``rows x kend`` stays within
     ``area`` (see ``_Scores.spans``; every call with the same ``L``, ``chunk`` and ``area`` splits
-    its rows the same way).
+    its rows the same way). ``lazy``: each block comes uncomputed with its ``fill`` (see
+    ``_Scores.blocks``).
     """
-    yield from _Scores(query, key, attn_mask, is_causal, scale).blocks(chunk, area=area)
+    yield from _Scores(query, key, attn_mask, is_causal, scale).blocks(chunk, area=area, lazy=lazy)
 
 
 @torch.no_grad()
@@ -234,6 +273,15 @@ def sdpa_rows(
 
 
 _UPPER: dict[tuple[int, str], Tensor] = {}
+
+
+def _unravel(flat: int, shape: tuple[int, ...]) -> tuple[int, ...]:
+    """The index into ``shape`` of the ``flat``-th element in row-major order."""
+    out = []
+    for size in reversed(shape):
+        flat, r = divmod(flat, size)
+        out.append(r)
+    return tuple(reversed(out))
 
 
 def _upper(n: int, device: torch.device) -> Tensor:

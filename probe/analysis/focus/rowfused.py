@@ -23,6 +23,8 @@ Masses are float64. Used by :mod:`probe.analysis.focus.streaming` when numba is 
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import numpy as np
 import torch
 
@@ -37,6 +39,8 @@ NAMES = (
     "total", "ent", "top", "span", "signed", "dist", "reach", "beyond_16", "beyond_128", "beyond_1024",
     "special", "punct", "content", "first", "after", "neg", "word_prev", "word_self", "word_next",
 )  # fmt: skip
+PART = 1 << 17  # weights per part when the block is filled part by part (512 KiB: a core's cache)
+PART_ROWS = 32  # but no fewer rows a part (a skinnier matrix product is slower than the cache saves)
 CH = 256  # keys per chunk: its sum and largest weight are kept for the running sums and argmax
 
 if numba is not None:
@@ -168,9 +172,7 @@ if numba is not None:
         n = x.shape[1]
         PS = np.empty((n + CH - 1) // CH + 1, np.float64)
         M = np.empty((n + CH - 1) // CH, np.int32)
-        hmass = np.zeros(ss.BINS, np.float64)  # left zero by each row's selection
-        hcnt = np.zeros(ss.BINS, np.int64)
-        cand = np.empty(n, np.float32)
+        hmass, hcnt, cand = ss.scratch(n)  # the histograms are left zero by each row's selection
         for t in range(tasks.shape[0]):
             bh, a0, a1 = tasks[t, 0], tasks[t, 1], tasks[t, 2]
             b = bh // h
@@ -187,6 +189,17 @@ def available() -> bool:
     return numba is not None
 
 
+def _tasks_of(heads: int, r: int, n: int, k: int, filled: bool) -> np.ndarray:
+    """The ``(head, row start, row end)`` tasks of a block for ``k`` threads: a head's rows on one
+    thread (its column sums then need no lock), split further when there are fewer heads than
+    threads, or (``filled``: each part computed by its thread) into parts of about :data:`PART`
+    weights and at least :data:`PART_ROWS` rows, which stay in a core's cache."""
+    per = -(-2 * k // heads) if heads < 2 * k else 1
+    if filled:
+        per = max(per, min(-(-r * n // PART), r // PART_ROWS))
+    return np.array([(bh, a0, a1) for bh in range(heads) for a0, a1 in ss.parts(r, per)], np.int64)
+
+
 def row_terms(
     P: torch.Tensor,
     q0: int,
@@ -195,6 +208,7 @@ def row_terms(
     first: torch.Tensor,
     words: dict[str, tuple[torch.Tensor, torch.Tensor]] | None = None,
     colw: torch.Tensor | None = None,
+    fill: Callable[[int, int, int], None] | None = None,
 ) -> dict[str, torch.Tensor] | None:
     """Every per-row term of a CPU block ``P`` ``[B, h, r, kend]`` (rows ``q0:q0 + r``), each
     ``[B, h, r]``: :data:`NAMES` (``after``: the largest weight on a key after the query) and
@@ -203,8 +217,15 @@ def row_terms(
     (start, end)}`` ``[B, r]`` as :func:`~probe.analysis.focus.metrics.word_targets` gives them at
     these rows), the word masses); None for cross-attention. ``cols`` ``[B, 3, kend]``: the key
     classes; ``first`` ``[B]``: each text's first real key. ``colw`` ``[B, r]``: each query's
-    weight in the column sums, returned as ``recv`` ``[B, h, kend]`` (float64, ``Σ_i w_i a_ij``)."""
+    weight in the column sums, returned as ``recv`` ``[B, h, kend]`` (float64, ``Σ_i w_i a_ij``).
+
+    ``fill(bh, a, b)``: ``P`` (contiguous) is not computed yet; each part (the rows ``a:b`` of its
+    ``bh``-th head, batch and heads flattened) is computed by ``fill`` on the thread that reads it,
+    right before, in parts of about :data:`PART` weights, so that it is read from that core's cache
+    (and the recompute runs on every thread too)."""
     B, h, r, n = P.shape
+    if fill is not None and not P.is_contiguous():
+        raise ValueError("row_terms fills only a contiguous block")
     x = P.reshape(B * h * r, n).contiguous().numpy()
     out = np.zeros((B * h * r, len(NAMES) + 1), np.float64)  # + the argmax
     if words is not None:  # C[e] − C[s − 1], the ends clamped as word_masses clamps them
@@ -216,11 +237,8 @@ def row_terms(
         wr = torch.zeros(B, 0, r, 2, dtype=torch.long)
     wr = wr.permute(0, 2, 1, 3).contiguous().numpy().astype(np.int64)  # [B, r, 3, 2]
     w = np.zeros((B, r), np.float64) if colw is None else colw.double().contiguous().numpy()
-    # a head's rows on one thread (its column sums then need no lock), split further when there
-    # are fewer heads than threads
     k = ss.threads()
-    per = -(-2 * k // (B * h)) if B * h < 2 * k else 1
-    tasks = np.array([(bh, a0, a1) for bh in range(B * h) for a0, a1 in ss.parts(r, per)], np.int64)
+    tasks = _tasks_of(B * h, r, n, k, fill is not None)
     acc = np.zeros((len(tasks), n), np.float64)
     args = (
         h,
@@ -234,11 +252,19 @@ def row_terms(
         w,
         out,
     )
+
+    def run(a: int, b: int) -> None:
+        if fill is None:
+            _tasks(x, tasks[a:b], *args, acc[a:b])
+            return
+        for t in range(a, b):
+            fill(*(int(v) for v in tasks[t]))
+            _tasks(x, tasks[t : t + 1], *args, acc[t : t + 1])
+
     if k == 1 or len(tasks) == 1:
-        _tasks(x, tasks, *args, acc)
+        run(0, len(tasks))
     else:
-        runs = ss.parts(len(tasks), k)
-        list(ss.pool().map(lambda s: _tasks(x, tasks[s[0] : s[1]], *args, acc[s[0] : s[1]]), runs))
+        list(ss.pool().map(lambda s: run(*s), ss.parts(len(tasks), k)))
     if out[:, 15].any():
         return None
     t = torch.from_numpy(out[:, : len(NAMES)]).float().T.reshape(len(NAMES), B, h, r)

@@ -39,8 +39,8 @@ except ImportError:  # pragma: no cover - depends on the install
     numba = None
 
 SHIFT = 20  # first histogram: the bit patterns' top 11 bits (2048 bins; +inf is 0x7F8)
-SHIFT2 = 9  # second histogram: the next 11 bits of the weights in the crossing bin
 BINS = 1 << (31 - SHIFT)
+LANES = 4  # interleaved copies of each histogram (independent chains of adds; see _hist)
 FEW = 64  # a crossing bin with more weights than this is narrowed by the second histogram
 TINY_BITS = 0x00800000  # float32's smallest normal number: p·log max(p, tiny)
 LN2 = math.log(2.0)
@@ -131,32 +131,78 @@ if numba is not None:
         return e * LN2 + np.float64(np.float32(2.0) * s * (np.float32(1.0) + z * p))
 
     @njit(cache=True, nogil=True, error_model="numpy")
-    def _narrow(vals, m, bits_of, shift, cum, left, rest, hmass, hcnt):  # pragma: no cover
-        """One histogram level over ``vals[:m]`` (bins: ``(bits >> shift) & (BINS − 1)``): leave
-        out the bins below the one that crosses ``rest`` (adding their mass to ``cum`` and their
-        count to ``left``), compact that bin's weights to the front of ``vals``; returns
-        ``(kept, cum, left, crossed)`` (``crossed``: False when every bin fit)."""
-        kmin, kmax = BINS - 1, 0
-        for t in range(m):
-            k = (bits_of[t] >> shift) & (BINS - 1)
-            hmass[k] += vals[t]
-            hcnt[k] += 1
+    def scratch(n):  # pragma: no cover - compiled
+        """What :func:`select_span` works in for rows of up to ``n`` keys: the histograms
+        ``[LANES, BINS]`` (zero; each selection leaves them zero) and ``n`` candidate slots."""
+        return np.zeros((LANES, BINS), np.float64), np.zeros((LANES, BINS), np.int32), np.empty(n, np.float32)
+
+    @njit(cache=True, nogil=True, error_model="numpy")
+    def _hist(vals, bits_of, m, shift, mask, spread, hmass, hcnt):  # pragma: no cover - compiled
+        """Add ``vals[:m]`` to the histogram of bins ``(bits >> shift) & mask`` (``hmass``/``hcnt``
+        ``[LANES, BINS]``); returns the first and last bin used. ``spread``: into :data:`LANES`
+        interleaved copies (a near-uniform row's consecutive weights fall in one bin, and with one
+        copy each add waits for the previous one's store), else into copy 0."""
+        kmin, kmax = mask, 0
+        top = m - m % LANES if spread else 0
+        for t in range(0, top, LANES):
+            for u in range(LANES):  # unrolled by LLVM: LANES independent chains
+                k = (bits_of[t + u] >> shift) & mask
+                hmass[u, k] += vals[t + u]
+                hcnt[u, k] += 1
+                kmin, kmax = min(kmin, k), max(kmax, k)
+        for t in range(top, m):
+            k = (bits_of[t] >> shift) & mask
+            hmass[0, k] += vals[t]
+            hcnt[0, k] += 1
             kmin, kmax = min(kmin, k), max(kmax, k)
+        return kmin, kmax
+
+    @njit(cache=True, nogil=True, error_model="numpy")
+    def _walk(hmass, hcnt, lanes, kmin, kmax, last, cum, left, rest):  # pragma: no cover - compiled
+        """Leave out the bins from ``kmin`` up to ``last`` while their mass still fits in ``rest``
+        (adding it to ``cum`` and their counts to ``left``) and clear ``kmin..kmax`` of the first
+        ``lanes`` copies; returns ``(bin, cum, left)``, ``bin`` the one that crosses (``last + 1``
+        where every bin fit)."""
         b = kmin
-        while b <= kmax and cum + hmass[b] <= rest:
-            cum += hmass[b]
-            left += hcnt[b]
+        while b <= last:
+            mass, cnt = 0.0, 0
+            for u in range(lanes):
+                mass += hmass[u, b]
+                cnt += hcnt[u, b]
+            if cum + mass > rest:
+                break
+            cum += mass
+            left += cnt
             b += 1
-        hmass[kmin : kmax + 1] = 0.0
-        hcnt[kmin : kmax + 1] = 0
+        hmass[:lanes, kmin : kmax + 1] = 0.0
+        hcnt[:lanes, kmin : kmax + 1] = 0
+        return b, cum, left
+
+    @njit(cache=True, nogil=True, error_model="numpy")
+    def _narrow(vals, m, shift, cum, left, rest, hmass, hcnt):  # pragma: no cover
+        """One more histogram level over ``vals[:m]`` (weights sharing their bit patterns' top
+        ``31 − shift`` bits), on the next few bits (about ``log₂ m`` of them, so that the bins to
+        walk and clear stay about as many as the weights): leave out the bins below the one that
+        crosses ``rest`` (adding their mass to ``cum`` and their count to ``left``), compact that
+        bin's weights to the front of ``vals``; returns ``(kept, shift, cum, left, crossed)``
+        (``shift`` the new level's; ``crossed``: False when every bin fit)."""
+        nb = 4
+        while nb < 11 and (1 << nb) < m:
+            nb += 1
+        nb = min(nb, shift)
+        shift -= nb
+        mask = (1 << nb) - 1
+        bits_of = vals.view(np.int32)
+        kmin, kmax = _hist(vals, bits_of, m, shift, mask, False, hmass, hcnt)
+        b, cum, left = _walk(hmass, hcnt, 1, kmin, kmax, kmax, cum, left, rest)
         if b > kmax:
-            return 0, cum, left, False
+            return 0, shift, cum, left, False
         kept = 0
         for t in range(m):  # in place: kept <= t
             v = vals[t]
             vals[kept] = v
-            kept += ((bits_of[t] >> shift) & (BINS - 1)) == b
-        return kept, cum, left, True
+            kept += ((bits_of[t] >> shift) & mask) == b
+        return kept, shift, cum, left, True
 
     @njit(cache=True, nogil=True, error_model="numpy")
     def select_span(x, bits, total, kmin, kmax, hmass, hcnt, cand):  # pragma: no cover - compiled
@@ -169,25 +215,15 @@ if numba is not None:
             return 0
         rest = (1.0 - SPAN_MASS) * total
         cum, left = 0.0, 0
-        for j in range(n):
-            k = bits[j] >> SHIFT
-            hmass[k] += x[j]
-            hcnt[k] += 1
-        b = kmin
-        while b < kmax and cum + hmass[b] <= rest:
-            cum += hmass[b]
-            left += hcnt[b]
-            b += 1
-        hmass[kmin : kmax + 1] = 0.0
-        hcnt[kmin : kmax + 1] = 0
+        _hist(x, bits, n, SHIFT, BINS - 1, True, hmass, hcnt)
+        b, cum, left = _walk(hmass, hcnt, LANES, kmin, kmax, kmax - 1, cum, left, rest)  # kmax crosses
         m = 0
         for j in range(n):  # the crossing bin's weights, compacted without a branch
             cand[m] = x[j]
             m += (bits[j] >> SHIFT) == b
-        if m > FEW:  # many weights share the bin: narrow them by their next 11 bits
-            m, cum, left, crossed = _narrow(
-                cand, m, cand.view(np.int32), SHIFT2, cum, left, rest, hmass, hcnt
-            )
+        shift = SHIFT
+        while m > FEW and shift > 0:  # many weights share the bin: narrow them by their next bits
+            m, shift, cum, left, crossed = _narrow(cand, m, shift, cum, left, rest, hmass, hcnt)
             if not crossed:
                 return n - left
         for v in np.sort(cand[:m]):  # ascending, ties one by one, as the sort of the row
@@ -200,9 +236,7 @@ if numba is not None:
     @njit(fastmath=FAST, cache=True, nogil=True, error_model="numpy")
     def _span_rows(x, r0, r1, out):  # pragma: no cover - compiled
         n = x.shape[1]
-        hmass = np.zeros(BINS, np.float64)
-        hcnt = np.zeros(BINS, np.int64)
-        cand = np.empty(n, np.float32)
+        hmass, hcnt, cand = scratch(n)
         for row in range(r0, r1):
             v = x[row]
             bits = v.view(np.int32)

@@ -125,20 +125,31 @@ class RowTerms:
 
         return spanselect.cores() if rowfused.available() else contextlib.nullcontext()
 
-    def rows(self, q0: int, q1: int, blk: torch.Tensor) -> None:
-        """Fold in the weights ``blk`` ``[B, H, q1 - q0, kend]`` of query rows ``q0:q1``."""
+    def fills(self, device: torch.device) -> bool:
+        """Whether :meth:`rows` may be handed blocks not yet computed, with their ``fill``: on a
+        CPU with the compiled row loop, each part of a block is computed on the thread that reads
+        it (see :func:`~probe.analysis.focus.rowfused.row_terms`)."""
+        from probe.analysis.focus import rowfused
+
+        return torch.device(device).type == "cpu" and rowfused.available()
+
+    def rows(self, q0: int, q1: int, blk: torch.Tensor, fill: Any = None) -> None:
+        """Fold in the weights ``blk`` ``[B, H, q1 - q0, kend]`` of query rows ``q0:q1``;
+        ``fill(bh, a, b)``: ``blk`` is computed part by part by the row loop (:meth:`fills`)."""
         B, H, r, kend = blk.shape
         self._to(blk.device)
         dev, ws = self._on(blk.device), self.ws
         P = blk.float()
-        if self.lay.any_pad:  # weight on padding keys is not attention to the text
+        if fill is not None:  # the parts are computed (and padding keys zeroed) in the row loop
+            fill = self._filler(blk, fill)
+        elif self.lay.any_pad:  # weight on padding keys is not attention to the text
             buf = ws.get("pad", tuple(P.shape), P.dtype, P.device)
             P = torch.mul(P, dev["real"][:, None, None, :kend], out=buf)
         rows = torch.arange(q0, q1, device=blk.device)
         t, sl = self.t, slice(q0, q1)
         # on a GPU one kernel pass gives the per-row terms that otherwise take a sort and prefix sums;
         # on a CPU a compiled loop reads each row once for every per-row term (numba, if installed)
-        got = _kernel_terms(P, q0, self.shape[3] if self.self_attn else None) or self._cpu_terms(P, sl)
+        got = _kernel_terms(P, q0, self.shape[3] if self.self_attn else None) or self._cpu_terms(P, sl, fill)
         if got is None:
             got = {"ent": rb.entropy(P, ws), "total": P.sum(-1)}
             got["top"], got["arg"], got["span"] = rb.sorted_terms(P, ws)
@@ -162,9 +173,23 @@ class RowTerms:
         if self.self_attn:
             self._self_rows(P, rows, sl, lower, got)
 
-    def _cpu_terms(self, P: torch.Tensor, sl: slice) -> dict[str, torch.Tensor] | None:
+    def _filler(self, blk: torch.Tensor, fill: Any) -> Any:
+        """``fill`` followed by zeroing the part's weights on padding keys (in the block itself:
+        one reader reads it)."""
+        if not self.lay.any_pad:
+            return fill
+        B, H, r, kend = blk.shape
+        flat, real = blk.view(B * H, r, kend), self._on(blk.device)["real"]
+
+        def filled(bh: int, a: int, b: int) -> None:
+            fill(bh, a, b)
+            flat[bh, a:b].mul_(real[bh // H, :kend])
+
+        return filled
+
+    def _cpu_terms(self, P: torch.Tensor, sl: slice, fill: Any = None) -> dict[str, torch.Tensor] | None:
         """The compiled row loop's terms of a CPU block (:mod:`probe.analysis.focus.rowfused`),
-        or None without numba (then the block is sorted)."""
+        or None without numba (then the block is sorted); ``fill``: see :meth:`rows`."""
         from probe.analysis.focus import rowfused
 
         if P.device.type != "cpu" or not rowfused.available():
@@ -173,7 +198,7 @@ class RowTerms:
         words = {n: (s[:, sl], e[:, sl]) for n, (s, e) in dev["words"].items()} if self.words else None
         K = self.shape[3] if self.self_attn else None
         return rowfused.row_terms(
-            P, sl.start, K, dev["cols"][..., :kend], dev["first"], words, colw=dev["qreal"][:, sl]
+            P, sl.start, K, dev["cols"][..., :kend], dev["first"], words, colw=dev["qreal"][:, sl], fill=fill
         )
 
     def _after(self, after: torch.Tensor, sl: slice) -> bool:
@@ -288,9 +313,12 @@ class _Candidates:
     def reading(self):
         return next(iter(self.readers.values())).reading()
 
-    def rows(self, q0: int, q1: int, blk: torch.Tensor) -> None:
+    def fills(self, device: torch.device) -> bool:
+        return len(self.readers) == 1 and next(iter(self.readers.values())).fills(device)
+
+    def rows(self, q0: int, q1: int, blk: torch.Tensor, fill: Any = None) -> None:
         for r in self.readers.values():
-            r.rows(q0, q1, blk)
+            r.rows(q0, q1, blk, fill)
 
     def close(self) -> bool | None:
         return next(iter(self.readers.values())).close()
