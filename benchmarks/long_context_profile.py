@@ -2,7 +2,8 @@
 
 One call on the Llama-shaped model at GPT-2-small width with ``--layers`` layers (2) at ``--T``
 tokens (2048), profiled, split by the cumulative time of: the block recompute
-(``probe/capture/patterns.py`` ``_Scores.blocks``), the statistics (``RowTerms.rows`` less the
+(``probe/capture/patterns.py`` ``_Scores.blocks``, and where the CPU row loop computes each part
+of a block on its own threads, ``_Scores.fill``'s thread-seconds over the threads), the statistics (``RowTerms.rows`` less the
 column sums), the column sums (``rowblock.received``, the sink profile) and the reduction with
 its host copies (``RowTerms.values``, ``RowTerms.received``); the rest is the model's forward.
 ``--sort`` hides numba, so the CPU sorts rows for the span as before the compiled row loop.
@@ -18,6 +19,7 @@ import argparse
 import cProfile
 import pstats
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -29,6 +31,22 @@ def _cum(stats: dict, file_end: str, func: str, first_only: bool = False) -> flo
     if not hits:
         return 0.0
     return hits[0][1] if first_only else sum(v for _, v in hits)
+
+
+def _time_fills() -> list[float]:
+    """Sum the thread-seconds of every part a row loop thread computes (``_Scores.fill``)."""
+    from probe.capture import patterns
+
+    spent, lock, fill = [0.0], threading.Lock(), patterns._Scores.fill
+
+    def timed(*a, **k):
+        t = time.perf_counter()
+        fill(*a, **k)
+        with lock:
+            spent[0] += time.perf_counter() - t
+
+    patterns._Scores.fill = timed
+    return spent
 
 
 def main() -> None:
@@ -44,6 +62,7 @@ def main() -> None:
     import probe
     from models.llama import VOCAB, build
     from probe.analysis.focus import rowfused
+    from probe.analysis.focus.spanselect import threads
 
     if a.sort:
         rowfused.numba = None
@@ -52,6 +71,7 @@ def main() -> None:
     with torch.no_grad():  # warm-up (and numba's compile) at 64 tokens
         model(ids[:, :64])
     probe.head_stats(model, ids[:, :64])
+    filled = _time_fills()
     pr = cProfile.Profile()
     t0 = time.perf_counter()
     pr.enable()
@@ -59,8 +79,11 @@ def main() -> None:
     pr.disable()
     total = time.perf_counter() - t0
     st = pstats.Stats(pr).stats
-    rec = _cum(st, "capture/patterns.py", "blocks")
+    # blocks computed whole on the main thread, plus (the row loop filling each part on its own
+    # threads, which cProfile does not see) the fills' thread-seconds over the threads
+    rec = _cum(st, "capture/patterns.py", "blocks") + filled[0] / threads()
     rows = _cum(st, "focus/streaming.py", "rows", first_only=True)  # RowTerms.rows, not _Candidates'
+    rows -= filled[0] / threads()  # the parts' recompute inside the row loop
     col = _cum(st, "focus/rowblock.py", "received")
     host = _cum(st, "focus/streaming.py", "values") + _cum(st, "focus/streaming.py", "received")
     if a.top:
