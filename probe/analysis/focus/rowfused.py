@@ -108,17 +108,23 @@ if numba is not None:
 
     @njit(fastmath=ss.FAST, cache=True, nogil=True, error_model="numpy")
     def _one(
-        x, i, self_attn, K, cols, first, words, w, acc, out, PS, M, hmass, hcnt, cand
+        x, i, self_attn, K, cols, first, words, w, acc, out, PS, M, hmass, hcnt, cand, guess
     ):  # pragma: no cover
         """The terms of one row ``x`` (query ``i``) into ``out`` (:data:`NAMES`, then the argmax);
-        ``w · x`` added to the column sums ``acc``."""
+        ``w · x`` added to the column sums ``acc``. ``guess``: the first-level bin where the
+        previous row's span crossed (−1: none); returns this row's (see :func:`_span`)."""
         n = x.shape[0]
         bits = x.view(np.int32)
         ent, m0, m1, m2, signed, dist, neg = 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0
         after, low, low_seen = np.int32(0), np.int32(0x7FFFFFFF), np.int32(0x7FFFFFFF)
+        g_below, g_in, g_left = 0.0, 0.0, 0  # the mass below and in the guessed bin, the count below
         for j in range(n):  # one flat loop: LLVM keeps every sum in vector registers
             b = bits[j]
             v = np.float64(x[j])
+            k = b >> ss.SHIFT
+            g_below += v if k < guess else 0.0
+            g_in += v if k == guess else 0.0
+            g_left += k < guess
             ent += v * ss.ln(max(b, np.int32(ss.TINY_BITS)))  # p · log max(p, tiny)
             m0 += v * cols[0, j]
             m1 += v * cols[1, j]
@@ -136,7 +142,7 @@ if numba is not None:
         total = PS[nch]
         out[15] = neg
         if neg:
-            return
+            return -1
         at = 0
         for c in range(nch):  # the first chunk holding the largest weight, then its first place
             if M[c] == top:
@@ -155,15 +161,36 @@ if numba is not None:
         if self_attn and after == 0 and 0 < seen < n:
             # nothing after the query (a causal row): the zeros there are the smallest weights,
             # all left out of the span, so only keys up to the query are binned
-            out[3] = ss.select_span(
-                x[:seen], bits[:seen], total, low_seen >> ss.SHIFT, top >> ss.SHIFT, hmass, hcnt, cand
-            )
-        else:
-            out[3] = ss.select_span(x, bits, total, low >> ss.SHIFT, top >> ss.SHIFT, hmass, hcnt, cand)
+            g_left -= (n - seen) * (guess > 0)  # those zeros were counted below a guess above 0
+            low, n = low_seen, seen
+        crossed = _span(
+            x[:n], bits[:n], total, low, top, guess, g_below, g_in, g_left, hmass, hcnt, cand, out
+        )
         if not self_attn:
-            return
+            return crossed
         out[4], out[5] = signed, dist
         _distances(x, i, K, total, words, out, PS)
+        return crossed
+
+    @njit(cache=True, nogil=True, error_model="numpy")
+    def _span(
+        x, bits, total, low, top, guess, g_below, g_in, g_left, hmass, hcnt, cand, out
+    ):  # pragma: no cover
+        """The effective span of ``x`` into ``out[3]``; returns the first-level bin that crossed
+        (−1: none). Neighbouring rows of a head read the same keys, so their spans mostly cross
+        in the same bin: where the previous row's bin ``guess`` is this row's (the mass below it,
+        summed in the flat loop, fits in the rest and with the bin's own does not), the
+        histogram is skipped; else :func:`~.spanselect.crossing` finds the bin."""
+        out[3] = 0
+        if not total > 0.0:
+            return -1
+        rest = (1.0 - ss.SPAN_MASS) * total
+        if guess >= 0 and g_below <= rest < g_below + g_in:
+            b, cum, left = guess, g_below, g_left
+        else:
+            b, cum, left = ss.crossing(x, bits, total, low >> ss.SHIFT, top >> ss.SHIFT, hmass, hcnt)
+        out[3] = ss.finish(x, bits, total, b, cum, left, hmass, hcnt, cand)
+        return b
 
     @njit(fastmath=ss.FAST, cache=True, nogil=True, error_model="numpy")
     def _tasks(x, tasks, h, r, q0, self_attn, K, cols, first, words, colw, out, acc):  # pragma: no cover
@@ -176,11 +203,12 @@ if numba is not None:
         for t in range(tasks.shape[0]):
             bh, a0, a1 = tasks[t, 0], tasks[t, 1], tasks[t, 2]
             b = bh // h
+            guess = -1
             for a in range(a0, a1):
                 row = bh * r + a
-                _one(
+                guess = _one(
                     x[row], q0 + a, self_attn, K, cols[b], first[b], words[b, a], colw[b, a],
-                    acc[t], out[row], PS, M, hmass, hcnt, cand,
+                    acc[t], out[row], PS, M, hmass, hcnt, cand, guess,
                 )  # fmt: skip
 
 

@@ -210,13 +210,26 @@ if numba is not None:
         view; ``total`` its float64 sum; ``kmin``/``kmax`` the first-level bins of its smallest and
         largest weight). ``hmass``/``hcnt`` are zero on entry and left zero; ``cand`` has ``len(x)``
         float32 slots."""
-        n = x.shape[0]
         if not total > 0.0:
             return 0
+        b, cum, left = crossing(x, bits, total, kmin, kmax, hmass, hcnt)
+        return finish(x, bits, total, b, cum, left, hmass, hcnt, cand)
+
+    @njit(cache=True, nogil=True, error_model="numpy")
+    def crossing(x, bits, total, kmin, kmax, hmass, hcnt):  # pragma: no cover - compiled
+        """The first-level bin where the smallest weights stop fitting in the rest, by the
+        histogram: ``(bin, mass below it, count below it)`` (``total`` > 0)."""
         rest = (1.0 - SPAN_MASS) * total
-        cum, left = 0.0, 0
-        _hist(x, bits, n, SHIFT, BINS - 1, True, hmass, hcnt)
-        b, cum, left = _walk(hmass, hcnt, LANES, kmin, kmax, kmax - 1, cum, left, rest)  # kmax crosses
+        _hist(x, bits, x.shape[0], SHIFT, BINS - 1, True, hmass, hcnt)
+        return _walk(hmass, hcnt, LANES, kmin, kmax, kmax - 1, 0.0, 0, rest)  # kmax crosses
+
+    @njit(cache=True, nogil=True, error_model="numpy")
+    def finish(x, bits, total, b, cum, left, hmass, hcnt, cand):  # pragma: no cover - compiled
+        """The span, given the first-level bin ``b`` that crosses the rest, the mass ``cum`` and
+        the count ``left`` of the weights in the bins below it: that bin's weights are collected,
+        narrowed where many, and the few left walked in ascending order."""
+        n = x.shape[0]
+        rest = (1.0 - SPAN_MASS) * total
         m = 0
         for j in range(n):  # the crossing bin's weights, compacted without a branch
             cand[m] = x[j]
@@ -267,4 +280,16 @@ def spans(P: torch.Tensor) -> torch.Tensor:
     return (n - left).float()
 
 
-__all__ = ["spans", "select_span", "ln", "f32", "pool", "threads", "parts", "SHIFT", "BINS"]
+__all__ = [
+    "spans",
+    "select_span",
+    "crossing",
+    "finish",
+    "ln",
+    "f32",
+    "pool",
+    "threads",
+    "parts",
+    "SHIFT",
+    "BINS",
+]
