@@ -289,10 +289,7 @@ def row_terms(
             fill(*(int(v) for v in tasks[t]))
             _tasks(x, tasks[t : t + 1], *args, acc[t : t + 1])
 
-    if k == 1 or len(tasks) == 1:
-        run(0, len(tasks))
-    else:
-        list(ss.pool().map(lambda s: run(*s), ss.parts(len(tasks), k)))
+    ss.spread(run, len(tasks))
     if out[:, 15].any():
         return None
     t = torch.from_numpy(out[:, : len(NAMES)]).float().T.reshape(len(NAMES), B, h, r)

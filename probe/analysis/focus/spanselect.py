@@ -22,7 +22,7 @@ from __future__ import annotations
 import contextlib
 import math
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
@@ -83,15 +83,31 @@ def cores() -> Iterator[None]:
 
 
 def pool() -> ThreadPoolExecutor:
-    """A thread pool of :func:`threads` workers. The compiled loops release the GIL and run on
-    these plain threads, not on numba's own OpenMP pool: that pool's workers spin after each
-    parallel loop, and with torch's OpenMP pool (a second runtime) spinning after each of torch's
-    kernels, the two took each other's cores for milliseconds at every hand-over."""
+    """A thread pool of :func:`threads` − 1 workers (the calling thread is the other, see
+    :func:`spread`). The compiled loops release the GIL and run on these plain threads, not on
+    numba's own OpenMP pool: that pool's workers spin after each parallel loop, and with torch's
+    OpenMP pool (a second runtime) spinning after each of torch's kernels, the two took each
+    other's cores for milliseconds at every hand-over."""
     global _POOL
-    n = threads()
+    n = max(1, threads() - 1)
     if _POOL is None or _POOL[0] != n:
         _POOL = (n, ThreadPoolExecutor(n, thread_name_prefix="probe-rows"))
     return _POOL[1]
+
+
+def spread(fn: Callable[[int, int], None], n: int) -> None:
+    """``fn(start, end)`` over ``n`` items cut into :func:`threads` runs (:func:`parts`): the first
+    run on the calling thread, the others on :func:`pool`'s workers at the same time."""
+    runs = parts(n, threads())
+    if len(runs) == 1:
+        fn(*runs[0])
+        return
+    others = [pool().submit(fn, *r) for r in runs[1:]]
+    try:
+        fn(*runs[0])
+    finally:
+        for f in others:
+            f.result()
 
 
 def parts(n: int, k: int) -> list[tuple[int, int]]:
@@ -272,7 +288,7 @@ def spans(P: torch.Tensor) -> torch.Tensor:
     if numba is not None and not bool(torch.signbit(P).any()):  # -0.0 too: it would bin apart
         x = P.reshape(-1, n).float().contiguous().numpy()
         out = np.zeros(x.shape[0], np.int64)
-        list(pool().map(lambda s: _span_rows(x, s[0], s[1], out), parts(x.shape[0], threads())))
+        spread(lambda a, b: _span_rows(x, a, b, out), x.shape[0])
         return torch.from_numpy(out).float().reshape(lead)
     vals = P.double().sort(-1).values
     c = vals.cumsum(-1)
