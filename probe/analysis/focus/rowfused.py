@@ -4,18 +4,22 @@ Each row is read while it sits in the core's cache, in three short loops (the fi
 vectorised by LLVM: it is plain arithmetic, with the log of :func:`~.spanselect.ln` instead of a
 call to the C library's, and the sums may be reordered):
 
-1. over chunks of :data:`CH` keys: the total, entropy, masses on the three key classes,
-   ``Σ (j − i)·a`` and ``Σ |j − i|·a`` (float64), the largest weight and the largest after the
-   query (the causal audit; as int32 bit patterns, which order non-negative float32 as their
-   values do), whether a weight is negative, each chunk's sum and largest weight, and the column
-   sums ``Σ_i w_i a_ij`` (the sink profile, float64, one accumulator per head);
-2. the first position of the largest weight (the first chunk holding it, then that chunk);
-3. the effective span by :func:`~.spanselect.select_span` (a histogram of bit patterns, no sort).
+1. one flat loop: the entropy, masses on the three key classes, ``Σ (j − i)·a`` and
+   ``Σ |j − i|·a`` (float64), the largest weight after the query (the causal audit; as int32 bit
+   patterns, which order non-negative float32 as their values do), whether a weight is negative,
+   the column sums ``Σ_i w_i a_ij`` (the sink profile, float64, one accumulator per head), and the
+   masses below and in the bin where the previous row's span crossed;
+2. over chunks of :data:`CH` keys: each chunk's sum (the total) and largest weight, then the first
+   position of the largest weight (the first chunk holding it, then that chunk);
+3. the effective span (:mod:`~.spanselect`, no sort): where the previous row's bin still crosses,
+   its weights collected at once; else a histogram of bit patterns finds the bin.
 
 ``beyond_<D>``, ``reach90`` (a binary search) and the word masses are differences of running sums
 ``C(j) = Σ_{j' <= j} a``: the chunk sums' running total plus a part of one chunk. Rows are split
-over :func:`~.spanselect.threads` plain threads by head (a head's rows on one thread, so its column
-sums need no lock), each running the compiled loop with the GIL released.
+over :func:`~.spanselect.threads` threads by head (a head's rows on one thread, so its column sums
+need no lock; the calling thread is one of them), each running the compiled loop with the GIL
+released. Where the block comes uncomputed (``fill``), each thread computes its parts right
+before it reads them.
 
 Masses are float64. Used by :mod:`probe.analysis.focus.streaming` when numba is installed (the
 ``fast`` extra); without it the rows are sorted (:mod:`probe.analysis.focus.rowblock`).

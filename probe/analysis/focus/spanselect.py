@@ -3,12 +3,15 @@
 The effective span is the fewest keys whose weights cover :data:`SPAN_MASS` of the row's mass: sort
 the row ascending, keep a float64 running sum, and leave out the most smallest weights whose sum
 stays within the rest ``(1 − SPAN_MASS) · total``. Here no row is sorted. Non-negative float32
-values order as their bit patterns do, so a histogram of the patterns' top 11 bits (sign, exponent
-and 2 mantissa bits: 2,048 bins, each bin's count and float64 mass) finds the one bin where the
-smallest weights stop fitting in the rest: every bin below it is left out whole. That bin's
-weights are then collected; where there are many (a near-uniform row puts thousands in one bin) a
-second histogram over the next 11 bits narrows them to the weights sharing their top 22 bits, and
-only those few are sorted and walked in ascending order, ties one by one, exactly as the sort of
+values order as their bit patterns do, so a histogram of the 11 bits after the sign (the exponent
+and three mantissa bits: 2,048 bins, each bin's count and float64 mass, in :data:`LANES`
+interleaved copies) finds the one bin where the smallest weights stop fitting in the rest: every
+bin below it is left out whole (:func:`crossing`; the row loop of
+:mod:`~probe.analysis.focus.rowfused` first tries the previous row's bin, whose masses it sums
+as it reads the row). That bin's weights are then collected (:func:`finish`); where there are
+many (a near-uniform row puts thousands in one bin) further histograms, each over the next few
+bits (about ``log₂`` of the weights left, at most 11), narrow them, and only the last few are
+sorted and walked in ascending order, ties one by one, exactly as the sort of
 the whole row would (``tests/test_span_select.py`` checks it against a sort written in the test).
 
 :func:`ln` is the natural log of a float32 from its bit pattern (the exponent's ``e · ln 2`` in
@@ -41,7 +44,7 @@ except ImportError:  # pragma: no cover - depends on the install
 SHIFT = 20  # first histogram: the bit patterns' top 11 bits (2048 bins; +inf is 0x7F8)
 BINS = 1 << (31 - SHIFT)
 LANES = 4  # interleaved copies of each histogram (independent chains of adds; see _hist)
-FEW = 64  # a crossing bin with more weights than this is narrowed by the second histogram
+FEW = 64  # a crossing bin with more weights than this is narrowed by a further histogram
 TINY_BITS = 0x00800000  # float32's smallest normal number: p·log max(p, tiny)
 LN2 = math.log(2.0)
 SQRT2_32 = np.float32(math.sqrt(2.0))
