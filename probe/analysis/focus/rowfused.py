@@ -8,10 +8,10 @@ call to the C library's, and the sums may be reordered):
    ``Σ |j − i|·a`` (float64), the largest weight after the query (the causal audit; as int32 bit
    patterns, which order non-negative float32 as their values do), whether a weight is negative,
    the column sums ``Σ_i w_i a_ij`` (the sink profile, float64, one accumulator per head), and the
-   masses below and in the bin where the previous row's span crossed;
+   masses below and in the bin where the previous row's span crossed and its two neighbours;
 2. over chunks of :data:`CH` keys: each chunk's sum (the total) and largest weight, then the first
    position of the largest weight (the first chunk holding it, then that chunk);
-3. the effective span (:mod:`~.spanselect`, no sort): where the previous row's bin still crosses,
+3. the effective span (:mod:`~.spanselect`, no sort): where one of those three bins crosses,
    its weights collected at once; else a histogram of bit patterns finds the bin.
 
 ``beyond_<D>``, ``reach90`` (a binary search) and the word masses are differences of running sums
@@ -116,19 +116,26 @@ if numba is not None:
     ):  # pragma: no cover
         """The terms of one row ``x`` (query ``i``) into ``out`` (:data:`NAMES`, then the argmax);
         ``w · x`` added to the column sums ``acc``. ``guess``: the first-level bin where the
-        previous row's span crossed (−1: none); returns this row's (see :func:`_span`)."""
+        previous row's span crossed (−1: none); returns this row's (see :func:`_span`: this row's
+        masses and counts below and in the bins ``guess − 1``, ``guess``, ``guess + 1`` are
+        summed here as the row is read)."""
         n = x.shape[0]
         bits = x.view(np.int32)
         ent, m0, m1, m2, signed, dist, neg = 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0
         after, low, low_seen = np.int32(0), np.int32(0x7FFFFFFF), np.int32(0x7FFFFFFF)
-        g_below, g_in, g_left = 0.0, 0.0, 0  # the mass below and in the guessed bin, the count below
+        glo, ghi = guess - 1, guess + 1
+        s_below, s_lo, s_mid, s_hi, n_below, n_lo, n_mid = 0.0, 0.0, 0.0, 0.0, 0, 0, 0
         for j in range(n):  # one flat loop: LLVM keeps every sum in vector registers
             b = bits[j]
             v = np.float64(x[j])
             k = b >> ss.SHIFT
-            g_below += v if k < guess else 0.0
-            g_in += v if k == guess else 0.0
-            g_left += k < guess
+            s_below += v if k < glo else 0.0
+            s_lo += v if k == glo else 0.0
+            s_mid += v if k == guess else 0.0
+            s_hi += v if k == ghi else 0.0
+            n_below += k < glo
+            n_lo += k == glo
+            n_mid += k == guess
             ent += v * ss.ln(max(b, np.int32(ss.TINY_BITS)))  # p · log max(p, tiny)
             m0 += v * cols[0, j]
             m1 += v * cols[1, j]
@@ -161,15 +168,14 @@ if numba is not None:
         out[10], out[11], out[12] = m0, m1, m2
         out[13] = x[first] if first < n else 0.0
         out[14] = ss.f32(after)
-        seen = min(n, i + 1)
+        seen, zeros = min(n, i + 1), 0
         if self_attn and after == 0 and 0 < seen < n:
             # nothing after the query (a causal row): the zeros there are the smallest weights,
             # all left out of the span, so only keys up to the query are binned
-            g_left -= (n - seen) * (guess > 0)  # those zeros were counted below a guess above 0
-            low, n = low_seen, seen
-        crossed = _span(
-            x[:n], bits[:n], total, low, top, guess, g_below, g_in, g_left, hmass, hcnt, cand, out
-        )
+            low, n, zeros = low_seen, seen, n - seen
+        sums = (s_below, s_lo, s_mid, s_hi)
+        counts = (n_below, n_lo, n_mid, zeros)
+        crossed = _span(x[:n], bits[:n], total, low, top, guess, sums, counts, hmass, hcnt, cand, out)
         if not self_attn:
             return crossed
         out[4], out[5] = signed, dist
@@ -177,21 +183,32 @@ if numba is not None:
         return crossed
 
     @njit(cache=True, nogil=True, error_model="numpy")
-    def _span(
-        x, bits, total, low, top, guess, g_below, g_in, g_left, hmass, hcnt, cand, out
-    ):  # pragma: no cover
+    def _span(x, bits, total, low, top, guess, sums, counts, hmass, hcnt, cand, out):  # pragma: no cover
         """The effective span of ``x`` into ``out[3]``; returns the first-level bin that crossed
         (−1: none). Neighbouring rows of a head read the same keys, so their spans mostly cross
-        in the same bin: where the previous row's bin ``guess`` is this row's (the mass below it,
-        summed in the flat loop, fits in the rest and with the bin's own does not), the
-        histogram is skipped; else :func:`~.spanselect.crossing` finds the bin."""
+        in the same bin or the next one: where one of the bins ``guess − 1``, ``guess`` and
+        ``guess + 1`` crosses (the masses below it fit in the rest and with the bin's own do not;
+        ``sums``: the mass below ``guess − 1`` and in each of the three, ``counts``: the count below
+        ``guess − 1`` and in the first two, then the zeros after a causal row's query, counted
+        below any bin above 0 but not part of ``x``), the histogram is skipped; else
+        :func:`~.spanselect.crossing` finds the bin."""
         out[3] = 0
         if not total > 0.0:
             return -1
         rest = (1.0 - ss.SPAN_MASS) * total
-        if guess >= 0 and g_below <= rest < g_below + g_in:
-            b, cum, left = guess, g_below, g_left
-        else:
+        b, cum, left = -1, 0.0, 0
+        if guess >= 0:
+            c0 = sums[0]
+            c1 = c0 + sums[1]
+            c2 = c1 + sums[2]
+            if guess >= 1 and c0 <= rest < c1:
+                b, cum, left = guess - 1, c0, counts[0]
+            elif c1 <= rest < c2:
+                b, cum, left = guess, c1, counts[0] + counts[1]
+            elif c2 <= rest < c2 + sums[3]:
+                b, cum, left = guess + 1, c2, counts[0] + counts[1] + counts[2]
+            left -= counts[3] * (b > 0)
+        if b < 0:
             b, cum, left = ss.crossing(x, bits, total, low >> ss.SHIFT, top >> ss.SHIFT, hmass, hcnt)
         out[3] = ss.finish(x, bits, total, b, cum, left, hmass, hcnt, cand)
         return b

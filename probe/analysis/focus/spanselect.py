@@ -7,12 +7,13 @@ values order as their bit patterns do, so a histogram of the 11 bits after the s
 and three mantissa bits: 2,048 bins, each bin's count and float64 mass, in :data:`LANES`
 interleaved copies) finds the one bin where the smallest weights stop fitting in the rest: every
 bin below it is left out whole (:func:`crossing`; the row loop of
-:mod:`~probe.analysis.focus.rowfused` first tries the previous row's bin, whose masses it sums
-as it reads the row). That bin's weights are then collected (:func:`finish`); where there are
-many (a near-uniform row puts thousands in one bin) further histograms, each over the next few
-bits (about ``log₂`` of the weights left, at most 11), narrow them, and only the last few are
-sorted and walked in ascending order, ties one by one, exactly as the sort of
-the whole row would (``tests/test_span_select.py`` checks it against a sort written in the test).
+:mod:`~probe.analysis.focus.rowfused` first tries the previous row's bin and its two neighbours,
+whose masses it sums as it reads the row). That bin's weights are then collected
+(:func:`finish`); where there are many (a near-uniform row puts thousands in one bin) further
+histograms, each over the next few bits (about ``log₂`` of the weights left, at most 11), narrow
+them, and only the last few are sorted and walked in ascending order, ties one by one, exactly
+as the sort of the whole row would (``tests/test_span_select.py`` checks it against a sort
+written in the test).
 
 :func:`ln` is the natural log of a float32 from its bit pattern (the exponent's ``e · ln 2`` in
 float64 plus ``2·atanh((m − 1)/(m + 1))`` of the mantissa ``m`` as a series in float32, within
