@@ -3,10 +3,11 @@
 One call on the Llama-shaped model at GPT-2-small width with ``--layers`` layers (2) at ``--T``
 tokens (2048), profiled, split by the cumulative time of: the block recompute
 (``probe/capture/patterns.py`` ``_Scores.blocks``, and where the CPU row loop computes each part
-of a block on its own threads, ``_Scores.fill``'s thread-seconds over the threads), the statistics (``RowTerms.rows`` less the
-column sums), the column sums (``rowblock.received``, the sink profile) and the reduction with
-its host copies (``RowTerms.values``, ``RowTerms.received``); the rest is the model's forward.
-``--sort`` hides numba, so the CPU sorts rows for the span as before the compiled row loop.
+of a block on its own threads, ``_Scores.fill``'s thread-seconds over the threads), the
+statistics (``RowTerms.rows`` less the column sums and those parts), the column sums
+(``rowblock.received``, the sink profile) and the reduction with its host copies
+(``RowTerms.values``, ``RowTerms.received``); the rest is the model's forward. ``--sort`` hides
+numba, so the CPU sorts rows for the span as before the compiled row loop.
 
     python benchmarks/long_context_profile.py            # the compiled row loop (numba)
     python benchmarks/long_context_profile.py --sort     # the sort path
