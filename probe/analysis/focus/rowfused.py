@@ -213,14 +213,22 @@ if numba is not None:
         out[3] = ss.finish(x, bits, total, b, cum, left, hmass, hcnt, cand)
         return b
 
-    @njit(fastmath=ss.FAST, cache=True, nogil=True, error_model="numpy")
-    def _tasks(x, tasks, h, r, q0, self_attn, K, cols, first, words, colw, out, acc):  # pragma: no cover
-        """The rows of each task ``(head, row start, row end)`` (``x`` ``[B·h·r, n]``); the
-        column sums of task ``t`` go to ``acc[t]``."""
-        n = x.shape[1]
+    @njit(cache=True, nogil=True, error_model="numpy")
+    def _scratch(n):  # pragma: no cover - compiled
+        """What :func:`_tasks` works in for rows of ``n`` keys: the chunk sums and maxima, and
+        the span's histograms (zero, and left zero by each row's selection) and candidates."""
         PS = np.empty((n + CH - 1) // CH + 1, np.float64)
         M = np.empty((n + CH - 1) // CH, np.int32)
-        hmass, hcnt, cand = ss.scratch(n)  # the histograms are left zero by each row's selection
+        hmass, hcnt, cand = ss.scratch(n)
+        return PS, M, hmass, hcnt, cand
+
+    @njit(fastmath=ss.FAST, cache=True, nogil=True, error_model="numpy")
+    def _tasks(
+        x, tasks, h, r, q0, self_attn, K, cols, first, words, colw, out, acc, work
+    ):  # pragma: no cover
+        """The rows of each task ``(head, row start, row end)`` (``x`` ``[B·h·r, n]``); the
+        column sums of task ``t`` go to ``acc[t]``; ``work``: :func:`_scratch`'s arrays."""
+        PS, M, hmass, hcnt, cand = work
         for t in range(tasks.shape[0]):
             bh, a0, a1 = tasks[t, 0], tasks[t, 1], tasks[t, 2]
             b = bh // h
@@ -303,12 +311,13 @@ def row_terms(
     )
 
     def run(a: int, b: int) -> None:
+        work = _scratch(n)  # once per thread's share, not per part
         if fill is None:
-            _tasks(x, tasks[a:b], *args, acc[a:b])
+            _tasks(x, tasks[a:b], *args, acc[a:b], work)
             return
         for t in range(a, b):
             fill(*(int(v) for v in tasks[t]))
-            _tasks(x, tasks[t : t + 1], *args, acc[t : t + 1])
+            _tasks(x, tasks[t : t + 1], *args, acc[t : t + 1], work)
 
     ss.spread(run, len(tasks))
     if out[:, 15].any():

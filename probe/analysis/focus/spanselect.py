@@ -157,13 +157,13 @@ if numba is not None:
         return np.zeros((LANES, BINS), np.float64), np.zeros((LANES, BINS), np.int32), np.empty(n, np.float32)
 
     @njit(cache=True, nogil=True, error_model="numpy")
-    def _hist(vals, bits_of, m, shift, mask, spread, hmass, hcnt):  # pragma: no cover - compiled
+    def _hist(vals, bits_of, m, shift, mask, interleave, hmass, hcnt):  # pragma: no cover - compiled
         """Add ``vals[:m]`` to the histogram of bins ``(bits >> shift) & mask`` (``hmass``/``hcnt``
-        ``[LANES, BINS]``); returns the first and last bin used. ``spread``: into :data:`LANES`
+        ``[LANES, BINS]``); returns the first and last bin used. ``interleave``: into :data:`LANES`
         interleaved copies (a near-uniform row's consecutive weights fall in one bin, and with one
         copy each add waits for the previous one's store), else into copy 0."""
         kmin, kmax = mask, 0
-        top = m - m % LANES if spread else 0
+        top = m - m % LANES if interleave else 0
         for t in range(0, top, LANES):
             for u in range(LANES):  # unrolled by LLVM: LANES independent chains
                 k = (bits_of[t + u] >> shift) & mask
