@@ -27,6 +27,7 @@ Targets (issue 21): at T = 16,384 peak <= plain + 1 GiB and time <= 1.5 x plain.
     python benchmarks/long_context.py                           # T = 1024, 4096, 16384
     python benchmarks/long_context.py --lengths 256 512 --repeats 1
     python benchmarks/long_context.py --device cuda --lengths 16384
+    python benchmarks/long_context.py --device cuda --no-fused      # the default GPU path only
     python benchmarks/long_context.py --report 16384 /tmp/report16k   # the report of a 16k stats cache
 """
 
@@ -120,12 +121,12 @@ def child_peak(mode: str, T: int, device: str, width: dict) -> dict:
     return {"mode": mode, "T": T, "peak_mib": (peak - base) / MiB}
 
 
-def child_time(T: int, device: str, width: dict, repeats: int) -> dict:
+def child_time(T: int, device: str, width: dict, repeats: int, fused: bool = True) -> dict:
     model, ids = _setup(T, device, width)
     # on a GPU the fused kernel (never writes the weights) and the previous block path, interleaved
     modes = (
         ("plain", "weights", "stats", "stats_fused")
-        if device.startswith("cuda")
+        if device.startswith("cuda") and fused
         else ("plain", "weights", "stats")
     )
     for mode in modes:
@@ -201,6 +202,7 @@ def main() -> None:
     )
     ap.add_argument("--width", default=None, help=argparse.SUPPRESS)  # json: a smaller model, for smoke runs
     ap.add_argument("--json", action="store_true", help="print the rows as JSON")
+    ap.add_argument("--no-fused", action="store_true", help="on CUDA, leave the opt-in fused kernel out")
     ap.add_argument(
         "--report",
         nargs=2,
@@ -217,12 +219,13 @@ def main() -> None:
         elif kind == "report":
             row = child_report(T, a.device, width, a.child[2])
         elif kind == "time":
-            row = child_time(T, a.device, width, a.repeats)
+            row = child_time(T, a.device, width, a.repeats, fused=not a.no_fused)
         else:
             row = child_check(T, a.device, width)
         print(json.dumps(row))
         return
     common = ["--device", a.device, "--repeats", str(a.repeats), "--width", json.dumps(width)]
+    common += ["--no-fused"] if a.no_fused else []
     if a.report:
         print(json.dumps(_child("report", a.report[0], a.report[1], *common), indent=1))
         return

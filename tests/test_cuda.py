@@ -173,3 +173,29 @@ def test_fused_path_on_cuda_equals_the_block_path_and_the_full_patterns(monkeypa
                 for got in (a, o):
                     assert got[r["layer"], r["head"]][c] == pytest.approx(v, rel=1e-4, abs=1e-5), c
     torch.testing.assert_close(new.sink_profile(1), full.sink_profile(1), atol=1e-6, rtol=0)
+
+
+@pytest.mark.parametrize("which", ["llama", "llama_eager", "bart"])
+def test_block_path_on_cuda_equals_the_full_patterns(which, tmp_path):
+    """The row kernel's every term on the GPU (no wait per block): a padded batch with words and
+    templates (Llama, SDPA: the kernel writes the attention's table), the model's own weights
+    (eager: read back per block), an encoder's non-causal layers and cross-attention (BART),
+    small blocks (many per attention), against the whole-pattern statistics of a CPU capture."""
+    from test_long_context import TARGETS, TEXTS
+
+    bpe = H.bpe_tokenizer(tmp_path / "bpe")
+    kw = {"target": TARGETS} if which == "bart" else {}
+    model = H.bart(len(bpe)) if which == "bart" else H.llama(len(bpe))
+    model = H.eager_twin(model) if which == "llama_eager" else model
+    full = probe.head_stats(probe.capture(model, TEXTS, tokenizer=bpe, **kw), progress=False)
+    streamed = probe.head_stats(model.to("cuda"), TEXTS, tokenizer=bpe, block=3, **kw)
+    got = {(r["stack"], r["layer"], r["head"], r["kind"]): r for r in streamed.table}
+    assert len(got) == len(full.table)
+    for r in full.table:
+        g = got[r["stack"], r["layer"], r["head"], r["kind"]]
+        for c, v in r.items():
+            if isinstance(v, float) and v == v:
+                assert g[c] == pytest.approx(v, rel=1e-4, abs=1e-5), (r["stack"], r["layer"], c)
+            elif not isinstance(v, float):
+                assert g[c] == v, c
+    assert any(r["causal"] is False for r in streamed.table) == (which == "bart")  # an encoder's layers

@@ -176,3 +176,118 @@ def test_fused_can_be_turned_off(kernel, monkeypatch):
     assert not fused.enabled(torch.device("cpu"))  # off unless asked for
     monkeypatch.setenv("PROBE_FUSED", "1")
     assert fused.enabled(torch.device("cpu"))
+
+
+@pytest.fixture
+def rowk(monkeypatch):
+    """The block path's row kernel (probe/analysis/focus/rowkernel.py) compiled for Triton's
+    interpreter and allowed on CPU blocks, so the streamed statistics take the GPU's path here
+    (blocks computed whole, as on a GPU, not part by part in the CPU's row loop)."""
+    from probe.analysis.focus import rowkernel, streaming
+
+    if torch.cuda.is_available():
+        pytest.skip("these run the interpreter on CPU tensors; tests/test_cuda.py runs the kernel on the GPU")
+    importlib.reload(rowkernel)
+    if type(rowkernel._row_terms).__name__ != "InterpretedFunction":
+        pytest.skip("Triton was imported without TRITON_INTERPRET=1 (run this file on its own)")
+    rowkernel.CPU = True
+    monkeypatch.setattr(streaming.RowTerms, "fills", lambda self, device: False)
+    monkeypatch.setenv("PROBE_FUSED", "0")  # the block path (the fused kernel's fixture may be on)
+    try:
+        yield rowkernel
+    finally:
+        rowkernel.CPU = False
+
+
+def test_row_kernel_words_and_after(rowk):
+    """The row kernel's word masses and largest weight after the query (the causal audit) against
+    running sums and a maximum written here, and its span against the sort written in the test."""
+    g = torch.Generator().manual_seed(3)
+    B, Hh, q0, r, kend, K = 2, 2, 10, 6, 40, 50
+    P = torch.softmax(torch.randn(B, Hh, r, kend, generator=g) * 2, -1)
+    i = torch.arange(q0, q0 + r)
+    P[0, 0] *= torch.arange(kend)[None, :] <= i[:, None]  # causal rows: nothing after the query
+    P[1, 1, 2] = 0  # a row with no weight
+    s = torch.randint(0, kend + 8, (B, K, 3), generator=g)  # word starts, some past the block's keys
+    e = s + torch.randint(0, 5, (B, K, 3), generator=g)
+    s[0, q0, 0], e[0, q0 + 1, 1], s[1, q0 + 2] = 0, -1, 0  # from the first key; no word (e < 0)
+    words = {n: (s[..., t], e[..., t]) for t, n in enumerate(rowk.WORDS)}
+    ends = rowk.word_ends(words)[:, q0 : q0 + r]
+    first = torch.tensor([3, kend + 4])  # the second text's first real key is past this block
+    got = rowk.row_terms(P, q0, K, ends, first=first)
+    C = P.double().cumsum(-1)
+
+    def upto(j):  # C at key j, clamped to the block as word_masses clamps it
+        return C.gather(-1, j.clamp(0, kend - 1)[:, None, :, None].expand(B, Hh, r, 1))[..., 0]
+
+    for t, n in enumerate(rowk.WORDS):
+        st, en = s[:, q0 : q0 + r, t], e[:, q0 : q0 + r, t]
+        want = torch.where((st > 0)[:, None], upto(en) - upto(st - 1), upto(en))
+        torch.testing.assert_close(got[n].double(), want, atol=1e-6, rtol=0)
+    after = (P * (torch.arange(kend)[None, :] > i[:, None])).amax(-1)
+    assert torch.equal(got["after"], after)
+    assert float(got["after"][0, 0].max()) == 0
+    for d in range(-2, 3):  # a_i,i+d, 0 where that key is missing (row 0's query 10 sees 11 keys)
+        k = i + d
+        want = torch.where((k >= 0) & (k < kend), P[..., torch.arange(r), k.clamp(0, kend - 1)], 0)
+        assert torch.equal(got[f"diag_{d}"], want), d
+    assert torch.equal(got["first"][0], P[0, ..., 3]) and float(got["first"][1].abs().max()) == 0
+    assert torch.equal(got["span"].long(), sorted_terms(P)["span"])
+    assert rowk.row_terms(-P, q0, K, ends) is None  # a negative weight: the caller sorts instead
+    assert rowk.row_terms(-P, q0, K, ends, check=False) is not None  # the caller vouched for the signs
+
+
+@pytest.mark.parametrize(
+    "kind", ["sdpa_causal", *(pytest.param(k, marks=pytest.mark.slow) for k in ("F.softmax", "sdpa_bool"))]
+)
+def test_row_kernel_table_equals_the_full_patterns(rowk, kind, monkeypatch):
+    """The streamed statistics through the row kernel, as on a GPU (the causal audit kept on the
+    device and read once per attention; SDPA blocks not read back for negative weights), against
+    the whole-pattern statistics."""
+    from probe.analysis.focus import streaming
+
+    torch.manual_seed(7)
+    lm = ToyLM(kind).eval()
+    ids = torch.randint(0, 12, (2, 24))  # few token ids: duplicate and induction pairs
+    launched, checked = [], []
+    launch, row_terms = rowk.launch, rowk.row_terms
+    monkeypatch.setattr(rowk, "launch", lambda *a, **k: launched.append(1) or launch(*a, **k))
+    monkeypatch.setattr(rowk, "row_terms", lambda *a, **k: checked.append(k["check"]) or row_terms(*a, **k))
+    monkeypatch.setattr(streaming.RowTerms, "_cpu_terms", lambda *a, **k: pytest.fail("the CPU loop ran"))
+    streamed = probe.head_stats(lm, ids)
+    assert launched  # every block through the kernel; only the model's own weights read back
+    assert checked == ([True] * len(launched) if kind == "F.softmax" else [])
+    full = probe.head_stats(probe.capture(lm, ids), progress=False)
+    assert_same(streamed, full)
+    assert [r["causal"] for r in streamed.table] == [r["causal"] for r in full.table]
+
+
+@pytest.mark.slow
+def test_row_kernel_padded_hf_llama_with_words(rowk, tmp_path):
+    """A padded batch, word masses from a tokenizer, through the row kernel; keep='stats' too."""
+    bpe = H.bpe_tokenizer(tmp_path / "bpe")
+    model = H.llama(len(bpe))
+    streamed = probe.head_stats(model, TEXTS, tokenizer=bpe)
+    full = probe.head_stats(probe.capture(model, TEXTS, tokenizer=bpe), progress=False)
+    assert_same(streamed, full)
+    cache = probe.capture(model, TEXTS, tokenizer=bpe, keep="stats")
+    assert_same(probe.head_stats(cache), full)
+
+
+def test_row_kernel_seq2seq_with_terms_copied_as_off_a_gpu(rowk, monkeypatch, tmp_path):
+    """An encoder-decoder whose source and target have the same length (each self-attention is
+    read for both stacks until the forward names it), padded, with the terms copied each time
+    they move, as bringing them back from a GPU does (on a CPU .to("cpu") returns the same
+    tensors): the kernel's table must be spread into the terms before they are read."""
+    import copy
+
+    from probe.analysis.focus.metrics import Terms
+
+    to = Terms.to
+    monkeypatch.setattr(Terms, "to", lambda self, device: copy.deepcopy(to(self, device)))
+    bpe = H.bpe_tokenizer(tmp_path / "bpe")
+    model = H.bart(len(bpe))
+    texts = ["attention reads.", "the model is reading"]
+    streamed = probe.head_stats(model, texts, tokenizer=bpe, target=texts)
+    full = probe.head_stats(probe.capture(model, texts, tokenizer=bpe, target=texts), progress=False)
+    assert_same(streamed, full)

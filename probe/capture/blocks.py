@@ -140,6 +140,8 @@ class BlockConsumer:
         whole = getattr(reader, "sdpa_call", None)  # a reader that reads one call's q and k itself
         if not (one_call and whole is not None and whole(*attn.parts[0][1:])):
             with _reading(reader):
+                if "sdpa" in kinds and hasattr(reader, "recomputed"):
+                    reader.recomputed()  # the blocks are probe's own softmax: no weight below 0
                 if one_call and _fills(reader, attn.parts[0][1:]):  # computed part by part as read
                     blocks.close()
                     lazy = self._sdpa(attn, batch, lazy=True)

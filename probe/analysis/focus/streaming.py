@@ -8,9 +8,10 @@ forward is done, :func:`~probe.analysis.focus.metrics.reduce` turns the terms in
 exactly as for a captured cache. Peak memory is one block (``[batch, heads, rows, keys]``) plus
 O(batch · heads · T) of terms per layer, never a ``T × T`` pattern.
 
-On a CUDA device with Triton one kernel per block (:mod:`probe.analysis.focus.rowkernel`) gives the
-per-row terms that otherwise take a sort and prefix sums, and the terms stay on the device until
-the forward ends.
+On a CUDA device with Triton one kernel per block (:mod:`probe.analysis.focus.rowkernel`, driven by
+:mod:`probe.analysis.focus.gputerms`) gives every per-row term that otherwise takes a sort, prefix
+sums or a gather, the host never waits for the device between blocks, and the terms stay on the
+device until the forward ends.
 
 Whether a self-attention layer is causal (which decides the counted queries) is judged on every
 block as it passes: no weight above the diagonal between real tokens. Attention rollout needs every
@@ -25,6 +26,7 @@ from typing import Any
 import torch
 
 from probe.analysis.focus import rowblock as rb
+from probe.analysis.focus.gputerms import KernelTerms
 from probe.analysis.focus.metrics import LOCAL_WINDOW, Layout, Terms, reduce, word_masses, word_targets
 from probe.analysis.focus.reach import BEYOND
 from probe.analysis.focus.result import HeadStats
@@ -84,7 +86,9 @@ class RowTerms:
         self.t = t
         self.recv = torch.zeros(B, H, K, dtype=torch.float64)  # Σ over real queries of a_ij
         self.recv_first = torch.zeros(B, H, K, dtype=torch.float64)  # the first real query's row
-        self._dev: dict[str, dict[str, torch.Tensor]] = {}
+        self._dev: dict[str, dict[str, Any]] = {}
+        self.softmax = False  # see recomputed()
+        self.gpu = KernelTerms(self)  # the row kernel's share, on a GPU
 
     def _on(self, device: torch.device) -> dict[str, torch.Tensor]:
         """The key-side facts on ``device`` (copied once per device)."""
@@ -145,17 +149,23 @@ class RowTerms:
         elif self.lay.any_pad:  # weight on padding keys is not attention to the text
             buf = ws.get("pad", tuple(P.shape), P.dtype, P.device)
             P = torch.mul(P, dev["real"][:, None, None, :kend], out=buf)
-        rows = torch.arange(q0, q1, device=blk.device)
         t, sl = self.t, slice(q0, q1)
-        # on a GPU one kernel pass gives the per-row terms that otherwise take a sort and prefix sums;
+        # on a GPU one kernel pass gives every per-row term (no prefix sums, no sort, no wait)
+        if self.gpu.take(P, sl):
+            t.masks[:, :, sl] = torch.einsum("bhrk,bck->bhrc", P, dev["cols"][..., :kend])
+            self._columns(P, q0, q1)
+            if self.self_attn and t.tmpl is not None:
+                self._pairs(P, sl)
+            return
+        rows = torch.arange(q0, q1, device=blk.device)
         # on a CPU a compiled loop reads each row once for every per-row term (numba, if installed)
-        got = _kernel_terms(P, q0, self.shape[3] if self.self_attn else None) or self._cpu_terms(P, sl, fill)
+        got = self._cpu_terms(P, sl, fill)
         if got is None:
             got = {"ent": rb.entropy(P, ws), "total": P.sum(-1)}
             got["top"], got["arg"], got["span"] = rb.sorted_terms(P, ws)
         for n in ("ent", "total", "top", "arg", "span"):
             getattr(t, n)[..., sl] = got[n]
-        if "after" in got:  # the compiled loop: masks, first weight and the causal audit too
+        if "first" in got:  # the compiled loop: masks, first weight and the causal audit too
             t.masks[:, :, sl] = torch.stack([got["special"], got["punct"], got["content"]], -1)
             t.first[..., sl] = got["first"]
             lower = self._after(got["after"], sl)
@@ -165,13 +175,18 @@ class RowTerms:
             first = dev["first"].clamp(max=kend - 1)[:, None, None, None].expand(B, H, r, 1)
             at_first = P.gather(-1, first)[..., 0]
             t.first[..., sl] = torch.where((dev["first"] < kend)[:, None, None], at_first, 0)
-        recv = got.get("recv")  # the compiled loop sums the columns while it reads each row
-        self.recv[..., :kend] += rb.received(P, dev["qreal"][:, q0:q1]) if recv is None else recv
+        self._columns(P, q0, q1, got.get("recv"))  # the compiled loop sums the columns as it reads
+        if self.self_attn:
+            self._self_rows(P, rows, sl, lower, got)
+
+    def _columns(self, P: torch.Tensor, q0: int, q1: int, recv: torch.Tensor | None = None) -> None:
+        """The column sums of rows ``q0:q1`` (the sink profile) and the first real query's row."""
+        kend = P.shape[-1]
+        qreal = self._on(P.device)["qreal"]
+        self.recv[..., :kend] += rb.received(P, qreal[:, q0:q1]) if recv is None else recv
         for b, f in enumerate(self.qs.first.tolist()):
             if q0 <= f < q1:
                 self.recv_first[b, :, :kend] = P[b, :, f - q0]
-        if self.self_attn:
-            self._self_rows(P, rows, sl, lower, got)
 
     def _filler(self, blk: torch.Tensor, fill: Any) -> Any:
         """``fill`` followed by zeroing the part's weights on padding keys (in the block itself:
@@ -186,6 +201,11 @@ class RowTerms:
             flat[bh, a:b].mul_(real[bh // H, :kend])
 
         return filled
+
+    def recomputed(self) -> None:
+        """The blocks that follow are probe's own softmax of the call's scores (never negative):
+        the row kernel need not read a block back to look for a negative weight."""
+        self.softmax = True
 
     def _cpu_terms(self, P: torch.Tensor, sl: slice, fill: Any = None) -> dict[str, torch.Tensor] | None:
         """The compiled row loop's terms of a CPU block (:mod:`probe.analysis.focus.rowfused`),
@@ -263,22 +283,30 @@ class RowTerms:
         if t.tmpl is not None:
             real_q = self._on(P.device)["qreal"][:, None, sl]
             t.tmpl["prev"][..., sl] = torch.where(real_q, t.diag[-1][..., sl], 0)
-            pairs = self.ws.pairs(self.qs, self.ks, sl.start, sl.stop, kend, P.device)
-            for n, (b, i, j, hits) in pairs.items():
-                t.tmpl[n][..., sl] = rb.pair_sums(P, b, i, j)
-                t.hits[n][:, sl] = hits
+            self._pairs(P, sl)
+
+    def _pairs(self, P: torch.Tensor, sl: slice) -> None:
+        """The duplicate-token and induction sums of rows ``sl`` (templates of the token ids)."""
+        t = self.t
+        pairs = self.ws.pairs(self.qs, self.ks, sl.start, sl.stop, P.shape[-1], P.device)
+        for n, (b, i, j, hits) in pairs.items():
+            t.tmpl[n][..., sl] = rb.pair_sums(P, b, i, j)
+            t.hits[n][:, sl] = hits
 
     def close(self) -> bool | None:
         """Whether this self-attention was causal (None for cross-attention)."""
+        self.gpu.settle()
         return bool(self.causal) if self.self_attn else None
 
     def layout(self) -> Layout:
+        self.gpu.settle()
         _, _, Q, K = self.shape
         return Layout(self.qs, self.ks, Q, K, causal=True) if self.causal else self.lay
 
     def values(self) -> torch.Tensor:
         """Every metric per text and head, ``[B, H, M]``."""
-        return reduce(self.t.to("cpu"), self.layout(), self_attn=self.self_attn)
+        lay = self.layout()  # first: it spreads a GPU's kernel table into the terms
+        return reduce(self.t.to("cpu"), lay, self_attn=self.self_attn)
 
     def received(self) -> torch.Tensor:
         """The sink profile ``[B, H, K]`` (float64): each key's mean weight over the counted
@@ -288,16 +316,6 @@ class RowTerms:
         s = recv - first if self.causal else recv
         n = lay.counted[:, 0].sum(-1).double()[:, None, None]
         return torch.where(n > 0, s / n.clamp(min=1), float("nan"))
-
-
-def _kernel_terms(P: torch.Tensor, q0: int, K: int | None) -> dict[str, torch.Tensor] | None:
-    """The row kernel's terms of a CUDA block (:mod:`probe.analysis.focus.rowkernel`, imported
-    only then: Triton is a GPU matter), or None where it does not apply."""
-    if not P.is_cuda:
-        return None
-    from probe.analysis.focus import rowkernel
-
-    return rowkernel.row_terms(P, q0, K) if rowkernel.usable(P) else None
 
 
 class _Candidates:
@@ -316,12 +334,16 @@ class _Candidates:
     def fills(self, device: torch.device) -> bool:
         return len(self.readers) == 1 and next(iter(self.readers.values())).fills(device)
 
+    def recomputed(self) -> None:
+        for r in self.readers.values():
+            r.recomputed()
+
     def rows(self, q0: int, q1: int, blk: torch.Tensor, fill: Any = None) -> None:
         for r in self.readers.values():
             r.rows(q0, q1, blk, fill)
 
     def close(self) -> bool | None:
-        return next(iter(self.readers.values())).close()
+        return [r.close() for r in self.readers.values()][0]  # each settles its own terms
 
     def of(self, stack: str) -> RowTerms:
         r = self.readers.get(stack) or self.readers.get("*")

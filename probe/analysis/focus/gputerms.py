@@ -1,0 +1,128 @@
+"""The per-row terms of a streamed attention on a GPU: the row kernel, and no wait per block.
+
+:class:`~probe.analysis.focus.streaming.RowTerms` hands each block on a CUDA device to a
+:class:`KernelTerms` first. One Triton program per row (:mod:`probe.analysis.focus.rowkernel`)
+gives every per-row term: total, entropy, top weight and argmax, span, the first key's weight and,
+for self-attention, the distances, ``beyond_<D>``, ``reach90``, the diagonals, the word masses and
+each row's largest weight after its query (the causal audit). The host issues one launch per block
+and never reads the device back between blocks, so it queues the next block's work while the
+device computes this one:
+
+* blocks that probe computed with a softmax (SDPA's recomputed weights, :meth:`RowTerms.recomputed`)
+  cannot hold a negative weight, so the kernel writes straight into one ``[B, H, Q, N]`` table of
+  the attention, which is spread into the :class:`~probe.analysis.focus.metrics.Terms` once, when
+  the attention closes (:meth:`KernelTerms.settle`);
+* the causal audit is kept on the device and read once per attention.
+
+Weights the model computed itself are read back per block (``neg``): a negative weight (a softmax
+variant) breaks the span's bisection, and that block is sorted instead.
+"""
+
+from __future__ import annotations
+
+import sys
+from typing import Any
+
+import torch
+
+from probe.analysis.focus.reach import BEYOND
+
+KERNEL = "probe.analysis.focus.rowkernel"
+
+
+class KernelTerms:
+    """The row kernel's share of one :class:`RowTerms` (``owner``): :meth:`take` a block,
+    :meth:`settle` when the attention is done."""
+
+    def __init__(self, owner: Any) -> None:
+        self.owner = owner
+        self.table: torch.Tensor | None = None  # [B, H, Q, N] the kernel writes into
+        self.span: tuple[int, int] | None = None  # its rows written and not yet spread
+        self.above: torch.Tensor | None = None  # the largest weight after a real query so far
+
+    def take(self, P: torch.Tensor, sl: slice) -> bool:
+        """The per-row terms of block ``P`` (rows ``sl``) from the kernel; False where it does
+        not apply (a CPU, no Triton, rows too long, a negative weight): the caller computes them."""
+        kernel = sys.modules.get(KERNEL)  # on a CPU only for the tests' interpreter
+        if not P.is_cuda and not getattr(kernel, "CPU", False):
+            return False
+        from probe.analysis.focus import rowkernel
+
+        if not rowkernel.usable(P):
+            self.flush()
+            return False
+        o = self.owner
+        dev = o._on(P.device)
+        if "first32" not in dev:
+            dev["first32"] = dev["first"].to(torch.int32)
+            if o.words:  # one table of word ends for every block
+                dev["ends"] = rowkernel.word_ends(dev["words"])
+        words = dev["ends"][:, sl] if o.words else None
+        K = o.shape[3] if o.self_attn else None
+        if not o.softmax:  # the model's own weights: read back for a negative one
+            got = rowkernel.row_terms(P, sl.start, K, words, check=True, first=dev["first32"])
+            if got is None:
+                return False
+            self._store(got, sl)
+            return True
+        if self.table is None:
+            n = len(rowkernel.columns(o.self_attn, o.words))
+            self.table = torch.zeros(*o.shape[:3], n, device=P.device)
+        if self.span is not None and self.span[1] != sl.start:
+            self.flush()
+        rowkernel.launch(P, self.table, dev["first32"], sl.start, K, words, at=sl.start)
+        self.span = (sl.start if self.span is None else self.span[0], sl.stop)
+        return True
+
+    def flush(self) -> None:
+        """Spread the table's rows written so far into the owner's terms."""
+        if self.span is None:
+            return
+        from probe.analysis.focus import rowkernel
+
+        o = self.owner
+        sl = slice(*self.span)
+        names = rowkernel.columns(o.self_attn, o.words)
+        got = {n: self.table[:, :, sl, c] for c, n in enumerate(names) if n != "neg"}
+        got["arg"] = got["arg"].long()
+        self._store(got, sl)
+        self.span = None
+
+    def settle(self) -> None:
+        """The attention is done: spread the table, then read the causal audit once."""
+        self.flush()
+        self.table = None
+        if self.above is not None:
+            if bool(self.above > 0):
+                self.owner.causal = False
+            self.above = None
+
+    def _store(self, got: dict[str, torch.Tensor], sl: slice) -> None:
+        o = self.owner
+        t = o.t
+        for n in ("ent", "total", "top", "arg", "span", "first"):
+            getattr(t, n)[..., sl] = got[n]
+        if not o.self_attn:
+            return
+        t.signed[..., sl], t.dist[..., sl] = got["signed"], got["dist"]
+        for D in BEYOND:
+            if D not in t.beyond:
+                t.beyond[D] = torch.zeros_like(t.ent)
+            t.beyond[D][..., sl] = got[f"beyond_{D}"]
+        if t.reach is None:
+            t.reach = torch.zeros_like(t.ent)
+        t.reach[..., sl] = got["reach"]
+        for d in t.diag:
+            t.diag[d][..., sl] = got[f"diag_{d}"]
+        if t.word is not None:
+            for n in t.word:
+                t.word[n][..., sl] = got[n]
+        qreal = o._on(t.ent.device)["qreal"][:, None, sl]
+        if t.tmpl is not None:
+            t.tmpl["prev"][..., sl] = torch.where(qreal, t.diag[-1][..., sl], 0)
+        if o.causal:  # kept on the device: read once, in settle
+            m = (got["after"] * qreal).amax()
+            self.above = m if self.above is None else torch.maximum(self.above, m)
+
+
+__all__ = ["KernelTerms"]
