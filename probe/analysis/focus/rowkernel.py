@@ -60,70 +60,75 @@ NAMES = (*BASE, *SELF, *WORDS)
 if triton is not None:
 
     @triton.jit
-    def _bisect_bits(bits, x, rest, WIDE: tl.constexpr):  # pragma: no cover - compiled
+    def _bisect_bits(x, rest, WIDE: tl.constexpr):  # pragma: no cover - compiled
         """``(lo, hi)``, ``hi = lo + 1``: ``lo`` the largest bit pattern whose strictly smaller
         weights sum to at most ``rest`` (``f(0) = 0 <= rest`` always), summed in float64 if
-        ``WIDE`` else float32."""
+        ``WIDE`` else float32. Non-negative float32 order as their bit patterns do, so each step
+        compares the weights with the pattern read as a float (at most +inf): no array of bit
+        patterns is held beside the row."""
         lo = tl.zeros((), tl.int32)
         hi = tl.full((), 0x7F800001, tl.int32)  # one past +inf: every weight is below it
         for _ in range(31):
             mid = lo + (hi - lo) // 2
+            below = x < mid.to(tl.float32, bitcast=True)
             if WIDE:
-                ok = tl.sum(tl.where(bits < mid, x.to(tl.float64), 0.0), axis=0) <= rest
+                ok = tl.sum(tl.where(below, x.to(tl.float64), 0.0), axis=0) <= rest
             else:
-                ok = tl.sum(tl.where(bits < mid, x, 0.0), axis=0) <= rest.to(tl.float32)
+                ok = tl.sum(tl.where(below, x, 0.0), axis=0) <= rest.to(tl.float32)
             lo = tl.where(ok, mid, lo)
             hi = tl.where(ok, hi, mid)
         return lo, hi
 
     @triton.jit
-    def _span_left(x, inside, total, rest_share):  # pragma: no cover - compiled
+    def _span_left(x, n_pad, total, rest_share):  # pragma: no cover - compiled
         """How many keys the effective span leaves out: the smallest weights summing to at most
         ``(1 − SPAN_MASS) · total``. Non-negative float32 order as their bit patterns do: bisect
         with float32 sums (a few times cheaper), then check with float64 sums that ``f(lo) <=
         rest < f(lo + 1)``; f is monotone, so that settles it (the pattern float64 throughout
         gives); where float32 rounding misled a step (a sum within rounding of rest), bisect in
-        float64."""
-        bits = x.to(tl.int32, bitcast=True)
+        float64. The ``n_pad`` zeros past the row's last key (the load's padding to ``BLOCK``)
+        are taken out of the counts."""
         rest = rest_share * total
-        lo, hi = _bisect_bits(bits, x, rest, False)
-        m = tl.sum(tl.where(bits < lo, x.to(tl.float64), 0.0), axis=0)
-        if (m > rest) | (tl.sum(tl.where(bits < hi, x.to(tl.float64), 0.0), axis=0) <= rest):
-            lo, hi = _bisect_bits(bits, x, rest, True)
-            m = tl.sum(tl.where(bits < lo, x.to(tl.float64), 0.0), axis=0)
-        a = tl.sum(((bits < lo) & inside).to(tl.int32), axis=0)
-        e = tl.sum(((bits == lo) & inside).to(tl.int32), axis=0)
-        v = lo.to(tl.float32, bitcast=True).to(tl.float64)
+        lo, hi = _bisect_bits(x, rest, False)
+        m = _within(x, x < lo.to(tl.float32, bitcast=True))
+        if (m > rest) | (_within(x, x < hi.to(tl.float32, bitcast=True)) <= rest):
+            lo, hi = _bisect_bits(x, rest, True)
+            m = _within(x, x < lo.to(tl.float32, bitcast=True))
+        lo_f = lo.to(tl.float32, bitcast=True)
+        a = tl.sum((x < lo_f).to(tl.int32), axis=0) - tl.where(lo_f > 0, n_pad, 0)
+        e = tl.sum((x == lo_f).to(tl.int32), axis=0) - tl.where(lo_f == 0, n_pad, 0)
+        v = lo_f.to(tl.float64)
         # the weights equal to v come next in sorted order: as many as keep the sum within rest
         j = tl.where(v > 0, tl.floor((rest - m) / v), 0.0)
         j = tl.minimum(tl.maximum(j, 0.0), e.to(tl.float64))
         return a + j.to(tl.int32)
 
     @triton.jit
-    def _bisect_reach(x, dist, want, K_all, WIDE: tl.constexpr):  # pragma: no cover - compiled
-        """The smallest ``d`` in ``[0, K_all)`` whose mass within distance ``d`` is at least
-        ``want`` (the last ``d`` if none), summed in float64 if ``WIDE`` else float32."""
+    def _bisect_reach(x, offs, i, want, K_all, WIDE: tl.constexpr):  # pragma: no cover - compiled
+        """The smallest ``d`` in ``[0, K_all)`` whose mass within distance ``d`` of key ``i`` is
+        at least ``want`` (the last ``d`` if none), summed in float64 if ``WIDE`` else float32."""
         lo = tl.zeros((), tl.int32)
         hi = tl.zeros((), tl.int32) + (K_all - 1)
         for _ in range(16):
             mid = (lo + hi) // 2
+            near = (offs >= i - mid) & (offs <= i + mid)
             if WIDE:
-                ok = tl.sum(tl.where(dist <= mid, x.to(tl.float64), 0.0), axis=0) >= want
+                ok = tl.sum(tl.where(near, x.to(tl.float64), 0.0), axis=0) >= want
             else:
-                ok = tl.sum(tl.where(dist <= mid, x, 0.0), axis=0) >= want.to(tl.float32)
+                ok = tl.sum(tl.where(near, x, 0.0), axis=0) >= want.to(tl.float32)
             go = lo < hi
             hi = tl.where(go & ok, mid, hi)
             lo = tl.where(go & (not ok), mid + 1, lo)
         return hi
 
     @triton.jit
-    def _reach(x, dist, want, K_all):  # pragma: no cover - compiled
+    def _reach(x, offs, i, want, K_all):  # pragma: no cover - compiled
         """:func:`_bisect_reach` in float32, checked in float64 as the span is."""
-        hi = _bisect_reach(x, dist, want, K_all, False)
-        w_hi = tl.sum(tl.where(dist <= hi, x.to(tl.float64), 0.0), axis=0)
-        w_below = tl.sum(tl.where(dist <= hi - 1, x.to(tl.float64), 0.0), axis=0)
+        hi = _bisect_reach(x, offs, i, want, K_all, False)
+        w_hi = _within(x, (offs >= i - hi) & (offs <= i + hi))
+        w_below = _within(x, (offs >= i - hi + 1) & (offs <= i + hi - 1))
         if ((w_hi < want) & (hi < K_all - 1)) | ((w_below >= want) & (hi > 0)):
-            hi = _bisect_reach(x, dist, want, K_all, True)
+            hi = _bisect_reach(x, offs, i, want, K_all, True)
         return hi
 
     @triton.jit
@@ -132,18 +137,24 @@ if triton is not None:
 
     @triton.jit
     def _self_terms(
-        x, line, inside, offs, i, total, K, K_all, reach_share, D0, D1, D2, base, W: tl.constexpr
+        x, line, offs, i, total, K, K_all, reach_share, D0, D1, D2, base, W: tl.constexpr
     ):  # pragma: no cover - compiled
-        """Self-attention's terms of row ``x`` (query ``i``) into ``base[7:]``."""
-        dist = tl.abs(offs - i)
+        """Self-attention's terms of row ``x`` (query ``i``) into ``base[7:]``; distances come
+        from ``offs`` each time (no array of them is held beside the row)."""
         tl.store(base + 7, tl.sum(x.to(tl.float64) * (offs - i).to(tl.float64), axis=0).to(tl.float32))
-        tl.store(base + 8, tl.sum(x.to(tl.float64) * dist.to(tl.float64), axis=0).to(tl.float32))
-        tl.store(base + 9, _reach(x, dist, reach_share * total, K_all).to(tl.float32))
-        tl.store(base + 10, tl.where(D0 < K_all, total - _within(x, dist <= D0), 0.0))
-        tl.store(base + 11, tl.where(D1 < K_all, total - _within(x, dist <= D1), 0.0))
-        tl.store(base + 12, tl.where(D2 < K_all, total - _within(x, dist <= D2), 0.0))
+        tl.store(base + 8, tl.sum(x.to(tl.float64) * tl.abs(offs - i).to(tl.float64), axis=0).to(tl.float32))
+        tl.store(base + 9, _reach(x, offs, i, reach_share * total, K_all).to(tl.float32))
+        tl.store(
+            base + 10, tl.where(D0 < K_all, total - _within(x, (offs >= i - D0) & (offs <= i + D0)), 0.0)
+        )
+        tl.store(
+            base + 11, tl.where(D1 < K_all, total - _within(x, (offs >= i - D1) & (offs <= i + D1)), 0.0)
+        )
+        tl.store(
+            base + 12, tl.where(D2 < K_all, total - _within(x, (offs >= i - D2) & (offs <= i + D2)), 0.0)
+        )
         # the largest |weight| on a key after the query: the causal audit, without a pass of its own
-        tl.store(base + 13, tl.max(tl.where((offs > i) & inside, tl.abs(x), 0.0), axis=0))
+        tl.store(base + 13, tl.max(tl.where(offs > i, tl.abs(x), 0.0), axis=0))
         for d in tl.static_range(2 * W + 1):  # a_i,i+d for |d| <= W, 0 where that key is missing
             k = i + d - W
             tl.store(base + 14 + d, tl.load(line + k, mask=(k >= 0) & (k < K), other=0.0))
@@ -187,13 +198,13 @@ if triton is not None:
         tl.store(base + 0, total.to(tl.float32))
         tl.store(base + 1, -tl.sum(x * tl.log(tl.maximum(x, 1.1754943508222875e-38)), axis=0))
         tl.store(base + 2, tl.max(x, axis=0))
-        tl.store(base + 3, (K - _span_left(x, inside, total, rest_share)).to(tl.float32))
+        tl.store(base + 3, (K - _span_left(x, BLOCK - K, total, rest_share)).to(tl.float32))
         tl.store(base + 4, tl.sum((x < 0).to(tl.int32), axis=0).to(tl.float32))
         tl.store(base + 5, tl.argmax(x, axis=0, tie_break_left=True).to(tl.float32))  # < 2^24 keys: exact
         tl.store(base + 6, tl.where(f < K, at_first, 0.0))
         if DISTANCES:  # self-attention: the query is key q0 + rr
             i = q0 + rr.to(tl.int32)
-            _self_terms(x, line, inside, offs, i, total, K, K_all, reach_share, D0, D1, D2, base, W)
+            _self_terms(x, line, offs, i, total, K, K_all, reach_share, D0, D1, D2, base, W)
             if WORDED:  # C(hi) − C(lo) per target word, C the row's running sum
                 wr = WR + ((b * r + rr) * 6)
                 for t in tl.static_range(3):
