@@ -13,7 +13,7 @@ import os
 from typing import Any
 
 from probe.analysis.focus.keepstats import stats_fields
-from probe.analysis.focus.streaming import stats_readers
+from probe.analysis.focus.streamrun import stats_readers
 from probe.errors import ProbeError
 
 

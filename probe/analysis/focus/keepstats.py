@@ -2,7 +2,7 @@
 
 ``probe.capture(model, inputs, keep="stats")`` (:func:`probe.entry.capture`) runs one forward through
 :func:`probe.forward.capture_stats`: every attention's weights pass row block by row block
-through the readers of :func:`~probe.analysis.focus.streaming.stats_readers` and are dropped;
+through the readers of :func:`~probe.analysis.focus.streamrun.stats_readers` and are dropped;
 :func:`stats_fields` then stores, per attention of every layer,
 
 * ``<attn>.stat.<metric>`` ``[batch, head]`` (float32): each text's value of every metric of

@@ -317,7 +317,7 @@ def head_stats(
     ``progress``: a bar (over caches, or over the attentions a model's forward reads).
     """
     if isinstance(cache_or_caches, torch.nn.Module):
-        from probe.analysis.focus.streaming import model_head_stats
+        from probe.analysis.focus.streamrun import model_head_stats
 
         if inputs is None:
             raise ProbeError("head_stats(model, inputs): give the inputs to run the model on")

@@ -5,7 +5,8 @@ which hands each attention's weights a block of query rows at a time (recomputed
 slices of a softmax the model computed) to a :class:`RowTerms` made here. It turns each block into
 the per-query :class:`~probe.analysis.focus.metrics.Terms` of its rows and drops it; when the
 forward is done, :func:`~probe.analysis.focus.metrics.reduce` turns the terms into the metrics,
-exactly as for a captured cache. Peak memory is one block (``[batch, heads, rows, keys]``) plus
+exactly as for a captured cache (the run itself, a reader per attention and the table, is
+:mod:`probe.analysis.focus.streamrun`). Peak memory is one block (``[batch, heads, rows, keys]``) plus
 O(batch · heads · T) of terms per layer, never a ``T × T`` pattern.
 
 On a CUDA device with Triton one kernel per block (:mod:`probe.analysis.focus.rowkernel`, driven by
@@ -29,11 +30,7 @@ from probe.analysis.focus import rowblock as rb
 from probe.analysis.focus.gputerms import KernelTerms
 from probe.analysis.focus.metrics import LOCAL_WINDOW, Layout, Terms, reduce, word_masses, word_targets
 from probe.analysis.focus.reach import BEYOND
-from probe.analysis.focus.result import HeadStats
-from probe.analysis.focus.running import RunningStats
-from probe.analysis.focus.tokens import Side, side
-from probe.cache.format import parse_key
-from probe.errors import ProbeError
+from probe.analysis.focus.tokens import Side
 
 ROLLOUT_NOTE = (
     "attention rollout multiplies every layer's whole T x T pattern; head_stats(model, ...) never "
@@ -318,154 +315,8 @@ class RowTerms:
         return torch.where(n > 0, s / n.clamp(min=1), float("nan"))
 
 
-class _Candidates:
-    """One attention read for each stack it may belong to (an encoder-decoder's self-attention
-    where source and target have the same shape); the stack is known once the forward is named."""
-
-    def __init__(self, readers: dict[str, RowTerms]) -> None:
-        self.readers = readers
-
-    def sdpa_call(self, args: tuple, kwargs: dict) -> bool:
-        return len(self.readers) == 1 and next(iter(self.readers.values())).sdpa_call(args, kwargs)
-
-    def reading(self):
-        return next(iter(self.readers.values())).reading()
-
-    def fills(self, device: torch.device) -> bool:
-        return len(self.readers) == 1 and next(iter(self.readers.values())).fills(device)
-
-    def recomputed(self) -> None:
-        for r in self.readers.values():
-            r.recomputed()
-
-    def rows(self, q0: int, q1: int, blk: torch.Tensor, fill: Any = None) -> None:
-        for r in self.readers.values():
-            r.rows(q0, q1, blk, fill)
-
-    def close(self) -> bool | None:
-        return [r.close() for r in self.readers.values()][0]  # each settles its own terms
-
-    def of(self, stack: str) -> RowTerms:
-        r = self.readers.get(stack) or self.readers.get("*")
-        if r is None:
-            raise ProbeError(f"internal: no statistics read for the {stack} stack")
-        return r
-
-
-def stats_readers():
-    """``open_attention(meta, role, [B, H, Q, K]) -> reader``: a fresh factory of the readers that
-    compute the focus statistics (one :class:`RowTerms` per stack the attention may belong to;
-    ``reader.of(stack)`` is it). What a capture-side consumer of row blocks (``BlockConsumer``, a
-    future ``keep=\"stats\"``) is handed to build :class:`HeadStats` without holding patterns."""
-    sides: dict[tuple, Side] = {}
-    ws = rb.Workspace()
-
-    def side_of(meta, stack, role, B, L):
-        k = (stack, role, B, L)
-        if k not in sides:
-            sides[k] = side(meta, stack, role, B, L)
-        return sides[k]
-
-    def open_attention(meta: dict, role: str, shape: tuple) -> _Candidates:
-        B, H, Q, K = shape
-        enc_dec = meta.get("target_tokens") is not None
-        stacks = ("*",) if not enc_dec else ("decoder",) if role == "cross" else ("encoder", "decoder")
-        out, err = {}, None
-        for st in stacks:
-            name = "decoder" if st == "*" else st
-            try:
-                qs = side_of(meta, name, "own", B, Q)
-                ks = side_of(meta, name, "own" if role == "self" else "source", B, K)
-            except ProbeError as e:
-                err = e
-                continue
-            out[st] = RowTerms(qs, ks, shape, self_attn=role == "self", ws=ws)
-        if not out:
-            raise err
-        return _Candidates(out)
-
-    return open_attention
-
-
-def model_head_stats(
-    model: Any,
-    inputs: Any,
-    *,
-    tokenizer: Any = None,
-    target: Any = None,
-    layers: list[int] | None = None,
-    block: int | None = None,
-    progress: bool = False,
-    **pictures_or_sound: Any,
-) -> HeadStats:
-    """Focus statistics of every head of ``model`` on ``inputs`` from one forward, block by block
-    (see the module docstring); the same :class:`HeadStats` as ``head_stats(capture(...))``, less
-    the rollout (``not_computed["rollout"]`` gives the reason)."""
-    from probe.forward import stream_attention
-
-    meta, readers = stream_attention(
-        model,
-        inputs,
-        stats_readers(),
-        tokenizer=tokenizer,
-        target=target,
-        layers=layers,
-        block=block,
-        progress=progress,
-        **pictures_or_sound,  # processor=, text=, sampling_rate= as for probe.capture
-    )
-    return accumulate(meta, readers).result()
-
-
-@contextlib.contextmanager
-def _one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(n)
-
-
-def accumulate(meta: dict[str, Any], readers: dict[str, Any]):
-    """The :class:`~probe.analysis.focus.stats.FocusAccumulator` of one forward's readers
-    (:func:`stats_readers`'s, each under its pattern's cache key) and the capture's metadata;
-    ``.result()`` is the :class:`HeadStats`."""
-    from probe.analysis.focus.stats import FocusAccumulator, _kv_group
-
-    order = {s: i for i, s in enumerate(meta.get("stacks", {}))}
-    keyed = []
-    for key, reader in readers.items():
-        stack, layer, what = parse_key(key)
-        kind = what.split("_attn")[0]
-        keyed.append(
-            ((order.get(stack, 99), layer, 0 if kind == "self" else 1), (stack, layer, kind), reader)
-        )
-    acc = FocusAccumulator()
-    acc.kv_group = _kv_group(meta)
-    acc.received = {}
-    batch = 0
-    for _, (stack, layer, kind), cands in sorted(keyed, key=lambda x: x[0]):
-        terms = cands.of(stack)
-        with _one_thread():  # [B, H, Q] terms: torch's thread team only waits at each small op
-            values = terms.values()
-            received = terms.received()
-        name = f"{stack}/{layer}/{kind}"
-        acc.stats[name] = RunningStats().update(values)
-        acc.heads[name] = list(range(values.shape[1]))
-        acc.causal[name] = bool(terms.causal)
-        acc.received[name] = received
-        batch = values.shape[0]
-    acc.n_texts = batch
-    acc.not_computed = streamed_not_computed(meta)
-    return acc
-
-
 __all__ = [
     "RowTerms",
-    "model_head_stats",
-    "stats_readers",
-    "accumulate",
     "streamed_not_computed",
     "ROLLOUT_NOTE",
 ]
