@@ -53,31 +53,19 @@ def _variant(P, out, K, rest_share, BLOCK: tl.constexpr, MODE: tl.constexpr):
         tl.store(out + row, tl.sum(x, axis=0))
     else:
         bits = x.to(tl.int32, bitcast=True)
-        if MODE == 1:  # f32 bisection sums
-            total = tl.sum(x, axis=0)
-            rest = rest_share * total
-            lo = tl.zeros((), tl.int32)
-            hi = tl.full((), 0x7F800001, tl.int32)
-            for _ in range(31):
-                mid = lo + (hi - lo) // 2
-                f = tl.sum(tl.where(bits < mid, x, 0.0), axis=0)
-                ok = f <= rest
-                lo = tl.where(ok, mid, lo)
-                hi = tl.where(ok, hi, mid)
-            tl.store(out + row, lo.to(tl.float32))
-        else:  # f64 bisection sums
-            xd = x.to(tl.float64)
-            total = tl.sum(xd, axis=0)
-            rest = rest_share * total
-            lo = tl.zeros((), tl.int32)
-            hi = tl.full((), 0x7F800001, tl.int32)
-            for _ in range(31):
-                mid = lo + (hi - lo) // 2
-                f = tl.sum(tl.where(bits < mid, xd, 0.0), axis=0)
-                ok = f <= rest
-                lo = tl.where(ok, mid, lo)
-                hi = tl.where(ok, hi, mid)
-            tl.store(out + row, lo.to(tl.float32))
+        if MODE == 1:  # the span's bisection with float32 sums
+            xs = x
+        else:  # with float64 sums
+            xs = x.to(tl.float64)
+        rest = rest_share * tl.sum(xs, axis=0)
+        lo = tl.zeros((), tl.int32)
+        hi = tl.full((), 0x7F800001, tl.int32)
+        for _ in range(31):
+            mid = lo + (hi - lo) // 2
+            ok = tl.sum(tl.where(bits < mid, xs, 0.0), axis=0) <= rest
+            lo = tl.where(ok, mid, lo)
+            hi = tl.where(ok, hi, mid)
+        tl.store(out + row, lo.to(tl.float32))
 
 
 def main() -> None:

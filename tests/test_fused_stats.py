@@ -155,9 +155,12 @@ def test_fused_table_equals_the_full_patterns(kernel, kind, monkeypatch):
 
 
 @pytest.mark.slow
-def test_fused_padded_hf_llama_with_words(kernel, tmp_path):
-    """A padded batch (HF's SDPA mask), grouped-query attention, word masses from a tokenizer;
-    keep='stats' caches give the same table."""
+@pytest.mark.parametrize("path", ["kernel", "rowk"])
+def test_padded_hf_llama_with_words(path, request, tmp_path):
+    """A padded batch (HF's SDPA mask), grouped-query attention, word masses from a tokenizer,
+    through the fused kernel and through the block path's row kernel; keep='stats' caches give
+    the same table."""
+    request.getfixturevalue(path)
     bpe = H.bpe_tokenizer(tmp_path / "bpe")
     model = H.llama(len(bpe))
     streamed = probe.head_stats(model, TEXTS, tokenizer=bpe)
@@ -260,18 +263,6 @@ def test_row_kernel_table_equals_the_full_patterns(rowk, kind, monkeypatch):
     full = probe.head_stats(probe.capture(lm, ids), progress=False)
     assert_same(streamed, full)
     assert [r["causal"] for r in streamed.table] == [r["causal"] for r in full.table]
-
-
-@pytest.mark.slow
-def test_row_kernel_padded_hf_llama_with_words(rowk, tmp_path):
-    """A padded batch, word masses from a tokenizer, through the row kernel; keep='stats' too."""
-    bpe = H.bpe_tokenizer(tmp_path / "bpe")
-    model = H.llama(len(bpe))
-    streamed = probe.head_stats(model, TEXTS, tokenizer=bpe)
-    full = probe.head_stats(probe.capture(model, TEXTS, tokenizer=bpe), progress=False)
-    assert_same(streamed, full)
-    cache = probe.capture(model, TEXTS, tokenizer=bpe, keep="stats")
-    assert_same(probe.head_stats(cache), full)
 
 
 def test_row_kernel_seq2seq_with_terms_copied_as_off_a_gpu(rowk, monkeypatch, tmp_path):
