@@ -24,11 +24,11 @@ from __future__ import annotations
 
 import torch
 
-from probe.analysis.focus.metrics import LOCAL_WINDOW
+from probe.analysis.focus.metrics import LOCAL_WINDOW, WORD_STEPS
 from probe.analysis.focus.reach import BEYOND, REACH_MASS
 from probe.analysis.focus.rows import SPAN_MASS
 
-MAX_KEYS = 32768  # a row is held in registers: 32 float32 per thread at 32 warps
+MAX_KEYS = 32768  # a row is held in registers: 64 float32 per thread at 16 warps
 CPU = False  # the tests: CPU blocks too, run by Triton's interpreter (TRITON_INTERPRET=1)
 # float arguments reach a compiled kernel as float32 (the interpreter keeps float64): the shares
 # rounded to float32 here, so that both compute the same thresholds
@@ -42,7 +42,6 @@ except ImportError:  # pragma: no cover - depends on the install
     triton = None
 
 
-WINDOW = LOCAL_WINDOW
 # the columns of the kernel's output, one row per query: every attention's, then self-attention's,
 # then the word masses
 BASE = ("total", "ent", "top", "span", "neg", "arg", "first")
@@ -52,10 +51,9 @@ SELF = (
     "reach",
     *(f"beyond_{d}" for d in BEYOND),
     "after",
-    *(f"diag_{d}" for d in range(-WINDOW, WINDOW + 1)),
+    *(f"diag_{d}" for d in range(-LOCAL_WINDOW, LOCAL_WINDOW + 1)),
 )
-WORDS = ("word_prev", "word_self", "word_next")
-NAMES = (*BASE, *SELF, *WORDS)
+WORDS = tuple(name for name, _ in WORD_STEPS)  # word_prev, word_self, word_next
 
 if triton is not None:
 
@@ -270,7 +268,7 @@ def launch(
         BLOCK=block,
         DISTANCES=distances,
         WORDED=worded,
-        W=WINDOW,
+        W=LOCAL_WINDOW,
         N_OUT=n_out,
         # 8 warps for 16,384 keys: a fifth faster than 32 on an H100 (fewer waits at each reduction)
         num_warps=max(4, min(16, block // 2048)),
@@ -316,4 +314,4 @@ def word_ends(words: dict[str, tuple[torch.Tensor, torch.Tensor]]) -> torch.Tens
     return torch.stack([lo, e.clamp(min=0)], -1).to(torch.int32).contiguous()
 
 
-__all__ = ["launch", "row_terms", "columns", "word_ends", "usable", "MAX_KEYS", "NAMES", "WORDS"]
+__all__ = ["launch", "row_terms", "columns", "word_ends", "usable", "MAX_KEYS", "WORDS"]

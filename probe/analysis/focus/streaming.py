@@ -87,8 +87,8 @@ class RowTerms:
         self.softmax = False  # see recomputed()
         self.gpu = KernelTerms(self)  # the row kernel's share, on a GPU
 
-    def _on(self, device: torch.device) -> dict[str, torch.Tensor]:
-        """The key-side facts on ``device`` (copied once per device)."""
+    def _on(self, device: torch.device) -> dict[str, Any]:
+        """The key-side facts on ``device`` (copied once per device; the row kernel adds its own)."""
         d = self._dev.get(str(device))
         if d is None:
             ks, lay = self.ks, self.lay
