@@ -17,14 +17,16 @@ from probe import interrupt
 
 SCRIPT = textwrap.dedent(
     """
-    import argparse, gc, os, signal, sys
+    import argparse, gc, signal, sys, time
     from probe.cli.common import run
 
     class Freed:
         def __del__(self):
-            os.kill(os.getpid(), signal.SIGINT)  # lands here: Python prints it and goes on
+            # raised on this thread (os.kill may hand it to another thread, and on a loaded
+            # machine it landed after the destructor had returned): Python prints it and goes on
+            signal.raise_signal(signal.SIGINT)
             for _ in range(1000):
-                pass
+                time.sleep(0.001)
 
     def work(args):
         Freed()

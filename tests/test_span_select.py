@@ -202,3 +202,104 @@ def test_span_from_the_previous_rows_bin(causal):
     got = rowfused.row_terms(P, q0, n if causal else None, cols, torch.zeros(B, dtype=torch.long))
     want, amb = _sorted_span(P)
     assert bool(((got["span"].long() == want) | amb).all()) and int(amb.sum()) <= 2
+
+
+@pytest.mark.parametrize("causal", [True, False])
+def test_row_terms_over_chunks_on_both_sides_of_the_query(causal):
+    """Rows of 1,000 keys read 256 at a time: chunks wholly before the query, wholly after it, the
+    query's own chunk and a partial last one; a previous-token row (its mean distance is 1, and
+    stays 1 to float32 precision wherever the query falls in its chunk) and a row on the query
+    itself; against the loops written here."""
+    g = torch.Generator().manual_seed(8)
+    B, h, n = 1, 3, 1000
+    q0, r = (n - 300, 300) if causal else (0, n)
+    P = torch.softmax(torch.randn(B, h, r, n, generator=g) * torch.tensor([0.5, 2.0, 6.0])[:, None, None], -1)
+    if causal:
+        P = P.masked_fill(torch.arange(n) > torch.arange(q0, q0 + r)[:, None], 0)
+        P = P / P.sum(-1, keepdim=True)
+    rows = torch.arange(q0, q0 + r)
+    P[0, 1] = 0
+    P[0, 1, torch.arange(r), (rows - 1).clamp(min=0)] = 1.0  # previous token
+    P[0, 1, 0, 0] = 1.0 if not causal else P[0, 1, 0, 0]
+    cols = (torch.rand(B, 3, n, generator=g) > 0.5).float()
+    first = torch.zeros(B, dtype=torch.long)
+    pick = torch.tensor([0, 1, 255, 256, 257, 511, 512, 640, 767, 768, 999]) - q0
+    pick = pick[(pick >= 0) & (pick < r)]
+    sub = P[:, :, pick]
+    got = rowfused.row_terms(P, q0, n, cols, first)
+    want = {k: v for k, v in _loop_terms(sub, 0, n, cols, first).items() if k in ("total", "ent")}
+    for a, i in enumerate((pick + q0).tolist()):  # the distance terms at each query's own position
+        one = _loop_terms(sub[:, :, a : a + 1], i, n, cols, first)
+        for k in ("signed", "dist", "reach", "beyond_16", "beyond_128", "beyond_1024"):
+            want_k = one[k][..., 0]
+            torch.testing.assert_close(got[k][:, :, pick[a]].double(), want_k, rtol=1e-6, atol=2e-6, msg=k)
+    for k, v in want.items():
+        torch.testing.assert_close(got[k][:, :, pick].double(), v, rtol=1e-6, atol=2e-6, msg=k)
+    prev = got["dist"][0, 1, 1:] if not causal else got["dist"][0, 1]
+    assert float((prev - 1).abs().max()) <= 1e-6  # a previous-token head reads 1 token back
+    masses = torch.einsum("bhrn,bcn->bhrc", P.double(), cols.double())
+    torch.testing.assert_close(got["special"].double(), masses[..., 0], rtol=1e-6, atol=1e-7)
+    torch.testing.assert_close(got["content"].double(), masses[..., 2], rtol=1e-6, atol=1e-7)
+    assert torch.equal(got["arg"], P.argmax(-1)) and torch.equal(got["top"], P.amax(-1))
+    span, amb = _sorted_span(P)
+    assert bool(((got["span"].long() == span) | amb).all())
+
+
+def test_select_equals_a_sorted_walk():
+    """spanselect.select (the quickselect that finds where the smallest weights stop fitting)
+    against the ascending walk written here, on rows with ties, zeros, one value many times and
+    orders that defeat a median-of-three pivot (sorted, reversed, organ pipe)."""
+    import numpy as np
+
+    from probe.analysis.focus import spanselect
+
+    rng = np.random.default_rng(4)
+    cases = [
+        rng.random(500).astype(np.float32),
+        np.sort(rng.random(3000).astype(np.float32)),
+        np.sort(rng.random(3000).astype(np.float32))[::-1].copy(),
+        np.concatenate([np.arange(1000), np.arange(1000)[::-1]]).astype(np.float32),
+        rng.integers(0, 4, 800).astype(np.float32) / 7,
+        np.full(300, 0.25, np.float32),
+        np.zeros(50, np.float32),
+        np.array([0.5], np.float32),
+        np.array([], np.float32),
+    ]
+    for vals in cases:
+        for cum, left, share in ((0.0, 0, 0.1), (0.3, 17, 0.5), (0.0, 3, 1.0), (0.0, 0, 0.0)):
+            rest = cum + share * float(vals.astype(np.float64).sum())
+            want_left, c, stop = left, cum, -1
+            for v in np.sort(vals).astype(np.float64):
+                if c + v > rest:
+                    stop = int(np.float32(v).view(np.int32))
+                    break
+                c += v
+                want_left += 1
+            got = spanselect.select(vals.copy(), len(vals), cum, left, rest)
+            assert (got[0], int(got[1])) == (want_left, stop), (len(vals), cum, share)
+
+
+def test_log32_of_bit_patterns():
+    """rowpass.ln32 (the float32 log of the row loop's second pass) against float64 math.log:
+    within a float32 rounding of the log, over every binade and both sides of the sqrt(2) split."""
+    import math
+
+    import numpy as np
+    from numba import njit
+
+    from probe.analysis.focus import rowpass, spanselect
+
+    @njit
+    def logs(bits, out):
+        for j in range(bits.shape[0]):
+            out[j] = rowpass.ln32(max(bits[j], np.int32(spanselect.TINY_BITS)))
+
+    g = torch.Generator().manual_seed(1)
+    edges = torch.tensor([1.0, 0.5, 2.0**-126, 0.70710677, 1.4142137])
+    x = torch.cat([torch.rand(20000, generator=g) ** 12, edges])
+    x = x.numpy()
+    got = np.empty(x.size, np.float32)
+    logs(x.view(np.int32), got)
+    want = np.array([math.log(max(float(v), float(np.finfo(np.float32).tiny))) for v in x])
+    err = np.abs(got.astype(np.float64) - want)
+    assert (err <= 1.2e-7 * np.maximum(np.abs(want), 1.0)).all(), err.max()

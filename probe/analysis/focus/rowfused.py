@@ -1,18 +1,19 @@
 """Every per-row term of a CPU block of weights, and its column sums, from a compiled loop (numba).
 
-Each row is read while it sits in the core's cache, in three short loops (the first one
-vectorised by LLVM: it is plain arithmetic, with the log of :func:`~.spanselect.ln` instead of a
-call to the C library's, and the sums may be reordered):
+Each row is read while it sits in the core's cache:
 
-1. one flat loop: the entropy, masses on the three key classes, ``Σ (j − i)·a`` and
-   ``Σ |j − i|·a`` (float64), the largest weight after the query (the causal audit; as int32 bit
-   patterns, which order non-negative float32 as their values do), whether a weight is negative,
-   the column sums ``Σ_i w_i a_ij`` (the sink profile, float64, one accumulator per head), and the
-   masses below and in the bin where the previous row's span crossed and its two neighbours;
-2. over chunks of :data:`CH` keys: each chunk's sum (the total) and largest weight, then the first
-   position of the largest weight (the first chunk holding it, then that chunk);
-3. the effective span (:mod:`~.spanselect`, no sort): where one of those three bins crosses,
-   its weights collected at once; else a histogram of bit patterns finds the bin.
+1. :func:`~.rowpass.read_row`, two passes that LLVM vectorises: the exact (float64) chunk sums
+   of :data:`CH` keys, the masses and counts below, in and next to the bin where the previous
+   row's span crossed, and the column sums ``Σ_i w_i a_ij`` (the sink profile, float64, one
+   accumulator per head); then eight weights a step, the entropy (the log of
+   :func:`~.rowpass.ln32`), the masses on the three key classes, ``Σ (j − i)·a`` and
+   ``Σ |j − i|·a``, each chunk's largest and smallest weight (the argmax; the largest weight
+   after the query for the causal audit, as int32 bit patterns, which order non-negative float32
+   as their values do; whether a weight is negative);
+2. the first position of the largest weight: the first chunk holding it, then that chunk;
+3. the effective span (:mod:`~.spanselect`, no sort): where the previous row's bin or a
+   neighbour crosses, that bin's weights are collected at once; else a histogram of bit patterns
+   finds the bin; :func:`~.spanselect.select` finds the crossing among its weights.
 
 ``beyond_<D>``, ``reach90`` (a binary search) and the word masses are differences of running sums
 ``C(j) = Σ_{j' <= j} a``: the chunk sums' running total plus a part of one chunk. Rows are split
@@ -21,8 +22,9 @@ need no lock; the calling thread is one of them), each running the compiled loop
 released. Where the block comes uncomputed (``fill``), each thread computes its parts right
 before it reads them.
 
-Masses are float64. Used by :mod:`probe.analysis.focus.streaming` when numba is installed (the
-``fast`` extra); without it the rows are sorted (:mod:`probe.analysis.focus.rowblock`).
+Reported masses are float64 sums (the entropy, class masses and distances of float32 partial sums
+of at most 256 weights). Used by :mod:`probe.analysis.focus.streaming` when numba is installed
+(the ``fast`` extra); without it the rows are sorted (:mod:`probe.analysis.focus.rowblock`).
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ from collections.abc import Callable
 import numpy as np
 import torch
 
+from probe.analysis.focus import rowpass
 from probe.analysis.focus import spanselect as ss
 from probe.analysis.focus.reach import BEYOND, REACH_MASS
 from probe.analysis.focus.spanselect import numba, spans
@@ -45,15 +48,17 @@ NAMES = (
 )  # fmt: skip
 PART = 1 << 17  # weights per part when the block is filled part by part (512 KiB: a core's cache)
 PART_ROWS = 32  # but no fewer rows a part (a skinnier matrix product is slower than the cache saves)
-CH = 256  # keys per chunk: its sum and largest weight are kept for the running sums and argmax
+CH = rowpass.CH
 
 if numba is not None:
 
     @njit(fastmath=ss.FAST, cache=True, nogil=True, error_model="numpy")
-    def _run(x, lo, hi, PS, c):  # pragma: no cover - compiled
+    def _run(x, lo, hi, PS, c, i, total):  # pragma: no cover - compiled
         """``C(hi) − C(lo)`` for ``-1 <= lo <= hi < len(x)``: running sums from the chunk totals
-        ``PS`` (``PS[c]`` = the sum of chunks ``< c``) plus the parts of the chunks at the ends."""
-        return _upto(x, hi, PS, c) - _upto(x, lo, PS, c)
+        ``PS`` (``PS[c]`` = the sum of chunks ``< c``) plus the parts of the chunks at the ends;
+        ``i``: every weight after key ``i`` is zero (−1: not known), so ``C(hi) = total`` there."""
+        top = total if 0 <= i <= hi else _upto(x, hi, PS, c)
+        return top - _upto(x, lo, PS, c)
 
     @njit(fastmath=ss.FAST, cache=True, nogil=True, error_model="numpy")
     def _upto(x, j, PS, c):  # pragma: no cover - compiled
@@ -70,175 +75,141 @@ if numba is not None:
         return PS[k + 1] - s
 
     @njit(fastmath=ss.FAST, cache=True, nogil=True, error_model="numpy")
-    def _chunks(x, bits, PS, M):  # pragma: no cover - compiled
-        """Each chunk's sum (running, into ``PS``) and largest bit pattern (``M``); the largest."""
+    def _distances(x, i, K, total, words, out, PS, flat):  # pragma: no cover - compiled
+        """``beyond_<D>``, ``reach`` and the word masses of row ``x`` (query ``i``) into ``out``;
+        ``flat``: no weight after the query (a causal row: one end of each range costs nothing)."""
         n = x.shape[0]
-        top = np.int32(-1)
-        PS[0] = 0.0
-        for c in range((n + CH - 1) // CH):  # a fixed trip count vectorises
-            s, mx = 0.0, np.int32(-1)
-            base = c * CH
-            if base + CH <= n:
-                for t in range(CH):
-                    s += np.float64(x[base + t])
-                    mx = max(mx, bits[base + t])
-            else:
-                for j in range(base, n):
-                    s += np.float64(x[j])
-                    mx = max(mx, bits[j])
-            PS[c + 1] = PS[c] + s
-            M[c] = mx
-            top = max(top, mx)
-        return top
-
-    @njit(fastmath=ss.FAST, cache=True, nogil=True, error_model="numpy")
-    def _distances(x, i, K, total, words, out, PS):  # pragma: no cover - compiled
-        """``beyond_<D>``, ``reach`` and the word masses of row ``x`` (query ``i``) into ``out``."""
-        n = x.shape[0]
+        z = i if flat else -1
         for t in range(3):
             D = BEYOND[t]
-            out[7 + t] = total - _run(x, i - D - 1, min(i + D, n - 1), PS, CH) if D < K else 0.0
+            out[7 + t] = total - _run(x, i - D - 1, min(i + D, n - 1), PS, CH, z, total) if D < K else 0.0
         lo, hi = 0, K - 1  # reach: the smallest d with within(d) >= REACH_MASS · total
         want = REACH_MASS * total
         while lo < hi:
             mid = (lo + hi) // 2
-            if _run(x, i - mid - 1, min(i + mid, n - 1), PS, CH) >= want:
+            if _run(x, i - mid - 1, min(i + mid, n - 1), PS, CH, z, total) >= want:
                 hi = mid
             else:
                 lo = mid + 1
         out[6] = hi
         for t in range(words.shape[0]):
-            out[16 + t] = _run(x, words[t, 0], words[t, 1], PS, CH)
+            out[16 + t] = _run(x, words[t, 0], words[t, 1], PS, CH, z, total)
 
-    @njit(fastmath=ss.FAST, cache=True, nogil=True, error_model="numpy")
-    def _one(
-        x, i, self_attn, K, cols, first, words, w, acc, out, PS, M, hmass, hcnt, cand, guess
-    ):  # pragma: no cover
-        """The terms of one row ``x`` (query ``i``) into ``out`` (:data:`NAMES`, then the argmax);
-        ``w · x`` added to the column sums ``acc``. ``guess``: the first-level bin where the
-        previous row's span crossed (−1: none); returns this row's (see :func:`_span`: this row's
-        masses and counts below and in the bins ``guess − 1``, ``guess``, ``guess + 1`` are
-        summed here as the row is read)."""
-        n = x.shape[0]
-        bits = x.view(np.int32)
-        ent, m0, m1, m2, signed, dist, neg = 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0
-        after, low, low_seen = np.int32(0), np.int32(0x7FFFFFFF), np.int32(0x7FFFFFFF)
-        glo, ghi = guess - 1, guess + 1
-        s_below, s_lo, s_mid, s_hi, n_below, n_lo, n_mid = 0.0, 0.0, 0.0, 0.0, 0, 0, 0
-        for j in range(n):  # one flat loop: LLVM keeps every sum in vector registers
-            b = bits[j]
-            v = np.float64(x[j])
-            k = b >> ss.SHIFT
-            s_below += v if k < glo else 0.0
-            s_lo += v if k == glo else 0.0
-            s_mid += v if k == guess else 0.0
-            s_hi += v if k == ghi else 0.0
-            n_below += k < glo
-            n_lo += k == glo
-            n_mid += k == guess
-            ent += v * ss.ln(max(b, np.int32(ss.TINY_BITS)))  # p · log max(p, tiny)
-            m0 += v * cols[0, j]
-            m1 += v * cols[1, j]
-            m2 += v * cols[2, j]
-            d = np.float64(j - i)
-            signed += d * v
-            dist += abs(d) * v
-            after = max(after, b if j > i else np.int32(0))
-            low = min(low, b)
-            low_seen = min(low_seen, b if j <= i else np.int32(0x7FFFFFFF))
-            neg |= b < 0  # a negative weight (or -0.0): the caller sorts instead
-            acc[j] += w * v
-        nch = (n + CH - 1) // CH
-        top = _chunks(x, bits, PS, M)
-        total = PS[nch]
-        out[15] = neg
-        if neg:
-            return -1
-        at = 0
-        for c in range(nch):  # the first chunk holding the largest weight, then its first place
+    @njit(cache=True, nogil=True, error_model="numpy")
+    def _argmax(x, bits, top, M):  # pragma: no cover - compiled
+        """The first position of the largest bit pattern ``top``: the first chunk holding it
+        (``M``: each chunk's largest), then its first place there."""
+        for c in range(M.shape[0]):
             if M[c] == top:
                 at = c * CH
                 while bits[at] != top:
                     at += 1
-                break
+                return at
+        return 0
+
+    @njit(fastmath=ss.FAST, cache=True, nogil=True, error_model="numpy")
+    def _one(x, i, self_attn, K, cols, first, words, w, acc, out, work, guess):  # pragma: no cover
+        """The terms of one row ``x`` (query ``i``) into ``out`` (:data:`NAMES`, then the argmax);
+        ``w · x`` added to the column sums ``acc``. ``guess``: the first-level bin where the
+        previous row's span crossed (−1: none); returns this row's (see :func:`_span`)."""
+        PS, M, hmass, hcnt, cand, sums = work
+        n = x.shape[0]
+        bits = x.view(np.int32)
+        glo = max(guess - 1, 0)
+        top, low, low_seen, after = rowpass.read_row(x, i, cols, glo, w, acc, PS, M, sums)
+        total = PS[M.shape[0]]
+        out[15] = low < 0  # a negative weight (or -0.0): the caller sorts instead
+        if low < 0:
+            return -1
+        at = _argmax(x, bits, top, M)
         out[0] = total
-        out[1] = -ent
+        out[1] = -sums[0]
         out[2] = x[at]
         out[19] = at
-        out[10], out[11], out[12] = m0, m1, m2
+        out[10], out[11], out[12] = sums[1], sums[2], sums[3]
         out[13] = x[first] if first < n else 0.0
         out[14] = ss.f32(after)
         seen, zeros = min(n, i + 1), 0
         if self_attn and after == 0 and 0 < seen < n:
             # nothing after the query (a causal row): the zeros there are the smallest weights,
-            # all left out of the span, so only keys up to the query are binned
+            # all left out of the span, so only keys up to the query are read
             low, n, zeros = low_seen, seen, n - seen
-        sums = (s_below, s_lo, s_mid, s_hi)
-        counts = (n_below, n_lo, n_mid, zeros)
-        crossed = _span(x[:n], bits[:n], total, low, top, guess, sums, counts, hmass, hcnt, cand, out)
+        crossed = _span(x[:n], bits[:n], total, low, top, glo if guess >= 0 else -1, sums, zeros, work, out)
         if not self_attn:
             return crossed
-        out[4], out[5] = signed, dist
-        _distances(x, i, K, total, words, out, PS)
+        out[4], out[5] = sums[5] - sums[4], sums[5] + sums[4]
+        _distances(x, i, K, total, words, out, PS, after == 0)
         return crossed
 
-    @njit(cache=True, nogil=True, error_model="numpy")
-    def _span(x, bits, total, low, top, guess, sums, counts, hmass, hcnt, cand, out):  # pragma: no cover
-        """The effective span of ``x`` into ``out[3]``; returns the first-level bin that crossed
-        (−1: none). Neighbouring rows of a head read the same keys, so their spans mostly cross
-        in the same bin or the next one: where one of the bins ``guess − 1``, ``guess`` and
-        ``guess + 1`` crosses (the masses below it fit in the rest and with the bin's own do not;
-        ``sums``: the mass below ``guess − 1`` and in each of the three, ``counts``: the count below
-        ``guess − 1`` and in the first two, then the zeros after a causal row's query, counted
-        below any bin above 0 but not part of ``x``), the histogram is skipped; else
-        :func:`~.spanselect.crossing` finds the bin."""
+    @njit(fastmath=ss.FAST, cache=True, nogil=True, error_model="numpy")
+    def _span(x, bits, total, low, top, glo, sums, zeros, work, out):  # pragma: no cover - compiled
+        """The effective span of ``x`` into ``out[3]``; returns the first-level bin where it
+        crossed (−1: none). Neighbouring rows of a head read the same keys, so their spans mostly
+        cross in the same bin or the next one: ``glo`` is the bin below the previous row's (−1:
+        none), and the row's masses and counts below ``glo``, ``glo + 1`` and ``glo + 2``
+        (``sums``, see :func:`~.rowpass.read_row`) say whether one of those two bins crosses, else
+        whether ``glo + 2`` may (its weights then summed here); else the histogram
+        (:func:`~.spanselect.crossing`) finds the bin. The crossing bin's weights are collected and
+        :func:`~.spanselect.select` leaves out as many as fit. ``zeros``: the zeros after a
+        causal row's query, counted below any bin above 0 but not part of ``x``."""
         out[3] = 0
         if not total > 0.0:
             return -1
+        PS, M, hmass, hcnt, cand, _ = work
         rest = (1.0 - ss.SPAN_MASS) * total
         b, cum, left = -1, 0.0, 0
-        if guess >= 0:
-            c0 = sums[0]
-            c1 = c0 + sums[1]
-            c2 = c1 + sums[2]
-            if guess >= 1 and c0 <= rest < c1:
-                b, cum, left = guess - 1, c0, counts[0]
+        if glo >= 0:
+            c0, c1, c2 = sums[6], sums[8], sums[10]
+            if c0 <= rest < c1:
+                b, cum, left = glo, c0, int(sums[7])
             elif c1 <= rest < c2:
-                b, cum, left = guess, c1, counts[0] + counts[1]
-            elif c2 <= rest < c2 + sums[3]:
-                b, cum, left = guess + 1, c2, counts[0] + counts[1] + counts[2]
-            left -= counts[3] * (b > 0)
-        if b < 0:
-            b, cum, left = ss.crossing(x, bits, total, low >> ss.SHIFT, top >> ss.SHIFT, hmass, hcnt)
-        out[3] = ss.finish(x, bits, total, b, cum, left, hmass, hcnt, cand)
+                b, cum, left = glo + 1, c1, int(sums[9])
+            elif c2 <= rest:
+                b, cum, left = glo + 2, c2, int(sums[11])
+            left -= zeros * (b > 0)
+        if b >= 0:
+            m = ss.collect(x, bits, b, b + 1, cand)
+            mass = 0.0
+            for t in range(m):
+                mass += np.float64(cand[t])
+            if cum + mass > rest:
+                left, _ = ss.select(cand, m, cum, left, rest)
+                out[3] = x.shape[0] - left
+                return b
+        b, cum, left = ss.crossing(x, bits, total, low >> ss.SHIFT, top >> ss.SHIFT, hmass, hcnt)
+        out[3] = ss.finish(x, bits, total, b, cum, left, cand)
         return b
 
     @njit(cache=True, nogil=True, error_model="numpy")
     def _scratch(n):  # pragma: no cover - compiled
-        """What :func:`_tasks` works in for rows of ``n`` keys: the chunk sums and maxima, and
-        the span's histograms (zero, and left zero by each row's selection) and candidates."""
+        """What :func:`_tasks` works in for rows of ``n`` keys: the chunk sums and maxima, the
+        span's histograms (zero, and left zero by each row's selection) and candidates, and the
+        sums of :func:`~.rowpass.read_row`."""
         PS = np.empty((n + CH - 1) // CH + 1, np.float64)
         M = np.empty((n + CH - 1) // CH, np.int32)
         hmass, hcnt, cand = ss.scratch(n)
-        return PS, M, hmass, hcnt, cand
+        return PS, M, hmass, hcnt, cand, np.empty(len(rowpass.SUMS), np.float64)
 
     @njit(fastmath=ss.FAST, cache=True, nogil=True, error_model="numpy")
     def _tasks(
-        x, tasks, h, r, q0, self_attn, K, cols, first, words, colw, out, acc, work
+        x, tasks, h, r, q0, self_attn, K, cols, first, words, colw, out, acc, work, guesses, ends
     ):  # pragma: no cover
         """The rows of each task ``(head, row start, row end)`` (``x`` ``[B·h·r, n]``); the
-        column sums of task ``t`` go to ``acc[t]``; ``work``: :func:`_scratch`'s arrays."""
-        PS, M, hmass, hcnt, cand = work
+        column sums of task ``t`` go to ``acc[t]``; ``work``: :func:`_scratch`'s arrays. Each task
+        starts from the bin ``guesses[head]`` (the previous block's last row of that head) and the
+        task that ends a head's rows leaves its last row's in ``ends[head]``."""
         for t in range(tasks.shape[0]):
             bh, a0, a1 = tasks[t, 0], tasks[t, 1], tasks[t, 2]
             b = bh // h
-            guess = -1
+            guess = guesses[bh]
             for a in range(a0, a1):
                 row = bh * r + a
                 guess = _one(
                     x[row], q0 + a, self_attn, K, cols[b], first[b], words[b, a], colw[b, a],
-                    acc[t], out[row], PS, M, hmass, hcnt, cand, guess,
+                    acc[t], out[row], work, guess,
                 )  # fmt: skip
+            if a1 == r:
+                ends[bh] = guess
 
 
 def available() -> bool:
@@ -266,6 +237,7 @@ def row_terms(
     words: dict[str, tuple[torch.Tensor, torch.Tensor]] | None = None,
     colw: torch.Tensor | None = None,
     fill: Callable[[int, int, int], None] | None = None,
+    guesses: np.ndarray | None = None,
 ) -> dict[str, torch.Tensor] | None:
     """Every per-row term of a CPU block ``P`` ``[B, h, r, kend]`` (rows ``q0:q0 + r``), each
     ``[B, h, r]``: :data:`NAMES` (``after``: the largest weight on a key after the query) and
@@ -279,7 +251,11 @@ def row_terms(
     ``fill(bh, a, b)``: ``P`` (contiguous) is not computed yet; each part (the rows ``a:b`` of its
     ``bh``-th head, batch and heads flattened) is computed by ``fill`` on the thread that reads it,
     right before, in parts of about :data:`PART` weights, so that it is read from that core's cache
-    (and the recompute runs on every thread too)."""
+    (and the recompute runs on every thread too).
+
+    ``guesses`` ``[B·h]`` (int64): the first-level bin where each head's span crossed in the row
+    before the block (−1: none), updated to this block's last row: consecutive blocks of one
+    attention pass it on, so each head's first row tries its neighbour's bin too."""
     B, h, r, n = P.shape
     if fill is not None and not P.is_contiguous():
         raise ValueError("row_terms fills only a contiguous block")
@@ -297,6 +273,8 @@ def row_terms(
     k = ss.threads()
     tasks = _tasks_of(B * h, r, n, k, fill is not None)
     acc = np.zeros((len(tasks), n), np.float64)
+    start = np.full(B * h, -1, np.int64) if guesses is None else guesses.copy()
+    ends = np.full(B * h, -1, np.int64) if guesses is None else guesses
     args = (
         h,
         r,
@@ -313,11 +291,11 @@ def row_terms(
     def run(a: int, b: int) -> None:
         work = _scratch(n)  # once per thread's share, not per part
         if fill is None:
-            _tasks(x, tasks[a:b], *args, acc[a:b], work)
+            _tasks(x, tasks[a:b], *args, acc[a:b], work, start, ends)
             return
         for t in range(a, b):
             fill(*(int(v) for v in tasks[t]))
-            _tasks(x, tasks[t : t + 1], *args, acc[t : t + 1], work)
+            _tasks(x, tasks[t : t + 1], *args, acc[t : t + 1], work, start, ends)
 
     ss.spread(run, len(tasks))
     if out[:, 15].any():

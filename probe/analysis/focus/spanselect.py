@@ -7,13 +7,13 @@ values order as their bit patterns do, so a histogram of the 11 bits after the s
 and three mantissa bits: 2,048 bins, each bin's count and float64 mass, in :data:`LANES`
 interleaved copies) finds the one bin where the smallest weights stop fitting in the rest: every
 bin below it is left out whole (:func:`crossing`; the row loop of
-:mod:`~probe.analysis.focus.rowfused` first tries the previous row's bin and its two neighbours,
+:mod:`~probe.analysis.focus.rowfused` first tries the previous row's bin and its neighbours,
 whose masses it sums as it reads the row). That bin's weights are then collected
-(:func:`finish`); where there are many (a near-uniform row puts thousands in one bin) further
-histograms, each over the next few bits (about ``log₂`` of the weights left, at most 11), narrow
-them, and only the last few are sorted and walked in ascending order, ties one by one, exactly
-as the sort of the whole row would (``tests/test_span_select.py`` checks it against a sort
-written in the test).
+(:func:`collect`, :func:`finish`) and :func:`select` leaves out as many as fit, in ascending
+order, ties one by one, as the sort of the whole row would: a quickselect on sums (the weights
+below a pivot summed in float64; where they all fit they are left out and the search goes on
+above the pivot, else among them), the last few sorted (``tests/test_span_select.py`` checks both
+against a sort written in the test).
 
 :func:`ln` is the natural log of a float32 from its bit pattern (the exponent's ``e · ln 2`` in
 float64 plus ``2·atanh((m − 1)/(m + 1))`` of the mantissa ``m`` as a series in float32, within
@@ -45,7 +45,7 @@ except ImportError:  # pragma: no cover - depends on the install
 SHIFT = 20  # first histogram: the bit patterns' top 11 bits (2048 bins; +inf is 0x7F8)
 BINS = 1 << (31 - SHIFT)
 LANES = 4  # interleaved copies of each histogram (independent chains of adds; see _hist)
-FEW = 64  # a crossing bin with more weights than this is narrowed by a further histogram
+FEW = 16  # select() sorts the last few weights (fewer than this) instead of partitioning
 TINY_BITS = 0x00800000  # float32's smallest normal number: p·log max(p, tiny)
 LN2 = math.log(2.0)
 SQRT2_32 = np.float32(math.sqrt(2.0))
@@ -132,6 +132,16 @@ if numba is not None:
 
         return sig, codegen
 
+    @intrinsic
+    def bits32(typingctx, v):  # pragma: no cover - compiled
+        """The int32 bit pattern of the float32 ``v``."""
+        sig = types.int32(types.float32)
+
+        def codegen(context, builder, signature, args):
+            return builder.bitcast(args[0], ir.IntType(32))
+
+        return sig, codegen
+
     @njit(fastmath=FAST, inline="always", cache=True, error_model="numpy")
     def ln(b):  # pragma: no cover - compiled
         """``log`` of the positive normal float32 with bit pattern ``b`` (int32), in float64: the
@@ -152,41 +162,38 @@ if numba is not None:
 
     @njit(cache=True, nogil=True, error_model="numpy")
     def scratch(n):  # pragma: no cover - compiled
-        """What :func:`select_span` works in for rows of up to ``n`` keys: the histograms
-        ``[LANES, BINS]`` (zero; each selection leaves them zero) and ``n`` candidate slots."""
+        """What :func:`select_span` works in for rows of up to ``n`` keys: the first-level
+        histogram ``[LANES, BINS]`` (zero; each selection leaves it zero) and ``n`` candidate
+        slots."""
         return np.zeros((LANES, BINS), np.float64), np.zeros((LANES, BINS), np.int32), np.empty(n, np.float32)
 
     @njit(cache=True, nogil=True, error_model="numpy")
-    def _hist(vals, bits_of, m, shift, mask, interleave, hmass, hcnt):  # pragma: no cover - compiled
-        """Add ``vals[:m]`` to the histogram of bins ``(bits >> shift) & mask`` (``hmass``/``hcnt``
-        ``[LANES, BINS]``); returns the first and last bin used. ``interleave``: into :data:`LANES`
-        interleaved copies (a near-uniform row's consecutive weights fall in one bin, and with one
-        copy each add waits for the previous one's store), else into copy 0."""
-        kmin, kmax = mask, 0
-        top = m - m % LANES if interleave else 0
+    def _hist(x, bits, hmass, hcnt):  # pragma: no cover - compiled
+        """Add the row ``x`` to the histogram of its first-level bins ``bits >> SHIFT``
+        (``hmass``/``hcnt`` ``[LANES, BINS]``), in :data:`LANES` interleaved copies: a
+        near-uniform row's consecutive weights fall in one bin, and with one copy each add waits
+        for the previous one's store."""
+        m = x.shape[0]
+        top = m - m % LANES
         for t in range(0, top, LANES):
             for u in range(LANES):  # unrolled by LLVM: LANES independent chains
-                k = (bits_of[t + u] >> shift) & mask
-                hmass[u, k] += vals[t + u]
+                k = bits[t + u] >> SHIFT
+                hmass[u, k] += x[t + u]
                 hcnt[u, k] += 1
-                kmin, kmax = min(kmin, k), max(kmax, k)
         for t in range(top, m):
-            k = (bits_of[t] >> shift) & mask
-            hmass[0, k] += vals[t]
+            k = bits[t] >> SHIFT
+            hmass[0, k] += x[t]
             hcnt[0, k] += 1
-            kmin, kmax = min(kmin, k), max(kmax, k)
-        return kmin, kmax
 
     @njit(cache=True, nogil=True, error_model="numpy")
-    def _walk(hmass, hcnt, lanes, kmin, kmax, last, cum, left, rest):  # pragma: no cover - compiled
-        """Leave out the bins from ``kmin`` up to ``last`` while their mass still fits in ``rest``
-        (adding it to ``cum`` and their counts to ``left``) and clear ``kmin..kmax`` of the first
-        ``lanes`` copies; returns ``(bin, cum, left)``, ``bin`` the one that crosses (``last + 1``
-        where every bin fit)."""
-        b = kmin
-        while b <= last:
+    def _walk(hmass, hcnt, kmin, kmax, rest):  # pragma: no cover - compiled
+        """Leave out the bins from ``kmin`` up while their mass still fits in ``rest`` and clear
+        ``kmin..kmax``; returns ``(bin, mass below it, count below it)``, ``bin`` the one that
+        crosses (``kmax`` where every bin below it fit: the largest weight's bin crosses)."""
+        b, cum, left = kmin, 0.0, 0
+        while b < kmax:
             mass, cnt = 0.0, 0
-            for u in range(lanes):
+            for u in range(LANES):
                 mass += hmass[u, b]
                 cnt += hcnt[u, b]
             if cum + mass > rest:
@@ -194,35 +201,73 @@ if numba is not None:
             cum += mass
             left += cnt
             b += 1
-        hmass[:lanes, kmin : kmax + 1] = 0.0
-        hcnt[:lanes, kmin : kmax + 1] = 0
+        hmass[:, kmin : kmax + 1] = 0.0
+        hcnt[:, kmin : kmax + 1] = 0
         return b, cum, left
 
-    @njit(cache=True, nogil=True, error_model="numpy")
-    def _narrow(vals, m, shift, cum, left, rest, hmass, hcnt):  # pragma: no cover
-        """One more histogram level over ``vals[:m]`` (weights sharing their bit patterns' top
-        ``31 − shift`` bits), on the next few bits (about ``log₂ m`` of them, so that the bins to
-        walk and clear stay about as many as the weights): leave out the bins below the one that
-        crosses ``rest`` (adding their mass to ``cum`` and their count to ``left``), compact that
-        bin's weights to the front of ``vals``; returns ``(kept, shift, cum, left, crossed)``
-        (``shift`` the new level's; ``crossed``: False when every bin fit)."""
-        nb = 4
-        while nb < 11 and (1 << nb) < m:
-            nb += 1
-        nb = min(nb, shift)
-        shift -= nb
-        mask = (1 << nb) - 1
-        bits_of = vals.view(np.int32)
-        kmin, kmax = _hist(vals, bits_of, m, shift, mask, False, hmass, hcnt)
-        b, cum, left = _walk(hmass, hcnt, 1, kmin, kmax, kmax, cum, left, rest)
-        if b > kmax:
-            return 0, shift, cum, left, False
-        kept = 0
-        for t in range(m):  # in place: kept <= t
+    @njit(fastmath=FAST, cache=True, nogil=True, error_model="numpy")
+    def _below(vals, lo, hi, p):  # pragma: no cover - compiled
+        """The float64 mass and the count of ``vals[lo:hi]`` below ``p``, and the count equal."""
+        s, nl, ne = 0.0, 0, 0
+        for t in range(lo, hi):
             v = vals[t]
-            vals[kept] = v
-            kept += ((bits_of[t] >> shift) & mask) == b
-        return kept, shift, cum, left, True
+            s += np.float64(v) if v < p else 0.0
+            nl += v < p
+            ne += v == p
+        return s, nl, ne
+
+    @njit(cache=True, nogil=True, error_model="numpy")
+    def _keep(vals, lo, hi, p, smaller):  # pragma: no cover - compiled
+        """Compact ``vals[lo:hi]`` to those below ``p`` (``smaller``) or above it, in place from
+        ``lo``, without a branch; returns the new end."""
+        k = lo
+        for t in range(lo, hi):
+            v = vals[t]
+            vals[k] = v
+            k += (v < p) if smaller else (v > p)
+        return k
+
+    @njit(cache=True, nogil=True, error_model="numpy")
+    def select(vals, m, cum, left, rest):  # pragma: no cover - compiled
+        """Leave out the smallest of ``vals[:m]`` (non-negative float32; reordered) in ascending
+        order, ties one by one, while the running sum from ``cum`` stays within ``rest``, as a
+        sort of them would: ``(left + how many, the bit pattern of the first that does not fit
+        or −1)``. A quickselect on the sums: the weights below a pivot (the median of three) are
+        summed; where they do not all fit the search goes on among them, else they are left
+        out, the pivot's ties one by one, and it goes on above; the last :data:`FEW` are sorted."""
+        lo, hi, rounds = 0, m, 0
+        while hi - lo > FEW and rounds < 64:  # 64 rounds: a sort settles any pathological order
+            rounds += 1
+            a, b, c = vals[lo], vals[(lo + hi) // 2], vals[hi - 1]
+            p = max(min(a, b), min(max(a, b), c))
+            s, nl, ne = _below(vals, lo, hi, p)
+            if cum + s > rest:
+                hi = _keep(vals, lo, hi, p, True)
+                continue
+            cum += s
+            left += nl
+            for _ in range(ne):
+                if cum + np.float64(p) > rest:
+                    return left, bits32(p)
+                cum += np.float64(p)
+                left += 1
+            hi = _keep(vals, lo, hi, p, False)
+        for v in np.sort(vals[lo:hi]):
+            if cum + np.float64(v) > rest:
+                return left, bits32(v)
+            cum += np.float64(v)
+            left += 1
+        return left, np.int32(-1)
+
+    @njit(cache=True, nogil=True, error_model="numpy")
+    def collect(x, bits, k0, k1, cand):  # pragma: no cover - compiled
+        """The weights of ``x`` in first-level bins ``k0 <= k < k1``, compacted into ``cand``
+        without a branch; returns how many."""
+        m, lo, width = 0, np.uint32(k0 << SHIFT), np.uint32((k1 - k0) << SHIFT)
+        for j in range(x.shape[0]):
+            cand[m] = x[j]
+            m += np.uint32(bits[j]) - lo < width  # k0 <= k < k1 in one unsigned compare
+        return m
 
     @njit(cache=True, nogil=True, error_model="numpy")
     def select_span(x, bits, total, kmin, kmax, hmass, hcnt, cand):  # pragma: no cover - compiled
@@ -233,38 +278,23 @@ if numba is not None:
         if not total > 0.0:
             return 0
         b, cum, left = crossing(x, bits, total, kmin, kmax, hmass, hcnt)
-        return finish(x, bits, total, b, cum, left, hmass, hcnt, cand)
+        return finish(x, bits, total, b, cum, left, cand)
 
     @njit(cache=True, nogil=True, error_model="numpy")
     def crossing(x, bits, total, kmin, kmax, hmass, hcnt):  # pragma: no cover - compiled
         """The first-level bin where the smallest weights stop fitting in the rest, by the
         histogram: ``(bin, mass below it, count below it)`` (``total`` > 0)."""
-        rest = (1.0 - SPAN_MASS) * total
-        _hist(x, bits, x.shape[0], SHIFT, BINS - 1, True, hmass, hcnt)
-        return _walk(hmass, hcnt, LANES, kmin, kmax, kmax - 1, 0.0, 0, rest)  # kmax crosses
+        _hist(x, bits, hmass, hcnt)
+        return _walk(hmass, hcnt, kmin, kmax, (1.0 - SPAN_MASS) * total)
 
     @njit(cache=True, nogil=True, error_model="numpy")
-    def finish(x, bits, total, b, cum, left, hmass, hcnt, cand):  # pragma: no cover - compiled
+    def finish(x, bits, total, b, cum, left, cand):  # pragma: no cover - compiled
         """The span, given the first-level bin ``b`` that crosses the rest, the mass ``cum`` and
-        the count ``left`` of the weights in the bins below it: that bin's weights are collected,
-        narrowed where many, and the few left walked in ascending order."""
-        n = x.shape[0]
-        rest = (1.0 - SPAN_MASS) * total
-        m = 0
-        for j in range(n):  # the crossing bin's weights, compacted without a branch
-            cand[m] = x[j]
-            m += (bits[j] >> SHIFT) == b
-        shift = SHIFT
-        while m > FEW and shift > 0:  # many weights share the bin: narrow them by their next bits
-            m, shift, cum, left, crossed = _narrow(cand, m, shift, cum, left, rest, hmass, hcnt)
-            if not crossed:
-                return n - left
-        for v in np.sort(cand[:m]):  # ascending, ties one by one, as the sort of the row
-            if cum + v > rest:
-                break
-            cum += v
-            left += 1
-        return n - left
+        the count ``left`` of the weights in the bins below it: that bin's weights are collected
+        and :func:`select` leaves out as many as fit."""
+        m = collect(x, bits, b, b + 1, cand)
+        left, _ = select(cand, m, cum, left, (1.0 - SPAN_MASS) * total)
+        return x.shape[0] - left
 
     @njit(fastmath=FAST, cache=True, nogil=True, error_model="numpy")
     def _span_rows(x, r0, r1, out):  # pragma: no cover - compiled

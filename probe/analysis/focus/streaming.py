@@ -24,6 +24,7 @@ from __future__ import annotations
 import contextlib
 from typing import Any
 
+import numpy as np
 import torch
 
 from probe.analysis.focus import rowblock as rb
@@ -86,6 +87,7 @@ class RowTerms:
         self._dev: dict[str, dict[str, Any]] = {}
         self.softmax = False  # see recomputed()
         self.gpu = KernelTerms(self)  # the row kernel's share, on a GPU
+        self.guesses = np.full(B * H, -1, np.int64)  # the CPU row loop's span bin per head, passed on
 
     def _on(self, device: torch.device) -> dict[str, Any]:
         """The key-side facts on ``device`` (copied once per device; the row kernel adds its own)."""
@@ -215,7 +217,15 @@ class RowTerms:
         words = {n: (s[:, sl], e[:, sl]) for n, (s, e) in dev["words"].items()} if self.words else None
         K = self.shape[3] if self.self_attn else None
         return rowfused.row_terms(
-            P, sl.start, K, dev["cols"][..., :kend], dev["first"], words, colw=dev["qreal"][:, sl], fill=fill
+            P,
+            sl.start,
+            K,
+            dev["cols"][..., :kend],
+            dev["first"],
+            words,
+            colw=dev["qreal"][:, sl],
+            fill=fill,
+            guesses=self.guesses,
         )
 
     def _after(self, after: torch.Tensor, sl: slice) -> bool:

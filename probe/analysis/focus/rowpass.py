@@ -1,0 +1,169 @@
+"""One read of a row of weights for its sums (numba): the first loop of the CPU row loop.
+
+:mod:`~probe.analysis.focus.rowfused` calls :func:`read_row` on each row while it sits in the
+core's cache. It makes two short passes over the row, both vectorised by LLVM:
+
+1. **exact sums** (float64, the order of the additions free): each chunk of :data:`CH` keys' sum
+   (kept as running sums for ``beyond_<D>``, ``reach90``, the word masses and the total), the
+   masses and counts of the weights below three consecutive first-level bins (where the
+   effective span's search starts, see :mod:`~probe.analysis.focus.spanselect`), and the column
+   sums ``acc += w · row``;
+2. **the other sums, eight weights a step** (float32 inside a chunk, each chunk's sum added in
+   float64): ``Σ a·ln a`` (:func:`ln32`), the masses on the three key classes and the distances,
+   with each chunk's largest and smallest bit pattern (the argmax and the causal audit). A chunk
+   wholly before the query adds ``Σ (i − j)·a`` as ``(i − e)·S + Σ (e − j)·a`` and one wholly
+   after it ``Σ (j − i)·a`` as ``(s − i)·S + Σ (j − s)·a`` (``s``/``e`` the chunk's first/last key,
+   ``S`` its exact sum): both parts are non-negative, so float32 rounding stays relative to the
+   distance (a previous-token head's distance of 1 stays 1 to float32 precision). The chunk that
+   holds the query, and a last partial chunk, are read weight by weight in float64.
+
+Float32 partial sums of at most 256 weights in eight lanes round within about 1e-7 of the sum;
+the masses that decide a count (the total and the mass below the span's bin) are the float64 sums
+of pass 1, so the span stays the sort's.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from probe.analysis.focus import spanselect as ss
+from probe.analysis.focus.spanselect import numba
+
+if numba is not None:
+    from numba import njit
+
+    from probe.analysis.focus.spanselect import f32
+
+CH = 256  # keys per chunk: its sum and largest weight are kept for the running sums and argmax
+SUMS = (
+    "ent", "special", "punct", "content", "before", "after_d", "below0", "n0", "below1", "n1", "below2", "n2",
+)  # fmt: skip
+_UP = np.arange(CH, dtype=np.float32)  # j − s over a chunk
+_DOWN = _UP[::-1].copy()  # e − j
+_F, _I = np.float32, np.int32
+LN2_32 = np.float32(math.log(2.0))
+
+if numba is not None:
+
+    @njit(fastmath=ss.FAST, inline="always", cache=True, error_model="numpy")
+    def ln32(b):  # pragma: no cover - compiled
+        """``log`` of the positive normal float32 with bit pattern ``b`` (int32), all in float32
+        (eight lanes a vector): the exponent's ``e · ln 2`` plus the mantissa's
+        ``2·atanh((m − 1)/(m + 1))`` as :func:`~.spanselect.ln`, within about a float32 rounding
+        of the exact log (1.2e-7 of it)."""
+        e = (b >> 23) - _I(127)
+        m = f32((b & _I(0x007FFFFF)) | _I(0x3F800000))  # the mantissa, in [1, 2)
+        big = m > ss.SQRT2_32
+        m = m * _F(0.5) if big else m
+        ef = _F(e) + (_F(1.0) if big else _F(0.0))
+        s = (m - _F(1.0)) / (m + _F(1.0))
+        z = s * s
+        p = _F(1.0 / 9.0)
+        p = _F(1.0 / 7.0) + z * p
+        p = _F(1.0 / 5.0) + z * p
+        p = _F(1.0 / 3.0) + z * p
+        return ef * LN2_32 + _F(2.0) * s * (_F(1.0) + z * p)
+
+    @njit(fastmath=ss.FAST, inline="always", cache=True, error_model="numpy")
+    def _chunk(x, bits, base, c0, c1, c2, wt, part):  # pragma: no cover - compiled
+        """Pass 2 over the full chunk at ``base`` (``wt``: the distance weights ``j − s`` or
+        ``e − j``): ``part`` = (Σ a·ln a, the three class masses, Σ wt·a), float32; returns the
+        chunk's largest and smallest bit pattern."""
+        L, A0, A1, A2, D = _F(0), _F(0), _F(0), _F(0), _F(0)
+        mx, lo = _I(-1), _I(0x7FFFFFFF)
+        for t in range(CH):  # a fixed trip count: LLVM keeps each sum in a vector register
+            b = bits[base + t]
+            v = x[base + t]
+            L += v * ln32(max(b, _I(ss.TINY_BITS)))  # p · log max(p, tiny)
+            A0 += v * c0[base + t]
+            A1 += v * c1[base + t]
+            A2 += v * c2[base + t]
+            D += v * wt[t]
+            mx = max(mx, b)
+            lo = min(lo, b)
+        part[0], part[1], part[2], part[3], part[4] = L, A0, A1, A2, D
+        return mx, lo
+
+    @njit(cache=True, error_model="numpy")
+    def _edge(k):  # pragma: no cover - compiled
+        """The smallest float32 value of first-level bin ``k`` (+inf past the last finite one),
+        as a float64: ``v < _edge(k)`` is ``bits(v) >> SHIFT < k`` for non-negative ``v``."""
+        return np.float64(f32(np.int32(min(k << ss.SHIFT, 0x7F800000))))
+
+    @njit(fastmath=ss.FAST, cache=True, nogil=True, error_model="numpy")
+    def _exact(x, glo, w, acc, PS, sums):  # pragma: no cover - compiled
+        """Pass 1: the chunk sums' running total ``PS``; the mass and count of the weights in the
+        first-level bins below ``glo``, ``glo + 1`` and ``glo + 2`` into ``sums[6:12]``; and
+        ``acc += w · x``; in float64."""
+        n = x.shape[0]
+        e0, e1, e2 = _edge(glo), _edge(glo + 1), _edge(glo + 2)
+        s0, n0, s1, n1, s2, n2 = 0.0, 0.0, 0.0, 0.0, 0.0, 0.0
+        PS[0] = 0.0
+        for c in range((n + CH - 1) // CH):
+            S = 0.0
+            for j in range(c * CH, min(n, c * CH + CH)):
+                v = np.float64(x[j])
+                S += v
+                s0 += v if v < e0 else 0.0
+                n0 += 1.0 if v < e0 else 0.0
+                s1 += v if v < e1 else 0.0
+                n1 += 1.0 if v < e1 else 0.0
+                s2 += v if v < e2 else 0.0
+                n2 += 1.0 if v < e2 else 0.0
+            PS[c + 1] = PS[c] + S
+        sums[6], sums[7], sums[8], sums[9], sums[10], sums[11] = s0, n0, s1, n1, s2, n2
+        if w != 0.0:
+            for j in range(n):
+                acc[j] += w * np.float64(x[j])
+
+    @njit(fastmath=ss.FAST, cache=True, nogil=True, error_model="numpy")
+    def read_row(x, i, cols, glo, w, acc, PS, M, sums):  # pragma: no cover - compiled
+        """Every sum of row ``x`` (float32, query ``i``): ``PS``/``M`` each chunk's running sum and
+        largest bit pattern, ``acc += w · x``, ``sums`` as :data:`SUMS` (float64;
+        ``before``/``after_d``: ``Σ (i − j)·a`` over keys before the query and ``Σ (j − i)·a``
+        after it; ``below<k>``/``n<k>``: the mass and count in the first-level bins below
+        ``glo + k``, k = 0, 1, 2). Returns the largest bit pattern, the smallest, the smallest at
+        or before the query and the largest after it."""
+        n = x.shape[0]
+        bits = x.view(np.int32)
+        _exact(x, glo, w, acc, PS, sums)
+        c0, c1, c2 = cols[0], cols[1], cols[2]
+        ent, m0, m1, m2, before, later = 0.0, 0.0, 0.0, 0.0, 0.0, 0.0
+        top, low, low_seen, after = _I(-1), _I(0x7FFFFFFF), _I(0x7FFFFFFF), _I(0)
+        part = np.empty(5, np.float32)
+        for c in range((n + CH - 1) // CH):
+            s, e = c * CH, min(n, c * CH + CH) - 1
+            S = PS[c + 1] - PS[c]
+            if e - s + 1 == CH and (e <= i or s > i):
+                mx, lo = _chunk(x, bits, s, c0, c1, c2, _DOWN if e <= i else _UP, part)
+                ent += part[0]
+                m0, m1, m2 = m0 + part[1], m1 + part[2], m2 + part[3]
+                if e <= i:
+                    before += (i - e) * S + part[4]
+                    low_seen = min(low_seen, lo)
+                else:
+                    later += (s - i) * S + part[4]
+                    after = max(after, mx)
+            else:  # the query's chunk, or a partial one: weight by weight, in float64
+                mx, lo = _I(-1), _I(0x7FFFFFFF)
+                for j in range(s, e + 1):
+                    b = bits[j]
+                    v = np.float64(x[j])
+                    ent += v * ss.ln(max(b, _I(ss.TINY_BITS)))
+                    m0, m1, m2 = m0 + v * c0[j], m1 + v * c1[j], m2 + v * c2[j]
+                    if j <= i:
+                        before += (i - j) * v
+                        low_seen = min(low_seen, b)
+                    else:
+                        later += (j - i) * v
+                        after = max(after, b)
+                    mx, lo = max(mx, b), min(lo, b)
+            M[c] = mx
+            top, low = max(top, mx), min(low, lo)
+        sums[0], sums[1], sums[2], sums[3], sums[4], sums[5] = ent, m0, m1, m2, before, later
+        return top, low, low_seen, after
+
+
+__all__ = ["read_row", "ln32", "CH", "SUMS"]
