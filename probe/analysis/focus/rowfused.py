@@ -46,7 +46,7 @@ NAMES = (
     "total", "ent", "top", "span", "signed", "dist", "reach", "beyond_16", "beyond_128", "beyond_1024",
     "special", "punct", "content", "first", "after", "neg", "word_prev", "word_self", "word_next",
 )  # fmt: skip
-PART = 1 << 17  # weights per part when the block is filled part by part (512 KiB: a core's cache)
+PART = 1 << 20  # weights per part when the block is filled part by part (4 MiB: see _tasks_of)
 PART_ROWS = 32  # but no fewer rows a part (a skinnier matrix product is slower than the cache saves)
 CH = rowpass.CH
 
@@ -220,8 +220,10 @@ def available() -> bool:
 def _tasks_of(heads: int, r: int, n: int, k: int, filled: bool) -> np.ndarray:
     """The ``(head, row start, row end)`` tasks of a block for ``k`` threads: a head's rows on one
     thread (its column sums then need no lock), split further when there are fewer heads than
-    threads, or (``filled``: each part computed by its thread) into parts of about :data:`PART`
-    weights and at least :data:`PART_ROWS` rows, which stay in a core's cache."""
+    threads, or (``filled``: each part computed by its thread) past :data:`PART` weights, into
+    parts of at least :data:`PART_ROWS` rows: one part is one matrix product, and its rows share
+    one packing of the keys (a part of 96 rows took two thirds of the time per weight of three
+    parts of 32); the loop reads a row at a time, so only the row need stay in the core's cache."""
     per = -(-2 * k // heads) if heads < 2 * k else 1
     if filled:
         per = max(per, min(-(-r * n // PART), r // PART_ROWS))
@@ -250,7 +252,7 @@ def row_terms(
 
     ``fill(bh, a, b)``: ``P`` (contiguous) is not computed yet; each part (the rows ``a:b`` of its
     ``bh``-th head, batch and heads flattened) is computed by ``fill`` on the thread that reads it,
-    right before, in parts of about :data:`PART` weights, so that it is read from that core's cache
+    right before, in parts of up to :data:`PART` weights, so that it is read from that core's cache
     (and the recompute runs on every thread too).
 
     ``guesses`` ``[B·h]`` (int64): the first-level bin where each head's span crossed in the row
