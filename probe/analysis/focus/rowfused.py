@@ -230,6 +230,18 @@ def _tasks_of(heads: int, r: int, n: int, k: int, filled: bool) -> np.ndarray:
     return np.array([(bh, a0, a1) for bh in range(heads) for a0, a1 in ss.parts(r, per)], np.int64)
 
 
+def _word_ranges(words: dict | None, B: int, r: int, n: int) -> np.ndarray:
+    """``[B, r, 3, 2]`` (int64): each row's word ranges as the ends of ``C[e] − C[s − 1]``, clamped
+    as :func:`~probe.analysis.focus.metrics.word_masses` clamps them (``[B, r, 0, 2]`` without)."""
+    if words is None:
+        return np.zeros((B, r, 0, 2), np.int64)
+    names = ("word_prev", "word_self", "word_next")
+    s = torch.stack([words[m][0] for m in names], 1)  # [B, 3, r]
+    e = torch.stack([words[m][1] for m in names], 1)
+    wr = torch.stack([torch.where(s > 0, (s - 1).clamp(0, n - 1), -1), e.clamp(0, n - 1)], -1)
+    return wr.permute(0, 2, 1, 3).contiguous().numpy().astype(np.int64)
+
+
 def row_terms(
     P: torch.Tensor,
     q0: int,
@@ -263,14 +275,7 @@ def row_terms(
         raise ValueError("row_terms fills only a contiguous block")
     x = P.reshape(B * h * r, n).contiguous().numpy()
     out = np.zeros((B * h * r, len(NAMES) + 1), np.float64)  # + the argmax
-    if words is not None:  # C[e] − C[s − 1], the ends clamped as word_masses clamps them
-        names = ("word_prev", "word_self", "word_next")
-        s = torch.stack([words[m][0] for m in names], 1)  # [B, 3, r]
-        e = torch.stack([words[m][1] for m in names], 1)
-        wr = torch.stack([torch.where(s > 0, (s - 1).clamp(0, n - 1), -1), e.clamp(0, n - 1)], -1)
-    else:
-        wr = torch.zeros(B, 0, r, 2, dtype=torch.long)
-    wr = wr.permute(0, 2, 1, 3).contiguous().numpy().astype(np.int64)  # [B, r, 3, 2]
+    wr = _word_ranges(words, B, r, n)
     w = np.zeros((B, r), np.float64) if colw is None else colw.double().contiguous().numpy()
     k = ss.threads()
     tasks = _tasks_of(B * h, r, n, k, fill is not None)
