@@ -4,7 +4,8 @@ One call on the Llama-shaped model at GPT-2-small width with ``--layers`` layers
 tokens (2048), profiled, split by the cumulative time of: the block recompute
 (``probe/capture/patterns.py`` ``_Scores.blocks``, and where the CPU row loop computes each part
 of a block on its own threads, ``_Scores.fill``'s thread-seconds over the threads), the
-statistics (``RowTerms.rows`` less the column sums and those parts), the column sums
+statistics (``RowTerms.rows`` less the column sums and those parts; with numba, the compiled row
+loop's share of it, ``rowfused._tasks``, thread-seconds over the threads), the column sums
 (``rowblock.received``, the sink profile) and the reduction with its host copies
 (``RowTerms.values``, ``RowTerms.received``); the rest is the model's forward. ``--sort`` hides
 numba, so the CPU sorts rows for the span as before the compiled row loop.
@@ -12,6 +13,7 @@ numba, so the CPU sorts rows for the span as before the compiled row loop.
     python benchmarks/long_context_profile.py            # the compiled row loop (numba)
     python benchmarks/long_context_profile.py --sort     # the sort path
     python benchmarks/long_context_profile.py --top 20   # also cProfile's own-time listing
+    python benchmarks/long_context_profile.py --T 16384 --block 84   # blocks of 84 query rows
 """
 
 from __future__ import annotations
@@ -34,19 +36,19 @@ def _cum(stats: dict, file_end: str, func: str, first_only: bool = False) -> flo
     return hits[0][1] if first_only else sum(v for _, v in hits)
 
 
-def _time_fills() -> list[float]:
-    """Sum the thread-seconds of every part a row loop thread computes (``_Scores.fill``)."""
-    from probe.capture import patterns
-
-    spent, lock, fill = [0.0], threading.Lock(), patterns._Scores.fill
+def _time_calls(owner: object, name: str) -> list[float]:
+    """Sum the thread-seconds of every call of ``owner.<name>`` on any thread (cProfile sees only
+    the main thread): the parts a row loop thread computes (``_Scores.fill``), the compiled row
+    loop (``rowfused._tasks``)."""
+    spent, lock, fn = [0.0], threading.Lock(), getattr(owner, name)
 
     def timed(*a, **k):
         t = time.perf_counter()
-        fill(*a, **k)
+        fn(*a, **k)
         with lock:
             spent[0] += time.perf_counter() - t
 
-    patterns._Scores.fill = timed
+    setattr(owner, name, timed)
     return spent
 
 
@@ -55,6 +57,7 @@ def main() -> None:
     ap.add_argument("--T", type=int, default=2048)
     ap.add_argument("--layers", type=int, default=2)
     ap.add_argument("--sort", action="store_true", help="hide numba: the span by sorting rows")
+    ap.add_argument("--block", type=int, default=None, help="query rows per block (head_stats' block=)")
     ap.add_argument("--top", type=int, default=0, help="print cProfile's own-time listing too")
     a = ap.parse_args()
     sys.path.insert(0, str(ROOT))
@@ -72,11 +75,14 @@ def main() -> None:
     with torch.no_grad():  # warm-up (and numba's compile) at 64 tokens
         model(ids[:, :64])
     probe.head_stats(model, ids[:, :64])
-    filled = _time_fills()
+    from probe.capture import patterns
+
+    filled = _time_calls(patterns._Scores, "fill")
+    looped = _time_calls(rowfused, "_tasks") if rowfused.available() else [0.0]
     pr = cProfile.Profile()
     t0 = time.perf_counter()
     pr.enable()
-    probe.head_stats(model, ids)
+    probe.head_stats(model, ids, block=a.block)
     pr.disable()
     total = time.perf_counter() - t0
     st = pstats.Stats(pr).stats
@@ -95,6 +101,9 @@ def main() -> None:
         f"column sums {col:.2f}  reduce+host copies {host:.2f}  model forward and rest "
         f"{total - rec - rows - host:.2f}"
     )
+    if looped[0]:
+        k = threads()
+        print(f"  of the statistics, the compiled row loop {looped[0] / k:.2f} s (thread-seconds / {k})")
 
 
 if __name__ == "__main__":

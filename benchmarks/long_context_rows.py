@@ -1,0 +1,89 @@
+"""The CPU row loop alone, on real blocks of weights: nanoseconds per weight (issue 34).
+
+Runs ``probe.head_stats`` on the Llama-shaped model at GPT-2-small width (``--layers`` layers, 2)
+at ``--T`` tokens (4096), keeps two blocks of the last layer as the row loop saw them (the weights
+filled in, the words, the key classes, each head's span bin from the block before), then times
+``rowfused.row_terms`` on them again, already computed (no recompute), on one thread and on
+``torch.get_num_threads()`` threads, alternating, the median of ``--repeats``. ``--root`` imports
+probe from another checkout (a ``git worktree`` of an older commit) to compare the loops on the same
+blocks:
+
+    python benchmarks/long_context_rows.py
+    git worktree add /tmp/old 720bf21 && python benchmarks/long_context_rows.py --root /tmp/old
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--T", type=int, default=4096)
+    ap.add_argument("--layers", type=int, default=2)
+    ap.add_argument("--repeats", type=int, default=7)
+    ap.add_argument("--root", default=str(ROOT), help="the checkout to import probe from")
+    a = ap.parse_args()
+    sys.path.insert(0, a.root)
+    import torch
+
+    import probe
+    from models.llama import VOCAB, build
+    from probe.analysis.focus import rowfused
+
+    if not rowfused.available():
+        raise SystemExit("the row loop needs numba (pip install -e '.[fast]')")
+    model = build(n_layers=a.layers, n_heads=12, d_model=768)
+    ids = torch.randint(0, VOCAB, (1, a.T), generator=torch.Generator().manual_seed(0))
+    real, kept, calls = rowfused.row_terms, [], [0]
+    takes_guesses = "guesses" in real.__code__.co_varnames
+
+    def keep(P, q0, K, cols, first, words=None, colw=None, fill=None, **kw):
+        guesses = kw.get("guesses")
+        before = None if guesses is None else guesses.copy()
+        got = real(P, q0, K, cols, first, words, colw, fill, **kw)
+        calls[0] += 1
+        if calls[0] in want:
+            kept.append((P.clone(), q0, K, cols, first, words, colw, before))
+        return got
+
+    want: tuple[int, ...] = ()
+    probe.head_stats(model, ids[:, :64], progress=False)  # numba's compile
+    rowfused.row_terms = keep
+    probe.head_stats(model, ids, progress=False)  # counts the blocks
+    total, calls[0] = calls[0], 0
+    want = (total - total // (2 * a.layers), total)  # the middle and the end of the last layer
+    probe.head_stats(model, ids, progress=False)
+    rowfused.row_terms = real
+    n = torch.get_num_threads()
+    print(f"probe from {a.root}; T = {a.T}, {n} threads")
+    for P, q0, K, cols, first, words, colw, guesses in kept:
+
+        def run(P=P, q0=q0, K=K, cols=cols, first=first, words=words, colw=colw, guesses=guesses):
+            extra = {"guesses": None if guesses is None else guesses.copy()} if takes_guesses else {}
+            real(P, q0, K, cols, first, words, colw, None, **extra)
+
+        times: dict[int, list[float]] = {1: [], n: []}
+        run()
+        for _ in range(a.repeats):
+            for k in times:
+                torch.set_num_threads(k)
+                t = time.perf_counter()
+                run()
+                times[k].append(time.perf_counter() - t)
+        torch.set_num_threads(n)
+        per = {k: statistics.median(v) / P.numel() * 1e9 for k, v in times.items()}
+        print(
+            f"block {tuple(P.shape)} at query {q0}: {per[1]:.2f} ns per weight on 1 thread, "
+            f"{per[n]:.2f} on {n} (wall)"
+        )
+
+
+if __name__ == "__main__":
+    main()
