@@ -222,8 +222,8 @@ def _tasks_of(heads: int, r: int, n: int, k: int, filled: bool) -> np.ndarray:
     thread (its column sums then need no lock), split further when there are fewer heads than
     threads, or (``filled``: each part computed by its thread) past :data:`PART` weights, into
     parts of at least :data:`PART_ROWS` rows: one part is one matrix product, and its rows share
-    one packing of the keys (a part of 96 rows took two thirds of the time per weight of three
-    parts of 32); the loop reads a row at a time, so only the row need stay in the core's cache."""
+    one packing of the keys (fewer, taller products: less time per weight); the loop reads a row
+    at a time, so only the row need stay in the core's cache."""
     per = -(-2 * k // heads) if heads < 2 * k else 1
     if filled:
         per = max(per, min(-(-r * n // PART), r // PART_ROWS))
