@@ -3,9 +3,10 @@
 * What a ``keep="stats"`` run writes: two real runs of the zoo's minigpt (16 and 32 texts) give
   the bytes per head of a shard record and of the run's statistics files, and the bytes per text
   (manifest and shard record), by difference.
-* What it holds while it runs: the per-query terms one attention keeps until the forward ends
-  (the streamed path's :class:`~probe.analysis.focus.streaming.RowTerms`, its tensors' bytes
-  summed for a given shape) and one row block of weights (:data:`probe.capture.blocks.BLOCK_BYTES`).
+* What it holds while it runs: the per-query terms of one attention (the streamed path's
+  :class:`~probe.analysis.focus.streaming.RowTerms`, its tensors' bytes summed for a given shape;
+  on a CPU they are reduced when the attention closes, on a GPU every attention's wait for the end
+  of the forward) and one row block of weights (:func:`probe.capture.blocks.block_bytes`).
 * What a pattern costs: 4·T² bytes per head per text (float32), 2·T² with ``--dtype float16``.
 
     python benchmarks/corpus_plan.py
@@ -51,15 +52,16 @@ def written() -> dict[str, float]:
     }
 
 
-def held(layers: int, heads: int, T: int) -> float:
-    """Bytes the streamed statistics hold for one text until its forward ends: every attention's
-    per-query terms (a self-attention :class:`RowTerms` of ``[1, heads, T, T]``, token ids known,
-    words split) times ``layers``, plus one row block of weights."""
+def held(layers: int, heads: int, T: int, device: str = "cpu") -> float:
+    """Bytes the streamed statistics hold at most for one text: the per-query terms of a
+    self-attention :class:`RowTerms` of ``[1, heads, T, T]`` (token ids known, words split), once
+    on a CPU (reduced when the attention closes), times ``layers`` on a GPU (kept there until the
+    forward ends), plus one row block of weights."""
     import torch
 
     from probe.analysis.focus.streaming import RowTerms
     from probe.analysis.focus.tokens import Side
-    from probe.capture.blocks import BLOCK_BYTES
+    from probe.capture.blocks import block_bytes
 
     def side() -> Side:
         real = torch.ones(1, 8, dtype=torch.bool)
@@ -77,7 +79,8 @@ def held(layers: int, heads: int, T: int) -> float:
     small = RowTerms(side(), side(), (1, heads, 8, 8), self_attn=True)
     per_query = _nbytes(small.t) / (heads * 8)  # every term is [B, H, Q] (or [B, Q] / [B, H, Q, 3])
     per_key = (small.recv.nbytes + small.recv_first.nbytes) / (heads * 8)
-    return layers * heads * T * (per_query + per_key) + BLOCK_BYTES
+    attentions = layers if device == "cuda" else 1
+    return attentions * heads * T * (per_query + per_key) + block_bytes(device, heads * T)
 
 
 def _nbytes(t) -> int:
@@ -106,7 +109,10 @@ def main() -> None:
         f"{w['files_per_head'] / 1e3:.1f} KB per head once (stats.json, head_stats.json/.csv), "
         f"about {round(w['per_text'], -1):.0f} B per text"  # tens: the last digits move with float text
     )
-    print("held while a text runs (keep='stats'): the terms of every attention + one row block")
+    print(
+        "held while a text runs (keep='stats'): one attention's terms (a GPU: every attention's) "
+        "+ one row block"
+    )
     for name, L, H, T in (
         ("GPT-2 small", 12, 12, 2048),
         ("GPT-2 small", 12, 12, 16384),
@@ -114,8 +120,8 @@ def main() -> None:
         ("7B", 32, 32, 16384),
     ):
         print(
-            f"  {name}, T = {T}: {_h(held(L, H, T))} (every float32 pattern whole: "
-            f"{_h(4 * L * H * T * T)})"
+            f"  {name}, T = {T}: CPU {_h(held(L, H, T))}, GPU {_h(held(L, H, T, 'cuda'))} "
+            f"(every float32 pattern whole: {_h(4 * L * H * T * T)})"
         )
 
 

@@ -198,6 +198,51 @@ def test_blocks_never_hold_a_whole_pattern(monkeypatch):
     assert min(s[3] for s in seen) == 8
 
 
+def test_cpu_blocks_hold_enough_rows_of_every_head():
+    """A CPU block is 16 MiB, or 128 query rows of every head where that is more (up to 128 MiB):
+    at long T a 16 MiB block would hold a few rows a head."""
+    from probe.capture.blocks import block_rows
+
+    assert block_rows((1, 12, 1024, 1024), None, "cpu") == (1 << 24) // (4 * 12 * 1024)
+    assert block_rows((1, 12, 16384, 16384), None, "cpu") == 128
+    assert block_rows((4, 32, 16384, 16384), None, "cpu") == (1 << 27) // (4 * 4 * 32 * 16384)
+    assert block_rows((1, 12, 16384, 16384), None, "cuda") == (1 << 27) // (4 * 12 * 16384)
+    assert block_rows((1, 12, 16384, 16384), 21, "cpu") == 21
+
+
+def test_cpu_terms_are_reduced_when_each_attention_closes(monkeypatch):
+    """On a CPU a forward holds one attention's per-query terms at a time: each reader reduces
+    its terms when its attention closes and drops them, and the table is the same as from the
+    captured patterns."""
+    from probe.analysis.focus import streaming
+
+    made, holding = [], []
+    init, rows = streaming.RowTerms.__init__, streaming.RowTerms.rows
+
+    def spy_init(self, *a, **k):
+        init(self, *a, **k)
+        made.append(self)
+
+    def spy_rows(self, *a, **k):
+        holding.append(sum(r.t is not None for r in made))
+        return rows(self, *a, **k)
+
+    monkeypatch.setattr(streaming.RowTerms, "__init__", spy_init)
+    monkeypatch.setattr(streaming.RowTerms, "rows", spy_rows)
+    lm = ToyLM("sdpa_causal").eval()
+    ids = torch.randint(0, 40, (2, 30), generator=torch.Generator().manual_seed(3))
+    streamed = probe.head_stats(lm, ids, block=7)
+    assert len(made) >= 2 and set(holding) == {1}
+    assert all(r.t is None and r.recv is None for r in made)
+    whole = probe.head_stats(probe.capture(lm, ids))
+    cols = [c for c in whole.table.columns if c not in ("layer", "head", "stack", "kind", "rollout")]
+    for c in cols:
+        a, b = streamed.table.column(c), whole.table.column(c)
+        for x, y in zip(a, b, strict=True):
+            if isinstance(x, float) and not (math.isnan(x) and math.isnan(y)):
+                assert abs(x - y) <= 1e-5 * max(1.0, abs(y)), c
+
+
 def _random_pattern(B, H, T, causal, seed, pad=None):
     """Row-stochastic weights; ``pad[b]`` left-padded positions get none (and are no query)."""
     g = torch.Generator().manual_seed(seed)

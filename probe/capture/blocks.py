@@ -35,7 +35,9 @@ from probe.capture.patterns import sdpa_blocks
 from probe.capture.tracer import Tracer
 from probe.errors import ProbeError
 
-BLOCK_BYTES = 1 << 24  # the float32 weights of one row block on a CPU: 16 MiB (faster than larger)
+BLOCK_BYTES = 1 << 24  # the float32 weights of one row block on a CPU: at least 16 MiB,
+CPU_ROWS = 128  # and room for this many query rows of every head (see block_bytes),
+CPU_MAX_BYTES = 1 << 27  # up to 128 MiB
 CUDA_BLOCK_BYTES = 1 << 27  # on a GPU: 128 MiB (fewer, larger kernels; the scratch stays under 1 GiB)
 
 
@@ -83,10 +85,17 @@ def _fills(reader: Any, call: tuple) -> bool:
     return ask is not None and bool(ask(q.device))
 
 
-def block_bytes(device: torch.device | str | None) -> int:
-    """The float32 bytes of one row block on ``device``: :data:`CUDA_BLOCK_BYTES` on a GPU, else
-    :data:`BLOCK_BYTES`."""
-    return CUDA_BLOCK_BYTES if torch.device(device or "cpu").type == "cuda" else BLOCK_BYTES
+def block_bytes(device: torch.device | str | None, cells: int = 0) -> int:
+    """The float32 bytes of one row block on ``device``: :data:`CUDA_BLOCK_BYTES` on a GPU; on a
+    CPU :data:`BLOCK_BYTES`, or :data:`CPU_ROWS` query rows of every head where that is more
+    (``cells``: batch × heads × keys of the attention), at most :data:`CPU_MAX_BYTES`. A CPU block
+    is recomputed a head's rows at a time (:func:`probe.analysis.focus.rowfused.row_terms`), and
+    a matrix product of few rows against many keys spends its time packing the keys: at T =
+    16,384 with 12 heads, 16 MiB holds 21 rows a head (``python
+    benchmarks/long_context_profile.py --T 16384 --block 128``, docs/performance-history.md)."""
+    if torch.device(device or "cpu").type == "cuda":
+        return CUDA_BLOCK_BYTES
+    return max(BLOCK_BYTES, min(CPU_MAX_BYTES, 4 * CPU_ROWS * cells))
 
 
 def block_rows(shape: tuple[int, ...], block: int | None, device: torch.device | str | None = None) -> int:
@@ -96,7 +105,7 @@ def block_rows(shape: tuple[int, ...], block: int | None, device: torch.device |
             raise ProbeError(f"block must be a positive number of query rows, not {block!r}")
         return block
     B, H, _, K = shape
-    return max(1, block_bytes(device) // (4 * max(1, B * H * K)))
+    return max(1, block_bytes(device, B * H * K) // (4 * max(1, B * H * K)))
 
 
 class BlockConsumer:
@@ -199,7 +208,7 @@ class BlockConsumer:
         area = (
             None
             if self.block is not None or len(calls) > 1
-            else block_bytes(q.device) // (4 * max(1, B * shape[1]))
+            else block_bytes(q.device, B * shape[1] * K) // (4 * max(1, B * shape[1]))
         )
         if lazy:  # one call: each block uncomputed, with its fill (see sdpa_blocks)
             for i, e, blk, fill in sdpa_blocks(*calls[0][0], **calls[0][1], chunk=step, area=area, lazy=True):
@@ -305,5 +314,6 @@ __all__ = [
     "block_rows",
     "block_bytes",
     "BLOCK_BYTES",
+    "CPU_ROWS",
     "CUDA_BLOCK_BYTES",
 ]

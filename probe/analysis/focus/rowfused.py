@@ -17,10 +17,10 @@ Each row is read while it sits in the core's cache:
 
 ``beyond_<D>``, ``reach90`` (a binary search) and the word masses are differences of running sums
 ``C(j) = Σ_{j' <= j} a``: the chunk sums' running total plus a part of one chunk. Rows are split
-over :func:`~.spanselect.threads` threads by head (a head's rows on one thread, so its column sums
-need no lock; the calling thread is one of them), each running the compiled loop with the GIL
-released. Where the block comes uncomputed (``fill``), each thread computes its parts right
-before it reads them.
+over :func:`~.spanselect.threads` threads in tasks of one head's rows (each task sums its own
+columns, added up afterwards, so no lock); each thread takes the next task when done with one (the
+calling thread is one of them) and runs the compiled loop with the GIL released. Where the block
+comes uncomputed (``fill``), each thread computes its parts right before it reads them.
 
 Reported masses are float64 sums (the entropy, class masses and distances of float32 partial sums
 of at most 256 weights). Used by :mod:`probe.analysis.focus.streaming` when numba is installed
@@ -29,6 +29,7 @@ of at most 256 weights). Used by :mod:`probe.analysis.focus.streaming` when numb
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable
 
 import numpy as np
@@ -218,12 +219,12 @@ def available() -> bool:
 
 
 def _tasks_of(heads: int, r: int, n: int, k: int, filled: bool) -> np.ndarray:
-    """The ``(head, row start, row end)`` tasks of a block for ``k`` threads: a head's rows on one
-    thread (its column sums then need no lock), split further when there are fewer heads than
-    threads, or (``filled``: each part computed by its thread) past :data:`PART` weights, into
-    parts of at least :data:`PART_ROWS` rows: one part is one matrix product, and its rows share
-    one packing of the keys (fewer, taller products: less time per weight); the loop reads a row
-    at a time, so only the row need stay in the core's cache."""
+    """The ``(head, row start, row end)`` tasks of a block for ``k`` threads: a head's rows, split
+    further when there are fewer heads than threads, or (``filled``: each part computed by its
+    thread) past :data:`PART` weights, into parts of at least :data:`PART_ROWS` rows: one part
+    is one matrix product, and its rows share one packing of the keys (fewer, taller products:
+    less time per weight); the loop reads a row at a time, so only the row need stay in the
+    core's cache."""
     per = -(-2 * k // heads) if heads < 2 * k else 1
     if filled:
         per = max(per, min(-(-r * n // PART), r // PART_ROWS))
@@ -295,16 +296,16 @@ def row_terms(
         out,
     )
 
+    order = itertools.count()  # each thread takes the next task when it is done with one
+
     def run(a: int, b: int) -> None:
-        work = _scratch(n)  # once per thread's share, not per part
-        if fill is None:
-            _tasks(x, tasks[a:b], *args, acc[a:b], work, start, ends)
-            return
-        for t in range(a, b):
-            fill(*(int(v) for v in tasks[t]))
+        work = _scratch(n)  # once per thread, not per task
+        while (t := next(order)) < len(tasks):
+            if fill is not None:
+                fill(*(int(v) for v in tasks[t]))
             _tasks(x, tasks[t : t + 1], *args, acc[t : t + 1], work, start, ends)
 
-    ss.spread(run, len(tasks))
+    ss.spread(run, min(k, len(tasks)))
     if out[:, 15].any():
         return None
     t = torch.from_numpy(out[:, : len(NAMES)]).float().T.reshape(len(NAMES), B, h, r)

@@ -88,6 +88,7 @@ class RowTerms:
         self.softmax = False  # see recomputed()
         self.gpu = KernelTerms(self)  # the row kernel's share, on a GPU
         self.guesses = np.full(B * H, -1, np.int64)  # the CPU row loop's span bin per head, passed on
+        self._done: tuple[torch.Tensor, torch.Tensor] | None = None  # (values, received), see close()
 
     def _on(self, device: torch.device) -> dict[str, Any]:
         """The key-side facts on ``device`` (copied once per device; the row kernel adds its own)."""
@@ -301,8 +302,19 @@ class RowTerms:
             t.hits[n][:, sl] = hits
 
     def close(self) -> bool | None:
-        """Whether this self-attention was causal (None for cross-attention)."""
+        """Whether this self-attention was causal (None for cross-attention). On the CPU the
+        terms are reduced here and dropped: a forward then holds one attention's ``O(B·H·T)``
+        terms at a time, not every layer's (at T = 16,384 about 25 MiB an attention). A GPU's
+        stay on the device until :meth:`values` (reducing there would wait for the device)."""
         self.gpu.settle()
+        if self._done is None and self.recv.device.type == "cpu":
+            n = torch.get_num_threads()
+            torch.set_num_threads(1)  # [B, H, Q] terms: torch's thread team only waits at each op
+            try:
+                self._done = (self._values(), self._received())
+            finally:
+                torch.set_num_threads(n)
+            self.t = self.recv = self.recv_first = None
         return bool(self.causal) if self.self_attn else None
 
     def layout(self) -> Layout:
@@ -312,12 +324,18 @@ class RowTerms:
 
     def values(self) -> torch.Tensor:
         """Every metric per text and head, ``[B, H, M]``."""
-        lay = self.layout()  # first: it spreads a GPU's kernel table into the terms
-        return reduce(self.t.to("cpu"), lay, self_attn=self.self_attn)
+        return self._values() if self._done is None else self._done[0]
 
     def received(self) -> torch.Tensor:
         """The sink profile ``[B, H, K]`` (float64): each key's mean weight over the counted
         queries (the first real query of a causal layer is not counted)."""
+        return self._received() if self._done is None else self._done[1]
+
+    def _values(self) -> torch.Tensor:
+        lay = self.layout()  # first: it spreads a GPU's kernel table into the terms
+        return reduce(self.t.to("cpu"), lay, self_attn=self.self_attn)
+
+    def _received(self) -> torch.Tensor:
         lay = self.layout()
         recv, first = self.recv.cpu(), self.recv_first.cpu()
         s = recv - first if self.causal else recv
