@@ -35,7 +35,8 @@ def capture(
 ):
     """:func:`probe.capture.engine.capture`, and ``keep="stats"``: every head's statistics computed
     block by block while the model runs and each residual tensor's norm, no pattern ever whole
-    (``block`` query rows at a time, default about 16 MiB of weights). See ``docs/long-context.md``.
+    (``block`` query rows at a time, default: see ``probe.capture.blocks.block_bytes``). See
+    ``docs/long-context.md``.
     ``text``: what a vision-language model reads beside the pictures (``processor`` its processor,
     which places the image tokens in it); see ``docs/images.md``."""
     from probe.capture.images import with_text  # a text read beside pictures by the processor

@@ -282,7 +282,7 @@ def stream_attention(
     pattern row block by row block to ``open_attention(meta, role, [B, H, Q, K])``'s reader; keep
     nothing else (residuals are dropped).
 
-    ``block``: query rows per block (default: about 16 MiB of float32 weights per block).
+    ``block``: query rows per block (default: :func:`block_bytes` of float32 weights per block).
     Returns ``(meta, readers)``: the metadata a cache of the same call would hold, and each
     reader under the cache key its pattern would have (``decoder.blocks.0.self_attn.pattern``).
     ``processor``, ``text`` and ``sampling_rate``: pictures or sound, as for :func:`probe.capture`.

@@ -6,8 +6,9 @@ slices of a softmax the model computed) to a :class:`RowTerms` made here. It tur
 the per-query :class:`~probe.analysis.focus.metrics.Terms` of its rows and drops it; when the
 forward is done, :func:`~probe.analysis.focus.metrics.reduce` turns the terms into the metrics,
 exactly as for a captured cache (the run itself, a reader per attention and the table, is
-:mod:`probe.analysis.focus.streamrun`). Peak memory is one block (``[batch, heads, rows, keys]``) plus
-O(batch · heads · T) of terms per layer, never a ``T × T`` pattern.
+:mod:`probe.analysis.focus.streamrun`); on a CPU each attention's terms are reduced when it closes.
+Peak memory is one block (``[batch, heads, rows, keys]``) plus O(batch · heads · T) of terms (one
+attention's on a CPU, every layer's on a GPU), never a ``T × T`` pattern.
 
 On a CUDA device with Triton one kernel per block (:mod:`probe.analysis.focus.rowkernel`, driven by
 :mod:`probe.analysis.focus.gputerms`) gives every per-row term that otherwise takes a sort, prefix
