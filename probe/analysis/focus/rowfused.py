@@ -298,7 +298,7 @@ def row_terms(
 
     order = itertools.count()  # each thread takes the next task when it is done with one
 
-    def run(a: int, b: int) -> None:
+    def run(*_: int) -> None:  # a thread's share is whatever tasks it takes, not spread's run
         work = _scratch(n)  # once per thread, not per task
         while (t := next(order)) < len(tasks):
             if fill is not None:

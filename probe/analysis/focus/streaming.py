@@ -53,6 +53,18 @@ def streamed_not_computed(meta: dict[str, Any], rollout: str = ROLLOUT_NOTE) -> 
     return out
 
 
+@contextlib.contextmanager
+def one_thread():
+    """Torch on one thread inside: for the many small ops on ``[B, H, Q]`` terms, where torch's
+    thread team would only wait at each op."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(n)
+
+
 class RowTerms:
     """The :class:`Terms` of one attention ``[B, H, Q, K]``, filled by :meth:`rows` a block of
     query rows at a time; :meth:`close` says whether it was causal, :meth:`values` gives the
@@ -309,12 +321,8 @@ class RowTerms:
         stay on the device until :meth:`values` (reducing there would wait for the device)."""
         self.gpu.settle()
         if self._done is None and self.recv.device.type == "cpu":
-            n = torch.get_num_threads()
-            torch.set_num_threads(1)  # [B, H, Q] terms: torch's thread team only waits at each op
-            try:
+            with one_thread():
                 self._done = (self._values(), self._received())
-            finally:
-                torch.set_num_threads(n)
             self.t = self.recv = self.recv_first = None
         return bool(self.causal) if self.self_attn else None
 
@@ -346,6 +354,7 @@ class RowTerms:
 
 __all__ = [
     "RowTerms",
+    "one_thread",
     "streamed_not_computed",
     "ROLLOUT_NOTE",
 ]

@@ -10,7 +10,6 @@ whose source and target have the same shape is read for both until the forward i
 
 from __future__ import annotations
 
-import contextlib
 from typing import Any
 
 import torch
@@ -18,7 +17,7 @@ import torch
 from probe.analysis.focus import rowblock as rb
 from probe.analysis.focus.result import HeadStats
 from probe.analysis.focus.running import RunningStats
-from probe.analysis.focus.streaming import RowTerms, streamed_not_computed
+from probe.analysis.focus.streaming import RowTerms, one_thread, streamed_not_computed
 from probe.analysis.focus.tokens import Side, side
 from probe.cache.format import parse_key
 from probe.errors import ProbeError
@@ -123,16 +122,6 @@ def model_head_stats(
     return accumulate(meta, readers).result()
 
 
-@contextlib.contextmanager
-def _one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(n)
-
-
 def accumulate(meta: dict[str, Any], readers: dict[str, Any]):
     """The :class:`~probe.analysis.focus.stats.FocusAccumulator` of one forward's readers
     (:func:`stats_readers`'s, each under its pattern's cache key) and the capture's metadata;
@@ -153,7 +142,7 @@ def accumulate(meta: dict[str, Any], readers: dict[str, Any]):
     batch = 0
     for _, (stack, layer, kind), cands in sorted(keyed, key=lambda x: x[0]):
         terms = cands.of(stack)
-        with _one_thread():  # [B, H, Q] terms: torch's thread team only waits at each small op
+        with one_thread():  # [B, H, Q] terms: torch's thread team only waits at each small op
             values = terms.values()
             received = terms.received()
         name = f"{stack}/{layer}/{kind}"
