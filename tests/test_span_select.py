@@ -303,3 +303,70 @@ def test_log32_of_bit_patterns():
     want = np.array([math.log(max(float(v), float(np.finfo(np.float32).tiny))) for v in x])
     err = np.abs(got.astype(np.float64) - want)
     assert (err <= 1.2e-7 * np.maximum(np.abs(want), 1.0)).all(), err.max()
+
+
+def test_exp32_against_float64():
+    """rowpass.exp32 (the row loop's softmax) against float64 math.exp rounded to float32: within
+    two float32 roundings where the result is normal, within one subnormal step below that (as a
+    float32 exp gives it), 0 below -104 and for -inf and NaN."""
+    import math
+
+    import numpy as np
+    from numba import njit
+
+    from probe.analysis.focus import rowpass
+
+    @njit
+    def exps(t, out):
+        for j in range(t.shape[0]):
+            out[j] = rowpass.exp32(t[j])
+
+    g = torch.Generator().manual_seed(2)
+    t = torch.cat(
+        [-torch.rand(20000, generator=g) * 110, torch.tensor([0.0, -0.0, -1e-30, -87.3, -87.4, -103.9])]
+    )
+    t = torch.cat([t, torch.tensor([-104.5, -200.0, float("-inf"), float("nan")])]).numpy()
+    got = np.empty(t.size, np.float32)
+    exps(t, got)
+    want = np.array([math.exp(float(v)) if v == v else 0.0 for v in t])
+    tiny = float(np.finfo(np.float32).tiny)
+    normal = want >= tiny
+    rel = np.abs(got[normal] - want[normal]) / want[normal]
+    assert rel.max() <= 1.2e-7, rel.max()
+    sub = (want < tiny) & (t >= -104)
+    assert sub.sum() > 100 and (np.abs(got[sub] - want[sub]) <= 2.0**-149).all()
+    assert (got[t < -104] == 0).all() and got[-1] == 0 and got[-2] == 0 and got[20000] == 1.0
+
+
+@pytest.mark.parametrize("causal", [True, False])
+def test_row_terms_take_the_softmax_of_scores(causal):
+    """row_terms(scores, keep=...) takes each row's softmax in the loop (no log of a weight: the
+    entropy from the scores), then drops the weights on keys where keep is 0: against the loops
+    written here over the float64 softmax of the same scores, with hidden keys (-inf), a row that
+    sees no key, keys kept out (padding), scores far apart (weights below float32's smallest
+    normal number) and rows over several chunks; the block is left holding the weights."""
+    g = torch.Generator().manual_seed(9)
+    B, h, r, n = 2, 3, 40, 700
+    q0 = n - r if causal else 0
+    S = torch.randn(B, h, r, n, generator=g) * torch.tensor([0.3, 3.0, 40.0])[:, None, None]
+    if causal:
+        S = S.masked_fill(torch.arange(n) > torch.arange(q0, q0 + r)[:, None], float("-inf"))
+    S[1, 0, 3] = float("-inf")  # a row that sees no key
+    keep = torch.ones(B, n)
+    keep[1, :9] = 0  # padding keys of the second text
+    W = torch.softmax(S.double(), -1).nan_to_num(0.0) * keep[:, None, None].double()
+    cols = (torch.rand(B, 3, n, generator=g) > 0.5).float()
+    first = torch.tensor([0, 9])
+    w = torch.ones(B, r)
+    X = S.clone()
+    got = rowfused.row_terms(X, q0, n, cols, first, colw=w, keep=keep)
+    torch.testing.assert_close(X.double(), W, rtol=3e-6, atol=1e-12)  # the weights, in place
+    want = _loop_terms(W, q0, n, cols, first)
+    for k, v in want.items():
+        torch.testing.assert_close(got[k].double(), v, rtol=1e-5, atol=2e-5, msg=k)
+    span, amb = _sorted_span(W.float())
+    assert bool(((got["span"].long() == span) | amb).all())
+    assert torch.equal(got["arg"], W.argmax(-1)) and float(got["total"][1, 0, 3]) == 0
+    torch.testing.assert_close(got["recv"], W.sum(2), rtol=1e-5, atol=1e-9)
+    torch.testing.assert_close(got["first"].double(), torch.stack([W[0, ..., 0], W[1, ..., 9]]))
+    assert float(got["after"].max()) == 0 if causal else float(got["after"].max()) > 0

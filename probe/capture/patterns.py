@@ -75,9 +75,10 @@ class _Scores:
         valid until the next block. ``into``: a contiguous float32 tensor of the whole shape; when
         one block holds every query and key (a short sequence) it is computed there, no copy.
         ``lazy``: yield ``(start, end, block, fill)`` with the block not yet computed;
-        ``fill(bh, a, b)`` computes rows ``a:b`` of its ``bh``-th head (batch and heads
-        flattened), so that a reader can compute each part on its own thread right before reading
-        it, while it is in that core's cache. Every part must be filled before the block is read.
+        ``fill(bh, a, b, softmax=True)`` computes rows ``a:b`` of its ``bh``-th head (batch and
+        heads flattened; ``softmax=False``: their scores only, see :meth:`fill`), so that a
+        reader can compute each part on its own thread right before reading it, while it is in
+        that core's cache. Every part must be filled before the block is read.
         """
         L, S, n, batch = self.L, self.S, self.n, self.batch
         spans = self.spans(chunk, area)
@@ -113,9 +114,21 @@ class _Scores:
                 blk.nan_to_num_(nan=0.0)
             yield i, e, blk
 
-    def fill(self, blk: Tensor, i: int, kend: int, diag: Tensor | None, bh: int, a: int, b: int) -> None:
+    def fill(
+        self,
+        blk: Tensor,
+        i: int,
+        kend: int,
+        diag: Tensor | None,
+        bh: int,
+        a: int,
+        b: int,
+        softmax: bool = True,
+    ) -> None:
         """Compute rows ``i + a : i + b`` of the ``bh``-th flattened head of the block ``blk``
-        (:meth:`blocks` with ``lazy``): the same operations as a whole block, on one part."""
+        (:meth:`blocks` with ``lazy``): the same operations as a whole block, on one part.
+        ``softmax=False``: leave the scores (scaled, masked: ``-inf`` where a key is hidden),
+        for a reader that takes the softmax of each row itself."""
         r = blk.size(-2)
         out = blk.view(self.n, r, kend)[bh, a:b]
         at = _unravel(bh, self.batch)
@@ -138,6 +151,8 @@ class _Scores:
                 out.masked_fill_(~m, float("-inf"))
             else:
                 out.add_(m)
+        if not softmax:
+            return
         torch.ops.aten._softmax.out(out, -1, False, out=out)
         if m is not None and torch.isnan(out[:, 0]).any():
             out.nan_to_num_(nan=0.0)

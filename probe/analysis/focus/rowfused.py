@@ -20,7 +20,10 @@ Each row is read while it sits in the core's cache:
 over :func:`~.spanselect.threads` threads in tasks of one head's rows (each task sums its own
 columns, added up afterwards, so no lock); each thread takes the next task when done with one (the
 calling thread is one of them) and runs the compiled loop with the GIL released. Where the block
-comes uncomputed (``fill``), each thread computes its parts right before it reads them.
+comes uncomputed (``fill``), each thread computes its parts' scores (one matrix product) right
+before it reads them, and the loop takes each row's softmax itself
+(:func:`~.rowpass.softmax_row`: a max, then ``e^(x − max)`` and its sums, the ``1/Z`` scale
+folded into the first read; the entropy then from the scores, with no log of a weight).
 
 Reported masses are float64 sums (the entropy, class masses and distances of float32 partial sums
 of at most 256 weights). Used by :mod:`probe.analysis.focus.streaming` when numba is installed
@@ -112,12 +115,14 @@ if numba is not None:
     def _one(x, i, self_attn, K, cols, first, words, w, acc, out, work, guess):  # pragma: no cover
         """The terms of one row ``x`` (query ``i``) into ``out`` (:data:`NAMES`, then the argmax);
         ``w · x`` added to the column sums ``acc``. ``guess``: the first-level bin where the
-        previous row's span crossed (−1: none); returns this row's (see :func:`_span`)."""
-        PS, M, hmass, hcnt, cand, sums = work
+        previous row's span crossed (−1: none); returns this row's (see :func:`_span`). ``x`` is
+        weights, or a softmax to finish where ``work``'s ``soft[0]`` is 1 (see
+        :func:`~.rowpass.read_row`)."""
+        PS, M, hmass, hcnt, cand, sums, soft = work
         n = x.shape[0]
         bits = x.view(np.int32)
         glo = max(guess - 1, 0)
-        top, low, low_seen, after = rowpass.read_row(x, i, cols, glo, w, acc, PS, M, sums)
+        top, low, low_seen, after = rowpass.read_row(x, i, cols, glo, w, acc, PS, M, sums, soft)
         total = PS[M.shape[0]]
         out[15] = low < 0  # a negative weight (or -0.0): the caller sorts instead
         if low < 0:
@@ -156,7 +161,7 @@ if numba is not None:
         out[3] = 0
         if not total > 0.0:
             return -1
-        PS, M, hmass, hcnt, cand, _ = work
+        PS, M, hmass, hcnt, cand, _, _ = work
         rest = (1.0 - ss.SPAN_MASS) * total
         b, cum, left = -1, 0.0, 0
         if glo >= 0:
@@ -185,26 +190,34 @@ if numba is not None:
     def _scratch(n):  # pragma: no cover - compiled
         """What :func:`_tasks` works in for rows of ``n`` keys: the chunk sums and maxima, the
         span's histograms (zero, and left zero by each row's selection) and candidates, and the
-        sums of :func:`~.rowpass.read_row`."""
+        sums of :func:`~.rowpass.read_row` and the softmax's (:func:`~.rowpass.softmax_row`)."""
         PS = np.empty((n + CH - 1) // CH + 1, np.float64)
         M = np.empty((n + CH - 1) // CH, np.int32)
         hmass, hcnt, cand = ss.scratch(n)
-        return PS, M, hmass, hcnt, cand, np.empty(len(rowpass.SUMS), np.float64)
+        return PS, M, hmass, hcnt, cand, np.empty(len(rowpass.SUMS), np.float64), np.zeros(4, np.float64)
 
     @njit(fastmath=ss.FAST, cache=True, nogil=True, error_model="numpy")
     def _tasks(
-        x, tasks, h, r, q0, self_attn, K, cols, first, words, colw, out, acc, work, guesses, ends
+        x, tasks, h, r, q0, self_attn, K, cols, first, words, colw, keep, out, acc, work, guesses, ends
     ):  # pragma: no cover
         """The rows of each task ``(head, row start, row end)`` (``x`` ``[B·h·r, n]``); the
         column sums of task ``t`` go to ``acc[t]``; ``work``: :func:`_scratch`'s arrays. Each task
         starts from the bin ``guesses[head]`` (the previous block's last row of that head) and the
-        task that ends a head's rows leaves its last row's in ``ends[head]``."""
+        task that ends a head's rows leaves its last row's in ``ends[head]``. ``keep`` ``[B, n]``
+        (float32; ``[0, 0]``: ``x`` holds weights): ``x`` holds scores, each row's softmax taken
+        here (:func:`~.rowpass.softmax_row`, the weights on keys where ``keep`` is 0 then
+        dropped)."""
+        soft = work[6]
         for t in range(tasks.shape[0]):
             bh, a0, a1 = tasks[t, 0], tasks[t, 1], tasks[t, 2]
             b = bh // h
             guess = guesses[bh]
             for a in range(a0, a1):
                 row = bh * r + a
+                if keep.shape[0]:
+                    rowpass.softmax_row(x[row], keep[b], soft)
+                else:
+                    soft[0] = 0.0
                 guess = _one(
                     x[row], q0 + a, self_attn, K, cols[b], first[b], words[b, a], colw[b, a],
                     acc[t], out[row], work, guess,
@@ -253,6 +266,7 @@ def row_terms(
     colw: torch.Tensor | None = None,
     fill: Callable[[int, int, int], None] | None = None,
     guesses: np.ndarray | None = None,
+    keep: torch.Tensor | None = None,
 ) -> dict[str, torch.Tensor] | None:
     """Every per-row term of a CPU block ``P`` ``[B, h, r, kend]`` (rows ``q0:q0 + r``), each
     ``[B, h, r]``: :data:`NAMES` (``after``: the largest weight on a key after the query) and
@@ -270,7 +284,14 @@ def row_terms(
 
     ``guesses`` ``[B·h]`` (int64): the first-level bin where each head's span crossed in the row
     before the block (−1: none), updated to this block's last row: consecutive blocks of one
-    attention pass it on, so each head's first row tries its neighbour's bin too."""
+    attention pass it on, so each head's first row tries its neighbour's bin too.
+
+    ``keep`` ``[B, kend]`` (1 or 0): ``P`` (or what ``fill`` computes) holds a softmax's scores,
+    not its weights (scaled, ``-inf`` on hidden keys): the loop takes each row's softmax as it
+    reads the row (:func:`~.rowpass.softmax_row`: no pass of torch's softmax over the part, and
+    the entropy from the scores, no log of a weight), then drops the weights on keys where
+    ``keep`` is 0 (padding keys: the others are not renormalised, as a weight on padding is not
+    attention to the text)."""
     B, h, r, n = P.shape
     if fill is not None and not P.is_contiguous():
         raise ValueError("row_terms fills only a contiguous block")
@@ -293,6 +314,7 @@ def row_terms(
         first.long().numpy(),
         wr,
         w,
+        np.zeros((0, 0), np.float32) if keep is None else keep.float().contiguous().numpy(),
         out,
     )
 

@@ -17,6 +17,11 @@ core's cache. It makes two short passes over the row, both vectorised by LLVM:
    distance (a previous-token head's distance of 1 stays 1 to float32 precision). The chunk that
    holds the query, and a last partial chunk, are read weight by weight in float64.
 
+Where the row holds a softmax's scores (:func:`softmax_row`, the CPU blocks probe recomputes),
+the loop first takes its max, then ``e^(x − max)`` (:func:`exp32`, vectorised) with ``Z = Σ e``
+and ``Σ e·(x − max)``; pass 1 scales the row by ``1/Z`` as it reads it, and pass 2 skips the log:
+``Σ a·ln a = Σ e·(x − max)/Z − ln Z · Σ a``.
+
 Float32 partial sums of at most 256 weights in eight lanes round within about 1e-7 of the sum;
 the masses that decide a count (the total and the mass below the span's bin) are the float64 sums
 of pass 1, so the span stays the sort's.
@@ -44,6 +49,9 @@ _UP = np.arange(CH, dtype=np.float32)  # j − s over a chunk
 _DOWN = _UP[::-1].copy()  # e − j
 _F, _I = np.float32, np.int32
 LN2_32 = np.float32(math.log(2.0))
+LOG2E = np.float32(1.0 / math.log(2.0))
+LN2_HI, LN2_LO = np.float32(0.693145751953125), np.float32(1.4286068203094173e-06)  # ln 2 in two parts
+EXP_ZERO = np.float32(-104.0)  # exp32 is 0 below (float32's exp is 0 there too, from -103.97)
 
 if numba is not None:
 
@@ -67,16 +75,81 @@ if numba is not None:
         return ef * LN2_32 + _F(2.0) * s * (_F(1.0) + z * p)
 
     @njit(fastmath=ss.FAST, inline="always", cache=True, error_model="numpy")
-    def _chunk(x, bits, base, c0, c1, c2, wt, part):  # pragma: no cover - compiled
+    def exp32(t):  # pragma: no cover - compiled
+        """``exp(t)`` of a float32 ``t <= 0`` in float32 (eight lanes a vector): ``2^n · e^r``
+        with ``|r| <= ln 2 / 2`` (``e^r`` a degree-7 series, within about 2 roundings of the exact
+        value; below float32's smallest normal number the result is scaled down by ``2^-64`` in a
+        second step, a subnormal as ``exp`` gives it); 0 below :data:`EXP_ZERO` and for ``-inf``
+        or NaN."""
+        u = max(t, EXP_ZERO)  # (NaN and -inf are selected out at the end)
+        n = np.floor(u * LOG2E + _F(0.5))
+        r = u - n * LN2_HI - n * LN2_LO
+        p = _F(1.0 / 5040.0)
+        p = _F(1.0 / 720.0) + r * p
+        p = _F(1.0 / 120.0) + r * p
+        p = _F(1.0 / 24.0) + r * p
+        p = _F(1.0 / 6.0) + r * p
+        p = _F(0.5) + r * p
+        p = _F(1.0) + r * p
+        p = _F(1.0) + r * p
+        k = _I(n)
+        low = k < _I(-126)
+        v = p * f32((k + (_I(127 + 64) if low else _I(127))) << 23)
+        v = v * (_F(2.0**-64) if low else _F(1.0))
+        return v if t >= EXP_ZERO else _F(0.0)
+
+    @njit(fastmath=ss.FAST, cache=True, nogil=True, error_model="numpy")
+    def softmax_row(x, keep, soft):  # pragma: no cover - compiled
+        """The softmax of the scores ``x`` (float32, ``-inf`` where a key is hidden), left as
+        ``keep · e^(x − max)`` in ``x`` (``keep``: 1 on each key, 0 where its weight is dropped
+        afterwards, a padding key), and ``soft`` = (1, ``1/Z``, ``Σ keep·e·(x − max)``, ``ln Z``)
+        for :func:`read_row`, which scales the row by ``1/Z`` as it reads it (``Z = Σ e``). Then
+        ``Σ a·ln a = Σ keep·e·(x − max)/Z − ln Z · Σ a``: the entropy needs no log of a weight. A
+        row with no visible key is all zeros, as the caller of a softmax makes it."""
+        n = x.shape[0]
+        m = _F(-np.inf)
+        for j in range(n):
+            m = max(m, x[j])
+        soft[0], soft[1], soft[2], soft[3] = 1.0, 0.0, 0.0, 0.0
+        if not m > _F(-np.inf):  # every key hidden (or NaN scores: not a softmax a model gives)
+            x[:] = _F(0.0)
+            return
+        Z, ET = 0.0, 0.0
+        for c in range(n // CH):  # float32 sums of a chunk, added up in float64
+            z, et = _exps(x, m, keep, c * CH, c * CH + CH)
+            Z += z
+            ET += et
+        z, et = _exps(x, m, keep, n // CH * CH, n)  # (a bound min(n, ...) above: LLVM left it scalar)
+        Z += z
+        ET += et
+        soft[1], soft[2], soft[3] = 1.0 / Z, ET, math.log(Z)
+
+    @njit(fastmath=ss.FAST, inline="always", cache=True, error_model="numpy")
+    def _exps(x, m, keep, j0, j1):  # pragma: no cover - compiled
+        """``x[j] = keep[j] · e^(x[j] − m)`` for ``j0 <= j < j1``; returns ``(Σ e, Σ keep·e·(x − m))``
+        in float32."""
+        z, et = _F(0), _F(0)
+        for j in range(j0, j1):
+            t = x[j] - m
+            e = exp32(t)
+            z += e
+            k = e * keep[j]
+            et += k * max(t, EXP_ZERO)  # finite: k is 0 where t is below EXP_ZERO
+            x[j] = k
+        return z, et
+
+    @njit(fastmath=ss.FAST, inline="always", cache=True, error_model="numpy")
+    def _chunk(x, bits, base, c0, c1, c2, wt, part, logs):  # pragma: no cover - compiled
         """Pass 2 over the full chunk at ``base`` (``wt``: the distance weights ``j − s`` or
-        ``e − j``): ``part`` = (Σ a·ln a, the three class masses, Σ wt·a), float32; returns the
-        chunk's largest and smallest bit pattern."""
+        ``e − j``): ``part`` = (Σ a·ln a if ``logs`` (a literal at each call), the three class
+        masses, Σ wt·a), float32; returns the chunk's largest and smallest bit pattern."""
         L, A0, A1, A2, D = _F(0), _F(0), _F(0), _F(0), _F(0)
         mx, lo = _I(-1), _I(0x7FFFFFFF)
         for t in range(CH):  # a fixed trip count: LLVM keeps each sum in a vector register
             b = bits[base + t]
             v = x[base + t]
-            L += v * ln32(max(b, _I(ss.TINY_BITS)))  # p · log max(p, tiny)
+            if logs:
+                L += v * ln32(max(b, _I(ss.TINY_BITS)))  # p · log max(p, tiny)
             A0 += v * c0[base + t]
             A1 += v * c1[base + t]
             A2 += v * c2[base + t]
@@ -92,43 +165,65 @@ if numba is not None:
         as a float64: ``v < _edge(k)`` is ``bits(v) >> SHIFT < k`` for non-negative ``v``."""
         return np.float64(f32(np.int32(min(k << ss.SHIFT, 0x7F800000))))
 
+    @njit(fastmath=ss.FAST, inline="always", cache=True, error_model="numpy")
+    def _sums(x, j0, j1, e0, e1, e2, scale, scaled):  # pragma: no cover - compiled
+        """Pass 1 over keys ``j0:j1`` (first scaled by ``scale`` in place where ``scaled``, a
+        literal at each call): their sum, then the mass and count below each edge, in float64."""
+        S, s0, n0, s1, n1, s2, n2 = 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0
+        for j in range(j0, j1):
+            if scaled:
+                x[j] = x[j] * scale
+            v = np.float64(x[j])
+            S += v
+            s0 += v if v < e0 else 0.0
+            n0 += 1.0 if v < e0 else 0.0
+            s1 += v if v < e1 else 0.0
+            n1 += 1.0 if v < e1 else 0.0
+            s2 += v if v < e2 else 0.0
+            n2 += 1.0 if v < e2 else 0.0
+        return S, s0, n0, s1, n1, s2, n2
+
     @njit(fastmath=ss.FAST, cache=True, nogil=True, error_model="numpy")
-    def _exact(x, glo, w, acc, PS, sums):  # pragma: no cover - compiled
+    def _exact(x, glo, w, acc, PS, sums, inv):  # pragma: no cover - compiled
         """Pass 1: the chunk sums' running total ``PS``; the mass and count of the weights in the
         first-level bins below ``glo``, ``glo + 1`` and ``glo + 2`` into ``sums[6:12]``; and
-        ``acc += w · x``; in float64."""
+        ``acc += w · x``; in float64. ``inv`` (not 1): each chunk is first scaled by it, in place
+        (a softmax's ``1/Z``, :func:`softmax_row`). Whole chunks, then the last part: a chunk
+        loop bounded by ``min(n, …)`` is left scalar by LLVM (about 1.5× slower here)."""
         n = x.shape[0]
         e0, e1, e2 = _edge(glo), _edge(glo + 1), _edge(glo + 2)
-        s0, n0, s1, n1, s2, n2 = 0.0, 0.0, 0.0, 0.0, 0.0, 0.0
         PS[0] = 0.0
+        sums[6:12] = 0.0
+        scale = _F(inv)
         for c in range((n + CH - 1) // CH):
-            S = 0.0
-            for j in range(c * CH, min(n, c * CH + CH)):
-                v = np.float64(x[j])
-                S += v
-                s0 += v if v < e0 else 0.0
-                n0 += 1.0 if v < e0 else 0.0
-                s1 += v if v < e1 else 0.0
-                n1 += 1.0 if v < e1 else 0.0
-                s2 += v if v < e2 else 0.0
-                n2 += 1.0 if v < e2 else 0.0
-            PS[c + 1] = PS[c] + S
-        sums[6], sums[7], sums[8], sums[9], sums[10], sums[11] = s0, n0, s1, n1, s2, n2
+            j0, j1 = c * CH, min(n, c * CH + CH)
+            if j1 - j0 < CH:
+                got = _sums(x, j0, j1, e0, e1, e2, scale, inv != 1.0)
+            elif inv != 1.0:
+                got = _sums(x, j0, j0 + CH, e0, e1, e2, scale, True)
+            else:
+                got = _sums(x, j0, j0 + CH, e0, e1, e2, scale, False)
+            PS[c + 1] = PS[c] + got[0]
+            for t in range(6):
+                sums[6 + t] += got[1 + t]
         if w != 0.0:
             for j in range(n):
                 acc[j] += w * np.float64(x[j])
 
     @njit(fastmath=ss.FAST, cache=True, nogil=True, error_model="numpy")
-    def read_row(x, i, cols, glo, w, acc, PS, M, sums):  # pragma: no cover - compiled
+    def read_row(x, i, cols, glo, w, acc, PS, M, sums, soft):  # pragma: no cover - compiled
         """Every sum of row ``x`` (float32, query ``i``): ``PS``/``M`` each chunk's running sum and
         largest bit pattern, ``acc += w · x``, ``sums`` as :data:`SUMS` (float64;
         ``before``/``after_d``: ``Σ (i − j)·a`` over keys before the query and ``Σ (j − i)·a``
         after it; ``below<k>``/``n<k>``: the mass and count in the first-level bins below
-        ``glo + k``, k = 0, 1, 2). Returns the largest bit pattern, the smallest, the smallest at
-        or before the query and the largest after it."""
+        ``glo + k``, k = 0, 1, 2). ``soft[0]`` 1: ``x`` is :func:`softmax_row`'s (scaled here,
+        ``Σ a·ln a`` from ``soft``); 0: weights (``Σ a·ln a`` from a log of each). Returns the
+        largest bit pattern, the smallest, the smallest at or before the query and the largest
+        after it."""
         n = x.shape[0]
         bits = x.view(np.int32)
-        _exact(x, glo, w, acc, PS, sums)
+        logs = soft[0] == 0.0
+        _exact(x, glo, w, acc, PS, sums, 1.0 if logs else soft[1])
         c0, c1, c2 = cols[0], cols[1], cols[2]
         ent, m0, m1, m2, before, later = 0.0, 0.0, 0.0, 0.0, 0.0, 0.0
         top, low, low_seen, after = _I(-1), _I(0x7FFFFFFF), _I(0x7FFFFFFF), _I(0)
@@ -137,7 +232,11 @@ if numba is not None:
             s, e = c * CH, min(n, c * CH + CH) - 1
             S = PS[c + 1] - PS[c]
             if e - s + 1 == CH and (e <= i or s > i):
-                mx, lo = _chunk(x, bits, s, c0, c1, c2, _DOWN if e <= i else _UP, part)
+                wt = _DOWN if e <= i else _UP
+                if logs:
+                    mx, lo = _chunk(x, bits, s, c0, c1, c2, wt, part, True)
+                else:
+                    mx, lo = _chunk(x, bits, s, c0, c1, c2, wt, part, False)
                 ent += part[0]
                 m0, m1, m2 = m0 + part[1], m1 + part[2], m2 + part[3]
                 if e <= i:
@@ -151,7 +250,8 @@ if numba is not None:
                 for j in range(s, e + 1):
                     b = bits[j]
                     v = np.float64(x[j])
-                    ent += v * ss.ln(max(b, _I(ss.TINY_BITS)))
+                    if logs:
+                        ent += v * ss.ln(max(b, _I(ss.TINY_BITS)))
                     m0, m1, m2 = m0 + v * c0[j], m1 + v * c1[j], m2 + v * c2[j]
                     if j <= i:
                         before += (i - j) * v
@@ -162,8 +262,10 @@ if numba is not None:
                     mx, lo = max(mx, b), min(lo, b)
             M[c] = mx
             top, low = max(top, mx), min(low, lo)
+        if not logs:  # Σ a·ln a of a softmax from its scores (see softmax_row)
+            ent = soft[2] * soft[1] - soft[3] * PS[(n + CH - 1) // CH]
         sums[0], sums[1], sums[2], sums[3], sums[4], sums[5] = ent, m0, m1, m2, before, later
         return top, low, low_seen, after
 
 
-__all__ = ["read_row", "ln32", "CH", "SUMS"]
+__all__ = ["read_row", "softmax_row", "exp32", "ln32", "CH", "SUMS"]

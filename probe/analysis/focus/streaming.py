@@ -23,6 +23,7 @@ layer's whole pattern, so it is not computed on this path (``HeadStats.not_compu
 from __future__ import annotations
 
 import contextlib
+import functools
 from typing import Any
 
 import numpy as np
@@ -157,8 +158,8 @@ class RowTerms:
         self._to(blk.device)
         dev, ws = self._on(blk.device), self.ws
         P = blk.float()
-        if fill is not None:  # the parts are computed (and padding keys zeroed) in the row loop
-            fill = self._filler(blk, fill)
+        if fill is not None:  # the row loop computes each part's scores, its softmax, zeroes padding
+            fill = functools.partial(fill, softmax=False)
         elif self.lay.any_pad:  # weight on padding keys is not attention to the text
             buf = ws.get("pad", tuple(P.shape), P.dtype, P.device)
             P = torch.mul(P, dev["real"][:, None, None, :kend], out=buf)
@@ -201,20 +202,6 @@ class RowTerms:
             if q0 <= f < q1:
                 self.recv_first[b, :, :kend] = P[b, :, f - q0]
 
-    def _filler(self, blk: torch.Tensor, fill: Any) -> Any:
-        """``fill`` followed by zeroing the part's weights on padding keys (in the block itself:
-        one reader reads it)."""
-        if not self.lay.any_pad:
-            return fill
-        B, H, r, kend = blk.shape
-        flat, real = blk.view(B * H, r, kend), self._on(blk.device)["real"]
-
-        def filled(bh: int, a: int, b: int) -> None:
-            fill(bh, a, b)
-            flat[bh, a:b].mul_(real[bh // H, :kend])
-
-        return filled
-
     def recomputed(self) -> None:
         """The blocks that follow are probe's own softmax of the call's scores (never negative):
         the row kernel need not read a block back to look for a negative weight."""
@@ -222,7 +209,8 @@ class RowTerms:
 
     def _cpu_terms(self, P: torch.Tensor, sl: slice, fill: Any = None) -> dict[str, torch.Tensor] | None:
         """The compiled row loop's terms of a CPU block (:mod:`probe.analysis.focus.rowfused`),
-        or None without numba (then the block is sorted); ``fill``: see :meth:`rows`."""
+        or None without numba (then the block is sorted); ``fill``: see :meth:`rows` (it leaves
+        scores, whose softmax the loop takes, weights on padding keys then zeroed)."""
         from probe.analysis.focus import rowfused
 
         if P.device.type != "cpu" or not rowfused.available():
@@ -240,6 +228,7 @@ class RowTerms:
             colw=dev["qreal"][:, sl],
             fill=fill,
             guesses=self.guesses,
+            keep=None if fill is None else dev["real"][:, :kend],
         )
 
     def _after(self, after: torch.Tensor, sl: slice) -> bool:
