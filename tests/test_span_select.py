@@ -370,3 +370,26 @@ def test_row_terms_take_the_softmax_of_scores(causal):
     torch.testing.assert_close(got["recv"], W.sum(2), rtol=1e-5, atol=1e-9)
     torch.testing.assert_close(got["first"].double(), torch.stack([W[0, ..., 0], W[1, ..., 9]]))
     assert float(got["after"].max()) == 0 if causal else float(got["after"].max()) > 0
+
+
+def test_row_terms_sum_template_pairs():
+    """Template pairs (b, i, j) summed in the row loop: each row's sum of its weights on its pairs'
+    keys, against a loop over the pairs written here (rows with none, several, repeated keys)."""
+    g = torch.Generator().manual_seed(11)
+    B, h, r, n = 2, 3, 9, 50
+    P = torch.softmax(torch.randn(B, h, r, n, generator=g), -1)
+    pairs = {}
+    for name, m in (("dup", 30), ("induction", 7)):
+        b, i, j = (
+            torch.randint(0, B, (m,), generator=g),
+            torch.randint(0, r, (m,), generator=g),
+            torch.randint(0, n, (m,), generator=g),
+        )
+        pairs[name] = (b, i, j, None)
+    got = rowfused.row_terms(P, n - r, n, torch.ones(B, 3, n), torch.zeros(B, dtype=torch.long), pairs=pairs)
+    for name, (b, i, j, _) in pairs.items():
+        want = torch.zeros(B, h, r, dtype=torch.float64)
+        for bb, ii, jj in zip(b.tolist(), i.tolist(), j.tolist(), strict=True):
+            want[bb, :, ii] += P[bb, :, ii, jj].double()
+        torch.testing.assert_close(got[name].double(), want, rtol=1e-6, atol=1e-7)
+        assert bool((got[name] == 0).any())  # some rows have no pair

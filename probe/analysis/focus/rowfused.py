@@ -15,6 +15,9 @@ Each row is read while it sits in the core's cache:
    neighbour crosses, that bin's weights are collected at once; else a histogram of bit patterns
    finds the bin; :func:`~.spanselect.select` finds the crossing among its weights.
 
+Each row's sums over the duplicate-token and induction pairs (``pairs``: the keys of each row,
+in one compressed list) are read there too, while the row is in cache.
+
 ``beyond_<D>``, ``reach90`` (a binary search) and the word masses are differences of running sums
 ``C(j) = Σ_{j' <= j} a``: the chunk sums' running total plus a part of one chunk. Rows are split
 over :func:`~.spanselect.threads` threads in tasks of one head's rows (each task sums its own
@@ -187,6 +190,17 @@ if numba is not None:
         return b
 
     @njit(cache=True, nogil=True, error_model="numpy")
+    def _pair_sums(x, pairs, at, stride, row):  # pragma: no cover - compiled
+        """Each template's sum of the row's weights on its keys (see :func:`_tasks`), float64."""
+        ptr, keys, sums = pairs
+        for t in range(sums.shape[1]):
+            k = t * stride + at
+            s = 0.0
+            for c in range(ptr[k], ptr[k + 1]):
+                s += np.float64(x[keys[c]])
+            sums[row, t] = s
+
+    @njit(cache=True, nogil=True, error_model="numpy")
     def _scratch(n):  # pragma: no cover - compiled
         """What :func:`_tasks` works in for rows of ``n`` keys: the chunk sums and maxima, the
         span's histograms (zero, and left zero by each row's selection) and candidates, and the
@@ -198,7 +212,7 @@ if numba is not None:
 
     @njit(fastmath=ss.FAST, cache=True, nogil=True, error_model="numpy")
     def _tasks(
-        x, tasks, h, r, q0, self_attn, K, cols, first, words, colw, keep, out, acc, work, guesses, ends
+        x, tasks, h, r, q0, self_attn, K, cols, first, words, colw, keep, out, acc, work, guesses, ends, pairs
     ):  # pragma: no cover
         """The rows of each task ``(head, row start, row end)`` (``x`` ``[B·h·r, n]``); the
         column sums of task ``t`` go to ``acc[t]``; ``work``: :func:`_scratch`'s arrays. Each task
@@ -206,7 +220,9 @@ if numba is not None:
         task that ends a head's rows leaves its last row's in ``ends[head]``. ``keep`` ``[B, n]``
         (float32; ``[0, 0]``: ``x`` holds weights): ``x`` holds scores, each row's softmax taken
         here (:func:`~.rowpass.softmax_row`, the weights on keys where ``keep`` is 0 then
-        dropped)."""
+        dropped). ``pairs`` ``(ptr, keys, sums)``: the keys of template ``t`` on row ``a`` of text
+        ``b`` are ``keys[ptr[k]:ptr[k + 1]]``, ``k = (t·B + b)·r + a``; their weights' sum goes
+        to ``sums[row, t]``."""
         soft = work[6]
         for t in range(tasks.shape[0]):
             bh, a0, a1 = tasks[t, 0], tasks[t, 1], tasks[t, 2]
@@ -222,6 +238,7 @@ if numba is not None:
                     x[row], q0 + a, self_attn, K, cols[b], first[b], words[b, a], colw[b, a],
                     acc[t], out[row], work, guess,
                 )  # fmt: skip
+                _pair_sums(x[row], pairs, (b * r + a), cols.shape[0] * r, row)
             if a1 == r:
                 ends[bh] = guess
 
@@ -256,6 +273,21 @@ def _word_ranges(words: dict | None, B: int, r: int, n: int) -> np.ndarray:
     return wr.permute(0, 2, 1, 3).contiguous().numpy().astype(np.int64)
 
 
+def _pairs_csr(
+    pairs: dict[str, tuple[torch.Tensor, ...]] | None, B: int, h: int, r: int
+) -> tuple[list[str], tuple[np.ndarray, np.ndarray, np.ndarray]]:
+    """The templates' names and ``(ptr, keys, sums)`` for :func:`_tasks` (``sums`` zeros)."""
+    names = list(pairs or {})
+    if not names:
+        return [], (np.zeros(1, np.int64), np.zeros(0, np.int64), np.zeros((B * h * r, 0), np.float64))
+    at = torch.cat([(t * B + pairs[m][0].long()) * r + pairs[m][1].long() for t, m in enumerate(names)])
+    keys = torch.cat([pairs[m][2].long() for m in names])
+    order = torch.sort(at, stable=True).indices
+    ptr = torch.zeros(len(names) * B * r + 1, dtype=torch.long)
+    ptr[1:] = torch.bincount(at, minlength=len(names) * B * r).cumsum(0)
+    return names, (ptr.numpy(), keys[order].numpy(), np.zeros((B * h * r, len(names)), np.float64))
+
+
 def row_terms(
     P: torch.Tensor,
     q0: int,
@@ -267,6 +299,7 @@ def row_terms(
     fill: Callable[[int, int, int], None] | None = None,
     guesses: np.ndarray | None = None,
     keep: torch.Tensor | None = None,
+    pairs: dict[str, tuple[torch.Tensor, ...]] | None = None,
 ) -> dict[str, torch.Tensor] | None:
     """Every per-row term of a CPU block ``P`` ``[B, h, r, kend]`` (rows ``q0:q0 + r``), each
     ``[B, h, r]``: :data:`NAMES` (``after``: the largest weight on a key after the query) and
@@ -291,7 +324,11 @@ def row_terms(
     reads the row (:func:`~.rowpass.softmax_row`: no pass of torch's softmax over the part, and
     the entropy from the scores, no log of a weight), then drops the weights on keys where
     ``keep`` is 0 (padding keys: the others are not renormalised, as a weight on padding is not
-    attention to the text)."""
+    attention to the text).
+
+    ``pairs`` ``{name: (b, i, j, ...)}``: pairs of a template (``i`` a row of the block, ``j`` a
+    key; :func:`~probe.analysis.focus.rowblock.template_pairs`): returned as ``name`` ``[B, h,
+    r]``, each row's sum of its weights on its pairs' keys, read while the row is in cache."""
     B, h, r, n = P.shape
     if fill is not None and not P.is_contiguous():
         raise ValueError("row_terms fills only a contiguous block")
@@ -318,6 +355,7 @@ def row_terms(
         out,
     )
 
+    names, csr = _pairs_csr(pairs, B, h, r)
     order = itertools.count()  # each thread takes the next task when it is done with one
 
     def run(*_: int) -> None:  # a thread's share is whatever tasks it takes, not spread's run
@@ -325,7 +363,7 @@ def row_terms(
         while (t := next(order)) < len(tasks):
             if fill is not None:
                 fill(*(int(v) for v in tasks[t]))
-            _tasks(x, tasks[t : t + 1], *args, acc[t : t + 1], work, start, ends)
+            _tasks(x, tasks[t : t + 1], *args, acc[t : t + 1], work, start, ends, csr)
 
     ss.spread(run, min(k, len(tasks)))
     if out[:, 15].any():
@@ -340,6 +378,9 @@ def row_terms(
             .index_add_(0, torch.from_numpy(tasks[:, 0]), recv)
             .view(B, h, n)
         )
+    sums = torch.from_numpy(csr[2]).float()
+    for c, name in enumerate(names):
+        got[name] = sums[:, c].reshape(B, h, r)
     return got
 
 

@@ -218,6 +218,8 @@ class RowTerms:
         dev, kend = self._on(P.device), P.shape[-1]
         words = {n: (s[:, sl], e[:, sl]) for n, (s, e) in dev["words"].items()} if self.words else None
         K = self.shape[3] if self.self_attn else None
+        # the template pairs' sums too, each row read while it is in cache
+        pairs = self._pair_keys(sl, kend, P.device) if self.self_attn and self.t.tmpl is not None else None
         return rowfused.row_terms(
             P,
             sl.start,
@@ -229,6 +231,7 @@ class RowTerms:
             fill=fill,
             guesses=self.guesses,
             keep=None if fill is None else dev["real"][:, :kend],
+            pairs=pairs,
         )
 
     def _after(self, after: torch.Tensor, sl: slice) -> bool:
@@ -293,14 +296,18 @@ class RowTerms:
         if t.tmpl is not None:
             real_q = self._on(P.device)["qreal"][:, None, sl]
             t.tmpl["prev"][..., sl] = torch.where(real_q, t.diag[-1][..., sl], 0)
-            self._pairs(P, sl)
+            self._pairs(P, sl, got)
 
-    def _pairs(self, P: torch.Tensor, sl: slice) -> None:
-        """The duplicate-token and induction sums of rows ``sl`` (templates of the token ids)."""
+    def _pair_keys(self, sl: slice, kend: int, device: torch.device) -> dict[str, tuple[torch.Tensor, ...]]:
+        """The duplicate-token and induction pairs ``{name: (b, i, j, hits)}`` of rows ``sl``."""
+        return self.ws.pairs(self.qs, self.ks, sl.start, sl.stop, kend, device)
+
+    def _pairs(self, P: torch.Tensor, sl: slice, got: dict | None = None) -> None:
+        """The duplicate-token and induction sums of rows ``sl`` (templates of the token ids);
+        those in ``got`` the row loop summed."""
         t = self.t
-        pairs = self.ws.pairs(self.qs, self.ks, sl.start, sl.stop, P.shape[-1], P.device)
-        for n, (b, i, j, hits) in pairs.items():
-            t.tmpl[n][..., sl] = rb.pair_sums(P, b, i, j)
+        for n, (b, i, j, hits) in self._pair_keys(sl, P.shape[-1], P.device).items():
+            t.tmpl[n][..., sl] = got[n] if got and n in got else rb.pair_sums(P, b, i, j)
             t.hits[n][:, sl] = hits
 
     def close(self) -> bool | None:
