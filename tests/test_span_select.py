@@ -393,3 +393,18 @@ def test_row_terms_sum_template_pairs():
             want[bb, :, ii] += P[bb, :, ii, jj].double()
         torch.testing.assert_close(got[name].double(), want, rtol=1e-6, atol=1e-7)
         assert bool((got[name] == 0).any())  # some rows have no pair
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf")])
+def test_softmax_of_a_nan_score_is_nan(bad):
+    """A row whose scores hold a NaN (or +inf: inf − inf) comes out NaN, as torch's softmax gives
+    it, never as a softmax of the other keys; the other rows are untouched by it."""
+    S = torch.randn(1, 1, 3, 20)
+    S[0, 0, 1, 4] = bad
+    X = S.clone()
+    got = rowfused.row_terms(
+        X, 0, None, torch.ones(1, 3, 20), torch.zeros(1, dtype=torch.long), keep=torch.ones(1, 20)
+    )
+    assert bool(torch.softmax(S[0, 0, 1], -1).isnan().all())  # the oracle: torch's own softmax
+    assert bool(X[0, 0, 1].isnan().all()) and bool(got["total"][0, 0, 1].isnan())
+    torch.testing.assert_close(X[0, 0, [0, 2]], torch.softmax(S[0, 0, [0, 2]], -1))

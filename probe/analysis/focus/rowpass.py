@@ -105,38 +105,44 @@ if numba is not None:
         afterwards, a padding key), and ``soft`` = (1, ``1/Z``, ``Σ keep·e·(x − max)``, ``ln Z``)
         for :func:`read_row`, which scales the row by ``1/Z`` as it reads it (``Z = Σ e``). Then
         ``Σ a·ln a = Σ keep·e·(x − max)/Z − ln Z · Σ a``: the entropy needs no log of a weight. A
-        row with no visible key is all zeros, as the caller of a softmax makes it."""
+        row with no visible key is all zeros, as the caller of a softmax makes it; one with a NaN
+        score all NaN, as torch's softmax makes it."""
         n = x.shape[0]
         m = _F(-np.inf)
         for j in range(n):
             m = max(m, x[j])
         soft[0], soft[1], soft[2], soft[3] = 1.0, 0.0, 0.0, 0.0
-        if not m > _F(-np.inf):  # every key hidden (or NaN scores: not a softmax a model gives)
+        if m == _F(-np.inf):  # every key hidden: all zeros, as the caller of a softmax makes it
             x[:] = _F(0.0)
             return
-        Z, ET = 0.0, 0.0
+        Z, ET, T = 0.0, 0.0, 0.0
         for c in range(n // CH):  # float32 sums of a chunk, added up in float64
-            z, et = _exps(x, m, keep, c * CH, c * CH + CH)
-            Z += z
-            ET += et
-        z, et = _exps(x, m, keep, n // CH * CH, n)  # (a bound min(n, ...) above: LLVM left it scalar)
-        Z += z
-        ET += et
+            z, et, tt = _exps(x, m, keep, c * CH, c * CH + CH)
+            Z, ET, T = Z + z, ET + et, T + tt
+        z, et, tt = _exps(x, m, keep, n // CH * CH, n)  # (a bound min(n, ...) above: LLVM left it scalar)
+        Z, ET, T = Z + z, ET + et, T + tt
+        if T != T:  # a NaN score (or +inf: inf − inf): every weight NaN, as torch's softmax gives
+            x[:] = np.nan
+            soft[1], soft[2], soft[3] = np.nan, np.nan, np.nan
+            return
         soft[1], soft[2], soft[3] = 1.0 / Z, ET, math.log(Z)
 
     @njit(fastmath=ss.FAST, inline="always", cache=True, error_model="numpy")
     def _exps(x, m, keep, j0, j1):  # pragma: no cover - compiled
-        """``x[j] = keep[j] · e^(x[j] − m)`` for ``j0 <= j < j1``; returns ``(Σ e, Σ keep·e·(x − m))``
-        in float32."""
-        z, et = _F(0), _F(0)
+        """``x[j] = keep[j] · e^(x[j] − m)`` for ``j0 <= j < j1``; returns ``(Σ e, Σ keep·e·(x −
+        m), Σ (x − m))`` in float32 (the last ``-inf`` where a key is hidden, NaN only where a
+        score is NaN or ``m`` is ``+inf``: a check that costs one add, where a test of each score
+        in the max's loop kept it scalar)."""
+        z, et, tt = _F(0), _F(0), _F(0)
         for j in range(j0, j1):
             t = x[j] - m
             e = exp32(t)
             z += e
+            tt += t
             k = e * keep[j]
             et += k * max(t, EXP_ZERO)  # finite: k is 0 where t is below EXP_ZERO
             x[j] = k
-        return z, et
+        return z, et, tt
 
     @njit(fastmath=ss.FAST, inline="always", cache=True, error_model="numpy")
     def _chunk(x, bits, base, c0, c1, c2, wt, part, logs):  # pragma: no cover - compiled
