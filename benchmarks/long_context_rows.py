@@ -4,7 +4,9 @@ Runs ``probe.head_stats`` on the Llama-shaped model at GPT-2-small width (``--la
 at ``--T`` tokens (4096), keeps two blocks of the last layer as the row loop saw them (the weights
 filled in, the words, the key classes, each head's span bin from the block before), then times
 ``rowfused.row_terms`` on them again, already computed (no recompute), on one thread and on
-``torch.get_num_threads()`` threads, alternating, the median of ``--repeats``. ``--root`` imports
+``torch.get_num_threads()`` threads, alternating, the median of ``--repeats``. Where the loop
+took each row's softmax itself (the CPU's SDPA blocks), the block is kept as the scores it was
+handed and each run reads a fresh copy of them. ``--root`` imports
 probe from another checkout (a ``git worktree`` of an older commit) to compare the loops on the same
 blocks:
 
@@ -47,10 +49,21 @@ def main() -> None:
     def keep(P, q0, K, cols, first, words=None, colw=None, fill=None, **kw):
         guesses = kw.get("guesses")
         before = None if guesses is None else guesses.copy()
-        got = real(P, q0, K, cols, first, words, colw, fill, **kw)
         calls[0] += 1
+        scores = torch.empty_like(P) if calls[0] in want and kw.get("keep") is not None else None
+        if scores is not None:  # the parts as filled: the scores whose softmax the loop takes
+            flat, part = scores.view(-1, *P.shape[-2:]), fill
+
+            def fill(bh, a, b):
+                part(bh, a, b)
+                flat[bh, a:b] = P.view(-1, *P.shape[-2:])[bh, a:b]
+
+        got = real(P, q0, K, cols, first, words, colw, fill, **kw)
         if calls[0] in want:
-            kept.append((P.clone(), q0, K, cols, first, words, colw, before))
+            extra = {k: kw[k] for k in ("keep", "pairs") if kw.get(k) is not None}
+            kept.append(
+                (P.clone() if scores is None else scores, q0, K, cols, first, words, colw, before, extra)
+            )
         return got
 
     want: tuple[int, ...] = ()
@@ -63,25 +76,28 @@ def main() -> None:
     rowfused.row_terms = real
     n = torch.get_num_threads()
     print(f"probe from {a.root}; T = {a.T}, {n} threads")
-    for P, q0, K, cols, first, words, colw, guesses in kept:
+    for P, q0, K, cols, first, words, colw, guesses, more in kept:
+        X = P.clone()  # the loop takes the softmax of scores in place: each run reads a fresh copy
 
-        def run(P=P, q0=q0, K=K, cols=cols, first=first, words=words, colw=colw, guesses=guesses):
+        def run(X=X, q0=q0, K=K, cols=cols, first=first, words=words, colw=colw, guesses=guesses, more=more):
             extra = {"guesses": None if guesses is None else guesses.copy()} if takes_guesses else {}
-            real(P, q0, K, cols, first, words, colw, None, **extra)
+            real(X, q0, K, cols, first, words, colw, None, **extra, **more)
 
         times: dict[int, list[float]] = {1: [], n: []}
+        X.copy_(P)
         run()
         for _ in range(a.repeats):
             for k in times:
                 torch.set_num_threads(k)
+                X.copy_(P)
                 t = time.perf_counter()
                 run()
                 times[k].append(time.perf_counter() - t)
         torch.set_num_threads(n)
         per = {k: statistics.median(v) / P.numel() * 1e9 for k, v in times.items()}
         print(
-            f"block {tuple(P.shape)} at query {q0}: {per[1]:.2f} ns per weight on 1 thread, "
-            f"{per[n]:.2f} on {n} (wall)"
+            f"block {tuple(P.shape)} at query {q0} ({'scores' if 'keep' in more else 'weights'}): "
+            f"{per[1]:.2f} ns per weight on 1 thread, {per[n]:.2f} on {n} (wall)"
         )
 
 
