@@ -310,21 +310,18 @@ def row_terms(
     classes; ``first`` ``[B]``: each text's first real key. ``colw`` ``[B, r]``: each query's
     weight in the column sums, returned as ``recv`` ``[B, h, kend]`` (float64, ``Σ_i w_i a_ij``).
 
-    ``fill(bh, a, b)``: ``P`` (contiguous) is not computed yet; each part (the rows ``a:b`` of its
-    ``bh``-th head, batch and heads flattened) is computed by ``fill`` on the thread that reads it,
-    right before, in parts of up to :data:`PART` weights, so that it is read from that core's cache
-    (and the recompute runs on every thread too).
+    ``fill(bh, a, b)``: ``P`` (contiguous) is not computed yet; each part (rows ``a:b`` of the
+    ``bh``-th flattened head, up to :data:`PART` weights) is computed by ``fill`` on the thread
+    that reads it, right before, so that it is read from that core's cache.
 
     ``guesses`` ``[B·h]`` (int64): the first-level bin where each head's span crossed in the row
     before the block (−1: none), updated to this block's last row: consecutive blocks of one
     attention pass it on, so each head's first row tries its neighbour's bin too.
 
-    ``keep`` ``[B, kend]`` (1 or 0): ``P`` (or what ``fill`` computes) holds a softmax's scores,
-    not its weights (scaled, ``-inf`` on hidden keys): the loop takes each row's softmax as it
-    reads the row (:func:`~.rowpass.softmax_row`: no pass of torch's softmax over the part, and
-    the entropy from the scores, no log of a weight), then drops the weights on keys where
-    ``keep`` is 0 (padding keys: the others are not renormalised, as a weight on padding is not
-    attention to the text).
+    ``keep`` ``[B, kend]`` (1 or 0): ``P`` (or what ``fill`` computes) holds a softmax's scores
+    (scaled, ``-inf`` on hidden keys): the loop takes each row's softmax as it reads the row
+    (:func:`~.rowpass.softmax_row`), then drops the weights on keys where ``keep`` is 0 (padding
+    keys; the rest not renormalised).
 
     ``pairs`` ``{name: (b, i, j, ...)}``: pairs of a template (``i`` a row of the block, ``j`` a
     key; :func:`~probe.analysis.focus.rowblock.template_pairs`): returned as ``name`` ``[B, h,
@@ -368,19 +365,29 @@ def row_terms(
     ss.spread(run, min(k, len(tasks)))
     if out[:, 15].any():
         return None
+    return _gathered(
+        out, acc if colw is not None else None, tasks, dict(zip(names, csr[2].T, strict=True)), (B, h, r)
+    )
+
+
+def _gathered(
+    out: np.ndarray, acc: np.ndarray | None, tasks: np.ndarray, pairs: dict[str, np.ndarray], shape: tuple
+) -> dict[str, torch.Tensor]:
+    """:func:`row_terms`'s tensors from the loop's arrays: the per-row terms ``out``, the
+    column sums ``acc`` of each task (added up per head; None: not asked for) and each
+    template's pair sums."""
+    B, h, r = shape
     t = torch.from_numpy(out[:, : len(NAMES)]).float().T.reshape(len(NAMES), B, h, r)
     got = {m: t[c] for c, m in enumerate(NAMES) if m != "neg"}
     got["arg"] = torch.from_numpy(out[:, len(NAMES)]).long().reshape(B, h, r)
-    if colw is not None:
-        recv = torch.from_numpy(acc)
+    if acc is not None:
         got["recv"] = (
-            torch.zeros(B * h, n, dtype=torch.float64)
-            .index_add_(0, torch.from_numpy(tasks[:, 0]), recv)
-            .view(B, h, n)
+            torch.zeros(B * h, acc.shape[1], dtype=torch.float64)
+            .index_add_(0, torch.from_numpy(tasks[:, 0]), torch.from_numpy(acc))
+            .view(B, h, acc.shape[1])
         )
-    sums = torch.from_numpy(csr[2]).float()
-    for c, name in enumerate(names):
-        got[name] = sums[:, c].reshape(B, h, r)
+    for name, sums in pairs.items():
+        got[name] = torch.from_numpy(np.ascontiguousarray(sums)).float().reshape(B, h, r)
     return got
 
 
