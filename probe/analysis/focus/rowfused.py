@@ -238,7 +238,7 @@ if numba is not None:
                     x[row], q0 + a, self_attn, K, cols[b], first[b], words[b, a], colw[b, a],
                     acc[t], out[row], work, guess,
                 )  # fmt: skip
-                _pair_sums(x[row], pairs, (b * r + a), cols.shape[0] * r, row)
+                _pair_sums(x[row], pairs, b * r + a, cols.shape[0] * r, row)
             if a1 == r:
                 ends[bh] = guess
 

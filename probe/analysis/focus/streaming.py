@@ -207,7 +207,7 @@ class RowTerms:
         the row kernel need not read a block back to look for a negative weight."""
         self.softmax = True
 
-    def _cpu_terms(self, P: torch.Tensor, sl: slice, fill: Any = None) -> dict[str, torch.Tensor] | None:
+    def _cpu_terms(self, P: torch.Tensor, sl: slice, fill: Any = None) -> dict[str, Any] | None:
         """The compiled row loop's terms of a CPU block (:mod:`probe.analysis.focus.rowfused`),
         or None without numba (then the block is sorted); ``fill``: see :meth:`rows` (it leaves
         scores, whose softmax the loop takes, weights on padding keys then zeroed)."""
@@ -220,7 +220,7 @@ class RowTerms:
         K = self.shape[3] if self.self_attn else None
         # the template pairs' sums too, each row read while it is in cache
         pairs = self._pair_keys(sl, kend, P.device) if self.self_attn and self.t.tmpl is not None else None
-        return rowfused.row_terms(
+        got = rowfused.row_terms(
             P,
             sl.start,
             K,
@@ -233,6 +233,9 @@ class RowTerms:
             keep=None if fill is None else dev["real"][:, :kend],
             pairs=pairs,
         )
+        if got is not None and pairs is not None:
+            got["pairs"] = pairs  # their hits, for _pairs (not looked up a second time)
+        return got
 
     def _after(self, after: torch.Tensor, sl: slice) -> bool:
         """:meth:`_lower` from each row's largest weight after its query (real queries only)."""
@@ -303,11 +306,15 @@ class RowTerms:
         return self.ws.pairs(self.qs, self.ks, sl.start, sl.stop, kend, device)
 
     def _pairs(self, P: torch.Tensor, sl: slice, got: dict | None = None) -> None:
-        """The duplicate-token and induction sums of rows ``sl`` (templates of the token ids);
-        those in ``got`` the row loop summed."""
+        """The duplicate-token and induction sums of rows ``sl`` (templates of the token ids):
+        the row loop's where ``got`` has its ``pairs``, else gathered from ``P``."""
         t = self.t
+        if got and "pairs" in got:
+            for n, (*_, hits) in got["pairs"].items():
+                t.tmpl[n][..., sl], t.hits[n][:, sl] = got[n], hits
+            return
         for n, (b, i, j, hits) in self._pair_keys(sl, P.shape[-1], P.device).items():
-            t.tmpl[n][..., sl] = got[n] if got and n in got else rb.pair_sums(P, b, i, j)
+            t.tmpl[n][..., sl] = rb.pair_sums(P, b, i, j)
             t.hits[n][:, sl] = hits
 
     def close(self) -> bool | None:
