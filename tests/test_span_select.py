@@ -8,6 +8,8 @@ sums over the block (the other terms).
 
 from __future__ import annotations
 
+import struct
+
 import pytest
 import torch
 
@@ -245,6 +247,27 @@ def test_row_terms_over_chunks_on_both_sides_of_the_query(causal):
     assert bool(((got["span"].long() == span) | amb).all())
 
 
+@pytest.mark.parametrize("n", [0, 1, 2, 7, 8, 255, 4097])
+def test_collect_gathers_a_bins_weights(n):
+    """spanselect.collect (the two halves compacted side by side) against a mask written in the
+    test: the same weights, each once, for bins holding none, some, all of them and the last."""
+    import numpy as np
+
+    from probe.analysis.focus import spanselect as ss
+
+    g = torch.Generator().manual_seed(n)
+    x = (torch.rand(n, generator=g) ** 4).numpy()
+    bits = x.view(np.int32)
+    bins = bits >> ss.SHIFT
+    mid = int(np.median(bins)) if n else 5
+    for k0, k1 in {(0, 1), (mid, mid + 2), (0, ss.BINS)}:
+        cand = np.full(max(n, 1), -1.0, np.float32)
+        m = ss.collect(x, bits, k0, k1, cand)
+        want = np.sort(x[(bins >= k0) & (bins < k1)])
+        assert m == len(want)
+        np.testing.assert_array_equal(np.sort(cand[:m]), want)
+
+
 def test_select_equals_a_sorted_walk():
     """spanselect.select (the quickselect that finds where the smallest weights stop fitting)
     against the ascending walk written here, on rows with ties, zeros, one value many times and
@@ -395,11 +418,18 @@ def test_row_terms_sum_template_pairs():
         assert bool((got[name] == 0).any())  # some rows have no pair
 
 
-@pytest.mark.parametrize("bad", [float("nan"), float("inf")])
-def test_softmax_of_a_nan_score_is_nan(bad):
-    """A row whose scores hold a NaN (or +inf: inf − inf) comes out NaN, as torch's softmax gives
-    it, never as a softmax of the other keys; the other rows are untouched by it."""
+NEG_NAN = struct.unpack("<f", struct.pack("<I", 0xFFC00000))[0]  # a NaN with its sign bit set
+
+
+@pytest.mark.parametrize("hidden", [False, True], ids=["seen", "hidden"])
+@pytest.mark.parametrize("bad", [float("nan"), NEG_NAN, float("inf")], ids=["nan", "-nan", "inf"])
+def test_softmax_of_a_nan_score_is_nan(bad, hidden):
+    """A row whose scores hold a NaN (either sign: the row's max is taken over the bit patterns)
+    or +inf (inf − inf) comes out NaN, as torch's softmax gives it, never as a softmax of the
+    other keys, also where every other key is hidden; the other rows are untouched by it."""
     S = torch.randn(1, 1, 3, 20)
+    if hidden:
+        S[0, 0, 1] = float("-inf")
     S[0, 0, 1, 4] = bad
     X = S.clone()
     got = rowfused.row_terms(
@@ -408,3 +438,21 @@ def test_softmax_of_a_nan_score_is_nan(bad):
     assert bool(torch.softmax(S[0, 0, 1], -1).isnan().all())  # the oracle: torch's own softmax
     assert bool(X[0, 0, 1].isnan().all()) and bool(got["total"][0, 0, 1].isnan())
     torch.testing.assert_close(X[0, 0, [0, 2]], torch.softmax(S[0, 0, [0, 2]], -1))
+
+
+def test_softmax_row_max_over_negative_scores():
+    """Rows whose scores are all negative, with -0.0 and +0.0, far apart or hidden (-inf): the
+    max the loop takes over the bit patterns gives torch's softmax (the oracle)."""
+    S = torch.stack(
+        [
+            -torch.rand(20) * 50 - 1,  # all negative
+            torch.tensor([-0.0] * 10 + [-1e-30] * 10),  # -0.0 the max
+            torch.tensor([-3.0] * 19 + [0.0]),  # +0.0 the max
+            torch.where(torch.arange(20) < 7, -torch.rand(20) - 200, torch.tensor(float("-inf"))),
+        ]
+    ).view(1, 1, 4, 20)
+    X = S.clone()
+    rowfused.row_terms(
+        X, 0, None, torch.ones(1, 3, 20), torch.zeros(1, dtype=torch.long), keep=torch.ones(1, 20)
+    )
+    torch.testing.assert_close(X, torch.softmax(S, -1), rtol=1e-6, atol=1e-45)

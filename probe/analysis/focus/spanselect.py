@@ -262,12 +262,25 @@ if numba is not None:
     @njit(cache=True, nogil=True, error_model="numpy")
     def collect(x, bits, k0, k1, cand):  # pragma: no cover - compiled
         """The weights of ``x`` in first-level bins ``k0 <= k < k1``, compacted into ``cand``
-        without a branch; returns how many."""
-        m, lo, width = 0, np.uint32(k0 << SHIFT), np.uint32((k1 - k0) << SHIFT)
-        for j in range(x.shape[0]):
-            cand[m] = x[j]
-            m += np.uint32(bits[j]) - lo < width  # k0 <= k < k1 in one unsigned compare
-        return m
+        without a branch (in no particular order); returns how many. The two halves of the row
+        are compacted side by side, the second from ``cand``'s middle, then moved down: two
+        independent chains (a fifth faster than one in a scratch timing)."""
+        lo, width = np.uint32(k0 << SHIFT), np.uint32((k1 - k0) << SHIFT)
+        n = x.shape[0]
+        h = n // 2
+        a, b = 0, h
+        for j in range(h):
+            cand[a] = x[j]
+            a += np.uint32(bits[j]) - lo < width  # k0 <= k < k1 in one unsigned compare
+            cand[b] = x[h + j]
+            b += np.uint32(bits[h + j]) - lo < width
+        for t in range(h, b):
+            cand[a] = cand[t]
+            a += 1
+        for j in range(2 * h, n):
+            cand[a] = x[j]
+            a += np.uint32(bits[j]) - lo < width
+        return a
 
     @njit(cache=True, nogil=True, error_model="numpy")
     def select_span(x, bits, total, kmin, kmax, hmass, hcnt, cand):  # pragma: no cover - compiled
