@@ -199,13 +199,14 @@ def test_blocks_never_hold_a_whole_pattern(monkeypatch):
 
 
 def test_cpu_blocks_hold_enough_rows_of_every_head():
-    """A CPU block is 16 MiB, or 128 query rows of every head where that is more (up to 128 MiB):
+    """A CPU block is 16 MiB, or 256 query rows of every head where that is more (up to 256 MiB):
     at long T a 16 MiB block would hold a few rows a head."""
     from probe.capture.blocks import block_rows
 
     assert block_rows((1, 12, 1024, 1024), None, "cpu") == (1 << 24) // (4 * 12 * 1024)
-    assert block_rows((1, 12, 16384, 16384), None, "cpu") == 128
-    assert block_rows((4, 32, 16384, 16384), None, "cpu") == (1 << 27) // (4 * 4 * 32 * 16384)
+    assert block_rows((1, 12, 4096, 4096), None, "cpu") == 256
+    assert block_rows((1, 12, 16384, 16384), None, "cpu") == 256
+    assert block_rows((4, 32, 16384, 16384), None, "cpu") == (1 << 28) // (4 * 4 * 32 * 16384)
     assert block_rows((1, 12, 16384, 16384), None, "cuda") == (1 << 27) // (4 * 12 * 16384)
     assert block_rows((1, 12, 16384, 16384), 21, "cpu") == 21
 

@@ -36,8 +36,8 @@ from probe.capture.tracer import Tracer
 from probe.errors import ProbeError
 
 BLOCK_BYTES = 1 << 24  # the float32 weights of one row block on a CPU: at least 16 MiB,
-CPU_ROWS = 128  # and room for this many query rows of every head (see block_bytes),
-CPU_MAX_BYTES = 1 << 27  # up to 128 MiB
+CPU_ROWS = 256  # and room for this many query rows of every head (see block_bytes),
+CPU_MAX_BYTES = 1 << 28  # up to 256 MiB
 CUDA_BLOCK_BYTES = 1 << 27  # on a GPU: 128 MiB (fewer, larger kernels; the scratch stays under 1 GiB)
 
 
@@ -92,7 +92,10 @@ def block_bytes(device: torch.device | str | None, cells: int = 0) -> int:
     is recomputed a head's rows at a time (:func:`probe.analysis.focus.rowfused.row_terms`), and
     a matrix product of few rows against many keys spends its time packing the keys: at T =
     16,384 with 12 heads, 16 MiB holds 21 rows a head (``python
-    benchmarks/long_context_profile.py --T 16384 --block 128``, docs/performance-history.md)."""
+    benchmarks/long_context_profile.py --T 16384 --block 128``); and each block has its fixed
+    costs (the threads' last tasks, the per-block terms on the calling thread): 256 rows a head
+    cut the recompute and statistics by 10 to 20% against 128 at T = 4,096 and 16,384
+    (``--block 256``, docs/performance-history.md)."""
     if torch.device(device or "cpu").type == "cuda":
         return CUDA_BLOCK_BYTES
     return max(BLOCK_BYTES, min(CPU_MAX_BYTES, 4 * CPU_ROWS * cells))
