@@ -94,8 +94,8 @@ def block_bytes(device: torch.device | str | None, cells: int = 0) -> int:
     16,384 with 12 heads, 16 MiB holds 21 rows a head (``python
     benchmarks/long_context_profile.py --T 16384 --block 128``); and each block has its fixed
     costs (the threads' last tasks, the per-block terms on the calling thread): 256 rows a head
-    cut the recompute and statistics by 10 to 20% against 128 at T = 4,096 and 16,384
-    (``--block 256``, docs/performance-history.md)."""
+    took 1.5 to 11% less time in all than 128 at T = 4,096 and 16,384, timed in turns
+    (docs/performance-history.md, the eighth round)."""
     if torch.device(device or "cpu").type == "cuda":
         return CUDA_BLOCK_BYTES
     return max(BLOCK_BYTES, min(CPU_MAX_BYTES, 4 * CPU_ROWS * cells))
