@@ -198,6 +198,45 @@ def test_blocks_never_hold_a_whole_pattern(monkeypatch):
     assert min(s[3] for s in seen) == 8
 
 
+def test_parts_read_in_thread_buffers_never_write_the_block(monkeypatch, bpe):
+    """With the compiled row loop, each part of a block is computed into its thread's own
+    buffer: the block handed to the statistics is never written (what is read of it afterwards,
+    the weights near the diagonal and the first real query's row, comes from the loop), and the
+    statistics still equal the full patterns'. Where the loop reports a negative weight (which a
+    softmax never gives: forced here), the block is filled with its weights and sorted."""
+    from probe.analysis.focus import rowfused, streaming
+
+    if not rowfused.available():
+        pytest.skip("needs numba (the fast extra)")
+    blocks, real_rows = [], streaming.RowTerms.rows
+
+    def spy(self, q0, q1, blk, fill=None):
+        blk.fill_(float("nan"))  # anything read from the block itself would poison the statistics
+        blocks.append(fill is not None)
+        return real_rows(self, q0, q1, blk, fill)
+
+    monkeypatch.setattr(streaming.RowTerms, "rows", spy)
+    lm = ToyLM("sdpa_causal").eval()
+    ids = torch.randint(0, 40, (2, 30), generator=torch.Generator().manual_seed(1))
+    full = probe.head_stats(probe.capture(lm, ids), progress=False)
+    assert_same(probe.head_stats(lm, ids, block=7), full)
+    assert blocks and all(blocks)
+
+    real_tasks = rowfused._tasks
+
+    def negative(*a):  # the loop's `neg` flag on every row it reads
+        real_tasks(*a)
+        out, tasks, r = a[13], a[2], a[4]
+        for bh, a0, a1 in tasks:
+            out[bh * r + a0 : bh * r + a1, 15] = 1.0
+
+    monkeypatch.setattr(rowfused, "_tasks", negative)
+    assert_same(probe.head_stats(lm, ids, block=7), full)
+    model = H.llama(len(bpe))  # padded texts: the weights on padding keys dropped as the loop drops them
+    full = probe.head_stats(probe.capture(model, TEXTS, tokenizer=bpe), progress=False)
+    assert_same(probe.head_stats(model, TEXTS, tokenizer=bpe, block=3), full)
+
+
 def test_cpu_blocks_hold_enough_rows_of_every_head():
     """A CPU block is 16 MiB, or 256 query rows of every head where that is more (up to 256 MiB):
     at long T a 16 MiB block would hold a few rows a head."""

@@ -33,7 +33,9 @@ class _Scores:
         if query.dim() >= 3 and key.dim() >= 3 and key.size(-3) != query.size(-3):
             # grouped-query attention: each key head serves a contiguous group of query heads
             key = key.repeat_interleave(query.size(-3) // key.size(-3), dim=-3)
-        q, kt = query.float(), key.float().transpose(-2, -1)
+        # each head's keys contiguous (models often hand SDPA a view of [B, T, heads, d]): the
+        # products against every key read one head's keys, not a stride through all of them
+        q, kt = query.float(), key.float().contiguous().transpose(-2, -1)
         batch = q.shape[:-2]
         if kt.shape[:-2] != batch:
             batch = torch.broadcast_shapes(batch, kt.shape[:-2])
@@ -124,13 +126,15 @@ class _Scores:
         a: int,
         b: int,
         softmax: bool = True,
+        out: Tensor | None = None,
     ) -> None:
         """Compute rows ``i + a : i + b`` of the ``bh``-th flattened head of the block ``blk``
         (:meth:`blocks` with ``lazy``): the same operations as a whole block, on one part.
         ``softmax=False``: leave the scores (scaled, masked: ``-inf`` where a key is hidden),
-        for a reader that takes the softmax of each row itself."""
+        for a reader that takes the softmax of each row itself. ``out`` ``[b - a, kend]``:
+        computed there instead of in ``blk`` (a reader's own buffer, kept in its core's cache)."""
         r = blk.size(-2)
-        out = blk.view(self.n, r, kend)[bh, a:b]
+        out = blk.view(self.n, r, kend)[bh, a:b] if out is None else out
         at = _unravel(bh, self.batch)
         if self.folded:
             q, kt = self.q[bh, i + a : i + b], self.kt[bh, :, :kend]

@@ -44,17 +44,21 @@ import torch
 from probe.analysis.focus import rowpass
 from probe.analysis.focus import spanselect as ss
 from probe.analysis.focus.reach import BEYOND, REACH_MASS
+from probe.analysis.focus.rowparts import (
+    NAMES,
+    Kept,
+    gathered,
+    pairs_csr,
+    part_buffer,
+    tasks_of,
+    weights_into,
+    word_ranges,
+)
 from probe.analysis.focus.spanselect import numba, spans
 
 if numba is not None:
     from numba import njit
 
-NAMES = (
-    "total", "ent", "top", "span", "signed", "dist", "reach", "beyond_16", "beyond_128", "beyond_1024",
-    "special", "punct", "content", "first", "after", "neg", "word_prev", "word_self", "word_next",
-)  # fmt: skip
-PART = 1 << 20  # weights per part when the block is filled part by part (4 MiB: see _tasks_of)
-PART_ROWS = 32  # but no fewer rows a part (a skinnier matrix product is slower than the cache saves)
 CH = rowpass.CH
 
 if numba is not None:
@@ -212,9 +216,28 @@ if numba is not None:
 
     @njit(fastmath=ss.FAST, cache=True, nogil=True, error_model="numpy")
     def _tasks(
-        x, tasks, h, r, q0, self_attn, K, cols, first, words, colw, keep, out, acc, work, guesses, ends, pairs
+        x,
+        xoff,
+        tasks,
+        h,
+        r,
+        q0,
+        self_attn,
+        K,
+        cols,
+        first,
+        words,
+        colw,
+        keep,
+        out,
+        acc,
+        work,
+        guesses,
+        ends,
+        pairs,
     ):  # pragma: no cover
-        """The rows of each task ``(head, row start, row end)`` (``x`` ``[B·h·r, n]``); the
+        """The rows of each task ``(head, row start, row end)`` (row ``bh·r + a`` is ``x[bh·r + a −
+        xoff]``: ``x`` the block ``[B·h·r, n]`` with ``xoff`` 0, or one task's rows); the
         column sums of task ``t`` go to ``acc[t]``; ``work``: :func:`_scratch`'s arrays. Each task
         starts from the bin ``guesses[head]`` (the previous block's last row of that head) and the
         task that ends a head's rows leaves its last row's in ``ends[head]``. ``keep`` ``[B, n]``
@@ -230,15 +253,16 @@ if numba is not None:
             guess = guesses[bh]
             for a in range(a0, a1):
                 row = bh * r + a
+                xr = x[row - xoff]
                 if keep.shape[0]:
-                    rowpass.softmax_row(x[row], keep[b], soft)
+                    rowpass.softmax_row(xr, keep[b], soft)
                 else:
                     soft[0] = 0.0
                 guess = _one(
-                    x[row], q0 + a, self_attn, K, cols[b], first[b], words[b, a], colw[b, a],
+                    xr, q0 + a, self_attn, K, cols[b], first[b], words[b, a], colw[b, a],
                     acc[t], out[row], work, guess,
                 )  # fmt: skip
-                _pair_sums(x[row], pairs, b * r + a, cols.shape[0] * r, row)
+                _pair_sums(xr, pairs, b * r + a, cols.shape[0] * r, row)
             if a1 == r:
                 ends[bh] = guess
 
@@ -246,46 +270,6 @@ if numba is not None:
 def available() -> bool:
     """Whether the compiled row loop is installed (numba, the ``fast`` extra)."""
     return numba is not None
-
-
-def _tasks_of(heads: int, r: int, n: int, k: int, filled: bool) -> np.ndarray:
-    """The ``(head, row start, row end)`` tasks of a block for ``k`` threads: a head's rows, split
-    further when there are fewer heads than threads, or (``filled``: each part computed by its
-    thread) past :data:`PART` weights, into parts of at least :data:`PART_ROWS` rows: one part
-    is one matrix product, and its rows share one packing of the keys (fewer, taller products:
-    less time per weight); the loop reads a row at a time, so only the row need stay in the
-    core's cache."""
-    per = -(-2 * k // heads) if heads < 2 * k else 1
-    if filled:
-        per = max(per, min(-(-r * n // PART), r // PART_ROWS))
-    return np.array([(bh, a0, a1) for bh in range(heads) for a0, a1 in ss.parts(r, per)], np.int64)
-
-
-def _word_ranges(words: dict | None, B: int, r: int, n: int) -> np.ndarray:
-    """``[B, r, 3, 2]`` (int64): each row's word ranges as the ends of ``C[e] − C[s − 1]``, clamped
-    as :func:`~probe.analysis.focus.metrics.word_masses` clamps them (``[B, r, 0, 2]`` without)."""
-    if words is None:
-        return np.zeros((B, r, 0, 2), np.int64)
-    names = ("word_prev", "word_self", "word_next")
-    s = torch.stack([words[m][0] for m in names], 1)  # [B, 3, r]
-    e = torch.stack([words[m][1] for m in names], 1)
-    wr = torch.stack([torch.where(s > 0, (s - 1).clamp(0, n - 1), -1), e.clamp(0, n - 1)], -1)
-    return wr.permute(0, 2, 1, 3).contiguous().numpy().astype(np.int64)
-
-
-def _pairs_csr(
-    pairs: dict[str, tuple[torch.Tensor, ...]] | None, B: int, h: int, r: int
-) -> tuple[list[str], tuple[np.ndarray, np.ndarray, np.ndarray]]:
-    """The templates' names and ``(ptr, keys, sums)`` for :func:`_tasks` (``sums`` zeros)."""
-    names = list(pairs or {})
-    if not names:
-        return [], (np.zeros(1, np.int64), np.zeros(0, np.int64), np.zeros((B * h * r, 0), np.float64))
-    at = torch.cat([(t * B + pairs[m][0].long()) * r + pairs[m][1].long() for t, m in enumerate(names)])
-    keys = torch.cat([pairs[m][2].long() for m in names])
-    order = torch.sort(at, stable=True).indices
-    ptr = torch.zeros(len(names) * B * r + 1, dtype=torch.long)
-    ptr[1:] = torch.bincount(at, minlength=len(names) * B * r).cumsum(0)
-    return names, (ptr.numpy(), keys[order].numpy(), np.zeros((B * h * r, len(names)), np.float64))
 
 
 def row_terms(
@@ -296,10 +280,11 @@ def row_terms(
     first: torch.Tensor,
     words: dict[str, tuple[torch.Tensor, torch.Tensor]] | None = None,
     colw: torch.Tensor | None = None,
-    fill: Callable[[int, int, int], None] | None = None,
+    fill: Callable[..., None] | None = None,
     guesses: np.ndarray | None = None,
     keep: torch.Tensor | None = None,
     pairs: dict[str, tuple[torch.Tensor, ...]] | None = None,
+    kept: tuple[int, torch.Tensor] | None = None,
 ) -> dict[str, torch.Tensor] | None:
     """Every per-row term of a CPU block ``P`` ``[B, h, r, kend]`` (rows ``q0:q0 + r``), each
     ``[B, h, r]``: :data:`NAMES` (``after``: the largest weight on a key after the query) and
@@ -310,9 +295,14 @@ def row_terms(
     classes; ``first`` ``[B]``: each text's first real key. ``colw`` ``[B, r]``: each query's
     weight in the column sums, returned as ``recv`` ``[B, h, kend]`` (float64, ``Σ_i w_i a_ij``).
 
-    ``fill(bh, a, b)``: ``P`` (contiguous) is not computed yet; each part (rows ``a:b`` of the
-    ``bh``-th flattened head, up to :data:`PART` weights) is computed by ``fill`` on the thread
-    that reads it, right before, so that it is read from that core's cache.
+    ``fill(bh, a, b, out=buf)``: ``P`` is not computed; each part (rows ``a:b`` of the
+    ``bh``-th flattened head, up to :data:`~.rowparts.PART` weights) is computed by ``fill``
+    into a buffer of the thread that reads it (:func:`~.rowparts.part_buffer`), right before,
+    so that it is read from that core's cache, and ``P`` is never written. What the caller reads
+    of the weights after the loop comes back instead (``kept`` ``(window, firsts)``, see
+    :class:`~.rowparts.Kept`): ``diag`` ``[B, h, r, 2·window + 1]`` and ``first_row`` ``[B, h,
+    kend]``. (Where a weight is negative, which a softmax never gives, ``P`` is filled with the
+    weights before None is returned.)
 
     ``guesses`` ``[B·h]`` (int64): the first-level bin where each head's span crossed in the row
     before the block (−1: none), updated to this block's last row: consecutive blocks of one
@@ -327,68 +317,44 @@ def row_terms(
     key; :func:`~probe.analysis.focus.rowblock.template_pairs`): returned as ``name`` ``[B, h,
     r]``, each row's sum of its weights on its pairs' keys, read while the row is in cache."""
     B, h, r, n = P.shape
-    if fill is not None and not P.is_contiguous():
-        raise ValueError("row_terms fills only a contiguous block")
-    x = P.reshape(B * h * r, n).contiguous().numpy()
+    x = P.reshape(B * h * r, n).contiguous().numpy() if fill is None else np.empty((0, n), np.float32)
     out = np.zeros((B * h * r, len(NAMES) + 1), np.float64)  # + the argmax
-    wr = _word_ranges(words, B, r, n)
     w = np.zeros((B, r), np.float64) if colw is None else colw.double().contiguous().numpy()
     k = ss.threads()
-    tasks = _tasks_of(B * h, r, n, k, fill is not None)
+    tasks = tasks_of(B * h, r, n, k, fill is not None)
     acc = np.zeros((len(tasks), n), np.float64)
     start = np.full(B * h, -1, np.int64) if guesses is None else guesses.copy()
     ends = np.full(B * h, -1, np.int64) if guesses is None else guesses
-    args = (
-        h,
-        r,
-        q0,
-        K is not None,
-        K or n,
-        cols.float().contiguous().numpy(),
-        first.long().numpy(),
-        wr,
-        w,
-        np.zeros((0, 0), np.float32) if keep is None else keep.float().contiguous().numpy(),
-        out,
-    )
-
-    names, csr = _pairs_csr(pairs, B, h, r)
+    keep_ = np.zeros((0, 0), np.float32) if keep is None else keep.float().contiguous().numpy()
+    args = (h, r, q0, K is not None, K or n, cols.float().contiguous().numpy(), first.long().numpy())
+    args += (word_ranges(words, B, r, n), w, keep_, out)
+    names, csr = pairs_csr(pairs, B, h, r)
+    held = Kept((B, h, r, n), q0, *(kept or (0, None))) if fill is not None else None
     order = itertools.count()  # each thread takes the next task when it is done with one
+    most = int((tasks[:, 2] - tasks[:, 1]).max()) * n if len(tasks) else 0
 
     def run(*_: int) -> None:  # a thread's share is whatever tasks it takes, not spread's run
         work = _scratch(n)  # once per thread, not per task
+        buf = part_buffer(most) if fill is not None else None
         while (t := next(order)) < len(tasks):
-            if fill is not None:
-                fill(*(int(v) for v in tasks[t]))
-            _tasks(x, tasks[t : t + 1], *args, acc[t : t + 1], work, start, ends, csr)
+            bh, a0, a1 = (int(v) for v in tasks[t])
+            rows, off = x, 0
+            if buf is not None:  # this part into the thread's own buffer, then read there
+                rows, off = buf[: (a1 - a0) * n].reshape(a1 - a0, n), bh * r + a0
+                fill(bh, a0, a1, out=torch.from_numpy(rows))
+            _tasks(rows, off, tasks[t : t + 1], *args, acc[t : t + 1], work, start, ends, csr)
+            if held is not None:
+                held.take(rows, bh, a0, a1)
 
     ss.spread(run, min(k, len(tasks)))
     if out[:, 15].any():
+        if fill is not None:  # the caller sorts the block instead: its weights, as the loop saw them
+            weights_into(P, tasks, fill, keep)
         return None
-    return _gathered(
+    got = gathered(
         out, acc if colw is not None else None, tasks, dict(zip(names, csr[2].T, strict=True)), (B, h, r)
     )
-
-
-def _gathered(
-    out: np.ndarray, acc: np.ndarray | None, tasks: np.ndarray, pairs: dict[str, np.ndarray], shape: tuple
-) -> dict[str, torch.Tensor]:
-    """:func:`row_terms`'s tensors from the loop's arrays: the per-row terms ``out``, the
-    column sums ``acc`` of each task (added up per head; None: not asked for) and each
-    template's pair sums."""
-    B, h, r = shape
-    t = torch.from_numpy(out[:, : len(NAMES)]).float().T.reshape(len(NAMES), B, h, r)
-    got = {m: t[c] for c, m in enumerate(NAMES) if m != "neg"}
-    got["arg"] = torch.from_numpy(out[:, len(NAMES)]).long().reshape(B, h, r)
-    if acc is not None:
-        got["recv"] = (
-            torch.zeros(B * h, acc.shape[1], dtype=torch.float64)
-            .index_add_(0, torch.from_numpy(tasks[:, 0]), torch.from_numpy(acc))
-            .view(B, h, acc.shape[1])
-        )
-    for name, sums in pairs.items():
-        got[name] = torch.from_numpy(np.ascontiguousarray(sums)).float().reshape(B, h, r)
-    return got
+    return got if held is None else got | held.tensors()
 
 
 __all__ = ["row_terms", "spans", "available", "NAMES"]

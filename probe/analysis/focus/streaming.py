@@ -189,18 +189,22 @@ class RowTerms:
             first = dev["first"].clamp(max=kend - 1)[:, None, None, None].expand(B, H, r, 1)
             at_first = P.gather(-1, first)[..., 0]
             t.first[..., sl] = torch.where((dev["first"] < kend)[:, None, None], at_first, 0)
-        self._columns(P, q0, q1, got.get("recv"))  # the compiled loop sums the columns as it reads
+        self._columns(P, q0, q1, got)  # the compiled loop sums the columns as it reads
         if self.self_attn:
             self._self_rows(P, rows, sl, lower, got)
 
-    def _columns(self, P: torch.Tensor, q0: int, q1: int, recv: torch.Tensor | None = None) -> None:
-        """The column sums of rows ``q0:q1`` (the sink profile) and the first real query's row."""
+    def _columns(self, P: torch.Tensor, q0: int, q1: int, got: dict | None = None) -> None:
+        """The column sums of rows ``q0:q1`` (the sink profile) and the first real query's row;
+        ``got``: the row loop's terms, with its column sums (and, where it read a block that was
+        never written, each text's first real query's row)."""
         kend = P.shape[-1]
         qreal = self._on(P.device)["qreal"]
-        self.recv[..., :kend] += rb.received(P, qreal[:, q0:q1]) if recv is None else recv
+        got = got or {}
+        self.recv[..., :kend] += rb.received(P, qreal[:, q0:q1]) if "recv" not in got else got["recv"]
+        rows = got.get("first_row", P)
         for b, f in enumerate(self.qs.first.tolist()):
             if q0 <= f < q1:
-                self.recv_first[b, :, :kend] = P[b, :, f - q0]
+                self.recv_first[b, :, :kend] = rows[b, :, f - q0] if rows is P else rows[b]
 
     def recomputed(self) -> None:
         """The blocks that follow are probe's own softmax of the call's scores (never negative):
@@ -232,6 +236,7 @@ class RowTerms:
             guesses=self.guesses,
             keep=None if fill is None else dev["real"][:, :kend],
             pairs=pairs,
+            kept=(LOCAL_WINDOW if self.self_attn else 0, self.qs.first) if fill is not None else None,
         )
         if got is not None and pairs is not None:
             got["pairs"] = pairs  # their hits, for _pairs (not looked up a second time)
@@ -263,8 +268,12 @@ class RowTerms:
 
     def _self_rows(self, P: torch.Tensor, rows: torch.Tensor, sl: slice, lower: bool, got: dict) -> None:
         t, kend, q0 = self.t, P.shape[-1], sl.start
-        for d, v in rb.diagonals(P, rows, LOCAL_WINDOW).items():
-            t.diag[d][..., sl] = v
+        if "diag" in got:  # the row loop's, where it read a block that was never written
+            for n, d in enumerate(range(-LOCAL_WINDOW, LOCAL_WINDOW + 1)):
+                t.diag[d][..., sl] = got["diag"][..., n]
+        else:
+            for d, v in rb.diagonals(P, rows, LOCAL_WINDOW).items():
+                t.diag[d][..., sl] = v
         words_done = "word_prev" in got
         C = (
             rb.prefix_sums(P, self.ws)
