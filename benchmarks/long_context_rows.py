@@ -54,9 +54,9 @@ def main() -> None:
         if scores is not None:  # the parts as filled: the scores whose softmax the loop takes
             flat, part = scores.view(-1, *P.shape[-2:]), fill
 
-            def fill(bh, a, b):
-                part(bh, a, b)
-                flat[bh, a:b] = P.view(-1, *P.shape[-2:])[bh, a:b]
+            def fill(bh, a, b, **how):  # into the loop's buffer (``out``), or the block where older
+                part(bh, a, b, **how)
+                flat[bh, a:b] = how.get("out", P.view(-1, *P.shape[-2:])[bh, a:b])
 
         got = real(P, q0, K, cols, first, words, colw, fill, **kw)
         if calls[0] in want:

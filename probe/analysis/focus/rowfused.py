@@ -23,8 +23,9 @@ in one compressed list) are read there too, while the row is in cache.
 over :func:`~.spanselect.threads` threads in tasks of one head's rows (each task sums its own
 columns, added up afterwards, so no lock); each thread takes the next task when done with one (the
 calling thread is one of them) and runs the compiled loop with the GIL released. Where the block
-comes uncomputed (``fill``), each thread computes its parts' scores (one matrix product) right
-before it reads them, and the loop takes each row's softmax itself
+comes uncomputed (``fill``), each thread computes its parts' scores (one matrix product) into
+its own buffer right before it reads them (:mod:`~.rowparts`: the block is never written), and
+the loop takes each row's softmax itself
 (:func:`~.rowpass.softmax_row`: a max, then ``e^(x − max)`` and its sums, the ``1/Z`` scale
 folded into the first read; the entropy then from the scores, with no log of a weight).
 
@@ -295,14 +296,11 @@ def row_terms(
     classes; ``first`` ``[B]``: each text's first real key. ``colw`` ``[B, r]``: each query's
     weight in the column sums, returned as ``recv`` ``[B, h, kend]`` (float64, ``Σ_i w_i a_ij``).
 
-    ``fill(bh, a, b, out=buf)``: ``P`` is not computed; each part (rows ``a:b`` of the
-    ``bh``-th flattened head, up to :data:`~.rowparts.PART` weights) is computed by ``fill``
-    into a buffer of the thread that reads it (:func:`~.rowparts.part_buffer`), right before,
-    so that it is read from that core's cache, and ``P`` is never written. What the caller reads
-    of the weights after the loop comes back instead (``kept`` ``(window, firsts)``, see
-    :class:`~.rowparts.Kept`): ``diag`` ``[B, h, r, 2·window + 1]`` and ``first_row`` ``[B, h,
-    kend]``. (Where a weight is negative, which a softmax never gives, ``P`` is filled with the
-    weights before None is returned.)
+    ``fill(bh, a, b, out=buf)``: ``P`` is never written; each part (rows ``a:b`` of head ``bh``,
+    flattened) is computed by ``fill`` into a buffer of the thread that reads it, right before
+    (:mod:`~.rowparts`), and what the caller reads of the weights after the loop comes back
+    instead (``kept``, see :class:`~.rowparts.Kept`); where a weight is negative (a softmax gives
+    none), ``P`` is filled with the weights before None is returned.
 
     ``guesses`` ``[B·h]`` (int64): the first-level bin where each head's span crossed in the row
     before the block (−1: none), updated to this block's last row: consecutive blocks of one

@@ -114,7 +114,9 @@ class Kept:
     """What the caller reads of a block's weights after the loop, where each part was computed
     into a thread's buffer and the block never written: each row's weights on the keys ``i + d``,
     ``|d| <= window`` (0 where that key is missing), and the row of each text's first real query
-    (``firsts`` ``[B]``; None: none asked for), whole."""
+    (``firsts`` ``[B]``; None: none asked for), whole: :meth:`tensors` gives them as ``diag``
+    ``[B, h, r, 2·window + 1]`` and ``first_row`` ``[B, h, n]`` (zeros where that query is not
+    among the block's rows)."""
 
     def __init__(self, shape: tuple[int, int, int, int], q0: int, window: int, firsts: torch.Tensor | None):
         B, h, r, n = shape
