@@ -217,26 +217,9 @@ if numba is not None:
 
     @njit(fastmath=ss.FAST, cache=True, nogil=True, error_model="numpy")
     def _tasks(
-        x,
-        xoff,
-        tasks,
-        h,
-        r,
-        q0,
-        self_attn,
-        K,
-        cols,
-        first,
-        words,
-        colw,
-        keep,
-        out,
-        acc,
-        work,
-        guesses,
-        ends,
-        pairs,
-    ):  # pragma: no cover
+        x, xoff, tasks, h, r, q0, self_attn, K, cols, first, words, colw, keep, out, acc, work,
+        guesses, ends, pairs,
+    ):  # pragma: no cover  # fmt: skip
         """The rows of each task ``(head, row start, row end)`` (row ``bh·r + a`` is ``x[bh·r + a −
         xoff]``: ``x`` the block ``[B·h·r, n]`` with ``xoff`` 0, or one task's rows); the
         column sums of task ``t`` go to ``acc[t]``; ``work``: :func:`_scratch`'s arrays. Each task

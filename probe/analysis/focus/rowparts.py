@@ -19,27 +19,11 @@ import torch
 
 from probe.analysis.focus import spanselect as ss
 
+# each row's terms in the loop's output (then its argmax)
 NAMES = (
-    "total",
-    "ent",
-    "top",
-    "span",
-    "signed",
-    "dist",
-    "reach",
-    "beyond_16",
-    "beyond_128",
-    "beyond_1024",
-    "special",
-    "punct",
-    "content",
-    "first",
-    "after",
-    "neg",
-    "word_prev",
-    "word_self",
-    "word_next",
-)  # fmt: skip  (each row's terms in the loop's output, then its argmax)
+    "total", "ent", "top", "span", "signed", "dist", "reach", "beyond_16", "beyond_128", "beyond_1024",
+    "special", "punct", "content", "first", "after", "neg", "word_prev", "word_self", "word_next",
+)  # fmt: skip
 PART = 1 << 20  # weights per part when the block is filled part by part (4 MiB: see tasks_of)
 PART_ROWS = 32  # but no fewer rows a part (a skinnier matrix product is slower than the cache saves)
 
@@ -84,7 +68,7 @@ def pairs_csr(
     return names, (ptr.numpy(), keys[order].numpy(), np.zeros((B * h * r, len(names)), np.float64))
 
 
-_LOCAL = threading.local()  # each thread's part buffer (see _part_buffer)
+_LOCAL = threading.local()  # each thread's part buffer (see part_buffer)
 
 
 def part_buffer(size: int) -> np.ndarray:
@@ -115,8 +99,9 @@ class Kept:
     into a thread's buffer and the block never written: each row's weights on the keys ``i + d``,
     ``|d| <= window`` (0 where that key is missing), and the row of each text's first real query
     (``firsts`` ``[B]``; None: none asked for), whole: :meth:`tensors` gives them as ``diag``
-    ``[B, h, r, 2·window + 1]`` and ``first_row`` ``[B, h, n]`` (zeros where that query is not
-    among the block's rows)."""
+    (``{d: [B, h, r]}``, as :func:`~.rowblock.diagonals` gives them from a whole block; here in
+    numpy, a part at a time on the loop's threads, at half the cost of that torch gather) and
+    ``first_row`` ``[B, h, n]`` (zeros where that query is not among the block's rows)."""
 
     def __init__(self, shape: tuple[int, int, int, int], q0: int, window: int, firsts: torch.Tensor | None):
         B, h, r, n = shape
@@ -137,10 +122,11 @@ class Kept:
         if a0 <= f < a1:
             self.rows[bh] = part[f - a0]
 
-    def tensors(self) -> dict[str, torch.Tensor]:
+    def tensors(self) -> dict[str, torch.Tensor | dict[int, torch.Tensor]]:
         B, h, r, n = self.shape
+        diag = torch.from_numpy(self.diag).view(B, h, r, len(self.offsets))
         return {
-            "diag": torch.from_numpy(self.diag).view(B, h, r, len(self.offsets)),
+            "diag": {int(d): diag[..., c] for c, d in enumerate(self.offsets)},
             "first_row": torch.from_numpy(self.rows).view(B, h, n),
         }
 

@@ -201,10 +201,10 @@ class RowTerms:
         qreal = self._on(P.device)["qreal"]
         got = got or {}
         self.recv[..., :kend] += rb.received(P, qreal[:, q0:q1]) if "recv" not in got else got["recv"]
-        rows = got.get("first_row", P)
         for b, f in enumerate(self.qs.first.tolist()):
             if q0 <= f < q1:
-                self.recv_first[b, :, :kend] = rows[b, :, f - q0] if rows is P else rows[b]
+                row = got["first_row"][b] if "first_row" in got else P[b, :, f - q0]
+                self.recv_first[b, :, :kend] = row
 
     def recomputed(self) -> None:
         """The blocks that follow are probe's own softmax of the call's scores (never negative):
@@ -268,12 +268,10 @@ class RowTerms:
 
     def _self_rows(self, P: torch.Tensor, rows: torch.Tensor, sl: slice, lower: bool, got: dict) -> None:
         t, kend, q0 = self.t, P.shape[-1], sl.start
-        if "diag" in got:  # the row loop's, where it read a block that was never written
-            for n, d in enumerate(range(-LOCAL_WINDOW, LOCAL_WINDOW + 1)):
-                t.diag[d][..., sl] = got["diag"][..., n]
-        else:
-            for d, v in rb.diagonals(P, rows, LOCAL_WINDOW).items():
-                t.diag[d][..., sl] = v
+        # the row loop's, where it read a block that was never written
+        diag = got["diag"] if "diag" in got else rb.diagonals(P, rows, LOCAL_WINDOW)
+        for d, v in diag.items():
+            t.diag[d][..., sl] = v
         words_done = "word_prev" in got
         C = (
             rb.prefix_sums(P, self.ws)
