@@ -226,7 +226,7 @@ def test_parts_read_in_thread_buffers_never_write_the_block(monkeypatch, bpe):
 
     def negative(*a):  # the loop's `neg` flag on every row it reads
         real_tasks(*a)
-        out, tasks, r = a[13], a[2], a[4]
+        out, tasks, r = a[14], a[3], a[5]
         for bh, a0, a1 in tasks:
             out[bh * r + a0 : bh * r + a1, 15] = 1.0
 
@@ -235,6 +235,52 @@ def test_parts_read_in_thread_buffers_never_write_the_block(monkeypatch, bpe):
     model = H.llama(len(bpe))  # padded texts: the weights on padding keys dropped as the loop drops them
     full = probe.head_stats(probe.capture(model, TEXTS, tokenizer=bpe), progress=False)
     assert_same(probe.head_stats(model, TEXTS, tokenizer=bpe, block=3), full)
+
+
+def test_causal_parts_compute_and_read_only_the_keys_each_row_sees(monkeypatch, bpe):
+    """Under ``is_causal`` each part computes only the keys its rows may see, and the row loop
+    reads each row to its query and no further: here every thread buffer starts as NaN, so
+    whatever the parts leave uncomputed stays NaN (and the keys between a row's query and its
+    part's last row hold unmasked scores), yet every statistic (word masses, template pairs,
+    the sink profile's first row, the weights near the diagonal included) equals the full
+    patterns'."""
+    import numpy as np
+
+    from probe.analysis.focus import rowfused
+    from probe.capture import patterns
+
+    if not rowfused.available():
+        pytest.skip("needs numba (the fast extra)")
+    monkeypatch.setattr(rowfused, "part_buffer", lambda size: np.full(size, np.nan, np.float32))
+    trims, real_fill = [], patterns._Scores.fill
+
+    def spy(self, *a, **k):
+        trims.append(k.get("trim", False))
+        return real_fill(self, *a, **k)
+
+    monkeypatch.setattr(patterns._Scores, "fill", spy)
+    lm = ToyLM("sdpa_causal").eval()
+    ids = torch.tensor([[1, 2, 3, 1, 2, 3, 1, 2, 3, 4] * 4, [5, 6] * 20])
+    full = probe.head_stats(probe.capture(lm, ids), progress=False)
+    assert_same(probe.head_stats(lm, ids, block=7), full)
+    assert trims and all(trims)
+    trims.clear()
+    model = H.llama(len(bpe))  # one text: transformers hands SDPA is_causal (words from the tokenizer)
+    full = probe.head_stats(probe.capture(model, TEXTS[1], tokenizer=bpe), progress=False)
+    assert_same(probe.head_stats(model, TEXTS[1], tokenizer=bpe, block=3), full)
+    assert trims and all(trims)
+
+
+def test_causal_parts_are_cut_short_near_the_diagonal():
+    """Trimmed parts hold at most a quarter as many rows as their block's last query sees (so a
+    part computes at most about an eighth more keys than its rows see), never under 128 rows."""
+    from probe.analysis.focus.rowparts import tasks_of
+
+    rows = lambda t: [int(b - a) for _, a, b in t]  # noqa: E731
+    assert rows(tasks_of(12, 1024, 1024, 2, True)) == [1024] * 12  # not trimmed: one part a head
+    assert rows(tasks_of(12, 1024, 1024, 2, True, causal_end=1024)) == [256] * 48
+    assert rows(tasks_of(12, 300, 300, 2, True, causal_end=300)) == [150] * 24  # not under 128 rows
+    assert rows(tasks_of(12, 256, 4096, 2, True, causal_end=4096)) == [256] * 12
 
 
 def test_cpu_blocks_hold_enough_rows_of_every_head():

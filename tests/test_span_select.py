@@ -456,3 +456,35 @@ def test_softmax_row_max_over_negative_scores():
         X, 0, None, torch.ones(1, 3, 20), torch.zeros(1, dtype=torch.long), keep=torch.ones(1, 20)
     )
     torch.testing.assert_close(X, torch.softmax(S, -1), rtol=1e-6, atol=1e-45)
+
+
+def test_reach_of_causal_rows_from_the_chunk_totals():
+    """reach90 of rows with no weight after their query comes from the chunk totals (a binary
+    search) and a walk through one chunk: every row of a 1,500-key block, sharp and broad heads,
+    mass far back, on a chunk's edge and on the query itself, against a float64 cumsum written
+    here (equal but where a sum is within rounding of 90% of the total)."""
+    g = torch.Generator().manual_seed(11)
+    B, h, n, r = 1, 4, 1500, 400
+    q0 = n - r
+    S = torch.randn(B, h, r, n, generator=g) * torch.tensor([0.3, 1.0, 3.0, 9.0])[:, None, None]
+    rows = torch.arange(q0, q0 + r)
+    S[0, 0, ::7, :300] += 6.0  # mass far back
+    S[0, 1, 1::5, 255:257] += 12.0  # on a chunk's edge
+    S[0, 2, 2::9] = -30.0
+    S[0, 2, torch.arange(2, r, 9), rows[2::9]] = 0.0  # on the query itself
+    S = S.masked_fill(torch.arange(n) > rows[:, None], float("-inf"))
+    P = torch.softmax(S, -1)
+    cols = torch.zeros(B, 3, n)
+    got = rowfused.row_terms(P, q0, n, cols, torch.zeros(B, dtype=torch.long))["reach"].long()
+    Pd = P.double()
+    C = Pd.cumsum(-1)
+    total = C[..., -1:]
+    d = torch.arange(n)
+    j = rows[:, None] - d[None, :] - 1  # [r, d]: the last key left out at each d
+    left = torch.gather(C, -1, j.clamp(min=0).expand(B, h, r, n))  # C(j), 0 where j < 0
+    within = total - torch.where(j >= 0, left, torch.zeros(()))
+    ok = within >= 0.9 * total
+    want = ok.float().argmax(-1)
+    amb = ((within - 0.9 * total).abs() <= 1e-12 * total).any(-1)
+    assert bool(((got == want) | amb).all()) and not bool(amb.all())
+    assert int(want.max()) > 1000 and int(want.min()) == 0

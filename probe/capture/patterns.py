@@ -80,7 +80,9 @@ class _Scores:
         ``fill(bh, a, b, softmax=True)`` computes rows ``a:b`` of its ``bh``-th head (batch and
         heads flattened; ``softmax=False``: their scores only, see :meth:`fill`), so that a
         reader can compute each part on its own thread right before reading it, while it is in
-        that core's cache. Every part must be filled before the block is read.
+        that core's cache. Every part must be filled before the block is read. ``fill.causal``:
+        the call's ``is_causal`` (then ``fill(..., trim=True)`` computes only the keys a part's
+        rows may see).
         """
         L, S, n, batch = self.L, self.S, self.n, self.batch
         spans = self.spans(chunk, area)
@@ -99,7 +101,9 @@ class _Scores:
                     scratch = torch.empty(n * size, dtype=torch.float32, device=self.device)
                 blk = scratch[: n * (e - i) * kend].view(batch + (e - i, kend))
             if lazy:
-                yield i, e, blk, functools.partial(self.fill, blk, i, kend, diag)
+                fill = functools.partial(self.fill, blk, i, kend, diag)
+                fill.causal = self.causal  # type: ignore[attr-defined]  # (see fill's trim)
+                yield i, e, blk, fill
                 continue
             if self.folded:
                 b3 = blk.view(n, e - i, kend)
@@ -127,14 +131,22 @@ class _Scores:
         b: int,
         softmax: bool = True,
         out: Tensor | None = None,
+        trim: bool = False,
     ) -> None:
         """Compute rows ``i + a : i + b`` of the ``bh``-th flattened head of the block ``blk``
         (:meth:`blocks` with ``lazy``): the same operations as a whole block, on one part.
         ``softmax=False``: leave the scores (scaled, masked: ``-inf`` where a key is hidden),
         for a reader that takes the softmax of each row itself. ``out`` ``[b - a, kend]``:
-        computed there instead of in ``blk`` (a reader's own buffer, kept in its core's cache)."""
+        computed there instead of in ``blk`` (a reader's own buffer, kept in its core's cache).
+        ``trim`` (``is_causal`` only, with ``softmax=False``): the scores of keys ``:i + b`` only
+        (``out`` ``[b - a, i + b]``), the keys after each row's query left as they come (a
+        reader that stops at each row's query never reads them)."""
+        if trim:
+            if not (self.causal and not softmax):
+                raise ValueError("fill(trim=True) is for the scores of an is_causal call")
+            kend = min(kend, i + b)
         r = blk.size(-2)
-        out = blk.view(self.n, r, kend)[bh, a:b] if out is None else out
+        out = blk.view(self.n, r, blk.size(-1))[bh, a:b, :kend] if out is None else out
         at = _unravel(bh, self.batch)
         if self.folded:
             q, kt = self.q[bh, i + a : i + b], self.kt[bh, :, :kend]
@@ -144,7 +156,7 @@ class _Scores:
             kt = self.kt.expand(self.batch + self.kt.shape[-2:])[at]
             torch.matmul(q[i + a : i + b], kt[:, :kend], out=out)
         q0, q1 = i + a, i + b
-        if self.causal and kend > q0:  # the part of the diagonal block
+        if self.causal and kend > q0 and not trim:  # the part of the diagonal block
             out[:, q0:kend].add_(diag[a:b, a : a + kend - q0])
         m = self.mask
         if m is not None:

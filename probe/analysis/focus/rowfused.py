@@ -68,9 +68,10 @@ if numba is not None:
     def _run(x, lo, hi, PS, c, i, total):  # pragma: no cover - compiled
         """``C(hi) − C(lo)`` for ``-1 <= lo <= hi < len(x)``: running sums from the chunk totals
         ``PS`` (``PS[c]`` = the sum of chunks ``< c``) plus the parts of the chunks at the ends;
-        ``i``: every weight after key ``i`` is zero (−1: not known), so ``C(hi) = total`` there."""
+        ``i``: every weight after key ``i`` is zero (−1: not known), so ``C(j) = total`` for ``j >= i``
+        (and ``x`` may end at ``i``: a row read to its query)."""
         top = total if 0 <= i <= hi else _upto(x, hi, PS, c)
-        return top - _upto(x, lo, PS, c)
+        return top - (total if 0 <= i <= lo else _upto(x, lo, PS, c))
 
     @njit(fastmath=ss.FAST, cache=True, nogil=True, error_model="numpy")
     def _upto(x, j, PS, c):  # pragma: no cover - compiled
@@ -97,6 +98,8 @@ if numba is not None:
             out[7 + t] = total - _run(x, i - D - 1, min(i + D, n - 1), PS, CH, z, total) if D < K else 0.0
         lo, hi = 0, K - 1  # reach: the smallest d with within(d) >= REACH_MASS · total
         want = REACH_MASS * total
+        if flat and total == total:
+            lo = hi = _reach_flat(x, i, total, want, PS)
         while lo < hi:
             mid = (lo + hi) // 2
             if _run(x, i - mid - 1, min(i + mid, n - 1), PS, CH, z, total) >= want:
@@ -107,11 +110,33 @@ if numba is not None:
         for t in range(words.shape[0]):
             out[16 + t] = _run(x, words[t, 0], words[t, 1], PS, CH, z, total)
 
+    @njit(fastmath=ss.FAST, cache=True, nogil=True, error_model="numpy")
+    def _reach_flat(x, i, total, want, PS):  # pragma: no cover - compiled
+        """``reach`` of a row with no weight after its query ``i``: there ``within(d) = total −
+        C(i − d − 1)`` falls as ``i − d − 1`` grows, so the smallest ``d`` with ``within(d) >=
+        want`` comes from the last key ``j = i − d − 1`` that keeps it: the last chunk whose
+        start keeps it (a binary search over the chunk totals ``PS``), then a walk through that
+        chunk (where :func:`_distances`' binary search over ``d`` summed part of a chunk at each
+        of its dozen steps)."""
+        lo, hi = 0, i // CH  # C(c·CH − 1) = PS[c]; PS[0] = 0 always keeps it
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            if total - PS[mid] >= want:
+                lo = mid
+            else:
+                hi = mid - 1
+        j, s = lo * CH - 1, PS[lo]
+        end = min(i - 1, lo * CH + CH - 2)  # (the next chunk's start is known not to keep it)
+        while j < end and total - (s + np.float64(x[j + 1])) >= want:
+            j += 1
+            s += np.float64(x[j])
+        return i - j - 1
+
     @njit(cache=True, nogil=True, error_model="numpy")
     def _argmax(x, bits, top, M):  # pragma: no cover - compiled
         """The first position of the largest bit pattern ``top``: the first chunk holding it
-        (``M``: each chunk's largest), then its first place there."""
-        for c in range(M.shape[0]):
+        (``M``: each chunk's largest, as many as ``x`` has chunks), then its first place there."""
+        for c in range((x.shape[0] + CH - 1) // CH):
             if M[c] == top:
                 at = c * CH
                 while bits[at] != top:
@@ -131,7 +156,7 @@ if numba is not None:
         bits = x.view(np.int32)
         glo = max(guess - 1, 0)
         top, low, low_seen, after = rowpass.read_row(x, i, cols, glo, w, acc, PS, M, sums, soft)
-        total = PS[M.shape[0]]
+        total = PS[(n + CH - 1) // CH]
         out[15] = low < 0  # a negative weight (or -0.0): the caller sorts instead
         if low < 0:
             return -1
@@ -198,11 +223,12 @@ if numba is not None:
     def _pair_sums(x, pairs, at, stride, row):  # pragma: no cover - compiled
         """Each template's sum of the row's weights on its keys (see :func:`_tasks`), float64."""
         ptr, keys, sums = pairs
+        n = x.shape[0]  # (a row read to its query: every later key's weight is 0)
         for t in range(sums.shape[1]):
             k = t * stride + at
             s = 0.0
             for c in range(ptr[k], ptr[k + 1]):
-                s += np.float64(x[keys[c]])
+                s += np.float64(x[keys[c]]) if keys[c] < n else 0.0
             sums[row, t] = s
 
     @njit(cache=True, nogil=True, error_model="numpy")
@@ -217,19 +243,20 @@ if numba is not None:
 
     @njit(fastmath=ss.FAST, cache=True, nogil=True, error_model="numpy")
     def _tasks(
-        x, xoff, tasks, h, r, q0, self_attn, K, cols, first, words, colw, keep, out, acc, work,
+        x, xoff, trim, tasks, h, r, q0, self_attn, K, cols, first, words, colw, keep, out, acc, work,
         guesses, ends, pairs,
     ):  # pragma: no cover  # fmt: skip
         """The rows of each task ``(head, row start, row end)`` (row ``bh·r + a`` is ``x[bh·r + a −
-        xoff]``: ``x`` the block ``[B·h·r, n]`` with ``xoff`` 0, or one task's rows); the
-        column sums of task ``t`` go to ``acc[t]``; ``work``: :func:`_scratch`'s arrays. Each task
-        starts from the bin ``guesses[head]`` (the previous block's last row of that head) and the
-        task that ends a head's rows leaves its last row's in ``ends[head]``. ``keep`` ``[B, n]``
-        (float32; ``[0, 0]``: ``x`` holds weights): ``x`` holds scores, each row's softmax taken
-        here (:func:`~.rowpass.softmax_row`, the weights on keys where ``keep`` is 0 then
-        dropped). ``pairs`` ``(ptr, keys, sums)``: the keys of template ``t`` on row ``a`` of text
-        ``b`` are ``keys[ptr[k]:ptr[k + 1]]``, ``k = (t·B + b)·r + a``; their weights' sum goes
-        to ``sums[row, t]``."""
+        xoff]``: ``x`` the block ``[B·h·r, n]`` with ``xoff`` 0, or one task's rows; ``trim``:
+        each row read only to its query, the keys an ``is_causal`` call hides after it, which
+        need hold nothing); the column sums of task ``t`` go to ``acc[t]``; ``work``:
+        :func:`_scratch`'s arrays. Each task starts from the bin ``guesses[head]`` (the previous
+        block's last row of that head) and the task that ends a head's rows leaves its last row's
+        in ``ends[head]``. ``keep`` ``[B, n]`` (float32; ``[0, 0]``: ``x`` holds weights): ``x``
+        holds scores, each row's softmax taken here (:func:`~.rowpass.softmax_row`, the weights
+        on keys where ``keep`` is 0 then dropped). ``pairs`` ``(ptr, keys, sums)``: the keys of
+        template ``t`` on row ``a`` of text ``b`` are ``keys[ptr[k]:ptr[k + 1]]``, ``k = (t·B +
+        b)·r + a``; their weights' sum goes to ``sums[row, t]``."""
         soft = work[6]
         for t in range(tasks.shape[0]):
             bh, a0, a1 = tasks[t, 0], tasks[t, 1], tasks[t, 2]
@@ -238,6 +265,8 @@ if numba is not None:
             for a in range(a0, a1):
                 row = bh * r + a
                 xr = x[row - xoff]
+                if trim:
+                    xr = xr[: min(xr.shape[0], q0 + a + 1)]
                 if keep.shape[0]:
                     rowpass.softmax_row(xr, keep[b], soft)
                 else:
@@ -269,6 +298,7 @@ def row_terms(
     keep: torch.Tensor | None = None,
     pairs: dict[str, tuple[torch.Tensor, ...]] | None = None,
     kept: tuple[int, torch.Tensor] | None = None,
+    trim: bool = False,
 ) -> dict[str, torch.Tensor] | None:
     """Every per-row term of a CPU block ``P`` ``[B, h, r, kend]`` (rows ``q0:q0 + r``), each
     ``[B, h, r]``: :data:`NAMES` (``after``: the largest weight on a key after the query) and
@@ -283,7 +313,9 @@ def row_terms(
     flattened) is computed by ``fill`` into a buffer of the thread that reads it, right before
     (:mod:`~.rowparts`), and what the caller reads of the weights after the loop comes back
     instead (``kept``, see :class:`~.rowparts.Kept`); where a weight is negative (a softmax gives
-    none), ``P`` is filled with the weights before None is returned.
+    none), ``P`` is filled with the weights before None is returned. ``trim`` (with ``fill`` of
+    an ``is_causal`` call, see :meth:`~probe.capture.patterns._Scores.fill`): each part holds
+    only the keys its rows may see, and each row is read to its query and no further.
 
     ``guesses`` ``[B·h]`` (int64): the first-level bin where each head's span crossed in the row
     before the block (−1: none), updated to this block's last row: consecutive blocks of one
@@ -302,7 +334,8 @@ def row_terms(
     out = np.zeros((B * h * r, len(NAMES) + 1), np.float64)  # + the argmax
     w = np.zeros((B, r), np.float64) if colw is None else colw.double().contiguous().numpy()
     k = ss.threads()
-    tasks = tasks_of(B * h, r, n, k, fill is not None)
+    trim = trim and fill is not None
+    tasks = tasks_of(B * h, r, n, k, fill is not None, q0 + r if trim else 0)
     acc = np.zeros((len(tasks), n), np.float64)
     start = np.full(B * h, -1, np.int64) if guesses is None else guesses.copy()
     ends = np.full(B * h, -1, np.int64) if guesses is None else guesses
@@ -310,7 +343,7 @@ def row_terms(
     args = (h, r, q0, K is not None, K or n, cols.float().contiguous().numpy(), first.long().numpy())
     args += (word_ranges(words, B, r, n), w, keep_, out)
     names, csr = pairs_csr(pairs, B, h, r)
-    held = Kept((B, h, r, n), q0, *(kept or (0, None))) if fill is not None else None
+    held = Kept((B, h, r, n), q0, *(kept or (0, None)), trim) if fill is not None else None
     order = itertools.count()  # each thread takes the next task when it is done with one
     most = int((tasks[:, 2] - tasks[:, 1]).max()) * n if len(tasks) else 0
 
@@ -321,9 +354,10 @@ def row_terms(
             bh, a0, a1 = (int(v) for v in tasks[t])
             rows, off = x, 0
             if buf is not None:  # this part into the thread's own buffer, then read there
-                rows, off = buf[: (a1 - a0) * n].reshape(a1 - a0, n), bh * r + a0
-                fill(bh, a0, a1, out=torch.from_numpy(rows))
-            _tasks(rows, off, tasks[t : t + 1], *args, acc[t : t + 1], work, start, ends, csr)
+                kp = min(n, q0 + a1) if trim else n  # (trimmed: the keys its last row sees)
+                rows, off = buf[: (a1 - a0) * kp].reshape(a1 - a0, kp), bh * r + a0
+                fill(bh, a0, a1, out=torch.from_numpy(rows), **({"trim": True} if trim else {}))
+            _tasks(rows, off, trim, tasks[t : t + 1], *args, acc[t : t + 1], work, start, ends, csr)
             if held is not None:
                 held.take(rows, bh, a0, a1)
 

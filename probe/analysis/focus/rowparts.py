@@ -26,18 +26,24 @@ NAMES = (
 )  # fmt: skip
 PART = 1 << 20  # weights per part when the block is filled part by part (4 MiB: see tasks_of)
 PART_ROWS = 32  # but no fewer rows a part (a skinnier matrix product is slower than the cache saves)
+TRIM_ROWS = 128  # the fewest rows a part is cut to for trimming (see tasks_of)
 
 
-def tasks_of(heads: int, r: int, n: int, k: int, filled: bool) -> np.ndarray:
+def tasks_of(heads: int, r: int, n: int, k: int, filled: bool, causal_end: int = 0) -> np.ndarray:
     """The ``(head, row start, row end)`` tasks of a block for ``k`` threads: a head's rows, split
     further when there are fewer heads than threads, or (``filled``: each part computed by its
     thread) past :data:`PART` weights, into parts of at least :data:`PART_ROWS` rows: one part
     is one matrix product, and its rows share one packing of the keys (fewer, taller products:
     less time per weight); the loop reads a row at a time, so only the row need stay in the
-    core's cache."""
+    core's cache. ``causal_end``: the block's last query + 1 where each part computes only the
+    keys its rows see (trimmed, see :func:`~.rowfused.row_terms`): then parts of at most a
+    quarter of that many rows (the keys after a row's query that its part computes anyway are
+    then at most about an eighth), but at least :data:`TRIM_ROWS`."""
     per = -(-2 * k // heads) if heads < 2 * k else 1
     if filled:
         per = max(per, min(-(-r * n // PART), r // PART_ROWS))
+    if causal_end:
+        per = max(per, min(-(-4 * r // causal_end), r // TRIM_ROWS))
     return np.array([(bh, a0, a1) for bh in range(heads) for a0, a1 in ss.parts(r, per)], np.int64)
 
 
@@ -103,24 +109,29 @@ class Kept:
     numpy, a part at a time on the loop's threads, at half the cost of that torch gather) and
     ``first_row`` ``[B, h, n]`` (zeros where that query is not among the block's rows)."""
 
-    def __init__(self, shape: tuple[int, int, int, int], q0: int, window: int, firsts: torch.Tensor | None):
+    def __init__(
+        self, shape: tuple[int, int, int, int], q0: int, window: int, firsts: torch.Tensor | None, trim: bool
+    ):
         B, h, r, n = shape
-        self.shape, self.q0 = shape, q0
+        self.shape, self.q0, self.trim = shape, q0, trim
         self.offsets = np.arange(-window, window + 1)
         self.diag = np.zeros((B * h * r, len(self.offsets)), np.float32)
         self.firsts = [-1] * B if firsts is None else firsts.tolist()
         self.rows = np.zeros((B * h, n), np.float32)
 
     def take(self, part: np.ndarray, bh: int, a0: int, a1: int) -> None:
-        """Keep what is asked of rows ``a0:a1`` of head ``bh``, ``part`` (their weights)."""
+        """Keep what is asked of rows ``a0:a1`` of head ``bh``, ``part`` (their weights; with
+        ``trim``, each row's to its query only, and nothing held after it)."""
         B, h, r, n = self.shape
-        idx = (self.q0 + np.arange(a0, a1))[:, None] + self.offsets[None, :]
-        ok = (idx >= 0) & (idx < n)
-        got = np.take_along_axis(part, idx.clip(0, n - 1), 1)
+        queries = self.q0 + np.arange(a0, a1)
+        idx = queries[:, None] + self.offsets[None, :]
+        ok = (idx >= 0) & (idx < part.shape[1]) & ((idx <= queries[:, None]) if self.trim else True)
+        got = np.take_along_axis(part, idx.clip(0, part.shape[1] - 1), 1)
         self.diag[bh * r + a0 : bh * r + a1] = np.where(ok, got, 0.0)
         f = self.firsts[bh // h] - self.q0
         if a0 <= f < a1:
-            self.rows[bh] = part[f - a0]
+            upto = min(self.q0 + f + 1, part.shape[1]) if self.trim else part.shape[1]
+            self.rows[bh, :upto] = part[f - a0, :upto]
 
     def tensors(self) -> dict[str, torch.Tensor | dict[int, torch.Tensor]]:
         B, h, r, n = self.shape

@@ -158,6 +158,7 @@ class RowTerms:
         self._to(blk.device)
         dev, ws = self._on(blk.device), self.ws
         P = blk.float()
+        trim = bool(getattr(fill, "causal", False))  # is_causal: each row read to its query only
         if fill is not None:  # the row loop computes each part's scores, its softmax, zeroes padding
             fill = functools.partial(fill, softmax=False)
         elif self.lay.any_pad:  # weight on padding keys is not attention to the text
@@ -173,7 +174,7 @@ class RowTerms:
             return
         rows = torch.arange(q0, q1, device=blk.device)
         # on a CPU a compiled loop reads each row once for every per-row term (numba, if installed)
-        got = self._cpu_terms(P, sl, fill)
+        got = self._cpu_terms(P, sl, fill, trim)
         if got is None:
             got = {"ent": rb.entropy(P, ws), "total": P.sum(-1)}
             got["top"], got["arg"], got["span"] = rb.sorted_terms(P, ws)
@@ -211,10 +212,13 @@ class RowTerms:
         the row kernel need not read a block back to look for a negative weight."""
         self.softmax = True
 
-    def _cpu_terms(self, P: torch.Tensor, sl: slice, fill: Any = None) -> dict[str, Any] | None:
+    def _cpu_terms(
+        self, P: torch.Tensor, sl: slice, fill: Any = None, trim: bool = False
+    ) -> dict[str, Any] | None:
         """The compiled row loop's terms of a CPU block (:mod:`probe.analysis.focus.rowfused`),
         or None without numba (then the block is sorted); ``fill``: see :meth:`rows` (it leaves
-        scores, whose softmax the loop takes, weights on padding keys then zeroed)."""
+        scores, whose softmax the loop takes, weights on padding keys then zeroed); ``trim``: its
+        call is ``is_causal`` (each part computes, and each row is read, to the query only)."""
         from probe.analysis.focus import rowfused
 
         if P.device.type != "cpu" or not rowfused.available():
@@ -237,6 +241,7 @@ class RowTerms:
             keep=None if fill is None else dev["real"][:, :kend],
             pairs=pairs,
             kept=(LOCAL_WINDOW if self.self_attn else 0, self.qs.first) if fill is not None else None,
+            trim=trim,
         )
         if got is not None and pairs is not None:
             got["pairs"] = pairs  # their hits, for _pairs (not looked up a second time)
