@@ -232,6 +232,19 @@ if numba is not None:
             sums[row, t] = s
 
     @njit(cache=True, nogil=True, error_model="numpy")
+    def _kept(x, i, near, first, frow):  # pragma: no cover - compiled
+        """The weights of row ``x`` (query ``i``) on the keys ``i − W .. i + W`` into ``near``
+        (``2W + 1`` of them; 0 where a key is missing, or past the row's end: a row read to its
+        query) and, where ``i`` is its text's ``first`` real query, the row into ``frow``."""
+        W = (near.shape[0] - 1) // 2
+        n = x.shape[0]
+        for c in range(near.shape[0]):
+            j = i - W + c
+            near[c] = x[j] if 0 <= j < n else 0.0
+        if i == first:
+            frow[:n] = x
+
+    @njit(cache=True, nogil=True, error_model="numpy")
     def _scratch(n):  # pragma: no cover - compiled
         """What :func:`_tasks` works in for rows of ``n`` keys: the chunk sums and maxima, the
         span's histograms (zero, and left zero by each row's selection) and candidates, and the
@@ -244,7 +257,7 @@ if numba is not None:
     @njit(fastmath=ss.FAST, cache=True, nogil=True, error_model="numpy")
     def _tasks(
         x, xoff, trim, tasks, h, r, q0, self_attn, K, cols, first, words, colw, keep, out, acc, work,
-        guesses, ends, pairs,
+        guesses, ends, pairs, near, firsts, frows,
     ):  # pragma: no cover  # fmt: skip
         """The rows of each task ``(head, row start, row end)`` (row ``bh·r + a`` is ``x[bh·r + a −
         xoff]``: ``x`` the block ``[B·h·r, n]`` with ``xoff`` 0, or one task's rows; ``trim``:
@@ -256,7 +269,9 @@ if numba is not None:
         holds scores, each row's softmax taken here (:func:`~.rowpass.softmax_row`, the weights
         on keys where ``keep`` is 0 then dropped). ``pairs`` ``(ptr, keys, sums)``: the keys of
         template ``t`` on row ``a`` of text ``b`` are ``keys[ptr[k]:ptr[k + 1]]``, ``k = (t·B +
-        b)·r + a``; their weights' sum goes to ``sums[row, t]``."""
+        b)·r + a``; their weights' sum goes to ``sums[row, t]``. ``near``, ``firsts``, ``frows``:
+        what :class:`~.rowparts.Kept` keeps of the weights (``near`` ``[0, 1]``: nothing), by
+        :func:`_kept`."""
         soft = work[6]
         for t in range(tasks.shape[0]):
             bh, a0, a1 = tasks[t, 0], tasks[t, 1], tasks[t, 2]
@@ -276,6 +291,8 @@ if numba is not None:
                     acc[t], out[row], work, guess,
                 )  # fmt: skip
                 _pair_sums(xr, pairs, b * r + a, cols.shape[0] * r, row)
+                if near.shape[0]:
+                    _kept(xr, q0 + a, near[row], firsts[b], frows[bh])
             if a1 == r:
                 ends[bh] = guess
 
@@ -343,7 +360,8 @@ def row_terms(
     args = (h, r, q0, K is not None, K or n, cols.float().contiguous().numpy(), first.long().numpy())
     args += (word_ranges(words, B, r, n), w, keep_, out)
     names, csr = pairs_csr(pairs, B, h, r)
-    held = Kept((B, h, r, n), q0, *(kept or (0, None)), trim) if fill is not None else None
+    held = Kept((B, h, r, n), *(kept or (0, None))) if fill is not None else None
+    near = held.arrays() if held is not None else Kept.NOTHING
     order = itertools.count()  # each thread takes the next task when it is done with one
     most = int((tasks[:, 2] - tasks[:, 1]).max()) * n if len(tasks) else 0
 
@@ -357,9 +375,7 @@ def row_terms(
                 kp = min(n, q0 + a1) if trim else n  # (trimmed: the keys its last row sees)
                 rows, off = buf[: (a1 - a0) * kp].reshape(a1 - a0, kp), bh * r + a0
                 fill(bh, a0, a1, out=torch.from_numpy(rows), **({"trim": True} if trim else {}))
-            _tasks(rows, off, trim, tasks[t : t + 1], *args, acc[t : t + 1], work, start, ends, csr)
-            if held is not None:
-                held.take(rows, bh, a0, a1)
+            _tasks(rows, off, trim, tasks[t : t + 1], *args, acc[t : t + 1], work, start, ends, csr, *near)
 
     ss.spread(run, min(k, len(tasks)))
     if out[:, 15].any():

@@ -105,33 +105,24 @@ class Kept:
     into a thread's buffer and the block never written: each row's weights on the keys ``i + d``,
     ``|d| <= window`` (0 where that key is missing), and the row of each text's first real query
     (``firsts`` ``[B]``; None: none asked for), whole: :meth:`tensors` gives them as ``diag``
-    (``{d: [B, h, r]}``, as :func:`~.rowblock.diagonals` gives them from a whole block; here in
-    numpy, a part at a time on the loop's threads, at half the cost of that torch gather) and
-    ``first_row`` ``[B, h, n]`` (zeros where that query is not among the block's rows)."""
+    (``{d: [B, h, r]}``, as :func:`~.rowblock.diagonals` gives them from a whole block; copied by
+    the compiled loop as it reads each row, :func:`~.rowfused._kept`) and ``first_row`` ``[B, h,
+    n]`` (zeros where that query is not among the block's rows)."""
 
-    def __init__(
-        self, shape: tuple[int, int, int, int], q0: int, window: int, firsts: torch.Tensor | None, trim: bool
-    ):
+    # what the loop gets where nothing is kept (the same types as arrays())
+    NOTHING = (np.zeros((0, 1), np.float32), np.zeros(0, np.int64), np.zeros((0, 1), np.float32))
+
+    def __init__(self, shape: tuple[int, int, int, int], window: int, firsts: torch.Tensor | None):
         B, h, r, n = shape
-        self.shape, self.q0, self.trim = shape, q0, trim
+        self.shape = shape
         self.offsets = np.arange(-window, window + 1)
         self.diag = np.zeros((B * h * r, len(self.offsets)), np.float32)
-        self.firsts = [-1] * B if firsts is None else firsts.tolist()
+        self.firsts = np.full(B, -1, np.int64) if firsts is None else firsts.long().numpy().astype(np.int64)
         self.rows = np.zeros((B * h, n), np.float32)
 
-    def take(self, part: np.ndarray, bh: int, a0: int, a1: int) -> None:
-        """Keep what is asked of rows ``a0:a1`` of head ``bh``, ``part`` (their weights; with
-        ``trim``, each row's to its query only, and nothing held after it)."""
-        B, h, r, n = self.shape
-        queries = self.q0 + np.arange(a0, a1)
-        idx = queries[:, None] + self.offsets[None, :]
-        ok = (idx >= 0) & (idx < part.shape[1]) & ((idx <= queries[:, None]) if self.trim else True)
-        got = np.take_along_axis(part, idx.clip(0, part.shape[1] - 1), 1)
-        self.diag[bh * r + a0 : bh * r + a1] = np.where(ok, got, 0.0)
-        f = self.firsts[bh // h] - self.q0
-        if a0 <= f < a1:
-            upto = min(self.q0 + f + 1, part.shape[1]) if self.trim else part.shape[1]
-            self.rows[bh, :upto] = part[f - a0, :upto]
+    def arrays(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """``(near, firsts, frows)`` for :func:`~.rowfused._tasks`, which fills them."""
+        return self.diag, self.firsts, self.rows
 
     def tensors(self) -> dict[str, torch.Tensor | dict[int, torch.Tensor]]:
         B, h, r, n = self.shape
