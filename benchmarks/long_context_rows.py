@@ -54,9 +54,13 @@ def main() -> None:
         if scores is not None:  # the parts as filled: the scores whose softmax the loop takes
             flat, part = scores.view(-1, *P.shape[-2:]), fill
 
-            def fill(bh, a, b, **how):  # into the loop's buffer (``out``), or the block where older
+            def fill(bh, a, b, q0=q0, **how):  # into the loop's buffer (``out``), or the block where older
                 part(bh, a, b, **how)
-                flat[bh, a:b] = how.get("out", P.view(-1, *P.shape[-2:])[bh, a:b])
+                got = how.get("out", P.view(-1, *P.shape[-2:])[bh, a:b])
+                flat[bh, a:b, : got.shape[-1]] = got
+                if how.get("trim"):  # is_causal: the keys after each row's query were never masked
+                    later = torch.arange(flat.shape[-1]) > torch.arange(q0 + a, q0 + b)[:, None]
+                    flat[bh, a:b].masked_fill_(later, float("-inf"))
 
         got = real(P, q0, K, cols, first, words, colw, fill, **kw)
         if calls[0] in want:
