@@ -330,28 +330,25 @@ def row_terms(
     flattened) is computed by ``fill`` into a buffer of the thread that reads it, right before
     (:mod:`~.rowparts`), and what the caller reads of the weights after the loop comes back
     instead (``kept``, see :class:`~.rowparts.Kept`); where a weight is negative (a softmax gives
-    none), ``P`` is filled with the weights before None is returned. ``trim`` (with ``fill`` of
-    an ``is_causal`` call, see :meth:`~probe.capture.patterns._Scores.fill`): each part holds
-    only the keys its rows may see, and each row is read to its query and no further.
+    none), ``P`` is filled with the weights before None is returned. ``trim`` (``fill`` of an
+    ``is_causal`` call, :meth:`~probe.capture.patterns._Scores.fill`): each part computes only the
+    keys its rows may see, and each row is read to its query and no further.
 
     ``guesses`` ``[B·h]`` (int64): the first-level bin where each head's span crossed in the row
     before the block (−1: none), updated to this block's last row: consecutive blocks of one
-    attention pass it on, so each head's first row tries its neighbour's bin too.
-
-    ``keep`` ``[B, kend]`` (1 or 0): ``P`` (or what ``fill`` computes) holds a softmax's scores
-    (scaled, ``-inf`` on hidden keys): the loop takes each row's softmax as it reads the row
+    attention pass it on, so each head's first row tries its neighbour's bin too. ``keep`` ``[B,
+    kend]`` (1 or 0): ``P`` (or what ``fill`` computes) holds a softmax's scores (scaled, ``-inf``
+    on hidden keys): the loop takes each row's softmax as it reads the row
     (:func:`~.rowpass.softmax_row`), then drops the weights on keys where ``keep`` is 0 (padding
-    keys; the rest not renormalised).
-
-    ``pairs`` ``{name: (b, i, j, ...)}``: pairs of a template (``i`` a row of the block, ``j`` a
-    key; :func:`~probe.analysis.focus.rowblock.template_pairs`): returned as ``name`` ``[B, h,
-    r]``, each row's sum of its weights on its pairs' keys, read while the row is in cache."""
+    keys; the rest not renormalised). ``pairs`` ``{name: (b, i, j, ...)}``: pairs of a template
+    (``i`` a row of the block, ``j`` a key; :func:`~.rowblock.template_pairs`): returned as
+    ``name`` ``[B, h, r]``, each row's sum of its weights on its pairs' keys, read while the row
+    is in cache."""
     B, h, r, n = P.shape
     x = P.reshape(B * h * r, n).contiguous().numpy() if fill is None else np.empty((0, n), np.float32)
     out = np.zeros((B * h * r, len(NAMES) + 1), np.float64)  # + the argmax
     w = np.zeros((B, r), np.float64) if colw is None else colw.double().contiguous().numpy()
-    k = ss.threads()
-    trim = trim and fill is not None
+    k, trim = ss.threads(), trim and fill is not None
     tasks = tasks_of(B * h, r, n, k, fill is not None, q0 + r if trim else 0)
     acc = np.zeros((len(tasks), n), np.float64)
     start = np.full(B * h, -1, np.int64) if guesses is None else guesses.copy()
@@ -382,9 +379,8 @@ def row_terms(
         if fill is not None:  # the caller sorts the block instead: its weights, as the loop saw them
             weights_into(P, tasks, fill, keep)
         return None
-    got = gathered(
-        out, acc if colw is not None else None, tasks, dict(zip(names, csr[2].T, strict=True)), (B, h, r)
-    )
+    sums = dict(zip(names, csr[2].T, strict=True))
+    got = gathered(out, acc if colw is not None else None, tasks, sums, (B, h, r))
     return got if held is None else got | held.tensors()
 
 
