@@ -54,7 +54,7 @@ def main() -> None:
         if scores is not None:  # the parts as filled: the scores whose softmax the loop takes
             flat, part = scores.view(-1, *P.shape[-2:]), fill
 
-            def fill(bh, a, b, q0=q0, **how):  # into the loop's buffer (``out``), or the block where older
+            def fill(bh, a, b, **how):  # into the loop's buffer (``out``), or the block where older
                 part(bh, a, b, **how)
                 got = how.get("out", P.view(-1, *P.shape[-2:])[bh, a:b])
                 flat[bh, a:b, : got.shape[-1]] = got

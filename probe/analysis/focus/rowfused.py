@@ -99,7 +99,7 @@ if numba is not None:
         lo, hi = 0, K - 1  # reach: the smallest d with within(d) >= REACH_MASS · total
         want = REACH_MASS * total
         if flat and total == total:
-            lo = hi = _reach_flat(x, i, total, want, PS)
+            lo = hi = _reach_flat(x, i, total, want, PS)  # (the search below then has nothing to do)
         while lo < hi:
             mid = (lo + hi) // 2
             if _run(x, i - mid - 1, min(i + mid, n - 1), PS, CH, z, total) >= want:
@@ -326,7 +326,7 @@ def row_terms(
     classes; ``first`` ``[B]``: each text's first real key. ``colw`` ``[B, r]``: each query's
     weight in the column sums, returned as ``recv`` ``[B, h, kend]`` (float64, ``Σ_i w_i a_ij``).
 
-    ``fill(bh, a, b, out=buf)``: ``P`` is never written; each part (rows ``a:b`` of head ``bh``,
+    ``fill(bh, a, b, out=buf, trim=...)``: ``P`` is never written; each part (rows ``a:b`` of head ``bh``,
     flattened) is computed by ``fill`` into a buffer of the thread that reads it, right before
     (:mod:`~.rowparts`), and what the caller reads of the weights after the loop comes back
     instead (``kept``, see :class:`~.rowparts.Kept`); where a weight is negative (a softmax gives
@@ -371,7 +371,7 @@ def row_terms(
             if buf is not None:  # this part into the thread's own buffer, then read there
                 kp = min(n, q0 + a1) if trim else n  # (trimmed: the keys its last row sees)
                 rows, off = buf[: (a1 - a0) * kp].reshape(a1 - a0, kp), bh * r + a0
-                fill(bh, a0, a1, out=torch.from_numpy(rows), **({"trim": True} if trim else {}))
+                fill(bh, a0, a1, out=torch.from_numpy(rows), trim=trim)
             _tasks(rows, off, trim, tasks[t : t + 1], *args, acc[t : t + 1], work, start, ends, csr, *near)
 
     ss.spread(run, min(k, len(tasks)))

@@ -117,7 +117,7 @@ class Kept:
         self.shape = shape
         self.offsets = np.arange(-window, window + 1)
         self.diag = np.zeros((B * h * r, len(self.offsets)), np.float32)
-        self.firsts = np.full(B, -1, np.int64) if firsts is None else firsts.long().numpy().astype(np.int64)
+        self.firsts = np.full(B, -1, np.int64) if firsts is None else firsts.long().numpy()
         self.rows = np.zeros((B * h, n), np.float32)
 
     def arrays(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
