@@ -78,9 +78,9 @@ if numba is not None:
     def exp32(t):  # pragma: no cover - compiled
         """``exp(t)`` of a float32 ``t <= 0`` in float32 (eight lanes a vector): ``2^n · e^r``
         with ``|r| <= ln 2 / 2`` (``e^r`` a degree-7 series, within about 2 roundings of the exact
-        value; below float32's smallest normal number the result is scaled down by ``2^-64`` in a
-        second step, a subnormal as ``exp`` gives it); 0 below :data:`EXP_ZERO` and for ``-inf``
-        or NaN."""
+        value; scaled by ``2^(n + 64)``, then by ``2^-64``: exact where the result is a normal
+        number, and below float32's smallest one a subnormal as ``exp`` gives it, with no test);
+        0 below :data:`EXP_ZERO` and for ``-inf`` or NaN."""
         u = max(t, EXP_ZERO)  # (NaN and -inf are selected out at the end)
         n = np.floor(u * LOG2E + _F(0.5))
         r = u - n * LN2_HI - n * LN2_LO
@@ -92,10 +92,7 @@ if numba is not None:
         p = _F(0.5) + r * p
         p = _F(1.0) + r * p
         p = _F(1.0) + r * p
-        k = _I(n)
-        low = k < _I(-126)
-        v = p * f32((k + (_I(127 + 64) if low else _I(127))) << 23)
-        v = v * (_F(2.0**-64) if low else _F(1.0))
+        v = (p * f32((_I(n) + _I(127 + 64)) << 23)) * _F(2.0**-64)  # 2^(n + 64), then 2^-64: exact
         return v if t >= EXP_ZERO else _F(0.0)
 
     @njit(fastmath=ss.FAST, cache=True, nogil=True, error_model="numpy")
