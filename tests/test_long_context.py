@@ -283,6 +283,37 @@ def test_causal_parts_are_cut_short_near_the_diagonal():
     assert rows(tasks_of(12, 256, 4096, 2, True, causal_end=4096)) == [256] * 12
 
 
+def test_row_loop_workers_run_torch_on_one_thread(monkeypatch):
+    """The threads of the row loop compute their parts with torch single-threaded, as the
+    calling thread does inside the loop: a fresh worker whose products started MKL's own
+    threads (torch's count is per thread) put four threads on two cores. Counted in the
+    process's threads: a fresh pool of one worker adds that worker and nothing else."""
+    import os
+
+    from probe.analysis.focus import rowfused
+    from probe.analysis.focus import spanselect as ss
+
+    if not rowfused.available():
+        pytest.skip("needs numba (the fast extra)")
+    if not os.path.isdir("/proc/self/task"):
+        pytest.skip("counts the process's threads in /proc")
+    from models.llama import VOCAB, build
+
+    monkeypatch.setattr(os, "cpu_count", lambda: 2)
+    n = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        model = build(n_layers=1, n_heads=2, d_model=128)  # 64-wide heads, parts of 256 rows: MKL
+        ids = torch.randint(0, VOCAB, (1, 1024), generator=torch.Generator().manual_seed(0))  # threads them
+        probe.head_stats(model, ids, progress=False)  # every other thread started
+        monkeypatch.setattr(ss, "_POOL", None)  # a fresh pool (one worker, beside the calling thread)
+        before = len(os.listdir("/proc/self/task"))
+        probe.head_stats(model, ids, progress=False)
+        assert len(os.listdir("/proc/self/task")) - before == 1
+    finally:
+        torch.set_num_threads(n)
+
+
 def test_cpu_blocks_hold_enough_rows_of_every_head():
     """A CPU block is 16 MiB, or 256 query rows of every head where that is more (up to 256 MiB):
     at long T a 16 MiB block would hold a few rows a head."""

@@ -365,6 +365,8 @@ def row_terms(
     def run(*_: int) -> None:  # a thread's share is whatever tasks it takes, not spread's run
         work = _scratch(n)  # once per thread, not per task
         buf = part_buffer(most) if fill is not None else None
+        if buf is not None:
+            ss.torch_alone()  # (a worker's products single-threaded, as the calling thread's)
         while (t := next(order)) < len(tasks):
             bh, a0, a1 = (int(v) for v in tasks[t])
             rows, off = x, 0

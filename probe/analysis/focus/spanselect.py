@@ -86,6 +86,19 @@ def cores() -> Iterator[None]:
         _CORES = None
 
 
+def torch_alone() -> None:
+    """Torch's own kernels single-threaded on the calling thread too, where it is one of
+    :func:`pool`'s workers inside :func:`cores`. Torch's thread count is per thread (OpenMP's and
+    MKL's settings of the thread that calls it, set from torch's global count when the thread
+    first asks for it): :func:`cores` lowers the calling thread's, and a fresh worker's matrix
+    product (a part of a block, computed by the thread that reads it) went straight to MKL,
+    which started threads of its own: four threads on two cores, and on a machine of ``c``
+    cores ``c − 1`` workers each starting ``c − 1`` more. Setting it also sets torch's global
+    count, which :func:`cores` has already lowered and puts back when it ends."""
+    if _CORES is not None and torch.get_num_threads() != 1:
+        torch.set_num_threads(1)
+
+
 def pool() -> ThreadPoolExecutor:
     """A thread pool of :func:`threads` − 1 workers (the calling thread is the other, see
     :func:`spread`). The compiled loops release the GIL and run on these plain threads, not on
@@ -351,6 +364,7 @@ __all__ = [
     "ln",
     "f32",
     "pool",
+    "torch_alone",
     "threads",
     "parts",
     "SHIFT",
