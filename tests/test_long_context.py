@@ -272,15 +272,35 @@ def test_causal_parts_compute_and_read_only_the_keys_each_row_sees(monkeypatch, 
 
 
 def test_causal_parts_are_cut_short_near_the_diagonal():
-    """Trimmed parts hold at most a quarter as many rows as their block's last query sees (so a
-    part computes at most about an eighth more keys than its rows see), never under 128 rows."""
+    """Parts hold at most 1 MiB of weights (but 32 rows); trimmed parts at most a quarter as many
+    rows as their block's last query sees (so a part computes at most about an eighth more keys
+    than its rows see), never under 128 rows for that; the block's last task of each thread is
+    cut in four (not under 32 rows), so the threads end together."""
     from probe.analysis.focus.rowparts import tasks_of
 
     rows = lambda t: [int(b - a) for _, a, b in t]  # noqa: E731
-    assert rows(tasks_of(12, 1024, 1024, 2, True)) == [1024] * 12  # not trimmed: one part a head
-    assert rows(tasks_of(12, 1024, 1024, 2, True, causal_end=1024)) == [256] * 48
-    assert rows(tasks_of(12, 300, 300, 2, True, causal_end=300)) == [150] * 24  # not under 128 rows
-    assert rows(tasks_of(12, 256, 4096, 2, True, causal_end=4096)) == [256] * 12
+    assert rows(tasks_of(12, 1024, 1024, 1, True)) == [256] * 48  # 1 MiB parts; one thread: no tail
+    assert rows(tasks_of(12, 1024, 1024, 2, True, causal_end=1024)) == [256] * 46 + [64] * 8
+    assert rows(tasks_of(12, 1024, 64, 1, True, causal_end=1024)) == [256] * 48  # the trim's quarter
+    assert rows(tasks_of(12, 300, 300, 2, True, causal_end=300)) == [150] * 22 + [37, 38, 37, 38] * 2
+    assert rows(tasks_of(12, 256, 4096, 2, True, causal_end=4096)) == [64] * 46 + [32] * 4
+    assert rows(tasks_of(12, 40, 4096, 2, True)) == [40] * 12  # not under 32 rows, tail included
+
+
+def test_tasks_cover_every_row_of_every_head_once():
+    """However a block is cut (heads, rows, threads, parts, trim, tail), its tasks are the rows of
+    each head in order, each once."""
+    from probe.analysis.focus.rowparts import tasks_of
+
+    for heads, r, n, k, filled, end in [
+        (1, 7, 7, 2, False, 0), (1, 300, 300, 4, True, 300), (12, 256, 4096, 2, True, 4096),
+        (3, 1000, 20000, 3, True, 0), (2, 33, 5, 8, False, 0), (24, 129, 1500, 2, True, 1500),
+    ]:  # fmt: skip
+        t = tasks_of(heads, r, n, k, filled, end).tolist()
+        for bh in range(heads):
+            own = [(a, b) for h, a, b in t if h == bh]
+            assert own[0][0] == 0 and own[-1][1] == r and all(b > a for a, b in own)
+            assert all(own[i][1] == own[i + 1][0] for i in range(len(own) - 1))
 
 
 def test_row_loop_workers_run_torch_on_one_thread(monkeypatch):
