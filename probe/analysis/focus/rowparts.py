@@ -25,9 +25,10 @@ NAMES = (
     "special", "punct", "content", "first", "after", "neg", "word_prev", "word_self", "word_next",
 )  # fmt: skip
 PART = 1 << 18  # weights per part when the block is filled part by part (1 MiB: see tasks_of)
-PART_ROWS = 32  # but no fewer rows a part (a skinnier matrix product is slower than the cache saves)
+PART_ROWS = 64  # but no fewer rows a part (a skinnier matrix product is slower than the cache saves)
 TRIM_ROWS = 128  # the fewest rows a part is cut to for trimming (see tasks_of)
-TAIL = 4  # each of the last tasks is cut into this many (see tasks_of)
+TAIL = 4  # each of the last tasks is cut into this many (see tasks_of), of at least TAIL_ROWS rows
+TAIL_ROWS = 32
 
 
 def tasks_of(heads: int, r: int, n: int, k: int, filled: bool, causal_end: int = 0) -> np.ndarray:
@@ -41,7 +42,7 @@ def tasks_of(heads: int, r: int, n: int, k: int, filled: bool, causal_end: int =
     :func:`~.rowfused.row_terms`): then parts of at most a quarter of that many rows (the keys
     after a row's query that its part computes anyway are then at most about an eighth), but at
     least :data:`TRIM_ROWS`. The last ``k`` tasks are each cut into :data:`TAIL` (of at least
-    :data:`PART_ROWS` rows): the threads take tasks in order, so each ends within a short task
+    :data:`TAIL_ROWS` rows): the threads take tasks in order, so each ends within a short task
     of the others (where the last whole part of one thread ran alone, 5.5% of the threads' time
     sat idle at 4,096 tokens; 4% with the tail cut)."""
     per = -(-2 * k // heads) if heads < 2 * k else 1
@@ -50,8 +51,8 @@ def tasks_of(heads: int, r: int, n: int, k: int, filled: bool, causal_end: int =
     if causal_end:
         per = max(per, min(-(-4 * r // causal_end), r // TRIM_ROWS))
     tasks = [(bh, a0, a1) for bh in range(heads) for a0, a1 in ss.parts(r, per)]
-    if k > 1:  # the last k tasks in quarters (of PART_ROWS rows or more)
-        cut = lambda a0, a1: ss.parts(a1 - a0, max(1, min(TAIL, (a1 - a0) // PART_ROWS)))  # noqa: E731
+    if k > 1:  # the last k tasks in quarters (of TAIL_ROWS rows or more)
+        cut = lambda a0, a1: ss.parts(a1 - a0, max(1, min(TAIL, (a1 - a0) // TAIL_ROWS)))  # noqa: E731
         tasks[-k:] = [(bh, a0 + b0, a0 + b1) for bh, a0, a1 in tasks[-k:] for b0, b1 in cut(a0, a1)]
     return np.array(tasks, np.int64)
 
