@@ -363,8 +363,8 @@ def row_terms(
     most = int((tasks[:, 2] - tasks[:, 1]).max()) * n if len(tasks) else 0
 
     def run(*_: int) -> None:  # a thread's share is whatever tasks it takes, not spread's run
-        work, buf = _scratch(n), part_buffer(most) if fill is not None else None  # once a thread
-        ss.torch_alone()  # (a worker's products single-threaded, as the calling thread's)
+        work = _scratch(n)  # once per thread, not per task
+        buf = part_buffer(most) if fill is not None else None
         while (t := next(order)) < len(tasks):
             bh, a0, a1 = (int(v) for v in tasks[t])
             rows, off = x, 0

@@ -86,17 +86,18 @@ def cores() -> Iterator[None]:
         _CORES = None
 
 
-def torch_alone() -> None:
-    """Torch's own kernels single-threaded on the calling thread too, where it is one of
-    :func:`pool`'s workers inside :func:`cores`. Torch's thread count is per thread (OpenMP's and
-    MKL's settings of the thread that calls it, set from torch's global count when the thread
-    first asks for it): :func:`cores` lowers the calling thread's, and a fresh worker's matrix
-    product (a part of a block, computed by the thread that reads it) went straight to MKL,
-    which started threads of its own: four threads on two cores, and on a machine of ``c``
-    cores ``c − 1`` workers each starting ``c − 1`` more. Setting it also sets torch's global
-    count, which :func:`cores` has already lowered and puts back when it ends."""
+def _alone(fn: Callable[[int, int], None], a: int, b: int) -> None:
+    """``fn(a, b)`` on a :func:`pool` worker with torch's own kernels single-threaded there too,
+    inside :func:`cores`. Torch's thread count is per thread (OpenMP's and MKL's settings of the
+    thread that calls it, set from torch's global count when the thread first asks for it):
+    :func:`cores` lowers the calling thread's, and a fresh worker's matrix product (a part of a
+    block, computed by the thread that reads it) went straight to MKL, which started threads of
+    its own: four threads on two cores, and on a machine of ``c`` cores ``c − 1`` workers each
+    starting ``c − 1`` more. Setting it also sets torch's global count, which :func:`cores` has
+    already lowered and puts back when it ends."""
     if _CORES is not None and torch.get_num_threads() != 1:
         torch.set_num_threads(1)
+    fn(a, b)
 
 
 def pool() -> ThreadPoolExecutor:
@@ -114,12 +115,13 @@ def pool() -> ThreadPoolExecutor:
 
 def spread(fn: Callable[[int, int], None], n: int) -> None:
     """``fn(start, end)`` over ``n`` items cut into :func:`threads` runs (:func:`parts`): the first
-    run on the calling thread, the others on :func:`pool`'s workers at the same time."""
+    run on the calling thread, the others on :func:`pool`'s workers at the same time (inside
+    :func:`cores`, each with torch single-threaded, as the calling thread is: :func:`_alone`)."""
     runs = parts(n, threads())
     if len(runs) == 1:
         fn(*runs[0])
         return
-    others = [pool().submit(fn, *r) for r in runs[1:]]
+    others = [pool().submit(_alone, fn, *r) for r in runs[1:]]
     try:
         fn(*runs[0])
     finally:
@@ -364,7 +366,6 @@ __all__ = [
     "ln",
     "f32",
     "pool",
-    "torch_alone",
     "threads",
     "parts",
     "SHIFT",
