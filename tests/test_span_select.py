@@ -247,25 +247,95 @@ def test_row_terms_over_chunks_on_both_sides_of_the_query(causal):
     assert bool(((got["span"].long() == span) | amb).all())
 
 
-@pytest.mark.parametrize("n", [0, 1, 2, 7, 8, 255, 4097])
-def test_collect_gathers_a_bins_weights(n):
-    """spanselect.collect (the two halves compacted side by side) against a mask written in the
-    test: the same weights, each once, for bins holding none, some, all of them and the last."""
+def _packed():
+    """Skip where the CPU (as numba compiles for it) has no AVX-512VL compress."""
+    from probe.analysis.focus import compress
+
+    if not compress.AVAILABLE:
+        pytest.skip("the CPU has no AVX-512VL (the scalar compaction runs there)")
+
+
+@pytest.mark.parametrize("way", ["scalar", "packed"])
+@pytest.mark.parametrize("n", [0, 1, 2, 7, 8, 9, 16, 255, 4097])
+def test_collect_gathers_a_bins_weights(n, way):
+    """spanselect.collect_scalar (the two halves compacted side by side) and collect_packed
+    (eight a step, the CPU's compress instruction) against a mask written in the test: the bin's
+    weights, each once and in the row's order (the selection's pivots depend on it), for bins
+    holding none, some, all of them and the last, and the slots after them left as they were
+    past the last step's eight."""
     import numpy as np
 
     from probe.analysis.focus import spanselect as ss
 
+    if way == "packed":
+        _packed()
+    collect = ss.collect_scalar if way == "scalar" else ss.collect_packed
     g = torch.Generator().manual_seed(n)
     x = (torch.rand(n, generator=g) ** 4).numpy()
     bits = x.view(np.int32)
     bins = bits >> ss.SHIFT
     mid = int(np.median(bins)) if n else 5
-    for k0, k1 in {(0, 1), (mid, mid + 2), (0, ss.BINS)}:
+    for k0, k1 in {(0, 1), (mid, mid + 1), (mid, mid + 2), (0, ss.BINS)}:
+        if n >= 9:  # the patterns at both edges of the bins, and just outside them
+            edges = [k0 << ss.SHIFT, (k0 << ss.SHIFT) - 1, (k1 << ss.SHIFT) - 1, k1 << ss.SHIFT]
+            bits[1:9:2] = [min(max(e, 0), 0x7F7FFFFF) for e in edges]
+            bins = bits >> ss.SHIFT
         cand = np.full(max(n, 1), -1.0, np.float32)
-        m = ss.collect(x, bits, k0, k1, cand)
-        want = np.sort(x[(bins >= k0) & (bins < k1)])
+        m = collect(x, bits, k0, k1, cand)
+        want = x[(bins >= k0) & (bins < k1)]
         assert m == len(want)
-        np.testing.assert_array_equal(np.sort(cand[:m]), want)
+        np.testing.assert_array_equal(cand[:m], want)
+
+
+@pytest.mark.parametrize("way", ["scalar", "packed"])
+def test_keep_compacts_below_or_above_a_pivot(way):
+    """spanselect's _keep_scalar and _keep_packed (the quickselect's compaction in place)
+    against a mask written here: the values of ``vals[lo:hi]`` below (or above) the pivot, in
+    order, from ``lo``; ``vals`` before ``lo`` untouched; on runs of every length to 40 with
+    ties of the pivot, zeros and subnormals."""
+    import numpy as np
+
+    from probe.analysis.focus import spanselect as ss
+
+    if way == "packed":
+        _packed()
+    keep = ss._keep_scalar if way == "scalar" else ss._keep_packed
+    rng = np.random.default_rng(11)
+    for length in range(41):
+        for lo in (0, 3):
+            base = rng.integers(0, 6, lo + length).astype(np.float32) / 5
+            base[rng.random(lo + length) < 0.2] = np.float32(1e-40)  # subnormal
+            for p in (np.float32(0.4), np.float32(0.0), np.float32(1e-40), np.float32(2.0)):
+                for smaller in (True, False):
+                    vals = base.copy()
+                    part = base[lo:]
+                    want = part[part < p] if smaller else part[part > p]
+                    k = keep(vals, lo, lo + length, p, smaller)
+                    assert k == lo + len(want), (length, lo, p, smaller)
+                    np.testing.assert_array_equal(vals[lo:k], want)
+                    np.testing.assert_array_equal(vals[:lo], base[:lo])
+
+
+def test_compress_is_used_where_the_cpu_has_it():
+    """compress.AVAILABLE against the CPU's own flags (/proc/cpuinfo, Linux): the packed loops
+    run where the CPU has AVX-512VL and numba compiles for the host (``NUMBA_CPU_FEATURES``
+    unset), and spanselect.collect is the packed loop exactly there."""
+    import os
+    from pathlib import Path
+
+    from probe.analysis.focus import compress
+    from probe.analysis.focus import spanselect as ss
+
+    info = Path("/proc/cpuinfo")
+    if not info.exists() or os.environ.get("NUMBA_CPU_FEATURES"):
+        pytest.skip("needs Linux's /proc/cpuinfo and numba compiling for the host")
+    flags = set()
+    for line in info.read_text().splitlines():
+        if line.startswith("flags"):
+            flags |= set(line.split(":", 1)[1].split())
+    assert compress.AVAILABLE == ({"avx512f", "avx512vl"} <= flags)
+    assert (ss.collect is ss.collect_packed) == compress.AVAILABLE
+    assert (ss._keep is ss._keep_packed) == compress.AVAILABLE
 
 
 def test_select_equals_a_sorted_walk():
