@@ -272,7 +272,7 @@ def test_causal_parts_compute_and_read_only_the_keys_each_row_sees(monkeypatch, 
 
 
 def test_causal_parts_are_cut_short_near_the_diagonal():
-    """Parts hold at most 1 MiB of weights (but 64 rows); trimmed parts at most a quarter as many
+    """Parts hold at most 1 MiB of weights (but 128 rows); trimmed parts at most a quarter as many
     rows as their block's last query sees (so a part computes at most about an eighth more keys
     than its rows see), never under 128 rows for that; the block's last task of each thread is
     cut in four (not under 32 rows), so the threads end together."""
@@ -283,9 +283,9 @@ def test_causal_parts_are_cut_short_near_the_diagonal():
     assert rows(tasks_of(12, 1024, 1024, 2, True, causal_end=1024)) == [256] * 46 + [64] * 8
     assert rows(tasks_of(12, 1024, 64, 1, True, causal_end=1024)) == [256] * 48  # the trim's quarter
     assert rows(tasks_of(12, 300, 300, 2, True, causal_end=300)) == [150] * 22 + [37, 38, 37, 38] * 2
-    assert rows(tasks_of(12, 256, 4096, 2, True, causal_end=4096)) == [64] * 46 + [32] * 4
+    assert rows(tasks_of(12, 256, 4096, 2, True, causal_end=4096)) == [128] * 22 + [32] * 8  # 2 MiB
     assert rows(tasks_of(12, 40, 4096, 2, True)) == [40] * 12  # not under 32 rows, tail included
-    assert rows(tasks_of(2, 256, 16384, 2, True)) == [64] * 6 + [32] * 4  # 4 MiB: not under 64 rows
+    assert rows(tasks_of(2, 256, 16384, 2, True)) == [128] * 2 + [32] * 8  # 8 MiB: not under 128 rows
 
 
 def test_tasks_cover_every_row_of_every_head_once():

@@ -25,7 +25,7 @@ NAMES = (
     "special", "punct", "content", "first", "after", "neg", "word_prev", "word_self", "word_next",
 )  # fmt: skip
 PART = 1 << 18  # weights per part when the block is filled part by part (1 MiB: see tasks_of)
-PART_ROWS = 64  # but no fewer rows a part (a skinnier matrix product is slower than the cache saves)
+PART_ROWS = 128  # but no fewer rows a part (a skinnier matrix product is slower than the cache saves)
 TRIM_ROWS = 128  # the fewest rows a part is cut to for trimming (see tasks_of)
 TAIL = 4  # each of the last tasks is cut into this many (see tasks_of), of at least TAIL_ROWS rows
 TAIL_ROWS = 32
@@ -36,8 +36,10 @@ def tasks_of(heads: int, r: int, n: int, k: int, filled: bool, causal_end: int =
     further when there are fewer heads than threads, or (``filled``: each part computed by its
     thread) past :data:`PART` weights, into parts of at least :data:`PART_ROWS` rows: one part
     is one matrix product, and its rows share one packing of the keys; the loop reads a row at a
-    time, so only the row need stay in the core's cache (parts of 1 MiB took 0.91 times the
-    time of parts of 4 MiB at 4,096 keys, in turns in one process). ``causal_end``: the block's
+    time, so only the row need stay in the core's cache (in turns in one process: parts of 1
+    MiB took 0.91 times the time of parts of 4 MiB at 4,096 keys, with parts of 64 rows; parts
+    of 128 rows took 0.97 times the time of 64 at 16,384 keys, where each part reads the head's
+    4 MiB of keys once, and 0.99 at 4,096). ``causal_end``: the block's
     last query + 1 where each part computes only the keys its rows see (trimmed, see
     :func:`~.rowfused.row_terms`): then parts of at most a quarter of that many rows (the keys
     after a row's query that its part computes anyway are then at most about an eighth), but at
