@@ -298,7 +298,7 @@ if numba is not None:
     @njit(cache=True, nogil=True, error_model="numpy")
     def collect_scalar(x, bits, k0, k1, cand):  # pragma: no cover - compiled
         """The weights of ``x`` in first-level bins ``k0 <= k < k1``, compacted into ``cand``
-        without a branch (in no particular order); returns how many (:func:`collect` where the
+        without a branch, in the row's order; returns how many (:func:`collect` where the
         CPU has no AVX-512VL). The two halves of the row are compacted side by side, the second
         from ``cand``'s middle, then moved down: two independent chains (a fifth faster than one
         in a scratch timing)."""
