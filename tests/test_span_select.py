@@ -465,6 +465,42 @@ def test_row_terms_take_the_softmax_of_scores(causal):
     assert float(got["after"].max()) == 0 if causal else float(got["after"].max()) > 0
 
 
+@pytest.mark.parametrize("n", [31, 32, 33, 300, 544, 767])
+def test_a_rows_last_part_padded_to_a_whole_chunk(n):
+    """A row's last part, shorter than a chunk of 256 keys, is read as a whole chunk padded in
+    scratch from rowpass.PAD_MIN (32) keys on: the softmax's exponentials with -inf scores, pass
+    1's sums with zeros, whose counts below the span's bins are taken out again. Last parts of 31
+    to 255 keys, a hidden key and keys kept out in them: the weights against torch's float64
+    softmax, every term against the loops written here, and the span, each head starting from the
+    bin its first row crosses in (so the counts below the guessed bins decide), against the sort."""
+    import numpy as np
+
+    from probe.analysis.focus import rowpass, spanselect
+
+    assert rowpass.PAD_MIN == 32
+    g = torch.Generator().manual_seed(n)
+    B, h, r = 1, 2, 24
+    q0 = n - r
+    S = torch.randn(B, h, r, n, generator=g) * torch.tensor([0.5, 2.0])[:, None, None]
+    S[..., n - 5] = float("-inf")  # a hidden key in the last part
+    keep = torch.ones(B, n)
+    keep[0, n - 9 : n - 7] = 0  # keys kept out (padding) in it
+    W = torch.softmax(S.double(), -1) * keep[:, None, None].double()
+    cols = (torch.rand(B, 3, n, generator=g) > 0.5).float()
+    first = torch.zeros(B, dtype=torch.long)
+    vals = W[0, :, 0].float().sort(-1).values  # each head's first row: where its span crosses
+    c = vals.double().cumsum(-1)
+    at = (c <= 0.1 * c[:, -1:]).sum(-1)
+    cross = vals[torch.arange(h), at].numpy().view(np.int32) >> spanselect.SHIFT
+    X = S.clone()
+    got = rowfused.row_terms(X, q0, n, cols, first, keep=keep, guesses=cross.astype(np.int64))
+    torch.testing.assert_close(X.double(), W, rtol=3e-6, atol=1e-12)  # the weights, in place
+    for k, v in _loop_terms(W, q0, n, cols, first).items():
+        torch.testing.assert_close(got[k].double(), v, rtol=1e-5, atol=2e-5, msg=k)
+    span, amb = _sorted_span(W.float())
+    assert bool(((got["span"].long() == span) | amb).all()) and not bool(amb.any())
+
+
 def test_row_terms_sum_template_pairs():
     """Template pairs (b, i, j) summed in the row loop: each row's sum of its weights on its pairs'
     keys, against a loop over the pairs written here (rows with none, several, repeated keys)."""

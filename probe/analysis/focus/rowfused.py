@@ -151,11 +151,11 @@ if numba is not None:
         previous row's span crossed (−1: none); returns this row's (see :func:`_span`). ``x`` is
         weights, or a softmax to finish where ``work``'s ``soft[0]`` is 1 (see
         :func:`~.rowpass.read_row`)."""
-        PS, M, hmass, hcnt, cand, sums, soft = work
+        PS, M, hmass, hcnt, cand, sums, soft, pad = work
         n = x.shape[0]
         bits = x.view(np.int32)
         glo = max(guess - 1, 0)
-        top, low, low_seen, after = rowpass.read_row(x, i, cols, glo, w, acc, PS, M, sums, soft)
+        top, low, low_seen, after = rowpass.read_row(x, i, cols, glo, w, acc, PS, M, sums, soft, pad)
         total = PS[(n + CH - 1) // CH]
         out[15] = low < 0  # a negative weight (or -0.0): the caller sorts instead
         if low < 0:
@@ -194,7 +194,7 @@ if numba is not None:
         out[3] = 0
         if not total > 0.0:
             return -1
-        PS, M, hmass, hcnt, cand, _, _ = work
+        PS, M, hmass, hcnt, cand, _, _, _ = work
         rest = (1.0 - ss.SPAN_MASS) * total
         b, cum, left = -1, 0.0, 0
         if glo >= 0:
@@ -248,11 +248,13 @@ if numba is not None:
     def _scratch(n):  # pragma: no cover - compiled
         """What :func:`_tasks` works in for rows of ``n`` keys: the chunk sums and maxima, the
         span's histograms (zero, and left zero by each row's selection) and candidates, and the
-        sums of :func:`~.rowpass.read_row` and the softmax's (:func:`~.rowpass.softmax_row`)."""
+        sums of :func:`~.rowpass.read_row` and the softmax's (:func:`~.rowpass.softmax_row`), and
+        the chunk both pad a row's last part into."""
         PS = np.empty((n + CH - 1) // CH + 1, np.float64)
         M = np.empty((n + CH - 1) // CH, np.int32)
         hmass, hcnt, cand = ss.scratch(n)
-        return PS, M, hmass, hcnt, cand, np.empty(len(rowpass.SUMS), np.float64), np.zeros(4, np.float64)
+        sums, soft = np.empty(len(rowpass.SUMS), np.float64), np.zeros(4, np.float64)
+        return PS, M, hmass, hcnt, cand, sums, soft, np.empty((2, CH), np.float32)
 
     @njit(fastmath=ss.FAST, cache=True, nogil=True, error_model="numpy")
     def _tasks(
@@ -272,7 +274,7 @@ if numba is not None:
         b)·r + a``; their weights' sum goes to ``sums[row, t]``. ``near``, ``firsts``, ``frows``:
         what :class:`~.rowparts.Kept` keeps of the weights (``near`` ``[0, 1]``: nothing), by
         :func:`_kept`."""
-        soft = work[6]
+        soft, pad = work[6], work[7]
         for t in range(tasks.shape[0]):
             bh, a0, a1 = tasks[t, 0], tasks[t, 1], tasks[t, 2]
             b = bh // h
@@ -283,7 +285,7 @@ if numba is not None:
                 if trim:
                     xr = xr[: min(xr.shape[0], q0 + a + 1)]
                 if keep.shape[0]:
-                    rowpass.softmax_row(xr, keep[b], soft)
+                    rowpass.softmax_row(xr, keep[b], soft, pad)
                 else:
                     soft[0] = 0.0
                 guess = _one(

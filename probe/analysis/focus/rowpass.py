@@ -22,6 +22,11 @@ the loop first takes its max, then ``e^(x − max)`` (:func:`exp32`, vectorised)
 and ``Σ e·(x − max)``; pass 1 scales the row by ``1/Z`` as it reads it, and pass 2 skips the log:
 ``Σ a·ln a = Σ e·(x − max)/Z − ln Z · Σ a``.
 
+A row's last part, shorter than a chunk, is read weight by weight where a loop of its own count
+is left scalar by LLVM; from :data:`PAD_MIN` keys on, the softmax's exponentials and pass 1 read
+it as a whole chunk copied into scratch and padded (scores ``-inf``, weights 0), several times
+faster a weight (a row read to its query ends in one such part, of 128 keys on average).
+
 Float32 partial sums of at most 256 weights in eight lanes round within about 1e-7 of the sum;
 the masses that decide a count (the total and the mass below the span's bin) are the float64 sums
 of pass 1, so the span stays the sort's.
@@ -42,6 +47,7 @@ if numba is not None:
     from probe.analysis.focus.spanselect import f32
 
 CH = 256  # keys per chunk: its sum and largest weight are kept for the running sums and argmax
+PAD_MIN = 32  # a row's last part, shorter than a chunk, is read as a whole padded chunk from this long
 SUMS = (
     "ent", "special", "punct", "content", "before", "after_d", "below0", "n0", "below1", "n1", "below2", "n2",
 )  # fmt: skip
@@ -96,14 +102,15 @@ if numba is not None:
         return v if t >= EXP_ZERO else _F(0.0)
 
     @njit(fastmath=ss.FAST, cache=True, nogil=True, error_model="numpy")
-    def softmax_row(x, keep, soft):  # pragma: no cover - compiled
+    def softmax_row(x, keep, soft, pad):  # pragma: no cover - compiled
         """The softmax of the scores ``x`` (float32, ``-inf`` where a key is hidden), left as
         ``keep · e^(x − max)`` in ``x`` (``keep``: 1 on each key, 0 where its weight is dropped
         afterwards, a padding key), and ``soft`` = (1, ``1/Z``, ``Σ keep·e·(x − max)``, ``ln Z``)
         for :func:`read_row`, which scales the row by ``1/Z`` as it reads it (``Z = Σ e``). Then
         ``Σ a·ln a = Σ keep·e·(x − max)/Z − ln Z · Σ a``: the entropy needs no log of a weight. A
         row with no visible key is all zeros, as the caller of a softmax makes it; one with a NaN
-        score all NaN, as torch's softmax makes it."""
+        score all NaN, as torch's softmax makes it. ``pad`` ``[2, CH]`` float32: scratch for the
+        row's last part (:func:`_exps_padded`)."""
         n = x.shape[0]
         m = f32(_order(_rowmax(x.view(np.int32))))
         soft[0], soft[1], soft[2], soft[3] = 1.0, 0.0, 0.0, 0.0
@@ -119,7 +126,11 @@ if numba is not None:
         for c in range(n // CH):  # float32 sums of a chunk, added up in float64
             z, et, tt = _exps(x, m, keep, c * CH, c * CH + CH)
             Z, ET, T = Z + z, ET + et, T + tt
-        z, et, tt = _exps(x, m, keep, n // CH * CH, n)  # (a bound min(n, ...) above: LLVM left it scalar)
+        j0 = n // CH * CH  # (a bound min(n, ...) above: LLVM left it scalar)
+        if n - j0 >= PAD_MIN:
+            z, et, tt = _exps_padded(x, m, keep, j0, pad)
+        else:
+            z, et, tt = _exps(x, m, keep, j0, n)
         Z, ET, T = Z + z, ET + et, T + tt
         if T != T:  # a NaN score (or +inf: inf − inf): every weight NaN, as torch's softmax gives
             x[:] = np.nan
@@ -159,6 +170,31 @@ if numba is not None:
             et += k * max(t, EXP_ZERO)  # finite: k is 0 where t is below EXP_ZERO
             x[j] = k
         return z, et, tt
+
+    @njit(inline="always", cache=True, error_model="numpy")
+    def _put(dst, src, s, L, fill):  # pragma: no cover - compiled
+        """``dst`` (a chunk) = ``fill``, then ``dst[:L] = src[s:s + L]``: plain loops, one array
+        each (a slice assignment took four times as long)."""
+        for t in range(CH):
+            dst[t] = fill
+        for t in range(L):
+            dst[t] = src[s + t]
+
+    @njit(fastmath=ss.FAST, cache=True, nogil=True, error_model="numpy")
+    def _exps_padded(x, m, keep, j0, pad):  # pragma: no cover - compiled
+        """:func:`_exps` over the row's last part ``x[j0:]`` (shorter than a chunk), copied into
+        ``pad`` and padded to a whole chunk with scores ``-inf`` on keys ``keep`` drops (each adds
+        0 to ``Σ e`` and ``Σ keep·e·(x − m)``, ``-inf`` to ``Σ (x − m)``, which only a NaN or
+        ``+inf`` score turns NaN): LLVM vectorises a loop of a chunk's fixed count and left the
+        part's own scalar (several times slower a weight)."""
+        L = x.shape[0] - j0
+        px, pk = pad[0], pad[1]
+        _put(px, x, j0, L, _F(-np.inf))
+        _put(pk, keep, j0, L, _F(0.0))
+        got = _exps(px, m, pk, 0, CH)
+        for t in range(L):
+            x[j0 + t] = px[t]
+        return got
 
     @njit(fastmath=ss.FAST, inline="always", cache=True, error_model="numpy")
     def _chunk(x, bits, base, c0, c1, c2, wt, part, logs):  # pragma: no cover - compiled
@@ -206,12 +242,31 @@ if numba is not None:
         return S, s0, n0, s1, n1, s2, n2
 
     @njit(fastmath=ss.FAST, cache=True, nogil=True, error_model="numpy")
-    def _exact(x, glo, w, acc, PS, sums, inv):  # pragma: no cover - compiled
+    def _sums_padded(x, j0, e0, e1, e2, scale, scaled, pad):  # pragma: no cover - compiled
+        """:func:`_sums` over the row's last part ``x[j0:]`` (shorter than a chunk), copied into
+        ``pad`` and padded to a whole chunk with zeros (see :func:`_exps_padded`): they add 0 to
+        the masses, and the counts below an edge leave them out again."""
+        L = x.shape[0] - j0
+        px = pad[0]
+        _put(px, x, j0, L, _F(0.0))
+        if scaled:
+            S, s0, n0, s1, n1, s2, n2 = _sums(px, 0, CH, e0, e1, e2, scale, True)
+            for t in range(L):
+                x[j0 + t] = px[t]
+        else:
+            S, s0, n0, s1, n1, s2, n2 = _sums(px, 0, CH, e0, e1, e2, scale, False)
+        z, v = np.float64(CH - L), np.float64(px[CH - 1])  # a padded zero as scaled (NaN where scale is)
+        n0, n1, n2 = n0 - (z if v < e0 else 0.0), n1 - (z if v < e1 else 0.0), n2 - (z if v < e2 else 0.0)
+        return S, s0, n0, s1, n1, s2, n2
+
+    @njit(fastmath=ss.FAST, cache=True, nogil=True, error_model="numpy")
+    def _exact(x, glo, w, acc, PS, sums, inv, pad):  # pragma: no cover - compiled
         """Pass 1: the chunk sums' running total ``PS``; the mass and count of the weights in the
         first-level bins below ``glo``, ``glo + 1`` and ``glo + 2`` into ``sums[6:12]``; and
         ``acc += w · x``; in float64. ``inv`` (not 1): each chunk is first scaled by it, in place
         (a softmax's ``1/Z``, :func:`softmax_row`). Whole chunks, then the last part: a chunk
-        loop bounded by ``min(n, …)`` is left scalar by LLVM (about 1.5× slower here)."""
+        loop bounded by ``min(n, …)`` is left scalar by LLVM (about 1.5× slower here), and a last
+        part of :data:`PAD_MIN` keys or more is read as a padded chunk (:func:`_sums_padded`)."""
         n = x.shape[0]
         e0, e1, e2 = _edge(glo), _edge(glo + 1), _edge(glo + 2)
         PS[0] = 0.0
@@ -219,7 +274,9 @@ if numba is not None:
         scale = _F(inv)
         for c in range((n + CH - 1) // CH):
             j0, j1 = c * CH, min(n, c * CH + CH)
-            if j1 - j0 < CH:
+            if j1 - j0 < CH and j1 - j0 >= PAD_MIN:  # the last part, as a padded chunk
+                got = _sums_padded(x, j0, e0, e1, e2, scale, inv != 1.0, pad)
+            elif j1 - j0 < CH:
                 got = _sums(x, j0, j1, e0, e1, e2, scale, inv != 1.0)
             elif inv != 1.0:
                 got = _sums(x, j0, j0 + CH, e0, e1, e2, scale, True)
@@ -233,19 +290,20 @@ if numba is not None:
                 acc[j] += w * np.float64(x[j])
 
     @njit(fastmath=ss.FAST, cache=True, nogil=True, error_model="numpy")
-    def read_row(x, i, cols, glo, w, acc, PS, M, sums, soft):  # pragma: no cover - compiled
+    def read_row(x, i, cols, glo, w, acc, PS, M, sums, soft, pad):  # pragma: no cover - compiled
         """Every sum of row ``x`` (float32, query ``i``): ``PS``/``M`` each chunk's running sum and
         largest bit pattern, ``acc += w · x``, ``sums`` as :data:`SUMS` (float64;
         ``before``/``after_d``: ``Σ (i − j)·a`` over keys before the query and ``Σ (j − i)·a``
         after it; ``below<k>``/``n<k>``: the mass and count in the first-level bins below
         ``glo + k``, k = 0, 1, 2). ``soft[0]`` 1: ``x`` is :func:`softmax_row`'s (scaled here,
-        ``Σ a·ln a`` from ``soft``); 0: weights (``Σ a·ln a`` from a log of each). Returns the
-        largest bit pattern, the smallest, the smallest at or before the query and the largest
+        ``Σ a·ln a`` from ``soft``); 0: weights (``Σ a·ln a`` from a log of each). ``pad``
+        ``[2, CH]`` float32: scratch for the last part of pass 1 (:func:`_sums_padded`). Returns
+        the largest bit pattern, the smallest, the smallest at or before the query and the largest
         after it."""
         n = x.shape[0]
         bits = x.view(np.int32)
         logs = soft[0] == 0.0
-        _exact(x, glo, w, acc, PS, sums, 1.0 if logs else soft[1])
+        _exact(x, glo, w, acc, PS, sums, 1.0 if logs else soft[1], pad)
         c0, c1, c2 = cols[0], cols[1], cols[2]
         ent, m0, m1, m2, before, later = 0.0, 0.0, 0.0, 0.0, 0.0, 0.0
         top, low, low_seen, after = _I(-1), _I(0x7FFFFFFF), _I(0x7FFFFFFF), _I(0)
