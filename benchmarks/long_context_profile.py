@@ -66,7 +66,7 @@ def main() -> None:
     import probe
     from models.llama import VOCAB, build
     from probe.analysis.focus import rowfused
-    from probe.analysis.focus.spanselect import threads
+    from probe.analysis.focus.workers import threads
 
     if a.sort:
         rowfused.numba = None

@@ -311,8 +311,7 @@ def test_row_loop_workers_run_torch_on_one_thread(monkeypatch):
     process's threads: a fresh pool of one worker adds that worker and nothing else."""
     import os
 
-    from probe.analysis.focus import rowfused
-    from probe.analysis.focus import spanselect as ss
+    from probe.analysis.focus import rowfused, workers
 
     if not rowfused.available():
         pytest.skip("needs numba (the fast extra)")
@@ -327,7 +326,7 @@ def test_row_loop_workers_run_torch_on_one_thread(monkeypatch):
         model = build(n_layers=1, n_heads=2, d_model=128)  # 64-wide heads, parts of 256 rows: MKL
         ids = torch.randint(0, VOCAB, (1, 1024), generator=torch.Generator().manual_seed(0))  # threads them
         probe.head_stats(model, ids, progress=False)  # every other thread started
-        monkeypatch.setattr(ss, "_POOL", None)  # a fresh pool (one worker, beside the calling thread)
+        monkeypatch.setattr(workers, "_POOL", None)  # a fresh pool (one worker, beside the calling thread)
         before = len(os.listdir("/proc/self/task"))
         probe.head_stats(model, ids, progress=False)
         assert len(os.listdir("/proc/self/task")) - before == 1

@@ -20,7 +20,7 @@ in one compressed list) are read there too, while the row is in cache.
 
 ``beyond_<D>``, ``reach90`` (a binary search) and the word masses are differences of running sums
 ``C(j) = Σ_{j' <= j} a``: the chunk sums' running total plus a part of one chunk. Rows are split
-over :func:`~.spanselect.threads` threads in tasks of one head's rows (each task sums its own
+over :func:`~.workers.threads` threads in tasks of one head's rows (each task sums its own
 columns, added up afterwards, so no lock); each thread takes the next task when done with one (the
 calling thread is one of them) and runs the compiled loop with the GIL released. Where the block
 comes uncomputed (``fill``), each thread computes its parts' scores (one matrix product) into
@@ -42,7 +42,7 @@ from collections.abc import Callable
 import numpy as np
 import torch
 
-from probe.analysis.focus import rowpass
+from probe.analysis.focus import rowpass, workers
 from probe.analysis.focus import spanselect as ss
 from probe.analysis.focus.reach import BEYOND, REACH_MASS
 from probe.analysis.focus.rowparts import (
@@ -350,7 +350,7 @@ def row_terms(
     x = P.reshape(B * h * r, n).contiguous().numpy() if fill is None else np.empty((0, n), np.float32)
     out = np.zeros((B * h * r, len(NAMES) + 1), np.float64)  # + the argmax
     w = np.zeros((B, r), np.float64) if colw is None else colw.double().contiguous().numpy()
-    k, trim = ss.threads(), trim and fill is not None
+    k, trim = workers.threads(), trim and fill is not None
     tasks = tasks_of(B * h, r, n, k, fill is not None, q0 + r if trim else 0)
     acc = np.zeros((len(tasks), n), np.float64)
     start = np.full(B * h, -1, np.int64) if guesses is None else guesses.copy()
@@ -376,7 +376,7 @@ def row_terms(
                 fill(bh, a0, a1, out=torch.from_numpy(rows), trim=trim)
             _tasks(rows, off, trim, tasks[t : t + 1], *args, acc[t : t + 1], work, start, ends, csr, *near)
 
-    ss.spread(run, min(k, len(tasks)))
+    workers.spread(run, min(k, len(tasks)))
     if out[:, 15].any():
         if fill is not None:  # the caller sorts the block instead: its weights, as the loop saw them
             weights_into(P, tasks, fill, keep)

@@ -17,7 +17,7 @@ from collections.abc import Callable
 import numpy as np
 import torch
 
-from probe.analysis.focus import spanselect as ss
+from probe.analysis.focus import workers
 
 # each row's terms in the loop's output (then its argmax)
 NAMES = (
@@ -52,9 +52,9 @@ def tasks_of(heads: int, r: int, n: int, k: int, filled: bool, causal_end: int =
         per = max(per, min(-(-r * n // PART), r // PART_ROWS))
     if causal_end:
         per = max(per, min(-(-4 * r // causal_end), r // TRIM_ROWS))
-    tasks = [(bh, a0, a1) for bh in range(heads) for a0, a1 in ss.parts(r, per)]
+    tasks = [(bh, a0, a1) for bh in range(heads) for a0, a1 in workers.parts(r, per)]
     if k > 1:  # the last k tasks in quarters (of TAIL_ROWS rows or more)
-        cut = lambda a0, a1: ss.parts(a1 - a0, max(1, min(TAIL, (a1 - a0) // TAIL_ROWS)))  # noqa: E731
+        cut = lambda a0, a1: workers.parts(a1 - a0, max(1, min(TAIL, (a1 - a0) // TAIL_ROWS)))  # noqa: E731
         tasks[-k:] = [(bh, a0 + b0, a0 + b1) for bh, a0, a1 in tasks[-k:] for b0, b1 in cut(a0, a1)]
     return np.array(tasks, np.int64)
 

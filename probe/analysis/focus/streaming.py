@@ -138,10 +138,10 @@ class RowTerms:
 
     def reading(self):
         """The context of the block loop (``BlockConsumer``): torch single-threaded while the
-        compiled row loop reads the blocks on the cores torch had (:func:`~.spanselect.cores`)."""
-        from probe.analysis.focus import rowfused, spanselect
+        compiled row loop reads the blocks on the cores torch had (:func:`~.workers.cores`)."""
+        from probe.analysis.focus import rowfused, workers
 
-        return spanselect.cores() if rowfused.available() else contextlib.nullcontext()
+        return workers.cores() if rowfused.available() else contextlib.nullcontext()
 
     def fills(self, device: torch.device) -> bool:
         """Whether :meth:`rows` may be handed blocks not yet computed, with their ``fill``: on a
