@@ -64,7 +64,7 @@ CH = rowpass.CH
 
 if numba is not None:
 
-    @njit(fastmath=ss.FAST, cache=True, nogil=True, error_model="numpy")
+    @njit(fastmath=ss.FAST, inline="always", cache=True, nogil=True, error_model="numpy")
     def _run(x, lo, hi, PS, c, i, total):  # pragma: no cover - compiled
         """``C(hi) − C(lo)`` for ``-1 <= lo <= hi < len(x)``: running sums from the chunk totals
         ``PS`` (``PS[c]`` = the sum of chunks ``< c``) plus the parts of the chunks at the ends;
@@ -73,7 +73,7 @@ if numba is not None:
         top = total if 0 <= i <= hi else _upto(x, hi, PS, c)
         return top - (total if 0 <= i <= lo else _upto(x, lo, PS, c))
 
-    @njit(fastmath=ss.FAST, cache=True, nogil=True, error_model="numpy")
+    @njit(fastmath=ss.FAST, inline="always", cache=True, nogil=True, error_model="numpy")
     def _upto(x, j, PS, c):  # pragma: no cover - compiled
         if j < 0:
             return 0.0
@@ -110,7 +110,7 @@ if numba is not None:
         for t in range(words.shape[0]):
             out[16 + t] = _run(x, words[t, 0], words[t, 1], PS, CH, z, total)
 
-    @njit(fastmath=ss.FAST, cache=True, nogil=True, error_model="numpy")
+    @njit(fastmath=ss.FAST, inline="always", cache=True, nogil=True, error_model="numpy")
     def _reach_flat(x, i, total, want, PS):  # pragma: no cover - compiled
         """``reach`` of a row with no weight after its query ``i``: there ``within(d) = total −
         C(i − d − 1)`` falls as ``i − d − 1`` grows, so the smallest ``d`` with ``within(d) >=
