@@ -372,6 +372,33 @@ def test_select_equals_a_sorted_walk():
             assert (got[0], int(got[1])) == (want_left, stop), (len(vals), cum, share)
 
 
+def test_heapsort_sorts_a_range_in_place():
+    """spanselect.heapsort (the allocation-free sort of a selection out of rounds) against
+    np.sort, on ranges inside a longer array (values outside the range untouched) with ties,
+    zeros, sorted and reversed orders, and the empty and one-value ranges."""
+    import numpy as np
+
+    from probe.analysis.focus import spanselect
+
+    rng = np.random.default_rng(7)
+    cases = [
+        rng.random(1000).astype(np.float32),
+        rng.integers(0, 5, 333).astype(np.float32),
+        np.sort(rng.random(257).astype(np.float32)),
+        np.sort(rng.random(256).astype(np.float32))[::-1].copy(),
+        np.zeros(40, np.float32),
+        np.array([0.25], np.float32),
+        np.array([], np.float32),
+    ]
+    for vals in cases:
+        for lo, hi in ((0, len(vals)), (len(vals) // 3, len(vals) - len(vals) // 4)):
+            got = vals.copy()
+            spanselect.heapsort(got, lo, hi)
+            want = vals.copy()
+            want[lo:hi] = np.sort(vals[lo:hi])
+            assert np.array_equal(got, want), (len(vals), lo, hi)
+
+
 def test_log32_of_bit_patterns():
     """rowpass.ln32 (the float32 log of the row loop's second pass) against float64 math.log:
     within a float32 rounding of the log, over every binade and both sides of the sqrt(2) split."""

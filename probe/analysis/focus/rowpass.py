@@ -101,7 +101,7 @@ if numba is not None:
         v = (p * f32((_I(n) + _I(127 + 64)) << 23)) * _F(2.0**-64)  # 2^(n + 64), then 2^-64: exact
         return v if t >= EXP_ZERO else _F(0.0)
 
-    @njit(fastmath=ss.FAST, cache=True, nogil=True, error_model="numpy")
+    @njit(fastmath=ss.FAST, cache=True, nogil=True, error_model="numpy", _nrt=False)
     def softmax_row(x, keep, soft, pad):  # pragma: no cover - compiled
         """The softmax of the scores ``x`` (float32, ``-inf`` where a key is hidden), left as
         ``keep · e^(x − max)`` in ``x`` (``keep``: 1 on each key, 0 where its weight is dropped
@@ -109,7 +109,7 @@ if numba is not None:
         for :func:`read_row`, which scales the row by ``1/Z`` as it reads it (``Z = Σ e``). Then
         ``Σ a·ln a = Σ keep·e·(x − max)/Z − ln Z · Σ a``: the entropy needs no log of a weight. A
         row with no visible key is all zeros, as the caller of a softmax makes it; one with a NaN
-        score all NaN, as torch's softmax makes it. ``pad`` ``[2, CH]`` float32: scratch for the
+        score all NaN, as torch's softmax makes it. ``pad`` ``[3, CH]`` float32: scratch for the
         row's last part (:func:`_exps_padded`)."""
         n = x.shape[0]
         m = f32(_order(_rowmax(x.view(np.int32))))
@@ -180,7 +180,7 @@ if numba is not None:
         for t in range(L):
             dst[t] = src[s + t]
 
-    @njit(fastmath=ss.FAST, cache=True, nogil=True, error_model="numpy")
+    @njit(fastmath=ss.FAST, cache=True, nogil=True, error_model="numpy", _nrt=False)
     def _exps_padded(x, m, keep, j0, pad):  # pragma: no cover - compiled
         """:func:`_exps` over the row's last part ``x[j0:]`` (shorter than a chunk), copied into
         ``pad`` and padded to a whole chunk with scores ``-inf`` on keys ``keep`` drops (each adds
@@ -241,7 +241,7 @@ if numba is not None:
             n2 += 1.0 if v < e2 else 0.0
         return S, s0, n0, s1, n1, s2, n2
 
-    @njit(fastmath=ss.FAST, cache=True, nogil=True, error_model="numpy")
+    @njit(fastmath=ss.FAST, cache=True, nogil=True, error_model="numpy", _nrt=False)
     def _sums_padded(x, j0, e0, e1, e2, scale, scaled, pad):  # pragma: no cover - compiled
         """:func:`_sums` over the row's last part ``x[j0:]`` (shorter than a chunk), copied into
         ``pad`` and padded to a whole chunk with zeros (see :func:`_exps_padded`): they add 0 to
@@ -259,7 +259,7 @@ if numba is not None:
         n0, n1, n2 = n0 - (z if v < e0 else 0.0), n1 - (z if v < e1 else 0.0), n2 - (z if v < e2 else 0.0)
         return S, s0, n0, s1, n1, s2, n2
 
-    @njit(fastmath=ss.FAST, cache=True, nogil=True, error_model="numpy")
+    @njit(fastmath=ss.FAST, cache=True, nogil=True, error_model="numpy", _nrt=False)
     def _exact(x, glo, w, acc, PS, sums, inv, pad):  # pragma: no cover - compiled
         """Pass 1: the chunk sums' running total ``PS``; the mass and count of the weights in the
         first-level bins below ``glo``, ``glo + 1`` and ``glo + 2`` into ``sums[6:12]``; and
@@ -289,7 +289,7 @@ if numba is not None:
             for j in range(n):
                 acc[j] += w * np.float64(x[j])
 
-    @njit(fastmath=ss.FAST, cache=True, nogil=True, error_model="numpy")
+    @njit(fastmath=ss.FAST, cache=True, nogil=True, error_model="numpy", _nrt=False)
     def read_row(x, i, cols, glo, w, acc, PS, M, sums, soft, pad):  # pragma: no cover - compiled
         """Every sum of row ``x`` (float32, query ``i``): ``PS``/``M`` each chunk's running sum and
         largest bit pattern, ``acc += w · x``, ``sums`` as :data:`SUMS` (float64;
@@ -297,7 +297,8 @@ if numba is not None:
         after it; ``below<k>``/``n<k>``: the mass and count in the first-level bins below
         ``glo + k``, k = 0, 1, 2). ``soft[0]`` 1: ``x`` is :func:`softmax_row`'s (scaled here,
         ``Σ a·ln a`` from ``soft``); 0: weights (``Σ a·ln a`` from a log of each). ``pad``
-        ``[2, CH]`` float32: scratch for the last part of pass 1 (:func:`_sums_padded`). Returns
+        ``[3, CH]`` float32: scratch for the last part of pass 1 (:func:`_sums_padded`) and, in
+        ``pad[2]``, pass 2's sums of a chunk (:func:`_chunk`). Returns
         the largest bit pattern, the smallest, the smallest at or before the query and the largest
         after it."""
         n = x.shape[0]
@@ -307,7 +308,7 @@ if numba is not None:
         c0, c1, c2 = cols[0], cols[1], cols[2]
         ent, m0, m1, m2, before, later = 0.0, 0.0, 0.0, 0.0, 0.0, 0.0
         top, low, low_seen, after = _I(-1), _I(0x7FFFFFFF), _I(0x7FFFFFFF), _I(0)
-        part = np.empty(5, np.float32)
+        part = pad[2]  # pass 2's five float32 sums of a chunk (see _chunk)
         for c in range((n + CH - 1) // CH):
             s, e = c * CH, min(n, c * CH + CH) - 1
             S = PS[c + 1] - PS[c]

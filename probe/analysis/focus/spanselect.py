@@ -98,7 +98,7 @@ if numba is not None:
         slots."""
         return np.zeros((LANES, BINS), np.float64), np.zeros((LANES, BINS), np.int32), np.empty(n, np.float32)
 
-    @njit(cache=True, nogil=True, error_model="numpy")
+    @njit(cache=True, nogil=True, error_model="numpy", _nrt=False)
     def _hist(x, bits, hmass, hcnt):  # pragma: no cover - compiled
         """Add the row ``x`` to the histogram of its first-level bins ``bits >> SHIFT``
         (``hmass``/``hcnt`` ``[LANES, BINS]``), in :data:`LANES` interleaved copies: a
@@ -116,7 +116,7 @@ if numba is not None:
             hmass[0, k] += x[t]
             hcnt[0, k] += 1
 
-    @njit(cache=True, nogil=True, error_model="numpy")
+    @njit(cache=True, nogil=True, error_model="numpy", _nrt=False)
     def _walk(hmass, hcnt, kmin, kmax, rest):  # pragma: no cover - compiled
         """Leave out the bins from ``kmin`` up while their mass still fits in ``rest`` and clear
         ``kmin..kmax``; returns ``(bin, mass below it, count below it)``, ``bin`` the one that
@@ -136,7 +136,7 @@ if numba is not None:
         hcnt[:, kmin : kmax + 1] = 0
         return b, cum, left
 
-    @njit(fastmath=FAST, cache=True, nogil=True, error_model="numpy")
+    @njit(fastmath=FAST, cache=True, nogil=True, error_model="numpy", _nrt=False)
     def _below(vals, lo, hi, p):  # pragma: no cover - compiled
         """The float64 mass and the count of ``vals[lo:hi]`` below ``p``, and the count equal."""
         s, nl, ne = 0.0, 0, 0
@@ -147,7 +147,7 @@ if numba is not None:
             ne += v == p
         return s, nl, ne
 
-    @njit(cache=True, nogil=True, error_model="numpy")
+    @njit(cache=True, nogil=True, error_model="numpy", _nrt=False)
     def _keep_scalar(vals, lo, hi, p, smaller):  # pragma: no cover - compiled
         """Compact ``vals[lo:hi]`` to those below ``p`` (``smaller``) or above it, in place from
         ``lo``, without a branch; returns the new end."""
@@ -158,7 +158,7 @@ if numba is not None:
             k += (v < p) if smaller else (v > p)
         return k
 
-    @njit(cache=True, nogil=True, error_model="numpy")
+    @njit(cache=True, nogil=True, error_model="numpy", _nrt=False)
     def _keep_packed(vals, lo, hi, p, smaller):  # pragma: no cover - compiled
         """:func:`_keep_scalar` eight a step (:func:`~.compress.pack8`; the values are
         non-negative, so below ``p`` is a bit pattern below its, and above ``p`` one above):
@@ -177,7 +177,30 @@ if numba is not None:
 
     _keep = _keep_packed if compress.AVAILABLE else _keep_scalar
 
-    @njit(cache=True, nogil=True, error_model="numpy")
+    @njit(cache=True, nogil=True, error_model="numpy", _nrt=False)
+    def heapsort(vals, lo, hi):  # pragma: no cover - compiled
+        """``vals[lo:hi]`` sorted ascending in place (no copy: the row loop runs without numba's
+        runtime, which ``np.sort`` needs); at most ``2·m·log2(m)`` comparisons for ``m`` values."""
+        m = hi - lo
+        for start in range(m // 2 - 1, -1, -1):
+            _sift(vals, lo, start, m)
+        for end in range(m - 1, 0, -1):
+            vals[lo], vals[lo + end] = vals[lo + end], vals[lo]
+            _sift(vals, lo, 0, end)
+
+    @njit(inline="always", cache=True, error_model="numpy")
+    def _sift(vals, lo, root, m):  # pragma: no cover - compiled
+        """The heap ``vals[lo:lo + m]`` mended below ``root`` (the largest value at its top)."""
+        while 2 * root + 1 < m:
+            child = 2 * root + 1
+            if child + 1 < m and vals[lo + child] < vals[lo + child + 1]:
+                child += 1
+            if not vals[lo + root] < vals[lo + child]:
+                return
+            vals[lo + root], vals[lo + child] = vals[lo + child], vals[lo + root]
+            root = child
+
+    @njit(cache=True, nogil=True, error_model="numpy", _nrt=False)
     def select(vals, m, cum, left, rest):  # pragma: no cover - compiled
         """Leave out the smallest of ``vals[:m]`` (non-negative float32; reordered) in ascending
         order, ties one by one, while the running sum from ``cum`` stays within ``rest``, as a
@@ -185,7 +208,8 @@ if numba is not None:
         or −1)``. A quickselect on the sums: the weights below a pivot (the median of three) are
         summed; where they do not all fit the search goes on among them, else they are left
         out, the pivot's ties one by one, and it goes on above; the last :data:`FEW` are sorted in
-        place by insertion (``np.sort``'s copy took longer than the rest of a selection of 40)."""
+        place by insertion (``np.sort``'s copy took longer than the rest of a selection of 40); a
+        selection out of rounds is sorted first (:func:`heapsort`)."""
         lo, hi, rounds = 0, m, 0
         while hi - lo > FEW and rounds < 64:  # 64 rounds: a sort settles any pathological order
             rounds += 1
@@ -204,7 +228,7 @@ if numba is not None:
                 left += 1
             hi = _keep(vals, lo, hi, p, False)
         if hi - lo > FEW:  # out of rounds (a pathological order): sorted, the insertion then a pass
-            vals[lo:hi] = np.sort(vals[lo:hi])
+            heapsort(vals, lo, hi)
         for t in range(lo + 1, hi):  # the last few in place, by insertion
             v, k = vals[t], t
             while k > lo and vals[k - 1] > v:
@@ -219,7 +243,7 @@ if numba is not None:
             left += 1
         return left, np.int32(-1)
 
-    @njit(cache=True, nogil=True, error_model="numpy")
+    @njit(cache=True, nogil=True, error_model="numpy", _nrt=False)
     def collect_scalar(x, bits, k0, k1, cand):  # pragma: no cover - compiled
         """The weights of ``x`` in first-level bins ``k0 <= k < k1``, compacted into ``cand``
         without a branch, in the row's order; returns how many (:func:`collect` where the
@@ -243,7 +267,7 @@ if numba is not None:
             a += np.uint32(bits[j]) - lo < width
         return a
 
-    @njit(cache=True, nogil=True, error_model="numpy")
+    @njit(cache=True, nogil=True, error_model="numpy", _nrt=False)
     def collect_packed(x, bits, k0, k1, cand):  # pragma: no cover - compiled
         """:func:`collect_scalar`'s weights, in the row's order, eight a step with the CPU's
         compress instruction (:func:`~.compress.pack8`: AVX-512VL only), the last few one by one:
@@ -273,14 +297,14 @@ if numba is not None:
         b, cum, left = crossing(x, bits, total, kmin, kmax, hmass, hcnt)
         return finish(x, bits, total, b, cum, left, cand)
 
-    @njit(cache=True, nogil=True, error_model="numpy")
+    @njit(cache=True, nogil=True, error_model="numpy", _nrt=False)
     def crossing(x, bits, total, kmin, kmax, hmass, hcnt):  # pragma: no cover - compiled
         """The first-level bin where the smallest weights stop fitting in the rest, by the
         histogram: ``(bin, mass below it, count below it)`` (``total`` > 0)."""
         _hist(x, bits, hmass, hcnt)
         return _walk(hmass, hcnt, kmin, kmax, (1.0 - SPAN_MASS) * total)
 
-    @njit(cache=True, nogil=True, error_model="numpy")
+    @njit(cache=True, nogil=True, error_model="numpy", _nrt=False)
     def finish(x, bits, total, b, cum, left, cand):  # pragma: no cover - compiled
         """The span, given the first-level bin ``b`` that crosses the rest, the mass ``cum`` and
         the count ``left`` of the weights in the bins below it: that bin's weights are collected
