@@ -372,6 +372,41 @@ def test_select_equals_a_sorted_walk():
             assert (got[0], int(got[1])) == (want_left, stop), (len(vals), cum, share)
 
 
+def test_wide_marks_a_function_for_512_bit_vectors():
+    """spanselect.wide puts LLVM's prefer-vector-width=512 on the function that calls it (in its
+    IR), and on a CPU with AVX-512 a float32 reduction there is then vectorised in 512-bit
+    registers (zmm), where the same loop unmarked uses at most 256-bit ones."""
+    import numpy as np
+    import pytest
+
+    numba = pytest.importorskip("numba")
+    from probe.analysis.focus import compress, spanselect
+
+    def total(x):
+        s = np.float32(0)
+        for j in range(x.shape[0]):
+            s += x[j] * x[j]
+        return s
+
+    body = numba.njit(fastmath=spanselect.FAST, inline="always")(total)  # (inlined: the same loop)
+
+    def marked(x):
+        spanselect.wide()
+        return body(x)
+
+    plain = numba.njit(fastmath=spanselect.FAST)(total)
+    wide = numba.njit(fastmath=spanselect.FAST)(marked)
+    x = np.arange(1000, dtype=np.float32) / 1000
+    assert wide(x) == pytest.approx(float((x.astype(np.float64) ** 2).sum()), rel=1e-5)
+    assert plain(x) == pytest.approx(float((x.astype(np.float64) ** 2).sum()), rel=1e-5)
+    ir = "".join(wide.inspect_llvm().values())
+    assert '"prefer-vector-width"="512"' in ir
+    assert '"prefer-vector-width"' not in "".join(plain.inspect_llvm().values())
+    if compress._features() >= {"avx512f"}:
+        assert "zmm" in "".join(wide.inspect_asm().values())
+        assert "zmm" not in "".join(plain.inspect_asm().values())
+
+
 def test_heapsort_sorts_a_range_in_place():
     """spanselect.heapsort (the allocation-free sort of a selection out of rounds) against
     np.sort, on ranges inside a longer array (values outside the range untouched) with ties,

@@ -34,7 +34,8 @@ without numba's runtime (``_nrt=False``): they allocate nothing (each thread's s
 :func:`_scratch`), so they need no reference counts, which numba otherwise keeps on each array and
 view a function passes on, each a call into its runtime and an atomic add: 13% of the loop's
 samples under ``perf`` (one thread, replayed on a layer's parts at 4,096 keys; without them the
-loop took 0.874 of its time).
+loop took 0.874 of its time). Each also asks LLVM for 512-bit vectors (:func:`~.spanselect.wide`:
+0.88 of the loop's time again, where the CPU has AVX-512).
 
 Reported masses are float64 sums (the entropy, class masses and distances of float32 partial sums
 of at most 256 weights). Used by :mod:`probe.analysis.focus.streaming` when numba is installed
@@ -98,6 +99,7 @@ if numba is not None:
     def _distances(x, i, K, total, words, out, PS, flat):  # pragma: no cover - compiled
         """``beyond_<D>``, ``reach`` and the word masses of row ``x`` (query ``i``) into ``out``;
         ``flat``: no weight after the query (a causal row: one end of each range costs nothing)."""
+        ss.wide()
         n = x.shape[0]
         z = i if flat else -1
         for t in range(3):
@@ -143,6 +145,7 @@ if numba is not None:
     def _argmax(x, bits, top, M):  # pragma: no cover - compiled
         """The first position of the largest bit pattern ``top``: the first chunk holding it
         (``M``: each chunk's largest, as many as ``x`` has chunks), then its first place there."""
+        ss.wide()
         for c in range((x.shape[0] + CH - 1) // CH):
             if M[c] == top:
                 at = c * CH
@@ -158,6 +161,7 @@ if numba is not None:
         previous row's span crossed (−1: none); returns this row's (see :func:`_span`). ``x`` is
         weights, or a softmax to finish where ``work``'s ``soft[0]`` is 1 (see
         :func:`~.rowpass.read_row`)."""
+        ss.wide()
         PS, M, hmass, hcnt, cand, sums, soft, pad = work
         n = x.shape[0]
         bits = x.view(np.int32)
@@ -198,6 +202,7 @@ if numba is not None:
         (:func:`~.spanselect.crossing`) finds the bin. The crossing bin's weights are collected and
         :func:`~.spanselect.select` leaves out as many as fit. ``zeros``: the zeros after a
         causal row's query, counted below any bin above 0 but not part of ``x``."""
+        ss.wide()
         out[3] = 0
         if not total > 0.0:
             return -1
@@ -229,6 +234,7 @@ if numba is not None:
     @njit(cache=True, nogil=True, error_model="numpy", _nrt=False)
     def _pair_sums(x, pairs, at, stride, row):  # pragma: no cover - compiled
         """Each template's sum of the row's weights on its keys (see :func:`_tasks`), float64."""
+        ss.wide()
         ptr, keys, sums = pairs
         n = x.shape[0]  # (a row read to its query: every later key's weight is 0)
         for t in range(sums.shape[1]):
@@ -243,6 +249,7 @@ if numba is not None:
         """The weights of row ``x`` (query ``i``) on the keys ``i − W .. i + W`` into ``near``
         (``2W + 1`` of them; 0 where a key is missing, or past the row's end: a row read to its
         query) and, where ``i`` is its text's ``first`` real query, the row into ``frow``."""
+        ss.wide()
         W = (near.shape[0] - 1) // 2
         n = x.shape[0]
         for c in range(near.shape[0]):
@@ -282,6 +289,7 @@ if numba is not None:
         b)·r + a``; their weights' sum goes to ``sums[row, t]``. ``near``, ``firsts``, ``frows``:
         what :class:`~.rowparts.Kept` keeps of the weights (``near`` ``[0, 1]``: nothing), by
         :func:`_kept`."""
+        ss.wide()
         soft, pad = work[6], work[7]
         for t in range(tasks.shape[0]):
             bh, a0, a1 = tasks[t, 0], tasks[t, 1], tasks[t, 2]

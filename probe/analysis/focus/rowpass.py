@@ -111,6 +111,7 @@ if numba is not None:
         row with no visible key is all zeros, as the caller of a softmax makes it; one with a NaN
         score all NaN, as torch's softmax makes it. ``pad`` ``[3, CH]`` float32: scratch for the
         row's last part (:func:`_exps_padded`)."""
+        ss.wide()
         n = x.shape[0]
         m = f32(_order(_rowmax(x.view(np.int32))))
         soft[0], soft[1], soft[2], soft[3] = 1.0, 0.0, 0.0, 0.0
@@ -187,6 +188,7 @@ if numba is not None:
         0 to ``Σ e`` and ``Σ keep·e·(x − m)``, ``-inf`` to ``Σ (x − m)``, which only a NaN or
         ``+inf`` score turns NaN): LLVM vectorises a loop of a chunk's fixed count and left the
         part's own scalar (several times slower a weight)."""
+        ss.wide()
         L = x.shape[0] - j0
         px, pk = pad[0], pad[1]
         _put(px, x, j0, L, _F(-np.inf))
@@ -246,6 +248,7 @@ if numba is not None:
         """:func:`_sums` over the row's last part ``x[j0:]`` (shorter than a chunk), copied into
         ``pad`` and padded to a whole chunk with zeros (see :func:`_exps_padded`): they add 0 to
         the masses, and the counts below an edge leave them out again."""
+        ss.wide()
         L = x.shape[0] - j0
         px = pad[0]
         _put(px, x, j0, L, _F(0.0))
@@ -267,6 +270,7 @@ if numba is not None:
         (a softmax's ``1/Z``, :func:`softmax_row`). Whole chunks, then the last part: a chunk
         loop bounded by ``min(n, …)`` is left scalar by LLVM (about 1.5× slower here), and a last
         part of :data:`PAD_MIN` keys or more is read as a padded chunk (:func:`_sums_padded`)."""
+        ss.wide()
         n = x.shape[0]
         e0, e1, e2 = _edge(glo), _edge(glo + 1), _edge(glo + 2)
         PS[0] = 0.0
@@ -301,6 +305,7 @@ if numba is not None:
         ``pad[2]``, pass 2's sums of a chunk (:func:`_chunk`). Returns
         the largest bit pattern, the smallest, the smallest at or before the query and the largest
         after it."""
+        ss.wide()
         n = x.shape[0]
         bits = x.view(np.int32)
         logs = soft[0] == 0.0
