@@ -74,7 +74,8 @@ if numba is not None:
             squeeze = cgutils.get_or_insert_function(
                 mod, ir.FunctionType(v8f, [v8f, v8f, v8b]), "llvm.x86.avx512.mask.compress.v8f32"
             )
-            packed = builder.call(squeeze, [v, ir.Constant(v8f, ir.Undefined), keep])
+            # (lanes past the kept ones zeroed: an undefined fill made LLVM 14, numba 0.60's, abort)
+            packed = builder.call(squeeze, [v, ir.Constant(v8f, [0.0] * 8), keep])
             builder.store(packed, builder.bitcast(builder.gep(ca.data, [a_]), v8f.as_pointer()), align=4)
             i8 = ir.IntType(8)
             pop = cgutils.get_or_insert_function(mod, ir.FunctionType(i8, [i8]), "llvm.ctpop.i8")
