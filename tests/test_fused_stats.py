@@ -265,6 +265,7 @@ def test_row_kernel_table_equals_the_full_patterns(rowk, kind, monkeypatch):
     assert [r["causal"] for r in streamed.table] == [r["causal"] for r in full.table]
 
 
+@pytest.mark.slow  # an end-to-end run in Triton's interpreter (about 30 s); CI's slow job runs it
 def test_row_kernel_seq2seq_with_terms_copied_as_off_a_gpu(rowk, monkeypatch, tmp_path):
     """An encoder-decoder whose source and target have the same length (each self-attention is
     read for both stacks until the forward names it), padded, with the terms copied each time
