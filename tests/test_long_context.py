@@ -226,9 +226,9 @@ def test_parts_read_in_thread_buffers_never_write_the_block(monkeypatch, bpe):
 
     def negative(*a):  # the loop's `neg` flag on every row it reads
         real_tasks(*a)
-        out, tasks, r = a[14], a[3], a[5]
+        (terms, _, oq, o0), tasks = a[14], a[3]  # (row a of head bh is terms[:, bh·oq + o0 + a])
         for bh, a0, a1 in tasks:
-            out[bh * r + a0 : bh * r + a1, 15] = 1.0
+            terms[rowfused.NAMES.index("neg"), bh * oq + o0 + a0 : bh * oq + o0 + a1] = 1.0
 
     monkeypatch.setattr(rowfused, "_tasks", negative)
     assert_same(probe.head_stats(lm, ids, block=7), full)

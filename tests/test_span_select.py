@@ -119,6 +119,53 @@ def test_row_terms_against_loops():
     assert rowfused.row_terms(-P, q0, n, cols, first) is None  # a negative weight: sort instead
 
 
+
+def test_row_terms_into_a_sink_write_each_row_at_its_place():
+    """With ``into`` (the attention's Sink) the loop writes a block's terms straight to the
+    attention's rows ``q0:q0 + r`` (the rows around them untouched), the weights near the
+    diagonal and the template sums too, and returns only the column sums: checked against the
+    per-row loops written here, the argmax, and sums of the weights taken in the test."""
+    import numpy as np
+
+    from probe.analysis.focus.rowparts import Sink
+
+    g = torch.Generator().manual_seed(4)
+    B, h, Q, q0, r = 2, 3, 40, 29, 7
+    n = q0 + r
+    P = torch.softmax(torch.randn(B, h, r, n, generator=g) * 3, -1)
+    P = P.masked_fill(torch.arange(n)[None, :] > torch.arange(q0, q0 + r)[:, None], 0)
+    cols = (torch.rand(B, 3, n, generator=g) > 0.5).float()
+    first = torch.tensor([0, 2])
+    b_, i_, j_ = torch.tensor([0, 0, 1]), torch.tensor([1, 1, 6]), torch.tensor([3, 30, 0])
+    pairs = {"dup": (b_, i_, j_, None), "induction": (b_[:1], i_[:1], j_[:1] + 1, None)}
+    sl = slice(q0, q0 + r)
+    sink = Sink(B, h, Q, 2, ("dup", "induction"))
+    w = torch.rand(B, r, generator=g)
+    got = rowfused.row_terms(P, q0, Q, cols, first, colw=w, pairs=pairs, into=sink)
+    assert set(got) == {"recv"}  # the rest is in the sink
+    torch.testing.assert_close(got["recv"], (w[:, None, :, None].double() * P.double()).sum(2))
+    want = _loop_terms(P, q0, Q, cols, first)
+    for k, v in want.items():
+        torch.testing.assert_close(sink.term(k)[..., sl].double(), v, rtol=1e-5, atol=2e-5, msg=k)
+    assert torch.equal(sink.args()[..., sl], P.argmax(-1))
+    torch.testing.assert_close(sink.masks()[..., sl, :], torch.einsum("bhrk,bck->bhrc", P, cols))
+    for d, v in sink.diag().items():
+        at = torch.arange(q0, q0 + r) + d
+        ok = (at >= 0) & (at < n)
+        want_d = torch.where(ok, P.gather(-1, at.clamp(0, n - 1).expand(B, h, r)[..., None])[..., 0], 0)
+        assert torch.equal(v[..., sl], want_d), d
+    dup = torch.zeros(B, h, r)
+    for b, i, j in zip(b_.tolist(), i_.tolist(), j_.tolist(), strict=True):
+        dup[b, :, i] += P[b, :, i, j]
+    torch.testing.assert_close(sink.pair("dup")[..., sl], dup)
+    torch.testing.assert_close(sink.pair("induction")[0, :, q0 + 1], P[0, :, 1, 4])
+    others = np.r_[0:q0, q0 + r : Q]  # the rows before and after the block: untouched
+    assert not sink.terms.reshape(-1, B * h, Q)[:, :, others].any()
+    assert not sink.near.reshape(B * h, Q, -1)[:, others].any() and not sink.arg.reshape(B * h, Q)[:, others].any()
+    with pytest.raises(ValueError, match="not the sink's"):
+        rowfused.row_terms(P, q0, Q, cols, first, pairs={"dup": pairs["dup"]}, into=sink)
+    assert rowfused.row_terms(-P, q0, Q, cols, first, pairs=pairs, into=sink) is None
+
 def test_log_of_bit_patterns():
     """spanselect.ln (the vectorised log of the row loop) against float64 math.log, over every
     binade, both sides of the sqrt(2) split, and the clamp at float32's smallest normal number."""

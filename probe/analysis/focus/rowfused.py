@@ -56,11 +56,11 @@ from probe.analysis.focus.reach import BEYOND, REACH_MASS
 from probe.analysis.focus.rowparts import (
     NAMES,
     Kept,
-    gathered,
-    pairs_csr,
+    Sink,
+    outputs,
     part_buffer,
+    results,
     tasks_of,
-    weights_into,
     word_ranges,
 )
 from probe.analysis.focus.spanselect import numba, spans
@@ -162,7 +162,7 @@ if numba is not None:
         weights, or a softmax to finish where ``work``'s ``soft[0]`` is 1 (see
         :func:`~.rowpass.read_row`)."""
         ss.wide()
-        PS, M, hmass, hcnt, cand, sums, soft, pad = work
+        PS, M, hmass, hcnt, cand, sums, soft, pad, _ = work
         n = x.shape[0]
         bits = x.view(np.int32)
         glo = max(guess - 1, 0)
@@ -206,7 +206,7 @@ if numba is not None:
         out[3] = 0
         if not total > 0.0:
             return -1
-        PS, M, hmass, hcnt, cand, _, _, _ = work
+        PS, M, hmass, hcnt, cand, _, _, _, _ = work
         rest = (1.0 - ss.SPAN_MASS) * total
         b, cum, left = -1, 0.0, 0
         if glo >= 0:
@@ -237,12 +237,12 @@ if numba is not None:
         ss.wide()
         ptr, keys, sums = pairs
         n = x.shape[0]  # (a row read to its query: every later key's weight is 0)
-        for t in range(sums.shape[1]):
+        for t in range(sums.shape[0]):
             k = t * stride + at
             s = 0.0
             for c in range(ptr[k], ptr[k + 1]):
                 s += np.float64(x[keys[c]]) if keys[c] < n else 0.0
-            sums[row, t] = s
+            sums[t, row] = s
 
     @njit(cache=True, nogil=True, error_model="numpy", _nrt=False)
     def _kept(x, i, near, first, frow):  # pragma: no cover - compiled
@@ -264,12 +264,13 @@ if numba is not None:
         """What :func:`_tasks` works in for rows of ``n`` keys: the chunk sums and maxima, the
         span's histograms (zero, and left zero by each row's selection) and candidates, and the
         sums of :func:`~.rowpass.read_row` and the softmax's (:func:`~.rowpass.softmax_row`), and
-        the chunks both pad a row's last part into, with pass 2's sums of a chunk."""
+        the chunks both pad a row's last part into, with pass 2's sums of a chunk, and one row's
+        terms (:func:`_one` writes them there, :func:`_tasks` copies them out)."""
         PS = np.empty((n + CH - 1) // CH + 1, np.float64)
         M = np.empty((n + CH - 1) // CH, np.int32)
         hmass, hcnt, cand = ss.scratch(n)
         sums, soft = np.empty(len(rowpass.SUMS), np.float64), np.zeros(4, np.float64)
-        return PS, M, hmass, hcnt, cand, sums, soft, np.empty((3, CH), np.float32)
+        return PS, M, hmass, hcnt, cand, sums, soft, np.empty((3, CH), np.float32), np.empty(len(NAMES) + 1)
 
     @njit(fastmath=ss.FAST, cache=True, nogil=True, error_model="numpy", _nrt=False)
     def _tasks(
@@ -279,24 +280,29 @@ if numba is not None:
         """The rows of each task ``(head, row start, row end)`` (row ``bh·r + a`` is ``x[bh·r + a −
         xoff]``: ``x`` the block ``[B·h·r, n]`` with ``xoff`` 0, or one task's rows; ``trim``:
         each row read only to its query, the keys an ``is_causal`` call hides after it, which
-        need hold nothing); the column sums of task ``t`` go to ``acc[t]``; ``work``:
+        need hold nothing); ``out`` ``(terms, arg, oq, o0)``: the terms of row ``a`` of head ``bh``
+        go to the output row ``o = bh·oq + o0 + a`` (``oq, o0``: ``r, 0`` for a block's own
+        arrays, ``Q, q0`` for a whole attention's, :class:`~.rowparts.Sink`): its :data:`NAMES`
+        into ``terms[:, o]`` (float32, as each term's tensor takes them) and its argmax into
+        ``arg[o]``; the column sums of task ``t`` go to ``acc[t]``; ``work``:
         :func:`_scratch`'s arrays. Each task starts from the bin ``guesses[head]`` (the previous
         block's last row of that head) and the task that ends a head's rows leaves its last row's
         in ``ends[head]``. ``keep`` ``[B, n]`` (float32; ``[0, 0]``: ``x`` holds weights): ``x``
         holds scores, each row's softmax taken here (:func:`~.rowpass.softmax_row`, the weights
         on keys where ``keep`` is 0 then dropped). ``pairs`` ``(ptr, keys, sums)``: the keys of
         template ``t`` on row ``a`` of text ``b`` are ``keys[ptr[k]:ptr[k + 1]]``, ``k = (t·B +
-        b)·r + a``; their weights' sum goes to ``sums[row, t]``. ``near``, ``firsts``, ``frows``:
-        what :class:`~.rowparts.Kept` keeps of the weights (``near`` ``[0, 1]``: nothing), by
-        :func:`_kept`."""
+        b)·r + a``; their weights' sum goes to ``sums[t, o]`` (float32). ``near`` (row ``o``),
+        ``firsts``, ``frows``: what :class:`~.rowparts.Kept` keeps of the weights (``near`` ``[0,
+        1]``: nothing), by :func:`_kept`."""
         ss.wide()
-        soft, pad = work[6], work[7]
+        soft, pad, one = work[6], work[7], work[8]
+        terms, arg, oq, o0 = out
         for t in range(tasks.shape[0]):
             bh, a0, a1 = tasks[t, 0], tasks[t, 1], tasks[t, 2]
             b = bh // h
             guess = guesses[bh]
             for a in range(a0, a1):
-                row = bh * r + a
+                row, o = bh * r + a, bh * oq + o0 + a
                 xr = x[row - xoff]
                 if trim:
                     xr = xr[: min(xr.shape[0], q0 + a + 1)]
@@ -304,13 +310,18 @@ if numba is not None:
                     rowpass.softmax_row(xr, keep[b], soft, pad)
                 else:
                     soft[0] = 0.0
+                for c in range(one.shape[0]):
+                    one[c] = 0.0
                 guess = _one(
                     xr, q0 + a, self_attn, K, cols[b], first[b], words[b, a], colw[b, a],
-                    acc[t], out[row], work, guess,
+                    acc[t], one, work, guess,
                 )  # fmt: skip
-                _pair_sums(xr, pairs, b * r + a, cols.shape[0] * r, row)
+                for c in range(terms.shape[0]):
+                    terms[c, o] = one[c]
+                arg[o] = np.int64(one[terms.shape[0]])
+                _pair_sums(xr, pairs, b * r + a, cols.shape[0] * r, o)
                 if near.shape[0]:
-                    _kept(xr, q0 + a, near[row], firsts[b], frows[bh])
+                    _kept(xr, q0 + a, near[o], firsts[b], frows[bh])
             if a1 == r:
                 ends[bh] = guess
 
@@ -326,7 +337,7 @@ def row_terms(
     K: int | None,
     cols: torch.Tensor,
     first: torch.Tensor,
-    words: dict[str, tuple[torch.Tensor, torch.Tensor]] | None = None,
+    words: dict[str, tuple[torch.Tensor, torch.Tensor]] | np.ndarray | None = None,
     colw: torch.Tensor | None = None,
     fill: Callable[..., None] | None = None,
     guesses: np.ndarray | None = None,
@@ -334,13 +345,15 @@ def row_terms(
     pairs: dict[str, tuple[torch.Tensor, ...]] | None = None,
     kept: tuple[int, torch.Tensor] | None = None,
     trim: bool = False,
+    into: Sink | None = None,
 ) -> dict[str, torch.Tensor] | None:
     """Every per-row term of a CPU block ``P`` ``[B, h, r, kend]`` (rows ``q0:q0 + r``), each
     ``[B, h, r]``: :data:`NAMES` (``after``: the largest weight on a key after the query) and
     ``arg``; None where a weight is negative (then sort instead). ``K``: the attention's key count
     for self-attention (distances, ``beyond_<D>``, ``reach`` and, with ``words`` (``{name:
     (start, end)}`` ``[B, r]`` as :func:`~probe.analysis.focus.metrics.word_targets` gives them at
-    these rows), the word masses); None for cross-attention. ``cols`` ``[B, 3, kend]``: the key
+    these rows, or their :func:`~.rowparts.word_bounds`), the word masses); None for
+    cross-attention. ``cols`` ``[B, 3, kend]``: the key
     classes; ``first`` ``[B]``: each text's first real key. ``colw`` ``[B, r]``: each query's
     weight in the column sums, returned as ``recv`` ``[B, h, kend]`` (float64, ``Σ_i w_i a_ij``).
 
@@ -361,10 +374,12 @@ def row_terms(
     keys; the rest not renormalised). ``pairs`` ``{name: (b, i, j, ...)}``: pairs of a template
     (``i`` a row of the block, ``j`` a key; :func:`~.rowblock.template_pairs`): returned as
     ``name`` ``[B, h, r]``, each row's sum of its weights on its pairs' keys, read while the row
-    is in cache."""
+    is in cache.
+
+    ``into``: the attention's :class:`~.rowparts.Sink` (this block's rows at ``q0``): the terms, pair
+    sums and near-diagonal weights go there; only ``recv`` and ``first_row`` come back."""
     B, h, r, n = P.shape
     x = P.reshape(B * h * r, n).contiguous().numpy() if fill is None else np.empty((0, n), np.float32)
-    out = np.zeros((B * h * r, len(NAMES) + 1), np.float64)  # + the argmax
     w = np.zeros((B, r), np.float64) if colw is None else colw.double().contiguous().numpy()
     k, trim = workers.threads(), trim and fill is not None
     tasks = tasks_of(B * h, r, n, k, fill is not None, q0 + r if trim else 0)
@@ -373,9 +388,9 @@ def row_terms(
     ends = np.full(B * h, -1, np.int64) if guesses is None else guesses
     keep_ = np.zeros((0, 0), np.float32) if keep is None else keep.float().contiguous().numpy()
     args = (h, r, q0, K is not None, K or n, cols.float().contiguous().numpy(), first.long().numpy())
+    held_of = (kept or (0, None)) if fill is not None else None  # (what is kept of a part never written)
+    out, (names, csr), held = outputs((B, h, r, n), q0, into, pairs, held_of)
     args += (word_ranges(words, B, r, n), w, keep_, out)
-    names, csr = pairs_csr(pairs, B, h, r)
-    held = Kept((B, h, r, n), *(kept or (0, None))) if fill is not None else None
     near = held.arrays() if held is not None else Kept.NOTHING
     order = itertools.count()  # each thread takes the next task when it is done with one
     most = int((tasks[:, 2] - tasks[:, 1]).max()) * n if len(tasks) else 0
@@ -393,13 +408,7 @@ def row_terms(
             _tasks(rows, off, trim, tasks[t : t + 1], *args, acc[t : t + 1], work, start, ends, csr, *near)
 
     workers.spread(run, min(k, len(tasks)))
-    if out[:, 15].any():
-        if fill is not None:  # the caller sorts the block instead: its weights, as the loop saw them
-            weights_into(P, tasks, fill, keep)
-        return None
-    sums = dict(zip(names, csr[2].T, strict=True))
-    got = gathered(out, acc if colw is not None else None, tasks, sums, (B, h, r))
-    return got if held is None else got | held.tensors()
+    return results(P, out, acc if colw is not None else None, tasks, (names, csr[2]), held, into, fill, keep)
 
 
 __all__ = ["row_terms", "spans", "available", "NAMES"]

@@ -102,6 +102,7 @@ class RowTerms:
         self.softmax = False  # see recomputed()
         self.gpu = KernelTerms(self)  # the row kernel's share, on a GPU
         self.guesses = np.full(B * H, -1, np.int64)  # the CPU row loop's span bin per head, passed on
+        self.sink = None  # the CPU row loop's arrays, which the terms view (see _sink)
         self._done: tuple[torch.Tensor, torch.Tensor] | None = None  # (values, received), see close()
 
     def _on(self, device: torch.device) -> dict[str, Any]:
@@ -127,6 +128,44 @@ class RowTerms:
         if self.recv.device != device:
             self.t = self.t.to(device)
             self.recv, self.recv_first = self.recv.to(device), self.recv_first.to(device)
+
+    def _sink(self):
+        """The CPU row loop's :class:`~.rowparts.Sink` for this attention, made at its first
+        block: the terms become views of its arrays, so the loop writes each row's terms to their
+        place and a block summed another way (sorted: a negative weight) writes there too. Until
+        :meth:`_settled`, the causal audit (each row's largest weight after its query) and the
+        previous-token template (the weight at ``d = −1``) wait in it."""
+        from probe.analysis.focus.rowparts import Sink
+
+        if self.sink is None:
+            B, H, Q, _ = self.shape
+            t = self.t
+            names = tuple(t.hits) if t.hits is not None else ()
+            s = self.sink = Sink(B, H, Q, LOCAL_WINDOW if self.self_attn else 0, names)
+            t.ent, t.top, t.total, t.span = (s.term(n) for n in ("ent", "top", "total", "span"))
+            t.arg, t.masks, t.first = s.args(), s.masks(), s.term("first")
+            if self.self_attn:
+                t.signed, t.dist, t.reach = (s.term(n) for n in ("signed", "dist", "reach"))
+                t.diag = s.diag()
+                t.beyond = {D: s.term(f"beyond_{D}") for D in BEYOND}
+                if t.word is not None:
+                    t.word = {n: s.term(n) for n in t.word}
+                if t.tmpl is not None:
+                    t.tmpl.update({n: s.pair(n) for n in names})
+        return self.sink
+
+    def _settled(self) -> None:
+        """The sink's rows folded into what the blocks leave for the end (see :meth:`_sink`):
+        the layer is not causal where a real query's largest weight after it is above 0, and the
+        previous-token template is each real query's weight at ``d = −1``."""
+        s = self.sink
+        if s is None or self.t is None:
+            return
+        qreal = self._on(torch.device("cpu"))["qreal"][:, None]
+        if self.causal and bool((s.term("after") * qreal).amax() > 0):
+            self.causal = False
+        if self.t.tmpl is not None:
+            self.t.tmpl["prev"] = torch.where(qreal, self.t.diag[-1], 0)
 
     def sdpa_call(self, args: tuple, kwargs: dict) -> bool:
         """Fold in a whole SDPA call from its ``q`` and ``k`` where the fused kernel applies
@@ -173,8 +212,15 @@ class RowTerms:
                 self._pairs(P, sl)
             return
         rows = torch.arange(q0, q1, device=blk.device)
-        # on a CPU a compiled loop reads each row once for every per-row term (numba, if installed)
+        # on a CPU a compiled loop reads each row once for every per-row term (numba, if installed),
+        # each row's terms written to their place (the sink the terms view)
         got = self._cpu_terms(P, sl, fill, trim)
+        if got is not None and self.sink is not None:
+            self._columns(P, q0, q1, got)
+            if "pairs" in got:
+                for n, (*_, hits) in got["pairs"].items():
+                    t.hits[n][:, sl] = hits
+            return
         if got is None:
             got = {"ent": rb.entropy(P, ws), "total": P.sum(-1)}
             got["top"], got["arg"], got["span"] = rb.sorted_terms(P, ws)
@@ -219,15 +265,18 @@ class RowTerms:
         or None without numba (then the block is sorted); ``fill``: see :meth:`rows` (it leaves
         scores, whose softmax the loop takes, weights on padding keys then zeroed); ``trim``: its
         call is ``is_causal`` (each part computes, and each row is read, to the query only)."""
-        from probe.analysis.focus import rowfused
+        from probe.analysis.focus import rowfused, rowparts
 
         if P.device.type != "cpu" or not rowfused.available():
             return None
         dev, kend = self._on(P.device), P.shape[-1]
-        words = {n: (s[:, sl], e[:, sl]) for n, (s, e) in dev["words"].items()} if self.words else None
+        if self.words and "word_bounds" not in dev:  # every row's, once
+            dev["word_bounds"] = rowparts.word_bounds(dev["words"])
+        words = dev["word_bounds"][:, sl] if self.words else None
         K = self.shape[3] if self.self_attn else None
         # the template pairs' sums too, each row read while it is in cache
         pairs = self._pair_keys(sl, kend, P.device) if self.self_attn and self.t.tmpl is not None else None
+        sink = self._sink()
         got = rowfused.row_terms(
             P,
             sl.start,
@@ -242,6 +291,7 @@ class RowTerms:
             pairs=pairs,
             kept=(LOCAL_WINDOW if self.self_attn else 0, self.qs.first) if fill is not None else None,
             trim=trim,
+            into=sink,
         )
         if got is not None and pairs is not None:
             got["pairs"] = pairs  # their hits, for _pairs (not looked up a second time)
@@ -338,11 +388,13 @@ class RowTerms:
         if self._done is None and self.recv.device.type == "cpu":
             with one_thread():
                 self._done = (self._values(), self._received())
-            self.t = self.recv = self.recv_first = None
+            self.t = self.recv = self.recv_first = self.sink = None
+        self._settled()
         return bool(self.causal) if self.self_attn else None
 
     def layout(self) -> Layout:
         self.gpu.settle()
+        self._settled()
         _, _, Q, K = self.shape
         return Layout(self.qs, self.ks, Q, K, causal=True) if self.causal else self.lay
 
