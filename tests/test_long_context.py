@@ -336,7 +336,7 @@ def test_row_loop_workers_run_torch_on_one_thread(monkeypatch):
 
 def test_cpu_blocks_hold_enough_rows_of_every_head():
     """A CPU block is 16 MiB, or 256 query rows of every head where that is more (up to 256 MiB):
-    at long T a 16 MiB block would hold a few rows a head."""
+    at long T a 16 MiB block would hold a few rows a head; a block never written (lazy), 1,024."""
     from probe.capture.blocks import block_rows
 
     assert block_rows((1, 12, 1024, 1024), None, "cpu") == (1 << 24) // (4 * 12 * 1024)
@@ -345,6 +345,12 @@ def test_cpu_blocks_hold_enough_rows_of_every_head():
     assert block_rows((4, 32, 16384, 16384), None, "cpu") == (1 << 28) // (4 * 4 * 32 * 16384)
     assert block_rows((1, 12, 16384, 16384), None, "cuda") == (1 << 27) // (4 * 12 * 16384)
     assert block_rows((1, 12, 16384, 16384), 21, "cpu") == 21
+    # blocks the row loop computes part by part (never written): 1,024 rows, up to 1 GiB of address space
+    assert block_rows((1, 12, 4096, 4096), None, "cpu", lazy=True) == 1024
+    assert block_rows((1, 12, 16384, 16384), None, "cpu", lazy=True) == 1024
+    assert block_rows((4, 32, 16384, 16384), None, "cpu", lazy=True) == (1 << 30) // (4 * 4 * 32 * 16384)
+    assert block_rows((1, 12, 16384, 16384), None, "cuda", lazy=True) == (1 << 27) // (4 * 12 * 16384)
+    assert block_rows((1, 12, 16384, 16384), 21, "cpu", lazy=True) == 21
 
 
 def test_cpu_terms_are_reduced_when_each_attention_closes(monkeypatch):

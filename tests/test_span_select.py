@@ -119,7 +119,6 @@ def test_row_terms_against_loops():
     assert rowfused.row_terms(-P, q0, n, cols, first) is None  # a negative weight: sort instead
 
 
-
 def test_row_terms_into_a_sink_write_each_row_at_its_place():
     """With ``into`` (the attention's Sink) the loop writes a block's terms straight to the
     attention's rows ``q0:q0 + r`` (the rows around them untouched), the weights near the
@@ -161,10 +160,14 @@ def test_row_terms_into_a_sink_write_each_row_at_its_place():
     torch.testing.assert_close(sink.pair("induction")[0, :, q0 + 1], P[0, :, 1, 4])
     others = np.r_[0:q0, q0 + r : Q]  # the rows before and after the block: untouched
     assert not sink.terms.reshape(-1, B * h, Q)[:, :, others].any()
-    assert not sink.near.reshape(B * h, Q, -1)[:, others].any() and not sink.arg.reshape(B * h, Q)[:, others].any()
+    assert (
+        not sink.near.reshape(B * h, Q, -1)[:, others].any()
+        and not sink.arg.reshape(B * h, Q)[:, others].any()
+    )
     with pytest.raises(ValueError, match="not the sink's"):
         rowfused.row_terms(P, q0, Q, cols, first, pairs={"dup": pairs["dup"]}, into=sink)
     assert rowfused.row_terms(-P, q0, Q, cols, first, pairs=pairs, into=sink) is None
+
 
 def test_log_of_bit_patterns():
     """spanselect.ln (the vectorised log of the row loop) against float64 math.log, over every

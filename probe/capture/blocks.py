@@ -38,6 +38,8 @@ from probe.errors import ProbeError
 BLOCK_BYTES = 1 << 24  # the float32 weights of one row block on a CPU: at least 16 MiB,
 CPU_ROWS = 256  # and room for this many query rows of every head (see block_bytes),
 CPU_MAX_BYTES = 1 << 28  # up to 256 MiB
+CPU_LAZY_ROWS = 1024  # blocks never written (see block_bytes): this many rows,
+CPU_LAZY_MAX_BYTES = 1 << 30  # up to 1 GiB of address space, not of memory
 CUDA_BLOCK_BYTES = 1 << 27  # on a GPU: 128 MiB (fewer, larger kernels; the scratch stays under 1 GiB)
 
 
@@ -85,7 +87,7 @@ def _fills(reader: Any, call: tuple) -> bool:
     return ask is not None and bool(ask(q.device))
 
 
-def block_bytes(device: torch.device | str | None, cells: int = 0) -> int:
+def block_bytes(device: torch.device | str | None, cells: int = 0, lazy: bool = False) -> int:
     """The float32 bytes of one row block on ``device``: :data:`CUDA_BLOCK_BYTES` on a GPU; on a
     CPU :data:`BLOCK_BYTES`, or :data:`CPU_ROWS` query rows of every head where that is more
     (``cells``: batch × heads × keys of the attention), at most :data:`CPU_MAX_BYTES`. A CPU block
@@ -95,20 +97,32 @@ def block_bytes(device: torch.device | str | None, cells: int = 0) -> int:
     benchmarks/long_context_profile.py --T 16384 --block 128``); and each block has its fixed
     costs (the threads' last tasks, the per-block terms on the calling thread): 256 rows a head
     took 1.5 to 11% less time in all than 128 at T = 4,096 and 16,384, timed in turns
-    (docs/performance-history.md, the eighth round)."""
+    (docs/performance-history.md, the eighth round).
+
+    ``lazy``: blocks that a reader computes part by part into its threads' own buffers
+    (:func:`_fills`): the block's scratch is then address space that nothing writes (only a block
+    with a negative weight, which a softmax never gives, is filled in it for a sort), so
+    :data:`CPU_LAZY_ROWS` rows, up to :data:`CPU_LAZY_MAX_BYTES`: fewer blocks, fewer of their
+    fixed costs (at T = 4,096, 12 layers, in turns in one process: 512 rows 0.96 of the time of
+    256, 1,024 rows 0.97 of 512; the peak memory unchanged, docs/performance-history.md, the
+    fifteenth round)."""
     if torch.device(device or "cpu").type == "cuda":
         return CUDA_BLOCK_BYTES
+    if lazy:
+        return max(BLOCK_BYTES, min(CPU_LAZY_MAX_BYTES, 4 * CPU_LAZY_ROWS * cells))
     return max(BLOCK_BYTES, min(CPU_MAX_BYTES, 4 * CPU_ROWS * cells))
 
 
-def block_rows(shape: tuple[int, ...], block: int | None, device: torch.device | str | None = None) -> int:
+def block_rows(
+    shape: tuple[int, ...], block: int | None, device: torch.device | str | None = None, lazy: bool = False
+) -> int:
     """Query rows per block: ``block`` if given, else about :func:`block_bytes` of float32."""
     if block is not None:
         if not isinstance(block, int) or block < 1:
             raise ProbeError(f"block must be a positive number of query rows, not {block!r}")
         return block
     B, H, _, K = shape
-    return max(1, block_bytes(device, B * H * K) // (4 * max(1, B * H * K)))
+    return max(1, block_bytes(device, B * H * K, lazy) // (4 * max(1, B * H * K)))
 
 
 class BlockConsumer:
@@ -206,12 +220,12 @@ class BlockConsumer:
         B, Q, K = heads[0][0], shapes[0][1], shapes[0][2]
         shape = (B, sum(h for _, h in heads), Q, K)
         yield shape
-        step = block_rows(shape, self.block, q.device)
+        step = block_rows(shape, self.block, q.device, lazy)
         # a causal call's early blocks may take more rows (the same rows for every call here)
         area = (
             None
             if self.block is not None or len(calls) > 1
-            else block_bytes(q.device, B * shape[1] * K) // (4 * max(1, B * shape[1]))
+            else block_bytes(q.device, B * shape[1] * K, lazy) // (4 * max(1, B * shape[1]))
         )
         if lazy:  # one call: each block uncomputed, with its fill (see sdpa_blocks)
             for i, e, blk, fill in sdpa_blocks(*calls[0][0], **calls[0][1], chunk=step, area=area, lazy=True):
@@ -318,5 +332,6 @@ __all__ = [
     "block_bytes",
     "BLOCK_BYTES",
     "CPU_ROWS",
+    "CPU_LAZY_ROWS",
     "CUDA_BLOCK_BYTES",
 ]

@@ -37,6 +37,16 @@ def _pool() -> ThreadPoolExecutor:
     return _POOL
 
 
+class Pairs(dict):
+    """:func:`template_pairs`' ``{name: (b, i, j, hits)}``, with room (``memo``) for what a reader
+    derives from them once (the CPU row loop's index of them, :func:`~.rowparts.pairs_csr`):
+    every layer of a stack reads the same pairs (:meth:`Workspace.pairs`)."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.memo: dict = {}
+
+
 class Workspace:
     """Scratch buffers reused across the blocks and layers of one run: ``get(name, shape, dtype,
     device)`` is a view of a buffer grown as needed (its contents are whatever was left there)."""
@@ -57,7 +67,9 @@ class Workspace:
         key = (id(qs), id(ks), q0, q1, kend, str(device))
         got = self._pairs.get(key)
         if got is None:
-            got = {n: tuple(x.to(device) for x in v) for n, v in template_pairs(qs, ks, q0, q1, kend).items()}
+            got = Pairs(
+                {n: tuple(x.to(device) for x in v) for n, v in template_pairs(qs, ks, q0, q1, kend).items()}
+            )
             n = sum(v[0].numel() for v in got.values())
             if self._n_pairs + n <= self.MEMO_PAIRS:
                 self._pairs[key] = got

@@ -45,6 +45,7 @@ of at most 256 weights). Used by :mod:`probe.analysis.focus.streaming` when numb
 from __future__ import annotations
 
 import itertools
+import threading
 from collections.abc import Callable
 
 import numpy as np
@@ -326,6 +327,20 @@ if numba is not None:
                 ends[bh] = guess
 
 
+_LOCAL = threading.local()  # each thread's _scratch (see _work)
+
+
+def _work(n: int) -> tuple:
+    """This thread's :func:`_scratch` for rows of up to ``n`` keys, kept from block to block (made
+    afresh for each block, its arrays were allocated and its histograms zeroed once a block a
+    thread): larger than a row needs is fine, the loop sizes what it reads by the row, and every
+    row's selection leaves the histograms zero."""
+    got = getattr(_LOCAL, "work", None)
+    if got is None or got[0] < n:
+        got = _LOCAL.work = (n, _scratch(n))
+    return got[1]
+
+
 def available() -> bool:
     """Whether the compiled row loop is installed (numba, the ``fast`` extra)."""
     return numba is not None
@@ -395,11 +410,13 @@ def row_terms(
     order = itertools.count()  # each thread takes the next task when it is done with one
     most = int((tasks[:, 2] - tasks[:, 1]).max()) * n if len(tasks) else 0
 
+    listed = tasks.tolist()
+
     def run(*_: int) -> None:  # a thread's share is whatever tasks it takes, not spread's run
-        work = _scratch(n)  # once per thread, not per task
+        work = _work(n)
         buf = part_buffer(most) if fill is not None else None
-        while (t := next(order)) < len(tasks):
-            bh, a0, a1 = (int(v) for v in tasks[t])
+        while (t := next(order)) < len(listed):
+            bh, a0, a1 = listed[t]
             rows, off = x, 0
             if buf is not None:  # this part into the thread's own buffer, then read there
                 kp = min(n, q0 + a1) if trim else n  # (trimmed: the keys its last row sees)

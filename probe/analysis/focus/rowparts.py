@@ -90,21 +90,28 @@ def pairs_csr(
     ``[templates, B·h·r]`` float32, each entry written by the loop; or the one given, a
     :class:`Sink`'s). The pairs of
     :func:`~.rowblock.template_pairs` come in row-major order, so their keys are already grouped
-    by row (others are sorted first)."""
+    by row (others are sorted first); ``ptr`` and ``keys`` are remembered in the pairs' ``memo``
+    where they have one (:class:`~.rowblock.Pairs`: every layer reads the same pairs)."""
     names = list(pairs or {})
     if not names:
         empty = np.zeros((0, B * h * r), np.float32) if sums is None else sums[:0]
         return [], (np.zeros(1, np.int64), np.zeros(0, np.int64), empty)
-    at = torch.cat([(t * B + pairs[m][0].long()) * r + pairs[m][1].long() for t, m in enumerate(names)])
-    keys = torch.cat([pairs[m][2].long() for m in names])
-    if len(at) > 1 and bool((at[1:] < at[:-1]).any()):
-        order = torch.sort(at, stable=True).indices
-        at, keys = at[order], keys[order]
-    ptr = torch.zeros(len(names) * B * r + 1, dtype=torch.long)
-    ptr[1:] = torch.bincount(at, minlength=len(names) * B * r).cumsum(0)
+    memo = getattr(pairs, "memo", None)
+    index = None if memo is None else memo.get(("csr", B, r))
+    if index is None:
+        at = torch.cat([(t * B + pairs[m][0].long()) * r + pairs[m][1].long() for t, m in enumerate(names)])
+        keys = torch.cat([pairs[m][2].long() for m in names])
+        if len(at) > 1 and bool((at[1:] < at[:-1]).any()):
+            order = torch.sort(at, stable=True).indices
+            at, keys = at[order], keys[order]
+        ptr = torch.zeros(len(names) * B * r + 1, dtype=torch.long)
+        ptr[1:] = torch.bincount(at, minlength=len(names) * B * r).cumsum(0)
+        index = (ptr.numpy(), keys.numpy())
+        if memo is not None:
+            memo[("csr", B, r)] = index
     if sums is None:
         sums = np.empty((len(names), B * h * r), np.float32)
-    return names, (ptr.numpy(), keys.numpy(), sums)
+    return names, (*index, sums)
 
 
 _LOCAL = threading.local()  # each thread's part buffer (see part_buffer)
