@@ -103,9 +103,9 @@ def block_bytes(device: torch.device | str | None, cells: int = 0, lazy: bool = 
     (:func:`_fills`): the block's scratch is then address space that nothing writes (only a block
     with a negative weight, which a softmax never gives, is filled in it for a sort), so
     :data:`CPU_LAZY_ROWS` rows, up to :data:`CPU_LAZY_MAX_BYTES`: fewer blocks, fewer of their
-    fixed costs (at T = 4,096, 12 layers, in turns in one process: 512 rows 0.96 of the time of
-    256, 1,024 rows 0.97 of 512; the peak memory unchanged, docs/performance-history.md, the
-    fifteenth round)."""
+    fixed costs (at T = 4,096, 6 layers, in turns in one process: 512 rows 0.96 of the time of
+    256, 1,024 rows 0.97 of 512; the peaks within what fresh processes vary by;
+    docs/performance-history.md, the fifteenth round)."""
     if torch.device(device or "cpu").type == "cuda":
         return CUDA_BLOCK_BYTES
     if lazy:
