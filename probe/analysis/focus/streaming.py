@@ -385,11 +385,11 @@ class RowTerms:
         terms at a time, not every layer's (at T = 16,384 about 25 MiB an attention). A GPU's
         stay on the device until :meth:`values` (reducing there would wait for the device)."""
         self.gpu.settle()
+        self._settled()
         if self._done is None and self.recv.device.type == "cpu":
             with one_thread():
                 self._done = (self._values(), self._received())
             self.t = self.recv = self.recv_first = self.sink = None
-        self._settled()
         return bool(self.causal) if self.self_attn else None
 
     def layout(self) -> Layout:
