@@ -15,7 +15,10 @@ core's cache. It makes two short passes over the row, both vectorised by LLVM:
    after it ``Σ (j − i)·a`` as ``(s − i)·S + Σ (j − s)·a`` (``s``/``e`` the chunk's first/last key,
    ``S`` its exact sum): both parts are non-negative, so float32 rounding stays relative to the
    distance (a previous-token head's distance of 1 stays 1 to float32 precision). The chunk that
-   holds the query, and a last partial chunk, are read weight by weight in float64.
+   holds the query, and a last partial chunk, are summed in float64, the keys up to the query
+   and those after it each in a loop of their own (:func:`_part`; one loop testing each key's
+   side was left scalar); where the row holds weights (the entropy from a log of each), weight
+   by weight.
 
 Where the row holds a softmax's scores (:func:`softmax_row`, the CPU blocks probe recomputes),
 the loop first takes its max, then ``e^(x − max)`` (:func:`exp32`, vectorised) with ``Z = Σ e``
@@ -219,6 +222,21 @@ if numba is not None:
         part[0], part[1], part[2], part[3], part[4] = L, A0, A1, A2, D
         return mx, lo
 
+    @njit(fastmath=ss.FAST, inline="always", cache=True, error_model="numpy")
+    def _part(x, bits, s, e, i, c0, c1, c2):  # pragma: no cover - compiled
+        """Pass 2 over keys ``s..e``, all on one side of the query ``i``, in float64: the three
+        class masses, ``Σ |i − j|·a``, the largest and smallest bit pattern (a loop LLVM
+        vectorises, where one that tests each key's side was left scalar)."""
+        m0, m1, m2, bf = 0.0, 0.0, 0.0, 0.0
+        mx, lo = _I(-1), _I(0x7FFFFFFF)
+        for j in range(s, e + 1):
+            b = bits[j]
+            v = np.float64(x[j])
+            m0, m1, m2 = m0 + v * c0[j], m1 + v * c1[j], m2 + v * c2[j]
+            bf += abs(i - j) * v
+            mx, lo = max(mx, b), min(lo, b)
+        return m0, m1, m2, bf, mx, lo
+
     @njit(cache=True, error_model="numpy")
     def _edge(k):  # pragma: no cover - compiled
         """The smallest float32 value of first-level bin ``k`` (+inf past the last finite one),
@@ -331,6 +349,17 @@ if numba is not None:
                 else:
                     later += (s - i) * S + part[4]
                     after = max(after, mx)
+            elif not logs:  # the query's chunk, or a partial one: its keys up to the query, then after
+                mx, lo = _I(-1), _I(0x7FFFFFFF)
+                if s <= i:
+                    p0, p1, p2, d, mx, lo = _part(x, bits, s, min(e, i), i, c0, c1, c2)
+                    m0, m1, m2, before = m0 + p0, m1 + p1, m2 + p2, before + d
+                    low_seen = min(low_seen, lo)
+                if e > i:
+                    p0, p1, p2, d, hi, lw = _part(x, bits, max(s, i + 1), e, i, c0, c1, c2)
+                    m0, m1, m2, later = m0 + p0, m1 + p1, m2 + p2, later + d
+                    after = max(after, hi)
+                    mx, lo = max(mx, hi), min(lo, lw)
             else:  # the query's chunk, or a partial one: weight by weight, in float64
                 mx, lo = _I(-1), _I(0x7FFFFFFF)
                 for j in range(s, e + 1):
