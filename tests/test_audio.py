@@ -221,6 +221,7 @@ def test_raw_waveform_models_match_eager_and_frames(family):
     assert cache.metadata["tokens"][0][:4] == ["0.00000 s", "0.00125 s", "0.00250 s", "0.00375 s"]
 
 
+@pytest.mark.slow  # about 24 s on two cores: CI's slow job runs it (the default pytest keeps to ~15 min)
 def test_raw_waveform_without_processor_and_from_a_file(tmp_path):
     model = _w2v("wav2vec2", attn="sdpa")
     twin = _w2v("wav2vec2")

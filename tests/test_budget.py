@@ -170,6 +170,7 @@ def test_gpt3_table_exactly():
     assert b.name.startswith("GPT-3")
 
 
+@pytest.mark.slow  # about 14 s on two cores: CI's slow job runs it (the default pytest keeps to ~15 min)
 def test_cli_budget(tmp_path):
     def run(*args):
         return subprocess.run(

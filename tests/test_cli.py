@@ -176,6 +176,7 @@ def test_info_on_a_file_that_is_no_cache_says_what_it_is(tmp_path):
     assert "a zip archive, e.g. a torch.save .pt or .bin file" in run("info", str(model)).stderr
 
 
+@pytest.mark.slow  # about 17 s on two cores: CI's slow job runs it (the default pytest keeps to ~15 min)
 def test_stats_lines_fit_the_width(tmp_path):
     import json
 

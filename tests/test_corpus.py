@@ -186,6 +186,7 @@ def test_torchrun_two_ranks_equal_one_process_and_resume_after_a_rank_dies(work)
     )
 
 
+@pytest.mark.slow  # about 16 s on two cores: CI's slow job runs it (the default pytest keeps to ~15 min)
 def test_cli_corpus_and_info(work, tmp_path):
     def cli(*args):
         return subprocess.run(

@@ -135,7 +135,7 @@ def test_kernel_causal_float_mask_distances(kernel):
 @pytest.mark.parametrize(
     "kind",
     [
-        "sdpa_gqa",
+        pytest.param("sdpa_gqa", marks=pytest.mark.slow),  # (about 13 s; all four in CI's slow job)
         *(pytest.param(k, marks=pytest.mark.slow) for k in ("sdpa_causal", "sdpa_float", "sdpa_bool")),
     ],
 )
@@ -240,9 +240,8 @@ def test_row_kernel_words_and_after(rowk):
     assert rowk.row_terms(-P, q0, K, ends, check=False) is not None  # the caller vouched for the signs
 
 
-@pytest.mark.parametrize(
-    "kind", ["sdpa_causal", *(pytest.param(k, marks=pytest.mark.slow) for k in ("F.softmax", "sdpa_bool"))]
-)
+@pytest.mark.slow  # about 50 s on two cores: CI's slow job runs it (the default pytest keeps to ~15 min)
+@pytest.mark.parametrize("kind", ["sdpa_causal", "F.softmax", "sdpa_bool"])
 def test_row_kernel_table_equals_the_full_patterns(rowk, kind, monkeypatch):
     """The streamed statistics through the row kernel, as on a GPU (the causal audit kept on the
     device and read once per attention; SDPA blocks not read back for negative weights), against

@@ -189,6 +189,7 @@ def test_cli_importance_without_a_model_exits_2(cache, tmp_path):
     assert r.returncode == 2 and "--importance without a file" in r.stderr
 
 
+@pytest.mark.slow  # about 12 s on two cores: CI's slow job runs it (the default pytest keeps to ~15 min)
 def test_cli_importance_with_another_metric(gpt, tmp_path):
     text = "attention lets tokens read."
     args = ["--metric", "logit_diff", "--answer", "e", "--wrong", "t", "-o", str(tmp_path)]

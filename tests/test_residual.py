@@ -181,6 +181,7 @@ def test_report_with_minigpt_shows_lens_attribution_and_budget(tmp_path):
     assert "http://" not in html and "https://" not in html
 
 
+@pytest.mark.slow  # about 12 s on two cores: CI's slow job runs it (the default pytest keeps to ~15 min)
 def test_report_with_translator(tmp_path):
     model = models.load("translator")
     cache = probe.capture(model, "ich mochte ein bier", target="S i want a beer")
