@@ -189,7 +189,7 @@ def test_hand_written_flex_attention_with_score_mod_and_block_mask():
     assert t.cache.metadata["attention_implementations"] == ["flex"]
 
 
-@pytest.mark.parametrize("arch", [pytest.param("llama", marks=pytest.mark.slow), "qwen2"])  # (llama: 25 s)
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
 def test_transformers_flex_attention_model_against_eager(arch):
     # transformers runs flex_attention through torch.compile (inductor). Llama with a padded batch
     # (a block mask from the attention mask); Qwen2 through probe.capture with no mask, which once

@@ -124,10 +124,14 @@ def _live_storages(*sizes: int) -> list[int]:
     seen: list[set[int]] = [set() for _ in sizes]
     for o in gc.get_objects():
         if isinstance(o, torch.Tensor) and not isinstance(o, nn.Parameter):
+            try:
+                ptr = o.untyped_storage().data_ptr()
+            except RuntimeError:  # a FakeTensor an earlier torch.compile left alive: no memory of its own
+                continue
             n = o.numel()
             for s, size in zip(seen, sizes, strict=True):
                 if n >= size:
-                    s.add(o.untyped_storage().data_ptr())
+                    s.add(ptr)
     return [len(s) for s in seen]
 
 
