@@ -422,15 +422,35 @@ def test_select_equals_a_sorted_walk():
             assert (got[0], int(got[1])) == (want_left, stop), (len(vals), cum, share)
 
 
+def _function_attributes(ir: str, name: str) -> str:
+    """The attributes LLVM IR ``ir`` gives the (numba-mangled) function ``name`` itself, not its
+    CPython or cfunc wrappers: those written on its ``define`` line and those of the attribute
+    groups (``#N``) it names there."""
+    import re
+
+    lines = ir.splitlines()
+    defines = [
+        line
+        for line in lines
+        if line.startswith("define") and re.search(rf"@_ZN\w*{name}", line) and "cpython" not in line
+    ]
+    assert len(defines) == 1, defines
+    group = re.compile(r"attributes #(\d+) = \{(.*)\}")
+    groups = {m.group(1): m.group(2) for m in map(group.match, lines) if m}
+    tail = defines[0].split(")")[-1]  # after the arguments: the function's own attributes
+    return tail + " ".join(groups[n] for n in re.findall(r"#(\d+)", tail))
+
+
 def test_wide_marks_a_function_for_512_bit_vectors():
     """spanselect.wide puts LLVM's prefer-vector-width=512 on the function that calls it (in its
-    IR), and on a CPU with AVX-512 a float32 reduction there is then vectorised in 512-bit
-    registers (zmm), where the same loop unmarked uses at most 256-bit ones."""
+    IR: on that function's own definition, where LLVM's vectoriser reads it), and on no function
+    that does not call it; the marked function still computes what the unmarked one does. (Which
+    registers LLVM then picks is the compiler's and the CPU's business: not asserted here.)"""
     import numpy as np
     import pytest
 
     numba = pytest.importorskip("numba")
-    from probe.analysis.focus import compress, spanselect
+    from probe.analysis.focus import spanselect
 
     def total(x):
         s = np.float32(0)
@@ -447,14 +467,14 @@ def test_wide_marks_a_function_for_512_bit_vectors():
     plain = numba.njit(fastmath=spanselect.FAST)(total)
     wide = numba.njit(fastmath=spanselect.FAST)(marked)
     x = np.arange(1000, dtype=np.float32) / 1000
+    # float32 sums of 1000 terms in any order (fastmath reassociates): within 1e-5 of the float64 sum
     assert wide(x) == pytest.approx(float((x.astype(np.float64) ** 2).sum()), rel=1e-5)
     assert plain(x) == pytest.approx(float((x.astype(np.float64) ** 2).sum()), rel=1e-5)
-    ir = "".join(wide.inspect_llvm().values())
-    assert '"prefer-vector-width"="512"' in ir
-    assert '"prefer-vector-width"' not in "".join(plain.inspect_llvm().values())
-    if compress._features() >= {"avx512f"}:
-        assert "zmm" in "".join(wide.inspect_asm().values())
-        assert "zmm" not in "".join(plain.inspect_asm().values())
+    wide_ir = "".join(wide.inspect_llvm().values())
+    assert '"prefer-vector-width"="512"' in _function_attributes(wide_ir, "marked")
+    plain_ir = "".join(plain.inspect_llvm().values())
+    assert '"prefer-vector-width"' not in _function_attributes(plain_ir, "total")
+    assert '"prefer-vector-width"' not in plain_ir
 
 
 def test_heapsort_sorts_a_range_in_place():
