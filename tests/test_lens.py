@@ -13,6 +13,7 @@ sublayer's part to the same bound.
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 
@@ -221,7 +222,11 @@ def test_cli_lens():
         timeout=300,
     )
     assert r.returncode == 0, r.stderr
-    assert "ln_f -> lm_head" in r.stdout and "max |diff| 0.00e+00" in r.stdout
+    assert "ln_f -> lm_head" in r.stdout
+    # the last layer read out against the model's logits: the same ops, yet their float32 sums
+    # may round differently on another CPU or thread count; within the 1e-5 held above
+    diff = re.search(r"max \|diff\| (\S+)", r.stdout)
+    assert diff and float(diff.group(1)) <= 1e-5, r.stdout
     assert "at position 3" in r.stdout and "L1.self_attn.h0" in r.stdout
 
 
