@@ -21,7 +21,7 @@ from probe.analysis.residual.exports import TableExports
 from probe.analysis.table import Table
 from probe.errors import ProbeError
 from probe.forward import outputs_of
-from probe.intervene.core import Prepared, _prepare, site_label
+from probe.intervene.core import Prepared, prepare_call, site_label
 from probe.intervene.edits import Edit, recording
 from probe.intervene.locate import Site
 
@@ -67,7 +67,7 @@ def _reference_values(
     if reference is None:
         run, meta = prep.run, prep.meta
     else:
-        p = _prepare(model, reference, tokenizer, target, **prep.media)  # pictures: the same processor
+        p = prepare_call(model, reference, tokenizer, target, **prep.media)  # pictures: the same processor
         run, meta = p.run, p.meta
     with torch.no_grad(), recording(model, targets) as got:
         run()

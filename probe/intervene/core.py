@@ -42,6 +42,7 @@ class Prepared:
     sites: Sites
     media: dict = field(default_factory=dict)
     labels: list = field(default_factory=list)  # the capture's position names ([CLS], patch (r, c))
+    cache: Any = None  # the capture of the clean forward, kept with prepare_sites(keep_cache=True)
 
     def site(self, stack: str, layer: int, role: str) -> Site:
         """The site of an attention (``role`` self/cross) or MLP (``"mlp"``), else a ProbeError."""
@@ -89,14 +90,16 @@ def prepare_sites(
     processor: Any = None,
     text: Any = None,
     sampling_rate: Any = None,
+    keep_cache: bool = False,
 ) -> Prepared:
     """The :class:`Prepared` of ``model`` on ``inputs`` (three forwards, none of them edited);
-    ``processor``/``text``/``sampling_rate``: pictures or sound, as for :func:`probe.capture`."""
+    ``processor``/``text``/``sampling_rate``: pictures or sound, as for :func:`probe.capture`;
+    ``keep_cache``: keep the capture of the clean forward in ``Prepared.cache``."""
     if not isinstance(model, nn.Module):
         raise ProbeError(f"probe intervenes on torch.nn.Module models, not {type(model).__name__}")
     check_free(model)
     m = media_kw(processor, text, sampling_rate)
-    p = _prepare(model, inputs, tokenizer, target, **m)
+    p = prepare_call(model, inputs, tokenizer, target, **m)
     with torch.no_grad():
         outputs = p.run()
     t = Trace(model, metadata=p.meta)
@@ -105,10 +108,11 @@ def prepare_sites(
     sites = locate(model, p, t.cache)
     if not sites.heads:
         raise ProbeError(f"probe found no attention in {type(model).__name__}; nothing to intervene on")
-    return Prepared(model, p.run, p.meta, outputs, sites, m, list(t.cache.tokens))
+    kept = t.cache if keep_cache else None
+    return Prepared(model, p.run, p.meta, outputs, sites, m, list(t.cache.tokens), kept)
 
 
-def _prepare(
+def prepare_call(
     model: nn.Module,
     inputs: Any,
     tokenizer: Any,
@@ -219,4 +223,12 @@ def site_label(site: Site, head: int | None = None) -> str:
     )
 
 
-__all__ = ["Prepared", "media_kw", "prepare_sites", "parse_heads", "parse_sublayers", "site_label"]
+__all__ = [
+    "Prepared",
+    "media_kw",
+    "prepare_sites",
+    "prepare_call",
+    "parse_heads",
+    "parse_sublayers",
+    "site_label",
+]

@@ -26,7 +26,7 @@ from torch import Tensor, nn
 from probe.analysis.interventions import Patching
 from probe.analysis.table import Table
 from probe.errors import ProbeError
-from probe.intervene.core import _prepare, media_kw, prepare_sites
+from probe.intervene.core import media_kw, prepare_call, prepare_sites
 from probe.intervene.edits import Edit, applied, recording
 from probe.intervene.locate import Site
 from probe.intervene.metrics import metric_tensor
@@ -79,7 +79,7 @@ def patch(
         raise ProbeError(f"what= is one of {', '.join(WHATS)}, not {what!r}")
     m = media_kw(processor, text, sampling_rate)
     prep = prepare_sites(model, clean, tokenizer=tokenizer, **m)
-    corr = _prepare(model, corrupted, tokenizer, None, **m)
+    corr = prepare_call(model, corrupted, tokenizer, None, **m)
     from probe.intervene.core import _stack
 
     st = _stack(prep, stack)
