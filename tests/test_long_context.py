@@ -255,7 +255,7 @@ def test_causal_parts_compute_and_read_only_the_keys_each_row_sees(monkeypatch, 
     trims, real_fill = [], patterns._Scores.fill
 
     def spy(self, *a, **k):
-        trims.append(k.get("trim", False))
+        trims.append((self.causal, k.get("trim", False)))  # (the SDPA call's is_causal, trimmed)
         return real_fill(self, *a, **k)
 
     monkeypatch.setattr(patterns._Scores, "fill", spy)
@@ -263,12 +263,14 @@ def test_causal_parts_compute_and_read_only_the_keys_each_row_sees(monkeypatch, 
     ids = torch.tensor([[1, 2, 3, 1, 2, 3, 1, 2, 3, 4] * 4, [5, 6] * 20])
     full = probe.head_stats(probe.capture(lm, ids), progress=False)
     assert_same(probe.head_stats(lm, ids, block=7), full)
-    assert trims and all(trims)
+    assert trims and all(causal and trim for causal, trim in trims)  # the toy hands SDPA is_causal
     trims.clear()
-    model = H.llama(len(bpe))  # one text: transformers hands SDPA is_causal (words from the tokenizer)
+    # one text (words from the tokenizer): transformers hands SDPA is_causal or, in versions
+    # that build the mask anyway, a mask; every is_causal part is trimmed, and only those
+    model = H.llama(len(bpe))
     full = probe.head_stats(probe.capture(model, TEXTS[1], tokenizer=bpe), progress=False)
     assert_same(probe.head_stats(model, TEXTS[1], tokenizer=bpe, block=3), full)
-    assert trims and all(trims)
+    assert trims and all(causal == trim for causal, trim in trims)
 
 
 def test_causal_parts_are_cut_short_near_the_diagonal():
