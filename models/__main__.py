@@ -7,11 +7,14 @@ import argparse
 
 import torch
 
-from . import checkpoint_path, load, module, names
+from . import CONVERTED, checkpoint_path, load, module, names
 
 
 def _training(model: torch.nn.Module, trained_now: bool) -> str:
     info = model.train_info
+    if info.get("source"):  # smollm2: published weights, converted
+        when = "converted just now" if trained_now else "converted copy"
+        return f"trained by {info['trained_by']}; {when} of the {info['source']}"
     if not info["steps"]:
         return "not trained: seeded init"
     when = "trained just now" if trained_now else "checkpoint"
@@ -55,6 +58,13 @@ def _show(name: str, model: torch.nn.Module) -> None:
         for s in speech_data.test_set()[:2]:
             said = model.transcribe(s.audio)[0]
             print(f"  held-out sentence {s.seed} ({s.seconds:.2f} s): {s.text!r} -> {said!r}")
+    elif name == "smollm2":
+        prompt = "The capital of France is"
+        ids = model.tokenizer(prompt, return_tensors="pt")
+        with torch.no_grad():
+            out = model.generate(**ids, max_new_tokens=8, do_sample=False)
+        said = model.tokenizer.decode(out[0, ids["input_ids"].shape[1] :], skip_special_tokens=True)
+        print(f"  greedy after {prompt!r}: {said!r}")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -63,13 +73,22 @@ def main(argv: list[str] | None = None) -> int:
         prog="python -m models",
         description="Load every model of the probe zoo (training any that has no checkpoint yet: the "
         "translator trains about 30 steps, with a progress bar, and writes its 177 MB checkpoint into "
-        "~/.cache/probe, or $PROBE_CACHE_DIR) and show what each one produces.",
+        "~/.cache/probe, or $PROBE_CACHE_DIR; smollm2 is converted once from its package's GGUF file "
+        "into a 538 MB folder there) and show what each one produces.",
         epilog="retrain one model: python -m models.train NAME; list them: probe models",
     )
     parser.parse_args(argv or [])
+    from probe.errors import ProbeError
+
     for name in names():
         trained_now = not checkpoint_path(name).exists()
-        model = load(name)
+        try:
+            model = load(name)
+        except ProbeError as err:  # smollm2 without its package: say how to install it, go on
+            if name not in CONVERTED:
+                raise
+            print(f"{name}: not installed: {err}\n")
+            continue
         n_params = sum(p.numel() for p in model.parameters())
         summary = (module(name).__doc__ or "").strip().splitlines()[0]
         print(f"{name}: {summary}")

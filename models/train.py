@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import argparse
 
-from . import SHIPPED, names, train_and_save
+from . import CONVERTED, SHIPPED, names, train_and_save
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -18,7 +18,8 @@ def main(argv: list[str] | None = None) -> int:
         "progression, the final loss and the seconds it took, and save the weights as "
         "safetensors (atomically).",
     )
-    parser.add_argument("name", choices=names(), help="the zoo model to train")
+    trainable = [n for n in names() if n not in CONVERTED]  # smollm2 is converted, not trained
+    parser.add_argument("name", choices=trainable, help="the zoo model to train")
     parser.add_argument(
         "--out",
         metavar="PATH",
