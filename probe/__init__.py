@@ -32,11 +32,13 @@ from probe.generation import Generation, generate  # noqa: E402
 from probe.intervene import (  # noqa: E402
     Ablation,
     HeadImportance,
+    HeadWrites,
     Intervention,
     Knockout,
     Patching,
     ablate,
     head_importance,
+    head_writes,
     intervene,
     knockout,
     patch,
@@ -65,6 +67,7 @@ __all__ += ["knockout", "Knockout", "intervene", "Intervention"]
 __all__ += ["word_timestamps", "WordTimestamps"]
 __all__ += ["attention_map", "pointing", "Pointing", "artifacts", "Artifacts"]
 __all__ += ["lookback", "Lookback"]
+__all__ += ["head_writes", "HeadWrites"]
 
 
 def __getattr__(name: str):

@@ -10,6 +10,7 @@ from probe.intervene.context import Intervention, ablate, intervene, knockout
 from probe.intervene.importance import HeadImportance, head_importance
 from probe.intervene.knockout import Knockout
 from probe.intervene.patch import Patching, patch
+from probe.intervene.writes import HeadWrites, head_writes
 
 __all__ = [
     "intervene",
@@ -22,4 +23,6 @@ __all__ = [
     "HeadImportance",
     "knockout",
     "Knockout",
+    "head_writes",
+    "HeadWrites",
 ]
