@@ -4,7 +4,7 @@
   the bytes per head of a shard record and of the run's statistics files, and the bytes per text
   (manifest and shard record), by difference.
 * What it holds while it runs: the per-query terms of one attention (the streamed path's
-  :class:`~probe.analysis.focus.streaming.RowTerms`, its tensors' bytes summed for a given shape;
+  :class:`~probe.analysis.focus.streamed.reader.RowTerms`, its tensors' bytes summed for a given shape;
   on a CPU they are reduced when the attention closes, on a GPU every attention's wait for the end
   of the forward) and one row block of weights (:func:`probe.capture.blocks.block_bytes`).
 * What a pattern costs: 4·T² bytes per head per text (float32), 2·T² with ``--dtype float16``.
@@ -59,8 +59,8 @@ def held(layers: int, heads: int, T: int, device: str = "cpu") -> float:
     forward ends), plus one row block of weights."""
     import torch
 
-    from probe.analysis.focus.streaming import RowTerms
-    from probe.analysis.focus.tokens import Side
+    from probe.analysis.focus.definitions.tokens import Side
+    from probe.analysis.focus.streamed.reader import RowTerms
     from probe.capture.blocks import block_bytes
 
     def side() -> Side:

@@ -2,7 +2,7 @@
 
 CUDA only (Triton). Times, with CUDA events (median of 10 after a warm-up), on a block
 ``[1, 12, 170, 16384]`` of softmax rows: one read of the block (``P.sum(-1)``) and a copy, the row
-kernel (``probe/analysis/focus/rowkernel.py``, every per-row term written into a table), and
+kernel (``probe/analysis/focus/backends/kernels/rowkernel.py``, every per-row term written into a table), and
 scratch kernels that isolate its costs: one read in Triton, and the span's 31-step bisection alone
 with float32 and with float64 sums, each at 4, 8, 16 and 32 warps; then the block's torch
 operations of the block path (the key-class masses, the column sums, the recompute's product and
@@ -24,7 +24,7 @@ try:
 except ImportError:  # pragma: no cover - depends on the install
     sys.exit("needs Triton (it ships with PyTorch's CUDA wheels)")
 
-from probe.analysis.focus import rowkernel
+from probe.analysis.focus.backends.kernels import rowkernel
 
 dev = "cuda"
 

@@ -19,7 +19,8 @@ A third mode, ``weights``, runs the same forward recomputing every block of weig
 nothing from them: the floor of the block path, since SDPA returns no weights (the table's
 ``floor`` column, as a ratio to ``plain``). On CUDA a fourth, ``stats_fused``, times the fused kernel
 (``PROBE_FUSED=1``: every statistic from tiles of q and k, the weights never written; see
-``probe/analysis/focus/qkkernel.py``) in the same loop, against ``stats``, the default block path
+``probe/analysis/focus/backends/kernels/qkkernel.py``) in the same loop, against ``stats``, the default block
+path
 (the ``fused`` column, as a ratio to ``plain``).
 
 Targets (issue 21): at T = 16,384 peak <= plain + 1 GiB and time <= 1.5 x plain.

@@ -65,8 +65,8 @@ def main() -> None:
 
     import probe
     from models.llama import VOCAB, build
-    from probe.analysis.focus import rowfused
-    from probe.analysis.focus.workers import threads
+    from probe.analysis.focus.backends.rowloop import rowfused
+    from probe.analysis.focus.backends.rowloop.workers import threads
 
     if a.sort:
         rowfused.numba = None

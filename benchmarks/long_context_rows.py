@@ -37,7 +37,7 @@ def main() -> None:
 
     import probe
     from models.llama import VOCAB, build
-    from probe.analysis.focus import rowfused
+    from probe.analysis.focus.backends.rowloop import rowfused
 
     if not rowfused.available():
         raise SystemExit("the row loop needs numba (pip install -e '.[fast]')")

@@ -2,8 +2,8 @@
 
 Whole patterns, rows, top-k and residuals are the capture engine's (:mod:`probe.capture`, reached
 through :mod:`probe.forward`); ``keep="stats"`` streams every attention through the focus
-statistics' readers (:mod:`probe.analysis.focus.streaming`) and stores what
-:mod:`probe.analysis.focus.keepstats` makes of them. This module only chooses between the two, so
+statistics' readers (:mod:`probe.analysis.focus.streamed.reader`) and stores what
+:mod:`probe.analysis.focus.streamed.keepstats` makes of them. This module only chooses between the two, so
 neither stage imports the other.
 """
 
@@ -12,8 +12,8 @@ from __future__ import annotations
 import os
 from typing import Any
 
-from probe.analysis.focus.keepstats import stats_fields
-from probe.analysis.focus.streamrun import stats_readers
+from probe.analysis.focus.streamed.keepstats import stats_fields
+from probe.analysis.focus.streamed.run import stats_readers
 from probe.errors import ProbeError
 
 

@@ -16,7 +16,7 @@ import torch
 
 import probe
 from probe.analysis.compare import pattern_difference
-from probe.analysis.focus.metrics import METRICS
+from probe.analysis.focus.definitions.terms import METRICS
 from probe.errors import ProbeError
 
 TEXT_A = "attention lets tokens read."

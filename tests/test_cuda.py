@@ -53,7 +53,7 @@ def test_text_capture_on_cuda(gpt2_cuda):
 
 @pytest.mark.parametrize("K", [1, 7, 300, 4096, 16384, 20000])
 def test_row_kernel_matches_a_sort(K):
-    rk = pytest.importorskip("probe.analysis.focus.rowkernel")
+    rk = pytest.importorskip("probe.analysis.focus.backends.kernels.rowkernel")
     if rk.triton is None:
         pytest.skip("Triton is not installed")
     g = torch.Generator().manual_seed(K)
@@ -109,7 +109,7 @@ def test_fused_kernel_matches_a_sort(K):
     """The fused kernel (q and k tiles, weights never written) against a sort written here over
     torch's weights: ties (equal keys), a row with no key, padding keys; float32 weights computed
     two ways may differ by an ulp, so a span may move by one key on a few rows."""
-    qk = pytest.importorskip("probe.analysis.focus.qkkernel")
+    qk = pytest.importorskip("probe.analysis.focus.backends.kernels.qkkernel")
     if qk.triton is None:
         pytest.skip("Triton is not installed")
     g = torch.Generator().manual_seed(K)
@@ -153,7 +153,7 @@ def test_fused_path_on_cuda_equals_the_block_path_and_the_full_patterns(monkeypa
     """At 1,500 tokens with grouped-query attention: with PROBE_FUSED=1 every attention goes
     through the fused kernel, and its table and sink profile equal the block path's (the default)
     and the whole-pattern statistics of a CPU capture."""
-    from probe.analysis.focus import fused
+    from probe.analysis.focus.backends import triton_fused as fused
 
     model, ids = _llama_ids(1500, n_kv_heads=2)
     full = probe.head_stats(probe.capture(model, ids), progress=False)

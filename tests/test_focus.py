@@ -14,7 +14,7 @@ import torch
 
 import probe
 from probe.analysis.focus import FocusAccumulator, RunningStats, head_stats, repeated_sequences
-from probe.analysis.focus.tokens import word_starts
+from probe.analysis.focus.definitions.tokens import word_starts
 
 K0 = "decoder.blocks.0.self_attn.pattern"
 

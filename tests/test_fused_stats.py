@@ -1,5 +1,5 @@
-"""The fused statistics kernel (probe/analysis/focus/qkkernel.py: every per-row term from tiles of
-q and k, the weights never written), run on the CPU by Triton's interpreter.
+"""The fused statistics kernel (probe/analysis/focus/backends/kernels/qkkernel.py: every per-row
+term from tiles of q and k, the weights never written), run on the CPU by Triton's interpreter.
 
 Oracles: a sort and loops written here over weights computed here with torch (for the kernel's
 span, top, argmax, total, entropy, column sums), and the whole-pattern statistics
@@ -33,7 +33,8 @@ pytest.importorskip("triton")
 def kernel():
     """qkkernel compiled for Triton's interpreter (on a CPU), and the fused path allowed on CPU
     tensors; skipped where Triton was imported before this module could ask for the interpreter."""
-    from probe.analysis.focus import fused, qkkernel
+    from probe.analysis.focus.backends import triton_fused as fused
+    from probe.analysis.focus.backends.kernels import qkkernel
 
     if torch.cuda.is_available():
         pytest.skip("these run the interpreter on CPU tensors; tests/test_cuda.py runs the kernel on the GPU")
@@ -139,7 +140,7 @@ def test_fused_table_equals_the_full_patterns(kernel, kind, monkeypatch):
     lm = ToyLM(kind, n_kv_heads=2 if kind == "sdpa_gqa" else None).eval()
     ids = torch.randint(0, 12, (2, 45))  # few token ids: many duplicate and induction pairs
     calls = []
-    from probe.analysis.focus import fused
+    from probe.analysis.focus.backends import triton_fused as fused
 
     real = fused.read_call
     monkeypatch.setattr(fused, "read_call", lambda *a: calls.append(real(*a)) or calls[-1])
@@ -166,7 +167,7 @@ def test_padded_hf_llama_with_words(path, request, tmp_path):
 
 
 def test_fused_can_be_turned_off(kernel, monkeypatch):
-    from probe.analysis.focus import fused
+    from probe.analysis.focus.backends import triton_fused as fused
 
     monkeypatch.setenv("PROBE_FUSED", "0")
     assert not fused.enabled(torch.device("cpu"))
@@ -178,10 +179,11 @@ def test_fused_can_be_turned_off(kernel, monkeypatch):
 
 @pytest.fixture
 def rowk(monkeypatch):
-    """The block path's row kernel (probe/analysis/focus/rowkernel.py) compiled for Triton's
+    """The block path's row kernel (probe/analysis/focus/backends/kernels/rowkernel.py) compiled for Triton's
     interpreter and allowed on CPU blocks, so the streamed statistics take the GPU's path here
     (blocks computed whole, as on a GPU, not part by part in the CPU's row loop)."""
-    from probe.analysis.focus import rowkernel, streaming
+    from probe.analysis.focus.backends.kernels import rowkernel
+    from probe.analysis.focus.streamed import reader as streaming
 
     if torch.cuda.is_available():
         pytest.skip("these run the interpreter on CPU tensors; tests/test_cuda.py runs the kernel on the GPU")
@@ -241,7 +243,7 @@ def test_row_kernel_table_equals_the_full_patterns(rowk, kind, monkeypatch):
     """The streamed statistics through the row kernel, as on a GPU (the causal audit kept on the
     device and read once per attention; SDPA blocks not read back for negative weights), against
     the whole-pattern statistics."""
-    from probe.analysis.focus import streaming
+    from probe.analysis.focus.streamed import reader as streaming
 
     torch.manual_seed(7)
     lm = ToyLM(kind).eval()
@@ -267,7 +269,7 @@ def test_row_kernel_seq2seq_with_terms_copied_as_off_a_gpu(rowk, monkeypatch, tm
     tensors): the kernel's table must be spread into the terms before they are read."""
     import copy
 
-    from probe.analysis.focus.metrics import Terms
+    from probe.analysis.focus.definitions.terms import Terms
 
     to = Terms.to
     monkeypatch.setattr(Terms, "to", lambda self, device: copy.deepcopy(to(self, device)))

@@ -66,7 +66,7 @@ def test_template_pairs_equal_the_masks_written_here():
     built here as [rows, keys] comparisons, in the same order, with padding and any key range."""
     from types import SimpleNamespace
 
-    from probe.analysis.focus.rowblock import template_pairs
+    from probe.analysis.focus.backends.reference import template_pairs
 
     g = torch.Generator().manual_seed(0)
     for trial in range(150):
@@ -94,7 +94,7 @@ def test_repeated_tokens_templates_match(monkeypatch, memo):
     """A text of a few repeated tokens (many duplicate and induction pairs): the pairs gathered
     one by one, remembered across layers or (memo off) recomputed per layer, give the masked sums
     of the full path."""
-    from probe.analysis.focus import rowblock
+    from probe.analysis.focus.backends import reference as rowblock
 
     if not memo:
         monkeypatch.setattr(rowblock.Workspace, "MEMO_PAIRS", 0)
@@ -181,7 +181,7 @@ def test_progress_counts_the_attentions_read(capsys):
 
 def test_blocks_never_hold_a_whole_pattern(monkeypatch):
     """Every block handed to the statistics has at most ``block`` query rows."""
-    from probe.analysis.focus import streaming
+    from probe.analysis.focus.streamed import reader as streaming
 
     seen = []
     real = streaming.RowTerms.rows
@@ -204,7 +204,8 @@ def test_parts_read_in_thread_buffers_never_write_the_block(monkeypatch, bpe):
     the weights near the diagonal and the first real query's row, comes from the loop), and the
     statistics still equal the full patterns'. Where the loop reports a negative weight (which a
     softmax never gives: forced here), the block is filled with its weights and sorted."""
-    from probe.analysis.focus import rowfused, streaming
+    from probe.analysis.focus.backends.rowloop import rowfused
+    from probe.analysis.focus.streamed import reader as streaming
 
     if not rowfused.available():
         pytest.skip("needs numba (the fast extra)")
@@ -246,7 +247,7 @@ def test_causal_parts_compute_and_read_only_the_keys_each_row_sees(monkeypatch, 
     patterns'."""
     import numpy as np
 
-    from probe.analysis.focus import rowfused
+    from probe.analysis.focus.backends.rowloop import rowfused
     from probe.capture import patterns
 
     if not rowfused.available():
@@ -278,7 +279,7 @@ def test_causal_parts_are_cut_short_near_the_diagonal():
     rows as their block's last query sees (so a part computes at most about an eighth more keys
     than its rows see), never under 128 rows for that; the block's last task of each thread is
     cut in four (not under 32 rows), so the threads end together."""
-    from probe.analysis.focus.rowparts import tasks_of
+    from probe.analysis.focus.backends.rowloop.rowparts import tasks_of
 
     rows = lambda t: [int(b - a) for _, a, b in t]  # noqa: E731
     assert rows(tasks_of(12, 1024, 1024, 1, True)) == [256] * 48  # 1 MiB parts; one thread: no tail
@@ -293,7 +294,7 @@ def test_causal_parts_are_cut_short_near_the_diagonal():
 def test_tasks_cover_every_row_of_every_head_once():
     """However a block is cut (heads, rows, threads, parts, trim, tail), its tasks are the rows of
     each head in order, each once."""
-    from probe.analysis.focus.rowparts import tasks_of
+    from probe.analysis.focus.backends.rowloop.rowparts import tasks_of
 
     for heads, r, n, k, filled, end in [
         (1, 7, 7, 2, False, 0), (1, 300, 300, 4, True, 300), (12, 256, 4096, 2, True, 4096),
@@ -313,7 +314,7 @@ def test_row_loop_workers_run_torch_on_one_thread(monkeypatch):
     process's threads: a fresh pool of one worker adds that worker and nothing else."""
     import os
 
-    from probe.analysis.focus import rowfused, workers
+    from probe.analysis.focus.backends.rowloop import rowfused, workers
 
     if not rowfused.available():
         pytest.skip("needs numba (the fast extra)")
@@ -359,7 +360,7 @@ def test_cpu_terms_are_reduced_when_each_attention_closes(monkeypatch):
     """On a CPU a forward holds one attention's per-query terms at a time: each reader reduces
     its terms when its attention closes and drops them, and the table is the same as from the
     captured patterns."""
-    from probe.analysis.focus import streaming
+    from probe.analysis.focus.streamed import reader as streaming
 
     made, holding = [], []
     init, rows = streaming.RowTerms.__init__, streaming.RowTerms.rows
@@ -584,8 +585,8 @@ def test_signed_distance_keeps_its_digits_at_long_positions():
     """Queries near position 16,000 that read the previous token: Σ (j − i)·a is about −1. Taken
     as Σ j·a − i·Σ a in float32 it would lose three digits (the ulp of 16,000 is 1e-3); the
     streamed terms keep it to float32 rounding of the small numbers (float64 sums written here)."""
-    from probe.analysis.focus.streaming import RowTerms
-    from probe.analysis.focus.tokens import side
+    from probe.analysis.focus.definitions.tokens import side
+    from probe.analysis.focus.streamed.reader import RowTerms
 
     T, q0, q1 = 16008, 16000, 16008
     qs = side({}, "decoder", "own", 1, T)

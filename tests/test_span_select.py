@@ -1,5 +1,5 @@
-"""The CPU row loop without a sort (probe/analysis/focus/rowfused.py): the effective span by a
-histogram of the weights' bit patterns and an exact walk of the one bin that crosses the
+"""The CPU row loop without a sort (probe/analysis/focus/backends/rowloop/rowfused.py): the effective
+span by a histogram of the weights' bit patterns and an exact walk of the one bin that crosses the
 threshold, and every other per-row term from one read of the row.
 
 Oracles written here: a full sort with float64 running sums (the span), loops and plain torch
@@ -15,7 +15,7 @@ import torch
 
 pytest.importorskip("numba")
 
-from probe.analysis.focus import rowfused  # noqa: E402
+from probe.analysis.focus.backends.rowloop import rowfused  # noqa: E402
 
 
 def _sorted_span(P):
@@ -126,7 +126,7 @@ def test_row_terms_into_a_sink_write_each_row_at_its_place():
     per-row loops written here, the argmax, and sums of the weights taken in the test."""
     import numpy as np
 
-    from probe.analysis.focus.rowparts import Sink
+    from probe.analysis.focus.backends.rowloop.rowparts import Sink
 
     g = torch.Generator().manual_seed(4)
     B, h, Q, q0, r = 2, 3, 40, 29, 7
@@ -177,7 +177,7 @@ def test_log_of_bit_patterns():
     import numpy as np
     from numba import njit
 
-    from probe.analysis.focus import spanselect
+    from probe.analysis.focus.backends.rowloop import spanselect
 
     @njit
     def logs(bits, out):
@@ -299,7 +299,7 @@ def test_row_terms_over_chunks_on_both_sides_of_the_query(causal):
 
 def _packed():
     """Skip where the CPU (as numba compiles for it) has no AVX-512VL compress."""
-    from probe.analysis.focus import compress
+    from probe.analysis.focus.backends.rowloop import compress
 
     if not compress.AVAILABLE:
         pytest.skip("the CPU has no AVX-512VL (the scalar compaction runs there)")
@@ -315,7 +315,7 @@ def test_collect_gathers_a_bins_weights(n, way):
     past the last step's eight."""
     import numpy as np
 
-    from probe.analysis.focus import spanselect as ss
+    from probe.analysis.focus.backends.rowloop import spanselect as ss
 
     if way == "packed":
         _packed()
@@ -345,7 +345,7 @@ def test_keep_compacts_below_or_above_a_pivot(way):
     ties of the pivot, zeros and subnormals."""
     import numpy as np
 
-    from probe.analysis.focus import spanselect as ss
+    from probe.analysis.focus.backends.rowloop import spanselect as ss
 
     if way == "packed":
         _packed()
@@ -373,8 +373,8 @@ def test_compress_is_used_where_the_cpu_has_it():
     import os
     from pathlib import Path
 
-    from probe.analysis.focus import compress
-    from probe.analysis.focus import spanselect as ss
+    from probe.analysis.focus.backends.rowloop import compress
+    from probe.analysis.focus.backends.rowloop import spanselect as ss
 
     info = Path("/proc/cpuinfo")
     if not info.exists() or os.environ.get("NUMBA_CPU_FEATURES"):
@@ -394,7 +394,7 @@ def test_select_equals_a_sorted_walk():
     orders that defeat a median-of-three pivot (sorted, reversed, organ pipe)."""
     import numpy as np
 
-    from probe.analysis.focus import spanselect
+    from probe.analysis.focus.backends.rowloop import spanselect
 
     rng = np.random.default_rng(4)
     cases = [
@@ -450,7 +450,7 @@ def test_wide_marks_a_function_for_512_bit_vectors():
     import pytest
 
     numba = pytest.importorskip("numba")
-    from probe.analysis.focus import spanselect
+    from probe.analysis.focus.backends.rowloop import spanselect
 
     def total(x):
         s = np.float32(0)
@@ -483,7 +483,7 @@ def test_heapsort_sorts_a_range_in_place():
     zeros, sorted and reversed orders, and the empty and one-value ranges."""
     import numpy as np
 
-    from probe.analysis.focus import spanselect
+    from probe.analysis.focus.backends.rowloop import spanselect
 
     rng = np.random.default_rng(7)
     cases = [
@@ -512,7 +512,7 @@ def test_log32_of_bit_patterns():
     import numpy as np
     from numba import njit
 
-    from probe.analysis.focus import rowpass, spanselect
+    from probe.analysis.focus.backends.rowloop import rowpass, spanselect
 
     @njit
     def logs(bits, out):
@@ -539,7 +539,7 @@ def test_exp32_against_float64():
     import numpy as np
     from numba import njit
 
-    from probe.analysis.focus import rowpass
+    from probe.analysis.focus.backends.rowloop import rowpass
 
     @njit
     def exps(t, out):
@@ -607,7 +607,7 @@ def test_a_rows_last_part_padded_to_a_whole_chunk(n):
     bin its first row crosses in (so the counts below the guessed bins decide), against the sort."""
     import numpy as np
 
-    from probe.analysis.focus import rowpass, spanselect
+    from probe.analysis.focus.backends.rowloop import rowpass, spanselect
 
     assert rowpass.PAD_MIN == 32
     g = torch.Generator().manual_seed(n)

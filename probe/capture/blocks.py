@@ -11,7 +11,7 @@ softmax) already exists whole and is sliced. Blocks are valid until the next is 
 
 :func:`stream_attention` runs one forward with it, residuals dropped (a :class:`DropSink`), and
 returns each block reader under its cache key. Which reader, and what it accumulates, is the
-caller's business (``probe.analysis.focus.streaming`` builds the focus statistics); analyses
+caller's business (``probe.analysis.focus.streamed.reader`` builds the focus statistics); analyses
 reach it through :mod:`probe.forward`.
 """
 
@@ -91,7 +91,7 @@ def block_bytes(device: torch.device | str | None, cells: int = 0, lazy: bool = 
     """The float32 bytes of one row block on ``device``: :data:`CUDA_BLOCK_BYTES` on a GPU; on a
     CPU :data:`BLOCK_BYTES`, or :data:`CPU_ROWS` query rows of every head where that is more
     (``cells``: batch × heads × keys of the attention), at most :data:`CPU_MAX_BYTES`. A CPU block
-    is recomputed a head's rows at a time (:func:`probe.analysis.focus.rowfused.row_terms`), and
+    is recomputed a head's rows at a time (``focus/backends/rowloop/rowfused.row_terms``), and
     a matrix product of few rows against many keys spends its time packing the keys: at T =
     16,384 with 12 heads, 16 MiB holds 21 rows a head (``python
     benchmarks/long_context_profile.py --T 16384 --block 128``); and each block has its fixed

@@ -266,7 +266,7 @@ def capture(
     (``<attn>.topk_values``, ``topk_indices``, ``topk_mass``); neither holds a whole pattern of
     an SDPA call. See ``docs/keep.md``. ``keep="stats"`` (each head's statistics computed while the
     model runs, and residual norms) is the top-level ``probe.capture``'s: it passes the statistics'
-    readers in (:mod:`probe.analysis.focus.keepstats`); called here it is refused.
+    readers in (:mod:`probe.analysis.focus.streamed.keepstats`); called here it is refused.
 
     Returns a :class:`~probe.Cache` with keys ``<stack>.blocks.<i>.<name>``.
     """

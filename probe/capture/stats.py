@@ -7,7 +7,7 @@ into their per-position L2 norms as they arrive (:class:`NormSink`) and the tens
 the forward is named, the caller's ``finish(meta, readers)`` turns the readers (each under its
 pattern's cache key) into ``(tensors, metadata)``: the analysis computes the statistics, so this
 package never imports it (``probe.capture`` at the top level passes both in, see
-:mod:`probe.analysis.focus.keepstats`).
+:mod:`probe.analysis.focus.streamed.keepstats`).
 
 The cache holds ``<name>.norm`` ``[batch, pos]`` (float32) for every residual tensor, what
 ``finish`` returns, and ``keep="stats"`` in the metadata.

@@ -114,10 +114,10 @@ else none. Grouped-query models (``num_key_value_heads`` < ``num_attention_heads
 recorded config) get ``kv_head`` = head // (heads per key/value head) and ``HeadStats.kv_groups``.
 """
 
+from probe.analysis.focus.definitions.running import RunningStats
+from probe.analysis.focus.definitions.terms import METRICS
 from probe.analysis.focus.induction import induction_scores, repeated_sequences
-from probe.analysis.focus.metrics import METRICS
 from probe.analysis.focus.retrieval import retrieval_scores
-from probe.analysis.focus.running import RunningStats
 from probe.analysis.focus.stats import (
     ROLE_RULES,
     SINK_EPSILON,

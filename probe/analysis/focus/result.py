@@ -7,8 +7,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from probe.analysis.focus.metrics import METRICS
-from probe.analysis.focus.roles import ROLE_RULES, SINK_EPSILON, roles_of
+from probe.analysis.focus.definitions.roles import ROLE_RULES, SINK_EPSILON, roles_of
+from probe.analysis.focus.definitions.terms import METRICS
 from probe.analysis.table import Exports, Table
 from probe.errors import ProbeError
 
@@ -39,7 +39,7 @@ class HeadStats(Exports):
     """
 
     def __init__(self, acc: FocusAccumulator) -> None:
-        from probe.analysis.focus.kept import NOT_COMPUTED
+        from probe.analysis.focus.whole.kept import NOT_COMPUTED
 
         self.accumulator = acc
         self.n_texts = acc.n_texts

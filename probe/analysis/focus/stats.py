@@ -11,12 +11,12 @@ from typing import Any
 import torch
 from tqdm.auto import tqdm
 
-from probe.analysis.focus.metrics import METRICS, Layout, block_metrics, is_causal
-from probe.analysis.focus.reach import received
+from probe.analysis.focus.definitions.reach import received
+from probe.analysis.focus.definitions.roles import ROLE_RULES, SINK_EPSILON, roles_of
+from probe.analysis.focus.definitions.running import RunningStats
+from probe.analysis.focus.definitions.terms import METRICS, Layout, block_metrics, is_causal
+from probe.analysis.focus.definitions.tokens import side
 from probe.analysis.focus.result import HeadStats
-from probe.analysis.focus.roles import ROLE_RULES, SINK_EPSILON, roles_of
-from probe.analysis.focus.running import RunningStats
-from probe.analysis.focus.tokens import side
 from probe.cache import Cache, load
 from probe.errors import ProbeError
 
@@ -73,7 +73,7 @@ class FocusAccumulator:
         meta = cache.metadata
         self.kv_group = _kv_group(meta) or self.kv_group
         if cache.kept == "stats":  # statistics computed while the model ran
-            from probe.analysis.focus.keepstats import add_stats
+            from probe.analysis.focus.streamed.keepstats import add_stats
 
             if self.kept is not None:
                 raise ProbeError(
@@ -83,7 +83,7 @@ class FocusAccumulator:
             add_stats(self, cache)
             return self
         if cache.partial or self.kept is not None:  # kept rows: the per-row metrics over them
-            from probe.analysis.focus.kept import add_rows
+            from probe.analysis.focus.whole.kept import add_rows
 
             add_rows(self, cache)
             return self
@@ -312,12 +312,12 @@ def head_stats(
     Or a model with its ``inputs`` (``tokenizer``, ``target``, ``layers``, and pictures or sound
     with ``processor``, ``text``, ``sampling_rate``, as for :func:`probe.capture`): one forward,
     every statistic computed ``block`` query rows at a time
-    while it runs, no pattern ever held whole (:mod:`probe.analysis.focus.streaming`); the same
+    while it runs, no pattern ever held whole (:mod:`probe.analysis.focus.streamed.reader`); the same
     table as for the captured cache, without the rollout (``HeadStats.not_computed``).
     ``progress``: a bar (over caches, or over the attentions a model's forward reads).
     """
     if isinstance(cache_or_caches, torch.nn.Module):
-        from probe.analysis.focus.streamrun import model_head_stats
+        from probe.analysis.focus.streamed.run import model_head_stats
 
         if inputs is None:
             raise ProbeError("head_stats(model, inputs): give the inputs to run the model on")

@@ -3,15 +3,16 @@
 ``probe.head_stats(model, inputs)`` runs one forward through :func:`probe.forward.stream_attention`,
 which hands each attention's weights a block of query rows at a time (recomputed SDPA weights, or
 slices of a softmax the model computed) to a :class:`RowTerms` made here. It turns each block into
-the per-query :class:`~probe.analysis.focus.metrics.Terms` of its rows and drops it; when the
-forward is done, :func:`~probe.analysis.focus.metrics.reduce` turns the terms into the metrics,
+the per-query :class:`~probe.analysis.focus.definitions.terms.Terms` of its rows and drops it; when the
+forward is done, :func:`~probe.analysis.focus.definitions.terms.reduce` turns the terms into the metrics,
 exactly as for a captured cache (the run itself, a reader per attention and the table, is
-:mod:`probe.analysis.focus.streamrun`); on a CPU each attention's terms are reduced when it closes.
+:mod:`probe.analysis.focus.streamed.run`); on a CPU each attention's terms are reduced when it closes.
 Peak memory is one block (``[batch, heads, rows, keys]``) plus O(batch · heads · T) of terms (one
 attention's on a CPU, every layer's on a GPU), never a ``T × T`` pattern.
 
-On a CUDA device with Triton one kernel per block (:mod:`probe.analysis.focus.rowkernel`, driven by
-:mod:`probe.analysis.focus.gputerms`) gives every per-row term that otherwise takes a sort, prefix
+On a CUDA device with Triton one kernel per block (:mod:`~probe.analysis.focus.backends.kernels.rowkernel`,
+driven by
+:mod:`probe.analysis.focus.backends.triton_rows`) gives every per-row term that otherwise takes a sort, prefix
 sums or a gather, the host never waits for the device between blocks, and the terms stay on the
 device until the forward ends.
 
@@ -29,11 +30,18 @@ from typing import Any
 import numpy as np
 import torch
 
-from probe.analysis.focus import rowblock as rb
-from probe.analysis.focus.gputerms import KernelTerms
-from probe.analysis.focus.metrics import LOCAL_WINDOW, Layout, Terms, reduce, word_masses, word_targets
-from probe.analysis.focus.reach import BEYOND
-from probe.analysis.focus.tokens import Side
+from probe.analysis.focus.backends import reference as rb
+from probe.analysis.focus.backends.triton_rows import KernelTerms
+from probe.analysis.focus.definitions.reach import BEYOND
+from probe.analysis.focus.definitions.terms import (
+    LOCAL_WINDOW,
+    Layout,
+    Terms,
+    reduce,
+    word_masses,
+    word_targets,
+)
+from probe.analysis.focus.definitions.tokens import Side
 
 ROLLOUT_NOTE = (
     "attention rollout multiplies every layer's whole T x T pattern; head_stats(model, ...) never "
@@ -135,7 +143,7 @@ class RowTerms:
         place and a block summed another way (sorted: a negative weight) writes there too. Until
         :meth:`_settled`, the causal audit (each row's largest weight after its query) and the
         previous-token template (the weight at ``d = −1``) wait in it."""
-        from probe.analysis.focus.rowparts import Sink
+        from probe.analysis.focus.backends.rowloop.rowparts import Sink
 
         if self.sink is None:
             B, H, Q, _ = self.shape
@@ -169,24 +177,24 @@ class RowTerms:
 
     def sdpa_call(self, args: tuple, kwargs: dict) -> bool:
         """Fold in a whole SDPA call from its ``q`` and ``k`` where the fused kernel applies
-        (:mod:`probe.analysis.focus.fused`: the weights are never written); False: hand the
+        (:mod:`probe.analysis.focus.backends.triton_fused`: the weights are never written); False: hand the
         weights to :meth:`rows` instead."""
-        from probe.analysis.focus import fused
+        from probe.analysis.focus.backends import triton_fused as fused
 
         return fused.read_call(self, args, kwargs)
 
     def reading(self):
         """The context of the block loop (``BlockConsumer``): torch single-threaded while the
         compiled row loop reads the blocks on the cores torch had (:func:`~.workers.cores`)."""
-        from probe.analysis.focus import rowfused, workers
+        from probe.analysis.focus.backends.rowloop import rowfused, workers
 
         return workers.cores() if rowfused.available() else contextlib.nullcontext()
 
     def fills(self, device: torch.device) -> bool:
         """Whether :meth:`rows` may be handed blocks not yet computed, with their ``fill``: on a
         CPU with the compiled row loop, each part of a block is computed on the thread that reads
-        it (see :func:`~probe.analysis.focus.rowfused.row_terms`)."""
-        from probe.analysis.focus import rowfused
+        it (see :func:`~probe.analysis.focus.backends.rowloop.rowfused.row_terms`)."""
+        from probe.analysis.focus.backends.rowloop import rowfused
 
         return torch.device(device).type == "cpu" and rowfused.available()
 
@@ -261,11 +269,11 @@ class RowTerms:
     def _cpu_terms(
         self, P: torch.Tensor, sl: slice, fill: Any = None, trim: bool = False
     ) -> dict[str, Any] | None:
-        """The compiled row loop's terms of a CPU block (:mod:`probe.analysis.focus.rowfused`),
+        """The compiled row loop's terms of a CPU block (:mod:`~.backends.rowloop.rowfused`),
         or None without numba (then the block is sorted); ``fill``: see :meth:`rows` (it leaves
         scores, whose softmax the loop takes, weights on padding keys then zeroed); ``trim``: its
         call is ``is_causal`` (each part computes, and each row is read, to the query only)."""
-        from probe.analysis.focus import rowfused, rowparts
+        from probe.analysis.focus.backends.rowloop import rowfused, rowparts
 
         if P.device.type != "cpu" or not rowfused.available():
             return None

@@ -2,11 +2,11 @@
 
 ``probe.capture(model, inputs, keep="stats")`` (:func:`probe.entry.capture`) runs one forward through
 :func:`probe.forward.capture_stats`: every attention's weights pass row block by row block
-through the readers of :func:`~probe.analysis.focus.streamrun.stats_readers` and are dropped;
+through the readers of :func:`~probe.analysis.focus.streamed.run.stats_readers` and are dropped;
 :func:`stats_fields` then stores, per attention of every layer,
 
 * ``<attn>.stat.<metric>`` ``[batch, head]`` (float32): each text's value of every metric of
-  :data:`~probe.analysis.focus.metrics.METRICS`, the values ``head_stats`` averages over texts;
+  :data:`~probe.analysis.focus.definitions.terms.METRICS`, the values ``head_stats`` averages over texts;
 * ``<attn>.received`` ``[batch, head, key]`` (float64): the sink profile, the mean weight each key
   position receives over the counted queries of each text (``HeadStats.received``);
 
@@ -25,9 +25,9 @@ from typing import Any
 
 import torch
 
-from probe.analysis.focus.metrics import METRICS
-from probe.analysis.focus.running import RunningStats
-from probe.analysis.focus.streaming import streamed_not_computed
+from probe.analysis.focus.definitions.running import RunningStats
+from probe.analysis.focus.definitions.terms import METRICS
+from probe.analysis.focus.streamed.reader import streamed_not_computed
 from probe.cache.format import parse_key, parse_name
 from probe.errors import ProbeError
 

@@ -2,7 +2,7 @@
 
 ``head_stats(model, ...)`` reduces every block of recomputed weights ``P`` ``[B, h, r, kend]``
 (query rows ``rows``, keys past ``kend`` zero) to per-query terms; the definitions are those of
-:mod:`probe.analysis.focus.metrics` (and the whole-pattern code there is the independent check
+:mod:`probe.analysis.focus.definitions.terms` (and the whole-pattern code there is the independent check
 in the tests). What makes this path fast on a CPU, measured on ``[1, 12, 341, 4096]`` blocks:
 
 * **warm buffers** (:class:`Workspace`): a fresh 64 MiB tensor per operation costs more in page
@@ -24,8 +24,8 @@ from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
-from probe.analysis.focus.reach import BEYOND, REACH_MASS
-from probe.analysis.focus.rows import SPAN_MASS
+from probe.analysis.focus.definitions.reach import BEYOND, REACH_MASS
+from probe.analysis.focus.whole.rows import SPAN_MASS
 
 _POOL: ThreadPoolExecutor | None = None
 
@@ -90,7 +90,7 @@ class Workspace:
 
 
 def entropy(P: torch.Tensor, ws: Workspace) -> torch.Tensor:
-    """``-Σ_j p log p`` per row ``[B, h, r]`` (as :class:`~probe.analysis.focus.rows._Rows`:
+    """``-Σ_j p log p`` per row ``[B, h, r]`` (as :class:`~probe.analysis.focus.whole.rows._Rows`:
     ``p · log max(p, tiny)``)."""
     buf = ws.get("tmp", tuple(P.shape), P.dtype, P.device)
     torch.clamp_min(P, torch.finfo(P.dtype).tiny, out=buf)
@@ -145,7 +145,7 @@ def distance_terms(
     C: torch.Tensor, rows: torch.Tensor, K: int
 ) -> tuple[dict[int, torch.Tensor], torch.Tensor]:
     """``({D: beyond_D}, reach)`` ``[B, h, r]`` from the prefix sums ``C`` of the rows ``rows``
-    (``K`` keys in all): the definitions of :mod:`probe.analysis.focus.reach`."""
+    (``K`` keys in all): the definitions of :mod:`probe.analysis.focus.definitions.reach`."""
     B, h, r, _ = C.shape
     total = C[..., -1]
     beyond = {}

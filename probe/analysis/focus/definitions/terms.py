@@ -14,9 +14,9 @@ from functools import cached_property
 
 import torch
 
-from probe.analysis.focus.reach import BEYOND, pattern_distance_terms
-from probe.analysis.focus.rows import BANDS, SPAN_MASS, _Rows
-from probe.analysis.focus.tokens import CLASS, IMAGE, REGISTER, Side
+from probe.analysis.focus.definitions.reach import BEYOND, pattern_distance_terms
+from probe.analysis.focus.definitions.tokens import CLASS, IMAGE, REGISTER, Side
+from probe.analysis.focus.whole.rows import BANDS, SPAN_MASS, _Rows
 
 METRICS = (
     "entropy",
@@ -195,7 +195,7 @@ class Terms:
     ``[B, h, Q, 3]``: special, punct, content), from which :func:`reduce` computes every metric.
 
     Filled from a whole pattern (:func:`pattern_terms`) or row block by row block while a model
-    runs (:mod:`probe.analysis.focus.streaming`); self-attention only: ``diag`` (``d`` ->
+    runs (:mod:`probe.analysis.focus.streamed.reader`); self-attention only: ``diag`` (``d`` ->
     ``a_i,i+d``, 0 where that key is missing, for ``|d| <= LOCAL_WINDOW``), ``signed``
     (Σ_j (j − i)·a_ij, summed so that no term near i·Σ a cancels: at 16k positions float32 loses
     three digits there), ``dist`` (Σ_j a_ij |i − j|; None when the layer is known causal), ``word``

@@ -1,9 +1,9 @@
 """A self-attention's statistics straight from its SDPA call's ``q`` and ``k`` (the fused GPU path).
 
-:class:`~probe.analysis.focus.streaming.RowTerms` is normally handed the recomputed weights block
+:class:`~probe.analysis.focus.streamed.reader.RowTerms` is normally handed the recomputed weights block
 by block. When the attention was one SDPA call on a CUDA device and Triton is installed,
 :func:`read_call` instead hands ``q``, ``k``, the mask and the scale to the kernel of
-:mod:`probe.analysis.focus.qkkernel`, which never writes the weights; it returns each row's
+:mod:`probe.analysis.focus.backends.kernels.qkkernel`, which never writes the weights; it returns each row's
 log-sum-exp, from which the few single weights the other terms need (the diagonals ``a_i,i+d``,
 the duplicate-token and induction pairs, the first real query's row) are recomputed here as dot
 products: ``exp(scale · q_i·k_j + mask_ij − lse_i)``.
@@ -20,8 +20,8 @@ from typing import Any
 
 import torch
 
-from probe.analysis.focus.metrics import LOCAL_WINDOW
-from probe.analysis.focus.reach import BEYOND
+from probe.analysis.focus.definitions.reach import BEYOND
+from probe.analysis.focus.definitions.terms import LOCAL_WINDOW
 
 CPU = False  # run on CPU tensors too (the tests, with Triton's interpreter); off: a CPU sorts faster
 PAIRS = 1 << 16  # weights recomputed per chunk by weights_at (bounds its [n, heads, E] gathers)
@@ -52,7 +52,7 @@ def read_call(reader: Any, args: tuple, kwargs: dict) -> bool:
     q, k, mask = c.get("query"), c.get("key"), c.get("attn_mask")
     if q is None or k is None or not enabled(q.device):
         return False
-    from probe.analysis.focus import qkkernel
+    from probe.analysis.focus.backends.kernels import qkkernel
 
     B, H, Q, K = reader.shape
     if not (reader.self_attn and qkkernel.usable(q, k, mask)):

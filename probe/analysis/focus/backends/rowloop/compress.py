@@ -1,6 +1,6 @@
 """Compaction eight weights a step, with the CPU's compress instruction (numba, AVX-512VL).
 
-The effective span's selection (:mod:`~probe.analysis.focus.spanselect`) collects the weights of
+The effective span's selection (:mod:`~.spanselect`) collects the weights of
 one first-level bin from a whole row: a compaction, ``cand[a] = x[j]; a += x[j] in the bin``,
 which LLVM leaves scalar (about 0.37 ns a weight on an AVX-512 machine, an eighth of the row
 loop's time). Where the CPU has AVX-512VL, :func:`pack8` compacts eight weights at once:

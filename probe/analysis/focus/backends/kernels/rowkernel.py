@@ -12,7 +12,7 @@ position and, for self-attention, the signed and absolute mean distance, ``beyon
 ``reach90`` (bisection over the distance), the word masses and the largest weight after the
 query (the causal audit), so those cost no further pass and no prefix sums.
 
-Used by :mod:`probe.analysis.focus.streaming` when Triton is installed (it ships with CUDA builds of
+Used by :mod:`probe.analysis.focus.streamed.reader` when Triton is installed (it ships with CUDA builds of
 PyTorch), the block is on a CUDA device and a row fits the registers (:data:`MAX_KEYS`); a block
 holding a negative weight (only a model's own softmax variant can give one) falls back to the sort;
 blocks probe recomputed with a softmax are not read back for that check (``check=False``), so the
@@ -24,9 +24,9 @@ from __future__ import annotations
 
 import torch
 
-from probe.analysis.focus.metrics import LOCAL_WINDOW, WORD_STEPS
-from probe.analysis.focus.reach import BEYOND, REACH_MASS
-from probe.analysis.focus.rows import SPAN_MASS
+from probe.analysis.focus.definitions.reach import BEYOND, REACH_MASS
+from probe.analysis.focus.definitions.terms import LOCAL_WINDOW, WORD_STEPS
+from probe.analysis.focus.whole.rows import SPAN_MASS
 
 MAX_KEYS = 32768  # a row is held in registers: 64 float32 per thread at 16 warps
 CPU = False  # the tests: CPU blocks too, run by Triton's interpreter (TRITON_INTERPRET=1)
@@ -303,9 +303,9 @@ def row_terms(
 
 
 def word_ends(words: dict[str, tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
-    """``[B, Q, 3, 2]`` int32 from :func:`~probe.analysis.focus.metrics.word_targets`: each
+    """``[B, Q, 3, 2]`` int32 from :func:`~probe.analysis.focus.definitions.terms.word_targets`: each
     query's ``(lo, hi)`` per target word, its mass being ``C(hi) − C(lo)`` of the row's running
-    sum ``C`` (``C(−1) = 0``). :func:`~probe.analysis.focus.metrics.word_masses` clamps both ends
+    sum ``C`` (``C(−1) = 0``). :func:`~probe.analysis.focus.definitions.terms.word_masses` clamps both ends
     to the block's keys; past the last key ``C`` is the row's total, so only ``hi`` below 0 needs
     the clamp here, and one table serves every block."""
     s = torch.stack([words[m][0] for m in WORDS], -1)  # [B, Q, 3]

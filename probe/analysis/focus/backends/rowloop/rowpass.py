@@ -1,12 +1,12 @@
 """One read of a row of weights for its sums (numba): the first loop of the CPU row loop.
 
-:mod:`~probe.analysis.focus.rowfused` calls :func:`read_row` on each row while it sits in the
+:mod:`~probe.analysis.focus.backends.rowloop.rowfused` calls :func:`read_row` on each row while it sits in the
 core's cache. It makes two short passes over the row, both vectorised by LLVM:
 
 1. **exact sums** (float64, the order of the additions free): each chunk of :data:`CH` keys' sum
    (kept as running sums for ``beyond_<D>``, ``reach90``, the word masses and the total), the
    masses and counts of the weights below three consecutive first-level bins (where the
-   effective span's search starts, see :mod:`~probe.analysis.focus.spanselect`), and the column
+   effective span's search starts, see :mod:`~.spanselect`), and the column
    sums ``acc += w · row``;
 2. **the other sums, eight weights a step** (float32 inside a chunk, each chunk's sum added in
    float64): ``Σ a·ln a`` (:func:`ln32`), the masses on the three key classes and the distances,
@@ -41,13 +41,13 @@ import math
 
 import numpy as np
 
-from probe.analysis.focus import spanselect as ss
-from probe.analysis.focus.spanselect import numba
+from probe.analysis.focus.backends.rowloop import spanselect as ss
+from probe.analysis.focus.backends.rowloop.spanselect import numba
 
 if numba is not None:
     from numba import njit
 
-    from probe.analysis.focus.spanselect import f32
+    from probe.analysis.focus.backends.rowloop.spanselect import f32
 
 CH = 256  # keys per chunk: its sum and largest weight are kept for the running sums and argmax
 PAD_MIN = 32  # a row's last part, shorter than a chunk, is read as a whole padded chunk from this long

@@ -9,7 +9,7 @@ import numpy as np
 import torch
 
 if TYPE_CHECKING:
-    from probe.analysis.focus.metrics import Layout
+    from probe.analysis.focus.definitions.terms import Layout
 
 SPAN_MASS = 0.9  # effective span: keys needed to cover this share of a row's mass
 BANDS = 8  # causal rows are sorted in bands of queries, each over the keys it can see
@@ -68,9 +68,10 @@ class _Rows:
 
 def _top_span(band: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Each row's largest weight and effective span: the selection of
-    :mod:`probe.analysis.focus.rowfused` where numba is installed (as the streamed path uses),
+    :mod:`~probe.analysis.focus.backends.rowloop.rowfused`
+    where numba is installed (as the streamed path uses),
     else numpy's sort with float32 running sums (as the streamed path then does)."""
-    from probe.analysis.focus import rowfused
+    from probe.analysis.focus.backends.rowloop import rowfused
 
     if rowfused.available() and bool((band >= 0).all()):
         return band.amax(-1), rowfused.spans(band).to(band.dtype)

@@ -13,9 +13,9 @@ from typing import Any
 
 import torch
 
-from probe.analysis.focus.metrics import IDX, LOCAL_WINDOW, METRICS, SPAN_MASS, _mean
-from probe.analysis.focus.running import RunningStats
-from probe.analysis.focus.tokens import CLASS, IMAGE, REGISTER, Side, side
+from probe.analysis.focus.definitions.running import RunningStats
+from probe.analysis.focus.definitions.terms import IDX, LOCAL_WINDOW, METRICS, SPAN_MASS, _mean
+from probe.analysis.focus.definitions.tokens import CLASS, IMAGE, REGISTER, Side, side
 from probe.cache.format import parse_key, parse_name
 from probe.cache.pictures import stack_positions
 from probe.errors import ProbeError

@@ -101,7 +101,7 @@ def parts(n: int, k: int) -> list[tuple[int, int]]:
 
 def _compiled() -> bool:
     """Whether the compiled loops are installed (numba, the ``fast`` extra)."""
-    from probe.analysis.focus.spanselect import numba  # (spanselect spreads its rows here)
+    from probe.analysis.focus.backends.rowloop.spanselect import numba  # (spanselect spreads its rows here)
 
     return numba is not None
 

@@ -38,8 +38,8 @@ loop took 0.874 of its time). Each also asks LLVM for 512-bit vectors (:func:`~.
 0.88 of the loop's time again, where the CPU has AVX-512).
 
 Reported masses are float64 sums (the entropy, class masses and distances of float32 partial sums
-of at most 256 weights). Used by :mod:`probe.analysis.focus.streaming` when numba is installed
-(the ``fast`` extra); without it the rows are sorted (:mod:`probe.analysis.focus.rowblock`).
+of at most 256 weights). Used by :mod:`probe.analysis.focus.streamed.reader` when numba is installed
+(the ``fast`` extra); without it the rows are sorted (:mod:`probe.analysis.focus.backends.reference`).
 """
 
 from __future__ import annotations
@@ -51,10 +51,9 @@ from collections.abc import Callable
 import numpy as np
 import torch
 
-from probe.analysis.focus import rowpass, workers
-from probe.analysis.focus import spanselect as ss
-from probe.analysis.focus.reach import BEYOND, REACH_MASS
-from probe.analysis.focus.rowparts import (
+from probe.analysis.focus.backends.rowloop import rowpass, workers
+from probe.analysis.focus.backends.rowloop import spanselect as ss
+from probe.analysis.focus.backends.rowloop.rowparts import (
     NAMES,
     Kept,
     Sink,
@@ -64,7 +63,8 @@ from probe.analysis.focus.rowparts import (
     tasks_of,
     word_ranges,
 )
-from probe.analysis.focus.spanselect import numba, spans
+from probe.analysis.focus.backends.rowloop.spanselect import numba, spans
+from probe.analysis.focus.definitions.reach import BEYOND, REACH_MASS
 
 if numba is not None:
     from numba import njit
@@ -366,7 +366,7 @@ def row_terms(
     ``[B, h, r]``: :data:`NAMES` (``after``: the largest weight on a key after the query) and
     ``arg``; None where a weight is negative (then sort instead). ``K``: the attention's key count
     for self-attention (distances, ``beyond_<D>``, ``reach`` and, with ``words`` (``{name:
-    (start, end)}`` ``[B, r]`` as :func:`~probe.analysis.focus.metrics.word_targets` gives them at
+    (start, end)}`` ``[B, r]`` as :func:`~probe.analysis.focus.definitions.terms.word_targets` gives them at
     these rows, or their :func:`~.rowparts.word_bounds`), the word masses); None for
     cross-attention. ``cols`` ``[B, 3, kend]``: the key
     classes; ``first`` ``[B]``: each text's first real key. ``colw`` ``[B, r]``: each query's

@@ -1,7 +1,7 @@
 """One streamed run of the focus statistics: a reader per attention, the forward, the table.
 
 :func:`stats_readers` makes the factory that ``probe.forward.stream_attention`` (and a capture's
-``keep="stats"``) asks for one reader per attention: a :class:`~probe.analysis.focus.streaming.RowTerms`
+``keep="stats"``) asks for one reader per attention: a :class:`~probe.analysis.focus.streamed.reader.RowTerms`
 per stack the attention may belong to (:class:`_Candidates`: an encoder-decoder's self-attention
 whose source and target have the same shape is read for both until the forward is named).
 :func:`model_head_stats` runs the forward; :func:`accumulate` turns the readers into the
@@ -14,11 +14,11 @@ from typing import Any
 
 import torch
 
-from probe.analysis.focus import rowblock as rb
+from probe.analysis.focus.backends import reference as rb
+from probe.analysis.focus.definitions.running import RunningStats
+from probe.analysis.focus.definitions.tokens import Side, side
 from probe.analysis.focus.result import HeadStats
-from probe.analysis.focus.running import RunningStats
-from probe.analysis.focus.streaming import RowTerms, one_thread, streamed_not_computed
-from probe.analysis.focus.tokens import Side, side
+from probe.analysis.focus.streamed.reader import RowTerms, one_thread, streamed_not_computed
 from probe.cache.format import parse_key
 from probe.errors import ProbeError
 

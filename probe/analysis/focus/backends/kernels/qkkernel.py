@@ -15,14 +15,15 @@ per head, written then read again) and reduce it. Here one Triton program per bl
 3. **the two statistics that need the whole row**, the effective span and ``reach90``, by a
    search over the whole row that tests :data:`NT` thresholds per pass over ``K``: the span's
    threshold over the bit patterns of the non-negative float32 weights (their order is their
-   weights' order), as :mod:`probe.analysis.focus.rowkernel` does in registers, and the reach over
+   weights' order), as :mod:`~.rowkernel` does in registers, and the reach over
    the distance. The first of these passes is pass 2 itself; each further pass divides every
    row's interval by ``NT + 1`` (:data:`LEVELS` passes in all for the span's 2³⁰ patterns).
 
 Masses are summed per tile in float32 and across tiles in float64. The span is exact in the sense
-of :mod:`probe.analysis.focus.spanselect` (the weights strictly below the threshold, then as many
-copies of the threshold as still fit in the left-over mass). Masks: ``is_causal``, a boolean or
-additive float ``attn_mask`` broadcast to ``[B, H, L, S]``, grouped-query key heads, any scale.
+of :mod:`~probe.analysis.focus.backends.rowloop.spanselect` (the weights strictly below the
+threshold, then as many copies of the threshold as still fit in the left-over mass). Masks:
+``is_causal``, a boolean or additive float ``attn_mask`` broadcast to ``[B, H, L, S]``, grouped-query
+key heads, any scale.
 
 On a CPU Triton's interpreter (``TRITON_INTERPRET=1`` before this module is imported) runs the same
 kernel on CPU tensors: that is how the tests check it where no GPU is.
@@ -34,8 +35,8 @@ import math
 
 import torch
 
-from probe.analysis.focus.reach import BEYOND, REACH_MASS
-from probe.analysis.focus.rows import SPAN_MASS
+from probe.analysis.focus.definitions.reach import BEYOND, REACH_MASS
+from probe.analysis.focus.whole.rows import SPAN_MASS
 
 try:  # Triton ships with PyTorch's CUDA wheels; a CPU-only install has none, and needs none
     import triton
@@ -354,9 +355,9 @@ def qk_terms(
     path does); ``qreal`` ``[B, L]``: the queries whose rows count in ``recv`` and in ``after``
     (the largest weight on a key after the query); ``cols`` ``[B, 3, S]``: the special, punct and
     content key classes; ``first`` ``[B]``: each text's first real key; ``words``
-    (:func:`~probe.analysis.focus.metrics.word_targets`) ``{name: (start, end)}`` ``[B, L]``:
+    (:func:`~probe.analysis.focus.definitions.terms.word_targets`) ``{name: (start, end)}`` ``[B, L]``:
     also each query's mass on its previous/own/next word, as
-    :func:`~probe.analysis.focus.metrics.word_masses` takes it from prefix sums."""
+    :func:`~probe.analysis.focus.definitions.terms.word_masses` takes it from prefix sums."""
     B, H, L, E = q.shape
     S = k.size(2)
     dev = q.device

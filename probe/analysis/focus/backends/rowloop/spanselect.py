@@ -7,7 +7,7 @@ values order as their bit patterns do, so a histogram of the 11 bits after the s
 and three mantissa bits: 2,048 bins, each bin's count and float64 mass, in :data:`LANES`
 interleaved copies) finds the one bin where the smallest weights stop fitting in the rest: every
 bin below it is left out whole (:func:`crossing`; the row loop of
-:mod:`~probe.analysis.focus.rowfused` first tries the previous row's bin and its neighbours,
+:mod:`~probe.analysis.focus.backends.rowloop.rowfused` first tries the previous row's bin and its neighbours,
 whose masses it sums as it reads the row). That bin's weights are then collected
 (:func:`collect`, eight a step where the CPU can: :mod:`~.compress`; :func:`finish`) and
 :func:`select` leaves out as many as fit, in ascending order, ties one by one, as the sort of
@@ -29,9 +29,9 @@ import math
 import numpy as np
 import torch
 
-from probe.analysis.focus import compress
-from probe.analysis.focus.rows import SPAN_MASS
-from probe.analysis.focus.workers import spread
+from probe.analysis.focus.backends.rowloop import compress
+from probe.analysis.focus.backends.rowloop.workers import spread
+from probe.analysis.focus.whole.rows import SPAN_MASS
 
 try:  # an optional extra: without numba the rows are sorted instead
     import numba

@@ -18,7 +18,7 @@ from collections.abc import Callable
 import numpy as np
 import torch
 
-from probe.analysis.focus import workers
+from probe.analysis.focus.backends.rowloop import workers
 
 # each row's terms in the loop's output (then its argmax)
 NAMES = (
@@ -62,7 +62,7 @@ def tasks_of(heads: int, r: int, n: int, k: int, filled: bool, causal_end: int =
 
 def word_bounds(words: dict[str, tuple[torch.Tensor, torch.Tensor]]) -> np.ndarray:
     """``[B, r, 3, 2]`` (int64) from ``{name: (start, end)}`` ``[B, r]``
-    (:func:`~probe.analysis.focus.metrics.word_targets`): each row's word ranges as the ends of
+    (:func:`~probe.analysis.focus.definitions.terms.word_targets`): each row's word ranges as the ends of
     ``C[e] − C[s − 1]`` (``s − 1`` is −1 for a range from the first key), not yet clamped to a
     block's keys (:func:`word_ranges` does that): a caller takes them once for every row."""
     names = ("word_prev", "word_self", "word_next")
@@ -73,7 +73,7 @@ def word_bounds(words: dict[str, tuple[torch.Tensor, torch.Tensor]]) -> np.ndarr
 
 def word_ranges(words: dict | np.ndarray | None, B: int, r: int, n: int) -> np.ndarray:
     """``[B, r, 3, 2]`` (int64): each row's word ranges as the ends of ``C[e] − C[s − 1]``, clamped
-    to the ``n`` keys as :func:`~probe.analysis.focus.metrics.word_masses` clamps them (``[B, r,
+    to the ``n`` keys as :func:`~probe.analysis.focus.definitions.terms.word_masses` clamps them (``[B, r,
     0, 2]`` without); ``words``: ``{name: (start, end)}`` ``[B, r]`` or their
     :func:`word_bounds`."""
     if words is None:
@@ -190,7 +190,7 @@ class Sink:
     weights near the diagonal, as :class:`Kept` keeps them) and ``pairs`` ``[templates, B·h·Q]``
     (the templates ``pair_names``' sums). :meth:`term`, :meth:`masks`, :meth:`diag` and
     :meth:`pair` are ``[B, h, Q]`` tensors viewing them (the caller's
-    :class:`~probe.analysis.focus.metrics.Terms` are these views, so a block summed another way
+    :class:`~probe.analysis.focus.definitions.terms.Terms` are these views, so a block summed another way
     writes to the same place)."""
 
     def __init__(self, B: int, h: int, Q: int, window: int, pair_names: tuple[str, ...] = ()):

@@ -1,7 +1,7 @@
 """The per-row terms of a streamed attention on a GPU: the row kernel, and no wait per block.
 
-:class:`~probe.analysis.focus.streaming.RowTerms` hands each block on a CUDA device to a
-:class:`KernelTerms` first. One Triton program per row (:mod:`probe.analysis.focus.rowkernel`)
+:class:`~probe.analysis.focus.streamed.reader.RowTerms` hands each block on a CUDA device to a
+:class:`KernelTerms` first. One Triton program per row (:mod:`~.kernels.rowkernel`)
 gives every per-row term: total, entropy, top weight and argmax, span, the first key's weight and,
 for self-attention, the distances, ``beyond_<D>``, ``reach90``, the diagonals, the word masses and
 each row's largest weight after its query (the causal audit). The host issues one launch per block
@@ -10,7 +10,7 @@ device computes this one:
 
 * blocks that probe computed with a softmax (SDPA's recomputed weights, :meth:`RowTerms.recomputed`)
   cannot hold a negative weight, so the kernel writes straight into one ``[B, H, Q, N]`` table of
-  the attention, which is spread into the :class:`~probe.analysis.focus.metrics.Terms` once, when
+  the attention, which is spread into the :class:`~probe.analysis.focus.definitions.terms.Terms` once, when
   the attention closes (:meth:`KernelTerms.settle`);
 * the causal audit is kept on the device and read once per attention.
 
@@ -25,9 +25,9 @@ from typing import Any
 
 import torch
 
-from probe.analysis.focus.reach import BEYOND
+from probe.analysis.focus.definitions.reach import BEYOND
 
-KERNEL = "probe.analysis.focus.rowkernel"
+KERNEL = "probe.analysis.focus.backends.kernels.rowkernel"
 
 
 class KernelTerms:
@@ -46,7 +46,7 @@ class KernelTerms:
         kernel = sys.modules.get(KERNEL)  # on a CPU only for the tests' interpreter
         if not P.is_cuda and not getattr(kernel, "CPU", False):
             return False
-        from probe.analysis.focus import rowkernel
+        from probe.analysis.focus.backends.kernels import rowkernel
 
         if not rowkernel.usable(P):
             self.flush()
@@ -78,7 +78,7 @@ class KernelTerms:
         """Spread the table's rows written so far into the owner's terms."""
         if self.span is None:
             return
-        from probe.analysis.focus import rowkernel
+        from probe.analysis.focus.backends.kernels import rowkernel
 
         o = self.owner
         sl = slice(*self.span)
