@@ -43,6 +43,7 @@ from probe.intervene import (  # noqa: E402
     knockout,
     patch,
 )
+from probe.intervene.circuit import Circuit, circuit  # noqa: E402
 
 __all__ = ["capture", "trace", "Trace", "load", "Cache", "ProbeError", "report", "plot", "__version__"]
 __all__ += [
@@ -68,6 +69,7 @@ __all__ += ["word_timestamps", "WordTimestamps"]
 __all__ += ["attention_map", "pointing", "Pointing", "artifacts", "Artifacts"]
 __all__ += ["lookback", "Lookback"]
 __all__ += ["head_writes", "HeadWrites"]
+__all__ += ["circuit", "Circuit"]
 
 
 def __getattr__(name: str):

@@ -1,0 +1,203 @@
+"""Circuits against independent oracles, on tiny models.
+
+Oracles: the model's own forward on the clean and the corrupted inputs (a circuit of every edge,
+and of none); :meth:`tests.circuit_fixtures.Tiny.edges_forward`, a forward written in the test
+that assembles every target's input edge by edge from explicit weight slices (exact patching,
+partial circuits, path patching); and a model whose metric is linear in its embedding, where
+EAP-IG must equal the exact effect for any number of steps.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from probe import circuit
+from probe.errors import ProbeError
+from probe.intervene.circuit.evaluate import circuit_logits
+from tests.circuit_fixtures import Tiny, ids_pair, logit_diff
+
+CONFIGS = {
+    "attention-only": {},
+    "pre-norm with MLPs": {"norm": True, "mlp": True},
+    "grouped-query": {"heads": 4, "kv_heads": 2, "norm": True, "mlp": True},
+}
+ANSWERS = torch.tensor([[1, 2]] * 4)
+
+
+def _close(a, b, rel=1e-5):
+    return float((a - b).abs().max()) <= rel * (1 + float(b.abs().max()))
+
+
+@pytest.mark.parametrize("cfg", CONFIGS, ids=list(CONFIGS))
+def test_full_and_empty_circuits_are_the_clean_and_corrupted_runs(cfg):
+    m = Tiny(**CONFIGS[cfg]).eval()
+    clean, corrupt = ids_pair()
+    c = circuit(m, clean, corrupt, answers=(1, 2), method="eap", batch_size=3)
+    task, g = c.attached(), c.graph
+    with torch.no_grad():
+        assert _close(circuit_logits(task, g.mask(), 1), m(clean[3:]))
+        assert _close(circuit_logits(task, torch.zeros_like(g.mask()), 0), m(corrupt[:3]))
+    full, empty = c.top(g.n_edges).evaluate(), c.top(0).evaluate()
+    assert abs(full["faithfulness"] - 1) < 1e-4 and abs(empty["faithfulness"]) < 1e-4
+
+
+def test_hf_models_full_and_empty():
+    from tests.hf_fixtures import gpt2, llama
+
+    clean, corrupt = ids_pair(B=2, T=6, vocab=50)
+    for model in (gpt2(50), llama(50)):  # fused Conv1D q/k/v with biases; GQA with RMSNorm and rotary
+        c = circuit(model, clean, corrupt, answers=(3, 4), method="eap")
+        task, g = c.attached(), c.graph
+        with torch.no_grad():
+            assert _close(circuit_logits(task, g.mask()), model(clean).logits)
+            assert _close(circuit_logits(task, torch.zeros_like(g.mask())), model(corrupt).logits)
+
+
+def _oracle_effects(m, clean, corrupt, g):
+    """``{(node, target): M(clean) - M(that edge corrupted)}`` from the hand-assembled forward."""
+    rec = {}
+    with torch.no_grad():
+        m.edges_forward(corrupt, record=rec)
+        base = logit_diff(m.edges_forward(clean), ANSWERS)
+        out = {}
+        for i, n in enumerate(g.nodes):
+            for j, t in enumerate(g.targets):
+                if n.order < t.order:
+                    v = logit_diff(m.edges_forward(clean, {(n.name, t.name): rec[n.name]}), ANSWERS)
+                    out[(i, j)] = float(base - v)
+    return out, rec
+
+
+@pytest.mark.parametrize("cfg", CONFIGS, ids=list(CONFIGS))
+def test_exact_patching_equals_the_hand_assembled_oracle(cfg):
+    m = Tiny(**CONFIGS[cfg]).eval()
+    clean, corrupt = ids_pair()
+    c = circuit(m, clean, corrupt, answers=(1, 2), method="patching", batch_size=3)
+    want, _ = _oracle_effects(m, clean, corrupt, c.graph)
+    assert len(want) == c.graph.n_edges == len(c.table)
+    scale = max(abs(v) for v in want.values())
+    for (i, j), v in want.items():
+        assert abs(float(c.scores[i, j]) - v) <= 1e-5 * (1 + scale), c.graph.edge_name(i, j)
+
+
+def test_partial_circuits_and_a_path_equal_the_oracle():
+    m = Tiny(**CONFIGS["grouped-query"]).eval()
+    clean, corrupt = ids_pair()
+    c = circuit(m, clean, corrupt, answers=(1, 2), method="eap")
+    g = c.graph
+    rec = {}
+    with torch.no_grad():
+        m.edges_forward(corrupt, record=rec)
+        clean_rec = {}
+        m.edges_forward(clean, record=clean_rec)
+        for n in (3, 10, 40):
+            sel = c.greedy(n)
+            given = {
+                (g.nodes[i].name, g.targets[j].name): rec[g.nodes[i].name]
+                for i, j in (g.mask() & ~sel.edges).nonzero().tolist()
+            }
+            want = float(logit_diff(m.edges_forward(clean, given), ANSWERS))
+            assert abs(sel.evaluate()["metric"] - want) <= 1e-5 * (1 + abs(want))
+        # path L0.H1 -> L1.KV0.v -> L1.H1 -> logits: H1's change reaches only the logits, and
+        # L1.H0, which shares key/value head 0, passes nothing on
+        path = ["L0.H1", "L1.KV0.v", "L1.H1", "logits"]
+        given = {("L0.H1", "L1.KV0.v"): rec["L0.H1"]}
+        given |= {
+            ("L1.H1", t.name): clean_rec["L1.H1"] for t in g.targets if t.order > 3 and t.name != "logits"
+        }
+        given |= {("L1.H0", t.name): clean_rec["L1.H0"] for t in g.targets if t.order > 3}
+        want = float(logit_diff(m.edges_forward(clean, given), ANSWERS))
+    got = c.path(" -> ".join(path))
+    assert abs(got["metric"] - want) <= 1e-5 * (1 + abs(want))
+    assert abs(got["effect"] - (c.references["clean"] - want)) <= 1e-4
+
+
+def test_eap_against_exact_patching():
+    """EAP is a first-order estimate. On this small pre-norm model with MLPs and grouped-query
+    attention (weights of std 0.2) EAP's scores correlate 0.95 with the exact effects and are off
+    by 44% of their norm; EAP-IG with 10 steps: 0.995 and 10% (as measured; asserted: above 0.9
+    and below 50%, above 0.98 and below 20%)."""
+    m = Tiny(**CONFIGS["grouped-query"]).eval()
+    with torch.no_grad():
+        for p in m.parameters():
+            p.mul_(1 / 3)
+    clean, corrupt = ids_pair(B=8)
+    exact = circuit(m, clean, corrupt, answers=(1, 2), method="patching")
+    mask = exact.graph.mask()
+    p = exact.scores[mask]
+    for method, steps, corr, err in (("eap", 1, 0.9, 0.5), ("eap-ig", 10, 0.98, 0.2)):
+        e = circuit(m, clean, corrupt, answers=(1, 2), method=method, steps=steps).scores[mask]
+        assert float(torch.corrcoef(torch.stack([p, e]))[0, 1]) > corr, method
+        assert float((e - p).norm() / p.norm()) < err, method
+
+
+def test_eap_ig_is_exact_when_the_metric_is_linear_in_the_embedding():
+    """Tokens in dimensions 0-7, positions in 8-15; queries and keys read only 8-15 and heads write
+    only 0-7: every pattern depends on positions alone, the same in every run, so (no norm, no MLP)
+    the logits are linear in the embedding and EAP-IG with any number of steps is the exact effect."""
+    m = Tiny(**CONFIGS["attention-only"]).eval()
+    with torch.no_grad():
+        m.tok.weight[:, 8:] = 0
+        m.pos.weight[:, :8] = 0
+        for blk in m.blocks:
+            blk.attn.q.weight[:, :8] = 0
+            blk.attn.k.weight[:, :8] = 0
+            blk.attn.o.weight[8:] = 0
+            blk.attn.o.bias[8:] = 0
+    clean, corrupt = ids_pair()
+    exact = circuit(m, clean, corrupt, answers=(1, 2), method="patching")
+    mask = exact.graph.mask()
+    scale = float(exact.scores[mask].abs().max())
+    for steps in (1, 2, 5):
+        ig = circuit(m, clean, corrupt, answers=(1, 2), method="eap-ig", steps=steps)
+        assert float((ig.scores[mask] - exact.scores[mask]).abs().max()) <= 1e-5 * (1 + scale)
+
+
+class _MHABlock(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.attn = nn.MultiheadAttention(16, 2, batch_first=True)
+
+    def forward(self, x):
+        mask = torch.triu(torch.ones(x.shape[1], x.shape[1], dtype=torch.bool), 1)
+        return x + self.attn(x, x, x, attn_mask=mask, need_weights=False)[0]
+
+
+class _MHA(nn.Module):
+    """A causal LM on nn.MultiheadAttention: its output projection runs inside a fused kernel."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb = nn.Embedding(11, 16)
+        self.blocks = nn.ModuleList(_MHABlock() for _ in range(2))
+        self.lm_head = nn.Linear(16, 11)
+
+    def forward(self, ids):
+        x = self.emb(ids)
+        for b in self.blocks:
+            x = b(x)
+        return self.lm_head(x)
+
+
+def test_refusals():
+    clean, corrupt = ids_pair()
+    m = Tiny().eval()
+    with pytest.raises(ProbeError, match="same number of tokens|padded differently"):
+        circuit(m, clean, corrupt[:, :-1], answers=(1, 2))
+    with pytest.raises(ProbeError, match="one corrupted input per clean one"):
+        circuit(m, clean, corrupt[:2], answers=(1, 2))
+    with pytest.raises(ProbeError, match="zero gradient"):
+        circuit(m, clean, corrupt, metric="kl", method="eap")
+    with pytest.raises(ProbeError, match="output-projection"):
+        circuit(_MHA().eval(), clean, corrupt, answers=(1, 2))
+    import transformers as tf
+
+    cfg = tf.BertConfig(
+        vocab_size=11, hidden_size=16, num_hidden_layers=2, num_attention_heads=2, intermediate_size=32
+    )
+    torch.manual_seed(0)
+    bert = tf.BertForMaskedLM(cfg).eval()
+    with pytest.raises(ProbeError, match="post-norm"):
+        circuit(bert, clean, corrupt, answers=(1, 2))
