@@ -31,12 +31,14 @@ from probe.errors import ProbeError  # noqa: E402
 from probe.generation import Generation, generate  # noqa: E402
 from probe.intervene import (  # noqa: E402
     Ablation,
+    Composition,
     HeadImportance,
     HeadWrites,
     Intervention,
     Knockout,
     Patching,
     ablate,
+    composition,
     head_importance,
     head_writes,
     intervene,
@@ -68,7 +70,7 @@ __all__ += ["knockout", "Knockout", "intervene", "Intervention"]
 __all__ += ["word_timestamps", "WordTimestamps"]
 __all__ += ["attention_map", "pointing", "Pointing", "artifacts", "Artifacts"]
 __all__ += ["lookback", "Lookback"]
-__all__ += ["head_writes", "HeadWrites"]
+__all__ += ["head_writes", "HeadWrites", "composition", "Composition"]
 __all__ += ["circuit", "Circuit"]
 
 

@@ -6,6 +6,7 @@ its own code on its own attention path; nothing is forced onto eager attention.
 """
 
 from probe.intervene.ablate import Ablation
+from probe.intervene.composition import Composition, composition
 from probe.intervene.context import Intervention, ablate, intervene, knockout
 from probe.intervene.importance import HeadImportance, head_importance
 from probe.intervene.knockout import Knockout
@@ -25,4 +26,6 @@ __all__ = [
     "Knockout",
     "head_writes",
     "HeadWrites",
+    "composition",
+    "Composition",
 ]
