@@ -17,6 +17,7 @@ from probe.cli import (
     align,
     capture,
     check,
+    circuit,
     common,
     corpus,
     diff,
@@ -30,6 +31,7 @@ from probe.cli import (
 from probe.cli.align import align_text, cmd_align
 from probe.cli.capture import cmd_capture, cmd_info, cmd_models, info_text
 from probe.cli.check import cmd_check
+from probe.cli.circuit import cmd_circuit
 from probe.cli.common import Terminated, add_model_args, load_model
 from probe.cli.corpus import cmd_corpus
 from probe.cli.diff import cmd_diff
@@ -50,6 +52,7 @@ __all__ = [
     "cmd_budget",
     "cmd_capture",
     "cmd_check",
+    "cmd_circuit",
     "cmd_corpus",
     "cmd_diff",
     "cmd_export",
@@ -100,6 +103,7 @@ def build_parser() -> argparse.ArgumentParser:
     residual.add_parsers(sub)
     align.add_parser(sub)
     intervene.add_parsers(sub)
+    circuit.add_parser(sub)
     for p in sub.choices.values():  # every command's --help: wrapped text, examples one a line
         p.formatter_class = common.HelpFormatter
     parser.commands = sub.choices  # name -> the command's parser (for its own usage in errors)
