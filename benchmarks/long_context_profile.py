@@ -6,7 +6,7 @@ tokens (2048), profiled, split by the cumulative time of: the block recompute
 of a block on its own threads, ``_Scores.fill``'s thread-seconds over the threads), the
 statistics (``RowTerms.rows`` less the column sums and those parts; with numba, the compiled row
 loop's share of it, ``rowfused._tasks``, thread-seconds over the threads), the column sums
-(``rowblock.received``, the sink profile) and the reduction with its host copies
+(``backends/reference.py`` ``received``, the sink profile) and the reduction with its host copies
 (``RowTerms.values``, ``RowTerms.received``); the rest is the model's forward. ``--sort`` hides
 numba, so the CPU sorts rows for the span as before the compiled row loop.
 
@@ -89,10 +89,10 @@ def main() -> None:
     # blocks computed whole on the main thread, plus (the row loop filling each part on its own
     # threads, which cProfile does not see) the fills' thread-seconds over the threads
     rec = _cum(st, "capture/patterns.py", "blocks") + filled[0] / threads()
-    rows = _cum(st, "focus/streaming.py", "rows", first_only=True)  # RowTerms.rows, not _Candidates'
+    rows = _cum(st, "focus/streamed/reader.py", "rows", first_only=True)  # RowTerms.rows, not _Candidates'
     rows -= filled[0] / threads()  # the parts' recompute inside the row loop
-    col = _cum(st, "focus/rowblock.py", "received")
-    host = _cum(st, "focus/streaming.py", "values") + _cum(st, "focus/streaming.py", "received")
+    col = _cum(st, "focus/backends/reference.py", "received")
+    host = _cum(st, "focus/streamed/reader.py", "values") + _cum(st, "focus/streamed/reader.py", "received")
     if a.top:
         pstats.Stats(pr).sort_stats("tottime").print_stats(a.top)
     path = "sort" if a.sort else "row loop"

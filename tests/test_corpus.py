@@ -17,7 +17,7 @@ import torch
 
 import probe
 from models import load as load_model
-from probe.analysis.focus.stats import FocusAccumulator
+from probe.analysis.focus.accumulator import FocusAccumulator
 
 ROOT = Path(__file__).resolve().parents[1]
 LETTERS = "acdefghiklmnoprstuw"  # inside minigpt's vocabulary

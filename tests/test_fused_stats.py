@@ -243,7 +243,7 @@ def test_row_kernel_table_equals_the_full_patterns(rowk, kind, monkeypatch):
     """The streamed statistics through the row kernel, as on a GPU (the causal audit kept on the
     device and read once per attention; SDPA blocks not read back for negative weights), against
     the whole-pattern statistics."""
-    from probe.analysis.focus.streamed import reader as streaming
+    from probe.analysis.focus.backends import numba_rows
 
     torch.manual_seed(7)
     lm = ToyLM(kind).eval()
@@ -252,7 +252,7 @@ def test_row_kernel_table_equals_the_full_patterns(rowk, kind, monkeypatch):
     launch, row_terms = rowk.launch, rowk.row_terms
     monkeypatch.setattr(rowk, "launch", lambda *a, **k: launched.append(1) or launch(*a, **k))
     monkeypatch.setattr(rowk, "row_terms", lambda *a, **k: checked.append(k["check"]) or row_terms(*a, **k))
-    monkeypatch.setattr(streaming.RowTerms, "_cpu_terms", lambda *a, **k: pytest.fail("the CPU loop ran"))
+    monkeypatch.setattr(numba_rows.RowLoop, "loop_terms", lambda *a, **k: pytest.fail("the CPU loop ran"))
     streamed = probe.head_stats(lm, ids)
     assert launched  # every block through the kernel; only the model's own weights read back
     assert checked == ([True] * len(launched) if kind == "F.softmax" else [])

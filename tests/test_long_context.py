@@ -66,7 +66,7 @@ def test_template_pairs_equal_the_masks_written_here():
     built here as [rows, keys] comparisons, in the same order, with padding and any key range."""
     from types import SimpleNamespace
 
-    from probe.analysis.focus.backends.reference import template_pairs
+    from probe.analysis.focus.backends.workspace import template_pairs
 
     g = torch.Generator().manual_seed(0)
     for trial in range(150):
@@ -94,7 +94,7 @@ def test_repeated_tokens_templates_match(monkeypatch, memo):
     """A text of a few repeated tokens (many duplicate and induction pairs): the pairs gathered
     one by one, remembered across layers or (memo off) recomputed per layer, give the masked sums
     of the full path."""
-    from probe.analysis.focus.backends import reference as rowblock
+    from probe.analysis.focus.backends import workspace as rowblock
 
     if not memo:
         monkeypatch.setattr(rowblock.Workspace, "MEMO_PAIRS", 0)

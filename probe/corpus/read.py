@@ -8,8 +8,8 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+from probe.analysis.focus.accumulator import FocusAccumulator
 from probe.analysis.focus.result import HeadStats
-from probe.analysis.focus.stats import FocusAccumulator
 from probe.cache import Cache, load
 from probe.errors import ProbeError
 
@@ -83,7 +83,7 @@ class Corpus:
             raise ProbeError(f"{self.path}: the run computed no statistics (stats=False)")
         d = json.loads(p.read_text(encoding="utf-8"))
         acc = FocusAccumulator.from_dict(d)
-        acc.not_computed.update(d.get("not_computed") or {})  # left out while the model ran, and why
+        acc.leave_out(d.get("not_computed") or {})  # left out while the model ran, and why
         return acc.result()
 
     def summary(self) -> str:

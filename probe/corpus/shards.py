@@ -11,7 +11,7 @@ import json
 from pathlib import Path
 
 from probe import interrupt
-from probe.analysis.focus.stats import FocusAccumulator
+from probe.analysis.focus.accumulator import FocusAccumulator
 from probe.cache import Cache
 from probe.capture import capture
 from probe.corpus.keep import kept
@@ -152,7 +152,7 @@ def finish(out: Path) -> dict:
         if not_computed:  # kept beside the accumulator: Corpus.head_stats says what is missing
             merged["not_computed"] = not_computed
         write_text_atomic(out / "stats.json", json.dumps(merged))
-        acc.not_computed.update(not_computed)
+        acc.leave_out(not_computed)
         hs = acc.result()
         hs.to_json(out / "head_stats.json")
         hs.to_csv(out / "head_stats.csv")

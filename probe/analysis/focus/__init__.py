@@ -114,18 +114,14 @@ else none. Grouped-query models (``num_key_value_heads`` < ``num_attention_heads
 recorded config) get ``kv_head`` = head // (heads per key/value head) and ``HeadStats.kv_groups``.
 """
 
+from probe.analysis.focus.accumulator import FocusAccumulator
+from probe.analysis.focus.definitions.roles import roles_of
 from probe.analysis.focus.definitions.running import RunningStats
-from probe.analysis.focus.definitions.terms import METRICS
+from probe.analysis.focus.definitions.table import METRICS, ROLE_RULES, SINK_EPSILON
 from probe.analysis.focus.induction import induction_scores, repeated_sequences
+from probe.analysis.focus.result import HeadStats
 from probe.analysis.focus.retrieval import retrieval_scores
-from probe.analysis.focus.stats import (
-    ROLE_RULES,
-    SINK_EPSILON,
-    FocusAccumulator,
-    HeadStats,
-    head_stats,
-    roles_of,
-)
+from probe.analysis.focus.stats import head_stats
 
 __all__ = [
     "head_stats",

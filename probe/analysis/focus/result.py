@@ -3,18 +3,15 @@
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
-from probe.analysis.focus.definitions.roles import ROLE_RULES, SINK_EPSILON, roles_of
-from probe.analysis.focus.definitions.terms import METRICS
+from probe.analysis.focus.definitions.roles import roles_of
+from probe.analysis.focus.definitions.table import METRICS, ROLE_RULES, SINK_EPSILON
+from probe.analysis.focus.whole.kept import NOT_COMPUTED
 from probe.analysis.table import Exports, Table
 from probe.errors import ProbeError
-
-if TYPE_CHECKING:
-    from probe.analysis.focus.stats import FocusAccumulator
-
 
 _EVERY = "they need every query row"
 
@@ -35,12 +32,10 @@ class HeadStats(Exports):
     model block by block, which never holds a whole pattern); ``received`` maps
     ``"stack/layer/kind"`` to the sink profile ``[batch, heads, K]`` (the mean weight each key
     position gets over the counted queries; single cache or model run only, see
-    :meth:`sink_profile`).
+    :meth:`sink_profile`). Made by ``FocusAccumulator.result()`` from the accumulator ``acc``.
     """
 
-    def __init__(self, acc: FocusAccumulator) -> None:
-        from probe.analysis.focus.whole.kept import NOT_COMPUTED
-
+    def __init__(self, acc: Any) -> None:
         self.accumulator = acc
         self.n_texts = acc.n_texts
         self.rollout = acc.rollout

@@ -1,31 +1,36 @@
-"""The per-row terms of one block of pattern rows, computed in few passes (the streamed path).
+"""The torch reference backend: the per-row terms of any block, in few passes of plain torch.
 
-``head_stats(model, ...)`` reduces every block of recomputed weights ``P`` ``[B, h, r, kend]``
-(query rows ``rows``, keys past ``kend`` zero) to per-query terms; the definitions are those of
-:mod:`probe.analysis.focus.definitions.terms` (and the whole-pattern code there is the independent check
-in the tests). What makes this path fast on a CPU, measured on ``[1, 12, 341, 4096]`` blocks:
+It takes every block the other backends leave (no numba, a negative weight, a device no kernel
+runs on), and is the one :mod:`probe.analysis.focus.whole` is checked against in the tests through
+the streamed path; the definitions are those of :mod:`probe.analysis.focus.definitions`. What makes
+it fast on a CPU, measured on ``[1, 12, 341, 4096]`` blocks:
 
-* **warm buffers** (:class:`Workspace`): a fresh 64 MiB tensor per operation costs more in page
-  faults than the arithmetic it holds (a multiply into a new tensor 33 ms, into a reused one
-  6 ms), so every full-size temporary lives in a buffer reused across blocks and layers;
+* **warm buffers** (:class:`~.workspace.Workspace`): every full-size temporary lives in a buffer
+  reused across blocks and layers;
 * **one prefix sum per row** ``C`` gives the mass within any distance of the query
   (``C[i + d] − C[i − d − 1]``), so ``beyond_<D>`` is two gathers per row and ``reach90`` a
   binary search of ``log2 K`` gathers, instead of a ``[r, K]`` distance histogram;
 * **sparse templates**: the duplicate-token and induction pairs are few; their weights are
   gathered pair by pair instead of multiplying the block by a mask;
 * the effective span's sort (numpy's SIMD sort, in place) is split over threads by rows.
+
+The other backends use its :func:`columns`, :func:`key_masses` and :func:`gathered_pairs` for what
+they leave to torch.
 """
 
 from __future__ import annotations
 
-import math
 import os
 from concurrent.futures import ThreadPoolExecutor
+from typing import Any
 
 import torch
 
-from probe.analysis.focus.definitions.reach import BEYOND, REACH_MASS
-from probe.analysis.focus.whole.rows import SPAN_MASS
+from probe.analysis.focus.backends.base import RowTermsBackend
+from probe.analysis.focus.backends.workspace import Workspace
+from probe.analysis.focus.definitions.reach import distance_terms
+from probe.analysis.focus.definitions.table import LOCAL_WINDOW, SPAN_MASS
+from probe.analysis.focus.definitions.terms import word_masses
 
 _POOL: ThreadPoolExecutor | None = None
 
@@ -37,60 +42,8 @@ def _pool() -> ThreadPoolExecutor:
     return _POOL
 
 
-class Pairs(dict):
-    """:func:`template_pairs`' ``{name: (b, i, j, hits)}``, with room (``memo``) for what a reader
-    derives from them once (the CPU row loop's index of them, :func:`~.rowparts.pairs_csr`):
-    every layer of a stack reads the same pairs (:meth:`Workspace.pairs`)."""
-
-    def __init__(self, *args, **kwargs) -> None:
-        super().__init__(*args, **kwargs)
-        self.memo: dict = {}
-
-
-class Workspace:
-    """Scratch buffers reused across the blocks and layers of one run: ``get(name, shape, dtype,
-    device)`` is a view of a buffer grown as needed (its contents are whatever was left there)."""
-
-    MEMO_PAIRS = 1 << 23  # template pairs remembered across layers (3 int64 each: ~200 MiB)
-
-    def __init__(self) -> None:
-        self._bufs: dict[tuple, torch.Tensor] = {}
-        self._pairs: dict[tuple, dict] = {}
-        self._n_pairs = 0
-
-    def pairs(
-        self, qs, ks, q0: int, q1: int, kend: int, device: torch.device | str = "cpu"
-    ) -> dict[str, tuple[torch.Tensor, ...]]:
-        """:func:`template_pairs` of these rows on ``device``, remembered for the next layer
-        (every layer of a stack reads the same tokens) while fewer than :data:`MEMO_PAIRS` pairs
-        are held."""
-        key = (id(qs), id(ks), q0, q1, kend, str(device))
-        got = self._pairs.get(key)
-        if got is None:
-            got = Pairs(
-                {n: tuple(x.to(device) for x in v) for n, v in template_pairs(qs, ks, q0, q1, kend).items()}
-            )
-            n = sum(v[0].numel() for v in got.values())
-            if self._n_pairs + n <= self.MEMO_PAIRS:
-                self._pairs[key] = got
-                self._n_pairs += n
-        return got
-
-    def get(
-        self, name: str, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device
-    ) -> torch.Tensor:
-        n = math.prod(shape)
-        key = (name, dtype, str(device))
-        buf = self._bufs.get(key)
-        if buf is None or buf.numel() < n:
-            self._bufs.pop(key, None)  # let the smaller buffer go before the larger is made
-            buf = torch.empty(n, dtype=dtype, device=device)
-            self._bufs[key] = buf
-        return buf[:n].view(shape)
-
-
 def entropy(P: torch.Tensor, ws: Workspace) -> torch.Tensor:
-    """``-Σ_j p log p`` per row ``[B, h, r]`` (as :class:`~probe.analysis.focus.whole.rows._Rows`:
+    """``-Σ_j p log p`` per row ``[B, h, r]`` (as :class:`~probe.analysis.focus.whole.rows.PatternRows`:
     ``p · log max(p, tiny)``)."""
     buf = ws.get("tmp", tuple(P.shape), P.dtype, P.device)
     torch.clamp_min(P, torch.finfo(P.dtype).tiny, out=buf)
@@ -141,30 +94,13 @@ def _within(C: torch.Tensor, rows: torch.Tensor, d: torch.Tensor) -> torch.Tenso
     return up - torch.where(lo >= 0, down, 0)
 
 
-def distance_terms(
+def prefix_distances(
     C: torch.Tensor, rows: torch.Tensor, K: int
 ) -> tuple[dict[int, torch.Tensor], torch.Tensor]:
     """``({D: beyond_D}, reach)`` ``[B, h, r]`` from the prefix sums ``C`` of the rows ``rows``
-    (``K`` keys in all): the definitions of :mod:`probe.analysis.focus.definitions.reach`."""
-    B, h, r, _ = C.shape
-    total = C[..., -1]
-    beyond = {}
-    for D in BEYOND:
-        if D < K:
-            beyond[D] = total - _within(C, rows, torch.tensor(D, device=C.device))
-        else:
-            beyond[D] = torch.zeros_like(total)
-    # reach: the smallest d with within(d) >= REACH_MASS · total; within(K - 1) is the total,
-    # and within(d) never decreases with d (prefix sums of non-negative weights), so bisect
-    target = REACH_MASS * total
-    lo = torch.zeros(B, h, r, dtype=torch.long, device=C.device)
-    hi = torch.full((B, h, r), K - 1, dtype=torch.long, device=C.device)
-    for _ in range(max(1, (K - 1).bit_length())):
-        mid = (lo + hi) // 2
-        ok = _within(C, rows, mid) >= target
-        hi = torch.where(ok, mid, hi)
-        lo = torch.where(ok, lo, mid + 1)
-    return beyond, hi.to(C.dtype)
+    (``K`` keys in all): :func:`~probe.analysis.focus.definitions.reach.distance_terms`, the mass
+    within distance ``d`` read off ``C`` on demand."""
+    return distance_terms(C[..., -1], K, within=lambda d: _within(C, rows, d))
 
 
 def diagonals(P: torch.Tensor, rows: torch.Tensor, window: int) -> dict[int, torch.Tensor]:
@@ -187,51 +123,6 @@ def abs_distance(P: torch.Tensor, rows: torch.Tensor, ws: Workspace) -> torch.Te
     return torch.mul(P, dist, out=buf).sum(-1)
 
 
-def template_pairs(qs, ks, q0: int, q1: int, kend: int) -> dict[str, tuple[torch.Tensor, ...]]:
-    """The duplicate-token and induction pairs among query rows ``q0:q1`` and keys ``:kend``:
-    ``{name: (b, i, j, hits)}`` (``i`` relative to ``q0``; ``hits`` ``[B, r]`` whether a query
-    has a match), the masks ``D`` of :mod:`probe.analysis.focus` for these rows, in row-major order.
-
-    Found without a ``[rows, keys]`` mask: the real keys sorted by (token id, position) put each
-    query's earlier same-token keys in one run, found by two binary searches. Duplicate pairs are
-    ``(i, j)`` with ``ids[j] == ids[i]``, ``j < i``, both real; induction pairs are ``(i, m + 1)``
-    for each duplicate pair ``(i, m)`` whose ``m + 1`` is a real key (the token after an earlier
-    copy of the query's token)."""
-    B, r = qs.real.shape[0], q1 - q0
-    found: dict[str, list] = {"dup": [], "induction": []}
-    hits = {n: torch.zeros(B, r, dtype=torch.bool) for n in found}
-    rows = torch.arange(q0, q1)
-    for b in range(B):
-        real = ks.real[b, :kend]
-        pos = torch.arange(kend)[real]
-        order_key, order = (ks.ids[b, :kend][real] * kend + pos).sort()
-        pos = pos[order]
-        qid = qs.ids[b, q0:q1]
-        lo = torch.searchsorted(order_key, qid * kend)
-        hi = torch.searchsorted(order_key, qid * kend + rows)  # keys of the same token before the query
-        n = torch.where(qs.real[b, q0:q1], hi - lo, 0)
-        i = torch.repeat_interleave(torch.arange(r), n)
-        within = torch.arange(int(n.sum())) - torch.repeat_interleave(n.cumsum(0) - n, n)
-        j = pos[torch.repeat_interleave(lo, n) + within]
-        found["dup"].append((b, i, j))
-        hits["dup"][b] = n > 0
-        nxt = j + 1
-        ok = nxt < kend
-        ok[ok.clone()] = ks.real[b, nxt[ok]]
-        found["induction"].append((b, i[ok], nxt[ok]))
-        hits["induction"][b] = torch.bincount(i[ok], minlength=r) > 0
-    out = {}
-    for name, parts in found.items():
-        b_idx = torch.cat([torch.full_like(i, b) for b, i, _ in parts])
-        out[name] = (
-            b_idx,
-            torch.cat([i for _, i, _ in parts]),
-            torch.cat([j for *_, j in parts]),
-            hits[name],
-        )
-    return out
-
-
 def pair_sums(P: torch.Tensor, b: torch.Tensor, i: torch.Tensor, j: torch.Tensor) -> torch.Tensor:
     """``Σ_j D_ij P_ij`` per row ``[B, h, r]`` for the pairs ``(b, i, j)`` where ``D`` is 1."""
     B, h, r, _ = P.shape
@@ -248,15 +139,128 @@ def received(P: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
     return (weights[:, None, None, :].to(P.dtype) @ P)[..., 0, :]
 
 
+def key_masses(P: torch.Tensor, cols: torch.Tensor) -> torch.Tensor:
+    """``[B, h, r, 3]``: each row's mass on the special, punctuation and content keys (``cols``
+    ``[B, 3, kend]``, the reader's ``facts(device)["cols"]`` cut to the block's keys)."""
+    return torch.einsum("bhrk,bck->bhrc", P, cols)
+
+
+def columns(reader: Any, P: torch.Tensor, q0: int, q1: int, got: dict | None = None) -> None:
+    """The column sums of rows ``q0:q1`` (the sink profile) and the first real query's row, into
+    the reader's ``recv`` and ``recv_first``; ``got``: a backend's own column sums (``recv``) and,
+    where it read a block that was never written, each text's first real query's row
+    (``first_row``)."""
+    kend = P.shape[-1]
+    qreal = reader.facts(P.device)["qreal"]
+    got = got or {}
+    reader.recv[..., :kend] += received(P, qreal[:, q0:q1]) if "recv" not in got else got["recv"]
+    for b, f in enumerate(reader.qs.first.tolist()):
+        if q0 <= f < q1:
+            row = got["first_row"][b] if "first_row" in got else P[b, :, f - q0]
+            reader.recv_first[b, :, :kend] = row
+
+
+def gathered_pairs(reader: Any, P: torch.Tensor, sl: slice) -> None:
+    """The duplicate-token and induction sums of rows ``sl`` (templates of the token ids),
+    gathered pair by pair from ``P``, into the reader's terms."""
+    t = reader.t
+    for n, (b, i, j, hits) in reader.pair_keys(sl, P.shape[-1], P.device).items():
+        t.tmpl[n][..., sl] = pair_sums(P, b, i, j)
+        t.hits[n][:, sl] = hits
+
+
+class Reference(RowTermsBackend):
+    """Every block, in torch: the rows sorted for the span, prefix sums for the distances."""
+
+    name = "reference"
+    order = 90
+
+    @classmethod
+    def available(cls) -> bool:
+        return True
+
+    def terms(self, q0: int, q1: int, P: torch.Tensor, fill: Any = None, trim: bool = False) -> bool:
+        r = self.reader
+        B, H, n, kend = P.shape
+        t, sl, ws, dev = r.t, slice(q0, q1), r.ws, r.facts(P.device)
+        rows = torch.arange(q0, q1, device=P.device)
+        t.ent[..., sl], t.total[..., sl] = entropy(P, ws), P.sum(-1)
+        t.top[..., sl], t.arg[..., sl], t.span[..., sl] = sorted_terms(P, ws)
+        lower = self._lower(P, q0, q1, rows)
+        t.masks[:, :, sl] = key_masses(P, dev["cols"][..., :kend])
+        first = dev["first"].clamp(max=kend - 1)[:, None, None, None].expand(B, H, n, 1)
+        at_first = P.gather(-1, first)[..., 0]
+        t.first[..., sl] = torch.where((dev["first"] < kend)[:, None, None], at_first, 0)
+        columns(r, P, q0, q1)
+        if r.self_attn:
+            self._self_rows(P, rows, sl, lower)
+        return True
+
+    def _lower(self, P: torch.Tensor, q0: int, q1: int, rows: torch.Tensor) -> bool:
+        """Whether no real query of this block puts weight on a key after it (only keys after
+        ``q0`` can be); a layer stays causal while every block is."""
+        r = self.reader
+        if not r.causal:
+            return False
+        kend = P.shape[-1]
+        if kend <= q0 + 1:
+            return True
+        keys = torch.arange(q0 + 1, kend, device=P.device)
+        dev = r.facts(P.device)
+        above = (keys[None, :] > rows[:, None]) & dev["qreal"][:, q0:q1, None]
+        above = above & dev["real"][:, None, q0 + 1 : kend]
+        sub = P[..., q0 + 1 :]
+        hit = torch.mul(sub, above[:, None], out=r.ws.get("tmp", tuple(sub.shape), P.dtype, P.device))
+        if bool(hit.amax() != 0):  # weights are non-negative: a positive maximum is one after the query
+            r.causal = False
+        return r.causal
+
+    def _self_rows(self, P: torch.Tensor, rows: torch.Tensor, sl: slice, lower: bool) -> None:
+        """The self-attention terms of rows ``sl``: diagonals, distances, ``beyond_<D>``, ``reach``,
+        word masses and templates."""
+        r = self.reader
+        t, kend, q0, dev = r.t, P.shape[-1], sl.start, r.facts(P.device)
+        for d, v in diagonals(P, rows, LOCAL_WINDOW).items():
+            t.diag[d][..., sl] = v
+        C = prefix_sums(P, r.ws)
+        # Σ (j − i)·a as Σ (j − q0)·a − (i − q0)·Σ a: no term grows with the position i
+        shifted = P @ (dev["kf"][:kend] - q0)
+        signed = shifted - (rows - q0).to(P.dtype) * t.total[..., sl]
+        t.signed[..., sl] = signed
+        # a block with no weight after the query: Σ a_ij |i − j| = −Σ a_ij (j − i)
+        t.dist[..., sl] = -signed if lower else abs_distance(P, rows, r.ws)
+        beyond, reach = prefix_distances(C, rows, r.shape[3])
+        for D, v in beyond.items():
+            if D not in t.beyond:
+                t.beyond[D] = torch.zeros_like(t.ent)
+            t.beyond[D][..., sl] = v
+        if t.reach is None:
+            t.reach = torch.zeros_like(t.ent)
+        t.reach[..., sl] = reach
+        if t.word is not None:
+            at = {n: (s[:, sl], e[:, sl]) for n, (s, e) in dev["words"].items()}
+            for n, m in word_masses(C, r.lay, rows, at).items():
+                t.word[n][..., sl] = m
+        if t.tmpl is not None:
+            real_q = dev["qreal"][:, None, sl]
+            t.tmpl["prev"][..., sl] = torch.where(real_q, t.diag[-1][..., sl], 0)
+            gathered_pairs(r, P, sl)
+
+
+BACKEND = Reference
+
+
 __all__ = [
-    "Workspace",
+    "Reference",
     "entropy",
     "sorted_terms",
     "prefix_sums",
-    "distance_terms",
+    "prefix_distances",
     "diagonals",
     "abs_distance",
-    "template_pairs",
     "pair_sums",
     "received",
+    "key_masses",
+    "columns",
+    "gathered_pairs",
 ]

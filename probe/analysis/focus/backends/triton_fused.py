@@ -1,10 +1,10 @@
-"""A self-attention's statistics straight from its SDPA call's ``q`` and ``k`` (the fused GPU path).
+"""The fused Triton backend: a self-attention's statistics straight from its SDPA call's ``q`` and ``k``.
 
-:class:`~probe.analysis.focus.streamed.reader.RowTerms` is normally handed the recomputed weights block
-by block. When the attention was one SDPA call on a CUDA device and Triton is installed,
-:func:`read_call` instead hands ``q``, ``k``, the mask and the scale to the kernel of
-:mod:`probe.analysis.focus.backends.kernels.qkkernel`, which never writes the weights; it returns each row's
-log-sum-exp, from which the few single weights the other terms need (the diagonals ``a_i,i+d``,
+A streamed attention (:class:`~probe.analysis.focus.streamed.reader.RowTerms`) is normally handed
+the recomputed weights block by block. When the attention was one SDPA call on a CUDA device and
+Triton is installed, :class:`FusedCall` (:func:`read_call`) instead hands ``q``, ``k``, the mask
+and the scale to the kernel of :mod:`~.kernels.qkkernel`, which never writes the weights; it returns
+each row's log-sum-exp, from which the few single weights the other terms need (the diagonals ``a_i,i+d``,
 the duplicate-token and induction pairs, the first real query's row) are recomputed here as dot
 products: ``exp(scale · q_i·k_j + mask_ij − lse_i)``.
 
@@ -20,8 +20,8 @@ from typing import Any
 
 import torch
 
-from probe.analysis.focus.definitions.reach import BEYOND
-from probe.analysis.focus.definitions.terms import LOCAL_WINDOW
+from probe.analysis.focus.backends.base import RowTermsBackend, installed
+from probe.analysis.focus.definitions.table import BEYOND, LOCAL_WINDOW
 
 CPU = False  # run on CPU tensors too (the tests, with Triton's interpreter); off: a CPU sorts faster
 PAIRS = 1 << 16  # weights recomputed per chunk by weights_at (bounds its [n, heads, E] gathers)
@@ -59,7 +59,7 @@ def read_call(reader: Any, args: tuple, kwargs: dict) -> bool:
         return False
     if tuple(q.shape[:3]) != (B, H, Q) or k.size(2) != K:
         return False
-    dev = reader._on(q.device)
+    dev = reader.facts(q.device)
     causal, scale = bool(c.get("is_causal", False)), c.get("scale")
     words = dev.get("words") if reader.t.word is not None else None
     got = qkkernel.qk_terms(
@@ -74,7 +74,7 @@ def read_call(reader: Any, args: tuple, kwargs: dict) -> bool:
         first=dev["first"],
         words=words,
     )
-    reader._to(q.device)
+    reader.hold_on(q.device)
     w = _Weights(q, k, mask, causal, got["lse"], dev["real"], scale)
     _fill(reader, got, w, dev)
     return True
@@ -156,4 +156,23 @@ def _fill(r: Any, got: dict, w: _Weights, dev: dict) -> None:
                 t.hits[n][:, q0:q1] = hits
 
 
-__all__ = ["read_call", "enabled", "CPU"]
+class FusedCall(RowTermsBackend):
+    """A whole SDPA call through the fused kernel (:func:`read_call`); blocks are not its."""
+
+    name = "triton-fused"
+    order = 10
+
+    @classmethod
+    def available(cls) -> bool:
+        return installed("triton")
+
+    def call(self, args: tuple, kwargs: dict) -> bool:
+        return read_call(self.reader, args, kwargs)
+
+    def terms(self, q0: int, q1: int, P: torch.Tensor, fill: Any = None, trim: bool = False) -> bool:
+        return False
+
+
+BACKEND = FusedCall
+
+__all__ = ["FusedCall", "read_call", "enabled", "CPU"]

@@ -1,192 +1,28 @@
-"""The per-text value of every focus metric for a block of heads, vectorised over heads and texts.
+"""The per-query terms of one attention and the metrics they reduce to: :class:`Terms`, :func:`reduce`.
 
-:func:`block_metrics` takes one pattern block ``[batch, heads, query, key]`` and returns
-``[batch, heads, len(METRICS)]``: each metric averaged over the text's counted queries (NaN where
-a metric is undefined for that text or kind). What does not depend on the heads (counted queries,
-key masks, template pairs, word ranges) is computed once per layer shape in a :class:`Layout`.
-Definitions and conventions are documented once, in :mod:`probe.analysis.focus`.
+Every way of computing the statistics (the whole-pattern path of :mod:`probe.analysis.focus.whole`,
+each backend of :mod:`probe.analysis.focus.backends` while a model runs) fills the same
+per-query :class:`Terms`; :func:`reduce` turns them into ``[batch, heads, len(METRICS)]``: each
+metric averaged over the text's counted queries (NaN where a metric is undefined for that text or
+kind). Definitions and conventions are documented once, in :mod:`probe.analysis.focus`.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field, fields
-from functools import cached_property
 
 import torch
 
-from probe.analysis.focus.definitions.reach import BEYOND, pattern_distance_terms
-from probe.analysis.focus.definitions.tokens import CLASS, IMAGE, REGISTER, Side
-from probe.analysis.focus.whole.rows import BANDS, SPAN_MASS, _Rows
-
-METRICS = (
-    "entropy",
-    "norm_entropy",
-    "confidence",
-    "first",
-    "special",
-    "punct",
-    "content",
-    "span",
-    "prev",
-    "self",
-    "next",
-    "local",
-    "distance",
-    "signed_distance",
-    "pos_offset",
-    "pos_frac",
-    "word_prev",
-    "word_self",
-    "word_next",
-    "prev_score",
-    "dup_score",
-    "induction_score",
-    "dup_prefix",
-    "induction_prefix",
-    "dup_matches",
-    "induction_matches",
-    *(f"beyond_{d}" for d in BEYOND),
-    "reach90",
-    "distance_px",
-    "on_class",
-    "on_register",
-    "on_image",
-)
-IDX = {m: i for i, m in enumerate(METRICS)}
-LOCAL_WINDOW = 2  # local mass: keys with |i - j| <= this
+from probe.analysis.focus.definitions.layout import Layout
+from probe.analysis.focus.definitions.table import IDX, LOCAL_WINDOW, METRICS, WORD_STEPS
+from probe.analysis.focus.definitions.tokens import CLASS, REGISTER
 
 
-def _mean(r: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+def query_mean(r: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     """Mean of ``r`` ``[B, h, Q]`` over queries weighted by ``w`` (bool, broadcastable); NaN if none."""
     w = w.to(r.dtype).expand_as(r)
     n = w.sum(-1)
     return torch.where(n > 0, (torch.nan_to_num(r) * w).sum(-1) / n.clamp(min=1), float("nan"))
-
-
-def _diag(P: torch.Tensor, d: int) -> torch.Tensor:
-    """``out[..., i] = P[..., i, i + d]`` where that key exists, else 0; shape ``[B, h, Q]``."""
-    Q, K = P.shape[-2:]
-    out = P.new_zeros(P.shape[:-1])
-    lo, hi = max(0, -d), min(Q, K - d)
-    if hi > lo:
-        out[..., lo:hi] = torch.diagonal(P, offset=d, dim1=-2, dim2=-1)[..., : hi - lo]
-    return out
-
-
-def is_causal(P: torch.Tensor, q: Side, k: Side) -> bool:
-    """Whether every weight above the diagonal (between real tokens) is exactly zero."""
-    Q, K = P.shape[-2:]
-    if Q != K or Q < 2:
-        return False
-    padded = bool((~q.real).any() or (~k.real).any())
-    real = q.real[:, None, :, None] & k.real[:, None, None, :] if padded else None
-    step = max(1, -(-Q // BANDS))
-    for q0 in range(0, Q, step):
-        q1 = min(Q, q0 + step)
-        above = P[..., q0:q1, q1:]  # wholly above the diagonal
-        band = P[..., q0:q1, q0:q1].triu(1)
-        if padded:
-            above = torch.where(real[..., q0:q1, q1:], above, 0)
-            band = torch.where(real[..., q0:q1, q0:q1], band, 0)
-        # patterns are non-negative: a positive maximum is a weight above the diagonal
-        if (above.numel() and bool(above.amax() != 0)) or (band.numel() and bool(band.amax() != 0)):
-            return False
-    return True
-
-
-class Layout:
-    """Everything about one layer's pattern that does not depend on the heads."""
-
-    def __init__(self, q: Side, k: Side, Q: int, K: int, *, causal: bool) -> None:
-        self.q, self.k, self.Q, self.K, self.causal = q, k, Q, K, causal
-        B = q.real.shape[0]
-        self.qi, self.kj = torch.arange(Q), torch.arange(K)
-        n_vis = k.real.sum(-1)[:, None, None].expand(B, 1, Q)
-        if causal:
-            # real keys j <= i: a running count (O(T), not a [Q, K] mask)
-            n_vis = k.real.long().cumsum(-1)[:, None, :Q]
-        self.n_vis = n_vis
-        self.counted = q.real[:, None, :] & (n_vis >= 2)  # [B, 1, Q]: queries that have a choice
-        self.log_n = torch.log(n_vis.clamp(min=2).float())
-        self.not_end = (self.qi[None, :] != q.end[:, None])[:, None, :]
-        self.masks = torch.stack(
-            [k.special, k.punct, k.real & ~k.special & (self.kj[None, :] != k.first[:, None])], -1
-        ).float()[:, None]  # [B, 1, K, 3]
-        self.any_pad = bool(k.real.logical_not().any())
-
-    def key_ok(self, d: int) -> torch.Tensor:
-        """``[B, 1, Q]``: whether key ``i + d`` exists, is real and visible to query ``i``."""
-        i = self.qi + d
-        inside = (i >= 0) & (i < self.K)
-        ok = torch.zeros(self.k.real.shape[0], self.Q, dtype=torch.bool)
-        ok[:, inside] = self.k.real[:, i[inside]]
-        if d > 0 and self.causal:
-            ok[:] = False
-        return ok[:, None, :] & self.counted
-
-    @cached_property
-    def pixel_distances(self) -> torch.Tensor:
-        """``[B, Q, K]``: ‖c_i − c_j‖ in input pixels between patch query i and patch key j of the
-        same picture, 0 for every other pair (class, register and text positions, other pictures)."""
-        q, k = self.q, self.k
-        d = torch.cdist(torch.nan_to_num(q.centre), torch.nan_to_num(k.centre))
-        same = (q.picture[:, :, None] == k.picture[:, None, :]) & (q.picture >= 0)[:, :, None]
-        return torch.where(same, d, 0.0).float()
-
-    @cached_property
-    def kind_masks(self) -> torch.Tensor:
-        """``[B, 1, K, 3]``: whether each key is a class token ([CLS], [DIST]), a register, or an
-        image position (a patch, a vision-language model's image token); needs ``k.kind``."""
-        kind = self.k.kind
-        return torch.stack([kind == CLASS, kind == REGISTER, kind == IMAGE], -1).float()[:, None]
-
-    @cached_property
-    def image_queries(self) -> torch.Tensor:
-        """``[B, 1, Q]``: the counted text queries that can see an image position (a causal layer's
-        text before the first image token reads none and is left out)."""
-        q, k = self.q, self.k
-        img = (k.kind == IMAGE) & k.real
-        if self.causal:
-            sees = img.long().cumsum(-1)[:, : self.Q] > 0
-        else:
-            sees = img.any(-1, keepdim=True).expand(-1, self.Q)
-        return self.counted & ((q.kind == 0) & sees)[:, None, :]
-
-    @cached_property
-    def words_split(self) -> bool:
-        """Whether some word has more than one piece (else word metrics equal token metrics)."""
-        return any(bool(((s.word.amax(-1) + 1) < s.real.sum(-1)).any()) for s in (self.q, self.k))
-
-    @cached_property
-    def word_ranges(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(start, end)`` ``[B, W]``: each word's first and last key position (-1 if none)."""
-        B, W = self.k.real.shape[0], self.k.n_words
-        w = self.k.word.clamp(min=0)
-        big = torch.where(self.k.real, self.kj.expand(B, -1), self.K)
-        start = torch.full((B, W), self.K, dtype=torch.long).scatter_reduce(1, w, big, "amin")
-        small = torch.where(self.k.real, self.kj.expand(B, -1), -1)
-        end = torch.full((B, W), -1, dtype=torch.long).scatter_reduce(1, w, small, "amax")
-        return start, end
-
-    @cached_property
-    def templates(self) -> dict[str, tuple[torch.Tensor, ...]]:
-        """Per template: the (text, query, key) index triples where D = 1 and the queries with a hit."""
-        q, k = self.q, self.k
-        qi, kj = self.qi[:, None], self.kj[None, :]
-        real = q.real[:, :, None] & k.real[:, None, :]  # [B, Q, K]
-        same = (q.ids[:, :, None] == k.ids[:, None, :]) & real
-        prev_same = torch.zeros_like(same)  # ids[i] == ids[j - 1]
-        prev_same[:, :, 1:] = same[:, :, :-1] & k.real[:, None, 1:]
-        out = {}
-        for name, D in (
-            ("prev", real & (kj == qi - 1)),
-            ("dup", same & (kj < qi)),
-            ("induction", prev_same & (kj <= qi)),
-        ):
-            b, i, j = D.nonzero(as_tuple=True)
-            hits = D.any(-1)  # [B, Q]
-            out[name] = (b, i, j, hits)
-        return out
 
 
 @dataclass
@@ -194,8 +30,9 @@ class Terms:
     """Per-query quantities of one attention's pattern, each ``[B, h, Q]`` (``masks``
     ``[B, h, Q, 3]``: special, punct, content), from which :func:`reduce` computes every metric.
 
-    Filled from a whole pattern (:func:`pattern_terms`) or row block by row block while a model
-    runs (:mod:`probe.analysis.focus.streamed.reader`); self-attention only: ``diag`` (``d`` ->
+    Filled from a whole pattern (:func:`~probe.analysis.focus.whole.pattern.pattern_terms`) or row
+    block by row block while a model runs (:mod:`probe.analysis.focus.streamed.reader`, each block
+    by one of :mod:`probe.analysis.focus.backends`); self-attention only: ``diag`` (``d`` ->
     ``a_i,i+d``, 0 where that key is missing, for ``|d| <= LOCAL_WINDOW``), ``signed``
     (Σ_j (j − i)·a_ij, summed so that no term near i·Σ a cancels: at 16k positions float32 loses
     three digits there), ``dist`` (Σ_j a_ij |i − j|; None when the layer is known causal), ``word``
@@ -235,74 +72,35 @@ class Terms:
         return Terms(**{f.name: move(getattr(self, f.name)) for f in fields(self)})
 
 
-def block_metrics(P: torch.Tensor, lay: Layout, *, self_attn: bool) -> torch.Tensor:
-    """Every metric per text and head for the block ``P`` ``[B, h, Q, K]``; returns ``[B, h, M]``."""
-    P = P.float()
-    if lay.any_pad:  # weight on padding keys is not attention to the text
-        P = torch.where(lay.k.real[:, None, None, :], P, 0)
-    return reduce(pattern_terms(P, lay, self_attn=self_attn), lay, self_attn=self_attn)
-
-
-def pattern_terms(P: torch.Tensor, lay: Layout, *, self_attn: bool) -> Terms:
-    """The :class:`Terms` of a whole pattern ``P`` ``[B, h, Q, K]`` (padding keys already zero)."""
-    B, h, Q, K = P.shape
-    words = self_attn and lay.words_split
-    rows = _Rows(P, lay, self_attn=self_attn, cumsum=words)
-    first = P.gather(-1, lay.k.first.clamp(max=K - 1)[:, None, None, None].expand(B, h, Q, 1))[..., 0]
-    t = Terms(rows.ent, rows.top, rows.arg, rows.total, rows.span, rows.masks, first)
-    if not self_attn:
-        return t
-    t.diag = {d: _diag(P, d) for d in range(-LOCAL_WINDOW, LOCAL_WINDOW + 1)}
-    t.signed = rows.signed
-    t.beyond, t.reach = pattern_distance_terms(P)
-    if not lay.causal:
-        qf, kf = lay.qi.float(), lay.kj.float()
-        t.dist = (P * (kf[None, :] - qf[:, None]).abs()).sum(-1)
-    if lay.q.centre is not None and lay.k.centre is not None:
-        t.dist_px = (P * lay.pixel_distances[:, None]).sum(-1)
-    if lay.q.kind is not None and lay.k.kind is not None:
-        t.kinds = P @ lay.kind_masks
-    if words:
-        t.word = word_masses(rows.cum, lay, lay.qi)
-    if lay.q.ids is not None and lay.k.ids is not None:
-        t.tmpl, t.hits = {}, {}
-        for name, (b, i, j, hits) in lay.templates.items():
-            picked = P[b, :, i, j]  # [n_pairs, h]
-            per_query = torch.zeros(B, Q, h).index_put_((b, i), picked, accumulate=True)
-            t.tmpl[name] = per_query.permute(0, 2, 1)
-            t.hits[name] = hits
-    return t
-
-
 def reduce(t: Terms, lay: Layout, *, self_attn: bool) -> torch.Tensor:
     """Every metric per text and head from the per-query :class:`Terms`; returns ``[B, h, M]``."""
     B, h, Q = t.ent.shape
     K = lay.K
     out = torch.full((B, h, len(METRICS)), float("nan"))
     counted = lay.counted
-    out[..., IDX["entropy"]] = _mean(t.ent, counted)
-    out[..., IDX["norm_entropy"]] = _mean(t.ent / lay.log_n, counted)
-    out[..., IDX["confidence"]] = _mean(t.top, counted & lay.not_end)
-    out[..., IDX["first"]] = _mean(t.first, counted)
+    out[..., IDX["entropy"]] = query_mean(t.ent, counted)
+    out[..., IDX["norm_entropy"]] = query_mean(t.ent / lay.log_n, counted)
+    out[..., IDX["confidence"]] = query_mean(t.top, counted & lay.not_end)
+    out[..., IDX["first"]] = query_mean(t.first, counted)
     for c, name in enumerate(("special", "punct", "content")):
-        out[..., IDX[name]] = _mean(t.masks[..., c], counted)
-    out[..., IDX["span"]] = _mean(t.span, counted)
+        out[..., IDX[name]] = query_mean(t.masks[..., c], counted)
+    out[..., IDX["span"]] = query_mean(t.span, counted)
     if not self_attn:
         return out
 
     for name, d in (("prev", -1), ("self", 0), ("next", 1)):
-        out[..., IDX[name]] = _mean(t.diag[d], lay.key_ok(d))
+        out[..., IDX[name]] = query_mean(t.diag[d], lay.key_ok(d))
     local = sum(t.diag[d] for d in range(-LOCAL_WINDOW, LOCAL_WINDOW + 1))
-    out[..., IDX["local"]] = _mean(local, counted)
+    out[..., IDX["local"]] = query_mean(local, counted)
     signed = t.signed
     dist = -signed if lay.causal else t.dist
-    out[..., IDX["distance"]] = _mean(dist, counted)
-    out[..., IDX["signed_distance"]] = _mean(signed, counted)
+    out[..., IDX["distance"]] = query_mean(dist, counted)
+    out[..., IDX["signed_distance"]] = query_mean(signed, counted)
     for D, v in t.beyond.items():
-        out[..., IDX[f"beyond_{D}"]] = _mean(v, counted)
-    out[..., IDX["reach90"]] = _mean(t.reach, counted)
+        out[..., IDX[f"beyond_{D}"]] = query_mean(v, counted)
+    out[..., IDX["reach90"]] = query_mean(t.reach, counted)
     if t.dist_px is not None:  # over patch queries only
-        out[..., IDX["distance_px"]] = _mean(
+        out[..., IDX["distance_px"]] = query_mean(
             t.dist_px.to(t.ent.dtype), counted & (lay.q.picture >= 0)[:, None, :]
         )
     if t.kinds is not None:
@@ -333,11 +131,8 @@ def _kinds(mass: torch.Tensor, lay: Layout, out: torch.Tensor) -> None:
     real = lay.k.real
     for c, (name, code) in enumerate((("on_class", CLASS), ("on_register", REGISTER))):
         has = ((lay.k.kind == code) & real).any(-1)[:, None, None]  # [B, 1, 1]
-        out[..., IDX[name]] = _mean(mass[..., c], lay.counted & has)
-    out[..., IDX["on_image"]] = _mean(mass[..., 2], lay.image_queries)
-
-
-WORD_STEPS = (("word_prev", -1), ("word_self", 0), ("word_next", 1))
+        out[..., IDX[name]] = query_mean(mass[..., c], lay.counted & has)
+    out[..., IDX["on_image"]] = query_mean(mass[..., 2], lay.image_queries)
 
 
 def _word_targets(lay: Layout, d: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -401,7 +196,7 @@ def _words(masses: dict[str, torch.Tensor], lay: Layout, out: torch.Tensor) -> N
         pieces = torch.zeros(B, W).scatter_add_(1, own, ok.float())
         word_ok = pieces > 0
         per_word = per_word / pieces.clamp(min=1)[:, None, :]
-        out[..., IDX[name]] = _mean(per_word, word_ok[:, None, :])
+        out[..., IDX[name]] = query_mean(per_word, word_ok[:, None, :])
 
 
 def _templates(t: Terms, lay: Layout, out: torch.Tensor) -> None:
@@ -419,16 +214,4 @@ def _templates(t: Terms, lay: Layout, out: torch.Tensor) -> None:
             out[..., IDX[f"{name}_matches"]] = n
 
 
-__all__ = [
-    "METRICS",
-    "IDX",
-    "SPAN_MASS",
-    "LOCAL_WINDOW",
-    "Layout",
-    "Terms",
-    "block_metrics",
-    "pattern_terms",
-    "reduce",
-    "word_masses",
-    "is_causal",
-]
+__all__ = ["Terms", "reduce", "query_mean", "word_targets", "word_masses"]

@@ -6,7 +6,8 @@ through the readers of :func:`~probe.analysis.focus.streamed.run.stats_readers` 
 :func:`stats_fields` then stores, per attention of every layer,
 
 * ``<attn>.stat.<metric>`` ``[batch, head]`` (float32): each text's value of every metric of
-  :data:`~probe.analysis.focus.definitions.terms.METRICS`, the values ``head_stats`` averages over texts;
+  :data:`~probe.analysis.focus.definitions.table.METRICS`, the values ``head_stats`` averages over
+  texts;
 * ``<attn>.received`` ``[batch, head, key]`` (float64): the sink profile, the mean weight each key
   position receives over the counted queries of each text (``HeadStats.received``);
 
@@ -14,7 +15,7 @@ and in the metadata ``keep: "stats"`` and ``stats``: ``{"metrics": [...], "causa
 bool}, "not_computed": {"rollout": reason}}``. The capture adds each residual tensor's norm.
 
 :func:`add_stats` folds such a cache into a
-:class:`~probe.analysis.focus.stats.FocusAccumulator`, so ``probe.head_stats(cache)`` is the
+:class:`~probe.analysis.focus.accumulator.FocusAccumulator`, so ``probe.head_stats(cache)`` is the
 same :class:`HeadStats` as ``probe.head_stats(model, inputs)`` (and, less the rollout, as
 ``head_stats`` of a full capture); such caches merge with each other and with full ones.
 """
@@ -25,9 +26,8 @@ from typing import Any
 
 import torch
 
-from probe.analysis.focus.definitions.running import RunningStats
-from probe.analysis.focus.definitions.terms import METRICS
-from probe.analysis.focus.streamed.reader import streamed_not_computed
+from probe.analysis.focus.definitions.table import METRICS
+from probe.analysis.focus.streamed.notes import streamed_not_computed
 from probe.cache.format import parse_key, parse_name
 from probe.errors import ProbeError
 
@@ -93,16 +93,12 @@ def add_stats(acc: Any, cache: Any) -> None:
         B, H, _ = values.shape
         batch = B
         name = f"{stack}/{layer}/{kind}"
-        acc.stats.setdefault(name, RunningStats()).update(values)
         heads = [int(captured[h]) if captured else h for h in range(H)]
-        if acc.heads.setdefault(name, heads) != heads:
-            raise ProbeError(f"{name}: caches captured different heads ({acc.heads[name]} vs {heads})")
-        acc.causal[name] = acc.causal.get(name, True) and bool(info["causal"][name])
+        acc.fold(name, values, heads, bool(info["causal"][name]))
         if f"{base}.received" in cache:
             received[name] = cache[f"{base}.received"]
-    acc.received = received if acc.n_texts == 0 else None  # positions are per batch
-    acc.n_texts += batch
-    acc.not_computed.update(info.get("not_computed") or {})
+    acc.add_texts(batch, received=received)  # (kept for the first texts only: positions are per batch)
+    acc.leave_out(info.get("not_computed") or {})
 
 
 __all__ = ["add_stats", "stats_fields"]

@@ -1,11 +1,12 @@
-"""One streamed run of the focus statistics: a reader per attention, the forward, the table.
+"""One streamed run of the focus statistics: a reader per attention, the forward, the readers folded.
 
 :func:`stats_readers` makes the factory that ``probe.forward.stream_attention`` (and a capture's
-``keep="stats"``) asks for one reader per attention: a :class:`~probe.analysis.focus.streamed.reader.RowTerms`
-per stack the attention may belong to (:class:`_Candidates`: an encoder-decoder's self-attention
-whose source and target have the same shape is read for both until the forward is named).
-:func:`model_head_stats` runs the forward; :func:`accumulate` turns the readers into the
-:class:`~probe.analysis.focus.result.HeadStats` table.
+``keep="stats"``) asks for one reader per attention: a
+:class:`~probe.analysis.focus.streamed.reader.RowTerms` per stack the attention may belong to
+(:class:`_Candidates`: an encoder-decoder's self-attention whose source and target have the same
+shape is read for both until the forward is named). :func:`run_model` runs the forward;
+:func:`fold_readers` folds its readers into a
+:class:`~probe.analysis.focus.accumulator.FocusAccumulator` (``probe.head_stats(model, ...)``).
 """
 
 from __future__ import annotations
@@ -14,11 +15,10 @@ from typing import Any
 
 import torch
 
-from probe.analysis.focus.backends import reference as rb
-from probe.analysis.focus.definitions.running import RunningStats
+from probe.analysis.focus.backends.workspace import Workspace
 from probe.analysis.focus.definitions.tokens import Side, side
-from probe.analysis.focus.result import HeadStats
-from probe.analysis.focus.streamed.reader import RowTerms, one_thread, streamed_not_computed
+from probe.analysis.focus.streamed.notes import streamed_not_computed
+from probe.analysis.focus.streamed.reader import RowTerms, one_thread
 from probe.cache.format import parse_key
 from probe.errors import ProbeError
 
@@ -63,7 +63,7 @@ def stats_readers():
     ``reader.of(stack)`` is it). What a capture-side consumer of row blocks (``BlockConsumer``, a
     future ``keep=\"stats\"``) is handed to build :class:`HeadStats` without holding patterns."""
     sides: dict[tuple, Side] = {}
-    ws = rb.Workspace()
+    ws = Workspace()
 
     def side_of(meta, stack, role, B, L):
         k = (stack, role, B, L)
@@ -92,7 +92,7 @@ def stats_readers():
     return open_attention
 
 
-def model_head_stats(
+def run_model(
     model: Any,
     inputs: Any,
     *,
@@ -102,13 +102,12 @@ def model_head_stats(
     block: int | None = None,
     progress: bool = False,
     **pictures_or_sound: Any,
-) -> HeadStats:
-    """Focus statistics of every head of ``model`` on ``inputs`` from one forward, block by block
-    (see the module docstring); the same :class:`HeadStats` as ``head_stats(capture(...))``, less
-    the rollout (``not_computed["rollout"]`` gives the reason)."""
+) -> tuple[dict[str, Any], dict[str, Any]]:
+    """One forward of ``model`` on ``inputs`` with :func:`stats_readers`' readers, block by block:
+    ``(metadata, readers)``, each reader under its pattern's cache key (:func:`fold_readers`)."""
     from probe.forward import stream_attention
 
-    meta, readers = stream_attention(
+    return stream_attention(
         model,
         inputs,
         stats_readers(),
@@ -119,15 +118,12 @@ def model_head_stats(
         progress=progress,
         **pictures_or_sound,  # processor=, text=, sampling_rate= as for probe.capture
     )
-    return accumulate(meta, readers).result()
 
 
-def accumulate(meta: dict[str, Any], readers: dict[str, Any]):
-    """The :class:`~probe.analysis.focus.stats.FocusAccumulator` of one forward's readers
-    (:func:`stats_readers`'s, each under its pattern's cache key) and the capture's metadata;
-    ``.result()`` is the :class:`HeadStats`."""
-    from probe.analysis.focus.stats import FocusAccumulator, _kv_group
-
+def fold_readers(acc: Any, meta: dict[str, Any], readers: dict[str, Any]) -> None:
+    """Fold one forward's readers (:func:`run_model`'s) into ``acc``, a fresh
+    :class:`~probe.analysis.focus.accumulator.FocusAccumulator`: per attention its per-text
+    metrics and sink profile, the rollout left out (:func:`~.notes.streamed_not_computed`)."""
     order = {s: i for i, s in enumerate(meta.get("stacks", {}))}
     keyed = []
     for key, reader in readers.items():
@@ -136,24 +132,19 @@ def accumulate(meta: dict[str, Any], readers: dict[str, Any]):
         keyed.append(
             ((order.get(stack, 99), layer, 0 if kind == "self" else 1), (stack, layer, kind), reader)
         )
-    acc = FocusAccumulator()
-    acc.kv_group = _kv_group(meta)
-    acc.received = {}
-    batch = 0
+    acc.note_model(meta)
+    received, batch = {}, 0
     for _, (stack, layer, kind), cands in sorted(keyed, key=lambda x: x[0]):
         terms = cands.of(stack)
         with one_thread():  # [B, H, Q] terms: torch's thread team only waits at each small op
             values = terms.values()
-            received = terms.received()
+            recv = terms.received()
         name = f"{stack}/{layer}/{kind}"
-        acc.stats[name] = RunningStats().update(values)
-        acc.heads[name] = list(range(values.shape[1]))
-        acc.causal[name] = bool(terms.causal)
-        acc.received[name] = received
+        acc.fold(name, values, list(range(values.shape[1])), bool(terms.causal))
+        received[name] = recv
         batch = values.shape[0]
-    acc.n_texts = batch
-    acc.not_computed = streamed_not_computed(meta)
-    return acc
+    acc.add_texts(batch, received=received)
+    acc.leave_out(streamed_not_computed(meta))
 
 
-__all__ = ["stats_readers", "model_head_stats", "accumulate"]
+__all__ = ["stats_readers", "run_model", "fold_readers"]

@@ -13,8 +13,8 @@ from typing import Any
 
 import torch
 
-from probe.analysis.focus.definitions.running import RunningStats
-from probe.analysis.focus.definitions.terms import IDX, LOCAL_WINDOW, METRICS, SPAN_MASS, _mean
+from probe.analysis.focus.definitions.table import IDX, LOCAL_WINDOW, METRICS, SPAN_MASS
+from probe.analysis.focus.definitions.terms import query_mean
 from probe.analysis.focus.definitions.tokens import CLASS, IMAGE, REGISTER, Side, side
 from probe.cache.format import parse_key, parse_name
 from probe.cache.pictures import stack_positions
@@ -69,18 +69,18 @@ def row_values(
     out = torch.full((B, H, len(METRICS)), float("nan"))
     tiny = torch.finfo(P.dtype).tiny
     ent = -(P.clamp_min(tiny).log() * P).sum(-1)
-    out[..., IDX["entropy"]] = _mean(ent, counted)
-    out[..., IDX["norm_entropy"]] = _mean(ent / torch.log(n_vis.clamp(min=2).float())[:, None], counted)
+    out[..., IDX["entropy"]] = query_mean(ent, counted)
+    out[..., IDX["norm_entropy"]] = query_mean(ent / torch.log(n_vis.clamp(min=2).float())[:, None], counted)
     not_end = (i != qs.end[:, None])[:, None, :]
-    out[..., IDX["confidence"]] = _mean(P.amax(-1), counted & not_end)
+    out[..., IDX["confidence"]] = query_mean(P.amax(-1), counted & not_end)
     first = ks.first.clamp(max=K - 1)[:, None, None, None].expand(B, H, R, 1)
-    out[..., IDX["first"]] = _mean(P.gather(-1, first)[..., 0], counted)
+    out[..., IDX["first"]] = query_mean(P.gather(-1, first)[..., 0], counted)
     content = ks.real & ~ks.special & (kj[None, :] != ks.first[:, None])
     for name, mask in (("special", ks.special), ("punct", ks.punct), ("content", content)):
-        out[..., IDX[name]] = _mean((P * mask[:, None, None, :]).sum(-1), counted)
+        out[..., IDX[name]] = query_mean((P * mask[:, None, None, :]).sum(-1), counted)
     cum = P.sort(-1).values.cumsum(-1)
     left = torch.searchsorted(cum, ((1 - SPAN_MASS) * cum[..., -1:]).contiguous(), side="right")[..., 0]
-    out[..., IDX["span"]] = _mean((K - left).float(), counted)
+    out[..., IDX["span"]] = query_mean((K - left).float(), counted)
     if not self_attn:
         return out, causal
     at = {}
@@ -92,12 +92,12 @@ def row_values(
         at[d] = (torch.where(inside[:, None], w, 0), ok[:, None] & counted)
     for name, d in (("prev", -1), ("self", 0), ("next", 1)):
         ok = at[d][1] if not (d > 0 and causal) else torch.zeros_like(counted)
-        out[..., IDX[name]] = _mean(at[d][0], ok)
-    out[..., IDX["local"]] = _mean(sum(v for v, _ in at.values()), counted)
+        out[..., IDX[name]] = query_mean(at[d][0], ok)
+    out[..., IDX["local"]] = query_mean(sum(v for v, _ in at.values()), counted)
     offset = kj[None, None, :].float() - i[:, :, None].float()  # [B, R, K]: j - i
     signed = (P * offset[:, None]).sum(-1)
-    out[..., IDX["distance"]] = _mean((P * offset.abs()[:, None]).sum(-1), counted)
-    out[..., IDX["signed_distance"]] = _mean(signed, counted)
+    out[..., IDX["distance"]] = query_mean((P * offset.abs()[:, None]).sum(-1), counted)
+    out[..., IDX["signed_distance"]] = query_mean(signed, counted)
     if qs.kind is not None and ks.kind is not None:
         _kind_rows(P, i, qs, ks, counted, causal, out)
     return out, causal
@@ -110,7 +110,7 @@ def _kind_rows(P, i, qs: Side, ks: Side, counted, causal: bool, out: torch.Tenso
     for name, code in (("on_class", CLASS), ("on_register", REGISTER)):
         mask = (kind == code) & real
         has = mask.any(-1)[:, None, None]
-        out[..., IDX[name]] = _mean((P * mask[:, None, None, :]).sum(-1), counted & has)
+        out[..., IDX[name]] = query_mean((P * mask[:, None, None, :]).sum(-1), counted & has)
     img = (kind == IMAGE) & real  # [B, K]
     if causal:
         first = torch.where(img, torch.arange(img.shape[1]), img.shape[1]).amin(-1)  # [B]
@@ -118,7 +118,7 @@ def _kind_rows(P, i, qs: Side, ks: Side, counted, causal: bool, out: torch.Tenso
     else:
         sees = img.any(-1, keepdim=True).expand_as(i)
     text = (qs.kind.gather(1, i) == 0) & sees
-    out[..., IDX["on_image"]] = _mean((P * img[:, None, None, :]).sum(-1), counted & text[:, None, :])
+    out[..., IDX["on_image"]] = query_mean((P * img[:, None, None, :]).sum(-1), counted & text[:, None, :])
 
 
 def add_rows(acc: Any, cache: Any) -> None:
@@ -136,7 +136,7 @@ def add_rows(acc: Any, cache: Any) -> None:
             f"cannot combine statistics of caches that kept {acc.kept} and {kept}: their means are over "
             "different query rows; compute them apart"
         )
-    acc.kept = kept
+    acc.keep_rows(kept)
     meta = cache.metadata
     captured = meta.get("heads_captured")
     batch = 0
@@ -157,9 +157,8 @@ def add_rows(acc: Any, cache: Any) -> None:
             rows, index, qs, ks, self_attn=n.role == "self", decoder=stack == "decoder"
         )
         key = f"{stack}/{layer}/{n.role}"
-        acc.stats.setdefault(key, RunningStats()).update(values)
-        acc.heads.setdefault(key, [int(captured[h]) if captured else h for h in range(H)])
-        acc.causal[key] = acc.causal.get(key, True) and causal
+        heads = [int(captured[h]) if captured else h for h in range(H)]
+        acc.fold(key, values, heads, causal, same_heads=False)
     if not batch:
         raise ProbeError("the cache holds no kept rows; capture with keep={'rows': [-1]}")
-    acc.n_texts += batch
+    acc.add_texts(batch)

@@ -1,17 +1,17 @@
-"""Per-row quantities of a pattern block, computed band by band (see :class:`_Rows`)."""
+"""Per-row quantities of a whole pattern, computed band by band (:class:`PatternRows`), and
+whether a layer is causal (:func:`is_causal`): causal rows read only the lower triangle."""
 
 from __future__ import annotations
 
 import functools
-from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 
-if TYPE_CHECKING:
-    from probe.analysis.focus.definitions.terms import Layout
+from probe.analysis.focus.definitions.layout import Layout
+from probe.analysis.focus.definitions.table import SPAN_MASS
+from probe.analysis.focus.definitions.tokens import Side
 
-SPAN_MASS = 0.9  # effective span: keys needed to cover this share of a row's mass
 BANDS = 8  # causal rows are sorted in bands of queries, each over the keys it can see
 
 
@@ -24,7 +24,7 @@ def _bands(Q: int, K: int, causal: bool) -> list[tuple[int, int, int]]:
     return [(q0, min(Q, q0 + step), min(Q, q0 + step)) for q0 in range(0, Q, step)]
 
 
-class _Rows:
+class PatternRows:
     """Per-row quantities of a block ``[B, h, Q, K]``, computed band by band in one sweep so that
     causal layers read only the lower triangle: entropy, max and argmax, row sum, masses on the
     key masks, Σ_j j·P_ij, the effective span and (when words are split) cumulative row sums.
@@ -67,10 +67,10 @@ class _Rows:
 
 
 def _top_span(band: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Each row's largest weight and effective span: the selection of
-    :mod:`~probe.analysis.focus.backends.rowloop.rowfused`
-    where numba is installed (as the streamed path uses),
-    else numpy's sort with float32 running sums (as the streamed path then does)."""
+    """Each row's largest weight and effective span: the compiled CPU row loop's selection
+    (:mod:`~probe.analysis.focus.backends.rowloop.rowfused`) where numba is installed (as the
+    streamed path uses), else numpy's sort with float32 running sums (as the streamed path then
+    does)."""
     from probe.analysis.focus.backends.rowloop import rowfused
 
     if rowfused.available() and bool((band >= 0).all()):
@@ -84,4 +84,25 @@ def _top_span(band: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Tensor]:
     return top, (n - left).to(band.dtype)
 
 
-__all__ = ["SPAN_MASS", "BANDS"]
+def is_causal(P: torch.Tensor, q: Side, k: Side) -> bool:
+    """Whether every weight above the diagonal (between real tokens) is exactly zero."""
+    Q, K = P.shape[-2:]
+    if Q != K or Q < 2:
+        return False
+    padded = bool((~q.real).any() or (~k.real).any())
+    real = q.real[:, None, :, None] & k.real[:, None, None, :] if padded else None
+    step = max(1, -(-Q // BANDS))
+    for q0 in range(0, Q, step):
+        q1 = min(Q, q0 + step)
+        above = P[..., q0:q1, q1:]  # wholly above the diagonal
+        band = P[..., q0:q1, q0:q1].triu(1)
+        if padded:
+            above = torch.where(real[..., q0:q1, q1:], above, 0)
+            band = torch.where(real[..., q0:q1, q0:q1], band, 0)
+        # patterns are non-negative: a positive maximum is a weight above the diagonal
+        if (above.numel() and bool(above.amax() != 0)) or (band.numel() and bool(band.amax() != 0)):
+            return False
+    return True
+
+
+__all__ = ["PatternRows", "is_causal", "BANDS"]

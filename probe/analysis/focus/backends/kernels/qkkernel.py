@@ -35,8 +35,7 @@ import math
 
 import torch
 
-from probe.analysis.focus.definitions.reach import BEYOND, REACH_MASS
-from probe.analysis.focus.whole.rows import SPAN_MASS
+from probe.analysis.focus.definitions.table import BEYOND, REACH_MASS, SPAN_MASS
 
 try:  # Triton ships with PyTorch's CUDA wheels; a CPU-only install has none, and needs none
     import triton

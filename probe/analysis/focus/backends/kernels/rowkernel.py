@@ -12,21 +12,20 @@ position and, for self-attention, the signed and absolute mean distance, ``beyon
 ``reach90`` (bisection over the distance), the word masses and the largest weight after the
 query (the causal audit), so those cost no further pass and no prefix sums.
 
-Used by :mod:`probe.analysis.focus.streamed.reader` when Triton is installed (it ships with CUDA builds of
-PyTorch), the block is on a CUDA device and a row fits the registers (:data:`MAX_KEYS`); a block
-holding a negative weight (only a model's own softmax variant can give one) falls back to the sort;
-blocks probe recomputed with a softmax are not read back for that check (``check=False``), so the
-host never waits for the device between blocks. The tests check it against a sort written in the
-test (``tests/test_cuda.py``, and in Triton's interpreter ``tests/test_fused_stats.py``).
+The backend :mod:`probe.analysis.focus.backends.triton_rows` uses it when Triton is installed (it
+ships with CUDA builds of PyTorch), the block is on a CUDA device and a row fits the registers
+(:data:`MAX_KEYS`); a block holding a negative weight (only a model's own softmax variant can give
+one) falls back to the sort; blocks probe recomputed with a softmax are not read back for that
+check (``check=False``), so the host never waits for the device between blocks. The tests check it
+against a sort written in the test (``tests/test_cuda.py``, and in Triton's interpreter
+``tests/test_fused_stats.py``).
 """
 
 from __future__ import annotations
 
 import torch
 
-from probe.analysis.focus.definitions.reach import BEYOND, REACH_MASS
-from probe.analysis.focus.definitions.terms import LOCAL_WINDOW, WORD_STEPS
-from probe.analysis.focus.whole.rows import SPAN_MASS
+from probe.analysis.focus.definitions.table import BEYOND, LOCAL_WINDOW, REACH_MASS, SPAN_MASS, WORD_STEPS
 
 MAX_KEYS = 32768  # a row is held in registers: 64 float32 per thread at 16 warps
 CPU = False  # the tests: CPU blocks too, run by Triton's interpreter (TRITON_INTERPRET=1)

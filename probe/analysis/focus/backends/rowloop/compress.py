@@ -15,14 +15,7 @@ choose their loop when they are defined (``spanselect.collect``).
 
 from __future__ import annotations
 
-try:  # an optional extra (see spanselect)
-    import numba
-    from llvmlite import ir
-    from numba import types
-    from numba.core import cgutils
-    from numba.extending import intrinsic
-except ImportError:  # pragma: no cover - depends on the install
-    numba = None
+from probe.analysis.focus.backends.rowloop.jit import cgutils, intrinsic, ir, numba, types
 
 
 def _features() -> set[str]:

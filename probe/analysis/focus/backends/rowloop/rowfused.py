@@ -38,8 +38,9 @@ loop took 0.874 of its time). Each also asks LLVM for 512-bit vectors (:func:`~.
 0.88 of the loop's time again, where the CPU has AVX-512).
 
 Reported masses are float64 sums (the entropy, class masses and distances of float32 partial sums
-of at most 256 weights). Used by :mod:`probe.analysis.focus.streamed.reader` when numba is installed
-(the ``fast`` extra); without it the rows are sorted (:mod:`probe.analysis.focus.backends.reference`).
+of at most 256 weights). The backend :mod:`probe.analysis.focus.backends.numba_rows` uses it when
+numba is installed (the ``fast`` extra); without it the rows are sorted
+(:mod:`probe.analysis.focus.backends.reference`).
 """
 
 from __future__ import annotations
@@ -53,6 +54,7 @@ import torch
 
 from probe.analysis.focus.backends.rowloop import rowpass, workers
 from probe.analysis.focus.backends.rowloop import spanselect as ss
+from probe.analysis.focus.backends.rowloop.jit import njit, numba
 from probe.analysis.focus.backends.rowloop.rowparts import (
     NAMES,
     Kept,
@@ -63,11 +65,8 @@ from probe.analysis.focus.backends.rowloop.rowparts import (
     tasks_of,
     word_ranges,
 )
-from probe.analysis.focus.backends.rowloop.spanselect import numba, spans
-from probe.analysis.focus.definitions.reach import BEYOND, REACH_MASS
-
-if numba is not None:
-    from numba import njit
+from probe.analysis.focus.backends.rowloop.spanselect import spans
+from probe.analysis.focus.definitions.table import BEYOND, REACH_MASS
 
 CH = rowpass.CH
 
@@ -387,9 +386,9 @@ def row_terms(
     on hidden keys): the loop takes each row's softmax as it reads the row
     (:func:`~.rowpass.softmax_row`), then drops the weights on keys where ``keep`` is 0 (padding
     keys; the rest not renormalised). ``pairs`` ``{name: (b, i, j, ...)}``: pairs of a template
-    (``i`` a row of the block, ``j`` a key; :func:`~.rowblock.template_pairs`): returned as
-    ``name`` ``[B, h, r]``, each row's sum of its weights on its pairs' keys, read while the row
-    is in cache.
+    (``i`` a row of the block, ``j`` a key;
+    :func:`~probe.analysis.focus.backends.workspace.template_pairs`): returned as ``name`` ``[B,
+    h, r]``, each row's sum of its weights on its pairs' keys, read while the row is in cache.
 
     ``into``: the attention's :class:`~.rowparts.Sink` (this block's rows at ``q0``): the terms, pair
     sums and near-diagonal weights go there; only ``recv`` and ``first_row`` come back."""

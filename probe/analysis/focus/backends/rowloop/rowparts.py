@@ -89,9 +89,10 @@ def pairs_csr(
     """The templates' names and ``(ptr, keys, sums)`` for :func:`~.rowfused._tasks` (``sums``
     ``[templates, B·h·r]`` float32, each entry written by the loop; or the one given, a
     :class:`Sink`'s). The pairs of
-    :func:`~.rowblock.template_pairs` come in row-major order, so their keys are already grouped
-    by row (others are sorted first); ``ptr`` and ``keys`` are remembered in the pairs' ``memo``
-    where they have one (:class:`~.rowblock.Pairs`: every layer reads the same pairs)."""
+    :func:`~probe.analysis.focus.backends.workspace.template_pairs` come in row-major order, so
+    their keys are already grouped by row (others are sorted first); ``ptr`` and ``keys`` are
+    remembered in the pairs' ``memo`` where they have one
+    (:class:`~probe.analysis.focus.backends.workspace.Pairs`: every layer reads the same pairs)."""
     names = list(pairs or {})
     if not names:
         empty = np.zeros((0, B * h * r), np.float32) if sums is None else sums[:0]
@@ -145,9 +146,10 @@ class Kept:
     into a thread's buffer and the block never written: each row's weights on the keys ``i + d``,
     ``|d| <= window`` (0 where that key is missing), and the row of each text's first real query
     (``firsts`` ``[B]``; None: none asked for), whole: :meth:`tensors` gives them as ``diag``
-    (``{d: [B, h, r]}``, as :func:`~.rowblock.diagonals` gives them from a whole block; copied by
-    the compiled loop as it reads each row, :func:`~.rowfused._kept`) and ``first_row`` ``[B, h,
-    n]`` (zeros where that query is not among the block's rows)."""
+    (``{d: [B, h, r]}``, as :func:`~probe.analysis.focus.backends.reference.diagonals` gives
+    them from a whole block; copied by the compiled loop as it reads each row,
+    :func:`~.rowfused._kept`) and ``first_row`` ``[B, h, n]`` (zeros where that query is not
+    among the block's rows)."""
 
     # what the loop gets where nothing is kept (the same types as arrays())
     NOTHING = (np.zeros((0, 1), np.float32), np.zeros(0, np.int64), np.zeros((0, 1), np.float32))

@@ -42,11 +42,9 @@ import math
 import numpy as np
 
 from probe.analysis.focus.backends.rowloop import spanselect as ss
-from probe.analysis.focus.backends.rowloop.spanselect import numba
+from probe.analysis.focus.backends.rowloop.jit import njit, numba
 
 if numba is not None:
-    from numba import njit
-
     from probe.analysis.focus.backends.rowloop.spanselect import f32
 
 CH = 256  # keys per chunk: its sum and largest weight are kept for the running sums and argmax

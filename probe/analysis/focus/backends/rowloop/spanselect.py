@@ -30,16 +30,9 @@ import numpy as np
 import torch
 
 from probe.analysis.focus.backends.rowloop import compress
+from probe.analysis.focus.backends.rowloop.jit import intrinsic, ir, njit, numba, types
 from probe.analysis.focus.backends.rowloop.workers import spread
-from probe.analysis.focus.whole.rows import SPAN_MASS
-
-try:  # an optional extra: without numba the rows are sorted instead
-    import numba
-    from llvmlite import ir
-    from numba import njit, types
-    from numba.extending import intrinsic
-except ImportError:  # pragma: no cover - depends on the install
-    numba = None
+from probe.analysis.focus.definitions.table import SPAN_MASS
 
 SHIFT = 20  # first histogram: the bit patterns' top 11 bits (2048 bins; +inf is 0x7F8)
 BINS = 1 << (31 - SHIFT)

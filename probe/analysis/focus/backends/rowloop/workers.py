@@ -15,6 +15,8 @@ from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
+from probe.analysis.focus.backends.rowloop.jit import numba
+
 _POOL: tuple[int, ThreadPoolExecutor] | None = None
 
 
@@ -101,8 +103,6 @@ def parts(n: int, k: int) -> list[tuple[int, int]]:
 
 def _compiled() -> bool:
     """Whether the compiled loops are installed (numba, the ``fast`` extra)."""
-    from probe.analysis.focus.backends.rowloop.spanselect import numba  # (spanselect spreads its rows here)
-
     return numba is not None
 
 
