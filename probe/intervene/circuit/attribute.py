@@ -52,8 +52,8 @@ def eap_scores(task: Task, steps: int = 1) -> Tensor:
         raise ProbeError(f"steps must be at least 1, got {steps}")
     graph, w = task.wiring.graph, task.wiring
     scores = torch.zeros(len(graph.nodes), len(graph.targets))
-    for ci, (clean, corrupt) in enumerate(task.pairs()):
-        ref, _ = task.record(corrupt)
+    for ci, (clean, _) in enumerate(task.pairs()):
+        ref = task.corrupted(ci)
         entry = ref.values[0][1].squeeze(2)
         D = None
         for k in range(steps, 0, -1):  # k = steps first: the clean run itself
@@ -80,9 +80,9 @@ def patching_scores(task: Task, max_rows: int = 64) -> Tensor:
     graph, w = task.wiring.graph, task.wiring
     scores = torch.zeros(len(graph.nodes), len(graph.targets))
     refs = task.references()
-    for ci, (clean, corrupt) in enumerate(task.pairs()):
+    for ci, (clean, _) in enumerate(task.pairs()):
         base, _ = task.record(clean, ci=ci)
-        ref, _ = task.record(corrupt)
+        ref = task.corrupted(ci)
         D = torch.cat([v for _, v in ref.values], 2) - torch.cat([v for _, v in base.values], 2)
         B = D.shape[0]
         per = max(1, max_rows // B)

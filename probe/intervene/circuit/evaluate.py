@@ -58,10 +58,9 @@ def circuit_metric(task: Task, edges: Tensor) -> float:
         raise ProbeError(f"a circuit's edges are a [{len(graph.nodes)}, {len(graph.targets)}] mask")
     off = graph.mask() & ~edges.bool()
     total = 0.0
-    for ci, (clean, corrupt) in enumerate(task.pairs()):
-        if task.metric.needs_clean:
-            task.record(clean, ci=ci)
-        ref, _ = task.record(corrupt)
+    for ci, (clean, _) in enumerate(task.pairs()):
+        task.ensure_clean(ci)
+        ref = task.corrupted(ci)
         logits = task.forward(Run(task.wiring, deviate=corrupted_edges_deviation(ref, off)), clean)
         total += float(task.rows(logits, clean, ci).sum())
         del ref
@@ -73,8 +72,8 @@ def circuit_logits(task: Task, edges: Tensor, chunk_index: int = 0) -> Tensor:
     inspection)."""
     graph = task.wiring.graph
     off = graph.mask() & ~edges.bool()
-    clean, corrupt = task.pairs()[chunk_index]
-    ref, _ = task.record(corrupt)
+    clean, _ = task.pairs()[chunk_index]
+    ref = task.corrupted(chunk_index)
     return task.forward(Run(task.wiring, deviate=corrupted_edges_deviation(ref, off)), clean).detach()
 
 

@@ -106,9 +106,9 @@ def path_patch(task: Task, path: str | list[str]) -> dict[str, float]:
     edges = parse_path(graph, path)
     side = side_readers(graph, edges)
     total = 0.0
-    for ci, (clean, corrupt) in enumerate(task.pairs()):
+    for ci, (clean, _) in enumerate(task.pairs()):
         base, _ = task.record(clean, ci=ci)
-        ref, _ = task.record(corrupt)
+        ref = task.corrupted(ci)
         logits = task.forward(Run(task.wiring, deviate=path_deviation(base, ref, edges, side)), clean)
         total += float(task.rows(logits, clean, ci).sum())
     value = total / task.n

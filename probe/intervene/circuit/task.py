@@ -37,6 +37,8 @@ class Task:
     _pairs: list[tuple[Chunk, Chunk]] | None = None
     _clean_logp: dict[int, Tensor] = field(default_factory=dict)
     _refs: dict[str, float] = field(default_factory=dict)
+    _corrupted: dict[int, Run] = field(default_factory=dict)
+    keep_bytes: int = 512 * 2**20  # the corrupted runs' node outputs kept between calls, at most
 
     @property
     def n(self) -> int:
@@ -80,6 +82,11 @@ class Task:
         """Remember the clean log-probabilities of chunk ``ci`` (for KL)."""
         self._clean_logp[ci] = at_last(logits.detach(), self.last(logits, chunk)).float().log_softmax(-1)
 
+    def ensure_clean(self, ci: int) -> None:
+        """Record chunk ``ci``'s clean log-probabilities if the metric needs them and they are not kept."""
+        if self.metric.needs_clean and ci not in self._clean_logp:
+            self.record(self.pairs()[ci][0], ci=ci)
+
     def record(self, chunk: Chunk, *, ci: int | None = None) -> tuple[Run, Tensor]:
         """A plain forward recording every node's output: ``(run, logits)``."""
         run = Run(self.wiring)
@@ -87,6 +94,18 @@ class Task:
         if ci is not None and ci not in self._clean_logp:
             self.keep_clean(ci, logits, chunk)
         return run, logits
+
+    def corrupted(self, ci: int) -> Run:
+        """The recorded corrupted run of chunk ``ci`` (kept for the next call while the kept runs'
+        node outputs stay within :attr:`keep_bytes`)."""
+        if ci in self._corrupted:
+            return self._corrupted[ci]
+        run, _ = self.record(self.pairs()[ci][1])
+        size = sum(v.numel() * v.element_size() for _, v in run.values)
+        held = sum(v.numel() * v.element_size() for r in self._corrupted.values() for _, v in r.values)
+        if held + size <= self.keep_bytes:
+            self._corrupted[ci] = run
+        return run
 
     def references(self) -> dict[str, float]:
         """The metric on the clean and on the corrupted inputs (whole batch), computed once."""
