@@ -55,6 +55,21 @@ def test_hf_models_full_and_empty():
             assert _close(circuit_logits(task, torch.zeros_like(g.mask())), model(corrupt).logits)
 
 
+def test_pictures_full_and_empty():
+    import models
+    from models import shapes
+
+    vit = models.load("vit_zoo")
+    a, b = ([shapes.to_pil(x) for x in shapes.generate(3, seed=s).images] for s in (0, 1))
+    c = circuit(vit, a, b, metric="kl", method="eap-ig", steps=2, processor=vit.processor)
+    task, g = c.attached(), c.graph
+    with torch.no_grad():
+        for pics, edges in ((a, g.mask()), (b, torch.zeros_like(g.mask()))):
+            want = vit(**vit.processor(images=pics, return_tensors="pt"))
+            want = getattr(want, "logits", want)
+            assert _close(circuit_logits(task, edges), want)
+
+
 def _oracle_effects(m, clean, corrupt, g):
     """``{(node, target): M(clean) - M(that edge corrupted)}`` from the hand-assembled forward."""
     rec = {}

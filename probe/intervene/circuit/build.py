@@ -2,10 +2,11 @@
 residual stream really is the sum the graph says it is.
 
 The anatomy (:func:`probe.intervene.anatomy.anatomy`) gives every attention's q/k/v blocks, norm
-and output projection, every MLP's norm, readers and output leaf, and the read-out; the layer
-module whose first argument is the stream entering the first layer comes from
-:func:`probe.intervene.core.prepare_sites`. Circuits cover one-stack models (decoder-only, or an
-encoder alone); a part the anatomy refused raises its one-line :class:`ProbeError` here.
+and output projection, every MLP's norm, readers and output leaf; the first layer's module (its
+first argument is the stream entering it) and the last layer's (its output is the stream the
+logits read, whatever the model does next) come from :func:`probe.intervene.core.prepare_sites`.
+Circuits cover one-stack models (decoder-only, or an encoder alone); a part the anatomy refused
+raises its one-line :class:`ProbeError` here.
 
 :func:`check_sum`: on the clean run, the stream each group of targets reads must equal the sum of
 the outputs of the nodes before it plus the attention output biases (relative error <= 1e-5),
@@ -46,11 +47,9 @@ def wire(model: nn.Module, examples: Examples, options: dict) -> Wiring:
         why = sites.refused.get((stack, layers[0], "resid"), "it was not seen running")
         raise ProbeError(f"cannot find the stream entering {stack} layer {layers[0]}: {why}")
     specs = [_spec(an, stack, i) for i in layers]
-    if ("readout",) in an.refused:
-        an.need("readout")
-    final = an.final_norm if an.final_norm is not None else an.unembed
-    if final is None:
-        raise ProbeError("probe found no final norm or unembedding reading the last stream")
+    exit_ = sites.layers.get((stack, layers[-1]))
+    if exit_ is None:
+        raise ProbeError(f"cannot find the module of {stack} layer {layers[-1]} (the stream the logits read)")
     graph = Graph(specs, stack, type(model).__name__)
     groups, writers = [], []
     for i in layers:
@@ -61,8 +60,8 @@ def wire(model: nn.Module, examples: Examples, options: dict) -> Wiring:
             t = graph.target(f"L{i}.MLP")
             groups.append(Group("mlp", i, m.norm, [t], graph.upstream(t), readers=list(m.readers)))
             writers.append(Writer("mlp", i, m.out.module, graph.node(f"L{i}.MLP")))
-    groups.append(Group("logits", -1, None, [len(graph.targets) - 1], len(graph.nodes), readers=[final]))
-    return Wiring(graph, entry.module, writers, groups)
+    groups.append(Group("logits", -1, None, [len(graph.targets) - 1], len(graph.nodes)))
+    return Wiring(graph, entry.module, writers, groups, exit_.module)
 
 
 def _spec(an: Anatomy, stack: str, layer: int) -> LayerSpec:

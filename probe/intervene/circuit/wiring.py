@@ -9,7 +9,8 @@ Built from the model's anatomy (:mod:`probe.intervene.anatomy`), nothing per arc
 * **targets**: the stream ``x`` each group of targets reads (the input of its norm, or of its
   projections when it reads the stream itself); query/key/value target ``t`` is the block
   ``norm(x) @ W[:, cols] + b[cols]`` of its projection; an MLP reads ``norm(x)`` through its
-  readers (gate/up/...); the logits read ``x`` through the final norm (or the unembedding).
+  readers (gate/up/...); the logits read the stream the last layer returns (whatever the model
+  does with it next: final norm, unembedding, a classifier on one position).
 
 A :class:`Run` is one forward with hooks: it records every node's output, and optionally
 
@@ -64,7 +65,7 @@ class Group:
     targets: list[int]
     upstream: int  # nodes [0, upstream) feed these targets
     projs: list[Proj] = field(default_factory=list)  # attention: q/k/v projections
-    readers: list[nn.Module] = field(default_factory=list)  # MLP readers; logits: the final module
+    readers: list[nn.Module] = field(default_factory=list)  # MLP readers (logits: none, see Wiring.exit)
 
 
 @dataclass
@@ -88,6 +89,7 @@ class Wiring:
     entry: nn.Module  # its first argument is the stream entering the first layer
     writers: list[Writer]
     groups: list[Group]
+    exit: nn.Module | None = None  # the last layer: its output is the stream the logits read
 
     def constants(self, group: Group) -> Tensor | float:
         """The part of the stream entering ``group`` that no node writes: the output biases of the
@@ -116,6 +118,9 @@ class Wiring:
                         else:
                             rows.append(gp[..., blk.cols].float() @ blk.W.float().T)
                 gy = torch.stack(rows)  # [targets, B, T, d]
+            elif g.kind == "logits":
+                got = grads.get(run.slot_index[(gi, 0)])
+                gy = (torch.zeros_like(x, dtype=torch.float32) if got is None else got.float())[None]
             else:
                 gy = torch.zeros((1, *x.shape), dtype=torch.float32, device=x.device)
                 for r in range(len(g.readers)):
@@ -232,6 +237,8 @@ class Run:
         if g.kind == "attn":
             for pi, p in enumerate(g.projs):
                 hs.append(p.module.register_forward_hook(self._proj_hook(gi, g, pi, p)))
+        elif g.kind == "logits":
+            hs.append(self.wiring.exit.register_forward_hook(self._exit_hook(gi, g)))
         else:
             for ri, r in enumerate(g.readers):
                 hs.append(r.register_forward_pre_hook(self._reader_hook(gi, g, ri)))
@@ -273,6 +280,25 @@ class Run:
             return (x, *args[1:])
 
         return pre
+
+    def _exit_hook(self, gi: int, g: Group):
+        def post(mod, args, out):
+            x = out[0] if isinstance(out, (tuple, list)) else out
+            self.streams[gi] = x
+            devs = self._devs_of(gi)
+            if devs and g.targets[0] in devs:
+                x = x + devs[g.targets[0]].to(x.dtype)
+            if self.grads:
+                x = x.view_as(x)
+                self.slot_index[(gi, 0)] = len(self.slots)
+                self.slots.append(x)
+            if isinstance(out, tuple):
+                return (x, *out[1:])
+            if isinstance(out, list):
+                return [x, *out[1:]]
+            return x
+
+        return post
 
     @contextlib.contextmanager
     def hooked(self):
