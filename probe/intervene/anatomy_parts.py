@@ -166,9 +166,10 @@ class Anatomy:
         for (s, i, r), a in self.attention.items():
             norm = type(a.norm).__name__ if a.norm is not None else "none"
             qs = sorted({b.name for b in a.q + a.k + a.v})
+            src = ", ".join(qs) if len(qs) <= 3 else f"{len(qs)} modules ({qs[0]}, ...)"
             lines.append(
                 f"{s} L{i} {r}: {a.heads} heads ({a.kv_heads} kv) x {a.d_head}, norm {norm}, "
-                f"q/k/v from {', '.join(qs)}, out {a.out.name}"
+                f"q/k/v from {src}, out {a.out.name}"
             )
         for (s, i), m in self.mlp.items():
             kind = "parallel" if m.parallel else "sequential"

@@ -244,7 +244,7 @@ def head_writes(
             hw.refused[k] = str(err)
     if not hw.writes:
         (s, i, r), why = next(iter(hw.refused.items()))
-        raise ProbeError(f"probe cannot split any attention per head ({s} layer {i} {r}-attention: {why})")
+        raise ProbeError(f"probe has no head writes for this model ({s} layer {i} {r}-attention: {why})")
     return hw
 
 
