@@ -175,3 +175,31 @@ def test_induction_prompts_structure():
         assert other.count(cur) == 1 and other[other.index(cur) + 1] == wrong != right
     ids = induction_prompts(3, list(range(1, 30)), half=6, shown=3, bos=0)
     assert ids.clean.shape == ids.corrupted.shape == (3, 10)
+
+
+def test_circuit_result_exports_round_trip():
+    import csv
+    import io
+    import json
+
+    from probe.intervene.circuit import Circuit
+
+    g, s = _tiny_scores()
+    c = Circuit(g, s, method="eap", metric="m<b>", references={"clean": 2.0, "corrupted": -1.0})
+    assert [r["edge"] for r in c.table.rows[:3]] == [
+        "input -> L0.H1.q",
+        "L0.H0 -> logits",
+        "input -> L0.H0.k",
+    ]
+    assert c.rank("L0.H0->logits") == 2 and c.score("input -> L0.H0.v") == pytest.approx(-0.3)
+    back = Circuit.from_json(c.to_json())
+    assert back.table.rows == c.table.rows and back.references == c.references
+    rows = list(csv.DictReader(io.StringIO(c.to_csv())))
+    assert [r["edge"] for r in rows] == c.table.column("edge") and float(rows[1]["score"]) == -3.0
+    assert json.loads(c.to_json())["graph"] == g.to_dict()
+    html = c._repr_html_()
+    assert "m&lt;b&gt;" in html and "input -&gt; L0.H1.q" in html and "m<b>" not in html
+    sel = c.greedy(3)
+    assert len(sel) == 3 and sel.nodes == ["input", "L0.H0"]
+    with pytest.raises(ProbeError, match="no model attached"):
+        back.greedy(3).evaluate()
