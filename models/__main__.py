@@ -13,8 +13,8 @@ from . import CONVERTED, checkpoint_path, load, module, names
 def _training(model: torch.nn.Module, trained_now: bool) -> str:
     info = model.train_info
     if info.get("source"):  # smollm2: published weights, converted
-        when = "converted just now" if trained_now else "converted copy"
-        return f"trained by {info['trained_by']}; {when} of the {info['source']}"
+        when = "converted to float32 just now" if trained_now else "its float32 conversion"
+        return f"not trained by probe: {info['source']}, {when}"
     if not info["steps"]:
         return "not trained: seeded init"
     when = "trained just now" if trained_now else "checkpoint"

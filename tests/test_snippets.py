@@ -44,6 +44,7 @@ def _translator_ready() -> None:
 
         with contextlib.redirect_stderr(io.StringIO()):
             models.load("translator")
+            models.load("smollm2")  # converted on first use, with a notice, like the translator
 
 
 @pytest.fixture(scope="module")
