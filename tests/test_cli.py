@@ -28,7 +28,16 @@ def test_models_lists_the_zoo():
     r = run("models")
     assert r.returncode == 0
     names = [line.split()[0] for line in r.stdout.splitlines()]
-    assert names == ["single_head", "minigpt", "fused_decoder", "translator", "aligner", "vit_zoo", "speech"]
+    assert names == [
+        "single_head",
+        "minigpt",
+        "fused_decoder",
+        "translator",
+        "aligner",
+        "vit_zoo",
+        "speech",
+        "smollm2",
+    ]
 
 
 def test_capture_then_info(tmp_path):
