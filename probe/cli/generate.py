@@ -34,7 +34,9 @@ def _default_new(model, tok, prompt: str) -> int:
         return max(1, min(DEFAULT_NEW, limit - 1))
     if not callable(getattr(tok, "encode", None)):
         return DEFAULT_NEW
-    return max(1, min(DEFAULT_NEW, limit - len(tok.encode(prompt)) + 1))
+    from probe.capture.tokenizers import adapt  # probe's encoding: an untokenizable prompt is one line
+
+    return max(1, min(DEFAULT_NEW, limit - len(adapt(tok).encode(prompt).ids) + 1))
 
 
 def _out_dir(args: argparse.Namespace) -> Path:
@@ -110,7 +112,7 @@ def add_parser(sub) -> None:
             "probe generate --model minigpt 'attention lets' --max-new-tokens 12 --seed 7",
             "probe generate --model translator 'ich mochte ein bier' -o reports/beer",
             "probe generate --hf ./my-gpt2 'The attention' --max-new-tokens 200 --keep rows",
-            "probe generate --hf ./my-gpt2 'The attention' --max-new-tokens 2000 --keep topk:16",
+            "probe generate --hf ./my-llama 'The attention' --max-new-tokens 2000 --keep topk:16",
             "probe generate --hf ./my-llava --image cat.png 'USER: <image> what is it? ASSISTANT:' -n 20",
         ),
     )
