@@ -13,11 +13,13 @@ import math
 from probe.analysis.alignment import align, cross_layers
 from probe.analysis.alignment.core import MEAN
 from probe.analysis.alignment.diagonal import candidates
+from probe.cache.pictures import stack_positions
 from probe.report.matrix import label_axis
 
 TITLE = "Cross-attention alignment"
 ORDER = 60
 N_CANDIDATES = 5
+MAX_INCHES = 14.0  # a figure's widest and tallest side at 100 dpi: long sentences thin their labels
 # which decoder row stands for target word j (see probe.analysis.alignment.core)
 CONVENTION_WORDS = {
     "input": "input convention (row j: the decoder reading word j)",
@@ -33,12 +35,34 @@ def _layer_name(layer) -> str:
     return "mean of the layers" if layer == MEAN else f"layer {layer}"
 
 
+def not_words(meta: dict) -> str | None:
+    """What the cross-attention's keys are when they are not the source's words: ``"audio
+    frames"`` or ``"picture patches"``, read from the recorded positions of the stacks the decoder
+    reads (``metadata["stacks"][stack]["positions"]``: ``frames``, an image ``grid``, or each
+    position's kind); None when they are tokens (a text's words, split or whole)."""
+    for stack in meta.get("stacks") or {}:
+        pos = stack_positions(meta, stack)
+        if stack == "decoder" or pos is None:
+            continue
+        kinds = set(pos.get("kinds") or [])
+        if pos.get("frames") or "frame" in kinds:
+            return "audio frames"
+        if pos.get("grid") or pos.get("layer_grids") or "patch" in kinds:
+            return "picture patches"
+    return None
+
+
+def _fit(width: float, height: float) -> tuple[float, float]:
+    """A figure size in inches, each side at most :data:`MAX_INCHES`."""
+    return min(width, MAX_INCHES), min(height, MAX_INCHES)
+
+
 def _heatmap(al, b: int):
     from matplotlib.figure import Figure
 
     M = al.matrix(b).numpy()
     src, tgt = al.source[b].words, al.target[b].words
-    fig = Figure(figsize=(1.2 + 0.55 * len(src), 1.0 + 0.45 * len(tgt)))
+    fig = Figure(figsize=_fit(1.2 + 0.55 * len(src), 1.0 + 0.45 * len(tgt)))
     ax = fig.subplots()
     im = ax.imshow(M, cmap="Blues", vmin=0, vmax=max(1e-9, float(M.max())), aspect="auto")
     label_axis(ax, "x", src)  # tokens shown as in every figure: whitespace visible, CJK upright
@@ -75,14 +99,23 @@ def _links(al, b: int):
 
     src, tgt = al.source[b].words, al.target[b].words
     n = max(len(src), len(tgt), 1)
-    fig = Figure(figsize=(1.0 + 0.9 * n, 1.8))
+    width, _ = _fit(1.0 + 0.9 * n, 0)
+    # words side by side while each has 0.54 in (10 pt, shrinking to 6 pt); past that, upright
+    # and every k-th word with 0.15 in between them (every link is drawn)
+    size = max(6.0, min(10.0, 10.0 * (width - 1.0) / (0.9 * n)))
+    upright = 0.09 * n * size > width - 1.0
+    step = math.ceil(0.15 * n / (width - 1.0)) if upright else 1
+    fig = Figure(figsize=(width, 3.2 if upright else 1.8))
     ax = fig.subplots()
     xs = [k * (n - 1) / max(len(src) - 1, 1) for k in range(len(src))]
     xt = [k * (n - 1) / max(len(tgt) - 1, 1) for k in range(len(tgt))]
+    turn = 90 if upright else 0
     for k, w in enumerate(src):
-        ax.text(xs[k], 1.0, w, ha="center", va="bottom", fontsize=10)
+        if k % step == 0:
+            ax.text(xs[k], 1.0, w, ha="center", va="bottom", fontsize=size, rotation=turn)
     for k, w in enumerate(tgt):
-        ax.text(xt[k], 0.0, w, ha="center", va="top", fontsize=10)
+        if k % step == 0:
+            ax.text(xt[k], 0.0, w, ha="center", va="top", fontsize=size, rotation=turn)
     sure = al.gold[b].sure if al.gold is not None else set()
     for i, j in sorted(al.links[b]):
         hit = al.gold is None or (i, j) in al.gold[b].possible
@@ -104,7 +137,7 @@ def _map(al, values: dict, label: str, convention: str):
 
     heads = [*range(al.n_heads), "mean"]
     grid = [[values.get((layer, h), math.nan) for h in heads] for layer in al.layers]
-    fig = Figure(figsize=(1.5 + 0.55 * len(heads), 0.9 + 0.4 * len(al.layers)))
+    fig = Figure(figsize=_fit(1.5 + 0.55 * len(heads), 0.9 + 0.4 * len(al.layers)))
     ax = fig.subplots()
     im = ax.imshow(grid, cmap="viridis_r" if label == "AER" else "viridis", aspect="auto")
     ax.set_xticks(range(len(heads)), [str(h) for h in heads])
@@ -121,9 +154,11 @@ def _map(al, values: dict, label: str, convention: str):
 
 
 def build(ctx) -> dict | None:
-    """The alignment figures and tables; None when the cache has no cross-attention."""
+    """The alignment figures and tables; None when the cache has no cross-attention, or when its
+    keys are not words (audio frames: "What the transcript heard" reads them as time; picture
+    patches: the cross-attention views show them)."""
     cache = ctx.cache
-    if not cross_layers(cache):
+    if not cross_layers(cache) or not_words(cache.metadata) is not None:
         return None
     ctx.progress("alignment")
     al = ctx.results.get("alignment")
