@@ -73,6 +73,25 @@ def test_no_section_for_a_text_cache():
     assert audio.build(ReportContext(caches=[probe.capture(gpt, "attention")])) is None
 
 
+def test_the_frames_are_time_here_not_source_words_for_the_alignment_section(speech):
+    from probe.report.sections import alignment
+
+    _, _, cache, _ = speech
+    assert alignment.not_words(cache.metadata) == "audio frames"
+    assert alignment.build(ReportContext(caches=[cache])) is None  # no frame-as-word alignment
+
+
+def test_the_summary_says_why_the_causal_checks_did_not_run_with_the_model(speech):
+    from probe.report.sections import causal
+
+    model, _, cache, _ = speech
+    verdict = causal.verdict(ReportContext(caches=[cache], model=model, tokenizer=model.tokenizer))["verdict"]
+    assert "a cache alone" not in verdict
+    why = "the functional checks perturb token ids alone, and this model read input_features"
+    assert verdict.endswith(f"not run: {why}")
+    assert "a cache alone" in causal.verdict(ReportContext(caches=[cache]))["verdict"]  # no model given
+
+
 def test_timings_are_told_from_word_alignments():
     assert audio.timings_of([[("red", 0.1, 0.4)], [(0.2, 0.5)]]) is not None
     assert audio.timings_of([[{"word": "red", "start": 0.1, "end": 0.4}]]) is not None

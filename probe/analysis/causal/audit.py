@@ -35,13 +35,15 @@ def check_causal(
     """Audit a model (or a captured cache) for attention to the future or to padding.
 
     ``model_or_cache``: an ``nn.Module`` (then ``inputs`` are texts/ids/a float tensor as for
-    :func:`probe.capture`; default a short English sentence) or a :class:`probe.Cache` (static
-    checks only). ``expect`` overrides what is expected: ``"causal"``, ``"bidirectional"``, a
-    sliding-window size in keys, or a dict per stack. Without ``expect``: an encoder-decoder's
-    decoder is causal and its encoder bidirectional; a lone stack is causal when the model says it
-    is a decoder (``config.is_decoder``, a ``*ForCausalLM`` class, an ``is_causal`` attribute, a
-    ``generate`` method) or its captured attention is causal, with the window from
-    ``sliding_window`` when declared. ``functional=False`` skips the model-running checks.
+    :func:`probe.capture`, default a short English sentence, or a :class:`probe.Cache` of this
+    model on token ids: audited as it is, its ids feeding the functional checks, with no second
+    capture) or a :class:`probe.Cache` (static checks only). ``expect`` overrides what is
+    expected: ``"causal"``, ``"bidirectional"``, a sliding-window size in keys, or a dict per
+    stack. Without ``expect``: an encoder-decoder's decoder is causal and its encoder
+    bidirectional; a lone stack is causal when the model says it is a decoder
+    (``config.is_decoder``, a ``*ForCausalLM`` class, an ``is_causal`` attribute, a ``generate``
+    method) or its captured attention is causal, with the window from ``sliding_window`` when
+    declared. ``functional=False`` skips the model-running checks.
 
     Cost with a model: one capture, then the functional checks (see
     :mod:`probe.analysis.causal.functional`): on a clean model at most 7 forwards, some batched
@@ -66,9 +68,9 @@ def check_causal(
         report.notes.append("cache only: static checks; pass the model for the functional checks")
         report.functional_skipped = "a cache alone (pass the model to run them)"
         return report
-    report.checks.append(
-        {"check": "capture", "status": "pass", "forwards": 1, "backwards": 0, "detail": "static checks"}
-    )
+    captured = 0 if inputs is cache else 1  # a cache given with the model was not captured again
+    capture = {"check": "capture", "status": "pass", "forwards": captured, "backwards": 0}
+    report.checks.append({**capture, "detail": "static checks"})
     if functional:
         suite.run(report, model, inputs, cache, held, tol, tokenizer)
     else:
@@ -90,6 +92,13 @@ def _model_and_cache(model_or_cache: Any, inputs: Any, tokenizer: Any) -> tuple[
             f"check_causal takes a torch model or a probe.Cache, not {type(model_or_cache).__name__}"
         )
     model = model_or_cache
+    if isinstance(inputs, Cache):
+        why = ids_missing(inputs.metadata)
+        if why is not None:
+            raise ProbeError(
+                f"check_causal(model, cache): {why}; pass check_causal(cache) for the static checks"
+            )
+        return model, inputs, inputs
     if inputs is None:
         tok = tokenizer if tokenizer is not None else getattr(model, "tokenizer", None)
         if tok is None or not hasattr(tok, "encode") or type(tok).__name__ == "TensorInput":
@@ -98,6 +107,20 @@ def _model_and_cache(model_or_cache: Any, inputs: Any, tokenizer: Any) -> tuple[
             )
         inputs = _default_text(model, tokenizer)
     return model, forward.capture(model, inputs, tokenizer=tokenizer), inputs
+
+
+ID_KEYS = ("input_ids", "attention_mask", "token_type_ids", "decoder_input_ids", "decoder_attention_mask")
+
+
+def ids_missing(meta: dict) -> str | None:
+    """Why the functional checks cannot run on the inputs a cache records (None: they can): they
+    perturb token ids, so the cache must hold the ids of everything its model read."""
+    other = [k for k in meta.get("input_keys") or [] if k not in ID_KEYS]
+    if other:
+        return f"the functional checks perturb token ids alone, and this model read {', '.join(other)}"
+    if not meta.get("ids") or meta.get("input_kind") == "tensor":
+        return "the functional checks re-run the model, and the cache does not keep the float tensor it read"
+    return None
 
 
 def dtype_name(model: nn.Module | None, cache: Any) -> str:

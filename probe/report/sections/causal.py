@@ -16,26 +16,35 @@ PAD_KINDS = (
 
 def _audit(ctx) -> Any:
     from probe.analysis.causal import check_causal
+    from probe.analysis.causal.audit import ids_missing
 
     if "causal" in ctx.results:
         return ctx.results["causal"]
-    import torch
-
     cache = ctx.cache
     meta = cache.metadata
-    inputs = None
-    if meta.get("texts"):
-        inputs = meta["texts"]
-    elif meta.get("input_kind") == "ids":
-        inputs = torch.tensor(meta["ids"])
-    if ctx.model is not None and inputs is not None and not meta.get("target_ids"):
-        # the model is at hand: the audit re-captures the same inputs and runs the functional checks
-        ctx.progress("causal audit: functional checks")
-        report = check_causal(ctx.model, inputs, tokenizer=ctx.tokenizer)
-    else:
+    why = ids_missing(meta)
+    if ctx.model is None:
         report = check_causal(cache)
+    elif why is None:  # the model is at hand and the cache holds its token ids: run the functional checks
+        ctx.progress("causal audit: functional checks")
+        if not meta.get("target_ids"):  # texts or ids: re-captured by the audit, as given
+            inputs = meta.get("texts") or _ids(meta)
+            report = check_causal(ctx.model, inputs, tokenizer=ctx.tokenizer)
+        else:  # an encoder-decoder's source and target: the capture audited as it is
+            report = check_causal(ctx.model, cache, tokenizer=ctx.tokenizer)
+    else:  # sound, pictures, a float tensor: static checks; the model cannot take perturbed ids
+        report = check_causal(cache)
+        causal = [e for e in report.expected.values() if e != "bidirectional"]
+        report.functional_skipped = why if causal else "no stack is expected causal"
+        report.notes = [n for n in report.notes if not n.startswith("cache only:")]
     ctx.results["causal"] = report
     return report
+
+
+def _ids(meta: dict) -> Any:
+    import torch
+
+    return torch.tensor(meta["ids"])
 
 
 def verdict(ctx) -> dict | None:
