@@ -44,16 +44,33 @@ def _ints(text: str) -> list[int]:
         ) from None
 
 
-def _load_zoo(name: str):
+def zoo_name(name: str) -> str:
+    """A zoo model's name as ``probe models`` and ``models.load`` spell it: the shell's spelling
+    with ``-`` (``vit-zoo``, ``fused-decoder``) is accepted for its ``_``; other names unchanged."""
     import models
 
     if name not in models.names() and name.replace("-", "_") in models.names():
-        name = name.replace("-", "_")  # vit-zoo, fused-decoder: the shell spelling of a zoo name
+        return name.replace("-", "_")
+    return name
+
+
+def _load_zoo(name: str):
+    import models
+
+    name = zoo_name(name)
     if name not in models.names():
         raise ProbeError(
             f"unknown model {name!r}; choose one of: {', '.join(models.names())} (see `probe models`)"
         )
     return models.load(name)
+
+
+def model_label(args: argparse.Namespace) -> str:
+    """The model a command's output folder is named after: the ``--hf`` folder's name, else the zoo
+    name (as ``probe models`` spells it)."""
+    if getattr(args, "hf", None):
+        return Path(args.hf).name
+    return zoo_name(args.model or args.default_model or "model")
 
 
 def add_model_args(p: argparse.ArgumentParser, *, default: str | None = "minigpt") -> None:
@@ -140,7 +157,7 @@ def add_image_args(
 def load_image_model(args: argparse.Namespace, text: bool = False, writes: bool = False):
     """``(model, tokenizer, processor)`` for ``--image``: a ``--hf`` folder's model with its image
     processor (or ``--processor PATH``), refused before the model loads; a zoo image model
-    (``--model vit-zoo``) with its own ``processor`` unless ``--processor`` is given. With
+    (``--model vit_zoo``) with its own ``processor`` unless ``--processor`` is given. With
     ``text`` (pictures with a text, for a vision-language model) the folder's whole processor."""
     if getattr(args, "hf", None) or args.processor:
         processor = load_processor(args, text)
@@ -151,7 +168,7 @@ def load_image_model(args: argparse.Namespace, text: bool = False, writes: bool 
     if processor is None:
         raise ProbeError(
             f"--image needs an image model: zoo model {getattr(model, 'name', '?')} reads text; give "
-            "--model vit-zoo, or --hf PATH with an image model"
+            "--model vit_zoo, or --hf PATH with an image model"
         )
     return model, tok, processor
 

@@ -152,7 +152,7 @@ def _ablate_parser(sub) -> None:
             'probe ablate --model minigpt "attention lets tokens read" --heads 0.1,1.3',
             'probe ablate --model minigpt "attention lets" --sublayers 1.mlp --how mean '
             '--reference "graph neural"',
-            "probe ablate --model vit-zoo --image ring.png --heads 3.0,3.1",
+            "probe ablate --model vit_zoo --image ring.png --heads 3.0,3.1",
             "probe ablate --hf ./my-llava --image cat.png 'USER: <image> what is it?' "
             "--heads language_model.layers.1.2",
         ),
@@ -193,7 +193,7 @@ def _patch_parser(sub) -> None:
             '--corrupted "attention lets tokens send" --answer " " --wrong t',
             'probe patch --model minigpt --clean "attention lets" --corrupted "attention sets" '
             "--what heads --metric loss",
-            "probe patch --model vit-zoo --images --clean ring.png --corrupted square.png --metric prob "
+            "probe patch --model vit_zoo --images --clean ring.png --corrupted square.png --metric prob "
             "--answer ring",
         ),
     )

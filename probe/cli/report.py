@@ -17,6 +17,14 @@ def _report_name(text: str) -> str:
     return re.sub(r"[^A-Za-z0-9._-]+", "_", text).strip("._") or "report"
 
 
+def _media_dir(args: argparse.Namespace, media: list[str]) -> Path:
+    """``-o``, else ``reports/<model>-<first picture or sound's name>/``: a report of the same file
+    by another model goes to its own folder (reports/vit_zoo-cat/, reports/my-vit-cat/)."""
+    if args.output:
+        return Path(args.output)
+    return Path("reports") / _report_name(f"{common.model_label(args)}-{Path(media[0]).stem}")
+
+
 def _tutorial_cache(cache, model):
     """For a zoo model that re-creates a tutorial, a capture of the tutorial's own text for the
     report's tutorial figures (None when the cache is that text already, or for other models).
@@ -91,7 +99,7 @@ def cmd_report(args: argparse.Namespace) -> int:
     if from_caches:
         name = Path(inputs[0]).stem
     else:
-        name = Path(args.hf).name if args.hf else (args.model or args.default_model)
+        name = common.model_label(args)
     out = Path(args.output) if args.output else Path("reports") / _report_name(name)
     from probe.report.html import check_report_dir
 
@@ -147,7 +155,7 @@ def _report_images(args: argparse.Namespace, inputs: list[str]) -> int:
             "--importance, --patching, --gold and --target are for texts; drop them with --image"
         )
     keep = parse_keep_arg(args.keep) if args.keep is not None else None
-    out = Path(args.output) if args.output else Path("reports") / _report_name(Path(args.image[0]).stem)
+    out = _media_dir(args, args.image)
     check_report_dir(out)  # before loading the model and running the forward
     model, tok, processor = common.load_image_model(args, text=bool(inputs))
     prompt = (inputs if len(inputs) > 1 else inputs[0]) if inputs else None
@@ -167,7 +175,7 @@ def _report_audio(args: argparse.Namespace, inputs: list[str]) -> int:
     if args.importance or args.patching or args.gold:
         raise ProbeError("--importance, --patching and --gold are for texts; drop them with --audio")
     keep = parse_keep_arg(args.keep) if args.keep is not None else None
-    out = Path(args.output) if args.output else Path("reports") / _report_name(Path(args.audio[0]).stem)
+    out = _media_dir(args, args.audio)
     check_report_dir(out)  # before loading the model and running the forward
     model, tok, processor = audio.load_audio_model(args)
     cache = audio.capture_audio(args, model, tok, processor, keep=keep)
@@ -192,7 +200,7 @@ def add_parser(sub) -> None:
             "probe report before.safetensors after.safetensors -o reports/diff",
             "probe report --hf ./my-bert 'some text'",
             "probe report --hf ./my-vit --image cat.png -o reports/cat",
-            "probe report --model vit-zoo --image cat.png",
+            "probe report --model vit_zoo --image cat.png  # writes reports/vit_zoo-cat/",
             "probe report --hf ./my-whisper --audio talk.wav --target 'the words said'",
             "probe report --hf ./my-llava --image cat.png 'USER: <image> what is it?'",
             "probe report --model minigpt --keep stats 'a long text'",
@@ -212,7 +220,13 @@ def add_parser(sub) -> None:
     p.add_argument(
         "--target", "-t", nargs="+", default=None, help="decoder text for encoder-decoders (teacher forcing)"
     )
-    p.add_argument("-o", "--output", default=None, help="report folder (default: reports/<model or cache>/)")
+    p.add_argument(
+        "-o",
+        "--output",
+        default=None,
+        help="report folder (default: reports/<model>/ for texts, reports/<model>-<file name>/ for "
+        "--image and --audio, reports/<cache name>/ for cache files)",
+    )
     p.add_argument(
         "--gold",
         metavar="FILE",
