@@ -24,14 +24,15 @@ def gpt():
     return models.load("minigpt")
 
 
-def _sampled(model, ids: list[int], n: int, seed: int) -> list[int]:
-    """``n`` tokens drawn from minigpt's softmax with a generator seeded by ``seed``."""
+def _sampled(model, ids: list[int], n: int, seed: int, temperature: float = 1.0) -> list[int]:
+    """``n`` tokens drawn from minigpt's softmax of its logits / ``temperature``, with a generator
+    seeded by ``seed``."""
     gen = torch.Generator().manual_seed(seed)
     seq = list(ids)
     with torch.no_grad():
         for _ in range(n):
             logits, _ = model(torch.tensor([seq]))
-            probs = torch.softmax(logits[:, -1].float(), -1)
+            probs = torch.softmax(logits[:, -1].float() / temperature, -1)
             seq.append(int(torch.multinomial(probs, 1, generator=gen)))
     return seq[len(ids) :]
 
@@ -45,7 +46,7 @@ def test_generate_writes_the_cache_and_the_report(gpt, tmp_path, capsys):
     ids = gpt.tokenizer.encode(PROMPT)
     new = greedy(gpt, ids, 12)
     text = gpt.tokenizer.decode(new)
-    assert lines[0] == f"generated 12 tokens: {text}"
+    assert lines[0] == f"generated 12 tokens (greedy): {text}"
     assert lines[1].startswith(f"wrote {out / 'generation.safetensors'} (") and "index.html" in lines[1]
     cache = probe.load(out / "generation.safetensors")
     gen = cache.metadata["generation"]
@@ -63,10 +64,28 @@ def test_seed_samples_reproducibly(gpt, tmp_path, capsys):
     assert main([*args, "-o", str(tmp_path / "a")]) == 0
     first = capsys.readouterr().out.splitlines()[0]
     want = gpt.tokenizer.decode(_sampled(gpt, gpt.tokenizer.encode(PROMPT), 10, 3))
-    assert first == f"generated 10 tokens: {want}"
+    assert first == f"generated 10 tokens (sampled, seed 3, temperature 1): {want}"
     assert not (tmp_path / "a" / "index.html").exists()
     cache = probe.load(tmp_path / "a" / "generation.safetensors")
     assert (cache.metadata["generation"]["strategy"], cache.metadata["generation"]["seed"]) == ("sample", 3)
+
+
+def test_temperature_samples_from_the_flattened_softmax(gpt, tmp_path, capsys):
+    # minigpt is sure of every next token after this prompt: at temperature 1 each seed samples its
+    # greedy output; at 2 the draws are those of softmax(logits / 2), and differ from it
+    ids = gpt.tokenizer.encode(PROMPT)
+    args = ["generate", "--model", "minigpt", PROMPT, "-n", "10", "-q", "--no-report"]
+    seed = next(s for s in range(100) if _sampled(gpt, ids, 10, s, 2.0) != greedy(gpt, ids, 10))
+    assert main([*args, "--seed", str(seed), "--temperature", "2", "-o", str(tmp_path / "t")]) == 0
+    want = _sampled(gpt, ids, 10, seed, temperature=2.0)
+    first = capsys.readouterr().out.splitlines()[0]
+    assert first == f"generated 10 tokens (sampled, seed {seed}, temperature 2): {gpt.tokenizer.decode(want)}"
+    gen = probe.load(tmp_path / "t" / "generation.safetensors").metadata["generation"]
+    assert (gen["output_ids"], gen["strategy"], gen["seed"]) == (want, "sample", seed)
+    assert gen["temperature"] == 2.0
+    # a temperature alone samples too, unseeded; the line says it cannot be repeated
+    assert main([*args, "--temperature", "1.5", "-o", str(tmp_path / "u")]) == 0
+    assert "(sampled, no seed: not reproducible, temperature 1.5): " in capsys.readouterr().out
 
 
 def test_keep_rows_holds_every_generated_row_exactly(gpt, tmp_path, capsys):
@@ -109,7 +128,7 @@ def test_the_default_length_fits_a_zoo_models_context(gpt, tmp_path, capsys):
     cache = probe.load(tmp_path / "generation.safetensors")
     want = greedy(gpt, gpt.tokenizer.encode(PROMPT), 19)
     assert cache.metadata["generation"]["output_ids"] == want
-    assert capsys.readouterr().out.startswith(f"generated 19 tokens: {gpt.tokenizer.decode(want)}")
+    assert capsys.readouterr().out.startswith(f"generated 19 tokens (greedy): {gpt.tokenizer.decode(want)}")
 
 
 def test_keep_stats_and_topk_reach_probe_generate(tmp_path, capsys):
@@ -129,6 +148,7 @@ def test_keep_stats_and_topk_reach_probe_generate(tmp_path, capsys):
         ([PROMPT, "-n", "40"], "minigpt reads at most 32 tokens"),
         ([PROMPT, "--keep", "rows:last"], "--keep rows:last: row indices must be integers"),
         ([PROMPT, "--model", "nope"], "unknown model 'nope'"),
+        ([PROMPT, "--temperature", "0"], "--temperature must be above 0"),
     ],
 )
 def test_errors_are_one_line_exit_2(args, message, tmp_path, capsys):

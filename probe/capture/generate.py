@@ -187,6 +187,8 @@ def generate(
         tensors, meta = _stepped(model, st, toks, facts, beam_indices, generate_kwargs)
     if not enc_dec:
         name_pictures(model, meta, tensors, extra, out[0, :-1].tolist(), P, processor)
+    if sample and generate_kwargs.get("temperature") is not None:
+        meta["generation"]["temperature"] = float(generate_kwargs["temperature"])
     new = out[:, P:] if not enc_dec else out[:, 1:]
     cache = Cache(tensors, meta)
     return Generation(cache, torch.cat([ids, new], 1), ids.size(1), meta["generation"]["output_text"])

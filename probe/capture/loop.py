@@ -1,11 +1,11 @@
 """A generation loop for models without a transformers ``generate`` (probe's zoo minigpt, translator).
 
-Greedy by default (``do_sample=True``: sampled from the softmax of the last logits with a
-generator seeded by ``seed``). These models have no KV cache, so each step is one forward over
-the whole sequence so far (the translator: the source and the decoder's tokens so far); the
-steps' recomputed rows are dropped when assembled and only each step's new row is kept. A
-decoder-only model's context (``context_length``) bounds prompt + output; the translator starts
-its decoder from its start token and stops after its end token.
+Greedy by default (``do_sample=True``: sampled from the softmax of the last logits, divided by
+``temperature`` when given, with a generator seeded by ``seed``). These models have no KV cache,
+so each step is one forward over the whole sequence so far (the translator: the source and the
+decoder's tokens so far); the steps' recomputed rows are dropped when assembled and only each
+step's new row is kept. A decoder-only model's context (``context_length``) bounds prompt +
+output; the translator starts its decoder from its start token and stops after its end token.
 """
 
 from __future__ import annotations
@@ -43,10 +43,10 @@ def _call(model: nn.Module, name: str, *args: Tensor) -> Tensor:
     return _logits(out, name)
 
 
-def _next(logits: Tensor, sample: bool, gen: torch.Generator | None) -> Tensor:
+def _next(logits: Tensor, sample: bool, gen: torch.Generator | None, temperature: float = 1.0) -> Tensor:
     last = logits[:, -1, :].float()
     if sample:
-        return torch.multinomial(torch.softmax(last, -1), 1, generator=gen)
+        return torch.multinomial(torch.softmax(last / temperature, -1), 1, generator=gen)
     return last.argmax(-1, keepdim=True)
 
 
@@ -56,9 +56,13 @@ def own_loop(
     """Run the loop (see the module docstring): prompt + output ids (encoder-decoders: the
     decoder's start token + output)."""
     name = model_name(model)
-    unknown = set(kwargs) - {"do_sample"}
+    unknown = set(kwargs) - {"do_sample", "temperature"}
     if unknown:
         raise ProbeError(f"{name} has no transformers generate; drop {', '.join(sorted(unknown))}")
+    temperature = kwargs.get("temperature")
+    temperature = 1.0 if temperature is None else temperature
+    if isinstance(temperature, bool) or not isinstance(temperature, (int, float)) or not temperature > 0:
+        raise ProbeError(f"temperature must be a number above 0, got {temperature!r}")
     gen = torch.Generator(device=ids.device).manual_seed(seed) if sample and seed is not None else None
     limit = getattr(model, "context_length", None)
     if enc_dec:
@@ -74,7 +78,7 @@ def own_loop(
                 f"{name} reads at most {limit} target tokens; ask for max_new_tokens <= {limit - 1}"
             )
         for _ in range(max_new):
-            nxt = _next(_call(model, name, ids, seq), sample, gen)
+            nxt = _next(_call(model, name, ids, seq), sample, gen, temperature)
             seq = torch.cat([seq, nxt], 1)
             if eos is not None and int(nxt) == eos:
                 break
@@ -86,7 +90,7 @@ def own_loop(
         )
     seq = ids
     for _ in range(max_new):
-        seq = torch.cat([seq, _next(_call(model, name, seq), sample, gen)], 1)
+        seq = torch.cat([seq, _next(_call(model, name, seq), sample, gen, temperature)], 1)
     return seq
 
 

@@ -39,13 +39,30 @@ def _default_new(model, tok, prompt: str) -> int:
     return max(1, min(DEFAULT_NEW, limit - len(adapt(tok).encode(prompt).ids) + 1))
 
 
+def _sampling(args: argparse.Namespace) -> dict:
+    """``--seed`` or ``--temperature``: sample (``do_sample``, the temperature); else greedy."""
+    t = args.temperature
+    if t is not None and not t > 0:
+        raise ProbeError(f"--temperature must be above 0 (1 samples the model's own softmax), got {t}")
+    if args.seed is None and t is None:
+        return {}
+    return {"do_sample": True, **({"temperature": t} if t is not None else {})}
+
+
+def _strategy(args: argparse.Namespace) -> str:
+    """How the tokens were chosen, for the output line: greedy, or sampled under which seed."""
+    if args.seed is None and args.temperature is None:
+        return "greedy"
+    seed = f"seed {args.seed}" if args.seed is not None else "no seed: not reproducible"
+    return f"sampled, {seed}, temperature {args.temperature if args.temperature is not None else 1:g}"
+
+
 def _out_dir(args: argparse.Namespace) -> Path:
     from probe.cli.report import _report_name
 
     if args.output:
         return Path(args.output)
-    name = Path(args.hf).name if args.hf else (args.model or args.default_model)
-    return Path("reports") / _report_name(f"{name}_generate")
+    return Path("reports") / _report_name(f"{common.model_label(args)}_generate")
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
@@ -66,7 +83,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     check_report_dir(out)  # before loading the model and generating
     cache_path = out / CACHE_NAME
     check_output(cache_path)
-    kwargs = {"do_sample": True} if args.seed is not None else {}
+    kwargs = _sampling(args)
     if args.image:  # pictures and the text around them: a vision-language model's own processor
         model, tok, processor = common.load_image_model(args, text=True, writes=True)
         prompt, kwargs = args.image, dict(kwargs, processor=processor, text=args.prompt[0])
@@ -86,7 +103,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     out.mkdir(parents=True, exist_ok=True)
     gen.save(cache_path)
     shown = gen.text if gen.text is not None else " ".join(str(i) for i in gen.new_ids[0].tolist())
-    print(f"generated {gen.new_ids.shape[1]} tokens: {shown}")
+    print(f"generated {gen.new_ids.shape[1]} tokens ({_strategy(args)}): {shown}")
     size = f"{cache_path} ({_human(cache_path.stat().st_size)})"
     if args.no_report:
         print(f"wrote {size}; report it later with `probe report {cache_path}`")
@@ -102,14 +119,15 @@ def add_parser(sub) -> None:
     p = sub.add_parser(
         "generate",
         help="generate from a prompt and write what every new token read (cache and report)",
-        description="Run a model's own generation from PROMPT (greedy, or sampled under --seed), capture "
+        description="Run a model's own generation from PROMPT (greedy, or sampled under --seed and "
+        "--temperature), capture "
         "what every generated token attended to as the model ran (through its KV cache where it has "
         "one), and write the cache (OUT/generation.safetensors) and an offline HTML report "
         "(OUT/index.html) whose generation section shows the output: hover a generated token to see "
         "what it read, and each head's lookback ratio over the steps.",
         epilog=examples(
             "probe generate --model minigpt 'at' --max-new-tokens 30",
-            "probe generate --model minigpt 'attention lets' --max-new-tokens 12 --seed 7",
+            "probe generate --model minigpt 'attention lets' --max-new-tokens 12 --seed 7 --temperature 1.5",
             "probe generate --model translator 'ich mochte ein bier' -o reports/beer",
             "probe generate --hf ./my-gpt2 'The attention' --max-new-tokens 200 --keep rows",
             "probe generate --hf ./my-llama 'The attention' --max-new-tokens 2000 --keep topk:16",
@@ -135,7 +153,16 @@ def add_parser(sub) -> None:
         "--seed",
         type=int,
         default=None,
-        help="sample from the model's softmax under this seed (default: greedy decoding)",
+        help="sample from the model's softmax under this seed (default: greedy decoding); a model sure "
+        "of every next token samples its greedy output: --temperature above 1 flattens the softmax",
+    )
+    p.add_argument(
+        "--temperature",
+        type=float,
+        default=None,
+        metavar="T",
+        help="sample from softmax(logits / T) (samples even without --seed, then not reproducibly; "
+        "default 1 when sampling)",
     )
     p.add_argument(
         "--keep",
