@@ -832,3 +832,402 @@ def test_a_cache_without_read_permission(good_cache, capsys):
             os.seteuid(0)
         shutil.rmtree(folder)
     assert "\n" not in str(e.value) and "permissions" in err
+
+
+# -- hostile inputs in the new modalities: pictures, sound, generation (issue 53) ----------------
+
+
+@pytest.fixture(scope="module")
+def vit():
+    import models
+
+    return models.load("vit_zoo")
+
+
+@pytest.fixture(scope="module")
+def speech():
+    import models
+
+    return models.load("speech")
+
+
+@pytest.fixture(scope="module")
+def vit_cache(vit):
+    import numpy as np
+
+    picture = np.random.default_rng(0).random((64, 64, 3)).astype(np.float32)
+    return probe.capture(vit, picture, processor=vit.processor)
+
+
+def _wave(seconds: float = 1.0):
+    import numpy as np
+
+    t = np.arange(int(16000 * seconds)) / 16000
+    return (0.3 * np.sin(2 * np.pi * 440 * t)).astype(np.float32)
+
+
+def _tiny_whisper():
+    """A random Whisper whose extractor keeps 1 s (50 encoder positions, 32 decoder positions)."""
+    tf = pytest.importorskip("transformers")
+    config = tf.WhisperConfig(
+        vocab_size=64, d_model=32, encoder_layers=1, decoder_layers=1, encoder_attention_heads=4,
+        decoder_attention_heads=4, encoder_ffn_dim=64, decoder_ffn_dim=64, num_mel_bins=16,
+        max_source_positions=50, max_target_positions=32,
+        pad_token_id=0, bos_token_id=1, eos_token_id=2, decoder_start_token_id=1,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    model = tf.WhisperForConditionalGeneration(config).eval()
+    extractor = tf.WhisperFeatureExtractor(
+        feature_size=16, sampling_rate=16000, hop_length=160, chunk_length=1, n_fft=400
+    )
+    return model, extractor
+
+
+def _one_line(err) -> str:
+    msg = str(err.value)
+    assert "\n" not in msg and isinstance(err.value, ProbeError), msg
+    return msg
+
+
+def test_nan_pixels_are_refused_at_capture_and_nothing_is_written(vit, tmp_path):
+    import numpy as np
+    from PIL import Image
+
+    picture = np.random.default_rng(0).random((64, 64, 3)).astype(np.float32)
+    picture[3, 4, 0] = np.nan
+    out = tmp_path / "x.safetensors"
+    with pytest.raises(ProbeError, match=r"^image 0: 1 of its 12288 values are NaN or infinite") as e:
+        probe.capture(vit, picture, processor=vit.processor, out=out)
+    _one_line(e)
+    with pytest.raises(ProbeError, match=r"^image 1: .* NaN or infinite"):
+        probe.capture(vit, [picture[:, :, 1], np.full((8, 8), np.inf)], processor=vit.processor)
+    with pytest.raises(ProbeError, match=r"^image 0: 1 of its 64 values"):  # PIL's float mode
+        probe.capture(vit, Image.fromarray(picture[:8, :8, 0]), processor=vit.processor)
+    pixels = vit.processor(images=[np.nan_to_num(picture)], return_tensors="pt")["pixel_values"]
+    pixels[0, 1, 2, 3] = float("nan")
+    with pytest.raises(ProbeError, match=r"^pixel_values holds 1 NaN or infinite values of 12288") as e:
+        probe.capture(vit, {"pixel_values": pixels}, out=out)
+    _one_line(e)
+    with pytest.raises(ProbeError, match="the input tensor holds NaN"):
+        probe.capture(ToyLM(n_layers=1).eval(), torch.full((1, 3, 32), float("nan")))
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_a_report_of_a_cache_that_holds_nan_is_written(vit, vit_cache, speech, tmp_path):
+    # NaN reaches a cache from a model that overflowed (float16), not from the inputs (refused above)
+    def nanned(cache):
+        tensors = {k: cache[k].clone() for k in cache.keys()}
+        for t in tensors.values():
+            t.view(-1)[0] = float("nan")
+        return probe.Cache(tensors, cache.metadata)
+
+    sound = probe.capture(speech, _wave(), sampling_rate=16000, processor=speech.processor, target="red cat")
+    for name, cache, model in (("vit", vit_cache, vit), ("speech", sound, speech)):
+        page = probe.report(nanned(cache), tmp_path / name, model=model, progress=False)
+        html = page.read_text(encoding="utf-8")
+        assert "Residual stream norms" in html and "could not be built" not in html
+
+
+def test_attention_map_refuses_a_negative_layer_and_a_head_past_the_count(vit_cache):
+    cases = [
+        ({"layer": -1}, r"^layer=-1: layers count from 0 \(the encoder stack has layers 0-3\)"),
+        ({"layer": -1, "query": "rollout"}, r"^layer=-1: layers count from 0"),
+        ({"layer": 0, "head": 4}, r"^head=4 is out of range: layer 0 of the encoder has 4 heads; choose 0-3"),
+        ({"layer": 0, "head": -5}, r"^head=-5 is out of range"),
+        ({"layer": 0, "head": "1"}, r"^head must be an integer index or None"),
+        ({"layer": 1.5}, r"^layer must be an integer index, not 1.5"),
+        ({"layer": 9, "query": "rollout"}, r"^rollout up to layer 9 .* holds the encoder's layers 0-3"),
+    ]
+    for kwargs, message in cases:
+        with pytest.raises(ProbeError, match=message) as e:
+            probe.attention_map(vit_cache, **kwargs)
+        _one_line(e)
+    with pytest.raises(ProbeError, match=r"^layer=-1: layers count from 0; the encoder has self-attention"):
+        vit_cache.pattern("encoder", -1)
+    # head=-1 is the last head, as in Cache.pattern; the oracle: the stored pattern indexed by hand
+    # (vit_zoo's sequence: class token, two registers, then the 8 x 8 patches row by row)
+    stored = vit_cache["encoder.blocks.2.self_attn.pattern"][0, 3, 0, 3:]
+    assert torch.equal(probe.attention_map(vit_cache, 2, head=-1), stored.reshape(8, 8))
+
+
+def test_pointing_refuses_maps_and_pictures_it_has_no_answer_for():
+    m = torch.rand(8, 8, generator=torch.Generator().manual_seed(0)) + 0.01
+    nan, neg = m.clone(), m.clone()
+    nan[2, 2], neg[0, 1] = float("nan"), -0.5
+    box = (0, 0, 16, 16)
+    cases = [
+        (nan, box, (64, 64), r"^map 'map' holds NaN or infinite weights"),
+        (torch.full((8, 8), float("inf")), box, (64, 64), "NaN or infinite"),
+        (neg, box, (64, 64), r"^map 'map' holds negative weights; .*clamp\(min=0\)"),
+        (torch.zeros(8, 8), box, (64, 64), r"^map 'map' is zero everywhere on image 0"),
+        (torch.zeros(0, 8), box, (64, 64), r"^map 'map' is \[0, 8\]"),
+        ({"L0": m}, box, (4, 64), r"^image \(4, 64\) is smaller than the 8x8 grid of map 'L0'"),
+        (m, box, (0, 64), r"^image=\(0, 64\): give the processed image's \(height, width\)"),
+        (m, box, "64", r"^image='64'"),
+        (m, (0, 0, float("nan"), 9), (64, 64), r"^box .* holds NaN or infinity"),
+    ]
+    for maps, obj, image, message in cases:
+        with pytest.raises(ProbeError, match=message) as e:
+            probe.pointing(maps, obj, image=image)
+        _one_line(e)
+    import numpy as np
+
+    # one pixel per patch is the smallest picture with an answer: computed here by hand (the box
+    # a numpy array, as a dataset's annotations come)
+    small = torch.tensor([[0.1, 0.2], [0.3, 0.4]])
+    row = probe.pointing(small, np.array([0, 0, 1, 2]), image=(2, 2)).table[0]  # x < 1: the left column
+    assert row["peak"] == [1, 1] and row["hit"] is False
+    assert abs(row["mass_inside"] - (0.1 + 0.3) / 1.0) < 1e-6  # float32 weights
+
+
+def test_an_audio_encoder_decoder_given_features_alone_is_decoded(speech):
+    feats = speech.processor(_wave(), sampling_rate=16000)["input_features"]
+    cache = probe.capture(speech, {"input_features": feats})
+    # the oracle: the model's own greedy decoding, cut before its end token, after the start token
+    words = speech.greedy_decode(feats)[0].tolist()
+    words = words[: words.index(speech.tokenizer.eos_id)] if speech.tokenizer.eos_id in words else words
+    assert cache.metadata["target_ids"] == [[speech.tokenizer.bos_id, *words]]
+    assert cache.metadata["target_source"] == "greedy"
+    assert cache.shape("decoder.blocks.0.cross_attn.pattern")[2] == 1 + len(words)
+    # features a forward would fail on, or compute NaN from: one line each
+    nan = feats.clone()
+    nan[0, 0, 0] = float("nan")
+    for inputs, message in (
+        ({"input_features": nan}, r"^input_features holds 1 NaN or infinite values"),
+        ({"input_features": feats[0]}, r"^input_features is \[40, 600\], without its batch dimension"),
+        ({"input_features": feats[:0]}, r"^input_features is empty"),
+    ):
+        with pytest.raises(ProbeError, match=message) as e:
+            probe.capture(speech, inputs)
+        _one_line(e)
+
+
+def test_hugging_face_audio_inputs_past_what_the_model_holds():
+    import numpy as np
+
+    whisper, extractor = _tiny_whisper()
+    feats = extractor(_wave(0.6), sampling_rate=16000, return_tensors="pt")["input_features"]
+    cache = probe.capture(whisper, {"input_features": feats})  # decoded greedily, as a waveform is
+    assert cache.metadata["target_source"] == "greedy" and cache.metadata["target_ids"][0][0] == 1
+    with pytest.raises(ProbeError, match=r"^decoder_input_ids is 40 tokens but .* accepts at most 32"):
+        probe.capture(
+            whisper, {"input_features": feats, "decoder_input_ids": torch.ones(1, 40, dtype=torch.long)}
+        )
+    # the extractor keeps 1 s: a longer waveform would be cut unheard
+    with pytest.raises(ProbeError, match=r"^audio 1 is 2.00 s but WhisperFeatureExtractor keeps 1.00 s"):
+        probe.capture(whisper, [_wave(0.5), np.tile(_wave(), 2)], sampling_rate=16000, processor=extractor)
+    with pytest.raises(ProbeError, match=r"^probe.generate starts from a text prompt, not sound"):
+        probe.generate(whisper, {"input_features": feats}, max_new_tokens=2)
+
+
+def test_files_of_the_wrong_kind_say_what_they_are(vit, speech, tmp_path, capsys):
+    import numpy as np
+    import soundfile
+
+    notes = tmp_path / "notes.txt"
+    notes.write_text("not sound\n")
+    (tmp_path / "folder.png").mkdir()
+    (tmp_path / "folder.wav").mkdir()
+    soundfile.write(tmp_path / "talk.wav", _wave(0.5), 16000)
+    Image = pytest.importorskip("PIL.Image")
+    Image.fromarray(np.zeros((8, 8, 3), np.uint8)).save(tmp_path / "cat.png")
+    cases = [
+        (
+            speech,
+            notes,
+            {"processor": speech.processor},
+            r"^processor= \(SpeechProcessor\) reads sound: "
+            r".*got '.*notes\.txt', not a sound file \(.*\.wav\)",
+        ),
+        (speech, [tmp_path / "talk.wav", notes], {"processor": speech.processor}, r"item 1 of the list is"),
+        (vit, tmp_path / "cat.png", {}, r"^pictures need processor= \(the image processor of vit_zoo\)"),
+        (vit, "a cat", {}, r"^vit_zoo reads pictures, not text \(its forward takes pixel_values\)"),
+        (
+            speech,
+            tmp_path / "talk.wav",
+            {},
+            r"^speech takes no raw waveform \(input_values\): give processor=",
+        ),
+        (
+            vit,
+            tmp_path / "folder.png",
+            {"processor": vit.processor},
+            r"^image 0: '.*folder\.png' is a directory",
+        ),
+        (
+            speech,
+            tmp_path / "folder.wav",
+            {"processor": speech.processor},
+            r"^audio 0: '.*folder\.wav' is a directory",
+        ),
+        (vit, tmp_path / "cat.png", {"processor": speech.processor}, r"reads sound, not pictures"),
+    ]
+    for model, inputs, kwargs, message in cases:
+        with pytest.raises(ProbeError, match=message) as e:
+            probe.capture(model, inputs, **kwargs)
+        _one_line(e)
+    out = tmp_path / "out"
+    for argv, what in (
+        (
+            ["capture", "-m", "speech", "--audio", str(notes), "-o", f"{out}/a.safetensors"],
+            "not a sound file",
+        ),
+        (
+            [
+                "capture",
+                "-m",
+                "speech",
+                "--audio",
+                str(tmp_path / "folder.wav"),
+                "-o",
+                f"{out}/a.safetensors",
+            ],
+            "is a directory",
+        ),
+        (
+            [
+                "capture",
+                "-m",
+                "vit-zoo",
+                "--image",
+                str(tmp_path / "folder.png"),
+                "-o",
+                f"{out}/a.safetensors",
+            ],
+            "is a directory",
+        ),
+        (
+            ["capture", "-m", "vit-zoo", "--image", str(notes), "-o", f"{out}/a.safetensors"],
+            "not a picture file",
+        ),
+        (["report", "-m", "speech", "--audio", str(notes), "-o", str(out)], "not a sound file"),
+        (["capture", "-m", "vit-zoo", "a cat", "-o", f"{out}/a.safetensors"], "reads pictures, not text"),
+    ):
+        assert what in _one_line_error(capsys, argv)
+        assert not out.exists()  # nothing left behind
+
+
+def test_pictures_and_sound_that_are_not_what_a_processor_reads(vit, speech):
+    import numpy as np
+    from PIL import Image
+
+    sp = speech.processor
+    cases = [
+        (
+            vit,
+            [Image.new("RGB", (4, 4)), "a"],
+            {"processor": vit.processor},
+            r"^processor= takes pictures: .*; item 1 of the list is 'a', not a picture file",
+        ),
+        (vit, [], {"processor": vit.processor}, r"; an empty list: give at least one picture$"),
+        (vit, [1, 2], {"processor": vit.processor}, r"item 0 of the list is of type int$"),
+        (
+            vit,
+            torch.zeros(3, 8, 8),
+            {"processor": vit.processor},
+            r"got a tensor: give pixels as \{'pixel_values'",
+        ),
+        (
+            vit,
+            Image.new("RGB", (0, 0)),
+            {"processor": vit.processor},
+            r"^image 0: a 0x0 picture has no pixels",
+        ),
+        (
+            speech,
+            [],
+            {"processor": sp, "sampling_rate": 16000},
+            r"; an empty list: give at least one waveform",
+        ),
+        (
+            speech,
+            np.zeros(16000, np.int16),
+            {"processor": sp, "sampling_rate": 16000},
+            r"got a 1-D int16 array: give the samples as floats in \[-1, 1\] \(x / 32768 for 16-bit PCM\)",
+        ),
+        (
+            speech,
+            np.zeros((2, 16000), np.float32),
+            {"processor": sp, "sampling_rate": 16000},
+            r"got a float32 array of shape \[2, 16000\]: give each waveform as a 1-D array",
+        ),
+        (
+            speech,
+            _wave(),
+            {"processor": sp, "sampling_rate": "16k"},
+            r"^sampling_rate='16k': give the rate in Hz",
+        ),
+    ]
+    for model, inputs, kwargs, message in cases:
+        with pytest.raises(ProbeError, match=message) as e:
+            probe.capture(model, inputs, **kwargs)
+        _one_line(e)
+    # the smallest pictures and other colour layouts are what the processor makes of them
+    for picture in (Image.new("RGB", (1, 1)), Image.new("L", (5, 3)), Image.new("RGBA", (3, 5))):
+        want = vit.processor(images=[picture.convert("RGB")], return_tensors="pt")["pixel_values"]
+        got = probe.capture(vit, picture, processor=vit.processor)
+        assert got.metadata["image_shape"] == list(want.shape)
+
+
+def test_generate_past_a_hugging_face_models_context():
+    from hf_fixtures import gpt2
+
+    model = gpt2(100)  # n_positions 64: it reads prompt + new tokens less the last
+    prompt = torch.arange(1, 11).view(1, -1)
+    with pytest.raises(ProbeError, match=r"^gpt2 reads at most 64 positions; a prompt of 10 leaves room "
+                       r"for max_new_tokens <= 55$") as e:  # fmt: skip
+        probe.generate(model, prompt, max_new_tokens=56)
+    _one_line(e)
+    with pytest.raises(ProbeError, match=r"^the prompt is 70 tokens but gpt2 reads at most 64"):
+        probe.generate(model, torch.ones(1, 70, dtype=torch.long), max_new_tokens=1)
+    # what fits runs to the last position, and is the model's own generation
+    g = probe.generate(model, prompt, max_new_tokens=55, min_new_tokens=55)
+    with torch.no_grad():
+        want = model.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=55,
+                              min_new_tokens=55, do_sample=False)  # fmt: skip
+    assert torch.equal(g.ids, want) and g.cache.shape("decoder.blocks.0.self_attn.pattern")[-1] == 64
+    past, negative = torch.tensor([[5, 100]]), torch.tensor([[-1, 5]])
+    with pytest.raises(ProbeError, match=r"^token id 100 is not in gpt2's vocabulary \(0-99\)"):
+        probe.generate(model, past, max_new_tokens=2)
+    with pytest.raises(ProbeError, match=r"^token id 100 is not in gpt2's vocabulary"):
+        probe.capture(model, past)
+    with pytest.raises(ProbeError, match=r"^token id -1 is negative"):
+        probe.generate(model, negative, max_new_tokens=2)
+
+
+@pytest.mark.parametrize("seed", ["1", 1.5, True, 2**70, -(2**63) - 1])
+def test_generate_seed_must_be_an_integer_torch_takes(seed):
+    import models
+
+    with pytest.raises(ProbeError, match=r"^seed=.*: give an integer from -2\*\*63 to 2\*\*64 - 1"):
+        probe.generate(models.load("minigpt"), "at", max_new_tokens=2, do_sample=True, seed=seed)
+
+
+@pytest.mark.parametrize(
+    "argv, what",
+    [
+        (["generate", "-m", "minigpt", ""], "minigpt tokenizer: empty text"),  # the default -n path
+        (["generate", "-m", "minigpt", "HELLO"], "characters not in the vocabulary"),
+        (["generate", "-m", "minigpt", "at", "-n", "0"], "--max-new-tokens must be at least 1, got 0"),
+        (["generate", "-m", "minigpt", "at", "-n", "-3"], "--max-new-tokens must be at least 1, got -3"),
+        (["generate", "-m", "minigpt", "at", "-n", "40"], "leaves room for max_new_tokens <= 31"),
+        (["generate", "-m", "no-such-model", "at"], "unknown model 'no-such-model'"),
+        (["generate", "-m", "minigpt", "at", "--seed", str(2**70)], "seed=1180591620717411303424"),
+        (["generate", "-m", "vit-zoo", "at"], "vit_zoo reads pictures, not text"),
+    ],
+)
+def test_generate_on_the_command_line_is_one_line(tmp_path, capsys, argv, what):
+    out = tmp_path / "gen"
+    assert what in _one_line_error(capsys, [*argv, "-o", str(out), "-q"])
+    assert list(tmp_path.iterdir()) == []  # no folder, no cache, no temp file
+
+
+def test_ids_past_a_zoo_tokenizers_vocabulary():
+    import models
+
+    with pytest.raises(
+        ProbeError, match=r"^minigpt tokenizer: ids outside 0..21: 1000; give ids the tokenizer"
+    ):
+        probe.capture(models.load("minigpt"), torch.tensor([[1000, 2]]))
+    with pytest.raises(ProbeError, match=r"^token id -1 is negative"):
+        probe.capture(models.load("minigpt"), torch.tensor([[-1, 2]]))

@@ -138,7 +138,7 @@ def test_bad_keyword_inputs_say_what_the_forward_takes(vit_run):
     import models
 
     text = probe.capture(models.load("minigpt"), "attention lets tokens read.")
-    with pytest.raises(ProbeError, match="no image patch grid"):
+    with pytest.raises(ProbeError, match="no stack of this cache has an image patch grid"):
         probe.attention_map(text, 0)
 
 

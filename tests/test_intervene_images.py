@@ -310,7 +310,7 @@ def test_bad_inputs_are_one_line_each(vit, llava):
             lambda: probe.ablate(
                 model, {"pixel_values": torch.zeros(1, 3, 32, 48)}, [(1, 2)], processor=proc
             ),
-            r"^processor= takes pictures.*not dict",
+            r"^processor= takes pictures.*got a dict of keyword tensors: pass it without processor=",
         ),
         (
             lambda: probe.ablate(model, pics, [(1, 2)], processor=proc, text="a cat"),

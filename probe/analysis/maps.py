@@ -30,11 +30,43 @@ def image_stack(cache: Any, stack: str | None = None) -> tuple[str, dict[str, An
     if found:
         return found[0]
     note = cache.metadata.get("positions_note")
-    where = f"the {stack} stack has" if stack is not None else "no stack of this cache has"
+    where = f"the {stack} stack has no" if stack is not None else "no stack of this cache has an"
     raise ProbeError(
-        f"{where} no image patch grid{f' ({note})' if note else ''}; attention_map needs a capture "
+        f"{where} image patch grid{f' ({note})' if note else ''}; attention_map needs a capture "
         "of an image model's pixel_values"
     )
+
+
+def _span(xs: list[int]) -> str:
+    """``[0, 1, 2, 3]`` -> ``0-3``; layers with gaps listed (``1, 3``); none -> ``none``."""
+    if not xs:
+        return "none"
+    return f"{xs[0]}-{xs[-1]}" if xs == list(range(xs[0], xs[-1] + 1)) else ", ".join(map(str, xs))
+
+
+def _check_layer(cache: Any, stack: str | None, layer: Any) -> None:
+    """``layer`` an integer from 0 (not an index from the end), said with the stack's layers."""
+    if isinstance(layer, bool) or not isinstance(layer, int):
+        raise ProbeError(f"layer must be an integer index, not {layer!r}")
+    if layer < 0:
+        have = cache.layer_indices(stack) if stack in cache.stacks else []
+        span = f" (the {stack} stack has layers {_span(have)})" if have else ""
+        raise ProbeError(f"layer={layer}: layers count from 0{span}; give one of those")
+
+
+def _pick_head(rows: Tensor, head: Any, stack: str, layer: int) -> Tensor:
+    """Head ``head`` of ``rows`` ``[head, T]`` (negative counts from the last, as in
+    :meth:`probe.Cache.pattern`), or the mean over heads when ``head`` is None."""
+    if head is None:
+        return rows.double().mean(0)
+    n = rows.shape[0]
+    if isinstance(head, bool) or not isinstance(head, int):
+        raise ProbeError(f"head must be an integer index or None (the mean over heads), not {head!r}")
+    if not -n <= head < n:
+        raise ProbeError(
+            f"head={head} is out of range: layer {layer} of the {stack} has {n} heads; choose 0-{n - 1}"
+        )
+    return rows[head]
 
 
 def _query_index(query: Any, pos: dict[str, Any]) -> int:
@@ -64,6 +96,14 @@ def _on_grid(row: Tensor, grid: dict[str, Any]) -> Tensor:
 
 def rollout(cache: Any, layer: int, stack: str, batch: int = 0) -> Tensor:
     """Attention rollout ``[T, T]`` from the first layer up to ``layer`` (see the module docstring)."""
+    have = cache.pattern_layers(stack)
+    missing = [i for i in range(layer + 1) if i not in have]
+    if missing:
+        held = _span(have)
+        raise ProbeError(
+            f"rollout up to layer {layer} multiplies the self-attention of layers 0-{layer}; this cache "
+            f"holds the {stack}'s layers {held} (capture every layer up to {layer}, or ask for a lower one)"
+        )
     out = None
     for i in range(layer + 1):
         a = cache.pattern(stack, i, batch=batch).double().mean(0)  # [T, T], mean over heads
@@ -122,6 +162,7 @@ def attention_map(
     ["layer_grids"]``) maps each layer on its own grid, and ``index`` picks one of a layer's several
     attentions (Swin's blocks in a stage). The weights are the stored ones, not renormalised.
     """
+    _check_layer(cache, stack or image_stack(cache)[0], layer)
     cross = _cross_source(cache, stack, layer)
     if cross is not None:
         return _cross_map(cache, stack, layer, head, query, cross, batch)
@@ -140,8 +181,7 @@ def attention_map(
         return _on_grid(rollout(cache, layer, stack, batch)[_query_index("cls", pos)], pos["grid"])
     q = _query_index(query, pos)
     rows = _query_rows(cache, stack, layer, q, batch, index)  # [head, T]
-    row = rows.double().mean(0) if head is None else rows[head]
-    return _on_grid(row.float(), pos["grid"])
+    return _on_grid(_pick_head(rows, head, stack, layer).float(), pos["grid"])
 
 
 def _query_rows(cache: Any, stack: str, layer: int, q: int, batch: int, index: int | None) -> Tensor:
@@ -192,8 +232,7 @@ def _cross_map(cache, stack, layer, head, query, grid, batch) -> Tensor:
     P = cache.pattern(stack, layer, "cross", batch=batch)  # [head, Q, K]
     if not (isinstance(query, int) and not isinstance(query, bool) and 0 <= query < P.shape[1]):
         raise ProbeError(f"query {query!r} is not one of the {P.shape[1]} query positions of {stack}")
-    row = P[:, query].double().mean(0) if head is None else P[head, query]
-    return _on_grid(row.float(), grid)
+    return _on_grid(_pick_head(P[:, query], head, stack, layer).float(), grid)
 
 
 __all__ = ["attention_map", "image_grid", "image_stack", "rollout"]

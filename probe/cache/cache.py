@@ -215,6 +215,11 @@ class Cache(CacheQueries, KeptFields, Mapping[str, torch.Tensor]):
         if index is not None and (isinstance(index, bool) or not isinstance(index, int) or index < 0):
             raise ProbeError(f"index must be a non-negative integer, not {index!r}")
         name = attention_name(kind, "pattern", index)
+        if layer < 0:  # not an index from the end: a layer's number is its depth
+            have = _ranges(self.layer_indices(stack, name)) or "none"
+            raise ProbeError(
+                f"layer={layer}: layers count from 0; the {stack} has {kind}-attention layers {have}"
+            )
         k = key(stack, layer, name)
         if k not in self:
             if self.partial:

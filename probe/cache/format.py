@@ -29,6 +29,8 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
+from probe.errors import ProbeError
+
 FORMAT_MARKER = "probe-cache"
 FORMAT_VERSION = 2
 STACKS = ("encoder", "decoder")  # the usual stack names; others are module paths
@@ -152,6 +154,8 @@ def key(stack: str, layer: int, name: str) -> str:
     """The cache key of ``name`` in layer ``layer`` of ``stack``, e.g. ``decoder.blocks.0.resid_pre``."""
     if not is_stack_name(stack):
         raise ValueError(f"unknown stack {stack!r}; expected encoder, decoder or a module path")
+    if int(layer) < 0:
+        raise ProbeError(f"layer {layer} is negative; layers count from 0")
     k = f"{stack}.blocks.{int(layer)}.{name}"
     m = _KEY_RE.match(k)
     if m is None or m["stack"] != stack:

@@ -28,6 +28,7 @@ import numpy as np
 import torch
 from torch import Tensor, nn
 
+from probe.capture.checks import check_keyword_tensors
 from probe.capture.inputs import Prepared, model_name
 from probe.capture.spectrogram import spectrograms
 from probe.errors import ProbeError
@@ -62,6 +63,37 @@ def routes_here(inputs: Any, processor: Any, sampling_rate: Any) -> bool:
     return processor is not None and is_audio(inputs)
 
 
+def is_sound_processor(processor: Any) -> bool:
+    """Whether ``processor`` reads sound only: a feature extractor (or a processor holding one)
+    with a ``sampling_rate`` and no image processor."""
+    fe = feature_extractor(processor)
+    rate = getattr(fe, "sampling_rate", None)
+    pictures = getattr(processor, "image_processor", None) or getattr(fe, "image_mean", None)
+    return isinstance(rate, int) and not isinstance(rate, bool) and pictures is None
+
+
+def not_sound(inputs: Any) -> str:
+    """What in ``inputs`` is not sound (:func:`is_audio`), said for a one-line error."""
+    if isinstance(inputs, (list, tuple)) and not inputs:
+        return f"an empty {type(inputs).__name__}: give at least one waveform or sound file"
+    items = inputs if isinstance(inputs, (list, tuple)) else [inputs]
+    i, x = next(((i, x) for i, x in enumerate(items) if not _is_wave(x, True, True)), (0, items[0]))
+    where = f"item {i} of the {type(inputs).__name__} is " if isinstance(inputs, (list, tuple)) else "got "
+    if isinstance(x, (str, Path)):
+        return f"{where}{str(x)!r}, not a sound file ({', '.join(sorted(SUFFIXES))})"
+    if isinstance(x, (np.ndarray, Tensor)):
+        kind = str(x.dtype).replace("torch.", "")
+        if x.ndim == 1:  # integer samples: 16-bit PCM as scipy.io.wavfile reads it
+            return (
+                f"{where}a 1-D {kind} array: give the samples as floats in [-1, 1] (x / 32768 for 16-bit PCM)"
+            )
+        return (
+            f"{where}a {kind} array of shape {list(x.shape)}: give each waveform as a 1-D array of "
+            "samples (x.mean(0) mixes [channels, samples] into one), or a list of them"
+        )
+    return f"{where}of type {type(x).__name__}"
+
+
 def audio_dict(inputs: Any) -> bool:
     """Whether ``inputs`` is a dict of an audio model's keyword tensors (``input_features`` or
     ``input_values`` among its keys)."""
@@ -76,6 +108,8 @@ def _why(e: BaseException) -> str:
 def read_sound(path: str | Path, i: int = 0) -> tuple[np.ndarray, int]:
     """``(samples, rate)`` of a sound file: float32, channels averaged into one."""
     path = Path(path)
+    if path.is_dir():
+        raise ProbeError(f"audio {i}: {str(path)!r} is a directory; give a sound file inside it")
     if not path.is_file():
         raise ProbeError(f"audio {i}: no such file {str(path)!r}")
     try:
@@ -107,7 +141,12 @@ def resample(x: np.ndarray, rate: int, to: int) -> np.ndarray:
 def _rate(sampling_rate: Any) -> int | None:
     if sampling_rate is None:
         return None
-    if isinstance(sampling_rate, bool) or not float(sampling_rate).is_integer() or sampling_rate <= 0:
+    if (
+        isinstance(sampling_rate, bool)
+        or not isinstance(sampling_rate, (int, float, np.integer, np.floating))
+        or not float(sampling_rate).is_integer()
+        or sampling_rate <= 0
+    ):
         raise ProbeError(f"sampling_rate={sampling_rate!r}: give the rate in Hz as a positive integer")
     return int(sampling_rate)
 
@@ -189,6 +228,23 @@ def extract(processor: Any, waves: list[np.ndarray], rate: int) -> dict[str, Any
     return dict(out)
 
 
+def _check_not_cut(processor: Any, kwargs: Mapping, waves: list[np.ndarray], rate: int) -> None:
+    """Refuse sound longer than the features hold: Whisper's extractor cuts every waveform at its
+    window (30 s), and the rest would go unheard while the cache said it was there."""
+    x, hop = kwargs.get("input_features"), feature_hop(processor, "input_features")
+    if not isinstance(x, Tensor) or x.dim() != 3 or hop is None:
+        return
+    frames = max(x.shape[1], x.shape[2])  # the time axis is the longer one once sound is cut
+    for i, w in enumerate(waves):
+        if len(w) // hop > frames + 1:
+            held = frames * hop / rate
+            raise ProbeError(
+                f"audio {i} is {len(w) / rate:.2f} s but {type(feature_extractor(processor)).__name__} "
+                f"keeps {held:.2f} s of it (its window); give at most {held:.2f} s per input (split "
+                "longer audio)"
+            )
+
+
 def _takes(model: nn.Module, key: str) -> bool:
     try:
         return key in inspect.signature(model.forward).parameters
@@ -213,6 +269,7 @@ def sound_inputs(
                 f"the processor {type(feature_extractor(processor)).__name__} makes {made}, which "
                 f"{name}'s forward does not take; give the processor that belongs to the model"
             )
+        _check_not_cut(processor, kwargs, waves, rate)
     else:
         if not _takes(model, "input_values"):
             raise ProbeError(
@@ -274,8 +331,9 @@ def prepare_audio(
 ) -> Prepared:
     """The forward call for sound or an audio model's keyword dict (see :func:`probe.capture`);
     ``target`` (an encoder-decoder's transcript) becomes ``decoder_input_ids``
-    (:func:`probe.capture.transcript.target_inputs`); sound without it is decoded greedily, a
-    dict without it goes to the forward as it is."""
+    (:func:`probe.capture.transcript.target_inputs`); sound, or a dict of features without
+    ``decoder_input_ids``, is decoded greedily without it; a dict with them goes to the forward as
+    it is."""
     from probe.capture.keywords import _prepare_kwargs  # keywords routes here: imported late
     from probe.capture.transcript import target_inputs
 
@@ -284,13 +342,15 @@ def prepare_audio(
     elif not is_audio(inputs):
         raise ProbeError(
             "sampling_rate= is for sound: give a waveform (a 1-D array or tensor), a sound file "
-            f"path or a list of them, not {type(inputs).__name__}"
+            f"path or a list of them; {not_sound(inputs)}"
         )
     else:
         kwargs, meta = sound_inputs(model, inputs, processor, sampling_rate)
+    check_keyword_tensors(model, kwargs, model_name(model))  # before a greedy decoding runs on them
     target_meta = {}
-    # keyword tensors go to the forward as they are; sound gets its transcript (or a greedy one)
-    if target is not None or (not audio_dict(inputs) and _needs_target(model, kwargs)):
+    # an encoder-decoder's decoder inputs: the transcript given, else a greedy one (sound and a
+    # dict of features alike); a dict that holds them goes to the forward as it is
+    if target is not None or _needs_target(model, kwargs):
         kwargs, target_meta = target_inputs(model, kwargs, target, tokenizer, processor)
     _check_channels(model, kwargs)
     tok = tokenizer if tokenizer is not None else getattr(processor, "tokenizer", None)
@@ -350,7 +410,7 @@ def _check_channels(model: nn.Module, kwargs: Mapping) -> None:
 def _needs_target(model: nn.Module, kwargs: Mapping) -> bool:
     cfg = getattr(model, "config", None)
     enc_dec = bool(getattr(cfg, "is_encoder_decoder", False))
-    return enc_dec and "decoder_input_ids" not in kwargs
+    return enc_dec and "decoder_input_ids" not in kwargs and "decoder_inputs_embeds" not in kwargs
 
 
 __all__ = [
@@ -360,7 +420,9 @@ __all__ = [
     "extract",
     "feature_extractor",
     "is_audio",
+    "is_sound_processor",
     "load_sounds",
+    "not_sound",
     "prepare_audio",
     "processor_rate",
     "read_sound",

@@ -20,6 +20,7 @@ from tqdm.auto import tqdm
 
 from probe.cache import Cache
 from probe.capture.beams import beam_of_rows, follow
+from probe.capture.checks import SIGNAL_KEYS, check_ids, context_length, no_tokenizer
 from probe.capture.genpictures import as_decoder, name_pictures
 from probe.capture.images import is_images, load_images, process, texts_of
 from probe.capture.inputs import _record, device_of, is_hf_model, model_name
@@ -73,13 +74,16 @@ def _prompt_ids(model: nn.Module, prompt: Any, tok: Any) -> tuple[Tensor, dict[s
         extra = dict(prompt)
         prompt = extra.pop("input_ids", None)
         extra.pop("attention_mask", None)
+        if prompt is None and any(k in extra for k in SIGNAL_KEYS):
+            raise ProbeError(
+                "probe.generate starts from a text prompt, not sound: capture an audio model with "
+                "probe.capture(model, sound, processor=...), which decodes its transcript greedily"
+            )
         if prompt is None:
             raise ProbeError("the prompt's inputs hold no input_ids; give the tokenizer's output or a text")
     if isinstance(prompt, str):
         if tok is None:
-            raise ProbeError(
-                f"{model_name(model)} has no tokenizer; pass tokenizer=... or a tensor of token ids"
-            )
+            raise no_tokenizer(model, model_name(model))
         ids = torch.tensor([tok.encode(prompt).ids], dtype=torch.long)
     elif isinstance(prompt, Tensor) and not prompt.is_floating_point():
         ids = prompt.reshape(1, -1) if prompt.dim() == 1 else prompt
@@ -94,14 +98,19 @@ def _prompt_ids(model: nn.Module, prompt: Any, tok: Any) -> tuple[Tensor, dict[s
         raise ProbeError(f"probe.generate captures one prompt at a time; got ids of shape {list(ids.shape)}")
     if ids.size(1) == 0:
         raise ProbeError("the prompt is empty; give at least one token")
+    check_ids(model, ids, model_name(model))
     return ids.to(device_of(model)), extra
 
 
-def _check(model: nn.Module, max_new_tokens: Any, kwargs: dict[str, Any]) -> int:
+def _check(model: nn.Module, max_new_tokens: Any, kwargs: dict[str, Any], seed: Any = None) -> int:
     if not isinstance(model, nn.Module):
         raise ProbeError(f"probe captures torch.nn.Module models, not {type(model).__name__}")
     if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
         raise ProbeError(f"max_new_tokens must be a positive number of tokens, not {max_new_tokens!r}")
+    if seed is not None and (
+        isinstance(seed, bool) or not isinstance(seed, int) or not -(2**63) <= seed < 2**64
+    ):  # torch.manual_seed's range
+        raise ProbeError(f"seed={seed!r}: give an integer from -2**63 to 2**64 - 1 (or None)")
     returned = kwargs.get("num_return_sequences", 1) or 1
     if returned > 1:
         raise ProbeError(
@@ -154,9 +163,11 @@ def generate(
     (with the prompt's pictures) through one forward, a block of rows at a time (each row the one
     its step computed). Returns a :class:`Generation` (``metadata["generation"]``: the facts).
     """
-    max_new_tokens = _check(model, max_new_tokens, generate_kwargs)
+    max_new_tokens = _check(model, max_new_tokens, generate_kwargs, seed)
     stats = keep == "stats" or getattr(keep, "kind", None) == "stats"  # the string or a parsed Keep
     raw_tok, tok, ids, extra, hf, enc_dec = _inputs(model, prompt, tokenizer, processor, text)
+    if hf:  # the zoo's loop checks its own context
+        _check_context(model, ids.size(1), max_new_tokens, enc_dec)
     if stats and (stats_of is None or enc_dec or heads is not None or dtype is not None):
         raise ProbeError(
             "keep='stats' of a generation: decoder-only models, every head, float32 (drop heads=/dtype=; "
@@ -192,6 +203,25 @@ def generate(
     new = out[:, P:] if not enc_dec else out[:, 1:]
     cache = Cache(tensors, meta)
     return Generation(cache, torch.cat([ids, new], 1), ids.size(1), meta["generation"]["output_text"])
+
+
+def _check_context(model: nn.Module, P: int, max_new_tokens: int, enc_dec: bool) -> None:
+    """Refuse a generation past the model's positions (its config's ``max_position_embeddings`` or
+    ``n_positions``), where an absolute position embedding fails: the decoder reads the prompt and
+    every new token but the last (an encoder-decoder's: its start token and those)."""
+    limit = context_length(model)
+    if limit is None:
+        return
+    name = model_name(model)
+    if P > limit:
+        raise ProbeError(f"the prompt is {P} tokens but {name} reads at most {limit}; shorten it")
+    read = max_new_tokens if enc_dec else P + max_new_tokens - 1
+    if read > limit:
+        fits = limit if enc_dec else limit - P + 1
+        raise ProbeError(
+            f"{name} reads at most {limit} positions; a prompt of {P} leaves room for "
+            f"max_new_tokens <= {fits}"
+        )
 
 
 def _run(model, hf, ids, extra, max_new_tokens, enc_dec, seed, kwargs) -> tuple[Tensor, Tensor | None]:

@@ -48,6 +48,8 @@ def _open(x: Any, i: int) -> Any:
 
     if isinstance(x, (str, Path)):
         path = Path(x)
+        if path.is_dir():
+            raise ProbeError(f"image {i}: {str(path)!r} is a directory; give a picture file inside it")
         if not path.is_file():
             raise ProbeError(f"image {i}: no such file {str(path)!r}")
         try:
@@ -59,8 +61,49 @@ def _open(x: Any, i: int) -> Any:
     if type(x).__module__ == "numpy":
         if x.size == 0:
             raise ProbeError(f"image {i}: an empty array; give [height, width] or [height, width, channels]")
+        _check_finite(x, i)
         return x
+    if 0 in getattr(x, "size", (1, 1)):  # a PIL image: (width, height)
+        raise ProbeError(f"image {i}: a {x.size[0]}x{x.size[1]} picture has no pixels; give a picture")
+    if getattr(x, "mode", None) == "F":  # PIL's one float mode may hold NaN
+        import numpy as np
+
+        _check_finite(np.asarray(x), i)
     return x
+
+
+def _check_finite(x: Any, i: int) -> None:
+    """A float picture with NaN or infinite values refused: the attention it gives is NaN."""
+    import numpy as np
+
+    if x.dtype.kind == "f" and not np.isfinite(x).all():
+        bad = int(x.size - np.isfinite(x).sum())
+        raise ProbeError(
+            f"image {i}: {bad} of its {x.size} values are NaN or infinite; give finite pixel values"
+        )
+
+
+def not_pictures(inputs: Any) -> str:
+    """What in ``inputs`` is not a picture (:func:`is_images`), said for a one-line error."""
+    if isinstance(inputs, (list, tuple)) and not inputs:
+        return f"an empty {type(inputs).__name__}: give at least one picture"
+    items = inputs if isinstance(inputs, (list, tuple)) else [inputs]
+    i, x = next(((i, x) for i, x in enumerate(items) if not _is_image(x)), (0, items[0]))
+    where = f"item {i} of the {type(inputs).__name__} is " if isinstance(inputs, (list, tuple)) else "got "
+    if isinstance(x, Mapping):
+        what = f"a {type(x).__name__} of keyword tensors: pass it without processor="
+    elif isinstance(x, (str, Path)):
+        what = f"{str(x)!r}, not a picture file ({', '.join(sorted(SUFFIXES))})"
+    elif type(x).__name__ == "Tensor":
+        what = "a tensor: give pixels as {'pixel_values': tensor} without processor="
+    elif type(x).__module__ == "numpy" and hasattr(x, "shape"):
+        what = (
+            f"a {x.dtype} array of shape {list(x.shape)}: give [height, width, channels] (1, 3 or 4 "
+            "channels) or a grey [height, width] of uint8 or floats"
+        )
+    else:
+        what = f"of type {type(x).__name__}"
+    return where + what
 
 
 def load_images(inputs: Any, start: int = 0) -> list[Any]:
@@ -200,6 +243,7 @@ __all__ = [
     "image_names",
     "is_images",
     "load_images",
+    "not_pictures",
     "pictures_seen",
     "process",
     "texts_of",

@@ -21,6 +21,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from probe.capture.checks import SIGNAL_KEYS, check_ids, check_length, context_length, no_tokenizer
 from probe.capture.images import is_images
 from probe.capture.tokenizers import Encoding, adapt, clip
 from probe.errors import ProbeError
@@ -70,11 +71,6 @@ def _texts(inputs: Any, what: str = "text") -> list[str]:
     return texts
 
 
-def _check_length(n: int, limit: int | None, model_name: str, what: str) -> None:
-    if limit is not None and n > limit:
-        raise ProbeError(f"{what} is {n} tokens but {model_name} accepts at most {limit}; shorten it")
-
-
 def device_of(model: nn.Module) -> torch.device:
     """Where ``model`` computes: the device of its first parameter or buffer (CPU if it has none)."""
     for t in itertools.chain(model.parameters(), model.buffers()):
@@ -103,18 +99,6 @@ def model_name(model: nn.Module) -> str:
     return getattr(cfg, "name_or_path", None) or getattr(cfg, "model_type", None) or type(model).__name__
 
 
-def _context_length(model: nn.Module) -> int | None:
-    limit = getattr(model, "context_length", None)
-    if limit is not None:
-        return int(limit)
-    cfg = getattr(model, "config", None)
-    for attr in ("max_position_embeddings", "n_positions"):
-        v = getattr(cfg, attr, None)
-        if isinstance(v, int) and v > 0:
-            return v
-    return None
-
-
 def _accepts(model: nn.Module, name: str) -> bool:
     try:
         return name in inspect.signature(model.forward).parameters
@@ -130,7 +114,7 @@ def _encode_all(
         enc = tok.encode(t, target=True) if target else tok.encode(t)
         if not enc.ids:
             raise ProbeError(f"empty {what}: {t!r} has no tokens for {name}")
-        _check_length(len(enc.ids), limit, name, f"{what} {clip(t)}")
+        check_length(len(enc.ids), limit, name, f"{what} {clip(t)}")
         out.append(enc)
     return out
 
@@ -170,10 +154,10 @@ def prepare(
         return _prepare_tensor(model, inputs, tokenizer, name)
     raw_tok = tokenizer if tokenizer is not None else getattr(model, "tokenizer", None)
     if raw_tok is None:
-        raise ProbeError(f"{name} has no tokenizer; pass tokenizer=... or a tensor of token ids")
+        raise no_tokenizer(model, name)
     tok = adapt(raw_tok)
     texts = _texts(inputs)
-    limit = _context_length(model)
+    limit = context_length(model)
     encs = _encode_all(tok, texts, name, limit, "text")
     hf = is_hf_model(model)
     side = tok.padding_side
@@ -238,9 +222,19 @@ def _routed(model: nn.Module, inputs: Any, kw: dict[str, Any], sampling_rate: An
     None for texts and tensors of ids."""
     from probe.capture import audio
 
-    if audio.routes_here(inputs, kw["processor"], sampling_rate):
+    # a file name is a text to a model that reads text; to one that reads pictures or sound (no
+    # tokenizer, or a forward that takes them), it is a file to open, and said to need processor=
+    reads_text = kw["tokenizer"] is not None or getattr(model, "tokenizer", None) is not None
+    sound_file = audio.is_audio(inputs) and (not reads_text or any(_accepts(model, k) for k in SIGNAL_KEYS))
+    if audio.routes_here(inputs, kw["processor"], sampling_rate) or sound_file:
         return audio.prepare_audio(model, inputs, sampling_rate=sampling_rate, **kw)
-    if kw["processor"] is not None or isinstance(inputs, Mapping) or is_images(inputs, files=False):
+    picture_file = is_images(inputs) and (not reads_text or _accepts(model, "pixel_values"))
+    if (
+        kw["processor"] is not None
+        or isinstance(inputs, Mapping)
+        or is_images(inputs, files=False)
+        or picture_file
+    ):
         from probe.capture.keywords import prepare_keywords
 
         return prepare_keywords(model, inputs, **kw)
@@ -285,7 +279,7 @@ def _greedy(model, ids, mask, encs, raw_tok, hf: bool, name: str) -> list[list[i
                         attention_mask=torch.ones_like(src),
                         do_sample=False,
                         num_beams=1,
-                        max_new_tokens=min(32, _context_length(model) or 32),
+                        max_new_tokens=min(32, context_length(model) or 32),
                     )
                 except Exception as err:  # generation is the library's; say what failed and the way out
                     raise ProbeError(
@@ -312,12 +306,14 @@ def _greedy(model, ids, mask, encs, raw_tok, hf: bool, name: str) -> list[list[i
 def _prepare_tensor(model: nn.Module, x: Tensor, tokenizer: Any, name: str) -> Prepared:
     if x.numel() == 0:
         raise ProbeError("empty input tensor: give at least one position to capture")
-    limit = _context_length(model)
+    limit = context_length(model)
     x = x.to(device_of(model))  # ids or inputs built on the CPU for a model on a GPU
     if x.is_floating_point():
+        if not bool(torch.isfinite(x).all()):
+            raise ProbeError("the input tensor holds NaN or infinite values; give finite numbers")
         batch = x if x.dim() >= 3 else x.unsqueeze(0)
         T = batch.shape[1]
-        _check_length(T, limit, name, "input")
+        check_length(T, limit, name, "input")
         meta = {
             "input_kind": "tensor",
             "input_shape": list(batch.shape),
@@ -325,7 +321,8 @@ def _prepare_tensor(model: nn.Module, x: Tensor, tokenizer: Any, name: str) -> P
         }
         return Prepared(lambda: model(batch), meta)
     ids = (x if x.dim() == 2 else x.reshape(1, -1)).long()
-    _check_length(ids.shape[1], limit, name, "input")
+    check_length(ids.shape[1], limit, name, "input")
+    check_ids(model, ids, name)
     raw_tok = tokenizer if tokenizer is not None else getattr(model, "tokenizer", None)
     if raw_tok is not None:
         tokens = [adapt(raw_tok).tokens_of(row) for row in ids.tolist()]
@@ -342,4 +339,10 @@ def _prepare_tensor(model: nn.Module, x: Tensor, tokenizer: Any, name: str) -> P
     return Prepared(lambda: model(ids), meta)
 
 
-__all__ = ["Prepared", "prepare", "is_hf_model", "model_name", "position_ids"]
+__all__ = [
+    "Prepared",
+    "is_hf_model",
+    "model_name",
+    "position_ids",
+    "prepare",
+]

@@ -14,8 +14,17 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from probe.capture.audio import audio_metadata
-from probe.capture.images import WithText, image_names, is_images, load_images, pictures_seen, process
+from probe.capture.audio import audio_metadata, is_sound_processor, not_sound
+from probe.capture.checks import check_keyword_tensors
+from probe.capture.images import (
+    WithText,
+    image_names,
+    is_images,
+    load_images,
+    not_pictures,
+    pictures_seen,
+    process,
+)
 from probe.capture.inputs import Prepared, device_of, is_hf_model, model_name
 from probe.capture.tiles import tile_metadata
 from probe.capture.tokenizers import adapt
@@ -55,9 +64,19 @@ def _prepare_images(
             "or give {'pixel_values': tensor}"
         )
     if not is_images(inputs):
+        if is_sound_processor(processor):  # a feature extractor given something that is not sound
+            raise ProbeError(
+                f"processor= ({type(processor).__name__}) reads sound: give a waveform with "
+                f"sampling_rate=, a sound file or a list of them; {not_sound(inputs)}"
+            )
         raise ProbeError(
             "processor= takes pictures: a PIL image, a numpy array, an image file path, or a list of "
-            f"them, not {type(inputs).__name__}"
+            f"them; {not_pictures(inputs)}"
+        )
+    if is_sound_processor(processor):
+        raise ProbeError(
+            f"processor= ({type(processor).__name__}) reads sound, not pictures: give the image "
+            f"processor of {name} (an image model's), or sound to an audio model"
         )
     batch = dict(process(processor, load_images(inputs), text))
     if text is not None:
@@ -136,6 +155,7 @@ def _prepare_kwargs(model: nn.Module, inputs: Mapping, tokenizer: Any, name: str
     kwargs = {k: v.to(device) if isinstance(v, Tensor) else v for k, v in inputs.items()}
     if not any(isinstance(v, Tensor) for v in kwargs.values()):
         raise ProbeError(f"no tensor among the inputs {', '.join(kwargs)}; give the model's keyword tensors")
+    check_keyword_tensors(model, kwargs, name)
     meta = inputs_metadata(model, kwargs, tokenizer)
     if "use_cache" in params and "use_cache" not in kwargs:
         kwargs["use_cache"] = False

@@ -79,7 +79,10 @@ class ZooTokenizer(Tokenizer):
         return Encoding(ids, tokens, [False] * len(ids))
 
     def tokens_of(self, ids: list[int]) -> list[str]:
-        return [self.tok.decode([i]) for i in ids]
+        try:
+            return [self.tok.decode([i]) for i in ids]
+        except (ValueError, KeyError, IndexError) as e:  # ids past the vocabulary
+            raise ProbeError(f"{_first_line(e)}; give ids the tokenizer made") from None
 
     def decode(self, ids: list[int]) -> str:
         return self.tok.decode(ids)

@@ -25,6 +25,8 @@ def add_audio_args(p: argparse.ArgumentParser) -> None:
 
 def check_audio_args(args: argparse.Namespace, texts: list[str]) -> None:
     """Refuse, before any model loads, what does not go with ``--audio``."""
+    from probe.capture.audio import SUFFIXES
+
     if getattr(args, "image", None):
         raise ProbeError("give --audio or --image, not both")
     if texts:
@@ -32,8 +34,12 @@ def check_audio_args(args: argparse.Namespace, texts: list[str]) -> None:
             f"--audio takes no TEXT ({texts[0]!r}); give the transcript with --target, or cache files alone"
         )
     for a in args.audio:
+        if Path(a).is_dir():
+            raise ProbeError(f"--audio {a}: is a directory; give a sound file inside it")
         if not Path(a).is_file():
             raise ProbeError(f"--audio {a}: no such file")
+        if Path(a).suffix.lower() not in SUFFIXES:
+            raise ProbeError(f"--audio {a}: not a sound file; give {', '.join(sorted(SUFFIXES))}")
 
 
 def load_audio_model(args: argparse.Namespace):

@@ -5,6 +5,7 @@ from __future__ import annotations
 import base64
 import io
 import json
+import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -16,9 +17,24 @@ from probe.cache import Cache
 _JSON_ESCAPES = {ord("<"): "\\u003c", ord(">"): "\\u003e", ord("&"): "\\u0026"}
 
 
+def _finite(obj: Any) -> Any:
+    """``obj`` with every NaN or infinite float as None (JSON's null)."""
+    if isinstance(obj, float):
+        return obj if math.isfinite(obj) else None
+    if isinstance(obj, dict):
+        return {k: _finite(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [_finite(v) for v in obj]
+    return obj
+
+
 def safe_json(obj: Any) -> str:
-    """``obj`` as JSON text with ``<``, ``>`` and ``&`` escaped, safe inside any HTML element."""
-    text = json.dumps(obj, ensure_ascii=False, separators=(",", ":"), allow_nan=False)
+    """``obj`` as JSON text with ``<``, ``>`` and ``&`` escaped, safe inside any HTML element; a
+    NaN or infinite number (a model that overflowed) is written as null."""
+    try:
+        text = json.dumps(obj, ensure_ascii=False, separators=(",", ":"), allow_nan=False)
+    except ValueError:  # NaN or infinity: JSON has no such number
+        text = json.dumps(_finite(obj), ensure_ascii=False, separators=(",", ":"), allow_nan=False)
     # U+2028/9 are valid in JSON but were line terminators in old JavaScript; escape them too.
     return text.translate(_JSON_ESCAPES).replace("\u2028", "\\u2028").replace("\u2029", "\\u2029")
 

@@ -8,6 +8,7 @@ logit attribution bars per position, and the parameter budget as a chart and a t
 
 from __future__ import annotations
 
+import math
 import re
 from typing import Any
 
@@ -44,7 +45,8 @@ def _norms_figure(ctx, stats) -> str:
         ax.set_xticks(range(len(layers)), [str(i) for i in layers])
         ax.set_xlabel(f"{stack} layer")
         ax.set_ylabel("mean L2 norm over tokens")
-        ax.set_ylim(0, 1.4 * max(max(bottom), max(post), 1e-9))  # room above for the legend
+        finite = [v for v in (*bottom, *post) if math.isfinite(v)]  # a NaN norm draws no bar, sets no limit
+        ax.set_ylim(0, 1.4 * max(finite + [1e-9]))  # room above for the legend
         ax.legend(fontsize=8, loc="upper right", ncol=2)
     fig.tight_layout()
     return ctx.figure(fig, "residual norms per layer")
