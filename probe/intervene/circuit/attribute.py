@@ -27,22 +27,21 @@ import torch
 from torch import Tensor
 
 from probe.errors import ProbeError
-from probe.intervene.circuit.task import Task, diffs, positions
+from probe.intervene.circuit.task import Task, diffs, real_positions
 from probe.intervene.circuit.wiring import Run
 
 METHODS = ("eap", "eap-ig", "patching")
 
 
-def contract(groups: list[tuple[int, Tensor]], grad: Tensor, upstream: int, pos: Tensor) -> Tensor:
-    """``[upstream, targets]``: ``Σ_b,t,d D[b,t,u,d] · G[b,t,m,d]`` over real positions, for the node
-    groups ``(start, D [B, T, k, d])`` before node ``upstream`` and the targets' gradients ``G``."""
-    out = torch.zeros(upstream, grad.shape[2], device=grad.device)
+def contract(groups: list[tuple[int, Tensor]], grad: Tensor, upstream: int) -> Tensor:
+    """``[upstream, targets]``: ``Σ_b,t,d D[u,b,t,d] · G[m,b,t,d]`` for the node groups ``(start, D
+    [k, B, T, d])`` before node ``upstream`` and the targets' gradients ``G [m, B, T, d]`` (one
+    matrix product per group: nodes and targets lead, so nothing is copied)."""
+    G = grad.float().reshape(grad.shape[0], -1)
+    out = torch.zeros(upstream, G.shape[0], device=G.device)
     for start, D in groups:
-        if start >= upstream:
-            continue
-        k = D.shape[2]
-        masked = torch.where(pos.bool(), D, torch.zeros((), device=D.device))
-        out[start : start + k] = torch.einsum("btkd,btmd->km", masked, grad.float())
+        if start < upstream:
+            out[start : start + D.shape[0]] = D.reshape(D.shape[0], -1) @ G.T
     return out
 
 
@@ -54,22 +53,21 @@ def eap_scores(task: Task, steps: int = 1) -> Tensor:
     scores = torch.zeros(len(graph.nodes), len(graph.targets))
     for ci, (clean, _) in enumerate(task.pairs()):
         ref = task.corrupted(ci)
-        entry = ref.values[0][1].squeeze(2)
+        entry = ref.values[0][1][0]
         D = None
         for k in range(steps, 0, -1):  # k = steps first: the clean run itself
             run = Run(w, interpolate=None if k == steps else (entry, k / steps), grads=True)
             logits = task.forward(run, clean)
             if k == steps:
                 task.keep_clean(ci, logits, clean)
-                D = diffs(run, ref)
+                D = real_positions(diffs(run, ref), clean)
             m = task.rows(logits, clean, ci).sum() / task.n
             if not m.requires_grad:
                 raise ProbeError("the metric does not depend on the model's outputs differentiably")
             got = torch.autograd.grad(m, run.slots, allow_unused=True)
             G = w.target_grads(run, dict(enumerate(got)))
-            pos = positions(clean, D[0][1].shape, D[0][1].device)
             for gi, g in enumerate(w.groups):
-                part = contract(D, G[gi], g.upstream, pos) / steps
+                part = contract(D, G[gi], g.upstream) / steps
                 scores[: g.upstream, g.targets] += part.cpu()
             del run, got, G
     return torch.where(graph.mask(), scores, torch.tensor(float("nan")))
@@ -83,14 +81,14 @@ def patching_scores(task: Task, max_rows: int = 64) -> Tensor:
     for ci, (clean, _) in enumerate(task.pairs()):
         base, _ = task.record(clean, ci=ci)
         ref = task.corrupted(ci)
-        D = torch.cat([v for _, v in ref.values], 2) - torch.cat([v for _, v in base.values], 2)
-        B = D.shape[0]
+        D = ref.stacked() - base.stacked()  # [nodes, B, T, d]
+        B = D.shape[1]
         per = max(1, max_rows // B)
         for gi, g in enumerate(w.groups):
             for t in g.targets:
                 for lo in range(0, g.upstream, per):
                     srcs = list(range(lo, min(g.upstream, lo + per)))
-                    total = _patched(task, ci, clean, gi, t, D[:, :, srcs], B)
+                    total = _patched(task, ci, clean, gi, t, D[srcs], B)
                     scores[srcs, t] += total.cpu()
         del base, ref, D
     scores = refs["clean"] - scores  # the batch mean of M(patched) was summed per edge
@@ -100,9 +98,9 @@ def patching_scores(task: Task, max_rows: int = 64) -> Tensor:
 def _patched(task: Task, ci: int, clean, gi: int, t: int, devs: Tensor, B: int) -> Tensor:
     """``[sources]``: the batch-mean metric (this chunk's share) with edge ``source -> t`` corrupted,
     one source per block of ``B`` rows of one forward."""
-    K = devs.shape[2]
+    K = devs.shape[0]
     chunk = task.chunk_of(clean.examples.tolist() * K)
-    dev = devs.permute(2, 0, 1, 3).reshape(K * B, *devs.shape[1:2], devs.shape[-1])
+    dev = devs.reshape(K * B, *devs.shape[2:])
 
     def deviate(run: Run, g: int):
         return {t: dev} if g == gi else None

@@ -118,7 +118,7 @@ def check_sum(wiring: Wiring, run: Run) -> float:
         x = run.streams.get(gi)
         if x is None:
             raise ProbeError(f"the {g.kind} of layer {g.layer} did not run in the forward")
-        total = sum(v.sum(2) for _, v in run.value_groups(g.upstream)) + wiring.constants(g)
+        total = sum(v.sum(0) for _, v in run.value_groups(g.upstream)) + wiring.constants(g)
         err = float((x.float() - total).norm() / x.float().norm().clamp_min(1e-30))
         worst = max(worst, err)
         if err > SUM_TOLERANCE:

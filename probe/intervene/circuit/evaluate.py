@@ -18,7 +18,6 @@ normalised faithfulness; for KL, ``1 - KL(circuit) / KL(corrupted)``).
 
 from __future__ import annotations
 
-import torch
 from torch import Tensor
 
 from probe.errors import ProbeError
@@ -38,15 +37,16 @@ def corrupted_edges_deviation(ref: Run, off: Tensor):
             return None
         dev = None
         for start, v in run.value_groups(g.upstream):
-            k = v.shape[2]
+            k = v.shape[0]
             wk = w[start : start + k].to(v.device)
             if not bool(wk.any()):
                 continue
-            part = torch.einsum("btkd,km->btmd", ref_groups[start] - v, wk)
+            part = wk.T @ (ref_groups[start] - v).reshape(k, -1)  # [targets, B*T*d]
             dev = part if dev is None else dev + part
         if dev is None:
             return None
-        return {t: dev[:, :, i] for i, t in enumerate(g.targets) if bool(w[:, i].any())}
+        shape = run.values[0][1].shape[1:]
+        return {t: dev[i].reshape(shape) for i, t in enumerate(g.targets) if bool(w[:, i].any())}
 
     return deviate
 

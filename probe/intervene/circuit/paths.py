@@ -60,8 +60,8 @@ def parse_path(graph: Graph, path: str | list[str]) -> list[tuple[int, int]]:
 
 def _value(values: list[tuple[int, Tensor]], i: int) -> Tensor:
     for start, v in values:
-        if start <= i < start + v.shape[2]:
-            return v[:, :, i - start]
+        if start <= i < start + v.shape[0]:
+            return v[i - start]
     raise ProbeError(f"node {i} was not recorded in the run")
 
 

@@ -11,7 +11,6 @@ is the mean over all examples, so a chunk contributes ``sum(rows) / n``.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
 
 import torch
 from torch import Tensor, nn
@@ -127,11 +126,12 @@ def diffs(a: Run, b: Run) -> list[tuple[int, Tensor]]:
     return [(s, va - vb) for (s, va), (_, vb) in zip(a.values, b.values, strict=True)]
 
 
-def positions(chunk: Chunk, shape: tuple[int, ...], device: Any) -> Tensor:
-    """``[B, T, 1, 1]`` float: 1 at real positions (all positions without a mask)."""
-    if chunk.mask is None or tuple(chunk.mask.shape) != tuple(shape[:2]):
-        return torch.ones(*shape[:2], 1, 1, device=device)
-    return chunk.mask.to(device).float()[:, :, None, None]
+def real_positions(groups: list[tuple[int, Tensor]], chunk: Chunk) -> list[tuple[int, Tensor]]:
+    """Node-output groups ``[k, B, T, d]`` with the padding positions set to 0."""
+    if chunk.mask is None or not groups or tuple(chunk.mask.shape) != tuple(groups[0][1].shape[1:3]):
+        return groups
+    keep = chunk.mask.to(groups[0][1].device)[None, :, :, None]
+    return [(s, torch.where(keep, v, torch.zeros((), device=v.device))) for s, v in groups]
 
 
-__all__ = ["Task", "diffs", "positions"]
+__all__ = ["Task", "diffs", "real_positions"]

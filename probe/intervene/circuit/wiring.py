@@ -101,7 +101,7 @@ class Wiring:
         return total
 
     def target_grads(self, run: Run, grads: dict[int, Tensor]) -> dict[int, Tensor]:
-        """``{group index: [batch, pos, targets, d]}``: the gradient of the metric with respect to
+        """``{group index: [targets, batch, pos, d]}``: the gradient of the metric with respect to
         each target's input through that target alone, from the kept tensors' gradients."""
         out = {}
         for gi, g in enumerate(self.groups):
@@ -127,8 +127,7 @@ class Wiring:
                     part = grads.get(run.slot_index[(gi, r)])
                     if part is not None:
                         gy[0] += part.float()
-            gx = norm_vjp(g.norm, x, gy) if g.norm is not None else gy
-            out[gi] = gx.permute(1, 2, 0, 3)
+            out[gi] = norm_vjp(g.norm, x, gy) if g.norm is not None else gy
         return out
 
 
@@ -147,7 +146,7 @@ Deviate = Callable[["Run", int], "dict[int, Tensor] | None"]
 
 
 class Run:
-    """One forward's hooks (see the module docstring): ``values`` ``[(start, [B, T, k, d])]`` node
+    """One forward's hooks (see the module docstring): ``values`` ``[(start, [k, B, T, d])]`` node
     outputs in order, ``streams`` ``{group: x}``, and the kept tensors ``slots`` for gradients."""
 
     def __init__(
@@ -174,8 +173,8 @@ class Run:
         return [(s, v) for s, v in self.values if s < upstream]
 
     def stacked(self) -> Tensor:
-        """All node outputs ``[B, T, nodes, d]``."""
-        return torch.cat([v for _, v in self.values], 2)
+        """All node outputs ``[nodes, B, T, d]``."""
+        return torch.cat([v for _, v in self.values], 0)
 
     def _once(self, module: nn.Module, what: str) -> None:
         n = self._calls.get(id(module), 0) + 1
@@ -193,7 +192,7 @@ class Run:
         if self.grads:
             x = x.detach().requires_grad_(True)
             self.entry_leaf = x
-        self.values.append((0, x.detach().float().unsqueeze(2)))
+        self.values.append((0, x.detach().float().unsqueeze(0)))
         return (x, *args[1:]), kwargs
 
     def _writer(self, w: Writer):
@@ -202,15 +201,16 @@ class Run:
             def pre(mod, args):
                 self._once(mod, f"layer {w.layer}'s attention output projection")
                 z = args[0].detach().float()
-                H, dh, _ = w.W_O.shape
-                writes = torch.einsum("bthe,hed->bthd", z.reshape(*z.shape[:-1], H, dh), w.W_O.float())
+                H, dh, d = w.W_O.shape
+                zh = z.reshape(-1, H, dh).transpose(0, 1)  # [H, B*T, dh]
+                writes = torch.bmm(zh, w.W_O.float()).reshape(H, *z.shape[:-1], d)
                 self.values.append((w.start, writes))
 
             return w.module.register_forward_pre_hook(pre)
 
         def post(mod, args, out):
             self._once(mod, f"layer {w.layer}'s MLP output")
-            self.values.append((w.start, out.detach().float().unsqueeze(2)))
+            self.values.append((w.start, out.detach().float().unsqueeze(0)))
 
         return w.module.register_forward_hook(post)
 
