@@ -112,7 +112,11 @@ def test_a_picture_reported_by_two_models_gets_two_folders(tmp_path, monkeypatch
     assert main(["report", "--model", "vit-zoo", "--image", "cat.png"]) == 0
     assert "wrote reports/vit_zoo-cat/index.html" in capsys.readouterr().out
     config = transformers.ViTConfig(
-        image_size=32, patch_size=8, hidden_size=16, num_hidden_layers=1, num_attention_heads=2,
+        image_size=32,
+        patch_size=8,
+        hidden_size=16,
+        num_hidden_layers=1,
+        num_attention_heads=2,
         intermediate_size=32,
     )
     transformers.ViTModel(config).eval().save_pretrained("my-vit")
@@ -133,3 +137,21 @@ def test_a_zoo_name_is_taken_with_either_spelling_and_listed_with_one(spelling, 
     assert main(["capture", "--model", "vit-zo", "x", "-o", str(out)]) == 2
     err = capsys.readouterr().err
     assert "unknown model 'vit-zo'" in err and "vit_zoo" in err and "vit-zoo" not in err
+
+
+def test_the_greedy_transcript_is_whisper_generates_own_greedy_output():
+    # probe asks Whisper's generate for the length as max_length (no note that max_new_tokens and
+    # a default max_length were both set); the transcript is the library's greedy one, as asked
+    # with max_new_tokens: 31 new tokens at most (32 decoder positions, the start token first)
+    from test_audio import RATE, _mel_extractor, _wave, _whisper
+
+    model, fe = _whisper(), _mel_extractor()
+    cache = probe.capture(model, _wave(0.5), sampling_rate=RATE, processor=fe)
+    feats = fe(_wave(0.5), sampling_rate=RATE, return_tensors="pt")["input_features"]
+    start, eos = model.config.decoder_start_token_id, model.generation_config.eos_token_id
+    with torch.no_grad():
+        out = model.generate(input_features=feats, do_sample=False, num_beams=1, max_new_tokens=31)
+    seq = out[0].tolist()
+    seq = seq if seq[0] == start else [start, *seq]  # Whisper's generate leaves its start token out
+    seq = seq[: next((k for k in range(1, len(seq)) if seq[k] == eos), len(seq))]
+    assert cache.metadata["target_ids"][0] == seq and len(seq) <= 32
