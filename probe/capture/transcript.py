@@ -19,9 +19,9 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from probe.capture.checks import context_length
 from probe.capture.inputs import (
     _batch,
-    _context_length,
     _decoder_start,
     _encode_all,
     _record,
@@ -90,7 +90,7 @@ def target_inputs(
         texts = _texts(target, "target text")
         if len(texts) != n:
             raise ProbeError(f"{n} audio inputs but {len(texts)} targets; give one target per input")
-        labels = _encode_all(tok, texts, name, _context_length(model), "target", target=is_hf_model(model))
+        labels = _encode_all(tok, texts, name, context_length(model), "target", target=is_hf_model(model))
         start = _decoder_start(model)
         encs = [e if e.ids[0] == start else tok.from_ids([start] + e.ids) for e in labels]
         meta["target_source"] = "given"
@@ -119,7 +119,7 @@ def _greedy(model: nn.Module, kwargs: Mapping, n: int, name: str) -> list[list[i
         raise ProbeError(f"{name} offers no greedy decoding; pass target= (the transcript)")
     eos = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
     eos = set(eos if isinstance(eos, list) else [eos]) - {None}
-    limit = _context_length(model) or getattr(getattr(model, "config", None), "max_target_positions", None)
+    limit = context_length(model) or getattr(getattr(model, "config", None), "max_target_positions", None)
     new = min(32, limit - 1) if limit else 32  # the start token counts towards the decoder's length
     start = _decoder_start(model)
     seqs = []
