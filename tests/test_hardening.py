@@ -937,6 +937,7 @@ def test_attention_map_refuses_a_negative_layer_and_a_head_past_the_count(vit_ca
         ({"layer": 0, "head": "1"}, r"^head must be an integer index or None"),
         ({"layer": 1.5}, r"^layer must be an integer index, not 1.5"),
         ({"layer": 9, "query": "rollout"}, r"^rollout up to layer 9 .* holds the encoder's layers 0-3"),
+        ({"layer": 0, "image": 1}, r"^image=1: the encoder stack reads one picture per input; .*batch="),
     ]
     for kwargs, message in cases:
         with pytest.raises(ProbeError, match=message) as e:
@@ -1132,6 +1133,12 @@ def test_pictures_and_sound_that_are_not_what_a_processor_reads(vit, speech):
             Image.new("RGB", (0, 0)),
             {"processor": vit.processor},
             r"^image 0: a 0x0 picture has no pixels",
+        ),
+        (
+            vit,
+            np.zeros((8, 8, 3), complex),
+            {"processor": vit.processor},
+            r"^image 0: an array of complex128",
         ),
         (
             speech,

@@ -120,6 +120,10 @@ def image_grid(
     picture ``image`` in text ``batch`` (an image model's one grid; a text's own for a
     vision-language model)."""
     stack, pos = image_stack(cache, stack)
+    if "rows" not in pos and image != 0:  # an image model: one picture per batch row
+        raise ProbeError(
+            f"image={image}: the {stack} stack reads one picture per input; choose the picture with batch="
+        )
     return stack, (_text_row(pos, batch, image) if "rows" in pos else pos)
 
 

@@ -61,6 +61,8 @@ def _open(x: Any, i: int) -> Any:
     if type(x).__module__ == "numpy":
         if x.size == 0:
             raise ProbeError(f"image {i}: an empty array; give [height, width] or [height, width, channels]")
+        if x.dtype.kind not in "biuf":
+            raise ProbeError(f"image {i}: an array of {x.dtype}; give pixels as uint8 (0-255) or floats")
         _check_finite(x, i)
         return x
     if 0 in getattr(x, "size", (1, 1)):  # a PIL image: (width, height)
