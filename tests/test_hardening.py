@@ -966,6 +966,7 @@ def test_pointing_refuses_maps_and_pictures_it_has_no_answer_for():
         (m, box, (0, 64), r"^image=\(0, 64\): give the processed image's \(height, width\)"),
         (m, box, "64", r"^image='64'"),
         (m, (0, 0, float("nan"), 9), (64, 64), r"^box .* holds NaN or infinity"),
+        ({"s": "abc"}, box, (64, 64), r"^map 's' is not numbers"),
     ]
     for maps, obj, image, message in cases:
         with pytest.raises(ProbeError, match=message) as e:
