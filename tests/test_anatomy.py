@@ -151,7 +151,9 @@ def test_attention_only_model_has_no_norm_no_mlp_and_nothing_refused():
     an = anatomy(m, "^ABCDABCD")
     for i, block in enumerate(m.blocks):
         a = an.attention[("decoder", i, "self")]
-        assert a.norm is None and a.q[2].module is block.attn.q and a.q[2].cols == slice(32, 48)
+        h = a.heads - 1
+        assert a.heads == block.attn.n_head and a.norm is None
+        assert a.q[h].module is block.attn.q and a.q[h].cols == slice(16 * h, 16 * (h + 1))
     assert not an.mlp and not an.refused
     assert an.final_norm is None and an.unembed is m.lm_head
 

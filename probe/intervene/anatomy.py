@@ -40,7 +40,7 @@ from typing import Any
 from torch import Tensor, nn
 
 from probe.errors import ProbeError
-from probe.intervene.anatomy_check import Perturbation, run_checks
+from probe.intervene.anatomy_check import Job, run_checks
 from probe.intervene.anatomy_find import (
     assemble,
     candidates,
@@ -133,13 +133,7 @@ def anatomy(
         x, t, tx = _copies(inputs, target, text, n)
         return prepare_call(model, x, tokenizer, t, text=tx, **media).run
 
-    if found:
-        run_checks(
-            model,
-            [c for cs, _ in found.values() for c in cs],
-            Perturbation(make, sites.attention),
-            sites.heads,
-        )
+    run_checks(_jobs(found, flows, sites), make)
     for key, (cands, e) in found.items():
         try:
             an.attention[key] = assemble(
@@ -151,6 +145,29 @@ def anatomy(
     _readout(an, flow, cache)
     _samples(an, flow, flows)
     return an
+
+
+def _local(lf: Any, module: nn.Module, name: str, call: int) -> int:
+    """Which call of ``module`` within the layer call the scan's call ``call`` was."""
+    mine = [c for c in lf.leaves if c.module is module]
+    return next(i for i, c in enumerate(mine) if c.name == name and c.call == call)
+
+
+def _jobs(found: dict, flows: dict, sites: Any) -> list[Job]:
+    """One :class:`Job` per layer call with candidate blocks, in run order."""
+    jobs: dict[tuple[str, int], Job] = {}
+    for key, (cands, _e) in found.items():
+        lf = flows[key[:2]]
+        site = sites.attention[key]
+        job = jobs.setdefault(key[:2], Job(lf, [], {}, {}, {}))
+        for c in cands:
+            c.local = _local(lf, c.leaf.module, c.leaf.name, c.leaf.call)
+        job.cands += cands
+        job.outs[key] = (site.module, site.call, _local(lf, site.module, site.name, site.call))
+        out = next(c for c in lf.leaves if c.name == site.name and c.call == site.call)
+        job.clean[key] = out.x
+        job.heads[key] = site.heads
+    return list(jobs.values())
 
 
 def _delta(e: dict, role: str) -> str:

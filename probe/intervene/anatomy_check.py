@@ -2,19 +2,22 @@
 
 A projection that feeds an attention (found by :mod:`probe.intervene.anatomy_flow`) is cut into
 blocks of ``d_head`` output channels. Each block gets its own copy of the input in one batched
-forward; in that copy a small vector is added to the block at one position ``p`` (the middle of
-its sequence), and the layer's captured pattern and attention output (the output projection's
-input) are compared with the unperturbed copy:
+run of its layer; in that copy a vector is added to the block at one position ``p`` (the middle
+of its sequence), and each head's output (the output projection's input ``z``) is compared with
+an unperturbed copy, change by change (a second unperturbed copy gives the noise floor, zero on
+a CPU):
 
-* a query block of head ``h``: only row ``p`` of head ``h``'s pattern changes;
-* a key block: several rows change, in every head that reads that key head (GQA groups);
-* a value block: the pattern stays the same and the output of the heads that read it changes,
-  by exactly ``pattern[h, i, p] * delta`` at every query ``i`` when the block is the value
-  itself (no transform between it and the head's output): then ``W_V`` can be read off it.
+* a value block of the heads ``S``: their outputs change by ``pattern[h, i, p] * delta`` at every
+  query ``i``, a multiple of ``delta`` (checked on the clearly changed ones): the block reaches the
+  heads' outputs as it is, so ``W_V`` can be read off it;
+* a query block of head ``h``: only head ``h``'s output at row ``p`` changes;
+* a key block: the output of every head that reads it changes (GQA groups), at several rows.
 
 Blocks that change nothing in their attention are not its q/k/v (e.g. another attention's part
-of a fused projection). One forward covers many layers: the batch holds one copy per block,
-at most :data:`MAX_COPIES` copies and :data:`MAX_BYTES` of captured patterns per forward.
+of a fused projection). The layer runs alone, on copies of the arguments it got in the scan
+(``N`` copies: ``N`` times one layer); where that does not reproduce the scan's output (a layer
+that reads state its arguments do not carry) the whole model runs on ``N`` copies of the input
+instead, stopped once the layers checked have run, at most :data:`MAX_COPIES` copies a forward.
 """
 
 from __future__ import annotations
@@ -26,12 +29,10 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from probe.capture.engine import Trace
 from probe.errors import ProbeError
-from probe.intervene.anatomy_flow import LeafCall
+from probe.intervene.anatomy_flow import LayerFlow, LeafCall
 
 MAX_COPIES = 256
-MAX_BYTES = 256 << 20
 SCALE = 4.0  # the added vector's norm, in units of the block's own norm at p
 
 
@@ -44,6 +45,7 @@ class Cand:
     cols: slice
     layout: str  # "batch" ([B, T, F]), "flat" ([B*T, F]), "seq" ([T, B, F])
     length: int  # the positions of the leaf's sequence
+    local: int = 0  # which call of the leaf's module within its layer call
     copy: int = 0
     delta: Tensor | None = None
     found: tuple = ()  # ("q", h) | ("k", heads) | ("v", heads, exact) | ("none",) | ("unclear",)
@@ -51,6 +53,19 @@ class Cand:
     @property
     def pos(self) -> int:
         return self.length // 2
+
+
+@dataclass
+class Job:
+    """One layer call's checks: its flow, candidate blocks and the output projections watched
+    (``outs[key] = (module, global call, call within the layer)``)."""
+
+    flow: LayerFlow
+    cands: list[Cand]
+    outs: dict[tuple, tuple[nn.Module, int, int]]
+    clean: dict[tuple, Tensor]  # each watched projection's input in the scan
+    heads: dict[tuple, int]  # each attention's head count
+    z: dict[tuple, Tensor] = field(default_factory=dict)
 
 
 def layout_of(out: Any) -> tuple[str, int] | None:
@@ -75,22 +90,35 @@ def _index(c: Cand) -> tuple:
     return (c.copy * c.length + p, c.cols)
 
 
-def _clean_block(c: Cand) -> Tensor:
-    o = c.leaf.out
-    p = c.pos
-    return o[0, p, c.cols] if c.layout == "batch" else o[p, 0, c.cols] if c.layout == "seq" else o[p, c.cols]
-
-
 def _delta(c: Cand, seed: int) -> Tensor:
-    b = _clean_block(c).detach().float()
-    g = torch.Generator().manual_seed(seed)
-    d = torch.randn(b.shape[-1], generator=g)
-    d = d / d.norm() * SCALE * max(b.norm().item(), 1e-2)
-    return d.to(b.device)
+    o, p = c.leaf.out, c.pos
+    b = o[0, p, c.cols] if c.layout == "batch" else o[p, 0, c.cols] if c.layout == "seq" else o[p, c.cols]
+    b = b.detach().float()
+    d = torch.randn(b.shape[-1], generator=torch.Generator().manual_seed(seed))
+    return (d / d.norm() * SCALE * max(b.norm().item(), 1e-2)).to(b.device)
 
 
-def _hooks(model: nn.Module, cands: list[Cand], outs: dict[int, tuple]) -> list:
-    """Forward hooks adding each candidate's delta, and pre-hooks recording each out site's input."""
+def _repeat(x: Any, n: int) -> Any:
+    """``x`` with every tensor of batch 1 repeated ``n`` times along its first dim."""
+    if isinstance(x, Tensor):
+        return x.repeat(n, *([1] * (x.dim() - 1))) if x.dim() and x.shape[0] == 1 else x
+    if isinstance(x, (tuple, list)):
+        return type(x)(_repeat(a, n) for a in x)
+    if isinstance(x, dict):
+        return {k: _repeat(v, n) for k, v in x.items()}
+    if hasattr(x, "get_seq_length"):  # a KV cache the scan's forward filled: the copies start without
+        return None
+    return x
+
+
+class _Done(Exception):
+    """Raised by a hook to stop a forward once every watched projection has run."""
+
+
+def _hooks(jobs: list[Job], local: bool, stop: bool) -> list:
+    """Hooks adding each candidate's delta to its leaf's output and recording each watched
+    projection's input; calls counted within a layer call (``local``) or the whole forward."""
+    cands = [c for j in jobs for c in j.cands]
     by_mod: dict[int, list[Cand]] = {}
     mods: dict[int, nn.Module] = {}
     for c in cands:
@@ -101,7 +129,7 @@ def _hooks(model: nn.Module, cands: list[Cand], outs: dict[int, tuple]) -> list:
     def add(mod, args, out):
         n = seen.get(id(mod), 0)
         seen[id(mod)] = n + 1
-        mine = [c for c in by_mod[id(mod)] if c.leaf.call == n]
+        mine = [c for c in by_mod[id(mod)] if (c.local if local else c.leaf.call) == n]
         if not mine:
             return None
         out = out.clone()
@@ -109,125 +137,150 @@ def _hooks(model: nn.Module, cands: list[Cand], outs: dict[int, tuple]) -> list:
             out[_index(c)] += c.delta.to(out.dtype)
         return out
 
-    got: dict[tuple, int] = {}
+    watched = [(j, k, m, lc if local else gc) for j in jobs for k, (m, gc, lc) in j.outs.items()]
+    counts: dict[int, int] = {}
 
-    def record(mod, args, _k):
-        n = got.get(_k, 0)
-        got[_k] = n + 1
-        _m, site_call, box = outs[_k]
-        if n == site_call and args and isinstance(args[0], Tensor):
-            box.append(args[0].detach())
+    def record(mod, args):
+        n = counts.get(id(mod), 0)
+        counts[id(mod)] = n + 1
+        for j, k, m, call in watched:
+            if m is mod and call == n and args and isinstance(args[0], Tensor):
+                j.z[k] = args[0].detach()
+        if stop and all(k in j.z for j, k, _, _ in watched):
+            raise _Done
 
     handles = [m.register_forward_hook(add) for m in mods.values()]
-    for k, (m, _call, _box) in outs.items():
-        handles.append(m.register_forward_pre_hook(lambda mod, a, _k=k: record(mod, a, _k)))
+    handles += [m.register_forward_pre_hook(record) for m in {id(w[2]): w[2] for w in watched}.values()]
     return handles
 
 
-@dataclass
-class Observed:
-    """One attention's pattern ``[N, H, Tq, Tk]`` and attention output ``[N, Tq, H, dv]`` in a run."""
-
-    pattern: Tensor
-    z: Tensor
-
-
-def classify(c: Cand, obs: Observed) -> tuple:
-    """What perturbing ``c`` did to its attention (see the module docstring)."""
-    dp = (obs.pattern[c.copy] - obs.pattern[0]).float()
-    dz = (obs.z[c.copy] - obs.z[0]).float()
-    mp, mz = dp.abs().max().item(), dz.abs().max().item()
-    if mp > 1e-6:
-        heads = [h for h in range(dp.shape[0]) if dp[h].abs().max().item() > 1e-3 * mp]
-        rows = [i for i in range(dp.shape[1]) if dp[:, i].abs().max().item() > 1e-3 * mp]
-        if len(heads) == 1 and rows == [c.pos] and dp.shape[1] == c.length:
-            return ("q", heads[0])
-        if len(rows) >= 2:
-            return ("k", frozenset(heads))
-        return ("unclear",)
-    if mz > 1e-6 * (1 + obs.z[0].abs().max().item()):
-        heads = [h for h in range(dz.shape[1]) if dz[:, h].abs().max().item() > 1e-3 * mz]
-        a = obs.pattern[0].float()[:, :, c.pos]  # [H, Tq]: each query's weight on the key p
-        exact = dz.shape[-1] == c.delta.numel()
-        if exact:
-            for h in heads:
-                want = a[h][:, None] * c.delta.float()[None, :]
-                exact &= (dz[:, h] - want).abs().max().item() <= 1e-4 * (1 + want.abs().max().item())
-        return ("v", frozenset(heads), bool(exact))
-    return ("none",)
+def _run(jobs: list[Job], call: Callable[[], Any], local: bool, stop: bool) -> None:
+    for j in jobs:
+        j.z.clear()
+    handles = _hooks(jobs, local, stop)
+    try:
+        with torch.no_grad():
+            call()
+    except _Done:
+        pass
+    finally:
+        for h in handles:
+            h.remove()
 
 
-def _chunks(cands: list[Cand], cost: Callable[[tuple], int]) -> list[list[Cand]]:
-    """Candidates grouped into runs of at most MAX_COPIES copies and MAX_BYTES of patterns,
-    whole layers at a time (``cost(key)``: one copy's pattern bytes for that attention)."""
-    layers: dict[tuple, list[Cand]] = {}
-    for c in cands:
-        layers.setdefault(c.key[:2], []).append(c)
-    chunks, cur, per_copy = [], [], 0
-    for group in layers.values():
-        b = sum({cost(c.key) for c in group})
-        if cur and (
-            len(cur) + len(group) + 1 > MAX_COPIES or (len(cur) + len(group) + 1) * (per_copy + b) > MAX_BYTES
-        ):
-            chunks.append(cur)
-            cur, per_copy = [], 0
-        cur += group
-        per_copy += b
-    if cur:
-        chunks.append(cur)
-    return chunks
+def _reproduces(job: Job) -> bool:
+    """Whether copy 0 of the run gave the scan's projection inputs (a layer run alone may not)."""
+    for k, clean in job.clean.items():
+        z = job.z.get(k)
+        if z is None or z.shape[1:] != clean.shape[1:] or z.dim() < 2:
+            return False
+        a, b = z[:1].float(), clean.float()
+        if (a - b).abs().max().item() > 1e-5 * (1 + b.abs().max().item()):
+            return False
+    return True
 
 
-@dataclass
-class Perturbation:
-    """How to run the model on N copies of the one input: ``make(n)`` -> a zero-argument call."""
+def _alone(job: Job) -> bool:
+    """Run the job's layer alone on copies of its scan arguments; whether that reproduced the scan."""
+    n = len(job.cands) + 2
+    f = job.flow
+    args, kwargs = _repeat(f.args, n), _repeat(f.kwargs, n)
+    try:
+        _run([job], lambda: f.module(*args, **kwargs), local=True, stop=False)
+    except Exception:  # a layer that cannot run alone on copies: the whole model runs instead
+        return False
+    return _reproduces(job)
 
-    make: Callable[[int], Callable[[], Any]]
-    sites: dict  # (stack, layer, role) -> locate's Site (the output projection)
-    observed: dict = field(default_factory=dict)
+
+def _chunks(jobs: list[Job]) -> list[list[Job]]:
+    out, cur = [], []
+    for j in jobs:
+        if cur and sum(len(x.cands) for x in cur) + len(j.cands) + 2 > MAX_COPIES:
+            out.append(cur)
+            cur = []
+        cur.append(j)
+    return out + ([cur] if cur else [])
 
 
-def run_checks(model: nn.Module, cands: list[Cand], pert: Perturbation, heads: dict) -> None:
-    """Set ``found`` on every candidate (one batched forward per chunk of layers)."""
-
-    def cost(key):
-        site = pert.sites[key]
-        c = next(c for c in cands if c.key == key)
-        return 4 * heads[key] * c.length * max(c.length, 1) + 4 * site.heads * site.d_head * c.length
-
-    for chunk in _chunks(cands, cost):
-        for i, c in enumerate(chunk):
+def run_checks(jobs: list[Job], make: Callable[[int], Callable[[], Any]]) -> None:
+    """Set ``found`` on every candidate; ``make(n)`` runs the whole model on ``n`` copies."""
+    whole = []
+    for job in jobs:
+        for i, c in enumerate(job.cands):
             c.copy = i + 1
             c.delta = _delta(c, 1000 + i)
-        keys = sorted({c.key for c in chunk}, key=str)
-        outs = {k: (pert.sites[k].module, pert.sites[k].call, []) for k in keys}
-        call = pert.make(len(chunk) + 1)
-        t = Trace(model, layers=sorted({k[1] for k in keys}))
-        handles = _hooks(model, chunk, outs)
+        if not _alone(job):
+            whole.append(job)
+    for chunk in _chunks(whole):
+        base = 0
+        for job in chunk:  # copies numbered across the chunk; one clean copy 0, one control last
+            for c in job.cands:
+                base += 1
+                c.copy = base
         try:
-            with torch.no_grad(), t:
-                call()
-        finally:
-            for h in handles:
-                h.remove()
-        for k in keys:
-            stack, layer, role = k
-            pk = f"{stack}.blocks.{layer}.{role}_attn.pattern"
-            box = outs[k][2]
-            if pk not in t.cache or not box:
-                raise ProbeError(
-                    f"{stack} layer {layer}: the perturbation run did not show its {role} attention"
-                )
-            site = pert.sites[k]
-            z = box[0]
-            if z.dim() != 3:
-                raise ProbeError(
-                    f"{stack} layer {layer}: the input of {site.name} is not [batch, positions, heads*d_head]"
-                )
-            obs = Observed(t.cache[pk], z.reshape(*z.shape[:2], site.heads, site.d_head))
-            for c in chunk:
-                if c.key == k:
-                    c.found = classify(c, obs)
+            _run(chunk, make(base + 2), local=False, stop=True)
+            why = ""
+        except Exception as err:  # noqa: BLE001 - the model refused copies of its input: said per attention
+            why = f"the model did not run on copies of the input ({type(err).__name__}: {err})".split("\n")[0]
+        for job in chunk:
+            if why or not _reproduces(job):
+                for c in job.cands:
+                    c.found = ("failed", why or "copies of the input did not reproduce its attention output")
+                job.z.clear()
+    for job in jobs:
+        for k, z in job.z.items():
+            _classify_all(job, k, z)
 
 
-__all__ = ["Cand", "Perturbation", "layout_of", "classify", "run_checks", "MAX_COPIES", "MAX_BYTES"]
+def _classify_all(job: Job, key: tuple, z: Tensor) -> None:
+    """Classify the job's candidates for attention ``key`` from its ``z [N, Tq, H * dv]``; the
+    last copy is unperturbed: its difference from copy 0 is the noise floor."""
+    mine = [c for c in job.cands if c.key == key]
+    if not mine:
+        return
+    if z.dim() != 3:
+        raise ProbeError(
+            f"{key[0]} layer {key[1]}: its output projection's input is not [batch, positions, features]"
+        )
+    zz = z.reshape(z.shape[0], z.shape[1], job.heads[key], -1).double()
+    thr = 4 * (zz[-1] - zz[0]).abs().max().item()
+    for c in mine:
+        c.found = classify(c, zz[c.copy] - zz[0], thr)
+
+
+def classify(c: Cand, dz: Tensor, thr: float) -> tuple:
+    """What perturbing ``c`` did to its attention's head outputs ``dz [Tq, H, dv]`` (see the
+    module docstring); ``thr``: the noise floor between two unperturbed copies."""
+    ch = dz.abs() > thr
+    heads = [h for h in range(dz.shape[1]) if ch[:, h].any()]
+    rows = [i for i in range(dz.shape[0]) if ch[i].any()]
+    if not heads:
+        return ("none",)
+    if _is_value(dz, c.delta.double(), heads):
+        return ("v", frozenset(heads), True)
+    if len(heads) == 1 and rows == [c.pos] and dz.shape[0] == c.length:
+        return ("q", heads[0])
+    if len(rows) >= 2 or len(heads) >= 2:
+        return ("k", frozenset(heads))
+    return ("unclear",)
+
+
+def _is_value(dz: Tensor, delta: Tensor, heads: list[int]) -> bool:
+    """Every clearly changed head output (>= 1e-3 of the largest change) is ``a * delta`` with
+    ``0 <= a <= 1`` (an attention weight)."""
+    if dz.shape[-1] != delta.numel():
+        return False
+    m = dz.abs().max().item()
+    dd = delta @ delta
+    for i in range(dz.shape[0]):
+        for h in heads:
+            x = dz[i, h]
+            if x.abs().max().item() < 1e-3 * m:
+                continue
+            a = (x @ delta) / dd
+            if not -1e-4 <= a.item() <= 1 + 1e-4 or (x - a * delta).norm() > 1e-4 * x.norm():
+                return False
+    return True
+
+
+__all__ = ["Cand", "Job", "layout_of", "classify", "run_checks", "MAX_COPIES"]

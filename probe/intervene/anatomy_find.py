@@ -103,6 +103,8 @@ def assemble(key: tuple, site: Site, cands: list[Cand], heads: int, delta: str) 
                 raise ProbeError(f"two blocks act as the {kind} of heads {sorted(c.found[1])}")
             d[c.found[1]] = c
             exact &= kind == "k" or c.found[2]
+        elif kind == "failed":
+            raise ProbeError(c.found[1])
         elif kind == "unclear":
             raise ProbeError(
                 f"perturbing {c.leaf.name}[{c.cols.start}:{c.cols.stop}] changed its pattern unlike a q or k"

@@ -81,6 +81,7 @@ class LayerFlow:
     path: str
     module: nn.Module
     args: tuple
+    kwargs: dict
     ops: list[AttnOp] = field(default_factory=list)
     leaves: list[LeafCall] = field(default_factory=list)
     mods: list[ModCall] = field(default_factory=list)
@@ -222,11 +223,11 @@ def scan_flow(model: nn.Module, run, layer_paths: set[str]) -> Flow:
     for path in layer_paths:
         inner |= {f"{path}.{n}" for n, _ in model.get_submodule(path).named_modules() if n}
 
-    def enter(mod, args, _p):
+    def enter(mod, args, kwargs, _p):
         depth["n"] += 1
         if depth["n"] == 1:
             mode.info.clear()
-            mode.layer = LayerFlow(_p, mod, args)
+            mode.layer = LayerFlow(_p, mod, args, dict(kwargs))
             flows.append(mode.layer)
 
     def leave(mod, args, out, _p):
@@ -251,7 +252,11 @@ def scan_flow(model: nn.Module, run, layer_paths: set[str]) -> Flow:
 
     for name, m in model.named_modules(remove_duplicate=False):
         if name in layer_paths:
-            handles.append(m.register_forward_pre_hook(lambda mod, a, _p=name: enter(mod, a, _p)))
+            handles.append(
+                m.register_forward_pre_hook(
+                    lambda mod, a, kw, _p=name: enter(mod, a, kw, _p), with_kwargs=True
+                )
+            )
             handles.append(m.register_forward_hook(lambda mod, a, o, _p=name: leave(mod, a, o, _p)))
         elif name in inner or not list(m.children()):
             handles.append(m.register_forward_hook(lambda mod, a, o, _n=name: leaf(mod, a, o, _n)))

@@ -98,17 +98,18 @@ def _heads(an: Anatomy, key: tuple) -> _Heads:
 
 
 def _pair_scores(A: _Heads, B: _Heads) -> dict[str, Tensor]:
-    """``{kind: [H_A, H_B]}`` composition scores of every head of A with every head of B."""
-    OA = A.O  # [Ha, dh, d]
+    """``{kind: [H_A, H_B]}`` composition scores of every head of A with every head of B:
+    ``||R_V^A (W_O^A W_X^B) R^T||`` over the norms, with ``W_X``/``R`` B's ``W_Q``/``R_K`` (Q),
+    ``W_K``/``R_Q`` (K) or ``W_V``/``R_O`` (V)."""
+    P = (A.rV @ A.O).float()  # [Ha, dh, d]: R_V^A W_O^A
     out = {}
     for kind, (mid, right, denom) in {
         "q": (B.Q, B.rK, B.qk),
         "k": (B.K, B.rQ, B.qk),
         "v": (B.V, B.rO, B.ov),
     }.items():
-        C = torch.einsum("aed,bdf->abef", OA, mid)  # W_O^A W_X^B: [Ha, Hb, dh, dh']
-        M = torch.einsum("aie,abef,bjf->abij", A.rV, C, right)  # R_V^A C R^T
-        num = M.flatten(2).norm(dim=2)
+        Y = (mid @ right.transpose(1, 2)).float()  # [Hb, d, dh']: W_X^B R^T
+        num = torch.einsum("aid,bdj->abij", P, Y).flatten(2).norm(dim=2).double()
         out[kind] = (num / (A.ov[:, None] * denom[None, :])).float()
     return out
 
