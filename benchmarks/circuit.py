@@ -5,7 +5,9 @@ plus backward of the same batch, EAP-IG with m steps within (m + 2)x. The task (
 prepared chunks) is built once; then, interleaved round-robin (every repeat times all modes back
 to back, so the machine's drift hits them alike):
 
-* ``fwd+bwd``: the model on the clean batch, the metric, ``backward()`` (the baseline);
+* ``fwd+bwd``: the model on the clean batch, the metric, ``backward()`` (the baseline; the
+  parameters' gradients, as in training), and ``fwd+bwd inputs``: the gradient to the token
+  embeddings alone (no weight gradients: the cheapest backward, shown beside it);
 * ``eap``: every edge's EAP score (one corrupted forward, one clean forward and backward, the
   gradients through each target's own block and norm, the contraction with the output
   differences);
@@ -54,15 +56,31 @@ def build_task(name: str, n: int, batch_size: int) -> tuple[Task, str]:
     return task, what
 
 
-def forward_backward(task: Task) -> None:
-    """The baseline: the clean batch forward, the metric, backward (parameter gradients)."""
+def forward_backward(task: Task, inputs_only: bool = False) -> None:
+    """The baseline: the clean batch forward, the metric, and ``backward()`` (the parameters'
+    gradients, as in training) or, ``inputs_only``, the gradient to the token embeddings alone."""
     model = task.model
-    for clean, _ in task.pairs():
-        with torch.enable_grad():
-            out = clean.run()
-            logits = getattr(out, "logits", out[0] if isinstance(out, tuple) else out)
-            m = task.metric.rows(logits, task.last(logits, clean), clean.examples).sum() / task.n
-            m.backward()
+    emb = next(m for m in model.modules() if isinstance(m, torch.nn.Embedding))
+    kept = []
+
+    def leaf(mod, args, out):
+        kept.append(out.detach().requires_grad_(True))
+        return kept[-1]
+
+    hook = emb.register_forward_hook(leaf) if inputs_only else None
+    try:
+        for clean, _ in task.pairs():
+            with torch.enable_grad():
+                out = clean.run()
+                logits = getattr(out, "logits", out[0] if isinstance(out, tuple) else out)
+                m = task.metric.rows(logits, task.last(logits, clean), clean.examples).sum() / task.n
+                if inputs_only:
+                    torch.autograd.grad(m, kept[-1])
+                else:
+                    m.backward()
+    finally:
+        if hook is not None:
+            hook.remove()
     model.zero_grad(set_to_none=True)
 
 
@@ -79,6 +97,7 @@ def main(argv: list[str] | None = None) -> int:
     task, what = build_task(args.model, args.prompts, args.batch_size or args.prompts)
     modes = {
         "fwd+bwd": lambda: forward_backward(task),
+        "fwd+bwd inputs": lambda: forward_backward(task, inputs_only=True),
         "eap": lambda: eap_scores(task, 1),
         f"eap-ig m={args.steps}": lambda: eap_scores(task, args.steps),
     }
@@ -97,12 +116,17 @@ def main(argv: list[str] | None = None) -> int:
         f"{len(g.targets)} targets, {g.n_edges} edges; torch {torch.__version__}, "
         f"{torch.get_num_threads()} threads, {args.repeats} repeats (median)"
     )
-    limits = {"fwd+bwd": None, "eap": 3.0, f"eap-ig m={args.steps}": args.steps + 2.0}
-    print(f"{'mode':14} {'seconds':>9} {'x fwd+bwd':>10} {'target':>8}")
+    limits = {"eap": 3.0, f"eap-ig m={args.steps}": args.steps + 2.0}
+    inputs = statistics.median(times["fwd+bwd inputs"])
+    print(f"{'mode':15} {'seconds':>9} {'x fwd+bwd':>10} {'x inputs only':>14} {'target':>8}")
     for mode in modes:
         med = statistics.median(times[mode])
-        lim = limits[mode]
-        print(f"{mode:14} {med:9.3f} {med / base:10.2f} {'' if lim is None else f'<= {lim:g}':>8}")
+        lim = limits.get(mode)
+        target = "" if lim is None else f"<= {lim:g}"
+        print(f"{mode:15} {med:9.3f} {med / base:10.2f} {med / inputs:14.2f} {target:>8}")
+    print(
+        "fwd+bwd: backward() to the parameters, as in training; inputs only: the gradient to the embeddings"
+    )
     return 0
 
 
