@@ -46,7 +46,7 @@ class Tiny(nn.Module):
         self.ln_f = nn.LayerNorm(d) if norm else None
         self.unembed = nn.Linear(d, vocab, bias=False)
         for p in self.parameters():  # larger than the default init: patterns far from uniform
-            nn.init.normal_(p, std=0.6)
+            nn.init.normal_(p, std=0.3)
 
     def embed(self, ids):
         return self.tok(ids) + self.pos(torch.arange(ids.shape[1]))

@@ -137,7 +137,7 @@ def test_eap_against_exact_patching():
     m = Tiny(**CONFIGS["grouped-query"]).eval()
     with torch.no_grad():
         for p in m.parameters():
-            p.mul_(1 / 3)
+            p.mul_(2 / 3)
     clean, corrupt = ids_pair(B=8)
     exact = circuit(m, clean, corrupt, answers=(1, 2), method="patching")
     mask = exact.graph.mask()
