@@ -155,3 +155,14 @@ def test_the_greedy_transcript_is_whisper_generates_own_greedy_output():
     seq = seq if seq[0] == start else [start, *seq]  # Whisper's generate leaves its start token out
     seq = seq[: next((k for k in range(1, len(seq)) if seq[k] == eos), len(seq))]
     assert cache.metadata["target_ids"][0] == seq and len(seq) <= 32
+
+
+def test_the_heads_summary_keeps_a_space_before_the_shared_key_value_heads():
+    # "1 broad/uniform.Key/value heads shared" in SmolLM2's report: the template glued two sentences
+    from hf_fixtures import llama
+
+    from probe.report.html import render
+
+    cache = probe.capture(llama(64), torch.randint(0, 64, (1, 9), generator=torch.Generator().manual_seed(0)))
+    html = render(ReportContext(caches=[cache]))
+    assert ". Key/value heads shared: KV 0 ← heads" in html
