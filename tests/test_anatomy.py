@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import transformers as tf
 
 sys.path.insert(0, str(Path(__file__).parent))
 
@@ -208,3 +209,37 @@ def test_matrix_reads_linear_and_conv1d_as_x_at_w_plus_b(gpt2):
         W, b = an.matrix(mod)
         with torch.no_grad():
             torch.testing.assert_close(x @ W + (b if b is not None else 0), mod(x), rtol=0, atol=1e-5)
+
+
+def test_bloom_runs_the_whole_model_on_copies_where_its_layer_cannot_run_alone():
+    # BLOOM hands each layer ALiBi as [batch * heads, 1, keys]: copies of one layer's arguments do
+    # not fit, so the check runs the whole model on copies of the input (and stops after it)
+    m = A.ARCHS["bloom"].build()
+    an = anatomy(m, A.inputs("bloom", m)["input_ids"][:1])
+    dh = 8
+    for i, layer in enumerate(m.transformer.h):
+        a = an.attention[("decoder", i, "self")]
+        for h in range(4):  # query_key_value viewed as [head, (q, k, v), d_head]
+            assert a.q[h].cols == slice(3 * h * dh, (3 * h + 1) * dh)
+            assert a.v[h].cols == slice((3 * h + 2) * dh, (3 * h + 3) * dh)
+        assert a.q[0].module is layer.self_attention.query_key_value and a.norm is layer.input_layernorm
+    assert not an.refused
+
+
+def test_vit_from_pictures_as_model_arguments():
+    cfg = tf.ViTConfig(
+        hidden_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        intermediate_size=64,
+        image_size=(32, 48),
+        patch_size=8,
+    )
+    torch.manual_seed(0)
+    vit = tf.ViTForImageClassification(cfg).eval()
+    an = anatomy(vit, {"pixel_values": torch.randn(2, 3, 32, 48)})  # the first picture is used
+    layer = vit.vit.layers[1]
+    a = an.attention[("encoder", 1, "self")]
+    assert [b.module for b in a.k] == [layer.attention.k_proj] * 4 and a.k[3].cols == slice(24, 32)
+    assert a.norm is layer.layernorm_before and an.mlp[("encoder", 1)].norm is layer.layernorm_after
+    assert "readout" in str(list(an.refused))  # a classifier reads [CLS] only: no per-position read-out
