@@ -1,9 +1,9 @@
 """What the capture's parts share: module calls, the attention seen inside one, the forward's facts.
 
-These are plain records. The :class:`~probe.capture.watch.Watcher` makes a :class:`Call` for
+These are plain records. The :class:`~probe.capture.hooks.watch.Watcher` makes a :class:`Call` for
 every module call it sees and keeps them on the call stack; the
-:class:`~probe.capture.layers.LayerTracker` marks which calls are layers and sublayers; the
-:class:`~probe.capture.record.Recorder` opens one :class:`Attention` per attention sublayer call
+:class:`~probe.capture.hooks.layers.LayerTracker` marks which calls are layers and sublayers; the
+:class:`~probe.capture.hooks.record.Recorder` opens one :class:`Attention` per attention sublayer call
 and hands it to its pattern consumer. :class:`Forward` holds what is learnt about the forward as
 a whole (which sizes are sequence lengths, the KV cache's length, kernels probe cannot see).
 """
@@ -16,11 +16,11 @@ from typing import TYPE_CHECKING, Any
 
 from torch import Tensor, nn
 
-from probe.capture.inputs import past_length
+from probe.capture.inputs.text import past_length
 
 if TYPE_CHECKING:
-    from probe.capture.parallel import Group
-    from probe.capture.residual import LayerStream
+    from probe.capture.hooks.parallel import Group
+    from probe.capture.hooks.residual import LayerStream
 
 
 @dataclass
@@ -49,7 +49,7 @@ class Attention:
     ``source_first`` the source's keys come first (the keys before ``split``: DiffusionGemma's
     decoder over its encoder's cached keys, then its own).
     ``caller``/``last_shape``/``streams``: where its last part came from, and the group of
-    attentions when one module call ran several whole softmaxes (:mod:`probe.capture.streams`).
+    attentions when one module call ran several whole softmaxes (:mod:`probe.capture.hooks.streams`).
     """
 
     inputs: list[Tensor] = field(default_factory=list)
@@ -76,7 +76,7 @@ class Attention:
     source_first_module: bool = False
     kv_prefix: int = 0  # positions the sublayer's cache held for its layer, filled in this forward
     also: list[Attention] = field(default_factory=list)
-    caller: Any = None  # the innermost module call that computed the last part (probe.capture.streams)
+    caller: Any = None  # the innermost module call that computed the last part (probe.capture.hooks.streams)
     last_shape: tuple[int, ...] | None = None  # that part's shape
     streams: list[Attention] | None = None  # the attentions of one module call's several softmaxes
 
@@ -225,7 +225,7 @@ def layer_cache_length(module: nn.Module, kwargs: dict) -> int:
 
 
 def _cached_length(past: Any) -> int:
-    """:func:`~probe.capture.inputs.past_length` of a forward's ``past_key_values``; 0 when there is
+    """:func:`~probe.capture.inputs.text.past_length` of a forward's ``past_key_values``; 0 when there is
     none or its layout is unknown (then only the inputs' lengths apply)."""
     if past is None:
         return 0

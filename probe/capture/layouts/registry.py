@@ -5,7 +5,7 @@ queries and the keys. Some compute it in a layout of their own: chunks (Canine),
 (Longformer/LED), blocks (LongT5, Pegasus-X), several streams (ProphetNet), extra columns
 (DeepSeek-V4), hash-sorted chunks (Reformer), windows of a picture's patch grid (Swin). Each such
 layout is one :class:`Layout` in one file of :mod:`probe.capture.layouts`, registered with
-:func:`register`; the :class:`~probe.capture.record.Recorder` asks the registered layouts, in
+:func:`register`; the :class:`~probe.capture.hooks.record.Recorder` asks the registered layouts, in
 ``priority`` order, about each softmax and SDPA call (:func:`on_softmax`, :func:`on_sdpa`) and
 each other op a layout reads (:data:`probe.capture.layouts.OPS`, :func:`op_layout`). A layout
 *claims* the event by its module call (:meth:`Layout.claim`), then maps it to ``[batch, heads,
@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any
 from probe.capture.calls import Attention, Call
 
 if TYPE_CHECKING:
-    from probe.capture.record import Recorder
+    from probe.capture.hooks.record import Recorder
 
 LAYOUTS: list[Layout] = []  # registered, in priority order
 

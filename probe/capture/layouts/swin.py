@@ -70,7 +70,7 @@ def patch_embedding(model: nn.Module) -> nn.Module | None:
 def stage_grids(model: nn.Module, pixel_shape: list[int] | tuple[int, ...]) -> list[dict[str, Any]]:
     """The patch grid of each Swin stage for pixels of ``pixel_shape`` ``[batch, channels, height,
     width]``, as ``{"rows", "cols", "patch", "image", "offset"}`` (the grid format of
-    :class:`probe.capture.positions.Grid`; ``patch`` in input pixels), stage 0 first, down to one
+    :class:`probe.capture.positions.patches.Grid`; ``patch`` in input pixels), stage 0 first, down to one
     patch; empty when the model has no Swin patch embedding taking these channels."""
     emb = patch_embedding(model)
     if emb is None or len(pixel_shape) != 4 or emb.projection.in_channels != pixel_shape[1]:

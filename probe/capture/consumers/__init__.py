@@ -1,0 +1,1 @@
+"""consumers (docstring to come)."""

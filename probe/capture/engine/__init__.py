@@ -1,0 +1,1 @@
+"""engine (docstring to come)."""

@@ -1,0 +1,295 @@
+"""``probe.trace(model, steps=True)``: several forwards recorded as steps of one growing sequence.
+
+A generation runs the model once per new token, each forward reading the new positions through
+the KV cache (a prefill of the prompt, then one row per token); a loop without a cache re-runs
+the whole sequence each time. Inside ``probe.trace(model, steps=True)`` every forward the model
+(or a submodule called on its own, such as the encoder ``generate`` runs first) makes is
+captured as one step, exactly as :func:`probe.trace` captures a lone forward: hooks stay
+installed, and each call that starts with no module call running opens a fresh
+:class:`~probe.capture.engine.tracer.Tracer` state into memory, named when the call returns
+(:mod:`probe.capture.engine.naming`). :mod:`probe.capture.engine.assemble` then places each step's new rows
+in one cache over the whole sequence (its docstring says how keys map to positions for dynamic,
+static and sliding-window caches). With ``keep="rows"`` each step keeps its last query row (the
+one that chose the next token) of the generating stack, and whole patterns of the encoder; with
+``{"topk": k}`` the top-k of every row; nothing ``T x T`` is held in either.
+"""
+
+from __future__ import annotations
+
+import threading
+import warnings
+from collections.abc import Callable
+from typing import Any
+
+from torch import nn
+
+from probe import __version__
+from probe.cache import Cache
+from probe.cache.format import FORMAT_VERSION
+from probe.cache.perf import heap
+from probe.cache.selection import Selection
+from probe.cache.writer import MemorySink, check_output
+from probe.capture.calls import Attention, Forward
+from probe.capture.consumers.keep import KeepPatterns
+from probe.capture.consumers.kept import Keep, parse_keep
+from probe.capture.consumers.rows import KeepRows, RowPicker
+from probe.capture.engine.assemble import Assembler, Step
+from probe.capture.engine.naming import check_forward, check_unseen, model_info, name
+from probe.capture.engine.trace import _claim, _release, parse_dtype
+from probe.capture.engine.tracer import Tracer
+from probe.capture.hooks.watch import Watcher
+from probe.capture.inputs.text import model_name
+from probe.errors import ProbeError
+
+# Every step allocates its weights, rows and residuals a little larger than the last (one key more):
+# glibc serves them from its heap (its mmap threshold rises to their size once one is freed) and
+# cannot reuse a freed block for a larger request, so the heap grows with the holes left behind:
+# at 2,048 + 2,048 tokens of a 4-layer model 4.4 GiB resident for a 0.5 GiB result. Handing the
+# free pages back every few steps (malloc_trim) keeps it at the result's size plus one step.
+TRIM_EVERY = 16
+
+
+class _StepWatcher(Watcher):
+    """The watcher of a stepped trace: installed once, its parts rebound to a fresh tracer state at
+    the start of every outermost call (``begin``), which is named when that call returns (``end``)."""
+
+    def __init__(self, model: nn.Module, begin: Callable, end: Callable) -> None:
+        super().__init__(model, [], None, None, Forward())  # parts bound per step
+        self._begin, self._end = begin, end
+        self.root: nn.Module | None = None
+
+    def bind(self, tr: Tracer) -> None:
+        self.stack = self._mode.stack = tr.watcher.stack
+        self.layers = self._mode.layers = tr.layers
+        self.recorder = self._mode.recorder = tr.recorder
+        self.forward = tr.forward
+
+    def _pre(self, module: nn.Module, args: tuple, *rest: Any) -> None:
+        mine = not self._replaying and threading.get_ident() == self._thread
+        if mine and self.root is None and not self.stack:
+            self.root = module
+            self._begin(module)
+        super()._pre(module, args, *rest)
+
+    def _post(self, module: nn.Module, args: tuple, *rest: Any) -> None:
+        super()._post(module, args, *rest)
+        mine = not self._replaying and threading.get_ident() == self._thread
+        if mine and module is self.root and not self.stack:
+            self.root = None
+            if rest and rest[-1] is not None:  # None: the forward raised (its error goes on)
+                self._end(module)
+
+
+class _ByStack:
+    """Keep rows: the last query row of the generating stack's attentions, whole patterns of the
+    encoder's (its source is read once, not generated)."""
+
+    def __init__(self, tr: Tracer, selection: Selection, encoder: str | None) -> None:
+        self.rows = KeepRows(tr.store, selection, RowPicker((-1,), {}))
+        self.whole = KeepPatterns(tr.store, selection)
+        self.encoder = encoder
+
+    def _of(self, attn: Attention) -> Any:
+        enc = self.encoder
+        inside = enc is not None and (attn.module or "").startswith(enc + ".")
+        return self.whole if inside or enc == "" else self.rows
+
+    def weights(self, attn: Attention, pattern: Any, impl: str) -> None:
+        self._of(attn).weights(attn, pattern, impl)
+
+    def sdpa(self, attn: Attention, args: tuple, kwargs: dict) -> None:
+        self._of(attn).sdpa(attn, args, kwargs)
+
+    def close(self, attn: Attention) -> None:
+        self._of(attn).close(attn)
+
+
+def encoder_path(model: nn.Module) -> str | None:
+    """The module path of an encoder-decoder's encoder (None for other models)."""
+    enc = None
+    get = getattr(model, "get_encoder", None)
+    if callable(get) and getattr(getattr(model, "config", None), "is_encoder_decoder", False):
+        enc = get()
+    elif getattr(model, "is_encoder_decoder", False):
+        enc = getattr(model, "encoder", None)
+    if not isinstance(enc, nn.Module):
+        return None
+    return next((n for n, m in model.named_modules() if m is enc), None)
+
+
+class StepTrace:
+    """``with probe.trace(model, steps=True) as t:`` any loop of forwards; then ``t.cache``.
+
+    Each outermost call is one step of one growing sequence (see the module docstring).
+    ``keep``: whole patterns (default), ``"rows"`` (each step's last row of the generating stack,
+    stored as ``rows``/``row_index``) or ``{"topk": k}``. ``hint`` ``(rows, keys)``: the most a
+    generation will keep (rows buffers allocated once). ``on_step(i)`` is called after each step.
+    After the block, :attr:`cache` and :attr:`steps` (forwards recorded).
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        *,
+        out: Any = None,
+        layers: list[int] | None = None,
+        heads: list[int] | None = None,
+        dtype: Any = None,
+        metadata: dict[str, Any] | None = None,
+        keep: Any = None,
+        hint: tuple[int, int] = (1, 0),
+        on_step: Callable[[int], None] | None = None,
+    ) -> None:
+        if not isinstance(model, nn.Module):
+            raise ProbeError(f"probe captures torch.nn.Module models, not {type(model).__name__}")
+        self.selection = Selection.parse(layers, heads)
+        if out is not None:
+            check_output(out)
+        self.model, self.out, self.dtype = model, out, parse_dtype(dtype)
+        self.metadata: dict[str, Any] = dict(metadata or {})
+        self.keep = _step_keep(keep)
+        self.assembler = Assembler(self.keep, hint)
+        self.on_step = on_step
+        self.encoder = encoder_path(model)
+        self.cache: Cache | None = None
+        self.steps = 0
+        self._tr: Tracer | None = None
+        self._sink: MemorySink | None = None
+        self._watcher: _StepWatcher | None = None
+
+    def _tracer(self) -> Tracer:
+        self._sink = MemorySink()
+        kept = self.keep if self.keep.kind == "topk" else None
+        tr = Tracer(self.model, self._sink, selection=self.selection, dtype=self.dtype, keep=kept)
+        if self.keep.kind == "rows":
+            tr.recorder.consumer = _ByStack(tr, self.selection, self.encoder)
+        return tr
+
+    def __enter__(self) -> StepTrace:
+        if self.model.training:
+            warnings.warn(
+                f"{model_name(self.model)} is in train mode: captured patterns are the attention "
+                "weights before dropout; call model.eval() to capture what the model computes at inference",
+                stacklevel=2,
+            )
+        _claim(self.model)
+        try:
+            self._watcher = _StepWatcher(self.model, self._begin, self._end)
+            self._watcher.bind(self._tracer())
+            self._watcher.install()
+        except BaseException:
+            _release(self.model)
+            raise
+        return self
+
+    def _begin(self, root: nn.Module) -> None:
+        self._tr = self._tracer()
+        self._watcher.bind(self._tr)
+
+    def _end(self, root: nn.Module) -> None:
+        tr, self._tr = self._tr, None
+        if root is not self.model and not tr.kept and not tr.forward.blind:
+            tr.layers.forget()  # a submodule called on its own without attention (an embedding): no step
+            return
+        try:
+            check_forward(tr, self.model, self.selection)
+            names, meta = name(tr, self.model, {}, self.selection)
+            check_unseen(tr, self.model)
+            tensors = self._sink.finish(names, {})
+        finally:
+            tr.layers.forget()
+        keys = {}
+        for r in tr.records:
+            for _role, fields, shape, _impl, _causal in r.patterns:
+                keys.update({names[h]: int(shape[3]) for h in fields.values() if h in names})
+        source = None if root is self.model else self._source(root, meta)
+        self.assembler.add(Step(tensors, meta, root is self.model, tr.forward.cached, keys, source))
+        self.steps += 1
+        if self.steps % TRIM_EVERY == 0:
+            heap.trim()
+        if self.on_step is not None and root is self.model:  # one per token (not the encoder's)
+            self.on_step(self.steps)
+
+    def _source(self, root: nn.Module, meta: dict[str, Any]) -> str:
+        """The stack name of a submodule's step: ``encoder`` for the encoder of an encoder-decoder,
+        else its layer list's module path (a vision tower), as a capture of the model names it."""
+        path = next((n for n, m in self.model.named_modules() if m is root), None)
+        if path is not None and path == self.encoder:
+            return "encoder"
+        module = (meta.get("layers") or [{}])[0].get("module") or path or "encoder"
+        head, _, tail = module.rpartition(".")
+        return head if tail.isdigit() and head else module
+
+    def __exit__(self, exc_type, exc, tb) -> bool:
+        try:
+            self._watcher.remove(exc_type, exc, tb)
+        finally:
+            _release(self.model)
+        if exc_type is not None:
+            return False
+        if self.steps == 0:
+            raise ProbeError(
+                "the model did not run inside probe.trace(steps=True); call it inside the with block"
+            )
+        self.cache = Cache(self.assembler.finish(), self._meta())
+        if self.out is not None:
+            self.cache.save(self.out)
+        return False
+
+    def _meta(self) -> dict[str, Any]:
+        a = self.assembler
+        meta = dict(self.metadata)
+        meta.setdefault("model", model_info(self.model))
+        stacks, layers = {}, []
+        for stack, m in a.metas.items():  # in the order the stacks first ran
+            stacks.update({s: v for s, v in m.get("stacks", {}).items() if s == stack})
+            if stack in a.sources and stack != "encoder" and stack in stacks:
+                # a submodule run on its own (a vision tower over pixels): its positions are not tokens
+                stacks[stack] = dict(stacks[stack], tokens=None)
+            for e in m.get("layers", []):
+                if e.get("stack") == stack:
+                    layers.append(_renamed(e) if stack in a.renamed else e)
+        dtypes = {str(t.dtype).replace("torch.", "") for t in a.finished.values() if t.is_floating_point()}
+        meta.update(
+            {
+                "probe_version": __version__,
+                "format_version": FORMAT_VERSION,
+                "attention_implementations": sorted(a.impls),
+                "dtype": ", ".join(sorted(dtypes)),
+                "stacks": stacks,
+                "layers_captured": self.selection.layers,
+                "training": bool(self.model.training),
+                "heads_captured": self.selection.heads,
+                "layers": layers,
+                "steps": {"forwards": self.steps, "lengths": dict(a.seen)},
+            }
+        )
+        if not self.keep.default:
+            meta["keep"] = a.keep_json()
+        return meta
+
+
+def _renamed(entry: dict[str, Any]) -> dict[str, Any]:
+    """A layer's metadata with the attention a step judged cross named self (see assemble)."""
+    return {("self_attn" if k == "cross_attn" else k): v for k, v in entry.items()}
+
+
+def _step_keep(keep: Any) -> Keep:
+    """``keep`` of a stepped trace: patterns, ``"rows"`` or top-k."""
+    if keep == "rows":
+        return Keep("rows", rows=(-1,))
+    kept = parse_keep(keep)
+    if kept.kind == "stats":
+        raise ProbeError(
+            "probe.trace(steps=True) keeps patterns, 'rows' or {'topk': k}; for statistics of a "
+            "generation call probe.generate(model, prompt, keep='stats')"
+        )
+    if kept.kind == "rows":
+        raise ProbeError(
+            f"keep={keep!r}: over steps, keep='rows' keeps each step's last query row (the one that "
+            "wrote the next token); selected rows of one forward are probe.capture's"
+        )
+    return kept
+
+
+__all__ = ["StepTrace", "encoder_path"]

@@ -1,0 +1,1 @@
+"""generation (docstring to come)."""

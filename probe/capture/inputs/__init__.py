@@ -1,0 +1,1 @@
+"""inputs (docstring to come)."""

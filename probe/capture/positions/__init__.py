@@ -1,0 +1,1 @@
+"""positions (docstring to come)."""
