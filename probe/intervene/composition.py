@@ -48,17 +48,19 @@ COLUMNS = ["stack", "src_layer", "src_head", "dst_layer", "dst_head", "q", "k", 
 
 @dataclass
 class _Heads:
-    """One attention's heads, folded: ``Q``, ``K``, ``V`` ``[H, d, dh]`` (K/V per head, GQA
-    expanded) and ``O`` ``[H, dh, d]``, with the R factors that give their norms."""
+    """One attention's heads, folded: ``Q`` ``[H, d, dh]``, ``K``/``V`` ``[Hkv, d, dh]`` (one per
+    key/value head; ``kv`` maps a head to its own) and ``O`` ``[H, dh, d]``, with the R factors
+    that give their norms (expanded to one per head)."""
 
     layer: int
     Q: Tensor
     K: Tensor
     V: Tensor
     O: Tensor  # noqa: E741
+    kv: Tensor
 
     def __post_init__(self) -> None:
-        self.rQ, self.rK, self.rV = (_r(self.Q), _r(self.K), _r(self.V))
+        self.rQ, self.rK, self.rV = _r(self.Q), _r(self.K)[self.kv], _r(self.V)[self.kv]
         self.rO = _r(self.O.transpose(1, 2))  # W_O = R_O^T Q^T: ||X W_O|| = ||X R_O^T||
         self.ov = (self.rV @ self.O).flatten(1).norm(dim=1)  # ||W_OV||_F per head
         self.qk = (self.rQ @ self.rK.transpose(1, 2)).flatten(1).norm(dim=1)  # ||W_QK||_F
@@ -90,26 +92,27 @@ def _heads(an: Anatomy, key: tuple) -> _Heads:
     for part in ("norm", "kv_norm"):
         an.need(*key, part)
     hw = an.head_weights(*key)
-    kv = torch.tensor(a.kv_of)
     Q = _fold(an, a.norm, hw.W_Q, where)
-    K = _fold(an, a.kv_norm, hw.W_K, where)[kv]
-    V = _fold(an, a.kv_norm, hw.W_V, where)[kv]
-    return _Heads(key[1], Q, K, V, hw.W_O.double())
+    K = _fold(an, a.kv_norm, hw.W_K, where)
+    V = _fold(an, a.kv_norm, hw.W_V, where)
+    return _Heads(key[1], Q, K, V, hw.W_O.double(), torch.tensor(a.kv_of))
 
 
 def _pair_scores(A: _Heads, B: _Heads) -> dict[str, Tensor]:
     """``{kind: [H_A, H_B]}`` composition scores of every head of A with every head of B:
     ``||R_V^A (W_O^A W_X^B) R^T||`` over the norms, with ``W_X``/``R`` B's ``W_Q``/``R_K`` (Q),
-    ``W_K``/``R_Q`` (K) or ``W_V``/``R_O`` (V)."""
+    ``W_K``/``R_Q`` (K) or ``W_V``/``R_O`` (V). The products over the stream's width are taken
+    once per key/value head for K and V (grouped-query attention shares them)."""
     P = (A.rV @ A.O).float()  # [Ha, dh, d]: R_V^A W_O^A
+    every = torch.arange(B.Q.shape[0])
     out = {}
-    for kind, (mid, right, denom) in {
-        "q": (B.Q, B.rK, B.qk),
-        "k": (B.K, B.rQ, B.qk),
-        "v": (B.V, B.rO, B.ov),
+    for kind, (mid, which, right, denom) in {
+        "q": (B.Q, every, B.rK, B.qk),
+        "k": (B.K, B.kv, B.rQ, B.qk),
+        "v": (B.V, B.kv, B.rO, B.ov),
     }.items():
-        Y = (mid @ right.transpose(1, 2)).float()  # [Hb, d, dh']: W_X^B R^T
-        num = torch.einsum("aid,bdj->abij", P, Y).flatten(2).norm(dim=2).double()
+        C = torch.einsum("aid,gdf->agif", P, mid.float()).double()[:, which]  # [Ha, Hb, dh, dh']
+        num = torch.einsum("abif,bjf->abij", C, right).flatten(2).norm(dim=2)
         out[kind] = (num / (A.ov[:, None] * denom[None, :])).float()
     return out
 
@@ -158,6 +161,27 @@ class Composition(TableExports):
         return f"Composition({len(self.table)} head pairs; .top(10, by='k'))"
 
 
+def _all_pairs(heads: dict) -> dict[tuple[str, int, int], dict[str, Tensor]]:
+    """Every pair's scores, written into one tensor per stack made first (views of it returned):
+    small results kept between the products' large temporaries would pin the heap (glibc)."""
+    out = {}
+    for stack in dict.fromkeys(k[0] for k in heads):
+        mine = [(k[1], h) for k, h in heads.items() if k[0] == stack]
+        at, n = {}, 0
+        for layer, h in mine:
+            at[layer] = slice(n, n + h.Q.shape[0])
+            n += h.Q.shape[0]
+        full = torch.full((len(KINDS), n, n), float("nan"))
+        for la, A in mine:
+            for lb, B in mine:
+                if lb > la:
+                    s = _pair_scores(A, B)
+                    for i, kind in enumerate(KINDS):
+                        full[i, at[la], at[lb]] = s[kind]
+                    out[(stack, la, lb)] = {kind: full[i, at[la], at[lb]] for i, kind in enumerate(KINDS)}
+    return out
+
+
 def _default_inputs(model: nn.Module) -> Tensor:
     """Eight token ids (1..8) for a model whose vocabulary probe can see, else a ProbeError."""
     vocab = getattr(getattr(model, "config", None), "vocab_size", None)
@@ -195,19 +219,12 @@ def composition(model: nn.Module | Anatomy, inputs: Any = None, **kwargs: Any) -
         for k, why in an.refused.items()
         if len(k) == 3 and k[2] == "self"
     ]
-    rows, scores = [], {}
-    for (sa, la, _), A in heads.items():
-        for (sb, lb, _), B in heads.items():
-            if sa != sb or lb <= la:
-                continue
-            s = _pair_scores(A, B)
-            scores[(sa, la, lb)] = s
-            q, k, v = (s[x].tolist() for x in KINDS)
-            for i in range(len(q)):
-                for j in range(len(q[i])):
-                    rows.append(
-                        dict(zip(COLUMNS, (sa, la, i, lb, j, q[i][j], k[i][j], v[i][j]), strict=True))
-                    )
+    scores, rows = _all_pairs(heads), []
+    for (sa, la, lb), s in scores.items():
+        q, k, v = (s[x].tolist() for x in KINDS)
+        for i in range(len(q)):
+            for j in range(len(q[i])):
+                rows.append(dict(zip(COLUMNS, (sa, la, i, lb, j, q[i][j], k[i][j], v[i][j]), strict=True)))
     if not rows:
         raise ProbeError(
             "no two attention layers of this model have heads probe can read: "
