@@ -243,3 +243,13 @@ def test_vit_from_pictures_as_model_arguments():
     assert [b.module for b in a.k] == [layer.attention.k_proj] * 4 and a.k[3].cols == slice(24, 32)
     assert a.norm is layer.layernorm_before and an.mlp[("encoder", 1)].norm is layer.layernorm_after
     assert "readout" in str(list(an.refused))  # a classifier reads [CLS] only: no per-position read-out
+
+
+def test_a_norm_over_the_whole_projection_is_refused_in_one_line():
+    # OLMo 2 normalises q and k over all heads' channels at once: one head's block moves every head
+    m = A.ARCHS["olmo2"].build()
+    an = anatomy(m, A.inputs("olmo2", m)["input_ids"][:1])
+    why = an.refused[("decoder", 0, "self")]
+    assert "cannot be split per head" in why and "\n" not in why
+    with pytest.raises(ProbeError, match="decoder layer 0 self: .*cannot be split per head"):
+        an.head_weights("decoder", 0)

@@ -85,6 +85,14 @@ def candidates(key: tuple, site: Site, lf: LayerFlow, after: int) -> tuple[list[
     return cands, names
 
 
+def _mixed(a: Cand, b: Cand, what: str) -> str:
+    return (
+        f"{a.leaf.name}[{a.cols.start}:{a.cols.stop}] and {b.leaf.name}[{b.cols.start}:{b.cols.stop}] "
+        f"both act as the {what}: the heads' channels are mixed before the attention (a norm over "
+        "the whole projection?), so it cannot be split per head"
+    )
+
+
 def assemble(key: tuple, site: Site, cands: list[Cand], heads: int, delta: str) -> AttentionAnatomy:
     """The :class:`AttentionAnatomy` from the checked blocks, else a ProbeError saying what is missing."""
     q: dict[int, Cand] = {}
@@ -95,12 +103,16 @@ def assemble(key: tuple, site: Site, cands: list[Cand], heads: int, delta: str) 
         kind = c.found[0] if c.found else "none"
         if kind == "q":
             if c.found[1] in q:
-                raise ProbeError(f"two blocks act as head {c.found[1]}'s query")
+                raise ProbeError(_mixed(q[c.found[1]], c, f"query of head {c.found[1]}"))
             q[c.found[1]] = c
         elif kind in ("k", "v"):
             d = k if kind == "k" else v
             if c.found[1] in d:
-                raise ProbeError(f"two blocks act as the {kind} of heads {sorted(c.found[1])}")
+                raise ProbeError(
+                    _mixed(
+                        d[c.found[1]], c, f"{'key' if kind == 'k' else 'value'} of heads {sorted(c.found[1])}"
+                    )
+                )
             d[c.found[1]] = c
             exact &= kind == "k" or c.found[2]
         elif kind == "failed":
