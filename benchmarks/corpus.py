@@ -43,7 +43,7 @@ LABEL = {"stats": "statistics only", "heads": "heads kept"}
 
 
 def _tokenizer(vocab: int = 50257):
-    from probe.capture.tokenizers import Encoding, Tokenizer
+    from probe.capture.inputs.tokenizers import Encoding, Tokenizer
 
     class Words(Tokenizer):
         """One token per space-separated word; a word is its id (``w123``)."""

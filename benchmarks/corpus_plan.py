@@ -6,7 +6,7 @@
 * What it holds while it runs: the per-query terms of one attention (the streamed path's
   :class:`~probe.analysis.focus.streamed.reader.RowTerms`, its tensors' bytes summed for a given shape;
   on a CPU they are reduced when the attention closes, on a GPU every attention's wait for the end
-  of the forward) and one row block of weights (:func:`probe.capture.blocks.block_bytes`).
+  of the forward) and one row block of weights (:func:`probe.capture.consumers.blocks.block_bytes`).
 * What a pattern costs: 4·T² bytes per head per text (float32), 2·T² with ``--dtype float16``.
 
     python benchmarks/corpus_plan.py
@@ -61,7 +61,7 @@ def held(layers: int, heads: int, T: int, device: str = "cpu") -> float:
 
     from probe.analysis.focus.definitions.tokens import Side
     from probe.analysis.focus.streamed.reader import RowTerms
-    from probe.capture.blocks import block_bytes
+    from probe.capture.consumers.blocks import block_bytes
 
     def side() -> Side:
         real = torch.ones(1, 8, dtype=torch.bool)

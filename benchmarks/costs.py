@@ -176,7 +176,7 @@ def dispatch(repeats: int) -> None:
     import peers
 
     import probe
-    from probe.capture import watch
+    from probe.capture.hooks import watch
 
     model = peers.gpt2("sdpa", n_positions=2048)
     ids = torch.randint(0, 50257, (1, 128), generator=torch.Generator().manual_seed(128))

@@ -33,13 +33,13 @@ def capture(
     keep: Any = None,
     block: int | None = None,
 ):
-    """:func:`probe.capture.engine.capture`, and ``keep="stats"``: every head's statistics computed
+    """:func:`probe.capture.engine.trace.capture`, and ``keep="stats"``: every head's statistics computed
     block by block while the model runs and each residual tensor's norm, no pattern ever whole
-    (``block`` query rows at a time, default: see ``probe.capture.blocks.block_bytes``). See
+    (``block`` query rows at a time, default: see ``probe.capture.consumers.blocks.block_bytes``). See
     ``docs/long-context.md``.
     ``text``: what a vision-language model reads beside the pictures (``processor`` its processor,
     which places the image tokens in it); see ``docs/images.md``."""
-    from probe.capture.images import with_text  # a text read beside pictures by the processor
+    from probe.capture.inputs.images import with_text  # a text read beside pictures by the processor
     from probe.forward import capture as capture_full
     from probe.forward import capture_stats, parse_keep
 

@@ -26,12 +26,12 @@ from typing import Any
 import torch
 from torch import nn
 
-from probe.capture.blocks import stream_attention
-from probe.capture.engine import Trace, capture, trace
-from probe.capture.inputs import Prepared, is_hf_model, model_name, past_length, prepare
-from probe.capture.kept import parse_keep
-from probe.capture.stats import capture_stats
-from probe.capture.tokenizers import adapt as adapt_tokenizer
+from probe.capture.consumers.blocks import stream_attention
+from probe.capture.consumers.kept import parse_keep
+from probe.capture.engine.stats import capture_stats
+from probe.capture.engine.trace import Trace, capture, trace
+from probe.capture.inputs.text import Prepared, is_hf_model, model_name, past_length, prepare
+from probe.capture.inputs.tokenizers import adapt as adapt_tokenizer
 
 
 def run(model: nn.Module, inputs: Any, *, tokenizer: Any = None, target: Any = None) -> tuple[Any, dict]:
@@ -68,7 +68,7 @@ __all__ = [
 
 def accepts(model: nn.Module, name: str) -> bool:
     """Whether ``model.forward`` takes an argument called ``name``."""
-    from probe.capture.inputs import _accepts
+    from probe.capture.inputs.text import _accepts
 
     return _accepts(model, name)
 

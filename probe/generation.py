@@ -6,8 +6,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from probe.capture.generate import Generation
-from probe.capture.generate import generate as _generate
+from probe.capture.generation.generate import Generation
+from probe.capture.generation.generate import generate as _generate
 
 
 def _stats(model: Any, ids: Any, tokenizer: Any, layers: Any):
@@ -17,7 +17,7 @@ def _stats(model: Any, ids: Any, tokenizer: Any, layers: Any):
 
 
 def generate(model: Any, prompt: Any, **kwargs: Any) -> Generation:
-    """:func:`probe.capture.generate.generate` (see there and ``docs/generation.md``), and
+    """:func:`probe.capture.generation.generate.generate` (see there and ``docs/generation.md``), and
     ``keep="stats"``: each head's statistics of what the model read, never a pattern whole."""
     return _generate(model, prompt, stats_of=_stats, **kwargs)
 

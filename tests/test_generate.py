@@ -420,7 +420,7 @@ def test_a_long_generation_hands_freed_heap_back_every_few_steps(monkeypatch):
     so the stepped capture trims the heap every TRIM_EVERY steps (benchmarks/generation.py measures
     the resident memory this keeps off: 4.4 GiB at 2,048 + 2,048 tokens without it)."""
     from probe.cache.perf import heap
-    from probe.capture import steps
+    from probe.capture.engine import steps
 
     calls = []
     monkeypatch.setattr(heap, "trim", lambda: calls.append(1) or True)

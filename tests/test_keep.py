@@ -18,7 +18,7 @@ from toys import ALL_KINDS, SOFTMAX_KINDS, ToyLM
 
 import models
 import probe
-from probe.capture.kept import parse_keep, parse_keep_arg
+from probe.capture.consumers.kept import parse_keep, parse_keep_arg
 from probe.errors import ProbeError
 
 TEXTS = ["attention lets tokens read context.", "the model is reading"]

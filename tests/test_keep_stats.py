@@ -127,7 +127,7 @@ def test_bad_arguments():
     with pytest.raises(ProbeError, match="probe.capture"):
         with probe.trace(lm, keep="stats"):
             lm(ids)
-    from probe.capture.engine import capture as engine_capture
+    from probe.capture.engine.trace import capture as engine_capture
 
     with pytest.raises(ProbeError, match="top-level"):
         engine_capture(lm, ids, keep="stats")
@@ -170,7 +170,7 @@ def test_corpus_keep_stats_streams_and_equals_the_pattern_path(tmp_path, monkeyp
     pattern is stored by any capture it runs), equal to the run that captures whole patterns
     (keep="all", the statistics from full patterns) on the same texts and batches."""
     import models
-    from probe.capture import keep as full_keep
+    from probe.capture.consumers import keep as full_keep
 
     texts = ["attention lets tokens read.", "hi there", "a cat sat", "tokens read the context", "one"]
     model = models.load("minigpt")

@@ -340,7 +340,7 @@ def test_row_loop_workers_run_torch_on_one_thread(monkeypatch):
 def test_cpu_blocks_hold_enough_rows_of_every_head():
     """A CPU block is 16 MiB, or 256 query rows of every head where that is more (up to 256 MiB):
     at long T a 16 MiB block would hold a few rows a head; a block never written (lazy), 1,024."""
-    from probe.capture.blocks import block_rows
+    from probe.capture.consumers.blocks import block_rows
 
     assert block_rows((1, 12, 1024, 1024), None, "cpu") == (1 << 24) // (4 * 12 * 1024)
     assert block_rows((1, 12, 4096, 4096), None, "cpu") == 256

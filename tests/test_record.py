@@ -1,4 +1,4 @@
-"""probe.capture.record: the pattern-consumer seam. A consumer that never holds a whole pattern
+"""probe.capture.hooks.record: the pattern-consumer seam. A consumer that never holds a whole pattern
 (the per-row maximum weight, read row block by row block) gets every attention of the forward.
 
 Oracles: the weights the toy's softmax attention keeps itself, and for SDPA the textbook
@@ -12,8 +12,8 @@ import torch
 from toys import ToyLM
 
 from probe.cache.writer import MemorySink
+from probe.capture.engine.tracer import Tracer
 from probe.capture.patterns import sdpa_blocks
-from probe.capture.tracer import Tracer
 
 
 class RowMax:

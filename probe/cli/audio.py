@@ -25,7 +25,7 @@ def add_audio_args(p: argparse.ArgumentParser) -> None:
 
 def check_audio_args(args: argparse.Namespace, texts: list[str]) -> None:
     """Refuse, before any model loads, what does not go with ``--audio``."""
-    from probe.capture.audio import SUFFIXES
+    from probe.capture.inputs.audio import SUFFIXES
 
     if getattr(args, "image", None):
         raise ProbeError("give --audio or --image, not both")

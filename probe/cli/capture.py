@@ -13,7 +13,7 @@ from probe.errors import ProbeError
 def cmd_capture(args: argparse.Namespace) -> int:
     import probe
     from probe.cache.writer import check_output
-    from probe.capture.kept import parse_keep_arg
+    from probe.capture.consumers.kept import parse_keep_arg
 
     keep = parse_keep_arg(args.keep)  # before loading the model
     out = Path(args.output)

@@ -19,7 +19,7 @@ def _keep(text: str):
     (and the other forms ``probe capture --keep`` takes)."""
     if text in ("rows", "stats"):
         return text  # probe.generate's own per-step forms
-    from probe.capture.kept import parse_keep_arg
+    from probe.capture.consumers.kept import parse_keep_arg
 
     return parse_keep_arg(text)
 
@@ -34,7 +34,7 @@ def _default_new(model, tok, prompt: str) -> int:
         return max(1, min(DEFAULT_NEW, limit - 1))
     if not callable(getattr(tok, "encode", None)):
         return DEFAULT_NEW
-    from probe.capture.tokenizers import adapt  # probe's encoding: an untokenizable prompt is one line
+    from probe.capture.inputs.tokenizers import adapt  # probe's encoding: an untokenizable prompt is one line
 
     return max(1, min(DEFAULT_NEW, limit - len(adapt(tok).encode(prompt).ids) + 1))
 

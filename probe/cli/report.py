@@ -84,7 +84,7 @@ def cmd_report(args: argparse.Namespace) -> int:
     if not inputs:
         raise ProbeError("nothing to report; give a cache file (run.safetensors) or --model NAME and a text")
     from_caches = not model_given and all(i.endswith(".safetensors") for i in inputs)
-    from probe.capture.kept import parse_keep_arg
+    from probe.capture.consumers.kept import parse_keep_arg
 
     keep = parse_keep_arg(args.keep) if args.keep is not None else None  # before loading the model
     if keep is not None and from_caches:
@@ -143,7 +143,7 @@ def _report_images(args: argparse.Namespace, inputs: list[str]) -> int:
     """``probe report --hf DIR --image PATH... [TEXT...]``: capture the pictures (with the texts a
     vision-language model reads beside them), then the report."""
     import probe
-    from probe.capture.kept import parse_keep_arg
+    from probe.capture.consumers.kept import parse_keep_arg
     from probe.report.html import check_report_dir
 
     if any(i.endswith(".safetensors") for i in inputs):
@@ -168,7 +168,7 @@ def _report_images(args: argparse.Namespace, inputs: list[str]) -> int:
 def _report_audio(args: argparse.Namespace, inputs: list[str]) -> int:
     """``probe report --hf DIR --audio PATH... [--target TEXT]``: capture the sound, then the report."""
     import probe
-    from probe.capture.kept import parse_keep_arg
+    from probe.capture.consumers.kept import parse_keep_arg
     from probe.report.html import check_report_dir
 
     audio.check_audio_args(args, inputs)

@@ -3,8 +3,8 @@ through the model's image processor a batch at a time.
 
 Each picture is one item of the run (what a text is to a text run): its manifest entry records
 ``"image"``, the file's path as given (its name, for a folder) or, for a picture in memory, its
-index. A picture is opened (:func:`probe.capture.images.load_images`) and processed alone
-(:func:`probe.capture.images.process`); pictures whose processed tensors have the same shapes are
+index. A picture is opened (:func:`probe.capture.inputs.images.load_images`) and processed alone
+(:func:`probe.capture.inputs.images.process`); pictures whose processed tensors have the same shapes are
 batched together in input order (a processor that keeps each picture's own size gives a batch per
 size), and a batch is captured as the model's keyword inputs (``probe.capture(model,
 {"pixel_values": ...})``), named like a capture of the pictures themselves. A picture that cannot
@@ -13,7 +13,7 @@ be opened, processed or run is recorded as the item's error and skipped.
 A vision-language model reads a text beside each picture (``run_corpus(..., text=...)``: one text
 for every picture, or one per picture): each picture is processed with its text
 (``processor(images=[picture], text=text)``, the processor placing the image tokens; a processor
-that is not the model's refused as :func:`probe.capture.vlm.check_processor` does), items whose
+that is not the model's refused as :func:`probe.capture.inputs.vlm.check_processor` does), items whose
 processed tensors have the same shapes (the same text length) are batched, and the manifest entry
 records ``"text"`` beside ``"image"``.
 
@@ -35,9 +35,9 @@ import torch
 
 from probe import interrupt
 from probe.capture import capture
-from probe.capture.images import SUFFIXES, is_images, load_images, pictures_seen, process, texts_of
-from probe.capture.inputs import model_name
-from probe.capture.vlm import check_processor
+from probe.capture.inputs.images import SUFFIXES, is_images, load_images, pictures_seen, process, texts_of
+from probe.capture.inputs.text import model_name
+from probe.capture.inputs.vlm import check_processor
 from probe.corpus.shards import ShardRecord
 from probe.errors import ProbeError
 

@@ -25,7 +25,7 @@ import torch
 from torch import Tensor, nn
 from torch.overrides import TorchFunctionMode
 
-from probe.capture.record import FLEX, SDPA, SOFTMAX
+from probe.capture.hooks.record import FLEX, SDPA, SOFTMAX
 
 _MATMUL = frozenset("matmul __matmul__ bmm einsum baddbmm addbmm".split())
 _ADD_FIRST = frozenset("baddbmm addbmm".split())  # their first argument is added, not multiplied

@@ -27,7 +27,7 @@ from torch.overrides import TorchFunctionMode
 
 from probe.analysis.residual.exports import TableExports
 from probe.analysis.table import Table
-from probe.capture.record import SDPA, SOFTMAX
+from probe.capture.hooks.record import SDPA, SOFTMAX
 from probe.errors import ProbeError
 from probe.intervene.core import Prepared, _stack
 

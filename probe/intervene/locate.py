@@ -34,7 +34,7 @@ import torch
 from torch import Tensor, nn
 from torch.overrides import TorchFunctionMode
 
-from probe.capture.record import FLEX, SDPA, SOFTMAX
+from probe.capture.hooks.record import FLEX, SDPA, SOFTMAX
 from probe.errors import ProbeError
 
 PATTERN, OUTPUT = 1, 2

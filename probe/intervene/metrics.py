@@ -28,7 +28,7 @@ def token_id(model: Any, tok: Any, tokenizer: Any = None) -> int:
     if isinstance(tok, int):
         return tok
     if isinstance(tok, str):
-        from probe.capture.tokenizers import adapt
+        from probe.capture.inputs.tokenizers import adapt
 
         raw = tokenizer if tokenizer is not None else getattr(model, "tokenizer", None)
         labels = getattr(getattr(model, "config", None), "label2id", None) or {}

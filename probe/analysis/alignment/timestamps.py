@@ -1,7 +1,7 @@
 """``probe.word_timestamps``: when each word of a transcript was said, read from cross-attention.
 
 For every input of a cache of an audio encoder-decoder (Whisper-shaped: the encoder's positions
-carry their time, :mod:`probe.capture.frames`; the decoder holds the transcript), the chosen
+carry their time, :mod:`probe.capture.positions.frames`; the decoder holds the transcript), the chosen
 heads' cross-attention goes through openai-whisper's ``find_alignment`` steps
 (:mod:`.dtw`: z-score, median filter, mean over heads, dynamic time warping) to a start and end in
 seconds for each text token and each word (tokens merged into words the tokenizer's way, or as

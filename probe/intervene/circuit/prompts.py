@@ -29,7 +29,7 @@ from typing import Any
 
 import torch
 
-from probe.capture.tokenizers import adapt
+from probe.capture.inputs.tokenizers import adapt
 from probe.errors import ProbeError
 
 TEMPLATES = [
