@@ -135,3 +135,35 @@ def test_one_layer_model_has_nothing_to_compose():
     m.config.n_layer = 1
     with pytest.raises(ProbeError, match="no two attention layers"):
         probe.composition(m)
+
+
+def _induction_model():
+    import models
+
+    if "induction" not in models.names() or not models.checkpoint_path("induction").exists():
+        pytest.skip("the zoo's induction model is not shipped in this checkout yet")
+    return models.load("induction")
+
+
+def test_planted_induction_circuit_ranks_first_by_k_composition():
+    """The zoo's induction model (issue 55): its layer-0 previous-token head and layer-1 induction
+    head, picked out here from the weights the model's own attention returns on a repeated random
+    sequence, are the first pair by K-composition."""
+    m = _induction_model()
+    g = torch.Generator().manual_seed(0)
+    half = torch.randint(1, m.config.vocab_size, (20,), generator=g)
+    ids = torch.cat([torch.zeros(1, dtype=torch.long), half, half])[None]  # BOS, then a segment twice
+    with torch.no_grad():
+        x = m.tok_emb(ids) + m.pos_emb(torch.arange(ids.shape[1]))
+        _, w0 = m.blocks[0].attn(x, return_weights=True)
+        _, w1 = m.blocks[1].attn(x + m.blocks[0].attn(x), return_weights=True)
+    second = torch.arange(22, ids.shape[1])  # queries in the second copy
+    prev = w0[0][:, second, second - 1].mean(-1)  # weight on the token just before
+    ind = w1[0][:, second, second - 20 + 1].mean(-1)  # on the token after the earlier occurrence
+    top = probe.composition(m).top(1, by="k")[0]
+    assert (top["src_layer"], top["src_head"], top["dst_layer"], top["dst_head"]) == (
+        0,
+        int(prev.argmax()),
+        1,
+        int(ind.argmax()),
+    )
