@@ -60,7 +60,7 @@ def test_pictures_full_and_empty():
     from models import shapes
 
     vit = models.load("vit_zoo")
-    a, b = ([shapes.to_pil(x) for x in shapes.generate(3, seed=s).images] for s in (0, 1))
+    a, b = ([shapes.to_pil(x) for x in shapes.generate(3, seed=s).images] for s in (2, 3))
     c = circuit(vit, a, b, metric="kl", method="eap-ig", steps=2, processor=vit.processor)
     task, g = c.attached(), c.graph
     with torch.no_grad():
