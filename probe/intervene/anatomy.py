@@ -11,7 +11,9 @@ Usage (the contract the per-head writes, composition and circuits build on)::
     W, b = an.matrix(att.out.module)              # any weighted leaf as x @ W + b (W [in, out])
     an.mlp[("decoder", 0)]                        # MLPAnatomy: norm, readers, out, parallel
     an.final_norm, an.unembed                     # the read-out, as the logit lens finds it
+    an.norm_form(att.norm)                        # its affine form (LayerNorm/RMSNorm, weight, eps)
     an.refused                                    # {key: one line} for what could not be found
+    an.attn("decoder", 0), an.need(*key)          # the part, or the refusal's one-line ProbeError
 
 How it is found (no per-architecture code):
 
@@ -20,7 +22,8 @@ How it is found (no per-architecture code):
 2. :mod:`probe.intervene.anatomy_flow` follows tags through every op in each layer call: which
    weighted modules feed each attention's query, key and value;
 3. :mod:`probe.intervene.anatomy_check` cuts those modules' outputs into head blocks and checks
-   which block is which head's q, k or v by perturbing each in a copy of the input (batched);
+   which block is which head's q, k or v by perturbing each in its own copy of the layer's input
+   (one batched run of the layer alone; of the whole model where the layer cannot run alone);
 4. norms: the module whose input is the stream entering the sublayer (``resid_pre``; plus the
    self-attention's delta for cross-attention and, in sequential blocks, for the MLP) and whose
    output is what the projections read; none when they read the stream itself (post-norm blocks);
@@ -28,7 +31,7 @@ How it is found (no per-architecture code):
 
 Only the first input is used (one text, one picture); every refusal is one line in ``refused``,
 keyed ``(stack, layer, role)`` for an attention, ``(stack, layer, "mlp")``, ``(stack, layer,
-role, part)`` for a part (``"norm"``, ``"kv_norm"``, ``"weights"``) and ``("readout",)``;
+role, part)`` for a part (``"norm"``, ``"kv_norm"``) and ``("readout",)``;
 anything that needs a refused part raises :class:`ProbeError` with that line.
 """
 
@@ -72,8 +75,8 @@ def _first_n(x: Any, n: int) -> Any:
     if isinstance(x, str):
         return [x] * n
     if isinstance(x, Tensor):
-        if x.dim() == 1 and not x.is_floating_point():
-            return x.unsqueeze(0).repeat(n, 1)
+        if x.dim() == 1:  # one sequence of ids (or one clip): itself, or n rows of it
+            return x if n == 1 else x.unsqueeze(0).repeat(n, 1)
         return x[:1].repeat(n, *([1] * (x.dim() - 1)))
     if isinstance(x, Mapping):
         b = next((v.shape[0] for v in x.values() if isinstance(v, Tensor) and v.dim()), None)
