@@ -61,11 +61,16 @@ def names() -> list[str]:
     return list(_ZOO)
 
 
+def _zoo_name(name: str) -> str:
+    """`name` as the zoo spells it: `-` is accepted for `_` (`vit-zoo` is `vit_zoo`, as on the CLI)."""
+    return name.replace("-", "_") if isinstance(name, str) else name
+
+
 def module(name: str) -> ModuleType:
-    """The module that defines zoo model `name` (e.g. `models.minigpt`)."""
-    if name not in _ZOO:
+    """The module that defines zoo model `name` (e.g. `models.minigpt`; `-` may stand for `_`)."""
+    if _zoo_name(name) not in _ZOO:
         raise ValueError(f"unknown model {name!r}; the zoo has: {', '.join(_ZOO)}")
-    return importlib.import_module(f"{__name__}.{name}")
+    return importlib.import_module(f"{__name__}.{_zoo_name(name)}")
 
 
 def build(name: str) -> torch.nn.Module:
@@ -78,6 +83,7 @@ def checkpoint_path(name: str, cache_dir: str | os.PathLike | None = None) -> Pa
     """Where `load(name)` reads weights: the shipped file if there is one, else the cache's (for
     smollm2, the folder its first load converts into)."""
     mod = module(name)  # validates the name
+    name = _zoo_name(name)
     if name in CONVERTED:
         return mod.cache_path(cache_dir)
     shipped = checkpoint.shipped_path(name)
@@ -96,6 +102,7 @@ def train_and_save(
     """Run `name`'s deterministic recipe and write its checkpoint (atomically) to `out`, by
     default where `load` looks for it. Returns (model in eval mode, stats, path written)."""
     mod = module(name)
+    name = _zoo_name(name)
     if name in CONVERTED:
         raise ValueError(f"{name} is not trained by probe: models.load({name!r}) converts published weights")
     if out is None:
@@ -112,8 +119,10 @@ def load(name: str, *, cache_dir: str | os.PathLike | None = None) -> torch.nn.M
     If no checkpoint exists yet (the translator on first use), the recipe runs now, with a
     one-line notice (what it trains, the checkpoint's size and where it goes) and a progress bar
     on stderr, and the checkpoint is written to the cache.
-    `cache_dir` overrides `$PROBE_CACHE_DIR` / `~/.cache/probe`.
+    `cache_dir` overrides `$PROBE_CACHE_DIR` / `~/.cache/probe`. `-` may stand for `_` (`"vit-zoo"`).
     """
+    module(name)  # validates the name (as the caller spelled it)
+    name = _zoo_name(name)
     if name in CONVERTED:  # its module converts and caches its own weights
         return module(name).load(cache_dir=cache_dir)
     path = checkpoint_path(name, cache_dir)

@@ -26,6 +26,17 @@ def test_unknown_name_is_an_error_listing_the_zoo():
         models.load("gpt2")
 
 
+def test_a_dash_stands_for_an_underscore_as_on_the_command_line():
+    assert models.module("vit-zoo") is models.module("vit_zoo")
+    a, b = models.load("single-head"), models.load("single_head")
+    assert type(a) is type(b) and all(
+        torch.equal(x, y) for x, y in zip(a.state_dict().values(), b.state_dict().values(), strict=True)
+    )
+    assert models.checkpoint_path("vit-zoo") == models.checkpoint_path("vit_zoo")
+    with pytest.raises(ValueError, match="unknown model 'vit-zo'"):  # named as the caller spelled it
+        models.load("vit-zo")
+
+
 @pytest.mark.parametrize(
     "name, context_length", [("single_head", 8), ("minigpt", 32), ("fused_decoder", None)]
 )
