@@ -44,6 +44,22 @@ def relative_change(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a[fa] - b[fb]).abs().max()) / scale
 
 
+def _nonfinite(out: torch.Tensor, cuts: list[int]) -> str | None:
+    """Why outputs ``out`` (the text, then one perturbed copy per cut in ``cuts``) cannot be
+    compared: NaN/inf in the text's outputs or at the compared positions of a copy; None if finite.
+    A NaN also reaches earlier positions through a zero weight (0 x NaN is NaN), so a copy whose
+    random suffix holds a token with NaN weights is no evidence of a leak."""
+    if not bool(torch.isfinite(out[0]).all()):
+        return "the model's outputs are NaN/inf on the text itself (NaN/inf weights, or a fully masked row)"
+    bad = sum(not bool(torch.isfinite(out[i + 1, : t + 1]).all()) for i, t in enumerate(cuts))
+    if bad:
+        return (
+            f"the model's outputs are NaN/inf on {bad} of {len(cuts)} copies of the text "
+            "with a random suffix (NaN/inf weights for some tokens?)"
+        )
+    return None
+
+
 def cut_points(T: int) -> list[int]:
     """The positions t after which suffixes are replaced: about T/4, T/2, 3T/4 and T-2."""
     return sorted({t for t in (T // 4, T // 2, (3 * T) // 4, T - 2) if 0 <= t <= T - 2})
@@ -76,6 +92,8 @@ class Functional:
         self.checks: list[dict[str, Any]] = []
         self.leaked = False
         self.out0: torch.Tensor | None = None
+        # why suffix and gradient cannot run (NaN/inf outputs), None while they can
+        self.nonfinite: str | None = None
 
     # -- helpers ---------------------------------------------------------------------------------
     def call(self, x, **kw):
@@ -139,6 +157,11 @@ class Functional:
         batch = torch.cat([self.x] + [r for _, r in rows])
         out = self.call(batch)
         self.out0 = out[:1]
+        self.nonfinite = _nonfinite(out, [t for t, _ in rows])
+        if self.nonfinite is not None:
+            self.skip("suffix", self.nonfinite)
+            self.checks[-1]["forwards"] = 1  # it ran, and cannot be read
+            return
         worst, where = 0.0, None
         for i, (t, _) in enumerate(rows):
             d = relative_change(out[i + 1, : t + 1], out[0, : t + 1])
@@ -237,6 +260,9 @@ class Functional:
 
         ``explained``: heads that attend to later keys are reported already; a failure then adds
         no unlocalised finding of its own."""
+        if self.nonfinite is not None:
+            self.skip("gradient", self.nonfinite)
+            return
         ts = cut_points(self.T)
         batch = self.x.expand(len(ts), *self.x.shape[1:]).clone()
         out_shape = self.out0.shape if self.out0 is not None else self.call(self.x).shape
@@ -247,6 +273,10 @@ class Functional:
             g = forward.input_gradient(self.model, batch, w, encoder_ids=self._enc(batch))
         except RuntimeError as e:
             self.skip("gradient", f"no gradient path ({str(e).splitlines()[0]})")
+            return
+        if not bool(torch.isfinite(g).all()):
+            self.skip("gradient", "the gradient of the model's outputs is NaN/inf")
+            self.checks[-1].update(forwards=1, backwards=1)
             return
         norms = g.float().flatten(2).norm(dim=-1)  # [B, T]
         worst, where = 0.0, None
