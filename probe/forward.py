@@ -26,11 +26,14 @@ from typing import Any
 import torch
 from torch import nn
 
-from probe.capture.consumers.blocks import stream_attention
+from probe.capture.calls import past_length
 from probe.capture.consumers.kept import parse_keep
 from probe.capture.engine.stats import capture_stats
+from probe.capture.engine.streamed import stream_attention
 from probe.capture.engine.trace import Trace, capture, trace
-from probe.capture.inputs.text import Prepared, is_hf_model, model_name, past_length, prepare
+from probe.capture.inputs.prepared import Prepared, is_hf_model, model_name
+from probe.capture.inputs.prepared import accepts as takes
+from probe.capture.inputs.route import prepare
 from probe.capture.inputs.tokenizers import adapt as adapt_tokenizer
 
 
@@ -68,9 +71,7 @@ __all__ = [
 
 def accepts(model: nn.Module, name: str) -> bool:
     """Whether ``model.forward`` takes an argument called ``name``."""
-    from probe.capture.inputs.text import _accepts
-
-    return _accepts(model, name)
+    return takes(model, name)
 
 
 def outputs_of(out: Any) -> torch.Tensor:

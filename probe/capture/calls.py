@@ -12,15 +12,9 @@ from __future__ import annotations
 
 import itertools
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from torch import Tensor, nn
-
-from probe.capture.inputs.text import past_length
-
-if TYPE_CHECKING:
-    from probe.capture.hooks.parallel import Group
-    from probe.capture.hooks.residual import LayerStream
 
 
 @dataclass
@@ -224,8 +218,18 @@ def layer_cache_length(module: nn.Module, kwargs: dict) -> int:
     return 0
 
 
+def past_length(past: Any) -> int:
+    """Positions held in a KV cache: a transformers ``Cache``, or nested tuples of ``(k, v)`` per layer."""
+    if hasattr(past, "get_seq_length"):
+        return int(past.get_seq_length())
+    t = past
+    while isinstance(t, (tuple, list)):
+        t = t[0]
+    return int(t.shape[-2])
+
+
 def _cached_length(past: Any) -> int:
-    """:func:`~probe.capture.inputs.text.past_length` of a forward's ``past_key_values``; 0 when there is
+    """:func:`past_length` of a forward's ``past_key_values``; 0 when there is
     none or its layout is unknown (then only the inputs' lengths apply)."""
     if past is None:
         return 0
@@ -233,32 +237,6 @@ def _cached_length(past: Any) -> int:
         return past_length(past)
     except Exception:
         return 0
-
-
-@dataclass
-class Layer:
-    """One layer call being captured."""
-
-    container: str
-    index: int
-    wanted: bool
-    depth: int = 0  # position of the layer's call on the stack
-    resid_pre: Tensor | None = None
-    stream: LayerStream | None = None
-    attns: list[Attention] = field(default_factory=list)
-    events: int = 0
-    blind: int = 0  # attention calls seen before this layer that probe cannot look into
-    fused: tuple[Tensor, Tensor] | None = None  # (stream after attention, output) of a fused layer
-    calls: dict[int, Call] = field(default_factory=dict)  # sublayer id -> its Call
-    # the previous layer's output when this layer's input was computed from it outside any layer
-    # (Funnel pools its queries from it and attends over it: its keys are this layer's own sequence)
-    upstream: Tensor | None = None
-    call: int = 0  # which call of its module this is (a module run several times in one forward)
-    group: Group | None = None  # parallel per-sublayer lists: this layer is element ``index`` of each
-    module: str | None = None  # the module path the metadata names (default: the layer call's)
-    direct: bool = False  # a list element whose forward was called directly (started by a child)
-    last_out: Tensor | None = None  # a direct layer's output: the next element's input
-    skipped: set[str] = field(default_factory=set)  # softmaxes seen that are not attention, described
 
 
 def fields_of(a: Attention) -> dict[str, int]:

@@ -8,7 +8,7 @@ from typing import Any
 
 from probe.cache import Cache
 from probe.cache.selection import Selection
-from probe.capture.engine.trace import parse_dtype
+from probe.capture.hooks.store import parse_dtype
 from probe.errors import ProbeError
 
 KEEPS = ("stats", "all", "residuals")

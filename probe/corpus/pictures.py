@@ -36,7 +36,7 @@ import torch
 from probe import interrupt
 from probe.capture import capture
 from probe.capture.inputs.images import SUFFIXES, is_images, load_images, pictures_seen, process, texts_of
-from probe.capture.inputs.text import model_name
+from probe.capture.inputs.prepared import model_name
 from probe.capture.inputs.vlm import check_processor
 from probe.corpus.shards import ShardRecord
 from probe.errors import ProbeError

@@ -31,7 +31,7 @@ from typing import Any
 from tqdm.auto import tqdm
 
 from probe.capture.engine.naming import model_info
-from probe.capture.engine.trace import parse_dtype
+from probe.capture.hooks.store import parse_dtype
 from probe.corpus import shards
 from probe.corpus.dist import Group
 from probe.corpus.keep import KEEPS, keep_spec

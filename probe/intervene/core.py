@@ -7,7 +7,7 @@ layer, head)`` or ``(stack, layer, role, head)`` with ``role`` ``"self"``/``"cro
 ``"cross_attn"`` or ``"mlp"``. Without a stack, the model's only stack (or ``stack=``) is meant.
 
 The inputs are whatever :func:`probe.capture` takes, prepared by its own entry
-(:func:`probe.capture.inputs.text.prepare`): texts, ids, a dict or ``BatchFeature`` of keyword
+(:func:`probe.capture.inputs.route.prepare`): texts, ids, a dict or ``BatchFeature`` of keyword
 tensors, pictures with ``processor=`` (and ``text=`` beside them for a vision-language model),
 sound with ``processor=``/``sampling_rate=``.
 """
@@ -22,7 +22,7 @@ from torch import Tensor, nn
 
 from probe.capture.engine.trace import Trace
 from probe.capture.inputs.images import with_text
-from probe.capture.inputs.text import prepare
+from probe.capture.inputs.route import prepare
 from probe.errors import ProbeError
 from probe.intervene.edits import check_free
 from probe.intervene.locate import Site, Sites, locate

@@ -9,10 +9,10 @@ hands it the weights ``block`` ``[batch, heads, end - start, kend]`` (float32) o
 O(heads · rows · keys), never the layer's whole pattern; a pattern the model computed itself (a
 softmax) already exists whole and is sliced. Blocks are valid until the next is handed on.
 
-:func:`stream_attention` runs one forward with it, residuals dropped (a :class:`DropSink`), and
-returns each block reader under its cache key. Which reader, and what it accumulates, is the
-caller's business (``probe.analysis.focus.streamed.reader`` builds the focus statistics); analyses
-reach it through :mod:`probe.forward`.
+:func:`probe.capture.engine.streamed.stream_attention` runs one forward with it, residuals
+dropped. Which reader, and what it accumulates, is the caller's business
+(``probe.analysis.focus.streamed.reader`` builds the focus statistics); analyses reach it through
+:mod:`probe.forward`.
 """
 
 from __future__ import annotations
@@ -22,16 +22,10 @@ from collections.abc import Callable, Iterator
 from typing import Any, Protocol
 
 import torch
-from torch import Tensor, nn
-from tqdm.auto import tqdm
+from torch import Tensor
 
-from probe.cache.selection import Selection
 from probe.capture.calls import Attention
 from probe.capture.consumers.keep import batch_size, restore_layout
-from probe.capture.engine.naming import check_forward, name
-from probe.capture.engine.trace import _claim, _release
-from probe.capture.engine.tracer import Tracer
-from probe.capture.inputs.text import prepare
 from probe.capture.patterns import sdpa_blocks
 from probe.errors import ProbeError
 
@@ -49,26 +43,6 @@ class BlockReader(Protocol):
     def rows(self, start: int, end: int, block: Tensor) -> None: ...
 
     def close(self) -> bool | None: ...
-
-
-class DropSink:
-    """A sink that keeps nothing: every tensor handed to it is let go at once (residuals of a
-    statistics-only run); handles are counted so the capture can still be named."""
-
-    empty = None
-
-    def __init__(self) -> None:
-        self.n = 0
-
-    def put(self, tensor: Tensor, owned: bool = False) -> int:
-        self.n += 1
-        return self.n - 1
-
-    def held(self) -> list[Tensor]:
-        return []
-
-    def wait_written(self, tensor: Tensor) -> None:
-        """Nothing is written."""
 
 
 def _reading(reader: Any) -> Any:
@@ -127,11 +101,12 @@ def block_rows(
 
 class BlockConsumer:
     """Hands each attention to the reader ``open_attention(role, [B, H, Q, K])`` returns, a row
-    block at a time; ``readers`` maps the (sink) handle of every attention read to its reader."""
+    block at a time; ``readers`` maps the (sink) handle of every attention read to its reader
+    (``sink``: where the handles come from, :class:`probe.capture.engine.streamed.DropSink`)."""
 
     def __init__(
         self,
-        sink: DropSink,
+        sink: Any,
         open_attention: Callable[[str, tuple], BlockReader],
         block: int | None,
         bar: Any = None,
@@ -241,93 +216,9 @@ class BlockConsumer:
             yield i, e, blks[0] if len(blks) == 1 else torch.cat(blks, 1)
 
 
-def run_blocks(
-    model: nn.Module,
-    inputs: Any,
-    open_attention: Callable[[dict, str, tuple], BlockReader],
-    sink: DropSink,
-    *,
-    tokenizer: Any = None,
-    target: Any = None,
-    processor: Any = None,
-    sampling_rate: int | None = None,
-    layers: list[int] | None = None,
-    block: int | None = None,
-    progress: bool = False,
-) -> tuple[dict[int, str], dict[str, Any], BlockConsumer]:
-    """One forward with a :class:`BlockConsumer` into ``sink``: ``(names, meta, consumer)``, each
-    sink handle's cache key, the cache's metadata and the consumer (its ``readers`` by handle).
-    ``progress``: a bar counting the attentions read (a long context takes minutes on a CPU)."""
-    if not isinstance(model, nn.Module):
-        raise ProbeError(f"probe runs torch.nn.Module models, not {type(model).__name__}")
-    selection = Selection.parse(layers, None)
-    block_rows((1, 1, 1, 1), block)
-    prepared = prepare(
-        model, inputs, tokenizer=tokenizer, target=target, processor=processor, sampling_rate=sampling_rate
-    )
-    meta = prepared.meta
-    bar = tqdm(desc="attentions read", unit=" attentions", disable=not progress, leave=False)
-    consumer = BlockConsumer(sink, lambda role, shape: open_attention(meta, role, shape), block, bar)
-    tracer = Tracer(model, sink, selection=selection, consumer=consumer)
-    _claim(model)
-    try:
-        with torch.no_grad(), tracer:
-            prepared.run()
-    finally:
-        _release(model)
-        bar.close()
-    check_forward(tracer, model, selection)
-    names, full = name(tracer, model, meta, selection)
-    return names, full, consumer
-
-
-def stream_attention(
-    model: nn.Module,
-    inputs: Any,
-    open_attention: Callable[[dict, str, tuple], BlockReader],
-    *,
-    tokenizer: Any = None,
-    target: Any = None,
-    layers: list[int] | None = None,
-    block: int | None = None,
-    progress: bool = False,
-    processor: Any = None,
-    text: Any = None,
-    sampling_rate: int | None = None,
-) -> tuple[dict[str, Any], dict[str, BlockReader]]:
-    """Run ``model`` once on ``inputs`` (as :func:`probe.capture` would), handing every attention
-    pattern row block by row block to ``open_attention(meta, role, [B, H, Q, K])``'s reader; keep
-    nothing else (residuals are dropped).
-
-    ``block``: query rows per block (default: :func:`block_bytes` of float32 weights per block).
-    Returns ``(meta, readers)``: the metadata a cache of the same call would hold, and each
-    reader under the cache key its pattern would have (``decoder.blocks.0.self_attn.pattern``).
-    ``processor``, ``text`` and ``sampling_rate``: pictures or sound, as for :func:`probe.capture`.
-    """
-    from probe.capture.inputs.images import with_text
-
-    names, full, consumer = run_blocks(
-        model,
-        inputs,
-        open_attention,
-        DropSink(),
-        tokenizer=tokenizer,
-        target=target,
-        layers=layers,
-        block=block,
-        progress=progress,
-        processor=with_text(processor, text),
-        sampling_rate=sampling_rate,
-    )
-    return full, {names[h]: r for h, r in consumer.readers.items()}
-
-
 __all__ = [
     "BlockConsumer",
     "BlockReader",
-    "DropSink",
-    "run_blocks",
-    "stream_attention",
     "block_rows",
     "block_bytes",
     "BLOCK_BYTES",

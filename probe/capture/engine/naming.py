@@ -26,7 +26,7 @@ from probe.capture.engine.tracer import Tracer
 from probe.capture.hooks.layers import LayerRecord
 from probe.capture.hooks.pooling import SUFFIX as POOL
 from probe.capture.hooks.streams import distinct_streams
-from probe.capture.inputs.text import model_name
+from probe.capture.inputs.prepared import model_name
 from probe.capture.positions.frames import frame_positions
 from probe.capture.positions.merged import merged_positions
 from probe.capture.positions.patches import name_positions

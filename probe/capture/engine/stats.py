@@ -24,7 +24,8 @@ from torch import Tensor, nn
 from probe.cache import Cache
 from probe.cache.cache import open_cache
 from probe.cache.writer import check_output
-from probe.capture.consumers.blocks import BlockReader, DropSink, run_blocks
+from probe.capture.consumers.blocks import BlockReader
+from probe.capture.engine.streamed import DropSink, run_blocks
 from probe.errors import ProbeError
 
 

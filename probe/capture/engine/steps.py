@@ -34,11 +34,12 @@ from probe.capture.consumers.keep import KeepPatterns
 from probe.capture.consumers.kept import Keep, parse_keep
 from probe.capture.consumers.rows import KeepRows, RowPicker
 from probe.capture.engine.assemble import Assembler, Step
+from probe.capture.engine.claims import claim, release
 from probe.capture.engine.naming import check_forward, check_unseen, model_info, name
-from probe.capture.engine.trace import _claim, _release, parse_dtype
 from probe.capture.engine.tracer import Tracer
+from probe.capture.hooks.store import parse_dtype
 from probe.capture.hooks.watch import Watcher
-from probe.capture.inputs.text import model_name
+from probe.capture.inputs.prepared import model_name
 from probe.errors import ProbeError
 
 # Every step allocates its weights, rows and residuals a little larger than the last (one key more):
@@ -172,13 +173,13 @@ class StepTrace:
                 "weights before dropout; call model.eval() to capture what the model computes at inference",
                 stacklevel=2,
             )
-        _claim(self.model)
+        claim(self.model)
         try:
             self._watcher = _StepWatcher(self.model, self._begin, self._end)
             self._watcher.bind(self._tracer())
             self._watcher.install()
         except BaseException:
-            _release(self.model)
+            release(self.model)
             raise
         return self
 
@@ -189,7 +190,8 @@ class StepTrace:
     def _end(self, root: nn.Module) -> None:
         tr, self._tr = self._tr, None
         if root is not self.model and not tr.kept and not tr.forward.blind:
-            tr.layers.forget()  # a submodule called on its own without attention (an embedding): no step
+            # a submodule called on its own without attention (an embedding): no step
+            tr.layers.upstream.forget()
             return
         try:
             check_forward(tr, self.model, self.selection)
@@ -197,7 +199,7 @@ class StepTrace:
             check_unseen(tr, self.model)
             tensors = self._sink.finish(names, {})
         finally:
-            tr.layers.forget()
+            tr.layers.upstream.forget()
         keys = {}
         for r in tr.records:
             for _role, fields, shape, _impl, _causal in r.patterns:
@@ -224,7 +226,7 @@ class StepTrace:
         try:
             self._watcher.remove(exc_type, exc, tb)
         finally:
-            _release(self.model)
+            release(self.model)
         if exc_type is not None:
             return False
         if self.steps == 0:

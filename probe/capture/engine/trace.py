@@ -12,9 +12,7 @@ from __future__ import annotations
 
 import json
 import os
-import threading
 import warnings
-import weakref
 from typing import Any
 
 import torch
@@ -25,65 +23,21 @@ from probe.cache.cache import encode_metadata, open_cache
 from probe.cache.selection import Selection
 from probe.cache.writer import FileSink, MemorySink, check_output
 from probe.capture.consumers.kept import parse_keep
+from probe.capture.engine.claims import claim, release
 from probe.capture.engine.naming import check_forward, check_unseen, model_info, name
+from probe.capture.engine.steps import StepTrace
 from probe.capture.engine.tracer import Tracer
+from probe.capture.hooks.store import parse_dtype
 from probe.capture.inputs.keywords import inputs_metadata
-from probe.capture.inputs.text import model_name, prepare
+from probe.capture.inputs.prepared import model_name
+from probe.capture.inputs.route import prepare
 from probe.errors import ProbeError
-
-_DTYPES = {
-    "float32": torch.float32,
-    "fp32": torch.float32,
-    "float": torch.float32,
-    "float16": torch.float16,
-    "fp16": torch.float16,
-    "half": torch.float16,
-    "bfloat16": torch.bfloat16,
-    "bf16": torch.bfloat16,
-}
-
-
-def parse_dtype(dtype: Any) -> torch.dtype | None:
-    """``dtype=`` as a torch float dtype (None: as computed); a one-line ProbeError otherwise."""
-    if dtype is None or isinstance(dtype, torch.dtype) and dtype in _DTYPES.values():
-        return dtype
-    if isinstance(dtype, str) and dtype.lower() in _DTYPES:
-        return _DTYPES[dtype.lower()]
-    raise ProbeError(f"dtype {dtype!r} is not supported; use float32, float16 or bfloat16")
-
-
-# model -> the threads a capture is running in on it: hooks are per module, so each capture's
-# watcher follows only its own thread's calls (torch's function modes are per thread already)
-_RUNNING: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-_RUNNING_LOCK = threading.Lock()
-
-
-def _claim(model: nn.Module) -> None:
-    me = threading.get_ident()
-    with _RUNNING_LOCK:
-        threads = _RUNNING.setdefault(model, set())
-        if me in threads:
-            raise ProbeError(
-                f"probe is already capturing this {type(model).__name__} object in this thread (a "
-                "capture inside probe.trace on the same model); one capture per forward: run the "
-                "model inside the outer probe.trace and read its cache, or capture a copy of the model"
-            )
-        threads.add(me)
 
 
 def _compiler_failed(exc: BaseException | None) -> bool:
     """True for an error raised by torch.compile's tracer or compiler (a compiled function the
     model calls, such as transformers' flex_attention): said in one line, not a compiler traceback."""
     return exc is not None and type(exc).__module__.startswith(("torch._dynamo", "torch._inductor"))
-
-
-def _release(model: nn.Module) -> None:
-    with _RUNNING_LOCK:
-        threads = _RUNNING.get(model)
-        if threads is not None:
-            threads.discard(threading.get_ident())
-            if not threads:
-                del _RUNNING[model]
 
 
 class Trace:
@@ -151,11 +105,11 @@ class Trace:
                 "model.eval() to capture what the model computes at inference",
                 stacklevel=3,
             )
-        _claim(self.model)
+        claim(self.model)
         try:
             self._enter()
         except BaseException:
-            _release(self.model)
+            release(self.model)
             raise
         return self
 
@@ -182,7 +136,7 @@ class Trace:
             self._sink.abort()
             raise
         finally:
-            _release(self.model)
+            release(self.model)
         if exc_type is not None:
             self._sink.abort()
             if _compiler_failed(exc):
@@ -226,8 +180,6 @@ def trace(model: nn.Module, **kwargs: Any) -> Trace:
     generation loop; :class:`~probe.capture.engine.steps.StepTrace`) instead of refusing more than one.
     """
     if kwargs.pop("steps", False):
-        from probe.capture.engine.steps import StepTrace  # it builds on this module
-
         return StepTrace(model, **kwargs)
     return Trace(model, **kwargs)
 

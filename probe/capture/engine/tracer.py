@@ -81,7 +81,7 @@ class Tracer:
         try:
             self.watcher.remove(*exc)
         finally:
-            self.layers.forget()
+            self.layers.upstream.forget()
 
     @property
     def records(self) -> list[LayerRecord]:

@@ -25,7 +25,8 @@ from probe.capture.generation.loop import own_loop
 from probe.capture.generation.pictures import as_decoder, name_pictures
 from probe.capture.inputs.checks import SIGNAL_KEYS, check_ids, context_length, no_tokenizer
 from probe.capture.inputs.images import is_images, load_images, process, texts_of
-from probe.capture.inputs.text import _record, device_of, is_hf_model, model_name
+from probe.capture.inputs.prepared import device_of, is_hf_model, model_name
+from probe.capture.inputs.text import record_tokens
 from probe.capture.inputs.tokenizers import adapt
 from probe.capture.inputs.vlm import check_processor
 from probe.capture.positions.patches import image_token_id
@@ -360,7 +361,7 @@ def _meta(model, toks, ids, out, enc_dec, P, sampling, meta) -> dict[str, Any]:
 def _tokens(meta: dict[str, Any], prefix: str, tok: Any, ids: list[int]) -> None:
     if tok is not None:
         enc = tok.from_ids(ids)
-        _record(meta, prefix, [tok.decode(ids)], [enc], torch.ones(1, len(ids), dtype=torch.long))
+        record_tokens(meta, prefix, [tok.decode(ids)], [enc], torch.ones(1, len(ids), dtype=torch.long))
     else:
         meta[f"{prefix}tokens"] = [[str(i) for i in ids]]
         meta[f"{prefix}ids"] = [ids]

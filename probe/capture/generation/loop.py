@@ -15,7 +15,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from probe.capture.inputs.text import model_name
+from probe.capture.inputs.prepared import model_name
 from probe.errors import ProbeError
 
 

@@ -14,19 +14,45 @@ sublayer kind and ``resid_post`` (:mod:`probe.capture.hooks.deltas`), handed to 
 from __future__ import annotations
 
 import weakref
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 from torch import Tensor, nn
 
 from probe.cache.selection import Selection
-from probe.capture.calls import Call, Forward, Layer, LayerRecord, fields_of, output_tensor
-from probe.capture.hooks.deltas import channels_last, layer_residuals
+from probe.capture.calls import Attention, Call, Forward, LayerRecord, output_tensor
 from probe.capture.hooks.parallel import Group, list_elements, parallel_lists
 from probe.capture.hooks.pooling import pooling_heads
+from probe.capture.hooks.records import LayerRecords
 from probe.capture.hooks.residual import LayerStream
 from probe.capture.hooks.store import Store
-from probe.errors import ProbeError
+
+
+@dataclass
+class Layer:
+    """One layer call being captured."""
+
+    container: str
+    index: int
+    wanted: bool
+    depth: int = 0  # position of the layer's call on the stack
+    resid_pre: Tensor | None = None
+    stream: LayerStream | None = None
+    attns: list[Attention] = field(default_factory=list)
+    events: int = 0
+    blind: int = 0  # attention calls seen before this layer that probe cannot look into
+    fused: tuple[Tensor, Tensor] | None = None  # (stream after attention, output) of a fused layer
+    calls: dict[int, Call] = field(default_factory=dict)  # sublayer id -> its Call
+    # the previous layer's output when this layer's input was computed from it outside any layer
+    # (Funnel pools its queries from it and attends over it: its keys are this layer's own sequence)
+    upstream: Tensor | None = None
+    call: int = 0  # which call of its module this is (a module run several times in one forward)
+    group: Group | None = None  # parallel per-sublayer lists: this layer is element ``index`` of each
+    module: str | None = None  # the module path the metadata names (default: the layer call's)
+    direct: bool = False  # a list element whose forward was called directly (started by a child)
+    last_out: Tensor | None = None  # a direct layer's output: the next element's input
+    skipped: set[str] = field(default_factory=set)  # softmaxes seen that are not attention, described
 
 
 def _dead() -> None:
@@ -49,6 +75,63 @@ def _is_source(module: nn.Module) -> bool:
     if next(module.children(), None) is not None:
         return True
     return any(p.dim() >= 2 for p in module.parameters(recurse=False))
+
+
+class Upstream:
+    """The last layer's output and what the model computed from it outside any layer since: a
+    layer's input that is that output (or pooled from it) makes that output the layer's upstream
+    sequence (see :class:`Layer`), and a layer whose input equals it keeps its list's chain."""
+
+    def __init__(self) -> None:
+        self.prev: tuple[str, int, Tensor | None] | None = None  # the last layer's list, index, output
+        self.derived: dict[int, weakref.ref] = {}  # computed from its output outside any layer
+        self.learned: set[int] = set()  # those of them computed through a learned weight
+
+    def ended(self, container: str, index: int, out: Tensor | None) -> None:
+        """Layer ``index`` of ``container`` returned ``out``."""
+        self.prev = (container, index, out)
+
+    def follows(self, container: str, index: int, p: Tensor | None) -> bool:
+        """Whether layer ``index`` of ``container``, given ``p``, is the next layer of the last one's
+        list and ``p`` holds the last layer's output."""
+        prev = self.prev
+        return prev is not None and prev[:2] == (container, index - 1) and _same(p, prev[2])
+
+    def take(self, p: Tensor | None) -> Tensor | None:
+        """The upstream sequence of a layer given ``p`` (the last layer's output when ``p`` is it or
+        was pooled from it without a learned weight), None otherwise; what was derived is dropped."""
+        out = self.prev[2] if self.prev is not None else None
+        upstream = None
+        if out is not None and p is not None:
+            pooled = self.derived.get(id(p), _dead)() is p and id(p) not in self.learned
+            if p is out or pooled:
+                upstream = out
+        self.derived, self.learned = {}, set()
+        return upstream
+
+    def between(self, args: tuple, kwargs: dict, out: Any) -> None:
+        """An op ran outside any layer: note what it computed from the last layer's output, and
+        whether through a learned weight matrix (BLT projects byte states into patch queries: a new
+        sequence, not the same one pooled as Funnel's)."""
+        src = self.prev[2] if self.prev is not None else None
+        if src is None:
+            return
+        d = self.derived  # id -> weak reference: nothing here outlives the model's own use
+        flat = [t for a in (*args, *kwargs.values()) for t in (a if isinstance(a, (tuple, list)) else (a,))]
+        found = [t for t in flat if isinstance(t, Tensor) and (t is src or d.get(id(t), _dead)() is t)]
+        if not found:
+            return
+        learned = any(isinstance(t, nn.Parameter) and t.dim() >= 2 for t in flat) or any(
+            id(t) in self.learned for t in found
+        )
+        for t in out if isinstance(out, (tuple, list)) else (out,):
+            if isinstance(t, Tensor):
+                d[id(t)] = weakref.ref(t)
+                (self.learned.add if learned else self.learned.discard)(id(t))
+
+    def forget(self) -> None:
+        """The forward is over: drop the last layer's output and what was computed from it."""
+        self.prev, self.derived, self.learned = None, {}, set()
 
 
 class LayerTracker:
@@ -79,10 +162,8 @@ class LayerTracker:
                 self.container_of[mid], self.container_len[name], self.pool_notes[name] = (name, 0), 1, note
         self.layer: Layer | None = None
         self.layer_call: Call | None = None
-        self.records: list[LayerRecord] = []
-        # list elements without attention: (list, index, module, resid_pre, resid_post, call, skipped)
-        self.plain: list[tuple[str, int, str, Tensor, Tensor, int, str]] = []
-        self.kept: dict[str, int] = {}
+        self.book = LayerRecords(store, forward, self.name_of)  # what is kept of each layer that returned
+        self.records, self.kept = self.book.records, self.book.kept  # (the same list and dict)
         self._sources: dict[type, bool] = {}
         self._param_counts: dict[int, int] = {}
         # layers as the model runs them: calls per list and per module, lists that run a module
@@ -93,12 +174,14 @@ class LayerTracker:
         self.looped: set[str] = set()
         self.chain: dict[str, bool] = {}
         self.order: list[str] = []  # the lists in the order their first layer ran
-        self._prev: tuple[str, int, Tensor | None] | None = None  # the last layer's list, index, output
-        self._derived: dict[int, weakref.ref] = {}  # computed from its output outside any layer
-        self._learned: set[int] = set()  # those of them computed through a learned weight
+        self.upstream = Upstream()  # the last layer's output, and what was computed from it since
 
     def name_of(self, module: nn.Module) -> str:
         return self.names.get(id(module), "?")
+
+    def plain_records(self) -> list[LayerRecord]:
+        """Records of list elements without attention in lists that have attention (hybrids)."""
+        return self.book.plain_records()
 
     # -- calls entering ------------------------------------------------------------------------
     def enter(self, call: Call) -> None:
@@ -193,44 +276,13 @@ class LayerTracker:
             self.looped.add(container)
         if container in self.looped:
             index = k
-        p, prev = call.primary, self._prev
-        out = prev[2] if prev is not None else None
+        p = call.primary
         if container not in self.chain:
             self.chain[container] = True
             self.order.append(container)
-        elif not (prev is not None and prev[:2] == (container, index - 1) and _same(p, out)):
+        elif not self.upstream.follows(container, index, p):
             self.chain[container] = False
-        upstream = None
-        if out is not None and p is not None:
-            pooled = self._derived.get(id(p), _dead)() is p and id(p) not in self._learned
-            if p is out or pooled:
-                upstream = out
-        self._derived, self._learned = {}, set()
-        return index, upstream
-
-    def between(self, args: tuple, kwargs: dict, out: Any) -> None:
-        """An op ran outside any layer: note what it computed from the last layer's output, and
-        whether through a learned weight matrix (BLT projects byte states into patch queries: a new
-        sequence, not the same one pooled as Funnel's)."""
-        src = self._prev[2] if self._prev is not None else None
-        if src is None:
-            return
-        d = self._derived  # id -> weak reference: nothing here outlives the model's own use
-        flat = [t for a in (*args, *kwargs.values()) for t in (a if isinstance(a, (tuple, list)) else (a,))]
-        found = [t for t in flat if isinstance(t, Tensor) and (t is src or d.get(id(t), _dead)() is t)]
-        if not found:
-            return
-        learned = any(isinstance(t, nn.Parameter) and t.dim() >= 2 for t in flat) or any(
-            id(t) in self._learned for t in found
-        )
-        for t in out if isinstance(out, (tuple, list)) else (out,):
-            if isinstance(t, Tensor):
-                d[id(t)] = weakref.ref(t)
-                (self._learned.add if learned else self._learned.discard)(id(t))
-
-    def forget(self) -> None:
-        """The forward is over: drop the last layer's output and what was computed from it."""
-        self._prev, self._derived, self._learned = None, {}, set()
+        return index, self.upstream.take(p)
 
     def current(self) -> Layer:
         """The layer running now; attention outside any list adopts the top-level child computing it."""
@@ -307,13 +359,15 @@ class LayerTracker:
             return
         if layer.direct:  # its output is known only as the next element's input (None for the last)
             out, layer.last_out = layer.last_out, None
-        self._prev = (layer.container, layer.index, out)
+        self.upstream.ended(layer.container, layer.index, out)
         last = layer.index + 1 >= self.container_len.get(layer.container, 0)
         if last:
             # the list's last layer: what runs next computes no pattern
             self.store.let_go()
+        c = layer.container
+        length = self.list_calls[c] if c in self.looped else self.container_len.get(c, layer.index + 1)
         try:
-            self._close(layer, call, out)
+            self.book.close(layer, call, out, length, self.pool_notes.get(c))
         finally:
             # Layer.calls -> Call.layer -> Layer is a cycle: left alone, it keeps the layer's
             # stream tensors (inputs, residual adds) alive until a garbage collection, so a
@@ -324,84 +378,3 @@ class LayerTracker:
             layer.stream = layer.fused = layer.resid_pre = None
         if last:
             self.store.trim()
-
-    def _close(self, layer: Layer, call: Call, out: Tensor | None) -> None:
-        if len(self.forward.blind) > layer.blind:
-            raise ProbeError(
-                f"layer {self.name_of(call.module)} computes attention with {self.forward.blind[-1]}, "
-                'which probe cannot look into; load the model with attn_implementation="sdpa" (or '
-                '"eager") to capture it'
-            )
-        if not layer.events:
-            # a list element with no attention (a Mamba or MLP-only block of a hybrid): its
-            # stream is kept, named once the lists with attention are known
-            if layer.wanted and layer.resid_pre is not None and not layer.resid_pre.is_nested:
-                if out is not None and not out.is_nested and out.shape == layer.resid_pre.shape:
-                    name = layer.module or self.name_of(call.module)
-                    skipped = "; ".join(sorted(layer.skipped))
-                    self.plain.append(
-                        (
-                            layer.container,
-                            layer.index,
-                            name,
-                            layer.resid_pre,
-                            out.detach(),
-                            layer.call,
-                            skipped,
-                        )
-                    )
-            return
-        c = layer.container
-        self.kept[c] = self.list_calls[c] if c in self.looped else self.container_len.get(c, layer.index + 1)
-        if not layer.wanted:
-            return
-        stored = [x for a in layer.attns for x in (a, *a.also) if x.handle is not None or x.fields]
-        patterns = [(a.role or "self", fields_of(a), a.shape, sorted(a.impl), a.causal) for a in stored]
-        kinds = [a.kind for a in stored]
-        items, notes = layer_residuals(layer, call, out, self.name_of)
-        if layer.direct:
-            q = next((a.qk[0] for a in layer.attns if a.role != "cross"), None)
-            items = channels_last(items, q, notes)
-            if out is None:
-                notes["residual_note"] = (
-                    "the model calls this list element's forward directly (no module hook sees it): "
-                    "its output is known only as the next element's input, and this is the last one"
-                )
-        if any(a.split is not None for a in layer.attns):
-            first = any(a.source_first for a in layer.attns)
-            order = (
-                "the source's keys then the layer's own"
-                if first
-                else "the layer's own keys then the source's"
-            )
-            notes["merged_attention"] = (
-                f"self_attn and cross_attn are one softmax over {order} keys: each query's two rows "
-                "together sum to 1"
-            )
-        residuals = [(n, self.store.put(t)) for n, t in items]
-        module = layer.module or self.name_of(call.module)
-        if layer.skipped:
-            notes["not_attention"] = "; ".join(sorted(layer.skipped))
-        if c in self.pool_notes:
-            notes["pooling"] = self.pool_notes[c]
-        for role in ("self", "cross"):
-            n = len({a.module for a in stored if a.role == role})  # sublayers, not softmaxes
-            defs = notes.get("deltas", {})
-            if n > 1 and f"{role}_attn" in defs:  # LongCat-Flash: one delta for its two attentions
-                defs[f"{role}_attn"] += f" (the sum of the layer's {n} {role}-attention sublayers' outputs)"
-        modules = [a.module for a in stored]
-        record = LayerRecord(c, layer.index, module, patterns, residuals, notes, kinds, layer.call, modules)
-        self.records.append(record)
-
-    def plain_records(self) -> list[LayerRecord]:
-        """Records of list elements without attention in lists that have attention (hybrids)."""
-        out = []
-        for container, index, name, pre, post, n, skipped in self.plain:
-            if container not in self.kept:
-                continue
-            handles = [("resid_pre", self.store.put(pre)), ("resid_post", self.store.put(post))]
-            note = "no attention in this layer: only resid_pre and resid_post are stored"
-            notes = {"residual_note": note} | ({"not_attention": skipped} if skipped else {})
-            out.append(LayerRecord(container, index, name, [], handles, notes, n))
-        self.plain.clear()
-        return out

@@ -7,7 +7,7 @@ dtypes stored. For a streamed capture it lends two pattern buffers used in turn 
 writes one while the next layer fills the other), which saves allocating and page-faulting a
 fresh one every layer; they are let go after a list's last layer, so what runs next (a final
 norm, an LM head and its logits) does not run beside them. A capture kept in memory trims the
-C heap there instead (:mod:`probe.cache.perf.heap`).
+C heap there instead (:mod:`probe.cache.perf.heap`). :func:`parse_dtype` reads ``dtype=`` for it.
 """
 
 from __future__ import annotations
@@ -19,6 +19,27 @@ from torch import Tensor
 
 from probe.cache.perf import heap
 from probe.cache.writer import MemorySink
+from probe.errors import ProbeError
+
+_DTYPES = {
+    "float32": torch.float32,
+    "fp32": torch.float32,
+    "float": torch.float32,
+    "float16": torch.float16,
+    "fp16": torch.float16,
+    "half": torch.float16,
+    "bfloat16": torch.bfloat16,
+    "bf16": torch.bfloat16,
+}
+
+
+def parse_dtype(dtype: Any) -> torch.dtype | None:
+    """``dtype=`` as a torch float dtype (None: as computed); a one-line ProbeError otherwise."""
+    if dtype is None or isinstance(dtype, torch.dtype) and dtype in _DTYPES.values():
+        return dtype
+    if isinstance(dtype, str) and dtype.lower() in _DTYPES:
+        return _DTYPES[dtype.lower()]
+    raise ProbeError(f"dtype {dtype!r} is not supported; use float32, float16 or bfloat16")
 
 
 class Store:

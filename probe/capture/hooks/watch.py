@@ -81,7 +81,7 @@ class _Mode(TorchFunctionMode):
             lay = layers.layer
             if lay is None:
                 out = func(*args, **kwargs)
-                layers.between(args, kwargs, out)  # what is computed from the last layer's output
+                layers.upstream.between(args, kwargs, out)  # what is computed from the last layer's output
                 return out
             if lay.stream is None:
                 return func(*args, **kwargs)
@@ -217,7 +217,7 @@ class Watcher:
             if not self.stack or self.stack[-1].module is not module:
                 return  # a call that began before capture started
             call = self.stack[-1]
-            if self.recorder.flex_calls or self.recorder._flex_done:  # flex_attention ran inside this call
+            if self.recorder.flex_calls or self.recorder.flex_done:  # flex_attention ran inside this call
                 self.recorder.flush()
             if call.suspended:
                 self._resume()

@@ -10,10 +10,12 @@ as they are (``input_values``: wav2vec2, HuBERT, WavLM), unnormalised. Every fai
 an unreadable or empty file, a missing rate, rates that differ with nothing to resample to, a
 processor that fails on the sound or is not the model's.
 
-The metadata records what each position's time span is computed from (:mod:`probe.capture.positions.frames`
-reads it after the forward): ``audio_key`` (``input_features`` or ``input_values``),
-``audio_shape``, ``sampling_rate``, ``feature_hop`` (input samples per feature frame; 1 for raw
-samples) and, for waveforms, ``audio`` (names) and ``audio_samples`` (each one's length).
+The sound modality's entry (:func:`probe.capture.inputs.sound.prepare_audio`) builds the forward
+from these pieces. The metadata records what each position's time span is computed from
+(:mod:`probe.capture.positions.frames` reads it after the forward): ``audio_key``
+(``input_features`` or ``input_values``), ``audio_shape``, ``sampling_rate``, ``feature_hop``
+(input samples per feature frame; 1 for raw samples) and, for waveforms, ``audio`` (names) and
+``audio_samples`` (each one's length).
 """
 
 from __future__ import annotations
@@ -28,9 +30,9 @@ import numpy as np
 import torch
 from torch import Tensor, nn
 
-from probe.capture.inputs.checks import check_keyword_tensors
+from probe.capture.inputs.prepared import accepts, model_name
+from probe.capture.inputs.processors import feature_extractor_of, holds_image_processor
 from probe.capture.inputs.spectrogram import spectrograms
-from probe.capture.inputs.text import Prepared, model_name
 from probe.errors import ProbeError
 
 SUFFIXES = {".wav", ".flac", ".ogg", ".oga", ".opus", ".mp3", ".aiff", ".aif", ".au", ".w64", ".caf"}
@@ -66,10 +68,10 @@ def routes_here(inputs: Any, processor: Any, sampling_rate: Any) -> bool:
 def is_sound_processor(processor: Any) -> bool:
     """Whether ``processor`` reads sound only: a feature extractor (or a processor holding one)
     with a ``sampling_rate`` and no image processor."""
-    fe = feature_extractor(processor)
+    fe = feature_extractor_of(processor)
     rate = getattr(fe, "sampling_rate", None)
-    pictures = getattr(processor, "image_processor", None) or getattr(fe, "image_mean", None)
-    return isinstance(rate, int) and not isinstance(rate, bool) and pictures is None
+    pictures = holds_image_processor(processor) or getattr(fe, "image_mean", None) is not None
+    return isinstance(rate, int) and not isinstance(rate, bool) and not pictures
 
 
 def not_sound(inputs: Any) -> str:
@@ -138,7 +140,9 @@ def resample(x: np.ndarray, rate: int, to: int) -> np.ndarray:
     return resample_poly(x, to // g, rate // g).astype(np.float32)
 
 
-def _rate(sampling_rate: Any) -> int | None:
+def parse_rate(sampling_rate: Any) -> int | None:
+    """``sampling_rate=`` as an integer number of Hz (None when not given); a one-line error
+    for anything that is not a positive whole number."""
     if sampling_rate is None:
         return None
     if (
@@ -154,7 +158,7 @@ def _rate(sampling_rate: Any) -> int | None:
 def load_sounds(inputs: Any, sampling_rate: Any = None) -> tuple[list[np.ndarray], list[int], list[str]]:
     """``(waves, rates, names)`` of ``inputs`` (see :func:`is_audio`): files read at their own
     rate, arrays at ``sampling_rate`` (required for them), each checked to hold samples."""
-    rate = _rate(sampling_rate)
+    rate = parse_rate(sampling_rate)
     items = list(inputs) if isinstance(inputs, (list, tuple)) else [inputs]
     waves, rates, names = [], [], []
     for i, x in enumerate(items):
@@ -178,14 +182,9 @@ def load_sounds(inputs: Any, sampling_rate: Any = None) -> tuple[list[np.ndarray
     return waves, rates, names
 
 
-def feature_extractor(processor: Any) -> Any:
-    """The feature extractor inside ``processor`` (``processor.feature_extractor``), or itself."""
-    return getattr(processor, "feature_extractor", None) or processor
-
-
 def processor_rate(processor: Any) -> int:
     """The sampling rate ``processor`` expects (its feature extractor's ``sampling_rate``)."""
-    rate = getattr(feature_extractor(processor), "sampling_rate", None)
+    rate = getattr(feature_extractor_of(processor), "sampling_rate", None)
     if not isinstance(rate, int) or rate <= 0:
         raise ProbeError(
             f"processor= ({type(processor).__name__}) has no sampling_rate: give the model's audio "
@@ -199,14 +198,14 @@ def feature_hop(processor: Any, key: str) -> int | None:
     ``hop_length`` for ``input_features`` (None when it does not say)."""
     if key == "input_values":
         return 1
-    hop = getattr(feature_extractor(processor), "hop_length", None) if processor is not None else None
+    hop = getattr(feature_extractor_of(processor), "hop_length", None) if processor is not None else None
     return hop if isinstance(hop, int) and hop > 0 else None
 
 
 def extract(processor: Any, waves: list[np.ndarray], rate: int) -> dict[str, Any]:
     """``feature_extractor(waves, sampling_rate=rate, return_tensors="pt")`` (several waveforms
     padded to the longest where the extractor does not pad itself), its failure in one line."""
-    fe = feature_extractor(processor)
+    fe = feature_extractor_of(processor)
     if not callable(fe):
         raise ProbeError(f"processor= should be a transformers feature extractor, not {type(fe).__name__}")
     kwargs: dict[str, Any] = {"sampling_rate": rate, "return_tensors": "pt"}
@@ -239,17 +238,10 @@ def _check_not_cut(processor: Any, kwargs: Mapping, waves: list[np.ndarray], rat
         if len(w) // hop > frames + 1:
             held = frames * hop / rate
             raise ProbeError(
-                f"audio {i} is {len(w) / rate:.2f} s but {type(feature_extractor(processor)).__name__} "
+                f"audio {i} is {len(w) / rate:.2f} s but {type(feature_extractor_of(processor)).__name__} "
                 f"keeps {held:.2f} s of it (its window); give at most {held:.2f} s per input (split "
                 "longer audio)"
             )
-
-
-def _takes(model: nn.Module, key: str) -> bool:
-    try:
-        return key in inspect.signature(model.forward).parameters
-    except (TypeError, ValueError):
-        return False
 
 
 def sound_inputs(
@@ -264,14 +256,14 @@ def sound_inputs(
         waves = [resample(w, r, rate) for w, r in zip(waves, rates, strict=True)]
         kwargs = extract(processor, waves, rate)
         made = next(k for k in AUDIO_KEYS if k in kwargs)
-        if not _takes(model, made):
+        if not accepts(model, made):
             raise ProbeError(
-                f"the processor {type(feature_extractor(processor)).__name__} makes {made}, which "
+                f"the processor {type(feature_extractor_of(processor)).__name__} makes {made}, which "
                 f"{name}'s forward does not take; give the processor that belongs to the model"
             )
         _check_not_cut(processor, kwargs, waves, rate)
     else:
-        if not _takes(model, "input_values"):
+        if not accepts(model, "input_values"):
             raise ProbeError(
                 f"{name} takes no raw waveform (input_values): give processor= (its feature "
                 "extractor) to turn the audio into its input features"
@@ -282,7 +274,7 @@ def sound_inputs(
                 f"the audio comes at {', '.join(f'{r} Hz' for r in rates)}: without processor= "
                 "probe does not resample; give processor= (the model's feature extractor) or one rate"
             )
-        if sampling_rate is not None and rate != _rate(sampling_rate):
+        if sampling_rate is not None and rate != parse_rate(sampling_rate):
             raise ProbeError(
                 f"the file is at {rate} Hz but sampling_rate={sampling_rate}: without processor= probe "
                 "does not resample; give processor= (the model's feature extractor)"
@@ -294,7 +286,7 @@ def sound_inputs(
             x[i, : len(w)] = torch.from_numpy(w)
             mask[i, : len(w)] = 1
         kwargs = {"input_values": x}
-        if len(waves) > 1 and _takes(model, "attention_mask"):
+        if len(waves) > 1 and accepts(model, "attention_mask"):
             kwargs["attention_mask"] = mask
     meta = {"audio": names, "audio_samples": [len(w) for w in waves], "sampling_rate": rate}
     if processor is None:
@@ -310,7 +302,7 @@ def audio_metadata(
     if key is None:
         return {}
     meta: dict[str, Any] = {"audio_key": key, "audio_shape": list(kwargs[key].shape)}
-    rate = processor_rate(processor) if processor is not None else _rate(sampling_rate)
+    rate = processor_rate(processor) if processor is not None else parse_rate(sampling_rate)
     hop = feature_hop(processor, key)
     if rate is not None:
         meta["sampling_rate"] = rate
@@ -318,47 +310,6 @@ def audio_metadata(
         meta["feature_hop"] = hop
     meta.update(spectrograms(kwargs, _mel_counts(model) if model is not None else set(), rate, hop))
     return meta
-
-
-def prepare_audio(
-    model: nn.Module,
-    inputs: Any,
-    *,
-    tokenizer: Any = None,
-    target: Any = None,
-    processor: Any = None,
-    sampling_rate: Any = None,
-) -> Prepared:
-    """The forward call for sound or an audio model's keyword dict (see :func:`probe.capture`);
-    ``target`` (an encoder-decoder's transcript) becomes ``decoder_input_ids``
-    (:func:`probe.capture.inputs.transcript.target_inputs`); sound, or a dict of features without
-    ``decoder_input_ids``, is decoded greedily without it; a dict with them goes to the forward as
-    it is."""
-    from probe.capture.inputs.keywords import _prepare_kwargs  # keywords routes here: imported late
-    from probe.capture.inputs.transcript import target_inputs
-
-    if audio_dict(inputs):
-        kwargs, meta = dict(inputs), {}
-    elif not is_audio(inputs):
-        raise ProbeError(
-            "sampling_rate= is for sound: give a waveform (a 1-D array or tensor), a sound file "
-            f"path or a list of them; {not_sound(inputs)}"
-        )
-    else:
-        kwargs, meta = sound_inputs(model, inputs, processor, sampling_rate)
-    check_keyword_tensors(model, kwargs, model_name(model))  # before a greedy decoding runs on them
-    target_meta = {}
-    # an encoder-decoder's decoder inputs: the transcript given, else a greedy one (sound and a
-    # dict of features alike); a dict that holds them goes to the forward as it is
-    if target is not None or _needs_target(model, kwargs):
-        kwargs, target_meta = target_inputs(model, kwargs, target, tokenizer, processor)
-    _check_channels(model, kwargs)
-    tok = tokenizer if tokenizer is not None else getattr(processor, "tokenizer", None)
-    prepared = _prepare_kwargs(model, kwargs, tok, model_name(model))
-    prepared.meta.update(audio_metadata(kwargs, processor, meta.get("sampling_rate", sampling_rate), model))
-    prepared.meta.update(meta)
-    prepared.meta.update(target_meta)
-    return prepared
 
 
 MEL_KEYS = ("num_mel_bins", "input_feat_per_channel", "n_mels")
@@ -389,7 +340,7 @@ def _mel_counts(model: nn.Module) -> set[int]:
     return found
 
 
-def _check_channels(model: nn.Module, kwargs: Mapping) -> None:
+def check_channels(model: nn.Module, kwargs: Mapping) -> None:
     """Features whose channel count the model's config does not declare (80 mel bins for a model
     of 128): refused in one line, before the forward fails inside a convolution. Only the config
     decides: a model's first ``Conv1d`` may be a conformer block's depthwise convolution, not a
@@ -407,23 +358,17 @@ def _check_channels(model: nn.Module, kwargs: Mapping) -> None:
         )
 
 
-def _needs_target(model: nn.Module, kwargs: Mapping) -> bool:
-    cfg = getattr(model, "config", None)
-    enc_dec = bool(getattr(cfg, "is_encoder_decoder", False))
-    return enc_dec and "decoder_input_ids" not in kwargs and "decoder_inputs_embeds" not in kwargs
-
-
 __all__ = [
     "AUDIO_KEYS",
     "audio_dict",
     "audio_metadata",
+    "check_channels",
     "extract",
-    "feature_extractor",
     "is_audio",
     "is_sound_processor",
     "load_sounds",
+    "parse_rate",
     "not_sound",
-    "prepare_audio",
     "processor_rate",
     "read_sound",
     "resample",

@@ -3,27 +3,20 @@ embeddings for, keyword tensors it would fail on deep inside or compute NaN atte
 what to say when text goes to a model that reads pictures or sound.
 
 Each check raises one line (:class:`~probe.errors.ProbeError`) naming the problem and the fix;
-``name`` is the model as a person knows it (:func:`probe.capture.inputs.text.model_name`).
+``name`` is the model as a person knows it (:func:`probe.capture.inputs.prepared.model_name`).
 """
 
 from __future__ import annotations
 
-import inspect
 from collections.abc import Mapping
 
 import torch
 from torch import Tensor, nn
 
+from probe.capture.inputs.prepared import accepts
 from probe.errors import ProbeError
 
 SIGNAL_KEYS = ("input_features", "input_values")  # sound; pixel_values* are pictures
-
-
-def _accepts(model: nn.Module, key: str) -> bool:
-    try:
-        return key in inspect.signature(model.forward).parameters
-    except (TypeError, ValueError):
-        return False
 
 
 def context_length(model: nn.Module) -> int | None:
@@ -94,13 +87,13 @@ def check_ids(model: nn.Module, ids: Tensor, name: str) -> None:
 def no_tokenizer(model: nn.Module, name: str) -> ProbeError:
     """The error for text given to ``model`` without a tokenizer: an image or audio model is told
     what it reads instead."""
-    if not _accepts(model, "input_ids"):
-        if _accepts(model, "pixel_values"):
+    if not accepts(model, "input_ids"):
+        if accepts(model, "pixel_values"):
             return ProbeError(
                 f"{name} reads pictures, not text (its forward takes pixel_values); give pictures "
                 "with processor= (its image processor; on the command line --image PATH)"
             )
-        if key := next((k for k in SIGNAL_KEYS if _accepts(model, k)), None):
+        if key := next((k for k in SIGNAL_KEYS if accepts(model, k)), None):
             return ProbeError(
                 f"{name} reads sound, not text (its forward takes {key}); give a waveform with "
                 "sampling_rate= or a sound file, with processor= (on the command line --audio PATH)"

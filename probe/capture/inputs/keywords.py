@@ -1,105 +1,27 @@
 """Keyword inputs: a dict of tensors (a processor's ``BatchFeature`` among them) handed to the
-forward as it is, and pictures turned into such a dict by the user's processor
-(:mod:`probe.capture.inputs.images`). The metadata records the keys, the pixel input's shape (an image
+forward as it is (:func:`prepare_kwargs`): what pictures (:mod:`probe.capture.inputs.pictures`)
+and sound (:mod:`probe.capture.inputs.sound`) become too. The metadata (:func:`inputs_metadata`)
+records the keys, the pixel input's shape (an image
 model's positions are named from it after the forward, :mod:`probe.capture.positions.patches`) and, when
 the inputs hold ``input_ids``, their tokens.
 """
 
 from __future__ import annotations
 
-import inspect
 from collections.abc import Mapping
 from typing import Any
 
 import torch
 from torch import Tensor, nn
 
-from probe.capture.inputs.audio import audio_metadata, is_sound_processor, not_sound
+from probe.capture.inputs.audio import audio_metadata
 from probe.capture.inputs.checks import check_keyword_tensors
-from probe.capture.inputs.images import (
-    WithText,
-    image_names,
-    is_images,
-    load_images,
-    not_pictures,
-    pictures_seen,
-    process,
-)
-from probe.capture.inputs.text import Prepared, device_of, is_hf_model, model_name
+from probe.capture.inputs.images import pictures_seen
+from probe.capture.inputs.prepared import Prepared, device_of, forward_params, is_hf_model, model_name
 from probe.capture.inputs.tokenizers import adapt
 from probe.capture.inputs.transcript import decoder_metadata
 from probe.capture.positions.tiles import tile_metadata
 from probe.errors import ProbeError
-
-
-def prepare_keywords(
-    model: nn.Module,
-    inputs: Any,
-    *,
-    tokenizer: Any = None,
-    target: Any = None,
-    processor: Any = None,
-) -> Prepared:
-    """The forward call for keyword inputs or pictures (see :func:`probe.capture`); a processor
-    given with a text (:class:`~probe.capture.inputs.images.WithText`) reads it beside the pictures."""
-    name = model_name(model)
-    if target is not None:
-        raise ProbeError("target= is for texts; with keyword inputs pass decoder_input_ids among them")
-    text = None
-    if isinstance(processor, WithText):
-        processor, text = processor.processor, processor.texts
-    if isinstance(inputs, Mapping) and processor is None:
-        return _prepare_kwargs(model, inputs, tokenizer, name)
-    return _prepare_images(model, inputs, tokenizer, processor, name, text)
-
-
-def _prepare_images(
-    model: nn.Module, inputs: Any, tokenizer: Any, processor: Any, name: str, text: Any = None
-) -> Prepared:
-    """Pictures (PIL images, numpy arrays, image files) through ``processor`` to keyword tensors;
-    with ``text``, a vision-language processor places the image tokens in the text."""
-    if processor is None:
-        raise ProbeError(
-            f"pictures need processor= (the image processor of {name}) to become pixel_values; "
-            "or give {'pixel_values': tensor}"
-        )
-    if not is_images(inputs):
-        if is_sound_processor(processor):  # a feature extractor given something that is not sound
-            raise ProbeError(
-                f"processor= ({type(processor).__name__}) reads sound: give a waveform with "
-                f"sampling_rate=, a sound file or a list of them; {not_sound(inputs)}"
-            )
-        raise ProbeError(
-            "processor= takes pictures: a PIL image, a numpy array, an image file path, or a list of "
-            f"them; {not_pictures(inputs)}"
-        )
-    if is_sound_processor(processor):
-        raise ProbeError(
-            f"processor= ({type(processor).__name__}) reads sound, not pictures: give the image "
-            f"processor of {name} (an image model's), or sound to an audio model"
-        )
-    batch = dict(process(processor, load_images(inputs), text))
-    if text is not None:
-        from probe.capture.inputs.vlm import check_processor  # the text's ids and image tokens
-
-        check_processor(model, processor, batch, name)
-        tokenizer = tokenizer if tokenizer is not None else processor.tokenizer
-    prepared = _prepare_kwargs(model, batch, tokenizer, name)
-    prepared.meta["images"] = image_names(inputs)
-    if text is not None:
-        prepared.meta["prompts"] = text
-    prepared.meta["image_png"] = pictures_seen(batch["pixel_values"], processor)
-    return prepared
-
-
-def _forward_params(model: nn.Module) -> tuple[list[str], bool]:
-    """The forward's parameter names (``self`` left out) and whether it takes ``**kwargs``."""
-    try:
-        params = inspect.signature(model.forward).parameters
-    except (TypeError, ValueError):
-        return [], True
-    names = [n for n, p in params.items() if p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)]
-    return names, any(p.kind == p.VAR_KEYWORD for p in params.values())
 
 
 def inputs_metadata(model: nn.Module, kwargs: Mapping, tokenizer: Any = None) -> dict[str, Any]:
@@ -138,12 +60,13 @@ def inputs_metadata(model: nn.Module, kwargs: Mapping, tokenizer: Any = None) ->
     return meta
 
 
-def _prepare_kwargs(model: nn.Module, inputs: Mapping, tokenizer: Any, name: str) -> Prepared:
+def prepare_kwargs(model: nn.Module, inputs: Mapping, tokenizer: Any = None) -> Prepared:
     """A dict of keyword inputs (``pixel_values``, ``input_ids``, masks, grids; a processor's
     ``BatchFeature``), handed to the forward as they are, moved to the model's device."""
+    name = model_name(model)
     if not inputs:
         raise ProbeError(f"an empty dict of inputs; give the keyword tensors {name}'s forward takes")
-    params, var_kw = _forward_params(model)
+    params, var_kw = forward_params(model)
     # a transformers forward's **kwargs are attention flags: a misspelt input would vanish there
     open_ended = var_kw and not is_hf_model(model)
     unknown = [k for k in inputs if not isinstance(k, str) or (k not in params and not open_ended)]
@@ -175,4 +98,4 @@ def _prepare_kwargs(model: nn.Module, inputs: Mapping, tokenizer: Any, name: str
     return Prepared(run, meta)
 
 
-__all__ = ["prepare_keywords"]
+__all__ = ["inputs_metadata", "prepare_kwargs"]

@@ -20,36 +20,14 @@ import torch
 from torch import Tensor, nn
 
 from probe.capture.inputs.checks import context_length
-from probe.capture.inputs.text import (
-    _batch,
-    _decoder_start,
-    _encode_all,
-    _record,
-    _texts,
-    device_of,
-    is_hf_model,
-    model_name,
-)
+from probe.capture.inputs.decoding import decoder_start, greedy_sequences
+from probe.capture.inputs.prepared import accepts, device_of, is_hf_model, model_name
+from probe.capture.inputs.processors import pick_tokenizer
+from probe.capture.inputs.text import as_texts, encode_all, pad, record_tokens
 from probe.capture.inputs.tokenizers import Encoding, adapt
 from probe.errors import ProbeError
 
 SOURCE_KEYS = ("input_features", "input_values", "attention_mask")
-
-
-def _tokenizer(model: nn.Module, tokenizer: Any, processor: Any) -> Any:
-    for tok in (tokenizer, getattr(processor, "tokenizer", None), getattr(model, "tokenizer", None)):
-        if tok is not None:
-            return tok
-    return None
-
-
-def _accepts(model: nn.Module, key: str) -> bool:
-    import inspect
-
-    try:
-        return key in inspect.signature(model.forward).parameters
-    except (TypeError, ValueError):
-        return False
 
 
 def _batch_size(kwargs: Mapping) -> int:
@@ -70,11 +48,11 @@ def target_inputs(
         raise ProbeError(f"{name} is not an encoder-decoder; target= is only for those")
     if "decoder_input_ids" in kwargs:
         raise ProbeError("give the transcript once: as target= or as decoder_input_ids, not both")
-    raw = _tokenizer(model, tokenizer, processor)
+    raw = pick_tokenizer(model, tokenizer, processor)
     n = _batch_size(kwargs)
     meta: dict[str, Any] = {}
     if target is None:
-        seqs = _greedy(model, kwargs, n, name)
+        seqs = _greedy(model, kwargs, n)
         tok = adapt(raw) if raw is not None else None
         encs = [
             tok.from_ids(s) if tok else Encoding(s, [str(i) for i in s], _specials(model, s)) for s in seqs
@@ -87,19 +65,19 @@ def target_inputs(
                 f"target= needs {name}'s tokenizer: give tokenizer= or a processor that holds one"
             )
         tok = adapt(raw)
-        texts = _texts(target, "target text")
+        texts = as_texts(target, "target text")
         if len(texts) != n:
             raise ProbeError(f"{n} audio inputs but {len(texts)} targets; give one target per input")
-        labels = _encode_all(tok, texts, name, context_length(model), "target", target=is_hf_model(model))
-        start = _decoder_start(model)
+        labels = encode_all(tok, texts, name, context_length(model), "target", target=is_hf_model(model))
+        start = decoder_start(model)
         encs = [e if e.ids[0] == start else tok.from_ids([start] + e.ids) for e in labels]
         meta["target_source"] = "given"
-    pad = tok.pad_id if tok is not None else int(getattr(cfg, "pad_token_id", 0) or 0)
-    ids, mask = _batch([e.ids for e in encs], pad, "right", device_of(model))
-    _record(meta, "target_", texts, encs, mask)
+    pad_id = tok.pad_id if tok is not None else int(getattr(cfg, "pad_token_id", 0) or 0)
+    ids, mask = pad([e.ids for e in encs], pad_id, "right", device_of(model))
+    record_tokens(meta, "target_", texts, encs, mask)
     out = dict(kwargs)
     out["decoder_input_ids"] = ids
-    if n > 1 and _accepts(model, "decoder_attention_mask"):
+    if n > 1 and accepts(model, "decoder_attention_mask"):
         out["decoder_attention_mask"] = mask
     return out, meta
 
@@ -113,34 +91,18 @@ def _specials(model: nn.Module, ids: list[int]) -> list[bool]:
     return [i in marks for i in ids]
 
 
-def _greedy(model: nn.Module, kwargs: Mapping, n: int, name: str) -> list[list[int]]:
-    """Greedy decoder inputs per input: what ``generate`` returns, cut before its first end token."""
-    if not hasattr(model, "generate"):
-        raise ProbeError(f"{name} offers no greedy decoding; pass target= (the transcript)")
-    eos = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
-    eos = set(eos if isinstance(eos, list) else [eos]) - {None}
+def _greedy(model: nn.Module, kwargs: Mapping, n: int) -> list[list[int]]:
+    """Greedy decoder inputs per input: what ``generate`` returns, led by the start token, cut
+    before its first end token (:func:`~probe.capture.inputs.decoding.greedy_sequences`)."""
     limit = context_length(model) or getattr(getattr(model, "config", None), "max_target_positions", None)
     new = min(32, limit - 1) if limit else 32  # the start token counts towards the decoder's length
-    start = _decoder_start(model)
-    seqs = []
-    with torch.no_grad():
-        for b in range(n):
-            one = {k: kwargs[k][b : b + 1] for k in SOURCE_KEYS if isinstance(kwargs.get(k), Tensor)}
-            try:
-                # the length as max_length (the start token and `new` tokens), not max_new_tokens:
-                # Whisper's generate fills in a default max_length of 20 and warns that both are set
-                out = model.generate(**one, do_sample=False, num_beams=1, max_length=new + 1)
-            except Exception as e:  # generation is the library's; say what failed and the way out
-                why = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-                raise ProbeError(
-                    f"greedy decoding with {name}.generate() failed ({why}); pass target= (the transcript)"
-                ) from None
-            seq = [int(t) for t in (out.sequences if hasattr(out, "sequences") else out)[0]]
-            if not seq or seq[0] != start:  # Whisper's generate leaves its start token out
-                seq = [start, *seq]
-            cut = next((k for k in range(1, len(seq)) if seq[k] in eos), len(seq))
-            seqs.append(seq[:cut])
-    return seqs
+    rows = [
+        {k: kwargs[k][b : b + 1] for k in SOURCE_KEYS if isinstance(kwargs.get(k), Tensor)} for b in range(n)
+    ]
+    # the length as max_length (the start token and `new` tokens), not max_new_tokens: Whisper's
+    # generate fills in a default max_length of 20 and warns that both are set
+    start = decoder_start(model) if hasattr(model, "generate") else None
+    return greedy_sequences(model, rows, "the transcript", start=start, max_length=new + 1)
 
 
 def decoder_metadata(model: nn.Module, kwargs: Mapping, tokenizer: Any = None) -> dict[str, Any]:
@@ -159,7 +121,7 @@ def decoder_metadata(model: nn.Module, kwargs: Mapping, tokenizer: Any = None) -
     mask = (mask if full else torch.ones_like(ids)).long().cpu()
     meta: dict[str, Any] = {"target_source": "given"}
     texts = [tok.decode(r) if tok else "" for r in rows]
-    _record(meta, "target_", texts, encs, mask)
+    record_tokens(meta, "target_", texts, encs, mask)
     return meta
 
 

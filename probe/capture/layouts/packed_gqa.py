@@ -59,7 +59,7 @@ class PackedGQA(Layout):
             else:
                 kwargs["attn_mask"] = mask
         kwargs["enable_gqa"] = True
-        rec.consumer.sdpa(rec._open((1, K), "sdpa", whole=(B, H, 1, K)), tuple(args), kwargs)
+        rec.consumer.sdpa(rec.open_attention((1, K), "sdpa", whole=(B, H, 1, K)), tuple(args), kwargs)
         return True
 
 

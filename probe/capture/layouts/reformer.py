@@ -116,7 +116,7 @@ class ReformerAttention(Layout):
         any softmax, local and LSH chunks mapped back; refused where they do not fit."""
         module = call.module
         if probs.dim() == 4:
-            rec._softmax((probs, -1), {}, probs)
+            rec.plain_softmax((probs, -1), {}, probs)
             return
         held, call.chunks = call.chunks, None
         if reformer_kind(module) == "lsh" and self._lsh(rec, call, probs, lse, held):

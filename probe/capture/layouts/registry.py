@@ -15,12 +15,13 @@ q, k]`` and hands it to the recorder's consumer (:func:`attention`), or refuses 
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from probe.capture.calls import Attention, Call
 
-if TYPE_CHECKING:
-    from probe.capture.hooks.record import Recorder
+# what the layouts are handed: the recorder of the capture running (its attention events,
+# :class:`probe.capture.hooks.attentions.AttentionEvents`; :class:`probe.capture.hooks.record.Recorder`)
+Recorder = Any
 
 LAYOUTS: list[Layout] = []  # registered, in priority order
 
@@ -109,7 +110,7 @@ def attention(rec: Recorder, qk: tuple[int, int], kind: str | None, impl: str = 
     """The open Attention of the sublayer running now for a ``qk``-shaped pattern (an event), its
     ``kind`` set; the caller sets what else goes beside the pattern, then hands it on with
     ``rec.consumer.weights(a, pattern, impl)``."""
-    a = rec._open(qk, impl)
+    a = rec.open_attention(qk, impl)
     if kind is not None:
         a.kind = kind
     return a
@@ -125,7 +126,7 @@ def hand_on(rec: Recorder, pattern: Any, kind: str | None, impl: str = "softmax"
 def refuse(rec: Recorder, why: str | None = None) -> None:
     """Refuse the layer running now: attention in a layout probe cannot map exactly. The capture
     is then refused, naming the layer (and ``why``, once per capture)."""
-    rec._unseen()
+    rec.note_unseen()
     if why is not None and why not in rec.forward.unseen_why:
         rec.forward.unseen_why.append(why)
 
