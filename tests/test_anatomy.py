@@ -253,3 +253,17 @@ def test_a_norm_over_the_whole_projection_is_refused_in_one_line():
     assert "cannot be split per head" in why and "\n" not in why
     with pytest.raises(ProbeError, match="decoder layer 0 self: .*cannot be split per head"):
         an.head_weights("decoder", 0)
+
+
+def test_value_blocks_whose_heads_barely_read_the_perturbed_position():
+    # vit_zoo's layer-3 head 1 gives the middle patch of this picture a weight of about 1e-5: the
+    # value check must see the change as a multiple of the delta through the float rounding
+    from models import shapes
+
+    vit = models.load("vit_zoo")
+    pic = [shapes.to_pil(x) for x in shapes.generate(3, seed=0).images[:1]]
+    an = anatomy(vit, pic, processor=vit.processor)
+    for i, block in enumerate(vit.blocks):
+        a = an.attention[("encoder", i, "self")]
+        assert [b.cols for b in a.v] == [slice(128 + 16 * h, 144 + 16 * h) for h in range(4)]
+        assert a.v[0].module is block.attn.qkv

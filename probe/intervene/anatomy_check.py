@@ -33,7 +33,7 @@ from probe.errors import ProbeError
 from probe.intervene.anatomy_flow import LayerFlow, LeafCall
 
 MAX_COPIES = 256
-SCALE = 4.0  # the added vector's norm, in units of the block's own norm at p
+SCALE = 16.0  # the added vector's norm, in units of the block's own norm at p (values are linear in it)
 
 
 @dataclass
@@ -242,21 +242,23 @@ def _classify_all(job: Job, key: tuple, z: Tensor) -> None:
         raise ProbeError(
             f"{key[0]} layer {key[1]}: its output projection's input is not [batch, positions, features]"
         )
+    eps = torch.finfo(z.dtype).eps if z.is_floating_point() else 0.0
     zz = z.reshape(z.shape[0], z.shape[1], job.heads[key], -1).double()
     thr = 4 * (zz[-1] - zz[0]).abs().max().item()
     for c in mine:
-        c.found = classify(c, zz[c.copy] - zz[0], thr)
+        c.found = classify(c, zz[c.copy] - zz[0], thr, zz[0], eps)
 
 
-def classify(c: Cand, dz: Tensor, thr: float) -> tuple:
+def classify(c: Cand, dz: Tensor, thr: float, base: Tensor, eps: float) -> tuple:
     """What perturbing ``c`` did to its attention's head outputs ``dz [Tq, H, dv]`` (see the
-    module docstring); ``thr``: the noise floor between two unperturbed copies."""
+    module docstring); ``thr``: the noise floor between two unperturbed copies; ``base``: the
+    unperturbed outputs, ``eps`` their dtype's epsilon (the rounding ``dz`` carries)."""
     ch = dz.abs() > thr
-    heads = [h for h in range(dz.shape[1]) if ch[:, h].any()]
-    rows = [i for i in range(dz.shape[0]) if ch[i].any()]
+    heads = ch.any(dim=2).any(dim=0).nonzero().flatten().tolist()
+    rows = ch.any(dim=2).any(dim=1).nonzero().flatten().tolist()
     if not heads:
         return ("none",)
-    if _is_value(dz, c.delta.double(), heads):
+    if _is_value(dz[:, heads], c.delta.double(), base[:, heads], eps):
         return ("v", frozenset(heads), True)
     if len(heads) == 1 and rows == [c.pos] and dz.shape[0] == c.length:
         return ("q", heads[0])
@@ -265,23 +267,24 @@ def classify(c: Cand, dz: Tensor, thr: float) -> tuple:
     return ("unclear",)
 
 
-def _is_value(dz: Tensor, delta: Tensor, heads: list[int]) -> bool:
-    """Every clearly changed head output (>= 1e-2 of the largest change, well above the float
-    rounding of the outputs it is the difference of) is ``a * delta`` with ``0 <= a <= 1`` (an
-    attention weight), to 1e-3 relative; a key block's changes mix the values, in no such line."""
-    if dz.shape[-1] != delta.numel():
+def _is_value(x: Tensor, delta: Tensor, base: Tensor, eps: float) -> bool:
+    """Every clearly changed head output ``x [Tq, h, dv]`` (>= 1e-2 of the largest change) is
+    ``a * delta`` with ``0 <= a <= 1`` (an attention weight), to 1e-3 relative plus the rounding of
+    the two outputs it is the difference of (``8 eps`` of their norms); the largest change must be
+    ten times that rounding. A key block's changes mix the values, in no such line."""
+    if x.shape[-1] != delta.numel():
         return False
-    m = dz.abs().max().item()
-    dd = delta @ delta
-    for i in range(dz.shape[0]):
-        for h in heads:
-            x = dz[i, h]
-            if x.abs().max().item() < 1e-2 * m:
-                continue
-            a = (x @ delta) / dd
-            if not -1e-3 <= a.item() <= 1 + 1e-3 or (x - a * delta).norm() > 1e-3 * x.norm():
-                return False
-    return True
+    size = x.abs().amax(dim=-1)  # [Tq, h]
+    clear = size >= 1e-2 * size.max()
+    a = (x @ delta) / (delta @ delta)
+    off = (x - a[..., None] * delta).norm(dim=-1)
+    xn = x.norm(dim=-1)
+    rounding = 8 * eps * (base.norm(dim=-1) + xn)
+    top = size.argmax()
+    if xn.flatten()[top] < 10 * rounding.flatten()[top]:
+        return False  # too small a change to tell a line from rounding (a key's is off the line by ~|x|)
+    ok = (off <= 1e-3 * xn + rounding) & (a >= -1e-3) & (a <= 1 + 1e-3)
+    return bool(ok[clear].all())
 
 
 __all__ = ["Cand", "Job", "layout_of", "classify", "run_checks", "MAX_COPIES"]
