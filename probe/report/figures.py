@@ -30,7 +30,7 @@ from probe.cache.format import key
 from probe.errors import ProbeError
 from probe.report import fonts
 from probe.report import labels as lab
-from probe.report.matrix import DPI, axis_title, label_axis, matrix, side_inches
+from probe.report.matrix import DPI, axis_title, label_axis, layer_ticks, matrix, side_inches
 
 _MAX_LINES = 8  # over_time: default number of query rows drawn
 
@@ -310,7 +310,7 @@ def residual_norms(cache, batch: int = 0) -> Figure:
             if name in series:
                 layers, values = series[name]
                 ax.plot(layers, values, marker=marker, linestyle=style, label=label)
-        ax.set_xticks(sorted({l for layers, _ in series.values() for l in layers}))
+        layer_ticks(ax, sorted({l for layers, _ in series.values() for l in layers}))
         ax.set_xlabel(f"{stack} layer" if len(cache.stacks) > 1 else "layer")
         ax.set_ylabel("L2 norm (mean over tokens)")
         ax.set_title(f"Residual stream, {stack}" if len(cache.stacks) > 1 else "Residual stream")

@@ -18,7 +18,7 @@ from matplotlib.figure import Figure
 
 from probe.analysis.maps import attention_map, image_grid, image_stack
 from probe.errors import ProbeError
-from probe.report.matrix import DPI
+from probe.report.matrix import DPI, layer_ticks
 
 
 def _picture(picture: Any, size: tuple[int, int]) -> np.ndarray:
@@ -274,7 +274,7 @@ def distance_depth(stats: Any, stack: str | None = None) -> Figure:
     ax.set_xlabel("layer")
     ax.set_ylabel("mean attention distance (input pixels)")
     ax.set_title("How far across the picture each head reads", fontsize=10)
-    ax.set_xticks(sorted({r["layer"] for r in rows}))
+    layer_ticks(ax, sorted({r["layer"] for r in rows}))
     if len(stacks) > 1:
         ax.legend(fontsize=7)
     return fig

@@ -71,6 +71,30 @@ def label_axis(ax: Axes, which: str, names: Sequence[str]) -> int:
     return k
 
 
+MAX_LAYER_LABELS = 15  # past this many layers an axis labels every 5th (labels ran together at 30)
+
+
+def layer_ticks(ax: Axes, layers: Sequence[int], positions: Sequence[float] | None = None, which: str = "x"):
+    """Label an axis of layers (numbers ``layers`` drawn at ``positions``, default the numbers
+    themselves): every layer up to :data:`MAX_LAYER_LABELS`, past that every 5th (every 10th past
+    75), the multiples of the step (0, 5, 10, ...) labelled and every layer kept as a minor tick,
+    so the numbers never run together and each layer can still be counted. Returns the step."""
+    layers = [int(x) for x in layers]
+    pos = list(layers if positions is None else positions)
+    if len(pos) != len(layers):
+        raise ProbeError(f"{len(layers)} layers but {len(pos)} tick positions")
+    n = len(layers)
+    step = 1 if n <= MAX_LAYER_LABELS else 5 * -(-n // 75)
+    shown = [i for i, layer in enumerate(layers) if layer % step == 0]
+    if len(shown) < n // (2 * step):  # layers that skip the multiples (a sparse capture): every step-th one
+        shown = list(range(0, n, step))
+    set_ticks = ax.set_xticks if which == "x" else ax.set_yticks
+    set_ticks([pos[i] for i in shown], [str(layers[i]) for i in shown])
+    if step > 1:
+        set_ticks(pos, minor=True)
+    return step
+
+
 def axis_title(text: str | None, k: int) -> str | None:
     if k == 1 or text is None:
         return text
