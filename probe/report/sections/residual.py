@@ -14,9 +14,12 @@ from typing import Any
 
 from probe.errors import ProbeError
 from probe.report.labels import display
+from probe.report.matrix import layer_ticks
 
 TITLE = "Residual stream and anatomy"
 ORDER = 50
+
+TOP_K = 20  # direct-logit-attribution rows shown open per position; all of them folded below
 
 _COLORS = {"self_attn": "#4c72b0", "cross_attn": "#55a868", "mlp": "#dd8452", "layer": "#8172b3"}
 
@@ -42,7 +45,7 @@ def _norms_figure(ctx, stats) -> str:
                 bottom = [b + v for b, v in zip(bottom, vals, strict=True)]
         post = [next(r["mean_norm_post"] for r in mine if r["layer"] == i) for i in layers]
         ax.plot(range(len(layers)), post, "k.-", label="|resid_post|")
-        ax.set_xticks(range(len(layers)), [str(i) for i in layers])
+        layer_ticks(ax, layers, range(len(layers)))
         ax.set_xlabel(f"{stack} layer")
         ax.set_ylabel("mean L2 norm over tokens")
         finite = [v for v in (*bottom, *post) if math.isfinite(v)]  # a NaN norm draws no bar, sets no limit
@@ -90,22 +93,53 @@ def _lens(ctx, lens) -> dict[str, Any]:
     }
     att = lens.attribution
     if att is not None:
-        positions = []
-        for j in range(len(toks)):
-            bars = att.bars(0, real[j]) + att.bars(0, real[j], heads=True)
-            scale = max([abs(v) for _, v in bars] + [1e-12])
-            positions.append(
-                {
-                    "pos": j,
-                    "token": toks[j],
-                    "predicted": pred[j],
-                    "logit": float(att.logit[0, real[j]]),
-                    "constant": float(att.constant[0, real[j]]),
-                    "bars": [{"name": n, "v": v, "w": round(50 * abs(v) / scale, 1)} for n, v in bars],
-                }
-            )
-        out["attribution"] = {"positions": positions, "error": att.max_error, "notes": group_notes(att.notes)}
+        out["attribution"] = _attribution(att, real, toks, pred)
     return out
+
+
+def _absent_parts(att) -> tuple[set[str], bool]:
+    """``(bias components, constant)`` that are exactly 0 at every position of every text: an
+    output projection without a bias (``module(0)`` is exactly 0 only then) and a read-out with
+    neither a norm bias nor an unembedding bias. A real bias's part is never exactly 0 at every
+    position, so no small value is hidden."""
+    nonzero: dict[str, bool] = {}
+    for r in att.table:
+        if r["head"] == "bias":
+            nonzero[r["component"]] = nonzero.get(r["component"], False) or r["contribution"] != 0.0
+    absent = {c for c, nz in nonzero.items() if not nz}
+    return absent, not bool((att.constant != 0).any())
+
+
+def _attribution(att, real: list[int], toks: list[str], pred: list[str]) -> dict[str, Any]:
+    """Per position: the :data:`TOP_K` parts of largest |contribution| (open), and all parts in
+    layer order (folded away) when there are more; parts that do not exist in the model left out."""
+    absent, no_constant = _absent_parts(att)
+    positions = []
+    for j in range(len(toks)):
+        bars = [b for b in att.bars(0, real[j]) + att.bars(0, real[j], heads=True) if b[0] not in absent]
+        scale = max([abs(v) for _, v in bars] + [1e-12])
+        rows = [{"name": n, "v": v, "w": round(50 * abs(v) / scale, 1)} for n, v in bars]
+        top = sorted(rows, key=lambda r: -abs(r["v"]))[:TOP_K] if len(rows) > TOP_K else rows
+        positions.append(
+            {
+                "pos": j,
+                "token": toks[j],
+                "predicted": pred[j],
+                "logit": float(att.logit[0, real[j]]),
+                "constant": None if no_constant else float(att.constant[0, real[j]]),
+                "top": top,
+                "bars": rows if len(rows) > TOP_K else None,
+            }
+        )
+    notes = group_notes(att.notes)
+    if absent:
+        notes.append(
+            f"no bias rows for {len(absent)} attention sublayer{'s' if len(absent) > 1 else ''}: the output "
+            "projection has no bias (or one of zeros), its part is exactly 0 at every position"
+        )
+    if no_constant:
+        notes.append("the read-out has no norm bias and no unembedding bias: the constant is exactly 0")
+    return {"positions": positions, "error": att.max_error, "notes": notes, "top_k": TOP_K}
 
 
 def group_notes(notes: list[str]) -> list[str]:
