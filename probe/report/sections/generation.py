@@ -18,7 +18,7 @@ from probe.analysis.generation import generation_meta, lookback, steps
 from probe.analysis.generation.lookback import self_layers
 from probe.analysis.generation.rows import check_kept
 from probe.errors import ProbeError
-from probe.report.matrix import label_axis
+from probe.report.matrix import label_axis, layer_ticks
 from probe.report.sections._image_hover import view_script
 
 TITLE = "What the generated text read"
@@ -60,26 +60,47 @@ def _ratio_fig(lb):
     return fig
 
 
+MAX_SINK_LINES = 12  # layers drawn as lines with a legend; more are a heatmap (layer x step)
+
+
 def _sink_fig(lb):
-    """The attention on the first ``sink`` positions (and on image tokens) per layer over the steps."""
+    """The attention on the first ``sink`` positions (and on image tokens) per layer over the
+    steps: a line per layer with a legend up to :data:`MAX_SINK_LINES` layers, else a heatmap of
+    layers (rows) by generated tokens (columns) with a colour bar (30 unlabelled lines could not be
+    told apart)."""
     import numpy as np
     from matplotlib.figure import Figure
 
     panels = [("sink_mass", f"on the first {lb.sink} positions" if lb.sink > 1 else "on the first position")]
     if lb.image_mass is not None:
         panels.append(("image_mass", "on the prompt's image tokens"))
-    fig = Figure(figsize=(min(12.0, 3.0 + 0.25 * lb.steps.n_steps), 2.4 * len(panels)))
+    lines = len(lb.layers) <= MAX_SINK_LINES
+    height = 2.4 if lines else 1.2 + min(4.0, 0.12 * len(lb.layers))
+    fig = Figure(
+        figsize=(min(12.0, 3.0 + 0.25 * lb.steps.n_steps) + (0 if lines else 1.0), height * len(panels))
+    )
     axes = fig.subplots(len(panels), 1, sharex=True, squeeze=False)[:, 0]
     for ax, (name, what) in zip(axes, panels, strict=True):
         values = getattr(lb, name).numpy()
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", RuntimeWarning)
+            means = np.nanmean(values, 1)  # [layers, steps]: the mean over heads
+        if lines:
             for li, layer in enumerate(lb.layers):
-                ax.plot(range(values.shape[2]), np.nanmean(values[li], 0), marker=".", label=f"layer {layer}")
-        ax.set_ylabel("attention")
+                ax.plot(range(means.shape[1]), means[li], marker=".", label=f"layer {layer}")
+            ax.set_ylabel("attention")
+            ax.grid(alpha=0.3)
+        else:
+            shown = np.ma.masked_invalid(means)
+            top = float(shown.max()) if shown.count() else 1.0
+            im = ax.imshow(
+                shown, cmap="viridis", vmin=0, vmax=max(top, 1e-6), aspect="auto", interpolation="nearest"
+            )
+            layer_ticks(ax, lb.layers, range(len(lb.layers)), which="y")
+            ax.set_ylabel("layer")
+            fig.colorbar(im, ax=ax, fraction=0.03, pad=0.02, label="attention")
         ax.set_title(f"mean over heads of the attention {what}", fontsize=9)
-        ax.grid(alpha=0.3)
-    if len(lb.layers) <= 12:
+    if lines:
         axes[0].legend(fontsize=7, ncol=min(6, len(lb.layers)), loc="upper left", bbox_to_anchor=(1.0, 1.0))
     label_axis(axes[-1], "x", list(lb.steps.output))
     axes[-1].set_xlabel("generated token")
