@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import re
+from typing import Any
+
 from probe.analysis.alignment.words import ZOO_SYMBOLS
 from probe.cache.format import real_token_flags
 from probe.report.labels import display, model_title
@@ -16,6 +19,66 @@ SYMBOL_MEANING = {
     "E": "the end token: the decoder predicts it after the last word",
     "P": "padding: a filler word the model masks out",
 }
+
+
+# the architecture fields a config row shows (the first key of each group the config has); the
+# rest of the config is folded away
+ARCHITECTURE = (
+    ("model_type",),
+    ("num_hidden_layers", "n_layer", "num_layers", "n_layers"),
+    ("encoder_layers",),
+    ("decoder_layers",),
+    ("num_attention_heads", "n_head", "num_heads", "n_heads"),
+    ("encoder_attention_heads",),
+    ("decoder_attention_heads",),
+    ("num_key_value_heads", "num_kv_heads", "n_head_kv", "multi_query"),
+    ("hidden_size", "n_embd", "d_model", "dim"),
+    ("vocab_size",),
+)
+SHORT_CONFIG = 12
+_LOCAL_PATH = re.compile(r"^(/|~|\.{1,2}[/\\]|[A-Za-z]:[/\\]|\\\\)")
+_HUB_ID = re.compile(r"^[\w.-]+(/[\w.-]+)?$")
+
+
+def _is_local_path(v: Any, key: str = "") -> bool:
+    """A string that names a place on this machine (absolute, home- or dot-relative, a drive; for
+    a ``*name_or_path`` field anything but a Hugging Face hub id such as ``org/name``)."""
+    if not isinstance(v, str):
+        return False
+    return bool(_LOCAL_PATH.match(v)) or (key.endswith("name_or_path") and not _HUB_ID.match(v))
+
+
+def config_rows(config: dict) -> dict[str, Any]:
+    """The config row: ``main`` the architecture fields (:data:`ARCHITECTURE`) as ``(key, value)``,
+    ``rest`` the other top-level fields (folded away), ``hidden`` the keys left out because their
+    value is a local path (never shown: a report is shared, the path is the author's machine). A
+    config of at most :data:`SHORT_CONFIG` fields (the zoo's) is ``main`` whole, in its order."""
+    hidden = sorted(k for k, v in config.items() if _is_local_path(v, k))
+    if len(config) <= SHORT_CONFIG:
+        return {
+            "main": [(k, _without_paths(v)) for k, v in config.items() if k not in hidden],
+            "rest": [],
+            "hidden": hidden,
+        }
+    main = []
+    for group in ARCHITECTURE:
+        k = next((k for k in group if k in config and k not in hidden), None)
+        if k is not None:
+            main.append((k, config[k]))
+    shown = {k for k, _ in main}
+    rest = [(k, _without_paths(v)) for k, v in config.items() if k not in shown and k not in hidden]
+    return {"main": main, "rest": rest, "hidden": hidden}
+
+
+def _without_paths(v: Any) -> Any:
+    """``v`` with local paths inside nested dicts and lists replaced by ``"<local path>"``."""
+    if _is_local_path(v):
+        return "<local path>"
+    if isinstance(v, dict):
+        return {k: "<local path>" if _is_local_path(x, k) else _without_paths(x) for k, x in v.items()}
+    if isinstance(v, list):
+        return [_without_paths(x) for x in v]
+    return v
 
 
 def _tokens(toks: list[str], specials: list[int] | None, symbols: set[str]) -> list[dict]:
@@ -73,7 +136,7 @@ def build(ctx) -> dict:
                 "model_path": str(model.get("name", "?")),
                 "cls": model.get("class", "?"),
                 "parameters": model.get("parameters"),
-                "config": model.get("config") or {},
+                "config": config_rows(model.get("config") or {}),
                 "impls": meta.get("attention_implementations") or [],
                 "dtype": meta.get("dtype", "?"),
                 "stacks": stacks,
