@@ -37,6 +37,7 @@ from probe import interrupt
 from probe.capture import capture
 from probe.capture.inputs.images import SUFFIXES, is_images, load_images, pictures_seen, process, texts_of
 from probe.capture.inputs.prepared import model_name
+from probe.capture.inputs.processors import tokenizer_of
 from probe.capture.inputs.vlm import check_processor
 from probe.corpus.shards import ShardRecord
 from probe.errors import ProbeError
@@ -162,7 +163,7 @@ def run_picture_shard(
     holds at most ``batch_size`` processed pictures per size."""
     rec = ShardRecord(folder, len(items), keep, stats, dtype, start)
     pending: dict[tuple, list[tuple[int, Mapping]]] = {}
-    tokenizer = getattr(processor, "tokenizer", None) if texts is not None else None
+    tokenizer = tokenizer_of(processor) if texts is not None else None
 
     def entry(i: int) -> dict:
         return {"image": names[i]} if texts is None else {"image": names[i], "text": texts[i]}

@@ -22,15 +22,13 @@ from torch import nn
 from probe import __version__
 from probe.cache.format import FORMAT_VERSION, attention_name, key
 from probe.cache.selection import Selection
+from probe.capture.calls import LayerRecord
 from probe.capture.engine.tracer import Tracer
-from probe.capture.hooks.layers import LayerRecord
 from probe.capture.hooks.pooling import SUFFIX as POOL
 from probe.capture.hooks.streams import distinct_streams
 from probe.capture.inputs.prepared import model_name
 from probe.capture.positions.frames import frame_positions
-from probe.capture.positions.merged import merged_positions
-from probe.capture.positions.patches import name_positions
-from probe.capture.positions.tiles import tile_positions
+from probe.capture.positions.pictures import layout_of
 from probe.errors import ProbeError
 
 
@@ -287,12 +285,8 @@ def name(
     meta.setdefault("model", model_info(model))
     if meta.get("input_kind") == "tensor":
         _positions_from_patterns(meta, tr.records)
-    if meta.get("image_grid_thw"):  # Qwen2-VL's pictures at their own sizes, merged patches
-        images = merged_positions(meta, model, tr.records, stack_of)
-    elif meta.get("tiles"):  # Idefics3's tiles, pixel-shuffled for the text
-        images = tile_positions(meta, model, tr.records, stack_of)
-    else:
-        images = name_positions(meta, model, tr.records, stack_of) if meta.get("image_shape") else {}
+    layout = layout_of(meta)  # pictures: patch grids, tiles or merged grids (positions/pictures.py)
+    images = layout.positions(meta, model, tr.records, stack_of) if layout is not None else {}
     if meta.get("audio_shape"):  # sound: each frame's time span (capture/positions/frames.py)
         images.update(frame_positions(meta, model, tr.records, stack_of))
     _mark_prompt_slots(meta, model, tr.records)

@@ -31,11 +31,11 @@ import torch
 from torch import nn
 
 from probe.cache.selection import Selection
-from probe.capture.calls import Call, Forward
+from probe.capture.calls import Call, Forward, LayerRecord
 from probe.capture.consumers.keep import KeepPatterns
 from probe.capture.consumers.kept import Keep
 from probe.capture.consumers.rows import consumer as kept_consumer
-from probe.capture.hooks.layers import LayerRecord, LayerTracker
+from probe.capture.hooks.layers import LayerTracker
 from probe.capture.hooks.record import PatternConsumer, Recorder
 from probe.capture.hooks.store import Store
 from probe.capture.hooks.watch import Watcher

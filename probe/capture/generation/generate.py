@@ -26,6 +26,7 @@ from probe.capture.generation.pictures import as_decoder, name_pictures
 from probe.capture.inputs.checks import SIGNAL_KEYS, check_ids, context_length, no_tokenizer
 from probe.capture.inputs.images import is_images, load_images, process, texts_of
 from probe.capture.inputs.prepared import device_of, is_hf_model, model_name
+from probe.capture.inputs.processors import pick_tokenizer
 from probe.capture.inputs.text import record_tokens
 from probe.capture.inputs.tokenizers import adapt
 from probe.capture.inputs.vlm import check_processor
@@ -252,7 +253,7 @@ def _inputs(model: nn.Module, prompt: Any, tokenizer: Any, processor: Any, text:
     """``(tokenizer, adapted, ids [1, P], other inputs, transformers generate?, encoder-decoder?)``."""
     if text is not None or (processor is not None and is_images(prompt)):
         prompt = _pictures_prompt(model, prompt, processor, text)
-    raw_tok = tokenizer or getattr(processor, "tokenizer", None) or getattr(model, "tokenizer", None)
+    raw_tok = pick_tokenizer(model, tokenizer, processor)
     tok = adapt(raw_tok) if raw_tok is not None else None
     ids, extra = _prompt_ids(model, prompt, tok)
     hf = is_hf_model(model) and callable(getattr(model, "generate", None))

@@ -17,6 +17,8 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from probe.capture.inputs.processors import image_processor_of, tokenizer_of
+from probe.capture.positions.tiles import real_tiles
 from probe.errors import ProbeError
 
 SUFFIXES = {".png", ".jpg", ".jpeg", ".bmp", ".gif", ".webp", ".tif", ".tiff", ".ppm", ".pgm"}
@@ -174,7 +176,7 @@ def process(processor: Any, images: list[Any], text: list[str] | None = None) ->
         )
     kwargs: dict[str, Any] = {}
     if text is not None:
-        if getattr(processor, "tokenizer", None) is None:
+        if tokenizer_of(processor) is None:
             raise ProbeError(
                 f"text= needs a vision-language processor (one with a tokenizer); "
                 f"{type(processor).__name__} reads pictures only"
@@ -214,12 +216,10 @@ def pictures_seen(pixel_values: Any, processor: Any = None) -> list[str]:
 
     x = pixel_values.detach().float().cpu()
     if x.dim() == 5:  # Idefics3's [batch, images, C, H, W]: the tiles the vision tower runs
-        from probe.capture.positions.tiles import real_tiles
-
         x = x.flatten(0, 1)[real_tiles(x).flatten()]
     if x.dim() != 4 or x.shape[1] not in (1, 3):
         return []
-    images = getattr(processor, "image_processor", processor)  # a vision-language processor's own
+    images = image_processor_of(processor)  # a vision-language processor's own
     mean, std = getattr(images, "image_mean", None), getattr(images, "image_std", None)
     if mean is not None and std is not None and len(mean) == len(std) == x.shape[1]:
         x = x * torch.tensor(std).view(1, -1, 1, 1) + torch.tensor(mean).view(1, -1, 1, 1)

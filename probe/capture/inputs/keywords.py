@@ -20,7 +20,7 @@ from probe.capture.inputs.images import pictures_seen
 from probe.capture.inputs.prepared import Prepared, device_of, forward_params, is_hf_model, model_name
 from probe.capture.inputs.tokenizers import adapt
 from probe.capture.inputs.transcript import decoder_metadata
-from probe.capture.positions.tiles import tile_metadata
+from probe.capture.positions.pictures import picture_layout
 from probe.errors import ProbeError
 
 
@@ -29,20 +29,14 @@ def inputs_metadata(model: nn.Module, kwargs: Mapping, tokenizer: Any = None) ->
     as the model saw them (``[batch, C, H, W]``), another pixel layout's shape, Qwen2-VL's
     ``image_grid_thw``; the token ids, their display tokens and the attention mask."""
     meta: dict[str, Any] = {"input_kind": "inputs", "input_keys": list(kwargs)}
-    pixels = kwargs.get("pixel_values")
-    if isinstance(pixels, Tensor) and pixels.dim() == 4:
-        meta["image_shape"] = list(pixels.shape)
-        meta["image_png"] = pictures_seen(pixels)  # the processor's normalisation unknown: scaled
+    pixels, thw = kwargs.get("pixel_values"), kwargs.get("image_grid_thw")
+    layout = picture_layout(pixels, thw)  # the pixels' layout (positions/pictures.py)
+    if layout is not None:
+        meta.update(layout.record(pixels, thw))
+        if layout.seen:  # each picture (each tile) as the model saw it
+            meta["image_png"] = pictures_seen(pixels)  # the processor's normalisation unknown: scaled
     elif isinstance(pixels, Tensor):
-        # Qwen2-VL's flattened patches [patches, C·t·p·p], Idefics3's [batch, images, C, H, W]: not
-        # the [batch, C, H, W] whose patch grid positions.py names; the positions stay numbered
-        meta["pixel_shape"] = list(pixels.shape)
-        meta.update(tile_metadata(pixels))  # Idefics3's tiles: which slots the vision tower runs
-        if "tiles" in meta:
-            meta["image_png"] = pictures_seen(pixels)  # each tile, scaled
-    thw = kwargs.get("image_grid_thw")
-    if isinstance(thw, Tensor) and thw.dim() == 2 and thw.shape[-1] == 3:
-        meta["image_grid_thw"] = thw.tolist()  # each picture's (frames, rows, cols) of patches
+        meta["pixel_shape"] = list(pixels.shape)  # a layout probe does not name: positions numbered
     ids = kwargs.get("input_ids")
     if isinstance(ids, Tensor) and ids.dim() == 2 and not ids.is_floating_point():
         raw_tok = tokenizer if tokenizer is not None else getattr(model, "tokenizer", None)

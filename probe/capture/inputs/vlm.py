@@ -21,6 +21,7 @@ from typing import Any
 
 from torch import Tensor, nn
 
+from probe.capture.inputs.processors import tokenizer_of
 from probe.capture.positions.patches import image_token_id
 from probe.errors import ProbeError
 
@@ -38,7 +39,7 @@ def vocabulary_size(model: nn.Module) -> int | None:
 
 def processor_image_token_id(processor: Any) -> int | None:
     """The id the processor's tokenizer gives its image token, None when it names none."""
-    token, tok = getattr(processor, "image_token", None), getattr(processor, "tokenizer", None)
+    token, tok = getattr(processor, "image_token", None), tokenizer_of(processor)
     if not isinstance(token, str) or tok is None or not hasattr(tok, "convert_tokens_to_ids"):
         return None
     i = tok.convert_tokens_to_ids(token)

@@ -23,7 +23,7 @@ from typing import Any
 
 from torch import nn
 
-from probe.capture.hooks.layers import LayerRecord
+from probe.capture.calls import LayerRecord
 
 
 def conv_chain(model: nn.Module, channels: int) -> list[tuple[str, nn.Conv1d]]:

@@ -17,7 +17,8 @@ from typing import Any
 
 from torch import nn
 
-from probe.capture.hooks.layers import LayerRecord
+from probe.capture.calls import LayerRecord
+from probe.capture.positions.grids import attach, lay_text, text_stacks
 from probe.capture.positions.patches import image_token_id
 
 
@@ -50,29 +51,11 @@ def merged_grids(thw: list[list[int]], patch: int, merge: int) -> list[dict[str,
 def lay_pictures(
     ids: list[int], token: int, grids: list[dict[str, Any]]
 ) -> tuple[dict[str, Any], int] | None:
-    """A text's kinds, labels and grids, taking pictures from ``grids`` in order for each run of
-    image tokens (a run may hold several pictures back to back); ``(row, used)`` or None when the
-    runs do not add up to whole pictures."""
-    kinds = ["image" if t == token else "text" for t in ids]
-    labels: list[str | None] = [None] * len(ids)
-    mine: list[dict[str, Any]] = []
-    i = 0
-    while i < len(ids):
-        if kinds[i] != "image":
-            i += 1
-            continue
-        if len(mine) >= len(grids):
-            return None
-        g = {**grids[len(mine)], "offset": i}
-        n = g["rows"] * g["cols"]
-        if i + n > len(ids) or any(k != "image" for k in kinds[i : i + n]):
-            return None
-        mine.append(g)
-        i += n
-    for k, g in enumerate(mine):
-        for j in range(g["rows"] * g["cols"]):
-            labels[g["offset"] + j] = f"img {k} ({j // g['cols']}, {j % g['cols']})"
-    return {"kinds": kinds, "labels": labels, "grids": mine}, len(mine)
+    """A text's kinds, labels (``img k (r, c)``) and grids, taking pictures from ``grids`` in order
+    for each run of image tokens (a run may hold several pictures back to back); ``(row, used)``
+    or None when the runs do not add up to whole pictures."""
+    row = lay_text(ids, token, lambda k: grids[k] if k < len(grids) else None, unit="img")
+    return None if row is None else (row, len(row["grids"]))
 
 
 def merged_positions(
@@ -106,18 +89,8 @@ def merged_positions(
             f"the texts hold {used} pictures' image tokens but image_grid_thw has {len(grids)} pictures"
         )
         return {}
-    length = len(ids[0])
     found: dict[str, dict[str, Any]] = {}
-    for r in records:
-        s = stack_of[r.container]
-        if s in found or not any(role == "self" and shape[3] == length for role, _h, shape, *_ in r.patterns):
-            continue
-        found[s] = {"rows": [{"kinds": row["kinds"], "grids": row["grids"]} for row in rows]}
-    if found:
-        for b, row in enumerate(rows):
-            meta["tokens"][b] = [
-                lab or tok for lab, tok in zip(row["labels"], meta["tokens"][b], strict=True)
-            ]
+    attach(meta, text_stacks(records, stack_of, found, len(ids[0])), found, rows)
     return found
 
 

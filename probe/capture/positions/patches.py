@@ -17,8 +17,9 @@ from typing import Any
 
 from torch import nn
 
-from probe.capture.hooks.layers import LayerRecord
+from probe.capture.calls import LayerRecord
 from probe.capture.layouts.swin import layer_grids
+from probe.capture.positions.grids import attach, lay_text, text_stacks
 
 # learned tokens placed before the patches, in the order the models place them: (kind, the
 # parameter names that hold them, label); registers hold several (their second dimension)
@@ -135,30 +136,11 @@ def text_image_positions(
 ) -> dict[str, Any] | None:
     """``{"kinds", "labels", "grids"}`` for one text of a vision-language model whose image
     positions (``image_token``) are the vision tower's patches: each run of image positions is
-    one or more whole ``grid``s (row-major), each laid at its own offset. None when a run is not
-    a whole number of grids (merged or pooled patches: probe does not guess). The image tokens
-    read ``patch (r, c)`` (one grid) or ``img g (r, c)``; with ``unit``, always ``<unit> g (r, c)``."""
-    n = grid["rows"] * grid["cols"]
-    kinds = ["image" if t == image_token else "text" for t in ids]
-    grids: list[dict[str, Any]] = []
-    i = 0
-    while i < len(ids):
-        if kinds[i] != "image":
-            i += 1
-            continue
-        j = i
-        while j < len(ids) and kinds[j] == "image":
-            j += 1
-        if (j - i) % n:
-            return None
-        grids += [{**grid, "offset": start} for start in range(i, j, n)]
-        i = j
-    labels: list[str | None] = [None] * len(ids)
-    for g, at in enumerate(grids):
-        name = f"{unit} {g}" if unit else "patch" if len(grids) == 1 else f"img {g}"
-        for k in range(n):
-            labels[at["offset"] + k] = f"{name} ({k // grid['cols']}, {k % grid['cols']})"
-    return {"kinds": kinds, "labels": labels, "grids": grids}
+    one or more whole ``grid``s (row-major), each laid at its own offset
+    (:func:`~probe.capture.positions.grids.lay_text`). None when a run is not a whole number of
+    grids (merged or pooled patches: probe does not guess). The image tokens read ``patch (r, c)``
+    (one grid) or ``img g (r, c)``; with ``unit``, always ``<unit> g (r, c)``."""
+    return lay_text(ids, image_token, lambda _k: grid, unit)
 
 
 def _text_image_positions(
@@ -176,23 +158,17 @@ def _text_image_positions(
     ids = meta.get("ids")
     if token is None or grid is None or not ids:
         return
-    length = len(ids[0])
-    for r in records:
-        s = stack_of[r.container]
-        if s in found or not any(role == "self" and shape[3] == length for role, _h, shape, *_ in r.patterns):
-            continue
-        rows = [text_image_positions(row, token, grid) for row in ids]
-        if any(row is None for row in rows):
-            meta["positions_note"] = (
-                f"probe could not lay the {s} stack's image positions on the vision tower's "
-                f"{grid['rows']}x{grid['cols']} grid (a run of image tokens is not a whole number of grids)"
-            )
-            return
-        found[s] = {"rows": [{"kinds": row["kinds"], "grids": row["grids"]} for row in rows]}
-        for b, row in enumerate(rows):
-            meta["tokens"][b] = [
-                lab or tok for lab, tok in zip(row["labels"], meta["tokens"][b], strict=True)
-            ]
+    stacks = text_stacks(records, stack_of, found, len(ids[0]))
+    if not stacks:
+        return
+    rows = [text_image_positions(row, token, grid) for row in ids]
+    if any(row is None for row in rows):
+        meta["positions_note"] = (
+            f"probe could not lay the {stacks[0]} stack's image positions on the vision tower's "
+            f"{grid['rows']}x{grid['cols']} grid (a run of image tokens is not a whole number of grids)"
+        )
+        return
+    attach(meta, stacks, found, rows)
 
 
 def name_positions(

@@ -24,7 +24,8 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from probe.capture.hooks.layers import LayerRecord
+from probe.capture.calls import LayerRecord
+from probe.capture.positions.grids import attach, text_stacks
 from probe.capture.positions.patches import image_positions, image_token_id, patch_conv, text_image_positions
 
 
@@ -187,13 +188,7 @@ def _lay_text(
     laid, why = lay_tiles(model, tower, meta["pixel_shape"], ids, len(meta["tiles"]))
     if laid is None:
         return why
-    length = len(ids[0])
-    for r in records:
-        st = stack_of[r.container]
-        if st not in found and any(n == length for _b, n in _self_lengths(r)):
-            found[st] = {"rows": [{"kinds": row["kinds"], "grids": row["grids"]} for row in laid]}
-    for b, row in enumerate(laid):
-        meta["tokens"][b] = [lab or tok for lab, tok in zip(row["labels"], meta["tokens"][b], strict=True)]
+    attach(meta, text_stacks(records, stack_of, found, len(ids[0])), found, laid)
     return None
 
 
