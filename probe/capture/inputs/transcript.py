@@ -48,6 +48,7 @@ def target_inputs(
         raise ProbeError(f"{name} is not an encoder-decoder; target= is only for those")
     if "decoder_input_ids" in kwargs:
         raise ProbeError("give the transcript once: as target= or as decoder_input_ids, not both")
+    _check_heard(model, kwargs, processor)
     raw = pick_tokenizer(model, tokenizer, processor)
     n = _batch_size(kwargs)
     meta: dict[str, Any] = {}
@@ -80,6 +81,31 @@ def target_inputs(
     if n > 1 and accepts(model, "decoder_attention_mask"):
         out["decoder_attention_mask"] = mask
     return out, meta
+
+
+def _check_heard(model: nn.Module, kwargs: Mapping, processor: Any) -> None:
+    """Audio longer than the model hears, refused in one line before its encoder fails (inside
+    ``generate`` the error was a tensor size mismatch, and no target helps). A Whisper-style front
+    end (log-mel ``input_features`` ``[batch, mel bins, frames]``, two frames per encoder position:
+    Whisper, the zoo's speech model) hears ``2 * max_source_positions`` frames; a frame is the
+    processor's (else the config's) ``hop_length`` samples, default 160 at 16 kHz."""
+    x = kwargs.get("input_features")
+    cfg = getattr(model, "config", None)
+    positions = getattr(cfg, "max_source_positions", None)
+    mels = getattr(cfg, "num_mel_bins", None) or getattr(cfg, "n_mels", None)
+    if not (isinstance(x, Tensor) and x.dim() == 3 and isinstance(positions, int) and x.shape[1] == mels):
+        return
+    most = 2 * positions
+    if x.shape[-1] <= most:
+        return
+    fe = getattr(processor, "feature_extractor", processor)
+    hop = getattr(fe, "hop_length", None) or getattr(cfg, "hop_length", None) or 160
+    rate = getattr(fe, "sampling_rate", None) or getattr(cfg, "sampling_rate", None) or 16_000
+    raise ProbeError(
+        f"the audio is {x.shape[-1] * hop / rate:.1f} s long ({x.shape[-1]} feature frames) but "
+        f"{model_name(model)} hears at most {most * hop / rate:g} s ({most} frames); shorten the audio "
+        f"(or cut it into pieces of at most {most * hop / rate:g} s)"
+    )
 
 
 def _specials(model: nn.Module, ids: list[int]) -> list[bool]:
