@@ -151,11 +151,11 @@ def pages(repeats: int) -> None:
 
 # -- recompute ---------------------------------------------------------------------------------------
 def recompute(repeats: int) -> None:
-    from probe.capture.patterns import _upper, sdpa_weights
+    from probe.capture.patterns import sdpa_weights, upper_triangle
 
     s = torch.randn(12, 128, 128)
     tri = torch.ones(128, 128, dtype=torch.bool).triu_(1)
-    add = _upper(128, torch.device("cpu"))
+    add = upper_triangle(128, torch.device("cpu"))
     print(f"recompute: medians of {repeats * 20} calls")
     fill = _median_ms(lambda: s.masked_fill_(tri, float("-inf")), repeats * 20) * 1e3
     added = _median_ms(lambda: s.add_(add), repeats * 20) * 1e3

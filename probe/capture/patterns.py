@@ -91,7 +91,7 @@ class _Scores:
         # query r may not see keys after r: one upper triangle of -inf (0 elsewhere) serves every
         # diagonal block; added rather than masked_fill_ed (a broadcast boolean fill is much
         # slower), which gives the same scores (x + 0 is x; only -0.0 turns +0.0, exp of either is 1)
-        diag = _upper(max(e - i for i, e in spans), self.device) if self.causal else None
+        diag = upper_triangle(max(e - i for i, e in spans), self.device) if self.causal else None
         for (i, e), kend in zip(spans, kends, strict=True):
             if into is not None and i == 0 and e == L and kend == S:
                 blk = into
@@ -315,7 +315,7 @@ def _unravel(flat: int, shape: tuple[int, ...]) -> tuple[int, ...]:
     return tuple(reversed(out))
 
 
-def _upper(n: int, device: torch.device) -> Tensor:
+def upper_triangle(n: int, device: torch.device) -> Tensor:
     """``n x n`` float32: -inf above the diagonal, 0 elsewhere (cached: the same every layer; only
     the last size is kept, so a long text's mask does not outlive the next capture)."""
     k = (n, str(device))

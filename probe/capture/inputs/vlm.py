@@ -11,7 +11,7 @@ own output, each refused in one line naming the fix:
 
 A picture of a size the vision tower cannot take, or image tokens that are not as many as the
 tower's features (a processor with another patch size), are the model's own checks: its
-``ValueError`` is the one line :func:`probe.capture.inputs.keywords.prepare_keywords` turns it into.
+``ValueError`` is the one line :func:`probe.capture.inputs.keywords.prepare_kwargs` turns it into.
 """
 
 from __future__ import annotations
