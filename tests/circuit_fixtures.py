@@ -69,14 +69,18 @@ class Tiny(nn.Module):
     def kv_name(self, l, g, r):
         return f"L{l}.KV{g}.{r}" if self.G != self.H else f"L{l}.H{g}.{r}"
 
-    def edges_forward(self, ids, given=None, record=None):
+    def edges_forward(self, ids, given=None, record=None, embed=None, added=None):
         """Logits with every target's input assembled from the node outputs; ``given[(node,
-        target)]`` replaces that edge's value; ``record``, a dict, receives every node's output."""
-        given = given or {}
-        outs, const = {"input": self.embed(ids)}, 0.0
+        target)]`` replaces that edge's value; ``added[(node, target)]`` is added to it;
+        ``record``, a dict, receives every node's output; ``embed`` replaces the embedding (the
+        input node's output)."""
+        given, added = given or {}, added or {}
+        outs, const = {"input": self.embed(ids) if embed is None else embed}, 0.0
 
         def read(target):
-            return sum(given.get((u, target), v) for u, v in outs.items()) + const
+            return (
+                sum(given.get((u, target), v) + added.get((u, target), 0.0) for u, v in outs.items()) + const
+            )
 
         for l, blk in enumerate(self.blocks):
             b = blk.attn

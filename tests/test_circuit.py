@@ -129,6 +129,42 @@ def test_partial_circuits_and_a_path_equal_the_oracle():
     assert abs(got["effect"] - (c.references["clean"] - want)) <= 1e-4
 
 
+def _oracle_eap(m, clean, corrupt, g, steps):
+    """EAP-IG by definition, on the hand-assembled forward: the input embedding interpolated in
+    ``steps`` steps; at each, a zero of its own added to every edge's value and one backward (the
+    gradient with respect to each zero); the gradients averaged and multiplied by the node's
+    clean-minus-corrupted output."""
+    rc, rk = {}, {}
+    with torch.no_grad():
+        m.edges_forward(clean, record=rc)
+        m.edges_forward(corrupt, record=rk)
+    edges = [(i, j) for i, n in enumerate(g.nodes) for j, t in enumerate(g.targets) if n.order < t.order]
+    out = torch.zeros(len(g.nodes), len(g.targets))
+    for k in range(1, steps + 1):
+        emb = rk["input"] + k / steps * (rc["input"] - rk["input"])
+        leaves = {
+            (g.nodes[i].name, g.targets[j].name): torch.zeros_like(emb, requires_grad=True) for i, j in edges
+        }
+        metric = logit_diff(m.edges_forward(clean, embed=emb, added=leaves), ANSWERS)
+        grads = torch.autograd.grad(metric, list(leaves.values()))
+        for (i, j), gr in zip(edges, grads, strict=True):
+            u = g.nodes[i].name
+            out[i, j] += float(((rc[u] - rk[u]) * gr).sum()) / steps
+    return out
+
+
+@pytest.mark.parametrize("cfg", ["pre-norm with MLPs", "grouped-query"])
+def test_eap_and_eap_ig_equal_their_definition_on_the_oracle(cfg):
+    m = Tiny(**CONFIGS[cfg]).eval()
+    clean, corrupt = ids_pair()
+    for method, steps in (("eap", 1), ("eap-ig", 3)):
+        got = circuit(m, clean, corrupt, answers=(1, 2), method=method, steps=steps, batch_size=3)
+        want = _oracle_eap(m, clean, corrupt, got.graph, steps)
+        mask = got.graph.mask()
+        scale = float(want[mask].abs().max())
+        assert float((got.scores[mask] - want[mask]).abs().max()) <= 1e-5 * (1 + scale), method
+
+
 def test_eap_against_exact_patching():
     """EAP is a first-order estimate. On this small pre-norm model with MLPs and grouped-query
     attention (weights of std 0.2) EAP's scores correlate 0.95 with the exact effects and are off
@@ -216,3 +252,24 @@ def test_refusals():
     bert = tf.BertForMaskedLM(cfg).eval()
     with pytest.raises(ProbeError, match="post-norm"):
         circuit(bert, clean, corrupt, answers=(1, 2))
+
+
+def test_norm_vjp_against_autograd():
+    """The analytic vector-Jacobian products of LayerNorm and RMSNorm (from their affine form, as
+    the anatomy finds it) against torch's autograd through the modules themselves."""
+    from transformers.models.llama.modeling_llama import LlamaRMSNorm
+
+    from probe.analysis.residual.head import freeze
+    from probe.intervene.circuit.grads import norm_vjp
+
+    torch.manual_seed(0)
+    x, gy = torch.randn(2, 5, 16), torch.randn(3, 2, 5, 16)
+    for norm in (nn.LayerNorm(16), LlamaRMSNorm(16, eps=1e-6)):
+        with torch.no_grad():
+            norm.weight.normal_()
+        form = freeze(norm, x, norm(x))
+        assert form is not None and form.kind in ("layernorm", "rmsnorm")
+        xs = x.clone().requires_grad_(True)
+        want = torch.stack([torch.autograd.grad(norm(xs), xs, g)[0] for g in gy])
+        assert torch.allclose(norm_vjp(norm, x, gy, form), want, atol=1e-5)
+        assert torch.allclose(norm_vjp(norm, x, gy, None), want, atol=1e-5)

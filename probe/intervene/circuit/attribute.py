@@ -16,9 +16,12 @@ corrupted output instead of its clean one, everything else clean: ``M(clean) - M
   batched as rows. The oracle for the others; too slow for big graphs (SmolLM2-135M has 72,000
   edges).
 
-The batch runs in chunks of ``batch_size`` examples. Memory: per chunk, every node's output in the
-clean and the corrupted run (``2 · B · T · nodes · d`` floats) and, one layer at a time, the
-gradients of that layer's targets (``B · T · targets · d``); the scores are ``nodes × targets``.
+The batch runs in chunks of ``batch_size`` examples. Memory, per chunk of ``B`` examples of ``T``
+positions: every node's output in the clean and the corrupted run and their difference
+(``3 · nodes · B · T · d`` floats) and every target's gradient (``targets · B · T · d``), so it
+grows linearly with the batch chunk, the length and the number of nodes (heads and MLPs), not
+with the number of edges; the scores are one ``nodes × targets`` matrix, and their contraction is
+one matrix product per step (``nodes · targets · B · T · d`` multiply-adds).
 """
 
 from __future__ import annotations
@@ -27,22 +30,19 @@ import torch
 from torch import Tensor
 
 from probe.errors import ProbeError
+from probe.intervene.circuit.grads import target_grads
 from probe.intervene.circuit.task import Task, diffs, real_positions
 from probe.intervene.circuit.wiring import Run
 
 METHODS = ("eap", "eap-ig", "patching")
 
 
-def contract(groups: list[tuple[int, Tensor]], grad: Tensor, upstream: int) -> Tensor:
-    """``[upstream, targets]``: ``Σ_b,t,d D[u,b,t,d] · G[m,b,t,d]`` for the node groups ``(start, D
-    [k, B, T, d])`` before node ``upstream`` and the targets' gradients ``G [m, B, T, d]`` (one
-    matrix product per group: nodes and targets lead, so nothing is copied)."""
-    G = grad.float().reshape(grad.shape[0], -1)
-    out = torch.zeros(upstream, G.shape[0], device=G.device)
-    for start, D in groups:
-        if start < upstream:
-            out[start : start + D.shape[0]] = D.reshape(D.shape[0], -1) @ G.T
-    return out
+def contract(D: Tensor, G: Tensor) -> Tensor:
+    """``[nodes, targets]``: ``Σ_b,t,d D[u,b,t,d] · G[m,b,t,d]`` for every node's output difference
+    ``D`` and every target's gradient ``G``, as one matrix product (nodes and targets lead, so
+    nothing is copied; the pairs that are no edges are computed too and masked afterwards, which
+    costs less than many thin products)."""
+    return D.reshape(D.shape[0], -1) @ G.reshape(G.shape[0], -1).T
 
 
 def eap_scores(task: Task, steps: int = 1) -> Tensor:
@@ -54,22 +54,21 @@ def eap_scores(task: Task, steps: int = 1) -> Tensor:
     for ci, (clean, _) in enumerate(task.pairs()):
         ref = task.corrupted(ci)
         entry = ref.values[0][1][0]
-        D = None
+        D = G = None
         for k in range(steps, 0, -1):  # k = steps first: the clean run itself
             run = Run(w, interpolate=None if k == steps else (entry, k / steps), grads=True)
             logits = task.forward(run, clean)
             if k == steps:
                 task.keep_clean(ci, logits, clean)
                 D = real_positions(diffs(run, ref), clean)
+                G = D.new_zeros(len(graph.targets), *D.shape[1:])
             m = task.rows(logits, clean, ci).sum() / task.n
             if not m.requires_grad:
                 raise ProbeError("the metric does not depend on the model's outputs differentiably")
             got = torch.autograd.grad(m, run.slots, allow_unused=True)
-            G = w.target_grads(run, dict(enumerate(got)))
-            for gi, g in enumerate(w.groups):
-                part = contract(D, G[gi], g.upstream) / steps
-                scores[: g.upstream, g.targets] += part.cpu()
-            del run, got, G
+            real_positions(target_grads(w, run, dict(enumerate(got)), G), clean)
+            del run, logits, m, got
+            scores += (contract(D, G) / steps).cpu()
     return torch.where(graph.mask(), scores, torch.tensor(float("nan")))
 
 

@@ -58,7 +58,8 @@ def wire(model: nn.Module, examples: Examples, options: dict) -> Wiring:
         if (stack, i) in an.mlp:
             m = an.mlp[(stack, i)]
             t = graph.target(f"L{i}.MLP")
-            groups.append(Group("mlp", i, m.norm, [t], graph.upstream(t), readers=list(m.readers)))
+            form = an.norm_form(m.norm) if m.norm is not None else None
+            groups.append(Group("mlp", i, m.norm, [t], graph.upstream(t), readers=list(m.readers), form=form))
             writers.append(Writer("mlp", i, m.out.module, graph.node(f"L{i}.MLP")))
     groups.append(Group("logits", -1, None, [len(graph.targets) - 1], len(graph.nodes)))
     return Wiring(graph, entry.module, writers, groups, exit_.module)
@@ -97,8 +98,10 @@ def _attention_groups(an: Anatomy, graph: Graph, stack: str, layer: int) -> list
             blk = Block(graph.target(name), b.cols, W[:, b.cols], bias[b.cols] if bias is not None else None)
             projs.setdefault(id(b.module), Proj(b.module, [])).blocks.append(blk)
         targets = [blk.target for p in projs.values() for blk in p.blocks]
+        norm = items[0][2]
+        form = an.norm_form(norm) if norm is not None else None
         groups.append(
-            Group("attn", layer, items[0][2], targets, graph.upstream(targets[0]), projs=list(projs.values()))
+            Group("attn", layer, norm, targets, graph.upstream(targets[0]), list(projs.values()), form=form)
         )
     return groups
 

@@ -97,12 +97,13 @@ def circuit(
 
 
 def _batch_size(model: nn.Module, examples: Examples, options: dict, wiring: Any) -> int:
-    """As many inputs per chunk as keep one run's node outputs (clean, corrupted and their
-    difference) within :data:`MEMORY`."""
+    """As many inputs per chunk as keep the node outputs (clean, corrupted, their difference) and
+    the targets' gradients within :data:`MEMORY` (float32, ``(3 nodes + targets) × pos × d``)."""
     chunk = run_chunk(model, examples, [0], options)
     length = chunk.mask.shape[-1] if chunk.mask is not None else 1
     d = next((w.W_O.shape[-1] for w in wiring.writers if w.W_O is not None), 1)
-    per = 3 * 4 * length * len(wiring.graph.nodes) * d
+    g = wiring.graph
+    per = 4 * length * d * (3 * len(g.nodes) + len(g.targets))
     return max(1, min(examples.n, MEMORY // max(per, 1)))
 
 

@@ -106,6 +106,11 @@ class Task:
             self._corrupted[ci] = run
         return run
 
+    def forget(self) -> None:
+        """Drop the kept corrupted runs and clean log-probabilities (the next call recomputes them)."""
+        self._corrupted.clear()
+        self._clean_logp.clear()
+
     def references(self) -> dict[str, float]:
         """The metric on the clean and on the corrupted inputs (whole batch), computed once."""
         if not self._refs:
@@ -119,19 +124,18 @@ class Task:
         return dict(self._refs)
 
 
-def diffs(a: Run, b: Run) -> list[tuple[int, Tensor]]:
-    """Node-output groups of run ``a`` minus those of run ``b`` (the same nodes in the same order)."""
+def diffs(a: Run, b: Run) -> Tensor:
+    """Every node's output in run ``a`` minus in run ``b``, ``[nodes, B, T, d]``."""
     if [s for s, _ in a.values] != [s for s, _ in b.values]:
         raise ProbeError("the clean and corrupted runs went through different parts of the model")
-    return [(s, va - vb) for (s, va), (_, vb) in zip(a.values, b.values, strict=True)]
+    return a.stacked() - b.stacked()
 
 
-def real_positions(groups: list[tuple[int, Tensor]], chunk: Chunk) -> list[tuple[int, Tensor]]:
-    """Node-output groups ``[k, B, T, d]`` with the padding positions set to 0."""
-    if chunk.mask is None or not groups or tuple(chunk.mask.shape) != tuple(groups[0][1].shape[1:3]):
-        return groups
-    keep = chunk.mask.to(groups[0][1].device)[None, :, :, None]
-    return [(s, torch.where(keep, v, torch.zeros((), device=v.device))) for s, v in groups]
+def real_positions(D: Tensor, chunk: Chunk) -> Tensor:
+    """``D [k, B, T, d]`` with the padding positions set to 0 (in place)."""
+    if chunk.mask is not None and tuple(chunk.mask.shape) == tuple(D.shape[1:3]):
+        D.masked_fill_(~chunk.mask.to(D.device, torch.bool)[None, :, :, None], 0.0)
+    return D
 
 
 __all__ = ["Task", "diffs", "real_positions"]

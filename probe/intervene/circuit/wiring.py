@@ -66,6 +66,7 @@ class Group:
     upstream: int  # nodes [0, upstream) feed these targets
     projs: list[Proj] = field(default_factory=list)  # attention: q/k/v projections
     readers: list[nn.Module] = field(default_factory=list)  # MLP readers (logits: none, see Wiring.exit)
+    form: Any = None  # the norm's affine form (FrozenNorm) where the anatomy found one
 
 
 @dataclass
@@ -99,47 +100,6 @@ class Wiring:
             if w.kind == "heads" and w.bias is not None and w.start < group.upstream:
                 total = total + w.bias.float()
         return total
-
-    def target_grads(self, run: Run, grads: dict[int, Tensor]) -> dict[int, Tensor]:
-        """``{group index: [targets, batch, pos, d]}``: the gradient of the metric with respect to
-        each target's input through that target alone, from the kept tensors' gradients."""
-        out = {}
-        for gi, g in enumerate(self.groups):
-            x = run.streams.get(gi)
-            if x is None:
-                raise ProbeError(f"the {g.kind} of layer {g.layer} did not run; the model skipped a part")
-            if g.kind == "attn":
-                rows = []
-                for pi, p in enumerate(g.projs):
-                    gp = grads.get(run.slot_index[(gi, pi)])
-                    for blk in p.blocks:
-                        if gp is None:
-                            rows.append(torch.zeros_like(x, dtype=torch.float32))
-                        else:
-                            rows.append(gp[..., blk.cols].float() @ blk.W.float().T)
-                gy = torch.stack(rows)  # [targets, B, T, d]
-            elif g.kind == "logits":
-                got = grads.get(run.slot_index[(gi, 0)])
-                gy = (torch.zeros_like(x, dtype=torch.float32) if got is None else got.float())[None]
-            else:
-                gy = torch.zeros((1, *x.shape), dtype=torch.float32, device=x.device)
-                for r in range(len(g.readers)):
-                    part = grads.get(run.slot_index[(gi, r)])
-                    if part is not None:
-                        gy[0] += part.float()
-            out[gi] = norm_vjp(g.norm, x, gy) if g.norm is not None else gy
-        return out
-
-
-def norm_vjp(norm: nn.Module, x: Tensor, gy: Tensor) -> Tensor:
-    """``[K, B, T, d]``: the vector-Jacobian products of ``norm`` at ``x [B, T, d]`` with each of the
-    ``K`` cotangents ``gy`` (the norm acts on each position alone, so the K copies run as one batch)."""
-    K = gy.shape[0]
-    xr = x.detach().float().repeat(K, *([1] * (x.dim() - 1))).to(x.dtype).requires_grad_(True)
-    with torch.enable_grad():
-        y = norm.forward(xr)
-        (g,) = torch.autograd.grad(y, xr, gy.reshape(K * x.shape[0], *x.shape[1:]).to(y.dtype))
-    return g.float().reshape(K, *x.shape)
 
 
 Deviate = Callable[["Run", int], "dict[int, Tensor] | None"]
@@ -322,4 +282,4 @@ def run_forward(run: Run, call: Callable[[], Any]) -> Any:
         return call()
 
 
-__all__ = ["Wiring", "Group", "Writer", "Proj", "Block", "Run", "run_forward", "norm_vjp"]
+__all__ = ["Wiring", "Group", "Writer", "Proj", "Block", "Run", "run_forward"]
