@@ -27,6 +27,7 @@ from probe.errors import ProbeError
 from probe.intervene.circuit.evaluate import circuit_metric, faithfulness
 from probe.intervene.circuit.graph import Graph, connected, greedy_edges, top_edges
 
+FAITHFULNESS_COLUMNS = ["edges", "share", "metric", "kept", "faithfulness"]
 EDGE_COLUMNS = ["rank", "edge", "source", "target", "input", "source_layer", "target_layer", "score"]
 
 
@@ -115,13 +116,8 @@ class Circuit(Exports):
         rows = []
         for n in counts:
             sel = self.greedy(n) if how == "greedy" else self.top(n)
-            got = sel.evaluate()
-            rows.append(
-                {"edges": n, "share": n / total, "metric": got["metric"], "faithfulness": got["faithfulness"]}
-            )
-        return Faithfulness(
-            Table(rows, ["edges", "share", "metric", "faithfulness"]), self.reference_values(), how
-        )
+            rows.append({"edges": n, "share": n / total} | sel.evaluate())
+        return Faithfulness(Table(rows, FAITHFULNESS_COLUMNS), self.reference_values(), how)
 
     def path(self, path: str | list[str]) -> dict[str, float]:
         """Path patching of one path (see :mod:`~probe.intervene.circuit.paths`)."""
@@ -222,13 +218,17 @@ class Selection:
         return Selection(self.circuit, connected(self.circuit.graph, self.edges), self.how + ", pruned")
 
     def evaluate(self) -> dict[str, float]:
-        """``{"edges", "metric", "faithfulness"}``: the model run on the clean inputs with every edge
-        outside this circuit given its corrupted value (:mod:`~probe.intervene.circuit.evaluate`)."""
+        """``{"edges", "metric", "kept", "faithfulness"}``: the model run on the clean inputs with
+        every edge outside this circuit given its corrupted value
+        (:mod:`~probe.intervene.circuit.evaluate`); ``kept``: the metric over the clean run's,
+        ``faithfulness``: ``(metric - corrupted) / (clean - corrupted)``."""
         value = circuit_metric(self.circuit.attached(), self.edges)
+        refs = self.circuit.reference_values()
         return {
             "edges": len(self),
             "metric": value,
-            "faithfulness": faithfulness(value, self.circuit.reference_values()),
+            "kept": value / refs["clean"] if refs["clean"] else float("nan"),
+            "faithfulness": faithfulness(value, refs),
         }
 
     def to_dict(self) -> dict[str, Any]:
@@ -239,8 +239,9 @@ class Selection:
 
 
 class Faithfulness(Exports):
-    """The faithfulness curve: ``table`` (edges, share of all edges, metric, faithfulness) and
-    ``references`` (the metric on the clean and the corrupted inputs)."""
+    """The faithfulness curve: ``table`` (edges, share of all edges, metric, kept: the metric over
+    the clean run's, faithfulness) and ``references`` (the metric on the clean and the corrupted
+    inputs)."""
 
     def __init__(self, table: Table, references: dict[str, float], how: str) -> None:
         self.table, self.references, self.how = table, references, how
