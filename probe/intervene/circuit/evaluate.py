@@ -27,24 +27,26 @@ from probe.intervene.circuit.wiring import Run
 
 def corrupted_edges_deviation(ref: Run, off: Tensor):
     """The ``deviate`` function of a run where the edges in ``off`` (``[nodes, targets]`` bool)
-    read the corrupted run ``ref``'s node outputs and all others this run's."""
+    read the corrupted run ``ref``'s node outputs and all others this run's. The differences
+    ``corrupt_u - run_u`` fill one ``[nodes, B*T*d]`` buffer as the nodes run, so each group of
+    targets takes its deviations in one matrix product."""
     ref_groups = dict(ref.values)
+    state: dict = {"buf": None, "filled": 0}
 
     def deviate(run: Run, gi: int):
         g = run.wiring.groups[gi]
-        w = off[: g.upstream, g.targets].float()
+        w = off[: g.upstream, g.targets]
         if not bool(w.any()):
             return None
-        dev = None
-        for start, v in run.value_groups(g.upstream):
-            k = v.shape[0]
-            wk = w[start : start + k].to(v.device)
-            if not bool(wk.any()):
-                continue
-            part = wk.T @ (ref_groups[start] - v).reshape(k, -1)  # [targets, B*T*d]
-            dev = part if dev is None else dev + part
-        if dev is None:
-            return None
+        if state["buf"] is None:
+            first = run.values[0][1]
+            state["buf"] = first.new_empty(len(run.wiring.graph.nodes), first[0].numel())
+        buf = state["buf"]
+        for start, v in run.values:
+            if start >= state["filled"]:
+                buf[start : start + v.shape[0]] = (ref_groups[start] - v).reshape(v.shape[0], -1)
+                state["filled"] = start + v.shape[0]
+        dev = w.T.to(buf.device, buf.dtype) @ buf[: g.upstream]  # [targets, B*T*d]
         shape = run.values[0][1].shape[1:]
         return {t: dev[i].reshape(shape) for i, t in enumerate(g.targets) if bool(w[:, i].any())}
 
