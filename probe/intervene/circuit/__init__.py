@@ -10,8 +10,9 @@ every other edge corrupted (:mod:`~probe.intervene.circuit.evaluate`); one path 
 textbook tasks (induction, IOI).
 
 Layout: ``graph`` (nodes, targets, edges, choosing circuits) -> ``wiring`` (the hooks) ->
-``build`` (the wiring from the anatomy) -> ``task`` (inputs, chunks, metric) -> ``attribute`` /
-``evaluate`` / ``paths`` -> ``result`` -> ``entry``.
+``build`` (the wiring from the anatomy) -> ``task`` (inputs in chunks, the metric; ``inputs``,
+``metrics``) -> ``grads`` (each target's own gradient) -> ``attribute`` / ``evaluate`` /
+``paths`` -> ``result`` -> ``entry``.
 """
 
 from probe.intervene.circuit.entry import circuit
