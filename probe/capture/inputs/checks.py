@@ -68,17 +68,25 @@ def check_keyword_tensors(model: nn.Module, kwargs: Mapping, name: str) -> None:
             check_length(v.shape[1], limit, name, k)
 
 
+def vocabulary_size(model: nn.Module) -> int | None:
+    """The rows of the model's input embedding (the ids it can read), None when it has none."""
+    get = getattr(model, "get_input_embeddings", None)
+    try:
+        emb = get() if callable(get) else None
+    except (NotImplementedError, AttributeError):
+        emb = None
+    n = getattr(emb, "num_embeddings", None)
+    return int(n) if isinstance(n, int) else None
+
+
 def check_ids(model: nn.Module, ids: Tensor, name: str) -> None:
     """Token ids the model has embeddings for: none negative, none past its vocabulary (a
     transformers model's input embeddings; a zoo model's tokenizer says for its own)."""
     lo, hi = int(ids.min()), int(ids.max())
     if lo < 0:
         raise ProbeError(f"token id {lo} is negative; give ids {name}'s tokenizer made")
-    embeddings = (
-        model.get_input_embeddings() if callable(getattr(model, "get_input_embeddings", None)) else None
-    )
-    n = getattr(embeddings, "num_embeddings", None)
-    if isinstance(n, int) and hi >= n:
+    n = vocabulary_size(model)
+    if n is not None and hi >= n:
         raise ProbeError(
             f"token id {hi} is not in {name}'s vocabulary (0-{n - 1}); give ids its tokenizer made"
         )
@@ -108,4 +116,5 @@ __all__ = [
     "check_length",
     "context_length",
     "no_tokenizer",
+    "vocabulary_size",
 ]

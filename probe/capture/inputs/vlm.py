@@ -21,20 +21,10 @@ from typing import Any
 
 from torch import Tensor, nn
 
+from probe.capture.inputs.checks import vocabulary_size
 from probe.capture.inputs.processors import tokenizer_of
 from probe.capture.positions.patches import image_token_id
 from probe.errors import ProbeError
-
-
-def vocabulary_size(model: nn.Module) -> int | None:
-    """The rows of the model's input embedding (the ids it can read), None when it has none."""
-    get = getattr(model, "get_input_embeddings", None)
-    try:
-        emb = get() if callable(get) else None
-    except (NotImplementedError, AttributeError):
-        emb = None
-    n = getattr(emb, "num_embeddings", None)
-    return int(n) if isinstance(n, int) else None
 
 
 def processor_image_token_id(processor: Any) -> int | None:
@@ -72,4 +62,4 @@ def check_processor(model: nn.Module, processor: Any, batch: Mapping, name: str)
         )
 
 
-__all__ = ["check_processor", "processor_image_token_id", "vocabulary_size"]
+__all__ = ["check_processor", "processor_image_token_id"]
