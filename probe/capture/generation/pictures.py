@@ -3,13 +3,13 @@ are image tokens, on which patch grid, as :func:`probe.capture` names them for o
 
 The model's ``generate`` runs the vision tower on its own (positional pixels, before the first
 forward of the language model), so the stepped capture sees no pixel inputs beside the text.
-:func:`name_pictures` names the positions afterwards from the prompt's own inputs: the tower's
-patches from the pixels' shape (:func:`probe.capture.positions.patches.image_positions`, checked against
-the tower's captured length) and the prompt's image tokens laid on that grid
-(:func:`~probe.capture.positions.patches.text_image_positions`), on the merged grids of Qwen2-VL's
-``image_grid_thw`` (:mod:`probe.capture.positions.merged`), or on Idefics3's tiles, each pixel-shuffled
-into merged tokens (:mod:`probe.capture.positions.tiles`). The generated positions are text. Where the
-grid cannot be laid exactly, ``metadata["positions_note"]`` says so and only the kinds are kept.
+:func:`name_pictures` names the positions afterwards from the prompt's own inputs, through the
+pixels' :class:`~probe.capture.positions.pictures.PictureLayout`: the tower's patches from the
+pixels' shape (checked against the tower's captured length) and the prompt's image tokens laid
+on that grid, on the merged grids of Qwen2-VL's ``image_grid_thw``, or on Idefics3's tiles, each
+pixel-shuffled into merged tokens. The generated positions are text. Where the grid cannot be
+laid exactly, ``metadata["positions_note"]`` says so and only the kinds are kept.
+:func:`as_decoder` calls the generating stack of a ``keep="stats"`` generation ``decoder``.
 """
 
 from __future__ import annotations
