@@ -273,3 +273,31 @@ def test_norm_vjp_against_autograd():
         want = torch.stack([torch.autograd.grad(norm(xs), xs, g)[0] for g in gy])
         assert torch.allclose(norm_vjp(norm, x, gy, form), want, atol=1e-5)
         assert torch.allclose(norm_vjp(norm, x, gy, None), want, atol=1e-5)
+
+
+def test_padding_is_left_out():
+    """Two prompts of 6 and 4 tokens in one right-padded batch score every edge as the mean of
+    their scores alone (EAP and the exact effects), and the metric reads each one's last token."""
+    from tests.hf_fixtures import llama
+
+    model = llama(50)
+    g = torch.Generator().manual_seed(3)
+    a, b = torch.randint(3, 50, (2, 6), generator=g), torch.randint(3, 50, (2, 4), generator=g)
+
+    def batch(x, y):
+        ids = torch.zeros(2, 6, dtype=torch.long)
+        ids[0], ids[1, :4] = x, y
+        return {"input_ids": ids, "attention_mask": (torch.arange(6) < torch.tensor([[6], [4]])).long()}
+
+    both = {
+        m: circuit(model, batch(a[0], b[0]), batch(a[1], b[1]), answers=(5, 6), method=m)
+        for m in ("eap", "patching")
+    }
+    for m, c in both.items():
+        alone = [
+            circuit(model, x[None], y[None], answers=(5, 6), method=m).scores
+            for x, y in ((a[0], a[1]), (b[0], b[1]))
+        ]
+        mask = c.graph.mask()
+        want = (alone[0] + alone[1])[mask] / 2
+        assert torch.allclose(c.scores[mask], want, atol=1e-5 * (1 + float(want.abs().max()))), m
