@@ -9,8 +9,6 @@ The public API is small and flat::
     cache = probe.load("run.safetensors")  # lazy, memory-mapped
 """
 
-__version__ = "0.1.0"
-
 # probe.report is a callable module: probe.report(cache, "out/") writes out/index.html, and its
 # submodules (probe.report.html, probe.report.sections, ...) import as usual.
 from probe import report  # noqa: E402
@@ -46,6 +44,7 @@ from probe.intervene import (  # noqa: E402
     patch,
 )
 from probe.intervene.circuit import Circuit, circuit  # noqa: E402
+from probe.version import __version__
 
 __all__ = ["capture", "trace", "Trace", "load", "Cache", "ProbeError", "report", "plot", "__version__"]
 __all__ += [

@@ -84,7 +84,7 @@ def build_parser() -> argparse.ArgumentParser:
         ),
         formatter_class=common.HelpFormatter,
     )
-    from probe import __version__
+    from probe.version import __version__
 
     parser.add_argument("--version", action="version", version=f"probe {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")

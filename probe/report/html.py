@@ -138,7 +138,7 @@ def render(ctx: ReportContext, sections: list[Section] | None = None, *, bar: An
 
 
 def _version() -> str:
-    from probe import __version__
+    from probe.version import __version__
 
     return __version__
 

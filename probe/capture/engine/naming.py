@@ -19,7 +19,6 @@ from typing import Any
 
 from torch import nn
 
-from probe import __version__
 from probe.cache.format import FORMAT_VERSION, attention_name, key
 from probe.cache.selection import Selection
 from probe.capture.calls import LayerRecord
@@ -30,6 +29,7 @@ from probe.capture.inputs.prepared import model_name
 from probe.capture.positions.frames import frame_positions
 from probe.capture.positions.pictures import layout_of
 from probe.errors import ProbeError
+from probe.version import __version__
 
 
 def _jsonable(obj: Any) -> Any:

@@ -23,7 +23,6 @@ from typing import Any
 
 from torch import nn
 
-from probe import __version__
 from probe.cache import Cache
 from probe.cache.format import FORMAT_VERSION
 from probe.cache.perf import heap
@@ -41,6 +40,7 @@ from probe.capture.hooks.store import parse_dtype
 from probe.capture.hooks.watch import Watcher
 from probe.capture.inputs.prepared import model_name
 from probe.errors import ProbeError
+from probe.version import __version__
 
 # Every step allocates its weights, rows and residuals a little larger than the last (one key more):
 # glibc serves them from its heap (its mmap threshold rises to their size once one is freed) and
