@@ -44,6 +44,9 @@ class Attention:
     decoder over its encoder's cached keys, then its own).
     ``caller``/``last_shape``/``streams``: where its last part came from, and the group of
     attentions when one module call ran several whole softmaxes (:mod:`probe.capture.hooks.streams`).
+    ``scale``: set only on the shadow attention of a derived pattern kind
+    (:mod:`probe.capture.consumers.kinds`): ``[batch, heads, keys]``, each key column of the
+    weights multiplied by it before the consumer keeps them.
     """
 
     inputs: list[Tensor] = field(default_factory=list)
@@ -73,6 +76,7 @@ class Attention:
     caller: Any = None  # the innermost module call that computed the last part (probe.capture.hooks.streams)
     last_shape: tuple[int, ...] | None = None  # that part's shape
     streams: list[Attention] | None = None  # the attentions of one module call's several softmaxes
+    scale: Tensor | None = None  # a derived kind's key-column scale [batch, heads, keys] (kinds.py)
 
 
 @dataclass

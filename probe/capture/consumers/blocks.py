@@ -7,7 +7,9 @@ hands it the weights ``block`` ``[batch, heads, end - start, kend]`` (float32) o
 ``start:end``; keys past ``kend`` are zero. SDPA weights are recomputed
 (:func:`~probe.capture.patterns.sdpa_blocks`) and dropped block by block, so the memory held is
 O(heads · rows · keys), never the layer's whole pattern; a pattern the model computed itself (a
-softmax) already exists whole and is sliced. Blocks are valid until the next is handed on.
+softmax) already exists whole and is sliced. Blocks are valid until the next is handed on. The
+shadow of a derived pattern kind (:mod:`probe.capture.consumers.kinds`, ``attn.scale`` set) is
+handed on as its scaled weights, each row renormalised to sum 1: readers read distributions.
 
 :func:`probe.capture.engine.streamed.stream_attention` runs one forward with it, residuals
 dropped. Which reader, and what it accumulates, is the caller's business
@@ -26,6 +28,7 @@ from torch import Tensor
 
 from probe.capture.calls import Attention
 from probe.capture.consumers.keep import batch_size, restore_layout
+from probe.capture.consumers.scale import scaled
 from probe.capture.patterns import sdpa_blocks
 from probe.errors import ProbeError
 
@@ -99,6 +102,14 @@ def block_rows(
     return max(1, block_bytes(device, B * H * K, lazy) // (4 * max(1, B * H * K)))
 
 
+def _distribution(block: Tensor, scale: Tensor) -> Tensor:
+    """A derived kind's block (:mod:`probe.capture.consumers.kinds`): the weights scaled per key,
+    each row renormalised to sum 1, as the readers read rows (all-zero rows stay zero)."""
+    c = scaled(block, scale, first=True)
+    total = c.sum(-1, keepdim=True)
+    return torch.where(total > 0, c / total.clamp_min(torch.finfo(c.dtype).tiny), c)
+
+
 class BlockConsumer:
     """Hands each attention to the reader ``open_attention(role, [B, H, Q, K])`` returns, a row
     block at a time; ``readers`` maps the (sink) handle of every attention read to its reader
@@ -137,7 +148,8 @@ class BlockConsumer:
         blocks = self._sdpa(attn, batch) if "sdpa" in kinds else self._weights(attn, batch)
         shape = next(blocks)
         reader = self.open_attention(attn.role or "self", shape)
-        one_call = kinds == {"sdpa"} and len(attn.parts) == 1
+        # a derived kind's shadow (kinds.py) is read as scaled blocks: never by the reader itself
+        one_call = kinds == {"sdpa"} and len(attn.parts) == 1 and attn.scale is None
         whole = getattr(reader, "sdpa_call", None)  # a reader that reads one call's q and k itself
         if not (one_call and whole is not None and whole(*attn.parts[0][1:])):
             with _reading(reader):
@@ -151,7 +163,7 @@ class BlockConsumer:
                         reader.rows(i, e, blk, fill=fill)
                 else:
                     for i, e, blk in blocks:
-                        reader.rows(i, e, blk)
+                        reader.rows(i, e, blk if attn.scale is None else _distribution(blk, attn.scale))
         attn.causal = reader.close() if attn.role == "self" else None
         attn.shape = shape
         attn.handle = self.sink.put(torch.empty(0))

@@ -15,6 +15,7 @@ from torch import Tensor
 
 from probe.cache.selection import Selection
 from probe.capture.calls import Attention
+from probe.capture.consumers.scale import scaled
 from probe.capture.hooks.store import Store
 from probe.capture.patterns import sdpa_weights
 from probe.errors import ProbeError
@@ -117,14 +118,18 @@ class KeepPatterns:
         diff = None
         if attn.diff_lambda is not None:
             pattern, diff = differential(pattern, len(parts), attn.diff_lambda)
+        if attn.scale is not None:  # a derived kind's shadow (kinds.py): its own copy, scaled
+            pattern = scaled(pattern, attn.scale)
         heads = self.selection.heads
         if heads is not None:
             self.selection.check_heads(pattern.shape[1])
             pattern = pattern[:, heads]
         # recomputed weights are probe's own memory (a reused buffer only once written); softmax
         # outputs are the model's, unless stacking or selecting heads copied them
-        mine = attn.impl <= {"sdpa", "mha", "flex"} or all(
-            pattern.untyped_storage().data_ptr() != p.untyped_storage().data_ptr() for p in parts
+        mine = (
+            attn.scale is not None
+            or attn.impl <= {"sdpa", "mha", "flex"}
+            or all(pattern.untyped_storage().data_ptr() != p.untyped_storage().data_ptr() for p in parts)
         )
         if attn.split is not None:
             # one softmax over the layer's own keys then the source's (or the source's first):

@@ -29,6 +29,7 @@ from probe.cache.selection import Selection
 from probe.capture.calls import Attention
 from probe.capture.consumers.keep import batch_size, restore_layout
 from probe.capture.consumers.kept import Keep
+from probe.capture.consumers.scale import scaled
 from probe.capture.hooks.store import Store
 from probe.capture.patterns import sdpa_blocks, sdpa_rows
 from probe.errors import ProbeError
@@ -146,6 +147,8 @@ class KeepRows(_Kept):
         B, H, _, K = p.shape
         idx = self.picker.index(p.size(-2), B, p.device)
         rows = p.gather(-2, idx[:, None, :, None].expand(B, H, idx.size(1), K))
+        if attn.scale is not None:  # a derived kind's shadow (kinds.py)
+            rows = scaled(rows, attn.scale)
         attn.parts.append((rows, self._probe_rows(p), idx))
 
     def sdpa(self, attn: Attention, args: tuple, kwargs: dict) -> None:
@@ -158,6 +161,8 @@ class KeepRows(_Kept):
         B, L = query.size(0), query.size(-2)
         idx = self.picker.index(L, B, query.device)
         rows = sdpa_rows(*args, **kwargs, rows=idx)
+        if attn.scale is not None:
+            rows = scaled(rows, attn.scale)
         probe = sdpa_rows(*args, **kwargs, rows=torch.tensor([[0, L // 2]] * B, device=query.device))
         attn.parts.append((rows, probe, idx))
 
@@ -181,7 +186,7 @@ class KeepTopK(_Kept):
         self.k = k
 
     def weights(self, attn: Attention, pattern: Tensor, impl: str) -> None:
-        p = pattern.detach()
+        p = pattern.detach() if attn.scale is None else scaled(pattern.detach(), attn.scale)
         values, indices = p.topk(min(self.k, p.size(-1)), dim=-1)
         mass = values.float().sum(-1)
         attn.parts.append((values, indices.int(), mass, self._probe_rows(p)))
@@ -192,6 +197,8 @@ class KeepTopK(_Kept):
         k = min(self.k, S)
         values = indices = mass = probe = None
         for i, e, blk in sdpa_blocks(*args, **kwargs, chunk=CHUNK):
+            if attn.scale is not None:
+                blk = scaled(blk, attn.scale, first=True)
             if values is None:
                 lead, dev = blk.shape[:-2], blk.device
                 values = torch.empty(lead + (L, k), dtype=torch.float32, device=dev)

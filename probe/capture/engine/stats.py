@@ -59,10 +59,14 @@ def capture_stats(
     heads: list[int] | None = None,
     dtype: Any = None,
     block: int | None = None,
+    kinds: dict[str, Any] | None = None,
+    metadata: dict[str, Any] | None = None,
 ) -> Cache:
     """``probe.capture(model, inputs, keep="stats")`` given the statistics' readers and their
     ``finish`` (see the module docstring). Returns the :class:`~probe.Cache` (written to ``out``
-    atomically and opened from there when given)."""
+    atomically and opened from there when given). ``kinds``: derived pattern kinds read beside the
+    weights (their readers reach ``finish`` under ``<attn>.<kind>``); ``metadata``: entries added
+    to the cache's metadata (read after the forward: the kinds' callers may fill them as it runs)."""
     if heads is not None:
         raise ProbeError(
             "keep='stats' computes the statistics of every head; drop heads= (select them in the "
@@ -87,12 +91,14 @@ def capture_stats(
         sampling_rate=sampling_rate,
         layers=layers,
         block=block,
+        kinds=kinds,
     )
     tensors = {f"{names[h]}.norm": n for h, n in sorted(sink.norms.items())}
     stats, extra = finish(meta, {names[h]: r for h, r in consumer.readers.items()})
     tensors.update(stats)
     meta = dict(meta)
     meta.update(extra)
+    meta.update(metadata or {})
     meta["keep"] = "stats"
     meta["dtype"] = ", ".join(sorted({str(t.dtype).replace("torch.", "") for t in tensors.values()}))
     cache = Cache(tensors, meta)

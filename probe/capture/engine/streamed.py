@@ -60,10 +60,13 @@ def run_blocks(
     layers: list[int] | None = None,
     block: int | None = None,
     progress: bool = False,
+    kinds: dict[str, Any] | None = None,
 ) -> tuple[dict[int, str], dict[str, Any], BlockConsumer]:
     """One forward with a :class:`BlockConsumer` into ``sink``: ``(names, meta, consumer)``, each
     sink handle's cache key, the cache's metadata and the consumer (its ``readers`` by handle).
-    ``progress``: a bar counting the attentions read (a long context takes minutes on a CPU)."""
+    ``progress``: a bar counting the attentions read (a long context takes minutes on a CPU).
+    ``kinds``: derived pattern kinds read beside the weights (:mod:`probe.capture.consumers.kinds`;
+    their readers under ``<attn>.<kind>``)."""
     if not isinstance(model, nn.Module):
         raise ProbeError(f"probe runs torch.nn.Module models, not {type(model).__name__}")
     selection = Selection.parse(layers, None)
@@ -74,7 +77,7 @@ def run_blocks(
     meta = prepared.meta
     bar = tqdm(desc="attentions read", unit=" attentions", disable=not progress, leave=False)
     consumer = BlockConsumer(sink, lambda role, shape: open_attention(meta, role, shape), block, bar)
-    tracer = Tracer(model, sink, selection=selection, consumer=consumer)
+    tracer = Tracer(model, sink, selection=selection, consumer=consumer, kinds=kinds)
     claim(model)
     try:
         with torch.no_grad(), tracer:

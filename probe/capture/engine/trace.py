@@ -49,7 +49,9 @@ class Trace:
     ``dtype`` (``float16``/``bfloat16``) shrinks what is stored; ``keep`` keeps selected query
     rows or the top-k keys of each row instead of whole patterns (:mod:`probe.capture.consumers.kept`;
     inside ``probe.trace`` row indices count every query position unless ``metadata`` holds the
-    ``attention_mask``).
+    ``attention_mask``). ``kinds``: derived pattern kinds kept beside the weights,
+    ``{name: scale(attn) -> [batch, heads, keys]}`` (:mod:`probe.capture.consumers.kinds`; what
+    ``probe.contributions`` passes).
     """
 
     def __init__(
@@ -63,6 +65,7 @@ class Trace:
         metadata: dict[str, Any] | None = None,
         reserve: int = 0,
         keep: Any = None,
+        kinds: dict[str, Any] | None = None,
     ) -> None:
         if not isinstance(model, nn.Module):
             raise ProbeError(f"probe captures torch.nn.Module models, not {type(model).__name__}")
@@ -82,6 +85,7 @@ class Trace:
             )
         if not self.keep.default:
             self.metadata["keep"] = self.keep.to_json()
+        self.kinds = dict(kinds or {})
         self.cache: Cache | None = None
         self._extra_reserve = int(reserve)
         self._sink: Any = None
@@ -122,6 +126,7 @@ class Trace:
             dtype=self.dtype,
             keep=self.keep,
             metadata=self.metadata,
+            kinds=self.kinds,
         )
         try:
             self._tracer.__enter__()
@@ -197,6 +202,8 @@ def capture(
     heads: list[int] | None = None,
     dtype: Any = None,
     keep: Any = None,
+    kinds: dict[str, Any] | None = None,
+    metadata: dict[str, Any] | None = None,
 ) -> Cache:
     """Run ``model`` on ``inputs`` and capture every attention pattern and residual delta.
 
@@ -220,6 +227,9 @@ def capture(
     model runs, and residual norms) is the top-level ``probe.capture``'s: it passes the statistics'
     readers in (:mod:`probe.analysis.focus.streamed.keepstats`); called here it is refused.
 
+    ``kinds`` (derived pattern kinds, see :class:`Trace`) and ``metadata`` (entries added to the
+    cache's metadata) are for callers that build on the capture, as ``probe.contributions``.
+
     Returns a :class:`~probe.Cache` with keys ``<stack>.blocks.<i>.<name>``.
     """
     # arguments first: a bad selection or output path is refused before any forward runs
@@ -242,8 +252,9 @@ def capture(
         layers=selection.layers,
         heads=selection.heads,
         dtype=dtype,
-        metadata=prepared.meta,
+        metadata={**prepared.meta, **(metadata or {})},
         keep=kept,
+        kinds=kinds,
     )
     with torch.no_grad(), t:
         prepared.run()

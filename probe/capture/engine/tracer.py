@@ -34,6 +34,7 @@ from probe.cache.selection import Selection
 from probe.capture.calls import Call, Forward, LayerRecord
 from probe.capture.consumers.keep import KeepPatterns
 from probe.capture.consumers.kept import Keep
+from probe.capture.consumers.kinds import Kinds, ScaleFn
 from probe.capture.consumers.rows import consumer as kept_consumer
 from probe.capture.hooks.layers import LayerTracker
 from probe.capture.hooks.record import PatternConsumer, Recorder
@@ -47,6 +48,8 @@ class Tracer:
     ``consumer`` receives every attention (default: :class:`~probe.capture.consumers.keep.KeepPatterns`,
     whole patterns stored; ``keep`` (:class:`~probe.capture.consumers.kept.Keep`) picks the rows or top-k
     consumer of :mod:`probe.capture.consumers.rows` instead, its rows resolved against ``metadata``'s masks).
+    ``kinds``: derived pattern kinds, ``{name: scale(attn) -> [batch, heads, keys]}``, kept by the
+    same consumer beside the weights (:mod:`probe.capture.consumers.kinds`).
     After the forward: :attr:`records`, :meth:`plain_records`,
     :attr:`kept`, :attr:`impls`, :attr:`stored_dtypes` and the :attr:`forward`'s facts.
     """
@@ -61,6 +64,7 @@ class Tracer:
         consumer: PatternConsumer | None = None,
         keep: Keep | None = None,
         metadata: dict[str, Any] | None = None,
+        kinds: dict[str, ScaleFn] | None = None,
     ) -> None:
         selection = selection or Selection()
         stack: list[Call] = []
@@ -70,6 +74,9 @@ class Tracer:
         if consumer is None and keep is not None:
             consumer = kept_consumer(keep, self.store, selection, metadata or {})
         consumer = consumer if consumer is not None else KeepPatterns(self.store, selection)
+        if kinds:  # derived pattern kinds kept beside the weights by the same consumer
+            consumer = Kinds(consumer, kinds)
+        self.consumer = consumer
         self.recorder = Recorder(self.layers, self.forward, consumer)
         self.watcher = Watcher(model, stack, self.layers, self.recorder, self.forward)
 
