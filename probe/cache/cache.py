@@ -16,6 +16,7 @@ from probe.cache.format import (
     FORMAT_MARKER,
     FORMAT_VERSION,
     KEY_NAMES,
+    PATTERN_BY,
     STACKS,
     attention_name,
     key,
@@ -195,6 +196,7 @@ class Cache(CacheQueries, KeptFields, Mapping[str, torch.Tensor]):
         head: int | slice | None = None,
         batch: int | slice | None = None,
         index: int | None = None,
+        by: str = "weight",
     ) -> torch.Tensor:
         """The attention pattern of ``layer`` in ``stack``.
 
@@ -202,10 +204,14 @@ class Cache(CacheQueries, KeptFields, Mapping[str, torch.Tensor]):
         kind in the layer (see :meth:`attentions`). Returns ``[batch, head, query, key]``, with the
         ``batch`` and ``head`` dimensions dropped when those are given as integers (a slice, such
         as ``head=slice(0, 4)``, keeps the dimension). On a loaded cache only the requested slice
-        is read from disk.
+        is read from disk. ``by="contribution"``: instead of the weights, the norm of what each head
+        writes from each key, ``||a_ij v_j W_O^h||`` (Kobayashi et al. 2020), in a cache that
+        ``probe.contributions`` captured (rows do not sum to 1; divide by their sum to compare).
         """
         if kind not in ("self", "cross"):
             raise ProbeError(f"kind must be 'self' or 'cross', not {kind!r}")
+        if by not in PATTERN_BY:
+            raise ProbeError(f"by must be one of {', '.join(map(repr, PATTERN_BY))}, not {by!r}")
         if stack not in self.stacks:
             raise CacheKeyError(
                 f"no {stack!r} stack in this cache; it has {', '.join(self.stacks) or 'no layers'}"
@@ -214,13 +220,17 @@ class Cache(CacheQueries, KeptFields, Mapping[str, torch.Tensor]):
             raise ProbeError(f"layer must be an integer index, not {layer!r}")
         if index is not None and (isinstance(index, bool) or not isinstance(index, int) or index < 0):
             raise ProbeError(f"index must be a non-negative integer, not {index!r}")
-        name = attention_name(kind, "pattern", index)
+        name = attention_name(kind, PATTERN_BY[by], index)
         if layer < 0:  # not an index from the end: a layer's number is its depth
             have = _ranges(self.layer_indices(stack, name)) or "none"
             raise ProbeError(
                 f"layer={layer}: layers count from 0; the {stack} has {kind}-attention layers {have}"
             )
         k = key(stack, layer, name)
+        if k not in self and by != "weight" and not any(x.endswith(f".{PATTERN_BY[by]}") for x in self._keys):
+            raise CacheKeyError(
+                f"this cache holds no {by}s; capture them with probe.contributions(model, inputs)"
+            )
         if k not in self:
             if self.partial:
                 raise self.not_kept()

@@ -71,7 +71,16 @@ ATTN_FIELDS: dict[str, tuple[str, ...]] = {
     "topk_mass": ("batch", "head", "query"),
     # attention each key receives, summed over the counted queries
     "received": ("batch", "head", "key"),
+    # a derived kind beside the weights (probe.contributions): ||a_ij v_j W_O^h||, the norm of what
+    # head h writes from key j into query i (Kobayashi et al. 2020); rows do not sum to 1
+    "contribution": ("batch", "head", "query", "key"),
+    "contribution_rows": ("batch", "head", "row", "key"),
+    "contribution_topk_values": ("batch", "head", "query", "k"),
+    "contribution_topk_indices": ("batch", "head", "query", "k"),
+    "contribution_topk_mass": ("batch", "head", "query"),
 }
+# what a pattern is measured by (``Cache.pattern(by=...)``) -> the field that holds it
+PATTERN_BY = {"weight": "pattern", "contribution": "contribution"}
 STAT_LAYOUT = ("batch", "head")  # ``stat.<metric>``: a per-text statistic of every head
 
 _IDENT = r"[A-Za-z_][A-Za-z0-9_]*"
