@@ -2,7 +2,7 @@
 
 Which layers of a stack hold a pattern, which model heads its head axis holds, which positions of
 a text are real and which tokens label them (:mod:`probe.cache.axes`), one head's weights between
-real tokens; and the hand-over to other viewers (:mod:`probe.export`). Everything here reads the
+real tokens; and the inputs of other viewers (:mod:`probe.cache.viewers`). Everything here reads the
 mapping's keys, shapes, tensors and metadata only.
 """
 
@@ -14,6 +14,7 @@ import torch
 
 from probe.cache import axes as _axes
 from probe.cache.format import is_stack_name, key
+from probe.cache.viewers import bertviz_inputs, circuitsvis_inputs
 from probe.errors import ProbeError
 
 
@@ -128,12 +129,10 @@ class CacheQueries:
             raise CacheKeyError(f"this cache has no {what} in the {stack} stack")
         raise CacheKeyError(f"layer {layer} of the {stack} stack is not in this cache; it has layers {have}")
 
-    # -- other viewers (probe.export) ----------------------------------------------------------
+    # -- other viewers (probe.cache.viewers; probe.export writes their pages) ---------------------
     def to_bertviz(self, batch: int = 0) -> dict[str, Any]:
         """Text ``batch`` as BertViz takes it: ``bertviz.head_view(**cache.to_bertviz())`` (or
         ``model_view``). See :func:`probe.export.bertviz_inputs`."""
-        from probe.export import bertviz_inputs
-
         return bertviz_inputs(self, batch)
 
     def to_circuitsvis(
@@ -142,6 +141,4 @@ class CacheQueries:
         """Text ``batch``'s self-attention heads as CircuitsVis takes them:
         ``circuitsvis.attention.attention_heads(**cache.to_circuitsvis())``. See
         :func:`probe.export.circuitsvis_inputs`."""
-        from probe.export import circuitsvis_inputs
-
         return circuitsvis_inputs(self, stack=stack, layers=layers, batch=batch)
