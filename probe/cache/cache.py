@@ -222,7 +222,7 @@ class Cache(CacheQueries, KeptFields, Mapping[str, torch.Tensor]):
             raise ProbeError(f"index must be a non-negative integer, not {index!r}")
         name = attention_name(kind, PATTERN_BY[by], index)
         if layer < 0:  # not an index from the end: a layer's number is its depth
-            have = _ranges(self.layer_indices(stack, name)) or "none"
+            have = ranges_text(self.layer_indices(stack, name)) or "none"
             raise ProbeError(
                 f"layer={layer}: layers count from 0; the {stack} has {kind}-attention layers {have}"
             )
@@ -241,7 +241,7 @@ class Cache(CacheQueries, KeptFields, Mapping[str, torch.Tensor]):
                     f"choose one with index= (0-{several[-1]})"
                 )
             have = self.layer_indices(stack, name)
-            where = f"layers {_ranges(have)}" if have else "no layer"
+            where = f"layers {ranges_text(have)}" if have else "no layer"
             raise CacheKeyError(
                 f"{k!r} is not in this cache: the {stack} has {kind}-attention patterns for {where}; "
                 "choose one of those"
@@ -277,7 +277,7 @@ class Cache(CacheQueries, KeptFields, Mapping[str, torch.Tensor]):
         return f"<probe.Cache model={model!r} keys={len(self)}{where}>"
 
 
-def _ranges(xs: list[int]) -> str:
+def ranges_text(xs: list[int]) -> str:
     """``[0, 1, 2, 5]`` -> ``"0-2, 5"``."""
     runs: list[list[int]] = []
     for x in sorted(set(xs)):

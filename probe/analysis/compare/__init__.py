@@ -35,7 +35,7 @@ for :data:`DELTA_COLUMNS`. Statistics are compared even where patterns cannot be
 different lengths).
 """
 
-from probe.analysis.compare.core import DELTA_COLUMNS, PATTERN_METRICS, compare, pattern_difference
-from probe.analysis.compare.result import Comparison
+from probe.analysis.compare.core import compare, pattern_difference
+from probe.analysis.compare.result import DELTA_COLUMNS, PATTERN_METRICS, Comparison
 
 __all__ = ["compare", "Comparison", "pattern_difference", "PATTERN_METRICS", "DELTA_COLUMNS"]

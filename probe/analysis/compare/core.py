@@ -4,20 +4,16 @@ from __future__ import annotations
 
 import math
 import os
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
+from probe.analysis.compare.result import DELTA_COLUMNS, PATTERN_METRICS, Comparison
 from probe.cache import Cache, load
-from probe.cache.cache import _ranges
+from probe.cache.cache import ranges_text
 from probe.errors import ProbeError
 
-PATTERN_METRICS = ("max_abs", "mean_abs", "tv", "js")
-DELTA_COLUMNS = ("entropy", "confidence", "first", "prev", "self", "distance", "induction_score")
 KINDS = ("self", "cross")
-
-if TYPE_CHECKING:
-    from probe.analysis.compare.result import Comparison
 
 Key = tuple[str, int, int, str]  # (stack, layer, head, kind)
 
@@ -62,7 +58,7 @@ def _label(c: Cache, fallback: str) -> str:
 
 
 def _only(what: str, xs: list, side: str) -> str:
-    shown = _ranges(xs) if all(isinstance(x, int) for x in xs) else ", ".join(map(str, xs))
+    shown = ranges_text(xs) if all(isinstance(x, int) for x in xs) else ", ".join(map(str, xs))
     return f"{what} {shown} only in {side}"
 
 
@@ -146,8 +142,6 @@ def compare(a: Any, b: Any) -> Comparison:
     cache file paths. Returns a :class:`~probe.analysis.compare.Comparison` (one row per head
     both hold, see :mod:`probe.analysis.compare`); raises :class:`ProbeError` when no head can
     be compared (different stacks, no patterns)."""
-    from probe.analysis.compare.result import Comparison
-
     ca, cb = _as_cache(a, "A"), _as_cache(b, "B")
     skipped: list[str] = []
     layers = matched_layers(ca, cb, skipped)

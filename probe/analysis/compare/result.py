@@ -10,11 +10,13 @@ from typing import Any
 
 import torch
 
-from probe.analysis.compare.core import DELTA_COLUMNS, PATTERN_METRICS
 from probe.analysis.table import Table
 from probe.cache import Cache
 from probe.errors import ProbeError
 
+# the pattern differences of a head, and the focus statistics whose B - A is a column (d_<metric>)
+PATTERN_METRICS = ("max_abs", "mean_abs", "tv", "js")
+DELTA_COLUMNS = ("entropy", "confidence", "first", "prev", "self", "distance", "induction_score")
 HEAD_COLUMNS = ["stack", "layer", "head", "kind", "n_texts", *PATTERN_METRICS]
 HEAD_COLUMNS += ["role_a", "role_b", "role_changed", *(f"d_{m}" for m in DELTA_COLUMNS)]
 STAT_COLUMNS = ["stack", "layer", "head", "kind", "metric", "a", "b", "delta"]
