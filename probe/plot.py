@@ -38,15 +38,15 @@ def seed_caches(names: Iterable[str] = _seeds.MODELS) -> dict:
     The translator is trained on first use (with a progress bar) and cached by ``models.load``.
     """
     import models  # the zoo ships beside probe; imported only when tutorial figures are asked for
-    import probe
+    from probe.entry import capture
 
     names = list(names)
     for name in names:
-        _seeds._check_name(name)
+        _seeds.check_name(name)
     out = {}
     for name in names:
         text, target = _seeds.TEXTS[name]
-        out[name] = probe.capture(models.load(name), text, target=target)
+        out[name] = capture(models.load(name), text, target=target)
     return out
 
 

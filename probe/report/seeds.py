@@ -57,7 +57,8 @@ class SeedFigure:
     figure: Figure
 
 
-def _check_name(name: str) -> None:
+def check_name(name: str) -> None:
+    """A one-line :class:`ProbeError` unless ``name`` is a zoo model with tutorial figures."""
     if name not in MODELS:
         raise ProbeError(f"no tutorial figures for model {name!r}; choose from {', '.join(MODELS)}")
 
@@ -194,7 +195,7 @@ def figures_for(caches: Mapping[str, object], names: Iterable[str] | None = None
     names = [n for n in MODELS if n in caches] if names is None else list(names)
     out: list[SeedFigure] = []
     for name in names:
-        _check_name(name)
+        check_name(name)
         if name not in caches:
             raise ProbeError(
                 f"no cache for {name!r}; capture it on its tutorial's text first "
@@ -215,4 +216,4 @@ def write_figures(
     return [save(f.figure, Path(out_dir) / f"{f.name}.{fmt}") for f in figures_for(caches, names)]
 
 
-__all__ = ["SeedFigure", "figures_for", "write_figures", "is_tutorial_cache", "MODELS", "TEXTS"]
+__all__ = ["SeedFigure", "check_name", "figures_for", "write_figures", "is_tutorial_cache", "MODELS", "TEXTS"]
