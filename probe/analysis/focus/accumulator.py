@@ -18,10 +18,17 @@ import torch
 from probe.analysis.focus.definitions.running import RunningStats
 from probe.analysis.focus.definitions.table import METRICS
 from probe.analysis.focus.result import HeadStats
-from probe.analysis.focus.streamed.keepstats import add_stats
+from probe.analysis.focus.streamed.keepstats import CONTRIB, add_stats
+from probe.analysis.focus.streamed.keepstats import holds_contributions as holds_contrib_stats
 from probe.analysis.focus.whole.kept import add_rows
-from probe.analysis.focus.whole.read import add_patterns
+from probe.analysis.focus.whole.read import add_patterns, holds_contributions
 from probe.errors import ProbeError
+
+NO_CONTRIB = "contributions"
+NO_CONTRIB_WHY = (
+    "not every cache added holds contributions (probe.contributions captures them): the statistics by "
+    "contribution are left out"
+)
 
 
 def kv_group(meta: dict[str, Any]) -> int | None:
@@ -41,7 +48,9 @@ class FocusAccumulator:
 
     ``add(cache)`` folds in every text of a cache; ``merge(other)`` combines accumulators exactly
     (shards, ranks); ``to_dict``/``from_dict`` round-trip through JSON; ``result()`` is the
-    :class:`HeadStats`.
+    :class:`HeadStats`. ``by_contribution``: the same statistics over the caches' patterns by
+    contribution (rows renormalised to sum 1), another accumulator, while every cache added holds
+    them (``probe.contributions``), else None.
     """
 
     def __init__(self) -> None:
@@ -56,10 +65,12 @@ class FocusAccumulator:
         self.not_computed: dict[str, str] = {}
         # the sink profile per layer, [B, H, K] (single cache or model run: positions are per batch)
         self.received: dict[str, torch.Tensor] | None = None
+        self.by_contribution: FocusAccumulator | None = None
 
     def add(self, cache: Any, *, rollout: bool = False, progress: bool = False) -> FocusAccumulator:
         """Fold every text of ``cache`` in; with ``rollout`` keep its attention rollout too."""
         self.note_model(cache.metadata)
+        first = self.n_texts == 0
         if cache.kept == "stats":  # statistics computed while the model ran
             if self.kept is not None:
                 raise ProbeError(
@@ -67,12 +78,30 @@ class FocusAccumulator:
                     "over kept query rows; compute them apart"
                 )
             add_stats(self, cache)
+            self._contributions(cache, holds_contrib_stats(cache), first, stats=True)
             return self
         if cache.partial or self.kept is not None:  # kept rows: the per-row metrics over them
             add_rows(self, cache)
+            self._contributions(cache, False, first)
             return self
         add_patterns(self, cache, rollout=rollout, progress=progress)
+        self._contributions(cache, holds_contributions(cache), first)
         return self
+
+    def _contributions(self, cache: Any, holds: bool, first: bool, stats: bool = False) -> None:
+        """Fold ``cache``'s statistics by contribution into :attr:`by_contribution` while every
+        cache so far held them (``first``: the first cache added, which decides)."""
+        if holds and (first or self.by_contribution is not None):
+            sub = self.by_contribution or FocusAccumulator()
+            sub.note_model(cache.metadata)
+            if stats:
+                add_stats(sub, cache, prefix=CONTRIB)
+            else:
+                add_patterns(sub, cache, by="contribution")
+            self.by_contribution = sub
+        elif self.by_contribution is not None or (holds and not first):
+            self.by_contribution = None
+            self.leave_out({NO_CONTRIB: NO_CONTRIB_WHY})
 
     # -- what each path fills it through --------------------------------------------------------
     def fold(
@@ -123,6 +152,11 @@ class FocusAccumulator:
             self.heads[name] = other.heads[name]
             self.causal[name] = self.causal.get(name, True) and other.causal[name]
         self.kv_group = self.kv_group or other.kv_group
+        if self.by_contribution is not None and other.by_contribution is not None:
+            self.by_contribution.merge(other.by_contribution)
+        elif self.by_contribution is not None or other.by_contribution is not None:
+            self.by_contribution = None
+            self.leave_out({NO_CONTRIB: NO_CONTRIB_WHY})
         self.n_texts += other.n_texts
         self.rollout = None  # rollout is per text: it belongs to a single cache
         self.received = None  # so is the sink profile
@@ -130,7 +164,8 @@ class FocusAccumulator:
 
     def to_dict(self) -> dict[str, Any]:
         """Everything needed to resume or merge: JSON-ready."""
-        return {
+        extra = {"by_contribution": self.by_contribution.to_dict()} if self.by_contribution else {}
+        return extra | {
             "metrics": list(METRICS),
             "n_texts": self.n_texts,
             "kv_group": self.kv_group,
@@ -152,6 +187,8 @@ class FocusAccumulator:
             acc.stats[name] = RunningStats.from_dict(e["stats"])
             acc.heads[name] = list(e["heads"])
             acc.causal[name] = bool(e["causal"])
+        if d.get("by_contribution"):
+            acc.by_contribution = cls.from_dict(d["by_contribution"])
         return acc
 
     def result(self) -> HeadStats:

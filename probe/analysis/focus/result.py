@@ -14,6 +14,9 @@ from probe.analysis.table import Exports, Table
 from probe.errors import ProbeError
 
 _EVERY = "they need every query row"
+# the metrics by contribution shown beside those by weight (<metric>_contrib columns); every one of
+# them is in HeadStats.by_contribution
+BESIDE = ("first", "distance")
 
 
 def _std_name(m: str) -> str:
@@ -33,6 +36,11 @@ class HeadStats(Exports):
     ``"stack/layer/kind"`` to the sink profile ``[batch, heads, K]`` (the mean weight each key
     position gets over the counted queries; single cache or model run only, see
     :meth:`sink_profile`). Made by ``FocusAccumulator.result()`` from the accumulator ``acc``.
+
+    ``by_contribution``: where every cache held contributions (``probe.contributions``), the
+    statistics of the patterns by contribution, rows renormalised to sum 1, as a HeadStats of
+    its own (every metric, roles, sink rate), and the table holds :data:`BESIDE`'s metrics by
+    contribution beside those by weight: ``first_contrib``, ``distance_contrib``. Else None.
     """
 
     def __init__(self, acc: Any) -> None:
@@ -75,7 +83,12 @@ class HeadStats(Exports):
                     row.update({_std_name(m): float(std[h, i]) for i, m in enumerate(METRICS)})
                 rows.append(row)
         columns = ["stack", "layer", "head", "kind", "kv_head", "causal", "n_texts", "role", "roles"]
-        columns += list(METRICS) + ([_std_name(m) for m in METRICS] if several else [])
+        columns += list(METRICS)
+        sub = getattr(acc, "by_contribution", None)
+        self.by_contribution: HeadStats | None = HeadStats(sub) if sub is not None and sub.stats else None
+        if self.by_contribution is not None:
+            columns += _beside(rows, self.by_contribution)
+        columns += [_std_name(m) for m in METRICS] if several else []
         over = f", over the kept query rows {self.kept['rows']}" if self.kept else ""
         self.table = Table(rows, columns, title=f"head statistics ({self.n_texts} texts{over})")
         self.sink_rate: dict[str, float] = {}
@@ -184,4 +197,16 @@ class HeadStats(Exports):
         return head + self.table._repr_html_()
 
 
-__all__ = ["HeadStats"]
+def _beside(rows: list[dict], by: HeadStats) -> list[str]:
+    """Add each row's :data:`BESIDE` metrics by contribution (NaN for a head without them);
+    returns the new columns."""
+    got = {(r["stack"], r["layer"], r["head"], r["kind"]): r for r in by.table}
+    cols = [f"{m}_contrib" for m in BESIDE]
+    for row in rows:
+        other = got.get((row["stack"], row["layer"], row["head"], row["kind"]))
+        for m, c in zip(BESIDE, cols, strict=True):
+            row[c] = other[m] if other is not None else float("nan")
+    return cols
+
+
+__all__ = ["HeadStats", "BESIDE"]

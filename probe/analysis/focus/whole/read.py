@@ -14,6 +14,7 @@ from probe.analysis.focus.definitions.tokens import side
 from probe.analysis.focus.whole.pattern import block_metrics, received
 from probe.analysis.focus.whole.rollout import Rollout
 from probe.analysis.focus.whole.rows import is_causal
+from probe.cache.format import PATTERN_BY
 from probe.errors import ProbeError
 
 # A layer is causal when no head of it puts any weight above the diagonal (between real tokens).
@@ -31,7 +32,7 @@ def _numbered(cache: Any) -> list[str]:
     return out
 
 
-def _attentions(acc: Any, cache: Any) -> list[tuple[str, int, str]]:
+def _attentions(acc: Any, cache: Any, field: str = "pattern") -> list[tuple[str, int, str]]:
     """``(stack, layer, kind)`` of every attention pattern the cache holds (one of a kind per
     layer); where its layers hold several, those are left out and ``acc`` is told why."""
     layers = [
@@ -39,7 +40,7 @@ def _attentions(acc: Any, cache: Any) -> list[tuple[str, int, str]]:
         for s in cache.stacks
         for i in cache.layer_indices(s)  # the layers it holds: some, with capture(layers=)
         for kind in ("self", "cross")
-        if f"{s}.blocks.{i}.{kind}_attn.pattern" in cache
+        if f"{s}.blocks.{i}.{kind}_attn.{field}" in cache
     ]
     several = _numbered(cache)
     if not layers and several:
@@ -62,13 +63,21 @@ def _attentions(acc: Any, cache: Any) -> list[tuple[str, int, str]]:
     return layers
 
 
-def add_patterns(acc: Any, cache: Any, *, rollout: bool = False, progress: bool = False) -> None:
+def holds_contributions(cache: Any) -> bool:
+    """Whether ``cache`` holds whole patterns by contribution (``probe.contributions``)."""
+    return any(k.endswith(f"_attn.{PATTERN_BY['contribution']}") for k in cache.keys())
+
+
+def add_patterns(
+    acc: Any, cache: Any, *, rollout: bool = False, progress: bool = False, by: str = "weight"
+) -> None:
     """Fold every text of ``cache`` (whole patterns) into ``acc`` (a
     :class:`~probe.analysis.focus.accumulator.FocusAccumulator`); with ``rollout`` keep its
-    attention rollout too (a cache captured with every head)."""
+    attention rollout too (a cache captured with every head). ``by="contribution"``: the
+    patterns by contribution, each row renormalised to sum 1, instead of the weights."""
     meta = cache.metadata
     captured = meta.get("heads_captured")
-    layers = _attentions(acc, cache)
+    layers = _attentions(acc, cache, PATTERN_BY[by])
     roll = Rollout()
     layouts: dict[tuple, Layout] = {}
     sides: dict[tuple, object] = {}
@@ -78,7 +87,7 @@ def add_patterns(acc: Any, cache: Any, *, rollout: bool = False, progress: bool 
     for stack, layer, kind in tqdm(
         layers, desc="head stats", unit="layer", disable=not progress, leave=False
     ):
-        k = f"{stack}.blocks.{layer}.{kind}_attn.pattern"
+        k = f"{stack}.blocks.{layer}.{kind}_attn.{PATTERN_BY[by]}"
         B, H, Q, K = cache.shape(k)
         batch = B
         qs = sides.get((stack, "own", B, Q)) or side(meta, stack, "own", B, Q)
@@ -86,7 +95,9 @@ def add_patterns(acc: Any, cache: Any, *, rollout: bool = False, progress: bool 
         ks = sides.get((stack, ks_role, B, K)) or side(meta, stack, ks_role, B, K)
         sides[(stack, "own", B, Q)], sides[(stack, ks_role, B, K)] = qs, ks
         want_sum = all_heads and kind == "self" and Q == K
-        values, causal, head_sum, recv = _layer_values(cache, stack, layer, kind, qs, ks, layouts, want_sum)
+        values, causal, head_sum, recv = _layer_values(
+            cache, (stack, layer, kind), qs, ks, layouts, want_sum, by
+        )
         name = f"{stack}/{layer}/{kind}"
         got[name] = recv
         acc.fold(name, values, [int(captured[h]) if captured else h for h in range(H)], causal)
@@ -98,11 +109,23 @@ def add_patterns(acc: Any, cache: Any, *, rollout: bool = False, progress: bool 
         acc.keep_rollout(roll.R)
 
 
-def _layer_values(cache, stack, layer, kind, qs, ks, layouts, want_sum):
+def _read(cache: Any, where: tuple, heads: slice, by: str) -> torch.Tensor:
+    """A block of heads of one pattern on the CPU; by contribution, each row renormalised to sum 1."""
+    P = cache.pattern(*where, head=heads, by=by).cpu()
+    if by == "weight":
+        return P
+    P = P.float()
+    total = P.sum(-1, keepdim=True)
+    return torch.where(total > 0, P / total.clamp_min(torch.finfo(P.dtype).tiny), P)
+
+
+def _layer_values(cache, where, qs, ks, layouts, want_sum, by="weight"):
     """``([B, H, M] per-text metrics, causal, Σ_h pattern or None, [B, H, K] sink profile)`` of one
-    layer, read a block of heads at a time. A layer is causal only if no block has weight above the
-    diagonal; if a later block shows some, the earlier blocks are computed again as non-causal."""
-    B, H, Q, K = cache.shape(f"{stack}.blocks.{layer}.{kind}_attn.pattern")
+    layer ``where`` = ``(stack, layer, kind)``, read a block of heads at a time. A layer is causal
+    only if no block has weight above the diagonal; if a later block shows some, the earlier blocks
+    are computed again as non-causal."""
+    stack, layer, kind = where
+    B, H, Q, K = cache.shape(f"{stack}.blocks.{layer}.{kind}_attn.{PATTERN_BY[by]}")
     step = max(1, math.ceil(H / HEAD_BLOCKS))
     blocks = [(h0, min(H, h0 + step)) for h0 in range(0, H, step)]
 
@@ -115,12 +138,12 @@ def _layer_values(cache, stack, layer, kind, qs, ks, layouts, want_sum):
     values, causal, head_sum, recv = [], None, None, []
     for n, (h0, h1) in enumerate(blocks):
         # a cache kept on a GPU is reduced on the CPU, a block of heads at a time (the layouts live there)
-        P = cache.pattern(stack, layer, kind, head=slice(h0, h1)).cpu()
+        P = _read(cache, where, slice(h0, h1), by)
         c = kind == "self" and is_causal(P, qs, ks)
         if causal and not c:
             values, recv = [], []
             for a, b in blocks[:n]:
-                Pa = cache.pattern(stack, layer, kind, head=slice(a, b)).cpu()
+                Pa = _read(cache, where, slice(a, b), by)
                 values.append(block_metrics(Pa, layout(False), self_attn=True))
                 recv.append(_received(Pa, layout(False)))
         causal = c if causal is None else causal and c
@@ -141,4 +164,4 @@ def _received(P: torch.Tensor, lay: Layout) -> torch.Tensor:
     return received(P, lay.counted)
 
 
-__all__ = ["add_patterns", "HEAD_BLOCKS"]
+__all__ = ["add_patterns", "holds_contributions", "HEAD_BLOCKS"]
