@@ -35,13 +35,17 @@ from probe.intervene import (  # noqa: E402
     Intervention,
     Knockout,
     Patching,
+    TokenMixing,
     ablate,
+    alti,
     composition,
+    contributions,
     head_importance,
     head_writes,
     intervene,
     knockout,
     patch,
+    value_zeroing,
 )
 from probe.intervene.circuit import Circuit, circuit  # noqa: E402
 from probe.version import __version__
@@ -71,6 +75,7 @@ __all__ += ["attention_map", "pointing", "Pointing", "artifacts", "Artifacts"]
 __all__ += ["lookback", "Lookback"]
 __all__ += ["head_writes", "HeadWrites", "composition", "Composition"]
 __all__ += ["circuit", "Circuit"]
+__all__ += ["contributions", "alti", "value_zeroing", "TokenMixing"]
 
 
 def __getattr__(name: str):

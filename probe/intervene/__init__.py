@@ -6,12 +6,16 @@ its own code on its own attention path; nothing is forced onto eager attention.
 """
 
 from probe.intervene.ablate import Ablation
+from probe.intervene.alti import alti
 from probe.intervene.composition import Composition, composition
 from probe.intervene.context import Intervention, ablate, intervene, knockout
+from probe.intervene.contrib import contributions
 from probe.intervene.importance import HeadImportance, head_importance
 from probe.intervene.knockout import Knockout
+from probe.intervene.mixing import TokenMixing
 from probe.intervene.patch import Patching, patch
 from probe.intervene.writes import HeadWrites, head_writes
+from probe.intervene.zeroing import value_zeroing
 
 __all__ = [
     "intervene",
@@ -28,4 +32,8 @@ __all__ = [
     "HeadWrites",
     "composition",
     "Composition",
+    "contributions",
+    "alti",
+    "value_zeroing",
+    "TokenMixing",
 ]
