@@ -86,6 +86,34 @@ class Corpus:
         acc.leave_out(d.get("not_computed") or {})  # left out while the model ran, and why
         return acc.result()
 
+    # -- the per-text store (probe.corpus.queries) ----------------------------------------------
+    @property
+    def store(self) -> Any:
+        """The run's per-text store, :class:`~probe.corpus.queries.Store` (DuckDB over its Parquet)."""
+        if getattr(self, "_store", None) is None:
+            from probe.corpus.queries import Store
+
+            self._store = Store(self.path)
+        return self._store
+
+    def query(self, sql: str, params: list | None = None) -> Any:
+        """Any SQL over the views ``heads`` (a row per text and head), ``texts`` and ``examples``:
+        a :class:`~probe.analysis.table.Table` (:meth:`Store.query <probe.corpus.queries.Store.query>`)."""
+        return self.store.query(sql, params)
+
+    def top(self, layer: int, head: int, stat: str, k: int = 20, **kw: Any) -> Any:
+        """The ``k`` texts with the largest ``stat`` for one head (:meth:`Store.top
+        <probe.corpus.queries.Store.top>`)."""
+        return self.store.top(layer, head, stat, k, **kw)
+
+    def bottom(self, layer: int, head: int, stat: str, k: int = 20, **kw: Any) -> Any:
+        """The ``k`` texts with the smallest ``stat`` for one head."""
+        return self.store.bottom(layer, head, stat, k, **kw)
+
+    def where(self, condition: str, **kw: Any) -> Any:
+        """Every (text, head) row where the SQL ``condition`` holds (``"first > 0.9 and layer = 3"``)."""
+        return self.store.where(condition, **kw)
+
     def summary(self) -> str:
         """A few readable lines: model, texts, failures, shards, files and disk use."""
         m, c = self.manifest, self.config

@@ -5,6 +5,10 @@ Layout of ``out_dir``::
     config.json              what was asked (model, texts digest, keep, batch and shard size)
     shards/00000.json        one per finished shard: every text's file and row (or its error),
                              and the shard's head statistics (FocusAccumulator.to_dict)
+    shards/00000.heads.parquet, .texts.parquet   the shard's per-text store (probe.corpus.store),
+                             written before its record
+    shards/00000.examples.parquet   the shard's examples (probe.corpus.showcase), written after
+                             every shard's record
     shards/00000/b000.safetensors   the shard's caches (one per batch; none with keep="stats")
     manifest.json            every text -> shard, file, row or error; written last
     head_stats.json / .csv   merged per-head mean +- std over all texts
@@ -44,6 +48,8 @@ from probe.corpus.pictures import (
     run_picture_shard,
 )
 from probe.corpus.shards import finish
+from probe.corpus.showcase import examples_spec, run_examples
+from probe.corpus.store import has_pyarrow, pyarrow
 from probe.corpus.texts import load_texts
 from probe.errors import ProbeError
 from probe.files import check_writable_dir, write_text_atomic
@@ -51,7 +57,18 @@ from probe.files import check_writable_dir, write_text_atomic
 __all__ = ["CorpusFailed", "KEEPS", "check_run_dir", "finish", "load_texts", "run_corpus"]
 
 
-def _config(model, n: int, inputs: dict, keep, batch_size: int, shard_size: int, stats: bool, dtype) -> dict:
+def _config(
+    model,
+    n: int,
+    inputs: dict,
+    keep,
+    batch_size: int,
+    shard_size: int,
+    stats: bool,
+    dtype,
+    store: bool,
+    examples: dict | None = None,
+) -> dict:
     info = model_info(model)
     return {
         "model": {"name": info.get("name"), "class": info.get("class"), "parameters": info.get("parameters")},
@@ -62,6 +79,8 @@ def _config(model, n: int, inputs: dict, keep, batch_size: int, shard_size: int,
         "batch_size": batch_size,
         "shard_size": shard_size,
         "dtype": dtype,
+        "store": store,
+        "examples": examples,
     }
 
 
@@ -106,6 +125,8 @@ def run_corpus(
     text: Any = None,
     dtype: Any = None,
     progress: bool = True,
+    store: bool | None = None,
+    examples: Any = None,
 ):
     """Capture every text of ``texts`` into ``out_dir`` in bounded memory; resumable; torchrun-aware.
 
@@ -129,6 +150,16 @@ def run_corpus(
     processor, which places the image tokens): one text for every picture, or a list, one per
     picture (the manifest entry names it under ``"text"``).
 
+    ``store``: also write one row per (text, head) of every statistic, and each text with its
+    tokens, as Parquet beside the shard records (:mod:`probe.corpus.store`; queried with
+    ``corpus.query``/``top``/``where``, shown by ``probe serve``); default: when pyarrow is installed
+    and ``stats`` is on (``True`` without pyarrow is a one-line error naming the install).
+    ``examples``: what a text run keeps to show each head's top and bottom texts without their
+    patterns (:mod:`probe.corpus.showcase`): ``True`` (default with the store: the statistics of
+    the role rules and ``induction_score``, 20 texts each way, 8 positions of 6 keys), ``False``,
+    or a dict of ``stats``, ``k``, ``positions``, ``keys``. The chosen texts are captured again
+    after every shard's statistics, with the patterns of the layers they need.
+
     Rerunning the same call resumes; another configuration in ``out_dir`` is refused. Under
     ``torchrun`` rank ``r`` takes shards ``i`` with ``i % world == r``; rank 0 merges.
 
@@ -139,8 +170,8 @@ def run_corpus(
 
     keep, dtype = _check_args(batch_size, shard_size, keep, stats, dtype)
     out = Path(out_dir)
-    settings = (keep, batch_size, shard_size, stats, dtype)
-    cfg, n, run_shard = _inputs(model, texts, tokenizer, processor, field, settings, text)
+    settings = (keep, batch_size, shard_size, stats, dtype, _store(store, stats))
+    cfg, n, run_shard, show = _inputs(model, texts, tokenizer, processor, field, settings, text, examples)
     resumed = _check_config(out, cfg)  # every rank checks: they all refuse alike, none waits forever
     existed = out.exists()
     group = Group()
@@ -150,6 +181,9 @@ def run_corpus(
         group.barrier()
         _run_mine(run_shard, n, out, cfg, group, progress)
         group.barrier()
+        if show is not None:  # every shard's statistics are in: each rank shows its shards' heads
+            show(out, [i for i in range(-(-n // cfg["shard_size"])) if group.mine(i)])
+            group.barrier()
         if group.rank == 0:
             shards.finish(out)
         group.barrier()
@@ -163,11 +197,18 @@ def run_corpus(
 
 
 def _inputs(
-    model, texts: Any, tokenizer: Any, processor: Any, field: Any, settings: tuple, text: Any = None
+    model,
+    texts: Any,
+    tokenizer: Any,
+    processor: Any,
+    field: Any,
+    settings: tuple,
+    text: Any = None,
+    examples: Any = None,
 ) -> tuple:
-    """``(config, n, run_shard)`` of the texts or pictures ``texts`` (``text`` read beside the
+    """``(config, n, run_shard, show)`` of the texts or pictures ``texts`` (``text`` read beside the
     pictures): ``run_shard(a, b, folder, bar)`` captures items ``a:b`` into ``folder`` and
-    returns the shard's record."""
+    returns the shard's record; ``show(out, shards)`` writes those shards' examples (None: no examples)."""
     tokenizer = tokenizer if tokenizer is not None else getattr(model, "tokenizer", None)
     if processor is None and tokenizer is None:  # an image model carrying its processor (vit_zoo)
         processor = getattr(model, "processor", None)
@@ -181,25 +222,44 @@ def _inputs(
         }
         if prompts is not None:
             what["texts_sha256"] = hashlib.sha256("\x00".join(prompts).encode("utf-8")).hexdigest()
+        if examples:
+            raise ProbeError("examples= are kept for text runs; drop it for pictures")
         cfg = _config(model, len(items), what, *settings)
 
         def run_pictures(a: int, b: int, folder: Path, bar: Any) -> dict:
             mine = prompts[a:b] if prompts is not None else None
             return run_picture_shard(
-                model, processor, items[a:b], names[a:b], a, folder, *_shard_args(cfg, bar), texts=mine
+                model,
+                processor,
+                items[a:b],
+                names[a:b],
+                a,
+                folder,
+                *_shard_args(cfg, bar),
+                texts=mine,
+                store=bool(cfg.get("store")),
             )
 
-        return cfg, len(items), run_pictures
+        return cfg, len(items), run_pictures, None
     if text is not None:
         raise ProbeError("text= is read beside pictures: give pictures and processor=, or drop text=")
     texts = load_texts(texts, field=field)
     digest = hashlib.sha256("\x00".join(texts).encode("utf-8")).hexdigest()
-    cfg = _config(model, len(texts), {"texts_sha256": digest}, *settings)
+    store = settings[-1]
+    if examples and not store:
+        raise ProbeError("examples= are chosen from the per-text store; it needs store=True (and pyarrow)")
+    spec = examples_spec(store if examples is None else examples)
+    cfg = _config(model, len(texts), {"texts_sha256": digest}, *settings, spec)
 
     def run_texts(a: int, b: int, folder: Path, bar: Any) -> dict:
-        return shards.run_shard(model, tokenizer, texts[a:b], a, folder, *_shard_args(cfg, bar))
+        return shards.run_shard(
+            model, tokenizer, texts[a:b], a, folder, *_shard_args(cfg, bar), store=bool(cfg.get("store"))
+        )
 
-    return cfg, len(texts), run_texts
+    def show(out: Path, mine: list[int]) -> None:
+        run_examples(model, tokenizer, texts, out, cfg, mine)
+
+    return cfg, len(texts), run_texts, (show if spec else None)
 
 
 def _check_args(
@@ -216,6 +276,17 @@ def _check_args(
     if keep == "stats" and not stats:
         raise ProbeError("keep='stats' with stats=False would store nothing; keep patterns or compute stats")
     return keep, dtype
+
+
+def _store(store: bool | None, stats: bool) -> bool:
+    """Whether the run writes per-text rows: ``store`` checked (they need ``stats`` and pyarrow)."""
+    if store is None:
+        return stats and has_pyarrow()
+    if store and not stats:
+        raise ProbeError("store=True keeps each text's statistics; it needs stats=True")
+    if store:
+        pyarrow()  # a one-line error naming the install when it is missing
+    return bool(store)
 
 
 def _pictures(inputs: Any, processor: Any, field: Any, model: Any) -> tuple[list, list]:
@@ -252,7 +323,7 @@ def _run_mine(run_shard: Any, n: int, out: Path, cfg: dict, group: Group, progre
         for i in todo:
             folder = out / "shards" / f"{i:05d}"
             # this shard's record may have been half-written by a killed run: drop its temp files
-            shards.remove_stale(out / "shards", f".{i:05d}.json.*.tmp")
+            shards.remove_stale(out / "shards", f".{i:05d}.json.*.tmp", f".{i:05d}.*.parquet.*.tmp")
             rec = run_shard(i * shard_size, min(n, (i + 1) * shard_size), folder, bar)
             write_text_atomic(out / "shards" / f"{i:05d}.json", json.dumps(rec, ensure_ascii=False))
 

@@ -15,6 +15,7 @@ from probe.analysis.focus.accumulator import FocusAccumulator
 from probe.cache import Cache
 from probe.capture import capture
 from probe.corpus.keep import kept
+from probe.corpus.store import ShardRows, TextRowsAccumulator
 from probe.entry import capture as capture_stats
 from probe.errors import ProbeError
 from probe.files import write_text_atomic
@@ -38,15 +39,20 @@ def remove_stale(folder: Path, *patterns: str) -> None:
 
 class ShardRecord:
     """One shard's record while it runs: stores each capture (statistics folded in, the kept part
-    saved as the shard's next batch file), notes each failure, and gives the JSON record."""
+    saved as the shard's next batch file), notes each failure, and gives the JSON record.
+    ``sources`` (each item's text, or a picture's name): also keep each item's per-text rows
+    (:class:`~probe.corpus.store.ShardRows`), written beside the record."""
 
-    def __init__(self, folder: Path, n: int, keep, stats: bool, dtype, start: int) -> None:
+    def __init__(
+        self, folder: Path, n: int, keep, stats: bool, dtype, start: int, sources: list[str] | None = None
+    ) -> None:
         # left by a killed writer: our temp files (.NAME.XXXX.tmp) and safetensors' own (.tmpXXXXXX,
         # which its save_file writes before renaming onto ours)
         remove_stale(folder, ".*.tmp", ".tmp*")
         self.folder, self.keep, self.stats, self.dtype, self.start = folder, keep, stats, dtype, start
         self.shard = int(folder.name)
-        self.acc = FocusAccumulator()
+        self.rows = ShardRows(self.shard, start, sources) if sources is not None and stats else None
+        self.acc = TextRowsAccumulator() if self.rows is not None else FocusAccumulator()
         self.entries: list[dict | None] = [None] * n
         self.n_files = 0
 
@@ -55,6 +61,8 @@ class ShardRecord:
         save what ``keep`` stores; ``extra`` adds fields to each row's manifest entry."""
         if self.stats:
             self.acc.add(cache)
+        if self.rows is not None:
+            self.rows.add(self.acc.take(), rows, cache.metadata, self.acc.kv_group)
         part = kept(cache, self.keep, self.dtype)  # statistics above read the float32 patterns
         rel = None
         if part is not None:
@@ -67,9 +75,15 @@ class ShardRecord:
     def fail(self, i: int, error: str, extra: dict | None = None) -> None:
         """Item ``i`` of the shard could not be captured: its manifest entry is the error."""
         self.entries[i] = {"shard": self.shard, **(extra or {}), "error": error}
+        if self.rows is not None:
+            self.rows.fail(i, error)
 
     def record(self) -> dict:
-        """The shard's JSON record (see :mod:`probe.corpus.run`)."""
+        """The shard's JSON record (see :mod:`probe.corpus.run`); the per-text rows, when kept, are
+        written first (``shards/NNNNN.heads.parquet`` and ``.texts.parquet``): the record, written
+        after them, marks the shard done."""
+        if self.rows is not None:
+            self.rows.write(self.folder.parent.parent)
         stats = None
         if self.stats and self.acc.n_texts:
             stats = self.acc.to_dict()
@@ -84,11 +98,14 @@ class ShardRecord:
         }
 
 
-def run_shard(model, tokenizer, texts, start, folder: Path, keep, batch_size, stats, bar, dtype) -> dict:
+def run_shard(
+    model, tokenizer, texts, start, folder: Path, keep, batch_size, stats, bar, dtype, store: bool = False
+) -> dict:
     """Capture one shard's texts (bucketed by length) and return its JSON record. With
     ``keep="stats"`` each batch's statistics are computed block by block while the model runs
-    (``probe.capture(..., keep="stats")``): a batch holds one row block of patterns, never a layer's."""
-    rec = ShardRecord(folder, len(texts), keep, stats, dtype, start)
+    (``probe.capture(..., keep="stats")``): a batch holds one row block of patterns, never a layer's.
+    ``store``: also write the shard's per-text rows (:mod:`probe.corpus.store`)."""
+    rec = ShardRecord(folder, len(texts), keep, stats, dtype, start, list(texts) if store else None)
     order = sorted(range(len(texts)), key=lambda i: (len(texts[i]), i))
     batches = [order[j : j + batch_size] for j in range(0, len(order), batch_size)]
 

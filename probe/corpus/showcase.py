@@ -1,0 +1,180 @@
+"""A corpus run's examples: each head's top and bottom texts by chosen statistics, shown without their
+patterns (``shards/NNNNN.examples.parquet``).
+
+After every shard's statistics are written, :func:`select` reads the heads files shard by shard
+and keeps, for every head and each statistic of ``examples["stats"]``, the ``k`` texts with the
+largest and the ``k`` with the smallest value (NaN left out; ties by text index: the order of
+``corpus.top``), so memory holds heads x statistics x 2k candidates, whatever the corpus size.
+Each rank then captures again, with whole patterns, only the chosen texts of its shards (only
+the layers it needs), and writes per shard one row per (head, statistic, direction, text):
+``text``, ``stack``, ``layer``, ``head``, ``kind``, ``stat``, ``direction`` (``"top"``,
+``"bottom"``), ``rank`` (1 = the most extreme), ``value`` (the stored statistic) and what
+:class:`~probe.corpus.examples.Example` holds (``positions``, ``terms``, ``keys``, ``weights``,
+``targets``). The file marks the shard's examples done (written atomically; a rerun skips it).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from probe import interrupt
+from probe.corpus.examples import KEYS, POSITIONS, Example, LayerExamples
+from probe.corpus.queries import EXAMPLES, check_stat
+from probe.corpus.store import HEADS, pyarrow, shard_file, write_parquet
+from probe.entry import capture
+from probe.errors import ProbeError
+
+# a statistic per role rule (probe.analysis.focus.definitions.table.ROLE_RULES), and the induction score
+STATS = (
+    "induction_score",
+    "induction_prefix",
+    "dup_prefix",
+    "prev",
+    "next",
+    "self",
+    "norm_entropy",
+    "first",
+    "pos_frac",
+    "local",
+)
+K = 20
+
+
+def examples_spec(examples: Any) -> dict | None:
+    """``examples`` checked: ``None``/``False`` (none), ``True`` (the defaults), or a dict of
+    ``stats`` (statistics), ``k`` (texts per head and direction), ``positions``, ``keys``."""
+    if examples is None or examples is False:
+        return None
+    spec = {"stats": list(STATS), "k": K, "positions": POSITIONS, "keys": KEYS}
+    if examples is not True:
+        if not isinstance(examples, dict) or not set(examples) <= set(spec):
+            raise ProbeError(f"examples={examples!r}: give True, False or a dict with keys {sorted(spec)}")
+        spec.update(examples)
+    spec["stats"] = [
+        check_stat(s) for s in ([spec["stats"]] if isinstance(spec["stats"], str) else spec["stats"])
+    ]
+    for name in ("k", "positions", "keys"):
+        if not isinstance(spec[name], int) or isinstance(spec[name], bool) or spec[name] < 1:
+            raise ProbeError(f"examples[{name!r}]={spec[name]!r}: give a positive integer")
+    return spec
+
+
+def _best(values: np.ndarray, texts: np.ndarray, k: int, top: bool) -> np.ndarray:
+    """Indices of the ``k`` best finite ``values`` (largest or smallest; ties by text)."""
+    ok = np.flatnonzero(np.isfinite(values))
+    v = values[ok]
+    order = np.lexsort((texts[ok], -v if top else v))[:k]
+    return ok[order]
+
+
+def select(out: Path, n_shards: int, spec: dict) -> dict[tuple, tuple[np.ndarray, np.ndarray]]:
+    """``(stack, layer, kind, head, stat, direction) -> (texts, values)``: each head's ``k`` most
+    extreme texts by each statistic, best first, read from the heads files one row group at a time."""
+    import pyarrow.parquet as pq
+
+    best: dict[tuple, tuple[np.ndarray, np.ndarray]] = {}
+    for i in range(n_shards):
+        f = pq.ParquetFile(shard_file(out, i, HEADS))
+        for g in range(f.num_row_groups):
+            t = f.read_row_group(g, columns=["text", "stack", "layer", "kind", "head", *spec["stats"]])
+            if not t.num_rows:
+                continue
+            where = (t["stack"][0].as_py(), int(t["layer"][0].as_py()), t["kind"][0].as_py())
+            text, head = t["text"].to_numpy(), t["head"].to_numpy()
+            for h in np.unique(head):
+                rows = head == h
+                for stat in spec["stats"]:
+                    v = t[stat].to_numpy(zero_copy_only=False)[rows].astype(np.float32)
+                    for direction in ("top", "bottom"):
+                        key = (*where, int(h), stat, direction)
+                        old_t, old_v = best.get(key, (np.empty(0, np.int64), np.empty(0, np.float32)))
+                        tt = np.concatenate([old_t, text[rows]])
+                        vv = np.concatenate([old_v, v])
+                        keep = _best(vv, tt, spec["k"], direction == "top")
+                        best[key] = (tt[keep], vv[keep])
+    return best
+
+
+def wanted_by_shard(best: dict, shard_size: int) -> dict[int, list[tuple]]:
+    """The selection grouped by shard: ``shard -> [(text, key, rank, value), ...]``."""
+    out: dict[int, list[tuple]] = {}
+    for key, (texts, values) in best.items():
+        for rank, (t, v) in enumerate(zip(texts.tolist(), values.tolist(), strict=True), 1):
+            out.setdefault(t // shard_size, []).append((t, key, rank, v))
+    return out
+
+
+def run_examples(model, tokenizer, texts: list[str], out: Path, cfg: dict, mine: list[int]) -> None:
+    """Write the examples of the shards ``mine`` (those without their file yet); see the module."""
+    spec = cfg["examples"]
+    todo = [i for i in mine if not shard_file(out, i, EXAMPLES).is_file()]
+    if not todo:
+        return
+    n_shards = -(-cfg["n_texts"] // cfg["shard_size"])
+    wanted = wanted_by_shard(select(out, n_shards, spec), cfg["shard_size"])
+    for i in todo:
+        rows = shard_rows(model, tokenizer, texts, wanted.get(i, []), cfg["batch_size"], spec)
+        write_parquet(shard_file(out, i, EXAMPLES), [rows], empty=rows)
+        interrupt.check()
+
+
+def shard_rows(model, tokenizer, texts: list[str], wanted: list[tuple], batch_size: int, spec: dict) -> Any:
+    """The examples table of one shard's ``wanted`` ``(text, key, rank, value)`` entries: their texts
+    captured again (by length, ``batch_size`` at a time; the layers they need)."""
+    by_text: dict[int, list[tuple]] = {}
+    for w in wanted:
+        by_text.setdefault(w[0], []).append(w)
+    order = sorted(by_text, key=lambda t: (len(texts[t]), t))
+    records: list[dict] = []
+    for j in range(0, len(order), batch_size):
+        batch = order[j : j + batch_size]
+        layers = sorted({w[1][1] for t in batch for w in by_text[t]})
+        cache = capture(model, [texts[t] for t in batch], tokenizer=tokenizer, layers=layers)
+        seen: dict[tuple, LayerExamples] = {}
+        for row, t in enumerate(batch):
+            for _, (stack, layer, kind, head, stat, direction), rank, value in by_text[t]:
+                where = (stack, layer, kind)
+                if where not in seen:
+                    seen[where] = LayerExamples(cache, stack, layer, kind)
+                try:
+                    ex = seen[where].example(row, head, stat, direction, spec["positions"], spec["keys"])
+                except ProbeError:  # a statistic with no per-query term here: its value, no positions
+                    ex = Example([], [], [], [], [])
+                records.append(
+                    {
+                        "text": t,
+                        "stack": stack,
+                        "layer": layer,
+                        "head": head,
+                        "kind": kind,
+                        "stat": stat,
+                        "direction": direction,
+                        "rank": rank,
+                        "value": value,
+                        **vars(ex),
+                    }
+                )
+        del cache, seen
+    return examples_table(records)
+
+
+def examples_table(records: list[dict]) -> Any:
+    """The pyarrow table of example records (the columns of the module docstring), sorted by head."""
+    pa = pyarrow()
+    records.sort(
+        key=lambda r: (r["stack"], r["layer"], r["kind"], r["head"], r["stat"], r["direction"], r["rank"])
+    )
+    ints, floats = pa.list_(pa.int32()), pa.list_(pa.float32())
+    cols = {
+        "text": pa.int64(), "stack": pa.string(), "layer": pa.int16(), "head": pa.int16(),
+        "kind": pa.string(), "stat": pa.string(), "direction": pa.string(), "rank": pa.int16(),
+        "value": pa.float32(), "positions": ints, "terms": floats, "keys": pa.list_(ints),
+        "weights": pa.list_(floats), "targets": pa.list_(ints),
+    }  # fmt: skip
+    return pa.table({c: pa.array([r[c] for r in records], t) for c, t in cols.items()})
+
+
+__all__ = ["K", "STATS", "examples_spec", "examples_table", "run_examples", "select", "shard_rows"]
