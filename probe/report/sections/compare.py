@@ -71,10 +71,10 @@ def build(ctx) -> dict | None:
     """The comparison of ``ctx.caches[0]`` (A) and ``ctx.caches[1]`` (B); None unless there are two."""
     if len(ctx.caches) != 2:
         return None
-    import probe
+    from probe.analysis.compare import compare
 
     ctx.progress("comparing the two caches")
-    c = ctx.results.get("comparison") or probe.compare(*ctx.caches)
+    c = ctx.results.get("comparison") or compare(*ctx.caches)
     ctx.results["comparison"] = c
     groups = []
     for stack, kind in dict.fromkeys((r["stack"], r["kind"]) for r in c.heads):

@@ -161,13 +161,13 @@ def group_notes(notes: list[str]) -> list[str]:
 
 def build(ctx) -> dict | None:
     """Residual statistics (always), and with ``ctx.model`` the logit lens, attribution and budget."""
-    import probe
+    from probe.analysis import residual as rs
 
     cache = ctx.cache
     if not any(k.endswith("resid_pre") for k in cache.keys()):
         return None
     ctx.progress("residual stream")
-    stats = ctx.results.get("residual") or probe.residual(cache)
+    stats = ctx.results.get("residual") or rs.residual(cache)
     ctx.results["residual"] = stats
     s: dict[str, Any] = {
         "norms_fig": _norms_figure(ctx, stats),
@@ -182,20 +182,18 @@ def build(ctx) -> dict | None:
     if ctx.model is not None:
         ctx.progress("logit lens")
         try:
-            lens = ctx.results.get("logit_lens") or probe.logit_lens(
-                ctx.model, cache, tokenizer=ctx.tokenizer
-            )
+            lens = ctx.results.get("logit_lens") or rs.logit_lens(ctx.model, cache, tokenizer=ctx.tokenizer)
             ctx.results["logit_lens"] = lens
             s["lens"] = _lens(ctx, lens)
             s["notes"] += group_notes(lens.notes)
         except ProbeError as e:
             s["notes"].append(f"no logit lens: {e}")
-        b = probe.budget(ctx.model)
+        b = rs.budget(ctx.model)
     else:
         cfg = (cache.metadata.get("model") or {}).get("config") or {}
         if cfg.get("model_type"):  # a Hugging Face model: its config alone gives the budget (meta device)
             try:
-                b = probe.budget(cfg)
+                b = rs.budget(cfg)
             except ProbeError as e:
                 s["notes"].append(f"no parameter budget: {e}")
     if b is not None:
