@@ -84,11 +84,31 @@ def dtw(cost: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return rows, cols
 
 
-def row_starts(w: torch.Tensor, width: int = MEDIAN_WIDTH) -> list[int]:
-    """Steps 1-5: the frame at which each row of ``[head, row, frame]`` starts on the path."""
-    rows, cols = dtw(-alignment_matrix(w, width).numpy())
+def filtered(w: torch.Tensor, width: int = MEDIAN_WIDTH) -> torch.Tensor:
+    """Steps 1-2, which act on each head alone: ``[head, row, frame]`` z-scored and median
+    filtered (step 3, the mean over a set of heads, can then be taken of any subset)."""
+    return median_filter(standardise(w.double()), width)
+
+
+def path_starts(matrix: torch.Tensor) -> list[int]:
+    """Steps 4-5: the frame at which each row of the ``[row, frame]`` matrix starts on the path."""
+    rows, cols = dtw(-matrix.numpy())
     jumps = np.concatenate([[True], np.diff(rows) != 0])
     return [int(c) for c in cols[jumps]]
 
 
-__all__ = ["MEDIAN_WIDTH", "alignment_matrix", "dtw", "median_filter", "row_starts", "standardise"]
+def row_starts(w: torch.Tensor, width: int = MEDIAN_WIDTH) -> list[int]:
+    """Steps 1-5: the frame at which each row of ``[head, row, frame]`` starts on the path."""
+    return path_starts(alignment_matrix(w, width))
+
+
+__all__ = [
+    "MEDIAN_WIDTH",
+    "alignment_matrix",
+    "dtw",
+    "filtered",
+    "median_filter",
+    "path_starts",
+    "row_starts",
+    "standardise",
+]
