@@ -33,8 +33,8 @@ from torch import Tensor, nn
 from probe.capture.inputs.images import with_text
 from probe.errors import ProbeError
 from probe.forward import capture
-from probe.intervene.anatomy import anatomy
-from probe.intervene.mixing import TokenMixing, normalise_rows, one_stack, real_tokens
+from probe.intervene.anatomy import Anatomy
+from probe.intervene.mixing import TokenMixing, anatomy_of, normalise_rows, one_stack, real_tokens
 from probe.intervene.values import FLOATS, ValueTap, head_values, label
 
 LEFT_OUT = (
@@ -69,7 +69,7 @@ def alti_layer(alpha: Tensor, f: Tensor, x: Tensor, b_O: Tensor) -> tuple[Tensor
 
 
 def alti(
-    model: nn.Module,
+    model: nn.Module | Anatomy,
     inputs: Any,
     *,
     stack: str | None = None,
@@ -81,16 +81,18 @@ def alti(
 ) -> TokenMixing:
     """ALTI contributions of every pre-norm attention block of ``stack`` (the model's only one by
     default) on ``inputs`` (anything :func:`probe.capture` takes), and their rollout (see the
-    module docstring). Costs the anatomy's few forwards and one capture of whole patterns."""
+    module docstring). Costs the anatomy's few forwards and one capture of whole patterns;
+    ``model`` may be its :class:`~probe.intervene.anatomy.Anatomy` already found."""
     media = {"processor": processor, "text": text, "sampling_rate": sampling_rate}
-    an = anatomy(model, inputs, tokenizer=tokenizer, target=target, **media)
+    an = anatomy_of(model, inputs, tokenizer=tokenizer, target=target, **media)
+    model = an.model
     stack = one_stack(an.stacks, stack)
     keys = [(s, i, "self") for s, i in an.layers if s == stack]
     tap = ValueTap(an, keys)
     _refuse(an, tap, keys)
     values: dict = {}
 
-    def keep(attn: Any) -> None:  # a pattern kind that stores nothing: the values, kept here
+    def keep(attn: Any) -> None:  # asked as the contribution kind, it keeps the values and stores nothing
         key = tap.key_of(attn.module, attn.role)
         if key is not None and key[0] == stack:
             values[key] = tap.values(key, attn.qk[1])
@@ -98,7 +100,7 @@ def alti(
 
     with tap:
         cache = capture(
-            model, inputs, tokenizer=tokenizer, target=target, kinds={"alti": keep}, **_media(media)
+            model, inputs, tokenizer=tokenizer, target=target, kinds={"contribution": keep}, **_media(media)
         )
     mask, tokens = real_tokens(cache, stack)
     out = TokenMixing("ALTI", stack, {}, mask, tokens, notes=[LEFT_OUT])

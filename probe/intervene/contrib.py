@@ -38,7 +38,8 @@ from probe.capture.consumers.kept import parse_keep
 from probe.capture.inputs.images import with_text
 from probe.errors import ProbeError
 from probe.forward import capture, capture_stats
-from probe.intervene.anatomy import anatomy
+from probe.intervene.anatomy import Anatomy
+from probe.intervene.mixing import anatomy_of
 from probe.intervene.values import ValueTap, label
 
 DEFINITION = (
@@ -49,7 +50,7 @@ DEFINITION = (
 
 
 def contributions(
-    model: nn.Module,
+    model: nn.Module | Anatomy,
     inputs: Any,
     *,
     tokenizer: Any = None,
@@ -67,15 +68,17 @@ def contributions(
     """Capture ``model`` on ``inputs`` with each head's contributions beside its weights (see the
     module docstring). Arguments as :func:`probe.capture` takes them (``keep``: whole patterns,
     ``{"rows": [...]}``, ``{"topk": k}`` or ``"stats"``; ``block``: the row blocks of
-    ``keep="stats"``). Costs the anatomy's few forwards (on the first input) and one capture.
+    ``keep="stats"``). Costs the anatomy's few forwards (on the first input) and one capture;
+    ``model`` may be its :class:`~probe.intervene.anatomy.Anatomy` already found (on any input).
     A ProbeError when no attention of the model has contributions (the reason of the first)."""
     kept = parse_keep(keep)
     if block is not None and kept.kind != "stats":
         raise ProbeError("block= sets the row blocks of keep='stats'; drop it for other keeps")
-    an = anatomy(
+    an = anatomy_of(
         model, inputs, tokenizer=tokenizer, target=target, processor=processor, text=text,
         sampling_rate=sampling_rate,
     )  # fmt: skip
+    model = an.model
     info: dict[str, Any] = {"definition": DEFINITION, "refused": {}}
     tap = ValueTap(an, refused=info["refused"])
     if not tap.keys:

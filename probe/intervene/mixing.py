@@ -19,6 +19,7 @@ from torch import Tensor
 from probe.analysis.residual.exports import TableExports
 from probe.analysis.table import Table
 from probe.errors import ProbeError
+from probe.intervene.anatomy import Anatomy, anatomy
 
 
 def normalise_rows(C: Tensor, mask: Tensor | None) -> Tensor:
@@ -34,6 +35,12 @@ def normalise_rows(C: Tensor, mask: Tensor | None) -> Tensor:
     if mask is not None:
         out = torch.where(m[:, :, None], out, eye)
     return out
+
+
+def anatomy_of(model: Any, inputs: Any, **kwargs: Any) -> Any:
+    """``model`` itself when it is an :class:`~probe.intervene.anatomy.Anatomy` already found
+    (its ``model`` is run), else the anatomy of ``model`` found on ``inputs``."""
+    return model if isinstance(model, Anatomy) else anatomy(model, inputs, **kwargs)
 
 
 def one_stack(stacks: list[str], stack: str | None) -> str:
@@ -146,4 +153,4 @@ class TokenMixing(TableExports):
         return f"TokenMixing({self.method}, {self.stack}, {len(self.matrices)} layers, {B} x {T} x {T}{err})"
 
 
-__all__ = ["TokenMixing", "normalise_rows", "one_stack", "real_tokens"]
+__all__ = ["TokenMixing", "normalise_rows", "one_stack", "real_tokens", "anatomy_of"]

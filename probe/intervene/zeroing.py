@@ -26,8 +26,8 @@ from torch import Tensor, nn
 from probe.capture.inputs.images import with_text
 from probe.errors import ProbeError
 from probe.forward import capture
-from probe.intervene.anatomy import anatomy
-from probe.intervene.mixing import TokenMixing, normalise_rows, one_stack, real_tokens
+from probe.intervene.anatomy import Anatomy
+from probe.intervene.mixing import TokenMixing, anatomy_of, normalise_rows, one_stack, real_tokens
 from probe.intervene.values import label
 
 NOTE = "c_ij = 1 - cos(y_i, y_i without token j's values in the layer); y: the layer's output"
@@ -95,7 +95,7 @@ class _Zero:
 
 
 def value_zeroing(
-    model: nn.Module,
+    model: nn.Module | Anatomy,
     inputs: Any,
     *,
     stack: str | None = None,
@@ -109,11 +109,13 @@ def value_zeroing(
 ) -> TokenMixing:
     """Value-zeroing scores of every self-attention layer of ``stack`` (the model's only one by
     default; ``layers`` to choose) on ``inputs`` (anything :func:`probe.capture` takes), see the
-    module docstring. ``batch_size``: copies of the inputs per forward (at least 2)."""
+    module docstring. ``batch_size``: copies of the inputs per forward (at least 2); ``model`` may
+    be its :class:`~probe.intervene.anatomy.Anatomy` already found."""
     if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 2:
         raise ProbeError(f"batch_size: copies of the inputs per forward (at least 2), not {batch_size!r}")
     media = {"processor": processor, "text": text, "sampling_rate": sampling_rate}
-    an = anatomy(model, inputs, tokenizer=tokenizer, target=target, **media)
+    an = anatomy_of(model, inputs, tokenizer=tokenizer, target=target, **media)
+    model = an.model
     stack = one_stack(an.stacks, stack)
     keep = _layers(an, stack, layers)
     run = {"tokenizer": tokenizer, "processor": with_text(processor, text), "sampling_rate": sampling_rate}

@@ -28,6 +28,7 @@ from typing import Any
 
 from torch import Tensor
 
+from probe.cache.format import ATTN_FIELDS
 from probe.capture.calls import Attention
 from probe.capture.consumers.keep import batch_size, restore_layout
 from probe.errors import ProbeError
@@ -54,8 +55,11 @@ class Kinds:
 
     def __init__(self, inner: Any, kinds: dict[str, ScaleFn]) -> None:
         for name in kinds:
-            if not name.isidentifier() or name in ("pattern", "rows", "row_index", "parts", "sink"):
-                raise ProbeError(f"{name!r} cannot name a pattern kind; choose a new identifier")
+            if name not in ATTN_FIELDS or ATTN_FIELDS[name] != ATTN_FIELDS["pattern"] or name == "pattern":
+                raise ProbeError(
+                    f"{name!r} is not a pattern kind of the cache format; a new kind is a field of "
+                    "probe.cache.format.ATTN_FIELDS laid out as 'pattern' (and its _rows, _topk_* fields)"
+                )
         self.inner = inner
         self.kinds = dict(kinds)
         self.events: dict[int, list[tuple]] = {}
