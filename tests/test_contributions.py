@@ -185,9 +185,12 @@ def test_stats_by_contribution_against_the_tests_own_rows(llama):
     want = _llama_want(llama, ids)
     whole = probe.contributions(llama, ids)
     oracle = probe.head_stats(_as_weights(whole, want), progress=False)
-    streamed = probe.head_stats(probe.contributions(llama, ids, keep="stats"), progress=False)
+    streamed = [
+        probe.head_stats(probe.contributions(model, ids, keep="stats", block=block), progress=False)
+        for model, block in ((llama, None), (llama, 5), (hf.eager_twin(llama), 5))  # SDPA, blocks, softmax
+    ]
     held = probe.head_stats(whole, progress=False)
-    for got in (held, streamed):
+    for got in (held, *streamed):
         assert got.by_contribution is not None
         for a, b, w in zip(got.by_contribution.table, oracle.table, got.table, strict=True):
             for m in ("first", "distance", "entropy", "prev", "content"):
