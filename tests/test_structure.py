@@ -13,11 +13,13 @@ PROBE = Path(__file__).resolve().parent.parent / "probe"
 
 # package -> the probe packages it must never import
 FORBIDDEN = {
-    "cache": {"capture", "analysis", "report", "cli", "corpus", "export"},
-    "capture": {"analysis", "report", "cli", "corpus", "export"},
+    "cache": {"capture", "analysis", "report", "cli", "corpus", "export", "explore"},
+    "capture": {"analysis", "report", "cli", "corpus", "export", "explore"},
     # analysis: model calls go through probe.forward
-    "analysis": {"capture", "intervene", "report", "cli", "corpus", "export"},
-    "report": {"capture", "intervene", "cli", "corpus"},  # reads caches and analysis results only
+    "analysis": {"capture", "intervene", "report", "cli", "corpus", "export", "explore"},
+    "report": {"capture", "intervene", "cli", "corpus", "explore"},  # reads caches and analysis results only
+    # probe serve's app: reads corpus runs, caches, analyses and the report; only cli imports it
+    "explore": {"capture", "intervene", "cli", "export"},
 }
 # (file, package) imports that are meant: Cache.to_bertviz()/to_circuitsvis() are conveniences the
 # issue asked for, delegating lazily to probe.export (no cycle when modules load)

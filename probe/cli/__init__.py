@@ -26,6 +26,7 @@ from probe.cli import (
     intervene,
     report,
     residual,
+    serve,
     stats,
 )
 from probe.cli.align import align_text, cmd_align
@@ -40,6 +41,7 @@ from probe.cli.generate import cmd_generate
 from probe.cli.intervene import cmd_ablate, cmd_patch
 from probe.cli.report import cmd_report
 from probe.cli.residual import cmd_budget, cmd_lens, cmd_residual
+from probe.cli.serve import cmd_serve
 from probe.cli.stats import cmd_stats
 
 __all__ = [
@@ -63,6 +65,7 @@ __all__ = [
     "cmd_patch",
     "cmd_report",
     "cmd_residual",
+    "cmd_serve",
     "cmd_stats",
     "info_text",
     "load_model",
@@ -93,6 +96,7 @@ def build_parser() -> argparse.ArgumentParser:
     capture.add_capture_parser(sub)
     capture.add_info_parser(sub)
     corpus.add_parser(sub)
+    serve.add_parser(sub)
     check.add_parser(sub)
     report.add_parser(sub)
     generate.add_parser(sub)

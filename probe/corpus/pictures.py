@@ -156,28 +156,15 @@ def _batch(outs: list[Mapping]) -> dict[str, Any]:
 
 
 def run_picture_shard(
-    model,
-    processor,
-    items,
-    names,
-    start,
-    folder: Path,
-    keep,
-    batch_size,
-    stats,
-    bar,
-    dtype,
-    texts=None,
-    store: bool = False,
+    model, processor, items, names, start, folder: Path, settings: tuple, texts=None, store: bool = False
 ) -> dict:
     """Capture one shard's pictures (batches of one processed size, in input order; ``texts``, one
     per picture, read beside them by a vision-language model) and return its JSON record; memory
-    holds at most ``batch_size`` processed pictures per size. ``store``: also write the per-picture
-    rows (:mod:`probe.corpus.store`; each picture's source is its name, and its text when given)."""
-    sources = None
-    if store:
-        sources = [str(n) if texts is None else f"{n}: {texts[i]}" for i, n in enumerate(names)]
-    rec = ShardRecord(folder, len(items), keep, stats, dtype, start, sources)
+    holds at most ``batch_size`` processed pictures per size. ``settings``: ``(keep, batch_size,
+    stats, bar, dtype)``; ``store``: also write the per-picture rows (:mod:`probe.corpus.store`)."""
+    keep, batch_size, stats, bar, dtype = settings
+    sources = [str(n) if texts is None else f"{n}: {texts[i]}" for i, n in enumerate(names)]
+    rec = ShardRecord(folder, len(items), keep, stats, dtype, start, sources if store else None)
     pending: dict[tuple, list[tuple[int, Mapping]]] = {}
     tokenizer = tokenizer_of(processor) if texts is not None else None
 

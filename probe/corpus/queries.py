@@ -118,14 +118,20 @@ class Store:
         return ProbeError(f"cannot read the store of {self.path}: {first}")
 
     # -- the common questions --------------------------------------------------------------------
+    @property
+    def heads(self) -> dict[tuple[str, str], set[tuple[int, int]]]:
+        """``(stack, kind) -> {(layer, head), ...}``: the heads of the run (from head_stats.json)."""
+        if getattr(self, "_heads", None) is None:
+            rows = json.loads((self.path / "head_stats.json").read_text(encoding="utf-8"))["rows"]
+            heads: dict[tuple[str, str], set[tuple[int, int]]] = {}
+            for r in rows:
+                heads.setdefault((r["stack"], r["kind"]), set()).add((int(r["layer"]), int(r["head"])))
+            self._heads = heads
+        return self._heads
+
     def resolve(self, stack: str | None, kind: str = "self") -> str:
         """``stack``, or the run's only stack with ``kind`` attention (else ProbeError naming them)."""
-        stacks = [
-            r[0]
-            for r in self.execute(
-                "select distinct stack from heads where kind = ? order by stack", [kind]
-            ).fetchall()
-        ]
+        stacks = sorted(s for s, k in self.heads if k == kind)
         if stack is not None:
             if stack not in stacks:
                 raise ProbeError(f"no {kind}-attention stack {stack!r} in this run; it has {stacks}")
@@ -187,11 +193,7 @@ class Store:
         return rows[0]
 
     def _check_head(self, stack: str, kind: str, layer: int, head: int) -> None:
-        n = self.execute(
-            "select count(*) from heads where stack = ? and kind = ? and layer = ? and head = ?",
-            [stack, kind, int(layer), int(head)],
-        ).fetchone()[0]
-        if not n:
+        if (int(layer), int(head)) not in self.heads.get((stack, kind), ()):
             raise ProbeError(f"no {stack} {kind}-attention layer {layer} head {head} in this run")
 
     def __repr__(self) -> str:

@@ -150,15 +150,11 @@ def run_corpus(
     processor, which places the image tokens): one text for every picture, or a list, one per
     picture (the manifest entry names it under ``"text"``).
 
-    ``store``: also write one row per (text, head) of every statistic, and each text with its
-    tokens, as Parquet beside the shard records (:mod:`probe.corpus.store`; queried with
-    ``corpus.query``/``top``/``where``, shown by ``probe serve``); default: when pyarrow is installed
-    and ``stats`` is on (``True`` without pyarrow is a one-line error naming the install).
-    ``examples``: what a text run keeps to show each head's top and bottom texts without their
-    patterns (:mod:`probe.corpus.showcase`): ``True`` (default with the store: the statistics of
-    the role rules and ``induction_score``, 20 texts each way, 8 positions of 6 keys), ``False``,
-    or a dict of ``stats``, ``k``, ``positions``, ``keys``. The chosen texts are captured again
-    after every shard's statistics, with the patterns of the layers they need.
+    ``store`` (default: when pyarrow is installed and ``stats`` is on): also write each text's
+    statistics per head as Parquet (:mod:`probe.corpus.store`; ``corpus.query``/``top``/``where``,
+    ``probe serve``); ``examples`` (default ``True`` with the store; ``False``, or a dict of
+    ``stats``, ``k``, ``positions``, ``keys``): each head's top and bottom texts, kept to be shown
+    without their patterns (:mod:`probe.corpus.showcase`).
 
     Rerunning the same call resumes; another configuration in ``out_dir`` is refused. Under
     ``torchrun`` rank ``r`` takes shards ``i`` with ``i % world == r``; rank 0 merges.
@@ -228,16 +224,9 @@ def _inputs(
 
         def run_pictures(a: int, b: int, folder: Path, bar: Any) -> dict:
             mine = prompts[a:b] if prompts is not None else None
+            settings = _shard_args(cfg, bar)
             return run_picture_shard(
-                model,
-                processor,
-                items[a:b],
-                names[a:b],
-                a,
-                folder,
-                *_shard_args(cfg, bar),
-                texts=mine,
-                store=bool(cfg.get("store")),
+                model, processor, items[a:b], names[a:b], a, folder, settings, mine, bool(cfg.get("store"))
             )
 
         return cfg, len(items), run_pictures, None

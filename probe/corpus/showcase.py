@@ -161,6 +161,23 @@ def shard_rows(model, tokenizer, texts: list[str], wanted: list[tuple], batch_si
     return examples_table(records)
 
 
+def capture_text(model, tokenizer, source: str, layers: list[int] | None = None) -> Any:
+    """One text captured again with whole patterns (``layers``: only those), as a run's examples are."""
+    return capture(model, [source], tokenizer=tokenizer, layers=layers)
+
+
+def example_now(
+    model, tokenizer, source: str, where: tuple, head: int, stat: str, direction: str, spec: dict
+) -> Example:
+    """The example of one text (``source``) for head ``head`` of ``where`` = ``(stack, layer, kind)``,
+    captured now (what :func:`run_examples` keeps, for a statistic or text the run did not keep)."""
+    stack, layer, kind = where
+    cache = capture_text(model, tokenizer, source, [layer])
+    return LayerExamples(cache, stack, layer, kind).example(
+        0, head, stat, direction, spec.get("positions", POSITIONS), spec.get("keys", KEYS)
+    )
+
+
 def examples_table(records: list[dict]) -> Any:
     """The pyarrow table of example records (the columns of the module docstring), sorted by head."""
     pa = pyarrow()
@@ -177,4 +194,14 @@ def examples_table(records: list[dict]) -> Any:
     return pa.table({c: pa.array([r[c] for r in records], t) for c, t in cols.items()})
 
 
-__all__ = ["K", "STATS", "examples_spec", "examples_table", "run_examples", "select", "shard_rows"]
+__all__ = [
+    "K",
+    "STATS",
+    "capture_text",
+    "example_now",
+    "examples_spec",
+    "examples_table",
+    "run_examples",
+    "select",
+    "shard_rows",
+]

@@ -1,0 +1,223 @@
+"""What the explorer shows, read from a corpus run: :class:`Explorer` (the store, the merged head
+statistics, the examples, and what the model at hand can add).
+
+Read-only: it opens the run's files and never writes them; a report made on demand goes to a
+temporary folder of its own.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+import tempfile
+import threading
+from pathlib import Path
+from typing import Any
+
+from probe.analysis.focus.definitions.table import METRICS
+from probe.corpus.queries import Store, check_stat
+from probe.corpus.read import Corpus
+from probe.corpus.showcase import capture_text, example_now
+from probe.errors import ProbeError
+from probe.report.html import report as write_report
+
+HEAD_QUERY = re.compile(r"^\s*(?:l(?:ayer)?\s*)?(\d+)\s*(?:[.:/, ]|\s*h(?:ead)?)\s*(\d+)\s*$", re.I)
+BINS = 30
+
+
+class Explorer:
+    """A corpus run as the app reads it. ``model``/``tokenizer``: the run's model, when at hand
+    (texts are then captured again on demand: their report, and examples the run did not keep);
+    ``composition``: rows of ``probe.composition(model).table`` (``stack``, ``src_layer``,
+    ``src_head``, ``dst_layer``, ``dst_head``, ``q``, ``k``, ``v``) shown on each head's page."""
+
+    def __init__(
+        self, path: str | Path, *, model: Any = None, tokenizer: Any = None, composition: Any = None
+    ) -> None:
+        self.corpus = Corpus(path)
+        self.store = Store(self.corpus.path)
+        self.model, self.tokenizer = model, tokenizer
+        self.composition = list(composition or [])
+        stats = self.corpus.head_stats()
+        self.heads = {(r["stack"], r["kind"], r["layer"], r["head"]): r for r in stats.table}
+        self.n_texts = stats.n_texts
+        self.stacks = sorted({(s, k) for s, k, _, _ in self.heads}, key=lambda x: (x[1] != "self", x[0]))
+        self.examples = self.corpus.config.get("examples") or {}
+        self._reports: dict[int, Path] = {}
+        self._report_dir: tempfile.TemporaryDirectory | None = None
+        self._lock = threading.Lock()
+
+    # -- heads ---------------------------------------------------------------------------------
+    def head(self, stack: str, kind: str, layer: int, head: int) -> dict[str, Any]:
+        """The merged statistics row of one head (ProbeError when the run has no such head)."""
+        row = self.heads.get((stack, kind, layer, head))
+        if row is None:
+            raise ProbeError(f"no {stack} {kind}-attention layer {layer} head {head} in this run")
+        return row
+
+    def grid(self, stack: str, kind: str, stat: str) -> tuple[list[int], list[int], dict]:
+        """``(layers, heads, {(layer, head): mean})`` of one stack's heads for ``stat``."""
+        check_stat(stat)
+        cells = {(l_, h): r[stat] for (s, k, l_, h), r in self.heads.items() if s == stack and k == kind}
+        if not cells:
+            raise ProbeError(f"no {stack} {kind}-attention heads in this run")
+        return sorted({l_ for l_, _ in cells}), sorted({h for _, h in cells}), cells
+
+    def distribution(self, stack: str, kind: str, layer: int, head: int, stat: str) -> dict[str, Any]:
+        """The histogram of one head's ``stat`` over the texts: ``bins`` (counts), ``lo``, ``hi``,
+        ``n`` (texts with a value), ``missing`` (texts where it is undefined)."""
+        check_stat(stat)
+        where = "stack = ? and kind = ? and layer = ? and head = ?"
+        params = [stack, kind, int(layer), int(head)]
+        lo, hi, n, missing = self.store.execute(
+            f'select min("{stat}") filter (where not isnan("{stat}")), max("{stat}") filter (where not '
+            f'isnan("{stat}")), count(*) filter (where not isnan("{stat}")), count(*) filter (where '
+            f'isnan("{stat}")) from heads where {where}',
+            params,
+        ).fetchone()
+        counts = [0] * BINS
+        if n:
+            width = (hi - lo) / BINS if hi > lo else 1.0
+            rows = self.store.execute(
+                f'select least(cast(floor(("{stat}" - ?) / ?) as integer), {BINS - 1}) as b, count(*) '
+                f'from heads where {where} and not isnan("{stat}") group by b',
+                [lo, width, *params],
+            ).fetchall()
+            for b, c in rows:
+                counts[int(b)] = int(c)
+        return {"bins": counts, "lo": lo, "hi": hi, "n": int(n), "missing": int(missing)}
+
+    def ranked(
+        self, stack: str, kind: str, layer: int, head: int, stat: str, k: int, top: bool
+    ) -> list[dict]:
+        """The ``k`` texts with the largest (``top``) or smallest ``stat`` for one head, each with its
+        tokens and, where kept (or capturable), its example (:meth:`example`)."""
+        table = self.store.top(layer, head, stat, k, stack=stack, kind=kind, descending=top)
+        rows = [dict(r) for r in table]
+        if not rows:
+            return rows
+        texts = {t: r for t, r in self._texts([r["text"] for r in rows]).items()}
+        kept = self._kept(stack, kind, layer, head, stat, "top" if top else "bottom")
+        for r in rows:
+            r["tokens"] = texts[r["text"]]["tokens"]
+            r["ids"] = texts[r["text"]]["ids"]
+            r["example"] = kept.get(r["text"])
+        return rows
+
+    def _texts(self, index: list[int]) -> dict[int, dict]:
+        marks = ", ".join("?" * len(index))
+        rows = self.store.query(f"select text, tokens, ids from texts where text in ({marks})", index)
+        return {r["text"]: r for r in rows}
+
+    def _kept(
+        self, stack: str, kind: str, layer: int, head: int, stat: str, direction: str
+    ) -> dict[int, dict]:
+        """The examples the run kept for one head, statistic and direction: text -> example."""
+        if stat not in self.examples.get("stats", []):
+            return {}
+        rows = self.store.query(
+            "select text, positions, terms, keys, weights, targets from examples where stack = ? and "
+            "kind = ? and layer = ? and head = ? and stat = ? and direction = ?",
+            [stack, kind, int(layer), int(head), stat, direction],
+        )
+        return {r["text"]: r for r in rows}
+
+    def capture_example(self, text: int, where: tuple, head: int, stat: str, top: bool) -> dict:
+        """One text's example captured now with the model at hand (``where`` = ``(stack, layer,
+        kind)``; ProbeError without a model)."""
+        ex = example_now(
+            self.model,
+            self.tokenizer,
+            self._source(text),
+            where,
+            head,
+            stat,
+            "top" if top else "bottom",
+            self.examples,
+        )
+        return vars(ex)
+
+    def _source(self, text: int) -> str:
+        if self.model is None:
+            raise ProbeError("capturing a text again needs the run's model: probe serve RUN_DIR --model NAME")
+        row = self.store.text(text)
+        if row["error"]:
+            raise ProbeError(f"text {text} failed in this run: {row['error']}")
+        return row["source"]
+
+    def partners(self, stack: str, layer: int, head: int, n: int = 5) -> dict[str, list[dict]]:
+        """The heads that read this head's output most (``"readers"``) and the heads whose output
+        it reads most (``"writers"``), by the largest of Q-, K- and V-composition; ``n`` each."""
+        mine = [r for r in self.composition if r["stack"] == stack]
+
+        def score(r: dict) -> float:
+            return max(r["q"], r["k"], r["v"])
+
+        readers = [r for r in mine if r["src_layer"] == layer and r["src_head"] == head]
+        writers = [r for r in mine if r["dst_layer"] == layer and r["dst_head"] == head]
+        return {
+            "readers": sorted(readers, key=score, reverse=True)[:n],
+            "writers": sorted(writers, key=score, reverse=True)[:n],
+        }
+
+    # -- texts ---------------------------------------------------------------------------------
+    def text(self, index: int) -> dict[str, Any]:
+        """Text ``index``'s row (source, tokens, ids, error, picture)."""
+        if not 0 <= index < self.corpus.manifest["n_texts"]:
+            raise ProbeError(f"no text {index}: this run has texts 0-{self.corpus.manifest['n_texts'] - 1}")
+        return self.store.text(index)
+
+    def text_grid(self, index: int, stack: str, kind: str, stat: str) -> dict[tuple[int, int], float]:
+        """``{(layer, head): value}`` of one text's ``stat`` over a stack's heads."""
+        check_stat(stat)
+        rows = self.store.execute(
+            f'select layer, head, "{stat}" from heads where text = ? and stack = ? and kind = ?',
+            [int(index), stack, kind],
+        ).fetchall()
+        return {(int(l_), int(h)): (math.nan if v is None else float(v)) for l_, h, v in rows}
+
+    def report(self, index: int) -> Path:
+        """The HTML report of text ``index`` (captured again with the model), made once per text."""
+        with self._lock:
+            if index in self._reports:
+                return self._reports[index]
+        cache = capture_text(self.model, self.tokenizer, self._source(index))
+        with self._lock:
+            if self._report_dir is None:
+                self._report_dir = tempfile.TemporaryDirectory(prefix="probe-serve-")
+            out = Path(self._report_dir.name) / str(index)
+        path = write_report(cache, out, model=self.model, tokenizer=self.tokenizer, progress=False)
+        with self._lock:
+            self._reports[index] = path
+        return path
+
+    # -- search --------------------------------------------------------------------------------
+    def search(self, q: str, limit: int = 50) -> dict[str, list]:
+        """Texts whose source contains ``q`` (case-insensitive), and the heads ``q`` names: a head
+        (``L18H6``, ``18.6``, ``layer 18 head 6``), a role (``induction``) or a statistic."""
+        q = q.strip()
+        out: dict[str, list] = {"texts": [], "heads": [], "stats": []}
+        if not q:
+            return out
+        like = "%" + q.replace("\\", "\\\\").replace("%", "\\%").replace("_", "\\_") + "%"
+        out["texts"] = self.store.query(
+            "select text, source, n_tokens, error from texts where source ilike ? escape '\\' "
+            f"order by text limit {int(limit)}",
+            [like],
+        ).rows
+        m = HEAD_QUERY.match(q)
+        low = q.lower()
+        for r in self.heads.values():
+            named = m and (r["layer"], r["head"]) == (int(m.group(1)), int(m.group(2)))
+            if named or low in r["roles"].split(","):
+                out["heads"].append(r)
+        out["stats"] = [s for s in METRICS if low in s]
+        return out
+
+    def close(self) -> None:
+        """Remove the reports made on demand."""
+        if self._report_dir is not None:
+            self._report_dir.cleanup()
+
+
+__all__ = ["BINS", "Explorer"]
