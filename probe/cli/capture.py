@@ -6,7 +6,7 @@ import argparse
 from pathlib import Path
 
 from probe.cli import audio, common
-from probe.cli.common import _human, _ints, add_image_args, add_model_args, examples
+from probe.cli.common import add_image_args, add_model_args, examples, human_size, int_list
 from probe.errors import ProbeError
 
 
@@ -26,7 +26,9 @@ def cmd_capture(args: argparse.Namespace) -> int:
         kw = {"layers": args.layers, "heads": args.heads, "dtype": args.dtype, "keep": keep}
         cache = audio.capture_audio(args, model, tok, processor, out=out, **kw)
         n = len(cache.keys())
-        print(f"wrote {out} ({_human(out.stat().st_size)}, {n} tensors); inspect it with `probe info {out}`")
+        print(
+            f"wrote {out} ({human_size(out.stat().st_size)}, {n} tensors); inspect it with `probe info {out}`"
+        )
         return 0
     if not args.text and not args.image:
         raise ProbeError(
@@ -61,7 +63,7 @@ def cmd_capture(args: argparse.Namespace) -> int:
         keep=keep,
     )
     n = len(cache.keys())
-    print(f"wrote {out} ({_human(out.stat().st_size)}, {n} tensors); inspect it with `probe info {out}`")
+    print(f"wrote {out} ({human_size(out.stat().st_size)}, {n} tensors); inspect it with `probe info {out}`")
     return 0
 
 
@@ -73,7 +75,7 @@ def info_text(path: str | Path) -> str:
     cache = probe.load(path)
     meta = cache.metadata
     p = Path(path)
-    lines = [f"{p}  ({_human(p.stat().st_size)})"]
+    lines = [f"{p}  ({human_size(p.stat().st_size)})"]
     model = meta.get("model", {})
     lines.append(
         f"model:     {model.get('name', '?')}  ({model.get('class', '?')}, "
@@ -124,8 +126,8 @@ def info_text(path: str | Path) -> str:
         nb = cache.nbytes(k)
         total += nb
         shape = "[" + ", ".join(str(d) for d in cache.shape(k)) + "]"
-        lines.append(f"{k:{width}}  {shape:22} {_human(nb):>10}")
-    lines.append(f"{len(cache.keys())} tensors, {_human(total)}")
+        lines.append(f"{k:{width}}  {shape:22} {human_size(nb):>10}")
+    lines.append(f"{len(cache.keys())} tensors, {human_size(total)}")
     return "\n".join(lines)
 
 
@@ -180,8 +182,8 @@ def add_capture_parser(sub) -> None:
         help="decoder text for encoder-decoders (teacher forcing); default: greedy decoding",
     )
     p.add_argument("-o", "--output", required=True, help="cache file to write (.safetensors)")
-    p.add_argument("--layers", type=_ints, default=None, help="layer indices to keep, e.g. 0,3")
-    p.add_argument("--heads", type=_ints, default=None, help="head indices to keep, e.g. 0,1")
+    p.add_argument("--layers", type=int_list, default=None, help="layer indices to keep, e.g. 0,3")
+    p.add_argument("--heads", type=int_list, default=None, help="head indices to keep, e.g. 0,1")
     p.add_argument(
         "--dtype",
         default=None,

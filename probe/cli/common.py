@@ -27,7 +27,8 @@ def examples(*lines: str) -> str:
     return "examples:\n" + "\n".join(f"  {line}" for line in lines)
 
 
-def _human(n: float) -> str:
+def human_size(n: float) -> str:
+    """A byte count as people read it: ``1536`` -> ``"1.5 KB"``."""
     for unit in ("B", "KB", "MB", "GB"):
         if n < 1024 or unit == "GB":
             return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
@@ -35,7 +36,8 @@ def _human(n: float) -> str:
     return f"{n:.1f} GB"
 
 
-def _ints(text: str) -> list[int]:
+def int_list(text: str) -> list[int]:
+    """``"0, 3,5"`` -> ``[0, 3, 5]`` (an argparse type: anything else is a usage error)."""
     try:
         return [int(p) for p in text.replace(" ", "").split(",") if p != ""]
     except ValueError:
@@ -213,7 +215,7 @@ def _vlm_processor(path: str | None):
         raise ProbeError(f"--processor {path}: could not load ({str(e).splitlines()[0]})") from None
 
 
-def _export(result, args: argparse.Namespace) -> None:
+def write_exports(result, args: argparse.Namespace) -> None:
     """Write ``--csv``/``--json`` exports of a result (atomically) and say where."""
     for fmt in ("csv", "json"):
         path = getattr(args, fmt, None)
@@ -232,7 +234,8 @@ def _check_exports(args: argparse.Namespace) -> None:
             check_writable(path, example)
 
 
-def _export_args(p: argparse.ArgumentParser, what: str) -> None:
+def add_export_args(p: argparse.ArgumentParser, what: str) -> None:
+    """``--csv`` and ``--json``, the exports :func:`write_exports` writes."""
     p.add_argument("--csv", default=None, help=f"also write {what} to this CSV file")
     p.add_argument("--json", default=None, help=f"also write {what} to this JSON file")
 

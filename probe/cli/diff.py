@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import shutil
 
-from probe.cli.common import _export, _export_args, examples
+from probe.cli.common import add_export_args, examples, write_exports
 from probe.errors import ProbeError
 
 KEYS = ("stack", "layer", "head", "kind")
@@ -30,7 +30,7 @@ def cmd_diff(args: argparse.Namespace) -> int:
     shown = top.select(list(cols) + ([by] if by not in cols else []))
     width = shutil.get_terminal_size((100, 24)).columns
     print(shown.to_text(max_rows=args.top, width=width, keys=KEYS))
-    _export(c, args)
+    write_exports(c, args)
     return 0
 
 
@@ -59,5 +59,5 @@ def add_parser(sub) -> None:
         help="rank by tv (default), js, max_abs, mean_abs, or a statistic delta such as d_entropy "
         "(by absolute value; the default when no pattern could be compared)",
     )
-    _export_args(p, "every head's differences (--json also holds every statistic)")
+    add_export_args(p, "every head's differences (--json also holds every statistic)")
     p.set_defaults(func=cmd_diff)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 
 from probe.cli import common
-from probe.cli.common import _human, _ints, add_model_args, examples
+from probe.cli.common import add_model_args, examples, human_size, int_list
 from probe.errors import ProbeError
 
 
@@ -37,12 +37,12 @@ def cmd_export(args: argparse.Namespace) -> int:
         raise ProbeError("give one cache file (.safetensors), or --model NAME (or --hf PATH) with a text")
     if args.bertviz:
         path = write_html(args.bertviz, bertviz_html(cache, view=args.view, batch=args.text))
-        size = _human(path.stat().st_size)
+        size = human_size(path.stat().st_size)
         print(f"wrote {path} ({size}): BertViz {args.view} view; it loads its scripts from the internet")
     if args.circuitsvis:
         html = circuitsvis_html(cache, stack=args.stack, layers=args.layers, batch=args.text)
         path = write_html(args.circuitsvis, html)
-        print(f"wrote {path} ({_human(path.stat().st_size)}): CircuitsVis attention heads; works offline")
+        print(f"wrote {path} ({human_size(path.stat().st_size)}): CircuitsVis attention heads; works offline")
     return 0
 
 
@@ -86,7 +86,7 @@ def add_parser(sub) -> None:
     )
     p.add_argument(
         "--layers",
-        type=_ints,
+        type=int_list,
         default=None,
         metavar="L,L",
         help="CircuitsVis: these layers only (comma-separated; default: every captured layer)",

@@ -7,7 +7,7 @@ import argparse
 from pathlib import Path
 
 from probe.cli import common
-from probe.cli.common import _human, add_image_args, add_model_args, examples
+from probe.cli.common import add_image_args, add_model_args, examples, human_size
 from probe.errors import ProbeError
 
 CACHE_NAME = "generation.safetensors"
@@ -58,11 +58,11 @@ def _strategy(args: argparse.Namespace) -> str:
 
 
 def _out_dir(args: argparse.Namespace) -> Path:
-    from probe.cli.report import _report_name
+    from probe.cli.report import report_name
 
     if args.output:
         return Path(args.output)
-    return Path("reports") / _report_name(f"{common.model_label(args)}_generate")
+    return Path("reports") / report_name(f"{common.model_label(args)}_generate")
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
@@ -104,12 +104,12 @@ def cmd_generate(args: argparse.Namespace) -> int:
     gen.save(cache_path)
     shown = gen.text if gen.text is not None else " ".join(str(i) for i in gen.new_ids[0].tolist())
     print(f"generated {gen.new_ids.shape[1]} tokens ({_strategy(args)}): {shown}")
-    size = f"{cache_path} ({_human(cache_path.stat().st_size)})"
+    size = f"{cache_path} ({human_size(cache_path.stat().st_size)})"
     if args.no_report:
         print(f"wrote {size}; report it later with `probe report {cache_path}`")
         return 0
     path = probe.report(gen.cache, out, model=model, tokenizer=tok, progress=not args.quiet)
-    print(f"wrote {size} and {path} ({_human(path.stat().st_size)})")
+    print(f"wrote {size} and {path} ({human_size(path.stat().st_size)})")
     print(f"open the report in a browser: {path.resolve().as_uri()}")
     return 0
 

@@ -5,7 +5,14 @@ from __future__ import annotations
 import argparse
 
 from probe.cli import common
-from probe.cli.common import _export, _export_args, _ints, add_image_args, add_model_args, examples
+from probe.cli.common import (
+    add_export_args,
+    add_image_args,
+    add_model_args,
+    examples,
+    int_list,
+    write_exports,
+)
 from probe.errors import ProbeError
 
 
@@ -54,7 +61,7 @@ def cmd_ablate(args: argparse.Namespace) -> int:
     )
     print(r.table.to_text(max_rows=10_000))
     print("effect on the outputs: " + ", ".join(f"{k} {v:.4g}" for k, v in r.summary.items()))
-    _export(r, args)
+    write_exports(r, args)
     return 0
 
 
@@ -79,7 +86,7 @@ def cmd_patch(args: argparse.Namespace) -> int:
         **media,
     )
     print(r)
-    _export(r, args)
+    write_exports(r, args)
     if args.save:
         print(f"wrote {r.save(args.save)} (for probe report CACHE --patching FILE)")
     return 0
@@ -176,7 +183,7 @@ def _ablate_parser(sub) -> None:
     )
     p.add_argument("--reference", nargs="+", default=None, help="reference text(s) for --how mean/resample")
     p.add_argument("--target", "-t", nargs="+", default=None, help="decoder text for encoder-decoders")
-    _export_args(p, "the table of removed components")
+    add_export_args(p, "the table of removed components")
     p.set_defaults(func=cmd_ablate)
 
 
@@ -223,10 +230,10 @@ def _patch_parser(sub) -> None:
     )
     add_metric_args(p, "logit_diff")
     p.add_argument(
-        "--positions", type=_ints, default=None, help="positions to patch, e.g. 0,3,-1 (default all)"
+        "--positions", type=int_list, default=None, help="positions to patch, e.g. 0,3,-1 (default all)"
     )
     p.add_argument("--stack", default=None, help="the stack to patch (encoder/decoder)")
-    _export_args(p, "the table of patches")
+    add_export_args(p, "the table of patches")
     p.add_argument(
         "--save",
         default=None,

@@ -6,12 +6,13 @@ import argparse
 from pathlib import Path
 
 from probe.cli import audio, common
-from probe.cli.common import _human, add_image_args, add_model_args, examples
+from probe.cli.common import add_image_args, add_model_args, examples, human_size
 from probe.cli.intervene import add_metric_args, metric_kwargs
 from probe.errors import ProbeError
 
 
-def _report_name(text: str) -> str:
+def report_name(text: str) -> str:
+    """``text`` as a folder name under reports/: runs of other characters as ``_``."""
     import re
 
     return re.sub(r"[^A-Za-z0-9._-]+", "_", text).strip("._") or "report"
@@ -22,7 +23,7 @@ def _media_dir(args: argparse.Namespace, media: list[str]) -> Path:
     by another model goes to its own folder (reports/vit_zoo-cat/, reports/my-vit-cat/)."""
     if args.output:
         return Path(args.output)
-    return Path("reports") / _report_name(f"{common.model_label(args)}-{Path(media[0]).stem}")
+    return Path("reports") / report_name(f"{common.model_label(args)}-{Path(media[0]).stem}")
 
 
 def _tutorial_cache(cache, model):
@@ -100,7 +101,7 @@ def cmd_report(args: argparse.Namespace) -> int:
         name = Path(inputs[0]).stem
     else:
         name = common.model_label(args)
-    out = Path(args.output) if args.output else Path("reports") / _report_name(name)
+    out = Path(args.output) if args.output else Path("reports") / report_name(name)
     from probe.report.html import check_report_dir
 
     check_report_dir(out)  # before loading the model and running the forward
@@ -135,7 +136,9 @@ def cmd_report(args: argparse.Namespace) -> int:
         importance=importance,
         patching=patching,
     )
-    print(f"wrote {path} ({_human(path.stat().st_size)}); open it in a browser: {path.resolve().as_uri()}")
+    print(
+        f"wrote {path} ({human_size(path.stat().st_size)}); open it in a browser: {path.resolve().as_uri()}"
+    )
     return 0
 
 
@@ -161,7 +164,9 @@ def _report_images(args: argparse.Namespace, inputs: list[str]) -> int:
     prompt = (inputs if len(inputs) > 1 else inputs[0]) if inputs else None
     cache = probe.capture(model, args.image, tokenizer=tok, processor=processor, text=prompt, keep=keep)
     path = probe.report([cache], out, model=model, tokenizer=tok)
-    print(f"wrote {path} ({_human(path.stat().st_size)}); open it in a browser: {path.resolve().as_uri()}")
+    print(
+        f"wrote {path} ({human_size(path.stat().st_size)}); open it in a browser: {path.resolve().as_uri()}"
+    )
     return 0
 
 
@@ -180,7 +185,9 @@ def _report_audio(args: argparse.Namespace, inputs: list[str]) -> int:
     model, tok, processor = audio.load_audio_model(args)
     cache = audio.capture_audio(args, model, tok, processor, keep=keep)
     path = probe.report([cache], out, model=model, tokenizer=tok)
-    print(f"wrote {path} ({_human(path.stat().st_size)}); open it in a browser: {path.resolve().as_uri()}")
+    print(
+        f"wrote {path} ({human_size(path.stat().st_size)}); open it in a browser: {path.resolve().as_uri()}"
+    )
     return 0
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 
 from probe.cli import common
-from probe.cli.common import _export, _export_args, add_model_args, examples
+from probe.cli.common import add_export_args, add_model_args, examples, write_exports
 from probe.errors import ProbeError
 
 
@@ -16,7 +16,7 @@ def cmd_residual(args: argparse.Namespace) -> int:
     print(stats.layers.to_text(max_rows=10_000))
     for n in stats.notes:
         print(f"note: {n}")
-    _export(stats.tokens if args.tokens else stats.layers, args)
+    write_exports(stats.tokens if args.tokens else stats.layers, args)
     return 0
 
 
@@ -51,7 +51,7 @@ def cmd_lens(args: argparse.Namespace) -> int:
         print(f"  {'= logit':30} {att.logit[0, pos].item():+9.4f}")
         for n in att.notes:
             print(f"note: {n}")
-    _export(lens, args)
+    write_exports(lens, args)
     return 0
 
 
@@ -68,7 +68,7 @@ def cmd_budget(args: argparse.Namespace) -> int:
     print(b.to_text())
     if args.layers:
         print(b.by_layer.to_text(max_rows=10_000))
-    _export(b, args)
+    write_exports(b, args)
     return 0
 
 
@@ -83,7 +83,7 @@ def add_parsers(sub) -> None:
     )
     p.add_argument("path", help="a .safetensors cache written by probe")
     p.add_argument("--tokens", action="store_true", help="export one row per token instead of per layer")
-    _export_args(p, "the table")
+    add_export_args(p, "the table")
     p.set_defaults(func=cmd_residual)
 
     p = sub.add_parser(
@@ -99,7 +99,7 @@ def add_parsers(sub) -> None:
     p.add_argument("--target", "-t", nargs="+", default=None, help="decoder text for encoder-decoders")
     p.add_argument("-k", type=int, default=5, help="top-k tokens per cell in the exports (default 5)")
     p.add_argument("--position", type=int, default=-1, help="position to attribute (default: the last)")
-    _export_args(p, "the lens table")
+    add_export_args(p, "the lens table")
     p.set_defaults(func=cmd_lens)
 
     p = sub.add_parser(
@@ -113,5 +113,5 @@ def add_parsers(sub) -> None:
     add_model_args(p, default="minigpt")
     p.add_argument("--config", default=None, metavar="FILE", help="a config.json, or the preset gpt3")
     p.add_argument("--layers", action="store_true", help="also print the per-layer table")
-    _export_args(p, "the by-role table")
+    add_export_args(p, "the by-role table")
     p.set_defaults(func=cmd_budget)
