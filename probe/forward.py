@@ -92,6 +92,15 @@ def outputs_of(out: Any) -> torch.Tensor:
     raise TypeError(f"cannot find an output tensor in {type(out).__name__}")
 
 
+def has_outputs(out: Any) -> bool:
+    """Whether :func:`outputs_of` finds a per-position output tensor in ``out``."""
+    try:
+        outputs_of(out)
+    except TypeError:
+        return False
+    return True
+
+
 def call(
     model: nn.Module,
     x: torch.Tensor,
@@ -286,6 +295,7 @@ def other_backend(model: nn.Module) -> tuple[str, str, nn.Module] | None:
 __all__ += [
     "accepts",
     "outputs_of",
+    "has_outputs",
     "call",
     "supports_kv_cache",
     "kv_cache_arg",

@@ -166,12 +166,4 @@ def ablation_rows(heads: list[tuple[Site, int]], subs: list[Site], how: str) -> 
     return Table(rows, COLUMNS, "ablation")
 
 
-def _has_tensor(out: Any) -> bool:
-    try:
-        outputs_of(out)
-    except TypeError:
-        return False
-    return True
-
-
 __all__ = ["Ablation", "ablation_rows", "build_edits", "effect", "HOWS"]

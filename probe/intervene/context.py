@@ -22,8 +22,8 @@ from torch import nn
 
 from probe.analysis.table import Table
 from probe.errors import ProbeError
-from probe.forward import outputs_of
-from probe.intervene.ablate import Ablation, _has_tensor, ablation_rows, build_edits, effect
+from probe.forward import has_outputs, outputs_of
+from probe.intervene.ablate import Ablation, ablation_rows, build_edits, effect
 from probe.intervene.core import (
     Prepared,
     media_kw,
@@ -131,7 +131,7 @@ def intervene(
 
 
 def _effect(prep: Prepared, outputs: Any) -> dict[str, float]:
-    logits = outputs_of(prep.outputs) if _has_tensor(prep.outputs) else None
+    logits = outputs_of(prep.outputs) if has_outputs(prep.outputs) else None
     mask = prep.mask(logits, "decoder") if logits is not None and logits.dim() >= 2 else None
     return effect(prep.outputs, outputs, mask, prep.sites.d_model)
 

@@ -150,7 +150,8 @@ class _Call:
     meta: dict
 
 
-def _stack(prep: Prepared, stack: str | None) -> str:
+def choose_stack(prep: Prepared, stack: str | None) -> str:
+    """``stack`` checked against the model's stacks; None: the only one (else a one-line error)."""
     stacks = prep.sites.stacks
     if stack is None:
         if len(stacks) == 1:
@@ -174,11 +175,11 @@ def parse_heads(prep: Prepared, heads: Any, stack: str | None) -> list[tuple[Sit
         item = tuple(item)
         role = "self"
         if len(item) == 2:
-            st, layer, head = _stack(prep, stack), item[0], item[1]
+            st, layer, head = choose_stack(prep, stack), item[0], item[1]
         elif len(item) == 3:
-            st, layer, head = _stack(prep, item[0]), item[1], item[2]
+            st, layer, head = choose_stack(prep, item[0]), item[1], item[2]
         else:
-            st, layer, role, head = _stack(prep, item[0]), item[1], item[2], item[3]
+            st, layer, role, head = choose_stack(prep, item[0]), item[1], item[2], item[3]
         if role not in ("self", "cross"):
             raise ProbeError(f"a head's role is 'self' or 'cross', not {role!r}")
         site = prep.site(st, int(layer), role)
@@ -205,7 +206,7 @@ def parse_sublayers(prep: Prepared, sublayers: Any, stack: str | None) -> list[S
     for item in sublayers or []:
         if not isinstance(item, (tuple, list)) or len(item) not in (2, 3):
             raise ProbeError(f"a sublayer is (layer, kind) or (stack, layer, kind), not {item!r}")
-        st = _stack(prep, stack if len(item) == 2 else item[0])
+        st = choose_stack(prep, stack if len(item) == 2 else item[0])
         layer, kind = item[-2], item[-1]
         if kind not in _KINDS:
             raise ProbeError(f"a sublayer kind is one of {', '.join(_KINDS)}, not {kind!r}")
@@ -225,6 +226,7 @@ def site_label(site: Site, head: int | None = None) -> str:
 
 __all__ = [
     "Prepared",
+    "choose_stack",
     "media_kw",
     "prepare_sites",
     "prepare_call",

@@ -25,12 +25,12 @@ from torch import Tensor, nn
 from probe.analysis.interventions import HeadImportance
 from probe.analysis.table import Table
 from probe.errors import ProbeError
-from probe.forward import outputs_of
-from probe.intervene.ablate import _has_tensor, build_edits
-from probe.intervene.core import _stack, media_kw, prepare_sites
+from probe.forward import has_outputs, outputs_of
+from probe.intervene.ablate import build_edits
+from probe.intervene.core import choose_stack, media_kw, prepare_sites
 from probe.intervene.edits import Edit, applied
 from probe.intervene.metrics import metric_tensor
-from probe.intervene.patch import _ids
+from probe.intervene.patch import padded_ids
 
 COLUMNS = ["stack", "layer", "role", "head", "component", "metric", "ablated", "change", "gradient"]
 
@@ -99,12 +99,12 @@ def head_importance(
         raise ProbeError(f"max_batch= is a whole number of rows >= 1, not {max_batch!r}")
     m = media_kw(processor, text, sampling_rate)
     prep = prepare_sites(model, inputs, tokenizer=tokenizer, target=target, **m)
-    st = _stack(prep, stack)
+    st = choose_stack(prep, stack)
     layers = sorted({i for s, i, r in prep.sites.heads if s == st and r == role})
     if not layers:
         raise ProbeError(f"{st} has no {role} attention")
     sites = [prep.site(st, i, role) for i in layers]
-    ids = _ids(prep.meta)
+    ids = padded_ids(prep.meta)
     mask = prep.mask(ids.unsqueeze(-1), st) if ids is not None else None
     fn = metric_tensor(model, metric, answer=answer, wrong=wrong, ids=ids, mask=mask, tokenizer=tokenizer)
     with torch.no_grad():
@@ -148,7 +148,7 @@ def _ablated(prep, fn, heads: list, edits: list[Edit], batched: bool, max_batch:
     """The metric with each head removed alone: batched per layer where possible (see
     :func:`head_importance`), else one forward per head."""
     out = prep.outputs
-    B = outputs_of(out).shape[0] if fn.rows is not None and _has_tensor(out) else 0
+    B = outputs_of(out).shape[0] if fn.rows is not None and has_outputs(out) else 0
     why = (
         "batched=False"
         if not batched
@@ -217,7 +217,7 @@ def _batched(prep, fn, site, edits: list[Edit], B: int) -> list[float]:
         raise _Unbatchable(why) from None
     finally:
         h.remove()
-    logits = outputs_of(out) if _has_tensor(out) else None
+    logits = outputs_of(out) if has_outputs(out) else None
     if logits is None or logits.shape[0] != k * B:
         raise _Unbatchable("the model's outputs do not have one row per repeated input row")
     return [float(fn.of_logits(logits[j * B : (j + 1) * B])) for j in range(k)]

@@ -29,7 +29,7 @@ from probe.analysis.residual.exports import TableExports
 from probe.analysis.table import Table
 from probe.capture.hooks.record import SDPA, SOFTMAX
 from probe.errors import ProbeError
-from probe.intervene.core import Prepared, _stack
+from probe.intervene.core import Prepared, choose_stack
 
 COLUMNS = ["stack", "layer", "role", "head", "ops"]
 
@@ -181,7 +181,7 @@ def knock_plan(
     {call: {"stack", "layer", "roles": [(role, heads, chosen heads)]}}}}``."""
     if role not in ("self", "cross"):
         raise ProbeError(f"role= is 'self' or 'cross', not {role!r}")
-    st = _stack(prep, stack)
+    st = choose_stack(prep, stack)
     have = sorted(i for (s, i, r) in prep.sites.heads if s == st and r == role)
     if not have:
         raise ProbeError(f"{st} has no {role} attention")

@@ -80,15 +80,15 @@ def patch(
     m = media_kw(processor, text, sampling_rate)
     prep = prepare_sites(model, clean, tokenizer=tokenizer, **m)
     corr = prepare_call(model, corrupted, tokenizer, None, **m)
-    from probe.intervene.core import _stack
+    from probe.intervene.core import choose_stack
 
-    st = _stack(prep, stack)
+    st = choose_stack(prep, stack)
     sites = _sites(prep, what, st)
     where = "output" if what in ("attn", "mlp") else "input"
     with torch.no_grad(), recording(model, [(s, where) for s in sites]) as got:
         prep.run()
     saved = [got[(i, where)] for i in range(len(sites))]
-    ids = _ids(prep.meta)
+    ids = padded_ids(prep.meta)
     mask = prep.mask(saved[0], st)
     m = metric_tensor(model, metric, answer=answer, wrong=wrong, ids=ids, mask=mask, tokenizer=tokenizer)
     name, fn = m.name, lambda out: float(m(out))
@@ -184,7 +184,7 @@ def _same_shape(a: Any, b: Any) -> None:
         )
 
 
-def _ids(meta: dict) -> Tensor | None:
+def padded_ids(meta: dict) -> Tensor | None:
     """The token ids ``[batch, pos]`` of the inputs (the decoder's for an encoder-decoder), padded
     with 0 (padding is masked out wherever ids are used)."""
     ids = meta.get("target_ids") or meta.get("ids")
@@ -228,4 +228,4 @@ def _from_clean(full: Tensor, cols: slice | None, pos: int | None):
     return value
 
 
-__all__ = ["Patching", "patch", "WHATS"]
+__all__ = ["Patching", "patch", "padded_ids", "WHATS"]
