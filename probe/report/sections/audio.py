@@ -1,13 +1,15 @@
 """What the transcript heard: for a cache of an audio encoder-decoder (encoder positions that carry
 their time, a decoder holding the transcript), the cross-attention of the heads
 :func:`probe.word_timestamps` chooses laid out over time, one row per word, with each word placed
-at its timestamps (and its gold span, when ``gold=`` timings are given); a hover view (hover a word:
-its attention over time, drawn by ``static/audio_hover.js``); the encoder's self-attention with
-time on both axes.
+at its timestamps (refined on the sound; Whisper's raw ones dotted beside them; and its gold span,
+when ``gold=`` timings are given); a hover view (hover a word: its attention over time, drawn by
+``static/audio_hover.js``); the encoder's self-attention with time on both axes.
 
 Above the words, the spectrogram the model heard (``metadata["spectrogram_png"]``, kept by the
 capture: the input features, or the log power of a raw waveform) on the same time axis, the
-encoder's (``frames``: each position's span in seconds); a cache without one draws none."""
+encoder's (``frames``: each position's span in seconds), each word's refined span drawn over it
+(patches with gid ``span``) and its raw span faint in a lane beneath (gid ``raw-span``); a cache
+without one draws none."""
 
 from __future__ import annotations
 
@@ -98,6 +100,54 @@ def spectrogram_of(cache, b: int):
     return img, float(col_s), cache.metadata.get("spectrogram_kind") or "spectrogram"
 
 
+def _raw(w: dict) -> tuple[float, float]:
+    """A word's raw (Whisper's recipe) span: ``raw_start``/``raw_end`` when refined, else its own."""
+    return w.get("raw_start", w["start"]), w.get("raw_end", w["end"])
+
+
+def _spans_over_spectrogram(
+    top, img, col_s: float, words: list[dict], end: float, kind: str, label: str
+) -> None:
+    """The spectrogram with each word's span over it (refined, bright, labelled) and its raw span
+    (Whisper's recipe) faint in a lane beneath."""
+    from matplotlib.patches import Rectangle
+
+    from probe.report.labels import display
+
+    top.imshow(img, aspect="auto", cmap="magma", extent=(0, img.shape[1] * col_s, 0, 1), origin="upper")
+    top.set_gid("spectrogram")
+    refined = any("raw_start" in w for w in words)
+    for w in words:
+        top.add_patch(
+            Rectangle(
+                (w["start"], 0.02), w["end"] - w["start"], 0.96, fill=False, ec="#7fdbff", lw=1.3, gid="span"
+            )
+        )
+        top.text(
+            (w["start"] + w["end"]) / 2,
+            0.9,
+            display(w["word"]),
+            color="white",
+            ha="center",
+            va="top",
+            fontsize=7,
+        )
+        a, e = _raw(w)
+        top.add_patch(
+            Rectangle((a, -0.2), e - a, 0.14, fc="#cccccc", ec="#888888", alpha=0.45, lw=0.6, gid="raw-span")
+        )
+    top.set_xlim(0, end)
+    top.set_ylim(-0.22, 1)
+    top.set_yticks([])
+    what = (
+        "blue: each word's refined timestamps; faint beneath: Whisper's raw ones"
+        if refined
+        else ("blue: each word's timestamps (Whisper's recipe, beneath too)")
+    )
+    top.set_title(f"{label}: what the model heard ({kind}); {what}", fontsize=9)
+    top.tick_params(labelbottom=False)
+
+
 def _figure(ctx, att, words, enc, hop: float, label: str, has_gold: bool, spec=None) -> str:
     import matplotlib.pyplot as plt
     from matplotlib.patches import Rectangle
@@ -116,13 +166,14 @@ def _figure(ctx, att, words, enc, hop: float, label: str, has_gold: bool, spec=N
         ax, ax2 = fig.add_subplot(grid[1, 0]), fig.add_subplot(grid[:, 1])
         top = fig.add_subplot(grid[0, 0], sharex=ax)
         img, col_s, kind = spec
-        top.imshow(img, aspect="auto", cmap="magma", extent=(0, img.shape[1] * col_s, 0, 1), origin="upper")
-        top.set_xlim(0, end)
-        top.set_yticks([])
-        top.set_title(f"{label}: what the model heard ({kind})", fontsize=9)
-        top.tick_params(labelbottom=False)
+        _spans_over_spectrogram(top, img, col_s, words, end, kind, label)
     ax.imshow(att.numpy(), aspect="auto", cmap="inferno", extent=(0, end, len(words) - 0.5, -0.5))
     for i, w in enumerate(words):
+        a, e = _raw(w)
+        if "raw_start" in w:
+            ax.add_patch(
+                Rectangle((a, i - 0.45), e - a, 0.9, fill=False, ec="#999999", lw=0.8, ls=":", alpha=0.7)
+            )
         ax.add_patch(
             Rectangle((w["start"], i - 0.45), w["end"] - w["start"], 0.9, fill=False, ec="white", lw=1.2)
         )
@@ -141,7 +192,8 @@ def _figure(ctx, att, words, enc, hop: float, label: str, has_gold: bool, spec=N
     ax.set_yticks(range(len(words)), [display(w["word"]) for w in words])
     ax.set_xlabel("time (s)")
     ax.set_title(
-        f"{label}: cross-attention of the chosen heads; white: the word's timestamps"
+        f"{label}: cross-attention of the chosen heads; white: timestamps"
+        + ("; grey dots: Whisper's raw ones" if any("raw_start" in w for w in words) else "")
         + ("; green dashes: gold" if has_gold else ""),
         fontsize=9,
     )
@@ -160,6 +212,8 @@ def _view(att, words, hop: float, has_gold: bool) -> dict:
         top = float(a.max())
         q = (a / top * 255).round().int().tolist() if top > 0 else [0] * len(a)
         item = {"w": w["word"], "s": w["start"], "e": w["end"], "max": top, "q": q}
+        if "raw_start" in w:
+            item.update(rs=w["raw_start"], re=w["raw_end"])
         if has_gold:
             item.update(gs=w["gold_start"], ge=w["gold_end"])
         out.append(item)
@@ -207,16 +261,26 @@ def build(ctx) -> dict | None:
                 }
             )
         heads = ", ".join(f"L{layer} H{head}" for layer, head in ts.chosen)
-        line = f"heads chosen ({ts.choice}): {heads}"
-        if has_gold:
-            m = ts.metrics
-            line += (
-                f"; against the gold timings: mean boundary error {m['mean_error_ms']:.1f} ms, within "
-                f"20 / 50 / 100 ms: {m['within_20ms']:.0%} / {m['within_50ms']:.0%} / {m['within_100ms']:.0%}"
-            )
+        how = "refined on the sound (attention+energy)" if ts.refine != "none" else "Whisper's raw recipe"
+        line = f"heads chosen ({ts.choice}): {heads}; timestamps: {how}"
+        for name, m in (("", ts.metrics), ("Whisper's raw recipe: ", ts.raw_metrics)):
+            if m:
+                line += (
+                    f"; {name}against the gold timings: mean boundary error {m['mean_error_ms']:.1f} ms, "
+                    f"within 20 / 50 / 100 ms: {m['within_20ms']:.0%} / {m['within_50ms']:.0%} / "
+                    f"{m['within_100ms']:.0%}"
+                )
         notes = [line, *ts.notes, *notes]
     if not items:
         return None
     js = resources.files("probe.report").joinpath("static", "audio_hover.js").read_text("utf-8")
     has_gold = any("gs" in w for it in items for w in it["data"]["words"])
-    return {"inputs": items, "notes": notes, "left_out": left_out, "has_gold": has_gold, "js": Markup(js)}
+    refined = any("rs" in w for it in items for w in it["data"]["words"])
+    return {
+        "inputs": items,
+        "notes": notes,
+        "left_out": left_out,
+        "has_gold": has_gold,
+        "refined": refined,
+        "js": Markup(js),
+    }

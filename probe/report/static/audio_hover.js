@@ -1,5 +1,6 @@
 // The audio section's hover views: hover (or focus) a word of the transcript to draw its
-// cross-attention over time on the canvas, its timestamps (white) and gold span (green) marked.
+// cross-attention over time on the canvas, its timestamps (white; Whisper's raw ones dotted grey
+// when refined) and gold span (green) marked.
 (function () {
   "use strict";
   const probe = (window.probe = window.probe || {});
@@ -19,12 +20,18 @@
       const h = (w.q[i] / 255) * (H - 14);
       g.fillRect(i * bw, H - h, Math.max(1, bw - 0.5), h);
     }
+    if (w.rs !== undefined) {
+      g.strokeStyle = "rgba(200, 200, 200, 0.6)"; g.lineWidth = 1; g.setLineDash([2, 3]);
+      g.strokeRect(x(w.rs), 4, x(w.re) - x(w.rs), H - 8);
+      g.setLineDash([]);
+    }
     g.strokeStyle = "#fff"; g.lineWidth = 2;
     g.strokeRect(x(w.s), 1, x(w.e) - x(w.s), H - 2);
     view.chips.forEach((chip, j) => chip.classList.toggle("here", j === k));
     let peak = 0;
     w.q.forEach((v, i) => { if (v > w.q[peak]) peak = i; });
     let text = `${w.w}: ${w.s.toFixed(2)}-${w.e.toFixed(2)} s`;
+    if (w.rs !== undefined) text += ` (raw ${w.rs.toFixed(2)}-${w.re.toFixed(2)} s)`;
     if (w.gs !== undefined) text += ` (gold ${w.gs.toFixed(2)}-${w.ge.toFixed(2)} s)`;
     text += `; attention peaks at ${(peak * d.hop).toFixed(2)}-${((peak + 1) * d.hop).toFixed(2)} s (${w.max.toFixed(4)})`;
     view.readout.textContent = text;
