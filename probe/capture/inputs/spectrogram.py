@@ -6,8 +6,9 @@ raw ``input_values`` (wav2vec2, HuBERT) the log power of the waveform's short-ti
 transform (25 ms windows every 10 ms). Each is scaled to 8 bits between its 1st percentile and its
 largest value, low frequencies at the bottom, and kept as a base64 PNG in
 ``metadata["spectrogram_png"]``, with ``spectrogram_hop`` (seconds per column, None when the
-sampling rate is not known) and ``spectrogram_kind``. The picture is for the eye only: every
-number probe computes reads the patterns, never this.
+sampling rate is not known) and ``spectrogram_kind``. The report draws it; the one number read
+from it is where the sound is speech, which :func:`probe.word_timestamps` refines word edges by
+(relative levels only: :mod:`probe.analysis.alignment.sound`); every other number reads the patterns.
 """
 
 from __future__ import annotations
