@@ -99,21 +99,24 @@ class Store:
         """The rows of any SQL over the views ``heads``, ``texts`` (and ``examples``) as a Table."""
         return _table(self.execute(sql, params))
 
-    def _unreadable(self, error: Exception) -> ProbeError:
-        """The one-line error for a failed read: the first shard file that cannot be read, named."""
+    def check(self) -> Store:
+        """Read every shard file's footer: a file that is not whole Parquet is one ProbeError
+        naming it (a shard cut short by a full disk or a copy); returns self."""
         import pyarrow.parquet as pq
 
         for f in (f for fs in self.files.values() for f in fs):
             try:
                 pq.read_metadata(f)
             except Exception as e:  # noqa: BLE001 - any failure to read it is the answer
-                shard = f.name.split(".")[0]
-                why = f"{type(e).__name__}: {(str(e).splitlines() or [''])[0]}"
-                return ProbeError(
-                    f"{f} is corrupt or half-written ({why}); "
-                    f"remove it and shards/{shard}.json and rerun the same corpus command to capture "
-                    "that shard again"
-                )
+                raise _corrupt(f, e) from None
+        return self
+
+    def _unreadable(self, error: Exception) -> ProbeError:
+        """The one-line error for a failed read: the first shard file that cannot be read, named."""
+        try:
+            self.check()
+        except ProbeError as e:
+            return e
         first = (str(error).splitlines() or [""])[0]
         return ProbeError(f"cannot read the store of {self.path}: {first}")
 
@@ -198,6 +201,15 @@ class Store:
 
     def __repr__(self) -> str:
         return f"<probe.corpus.Store {self.path}: {self.config['n_texts']:,} texts, {self.n_shards} shards>"
+
+
+def _corrupt(f: Path, e: Exception) -> ProbeError:
+    shard = f.name.split(".")[0]
+    why = f"{type(e).__name__}: {(str(e).splitlines() or [''])[0]}"
+    return ProbeError(
+        f"{f} is corrupt or half-written ({why}); remove it and shards/{shard}.json and rerun the same "
+        "corpus command to capture that shard again"
+    )
 
 
 def check_stat(stat: str) -> str:

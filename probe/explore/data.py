@@ -35,7 +35,7 @@ class Explorer:
         self, path: str | Path, *, model: Any = None, tokenizer: Any = None, composition: Any = None
     ) -> None:
         self.corpus = Corpus(path)
-        self.store = Store(self.corpus.path)
+        self.store = Store(self.corpus.path).check()  # a damaged shard is one line, before serving
         self.model, self.tokenizer = model, tokenizer
         self.composition = list(composition or [])
         stats = self.corpus.head_stats()
