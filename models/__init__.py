@@ -2,7 +2,8 @@
 
     >>> import models
     >>> models.names()
-    ['single_head', 'minigpt', 'fused_decoder', 'translator', 'aligner', 'vit_zoo', 'speech', 'smollm2']
+    ['single_head', 'minigpt', 'fused_decoder', 'translator', 'aligner', 'vit_zoo', 'speech',
+     'induction', 'smollm2']
     >>> gpt = models.load("minigpt")          # trained, in eval mode
     >>> gpt.tokenizer.encode("attention")
     [2, 18, 18, 5, 13, 18, 9, 14, 13]
@@ -15,7 +16,8 @@ model `vit_zoo` reads pictures, not text: its `tokenizer` is None and it carries
 instead, called like a Hugging Face image processor (`processor(images=[...],
 return_tensors="pt")` -> `{"pixel_values": ...}`). The speech model `speech` hears 16 kHz audio:
 its `processor` is called like a Whisper processor (`processor(audio, sampling_rate=16000)` ->
-`{"input_features": ...}`), its `tokenizer` spells the transcript's words.
+`{"input_features": ...}`), its `tokenizer` spells the transcript's words. `induction`, a 2-layer
+attention-only model, grew a previous-token head and an induction head (a circuit to find).
 
 Weights: `models/checkpoints/NAME.safetensors` ships for the small models; the translator is
 trained on first `load` into the cache (`$PROBE_CACHE_DIR` or `~/.cache/probe`, under
@@ -51,8 +53,26 @@ __all__ = [
     "cache_dir",
 ]
 
-_ZOO = ("single_head", "minigpt", "fused_decoder", "translator", "aligner", "vit_zoo", "speech", "smollm2")
-SHIPPED = ("single_head", "minigpt", "fused_decoder", "aligner", "vit_zoo", "speech")  # small enough for git
+_ZOO = (
+    "single_head",
+    "minigpt",
+    "fused_decoder",
+    "translator",
+    "aligner",
+    "vit_zoo",
+    "speech",
+    "induction",
+    "smollm2",
+)
+SHIPPED = (  # small enough for git
+    "single_head",
+    "minigpt",
+    "fused_decoder",
+    "aligner",
+    "vit_zoo",
+    "speech",
+    "induction",
+)
 CONVERTED = ("smollm2",)  # published weights, converted into the cache on first load: not trained by probe
 
 

@@ -52,6 +52,20 @@ def _show(name: str, model: torch.nn.Module) -> None:
         truth = [shapes.CLASSES[i] for i in data.labels]
         said = model.classify(list(data.images))
         print(f"  6 held-out pictures of {', '.join(truth)} -> {', '.join(said)}")
+    elif name == "induction":
+        from . import induction
+
+        segment = "wh4t+COMES/nexT"  # 15 distinct tokens
+        guess = model.predict("^" + segment + segment)  # guess[t]: its guess for token t + 1
+        n = len(segment)
+        print(f"  ^ then {segment} twice; the guess for each token after the first of a copy:")
+        print(f"    first copy:  {segment[1:]} -> {guess[1:n]}  (nothing to go on)")
+        print(f"    second copy: {segment[1:]} -> {guess[n + 1 : 2 * n]}  (looks back)")
+        acc = induction.accuracy(model)
+        print(
+            f"  next-token accuracy on 64 random ^ r r (|r| = 31): first copy {acc['first']:.2f} "
+            f"(chance 1/64), second copy {acc['second']:.2f}"
+        )
     elif name == "speech":
         from . import speech_data
 

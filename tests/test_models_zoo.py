@@ -17,6 +17,7 @@ def test_names_list_the_zoo():
         "aligner",
         "vit_zoo",
         "speech",
+        "induction",
         "smollm2",
     ]
 

@@ -22,6 +22,7 @@ SLOW = {"translator", "smollm2"}
 TEXTS = {
     "fused_decoder": "3141592653589793238",  # digits: its vocabulary
     "aligner": "der junge sah den hund",
+    "induction": "^wh4t+COMES/nexTwh4t+COMES/nexT",  # ^, then a segment of its base64 tokens twice
     "smollm2": "The capital of France is Paris, and the capital of Italy is Rome.",
 }
 
