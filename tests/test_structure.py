@@ -7,10 +7,13 @@ import is still a dependency) and under ``if TYPE_CHECKING:`` (a type is a depen
 
 The rules, as checked here:
 
-- **Stages.** A module under ``probe/<stage>/`` never imports a stage listed in ``FORBIDDEN`` for
-  it (capture -> cache -> analysis -> intervene -> report; corpus, export and cli beside them), nor
-  the package face ``probe/__init__.py`` (it imports every stage), except the pairs in ``ALLOWED``.
-  ``errors``, ``files``, ``interrupt`` and ``version`` are the floor: they import only each other.
+- **Stages.** The top-level folders and modules of probe/ stand on the lines of ``LAYERS`` (the
+  figure of docs/architecture.md): each imports only names on lines below its own (``files``
+  importing ``errors`` the one pair on a line). A module under ``probe/<stage>/`` never imports a
+  stage listed in ``FORBIDDEN`` for it (capture -> cache -> analysis -> intervene -> report;
+  corpus, export, explore and cli beside them), nor the package face ``probe/__init__.py`` (it
+  imports every stage), except the pairs in ``ALLOWED``. ``errors``, ``files``, ``interrupt`` and
+  ``version`` are the floor: they import only each other.
 - **No circle.** The graph of probe's modules has no cycle. An edge ``a -> b`` is an import in
   ``a`` that loads ``b``: ``import probe.x.b``, ``from probe.x import b`` when ``b`` is a module,
   else ``from probe.x.b import name`` (``b`` a module, or a package's ``__init__``), plus the
@@ -29,11 +32,17 @@ The rules, as checked here:
   from another folder counts as taking a private name. A package's ``__init__.py`` is its public
   face, never a helper. Importing a public name under a private alias (``import x as _x``) is fine.
 - **Sizes.** No function over 80 lines, no class over 250 lines (a longer one is two ideas).
+- **The map.** Every module of probe/ is named in the first cell of a table row of
+  docs/architecture.md (its path under probe/, a folder ``x/`` naming ``x/__init__.py``), exactly
+  once, or, under probe/capture/, of docs/architecture-capture.md (its path under probe/capture/; a
+  bare file name after a path in the same cell is in that path's folder); no row names a module
+  that is not there.
 """
 
 from __future__ import annotations
 
 import ast
+import re
 from collections import deque
 from dataclasses import dataclass
 from pathlib import Path
@@ -54,6 +63,21 @@ FORBIDDEN = {
     # probe serve's app: reads corpus runs, caches, analyses and the report; only cli imports it
     "explore": {"capture", "intervene", "cli", "export"},
 }
+# the figure of docs/architecture.md, top to bottom: a name imports only names on lines below it
+LAYERS = [
+    {"__main__"},
+    {"cli"},
+    {"__init__"},
+    {"explore", "plot"},
+    {"report", "corpus", "intervene", "generation"},
+    {"entry"},
+    {"analysis", "export"},
+    {"forward"},
+    {"capture"},
+    {"cache"},
+    {"errors", "files", "interrupt", "version"},
+]
+BESIDE = {("files", "errors")}  # the one import between names on one line
 # the modules at the bottom: they import nothing of probe but each other
 FLOOR = {"errors", "files", "interrupt", "version"}
 # the packages that never import the face probe/__init__.py (it imports every stage)
@@ -218,6 +242,63 @@ def test_the_checker_sees_back_imports():
     assert _stage_breaks(face, {**modules, "probe.report.x": "report/x.py"})
     floor = _imports("from probe.cache import Cache\n", "errors.py")
     assert _stage_breaks(floor, MODULES)
+
+
+def _top(module: str) -> str:
+    """The name of ``module``'s line in LAYERS: its top-level folder or module (the face: __init__)."""
+    return module.split(".")[1] if module.count(".") else "__init__"
+
+
+def _layer_breaks(imports: list[Import], modules: dict[str, str]) -> list[str]:
+    line = {name: n for n, names in enumerate(LAYERS) for name in names}
+    bad, unplaced = [], set()
+    for i in imports:
+        src, dst = _top(i.module), _top(i.target)
+        unplaced |= {name for name in (src, dst) if name not in line}
+        if i.read or src == dst or src not in line or dst not in line or (src, dst) in BESIDE:
+            continue
+        if line[dst] <= line[src]:
+            where = "beside it" if line[dst] == line[src] else "above it"
+            bad.append(
+                f"{_where(i, modules)} imports {i.target}: {dst} stands {where}, "
+                f"{src} imports only lower lines"
+            )
+    bad += [
+        f"probe/{name} is on no line of LAYERS: place it there (tests/test_structure.py) and in the "
+        "figure of docs/architecture.md"
+        for name in sorted(unplaced)
+    ]
+    return bad
+
+
+def test_stages_import_downward():
+    bad = _layer_breaks(_all_imports(), MODULES)
+    unplaced = {_top(m) for m in MODULES} - set().union(*LAYERS)
+    bad += [
+        f"probe/{name} is on no line of LAYERS: place it there and in docs/architecture.md"
+        for name in unplaced
+    ]
+    assert not bad, "\n".join(bad)
+
+
+def test_the_checker_sees_upward_imports():
+    modules = {
+        **MODULES,
+        "probe.corpus.x": "corpus/x.py",
+        "probe.cache.x": "cache/x.py",
+        "probe.serve": "serve.py",
+    }
+    beside = _layer_breaks(
+        _imports("def f():\n    from probe.report import figures\n", "corpus/x.py"), modules
+    )
+    assert len(beside) == 1 and "report stands beside it, corpus imports only lower lines" in beside[0]
+    above = _layer_breaks(_imports("import probe.cli\n", "cache/x.py"), modules)
+    assert len(above) == 1 and "cli stands above it" in above[0]
+    assert not _layer_breaks(_imports("from probe.errors import ProbeError\n", "files.py"), modules)
+    assert _layer_breaks(_imports("from probe.cache import Cache\n", "serve.py"), modules) == [
+        "probe/serve is on no line of LAYERS: place it there (tests/test_structure.py) and in the figure of "
+        "docs/architecture.md"
+    ]
 
 
 # ---- circles
@@ -470,3 +551,107 @@ def test_no_class_over_250_lines():
     assert not long, "split these by responsibility (a class past 250 lines is two ideas):\n" + "\n".join(
         long
     )
+
+
+# ---- the map
+
+
+DOCS = PROBE.parent / "docs"
+
+
+def _named(page: str, root: str) -> list[tuple[str, int]]:
+    """The modules a page names in the first cell of its table rows, as paths under probe/, with
+    the line: ``x/y.py``, a folder ``x/`` (its ``__init__.py``), and after a path in the same cell a
+    bare ``z.py`` in that path's folder; ``root`` is the folder the page's paths are under."""
+    out = []
+    for n, text in enumerate(page.splitlines(), 1):
+        if not text.startswith("| `"):
+            continue
+        folder = ""
+        for name in re.findall(r"`([^`]+)`", text.split(" | ")[0]):
+            if not re.fullmatch(r"[\w/]+(\.py|/)", name):
+                continue
+            if "/" in name.rstrip("/"):
+                folder = name.rstrip("/").rpartition("/")[0] + "/"
+            path = name if "/" in name.rstrip("/") else folder + name
+            out.append((root + (path + "__init__.py" if path.endswith("/") else path), n))
+    return out
+
+
+def _map_breaks(main: str, capture: str, files: set[str]) -> list[str]:
+    bad = []
+    named = _named(main, "")
+    names = [p for p, _ in named]
+    in_capture = {p for p, _ in _named(capture, "capture/")}
+    for path, line in named:
+        if path not in files:
+            bad.append(
+                f"docs/architecture.md:{line} names {path}, which is no module of probe/: "
+                "rename or remove its row"
+            )
+        elif path.startswith("capture/"):
+            bad.append(
+                f"docs/architecture.md:{line} names {path}: "
+                "capture's modules are named on architecture-capture.md"
+            )
+        elif names.count(path) > 1:
+            bad.append(f"docs/architecture.md:{line} names {path} again: name each module once")
+    for path in sorted(in_capture - files):
+        bad.append(
+            f"docs/architecture-capture.md names {path}, which is no module of probe/: "
+            "rename or remove its row"
+        )
+    for path in sorted(files):
+        if path.startswith("capture/") and path not in in_capture:
+            rel = path[len("capture/") :]
+            rel = rel[: -len("__init__.py")] if rel.endswith("/__init__.py") else rel
+            bad.append(
+                f"probe/{path} is not named on docs/architecture-capture.md: add a row | `{rel}` | what "
+                "lives there | what it talks to | to the table 'Every module, by room'"
+            )
+        elif not path.startswith("capture/") and path not in names:
+            shown = path[: -len("__init__.py")] if path.endswith("/__init__.py") else path
+            bad.append(
+                f"probe/{path} is not named on docs/architecture.md: add a row | `{shown}` | what lives "
+                "there | to its stage's table under 'Every module, by stage'"
+            )
+    return bad
+
+
+def test_the_map_names_every_module_once():
+    main = (DOCS / "architecture.md").read_text(encoding="utf-8")
+    capture = (DOCS / "architecture-capture.md").read_text(encoding="utf-8")
+    bad = _map_breaks(main, capture, set(MODULES.values()))
+    assert not bad, "\n".join(bad)
+
+
+def test_the_checker_sees_what_the_map_leaves_out():
+    files = {
+        "__init__.py",
+        "a/__init__.py",
+        "a/b.py",
+        "a/c.py",
+        "capture/__init__.py",
+        "capture/d/e.py",
+        "capture/d/f.py",
+    }
+    main = "| `__init__.py` | face |\n| `a/` | a |\n| `a/b.py` | b |\n"
+    main += "| `a/b.py` | b again |\n| `a/x.py` | gone |\n"
+    capture = "| `__init__.py` | face |\n| `d/e.py`, `f.py` | e and f |\n"
+    assert _map_breaks(main, capture, files) == [
+        "docs/architecture.md:3 names a/b.py again: name each module once",
+        "docs/architecture.md:4 names a/b.py again: name each module once",
+        "docs/architecture.md:5 names a/x.py, which is no module of probe/: rename or remove its row",
+        "probe/a/c.py is not named on docs/architecture.md: add a row | `a/c.py` | what lives there | to its "
+        "stage's table under 'Every module, by stage'",
+    ]
+    fixed = main.replace("| `a/b.py` | b again |\n", "").replace("`a/x.py` | gone", "`a/c.py` | c")
+    assert _map_breaks(fixed, capture, files) == []
+    left_out = _map_breaks(fixed, "| `__init__.py` | face |\n| `d/e.py` | e |\n", files)
+    assert len(left_out) == 1 and left_out[0].startswith(
+        "probe/capture/d/f.py is not named on docs/architecture-capture.md"
+    )
+    assert _map_breaks(fixed, capture + "| `d/g.py` | gone |\n", files) == [
+        "docs/architecture-capture.md names capture/d/g.py, which is no module of probe/: "
+        "rename or remove its row"
+    ]

@@ -1,5 +1,11 @@
 """Interventions on any model probe can capture: head and sublayer ablation, activation patching.
 
+Also what the model's own weights and values say per head: importance (``importance.py``),
+attention knockout (``knockout.py``), the anatomy (``anatomy*.py``: which module plays which
+role), head writes and composition (``writes.py``, ``composition.py``), contributions and token
+mixing (``values.py``, ``contrib.py``, ``mixing.py``, ``alti.py``, ``zeroing.py``) and circuits
+(``circuit/``).
+
 The edits go where probe finds them (:mod:`probe.intervene.locate`): a head's slice of its
 attention's output-projection input, a sublayer's output on the residual stream. The model runs
 its own code on its own attention path; nothing is forced onto eager attention.
