@@ -94,6 +94,12 @@ on_image            self    vision-language models: Σ a_ij over image-token key
                             lands on the picture. NaN without text beside an image
 ==================  ======  ==================================================================
 
+By contribution: a cache of ``probe.contributions`` also holds each head's contributions,
+``c_ij = ||a_ij v_j W_O^h||`` (Kobayashi et al. 2020). Every metric is computed on them too, each
+row renormalised to sum 1 in place of ``a_ij``: ``HeadStats.by_contribution`` is that table, and
+``first_contrib`` and ``distance_contrib`` (its ``first`` and ``distance``) stand beside those by
+weight. Every cache added must hold contributions, else they are left out (``not_computed``).
+
 Attention rollout (Abnar & Zuidema 2020): per stack, ``Â_l = 0.5·mean_h W_l + 0.5·I`` (padded rows
 identity), ``R = Â_L ··· Â_1``; ``HeadStats.rollout[stack]`` is ``[batch, T, T]`` for a single
 cache captured with all heads (rollout is per text; it is not averaged across caches).
