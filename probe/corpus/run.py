@@ -178,7 +178,7 @@ def run_corpus(
         _run_mine(run_shard, n, out, cfg, group, progress)
         group.barrier()
         if show is not None:  # every shard's statistics are in: each rank shows its shards' heads
-            show(out, [i for i in range(-(-n // cfg["shard_size"])) if group.mine(i)])
+            show(out, [i for i in range(-(-n // cfg["shard_size"])) if group.mine(i)], progress)
             group.barrier()
         if group.rank == 0:
             shards.finish(out)
@@ -245,8 +245,8 @@ def _inputs(
             model, tokenizer, texts[a:b], a, folder, *_shard_args(cfg, bar), store=bool(cfg.get("store"))
         )
 
-    def show(out: Path, mine: list[int]) -> None:
-        run_examples(model, tokenizer, texts, out, cfg, mine)
+    def show(out: Path, mine: list[int], progress: bool = False) -> None:
+        run_examples(model, tokenizer, texts, out, cfg, mine, progress)
 
     return cfg, len(texts), run_texts, (show if spec else None)
 

@@ -107,21 +107,30 @@ def wanted_by_shard(best: dict, shard_size: int) -> dict[int, list[tuple]]:
     return out
 
 
-def run_examples(model, tokenizer, texts: list[str], out: Path, cfg: dict, mine: list[int]) -> None:
-    """Write the examples of the shards ``mine`` (those without their file yet); see the module."""
+def run_examples(
+    model, tokenizer, texts: list[str], out: Path, cfg: dict, mine: list[int], progress: bool = False
+) -> None:
+    """Write the examples of the shards ``mine`` (those without their file yet); see the module.
+    ``progress``: a bar over the texts captured again."""
+    from tqdm.auto import tqdm
+
     spec = cfg["examples"]
     todo = [i for i in mine if not shard_file(out, i, EXAMPLES).is_file()]
     if not todo:
         return
     n_shards = -(-cfg["n_texts"] // cfg["shard_size"])
     wanted = wanted_by_shard(select(out, n_shards, spec), cfg["shard_size"])
-    for i in todo:
-        rows = shard_rows(model, tokenizer, texts, wanted.get(i, []), cfg["batch_size"], spec)
-        write_parquet(shard_file(out, i, EXAMPLES), [rows], empty=rows)
-        interrupt.check()
+    total = sum(len({w[0] for w in wanted.get(i, [])}) for i in todo)
+    with tqdm(total=total, desc="examples", unit="text", disable=not progress) as bar:
+        for i in todo:
+            rows = shard_rows(model, tokenizer, texts, wanted.get(i, []), cfg["batch_size"], spec, bar)
+            write_parquet(shard_file(out, i, EXAMPLES), [rows], empty=rows)
+            interrupt.check()
 
 
-def shard_rows(model, tokenizer, texts: list[str], wanted: list[tuple], batch_size: int, spec: dict) -> Any:
+def shard_rows(
+    model, tokenizer, texts: list[str], wanted: list[tuple], batch_size: int, spec: dict, bar: Any = None
+) -> Any:
     """The examples table of one shard's ``wanted`` ``(text, key, rank, value)`` entries: their texts
     captured again (by length, ``batch_size`` at a time; the layers they need)."""
     by_text: dict[int, list[tuple]] = {}
@@ -158,6 +167,8 @@ def shard_rows(model, tokenizer, texts: list[str], wanted: list[tuple], batch_si
                     }
                 )
         del cache, seen
+        if bar is not None:
+            bar.update(len(batch))
     return examples_table(records)
 
 
