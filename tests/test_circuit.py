@@ -11,12 +11,12 @@ from __future__ import annotations
 
 import pytest
 import torch
+from circuit_fixtures import Tiny, ids_pair, logit_diff
 from torch import nn
 
 from probe import circuit
 from probe.errors import ProbeError
 from probe.intervene.circuit.evaluate import circuit_logits
-from tests.circuit_fixtures import Tiny, ids_pair, logit_diff
 
 CONFIGS = {
     "attention-only": {},
@@ -44,7 +44,7 @@ def test_full_and_empty_circuits_are_the_clean_and_corrupted_runs(cfg):
 
 
 def test_hf_models_full_and_empty():
-    from tests.hf_fixtures import gpt2, llama
+    from hf_fixtures import gpt2, llama
 
     clean, corrupt = ids_pair(B=2, T=6, vocab=50)
     for model in (gpt2(50), llama(50)):  # fused Conv1D q/k/v with biases; GQA with RMSNorm and rotary
@@ -278,7 +278,7 @@ def test_norm_vjp_against_autograd():
 def test_padding_is_left_out():
     """Two prompts of 6 and 4 tokens in one right-padded batch score every edge as the mean of
     their scores alone (EAP and the exact effects), and the metric reads each one's last token."""
-    from tests.hf_fixtures import llama
+    from hf_fixtures import llama
 
     model = llama(50)
     g = torch.Generator().manual_seed(3)

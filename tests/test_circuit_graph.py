@@ -147,9 +147,9 @@ def test_metric_refusals():
 
 def test_ioi_prompts_names_swapped_and_single_tokens():
     import transformers
+    from hf_fixtures import minilm_dir
 
     from probe.capture.inputs.tokenizers import adapt
-    from tests.hf_fixtures import minilm_dir
 
     tok = transformers.AutoTokenizer.from_pretrained(minilm_dir())
     ps = ioi_prompts(12, tok, seed=3)

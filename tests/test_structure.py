@@ -655,3 +655,17 @@ def test_the_checker_sees_what_the_map_leaves_out():
         "docs/architecture-capture.md names capture/d/g.py, which is no module of probe/: "
         "rename or remove its row"
     ]
+
+
+def test_tests_import_their_helpers_as_top_level_modules():
+    """tests/ is not a package: `pytest` (not `python -m pytest`) cannot import `tests.x`."""
+    bad = []
+    for path in sorted((PROBE.parent / "tests").glob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = []
+            if isinstance(node, ast.ImportFrom) and node.module:
+                names = [node.module]
+            elif isinstance(node, ast.Import):
+                names = [a.name for a in node.names]
+            bad += [f"{path.name}:{node.lineno} {n}" for n in names if n == "tests" or n.startswith("tests.")]
+    assert not bad, "import the helper by its module name (from hf_fixtures import ...): " + ", ".join(bad)

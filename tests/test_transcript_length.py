@@ -47,6 +47,7 @@ def test_audio_past_what_the_model_hears_is_one_line_saying_shorten_it(speech):
 
 def test_audio_past_what_the_model_hears_on_the_command_line(tmp_path, capsys):
     import soundfile  # the audio extra (the tests' set-up installs it)
+
     wav = tmp_path / "long.wav"
     soundfile.write(wav, _noise(31), RATE)
     out = tmp_path / "out"

@@ -88,6 +88,11 @@ def cmd_report(args: argparse.Namespace) -> int:
     from probe.capture.consumers.kept import parse_keep_arg
 
     keep = parse_keep_arg(args.keep) if args.keep is not None else None  # before loading the model
+    if args.contributions and from_caches:
+        raise ProbeError(
+            "--contributions captures them from --model and a text; a cache file holds what it holds "
+            "(capture one with probe.contributions)"
+        )
     if keep is not None and from_caches:
         raise ProbeError(
             "--keep says what to capture from --model and a text; a cache file keeps what it kept"
@@ -120,7 +125,8 @@ def cmd_report(args: argparse.Namespace) -> int:
         target = None
         if args.target is not None:
             target = args.target if len(args.target) > 1 else args.target[0]
-        caches = [probe.capture(model, text, tokenizer=tok, target=target, keep=keep)]
+        run = probe.contributions if args.contributions else probe.capture
+        caches = [run(model, text, tokenizer=tok, target=target, keep=keep)]
         if args.importance == MEASURE:
             importance = probe.head_importance(
                 model, text, how=args.how, tokenizer=tok, target=target, **metric_kwargs(args)
@@ -162,7 +168,8 @@ def _report_images(args: argparse.Namespace, inputs: list[str]) -> int:
     check_report_dir(out)  # before loading the model and running the forward
     model, tok, processor = common.load_image_model(args, text=bool(inputs))
     prompt = (inputs if len(inputs) > 1 else inputs[0]) if inputs else None
-    cache = probe.capture(model, args.image, tokenizer=tok, processor=processor, text=prompt, keep=keep)
+    run = probe.contributions if args.contributions else probe.capture
+    cache = run(model, args.image, tokenizer=tok, processor=processor, text=prompt, keep=keep)
     path = probe.report([cache], out, model=model, tokenizer=tok)
     print(
         f"wrote {path} ({human_size(path.stat().st_size)}); open it in a browser: {path.resolve().as_uri()}"
@@ -177,8 +184,11 @@ def _report_audio(args: argparse.Namespace, inputs: list[str]) -> int:
     from probe.report.html import check_report_dir
 
     audio.check_audio_args(args, inputs)
-    if args.importance or args.patching or args.gold:
-        raise ProbeError("--importance, --patching and --gold are for texts; drop them with --audio")
+    if args.importance or args.patching or args.gold or args.contributions:
+        raise ProbeError(
+            "--importance, --patching, --gold and --contributions are for texts and pictures; drop them "
+            "with --audio"
+        )
     keep = parse_keep_arg(args.keep) if args.keep is not None else None
     out = _media_dir(args, args.audio)
     check_report_dir(out)  # before loading the model and running the forward
@@ -211,6 +221,7 @@ def add_parser(sub) -> None:
             "probe report --hf ./my-whisper --audio talk.wav --target 'the words said'",
             "probe report --hf ./my-llava --image cat.png 'USER: <image> what is it?'",
             "probe report --model minigpt --keep stats 'a long text'",
+            "probe report --model smollm2 --contributions 'The cat sat on the mat.'",
             "probe report --model minigpt 'attention lets tokens read.' --importance",
             "probe report run.safetensors --importance importance.json --patching heads.json",
         ),
@@ -234,6 +245,13 @@ def add_parser(sub) -> None:
         help="report folder (default: reports/<model>/ for texts, reports/<model>-<file name>/ for "
         "--image and --audio, reports/<cache name>/ for cache files)",
     )
+    _add_shown_args(p)
+    p.set_defaults(func=cmd_report)
+
+
+def _add_shown_args(p) -> None:
+    """What the report adds beyond the attention: gold alignments, what was kept, contributions,
+    head importance and patching."""
     p.add_argument(
         "--gold",
         metavar="FILE",
@@ -248,6 +266,12 @@ def add_parser(sub) -> None:
         help="what to capture of each attention (with --model/--hf): 'patterns' (default), 'stats' "
         "(each head's statistics computed while the model runs, for long texts), 'rows:-1' or "
         "'topk:32'; the report shows what was kept and says what was not",
+    )
+    p.add_argument(
+        "--contributions",
+        action="store_true",
+        help="with --model/--hf: capture each head's contributions beside its weights "
+        "(probe.contributions: the norm of what it writes from each key) and show them side by side",
     )
     p.add_argument(
         "--importance",
@@ -267,4 +291,3 @@ def add_parser(sub) -> None:
         metavar="FILE",
         help="patching results saved with result.save(FILE)",
     )
-    p.set_defaults(func=cmd_report)

@@ -209,7 +209,11 @@ def create_app(ex: Explorer) -> Any:
                 if request.url.path.startswith("/api/"):
                     return JSONResponse({"error": str(e)}, status_code=404)
                 page = pages.env.get_template("error.html.j2").render(
-                    message=str(e), stats=METRICS, q="", run=ex.corpus.path.name, n_texts=ex.corpus.manifest["n_texts"]
+                    message=str(e),
+                    stats=METRICS,
+                    q="",
+                    run=ex.corpus.path.name,
+                    n_texts=ex.corpus.manifest["n_texts"],
                 )
                 return HTMLResponse(page, status_code=404, headers={"Content-Security-Policy": CSP})
 

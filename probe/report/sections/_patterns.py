@@ -43,6 +43,7 @@ class PatternSet:
     q_pos: list[int]
     k_pos: list[int]
     head_labels: list[int] = field(default_factory=list)
+    by: str = "weight"  # or "contribution": each row renormalised to sum 1, shown like weights
 
     @property
     def cells(self) -> int:
@@ -59,18 +60,25 @@ class PatternSet:
 
     def head(self, li: int) -> torch.Tensor:
         """Layer index ``li`` (into ``layers``): ``[head, query, key]`` float32, real tokens only."""
-        p = self.cache.pattern(self.stack, self.layers[li], self.kind, batch=self.batch).float()
-        return p[:, self.q_pos][:, :, self.k_pos]
+        p = self.cache.pattern(self.stack, self.layers[li], self.kind, batch=self.batch, by=self.by).float()
+        p = p[:, self.q_pos][:, :, self.k_pos]
+        if self.by == "weight":
+            return p
+        total = p.sum(-1, keepdim=True)
+        return torch.where(total > 0, p / total.clamp_min(1e-30), p)
 
 
-def pattern_sets(caches: list[Cache], kinds: tuple[str, ...]) -> list[PatternSet]:
-    """The pattern sets of ``kinds`` (``"self"``/``"cross"``) in every cache and text, in order."""
+def pattern_sets(caches: list[Cache], kinds: tuple[str, ...], by: str = "weight") -> list[PatternSet]:
+    """The pattern sets of ``kinds`` (``"self"``/``"cross"``) in every cache and text, in order;
+    ``by="contribution"``: the layers holding contributions, read as such (rows renormalised)."""
     sets = []
     for ci, cache in enumerate(caches):
         for b in range(cache.n_texts):
             for stack in cache.stacks:
                 for kind in kinds:
                     layers = cache.pattern_layers(stack, kind)
+                    if by != "weight":
+                        layers = [i for i in layers if f"{stack}.blocks.{i}.{kind}_attn.{by}" in cache]
                     if not layers:
                         continue
                     q, k = cache.axes(stack, kind, b)
@@ -78,7 +86,7 @@ def pattern_sets(caches: list[Cache], kinds: tuple[str, ...]) -> list[PatternSet
                     # tokens as everything probe draws shows them (whitespace visible: ␣ ↵ ⇥)
                     shown = [display(t, None) for t in q.tokens], [display(t, None) for t in k.tokens]
                     toks = (*shown, q.positions, k.positions)
-                    sets.append(PatternSet(cache, ci, b, stack, kind, layers, len(heads), *toks, heads))
+                    sets.append(PatternSet(cache, ci, b, stack, kind, layers, len(heads), *toks, heads, by))
     return sets
 
 
