@@ -146,17 +146,42 @@ def test_minigpt_one_module_per_head_and_role():
     assert an.final_norm is m.ln_f and an.unembed is m.lm_head
 
 
+def _induction_blocks_as_written(m, an) -> None:
+    """Every head's q, k and v block is the model's own split of its projections (models/induction.py)."""
+    for i, block in enumerate(m.blocks):
+        a, at = an.attention[("decoder", i, "self")], block.attn
+        assert a.heads == at.n_head and a.norm is None
+        for h in range(at.n_head):
+            cols = slice(at.d_head * h, at.d_head * (h + 1))
+            for role, mod in (("q", at.q), ("k", at.k), ("v", at.v)):
+                got = getattr(a, role)[h]
+                assert got.module is mod and got.cols == cols, (i, h, role, got)
+
+
 def test_attention_only_model_has_no_norm_no_mlp_and_nothing_refused():
     torch.manual_seed(0)
     m = induction.build().eval()
     an = anatomy(m, "^ABCDABCD")
-    for i, block in enumerate(m.blocks):
-        a = an.attention[("decoder", i, "self")]
-        h = a.heads - 1
-        assert a.heads == block.attn.n_head and a.norm is None
-        assert a.q[h].module is block.attn.q and a.q[h].cols == slice(16 * h, 16 * (h + 1))
+    _induction_blocks_as_written(m, an)
     assert not an.mlp and not an.refused
     assert an.final_norm is None and an.unembed is m.lm_head
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_heads_saturated_on_the_first_token_are_still_split(seed):
+    """The trained induction model's layer-0 heads put nearly all their weight on the first token:
+    a value or key perturbed at the middle position barely moves them (exactly nothing, once the
+    softmax underflows). The check perturbs such blocks again, louder and at the first position,
+    and finds every head's blocks where the model's code puts them."""
+    m = models.load("induction")
+    from models.induction import CHARS
+
+    g = torch.Generator().manual_seed(seed)
+    first = torch.randint(1, len(CHARS), (1, 20), generator=g)
+    ids = torch.cat([torch.zeros(1, 1, dtype=torch.long), first, first[:, :8]], 1)
+    an = anatomy(m, ids)
+    assert not an.refused
+    _induction_blocks_as_written(m, an)
 
 
 def test_encoder_decoder_cross_attention_keys_read_the_encoders_final_norm():
