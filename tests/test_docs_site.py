@@ -58,3 +58,8 @@ def test_readme_links_point_at_existing_docs_pages():
     assert links
     for link in links:
         assert (ROOT / link).exists(), link
+
+
+def test_the_readme_is_a_front_door_of_at_most_250_lines():
+    lines = (ROOT / "README.md").read_text(encoding="utf-8").splitlines()
+    assert len(lines) <= 250, f"README.md has {len(lines)} lines: move detail into docs/"
