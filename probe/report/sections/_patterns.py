@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import base64
 import zlib
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -37,17 +37,26 @@ class PatternSet:
     stack: str
     kind: str
     layers: list[int]
-    n_heads: int
+    layer_heads: list[list[int]]  # the model's head number of each head of each layer (own count)
     q_tokens: list[str]
     k_tokens: list[str]
     q_pos: list[int]
     k_pos: list[int]
-    head_labels: list[int] = field(default_factory=list)
     by: str = "weight"  # or "contribution": each row renormalised to sum 1, shown like weights
 
     @property
+    def head_labels(self) -> list[int]:
+        """The overview's columns: every head number some layer has, ascending (layers may differ)."""
+        return sorted({h for heads in self.layer_heads for h in heads})
+
+    @property
+    def n_heads(self) -> int:
+        """How many heads the set holds, over all its layers."""
+        return sum(len(heads) for heads in self.layer_heads)
+
+    @property
     def cells(self) -> int:
-        return len(self.layers) * self.n_heads * len(self.q_pos) * len(self.k_pos)
+        return self.n_heads * len(self.q_pos) * len(self.k_pos)
 
     def label(self, multi_cache: bool, multi_text: bool) -> str:
         parts = []
@@ -82,11 +91,11 @@ def pattern_sets(caches: list[Cache], kinds: tuple[str, ...], by: str = "weight"
                     if not layers:
                         continue
                     q, k = cache.axes(stack, kind, b)
-                    heads = cache.head_ids(stack, layers[0], kind)
+                    heads = [cache.head_ids(stack, layer, kind) for layer in layers]  # each layer's own
                     # tokens as everything probe draws shows them (whitespace visible: ␣ ↵ ⇥)
                     shown = [display(t, None) for t in q.tokens], [display(t, None) for t in k.tokens]
                     toks = (*shown, q.positions, k.positions)
-                    sets.append(PatternSet(cache, ci, b, stack, kind, layers, len(heads), *toks, heads, by))
+                    sets.append(PatternSet(cache, ci, b, stack, kind, layers, heads, *toks, by))
     return sets
 
 
@@ -142,7 +151,7 @@ def _pack(sets: list[PatternSet], scale: int, progress, cells: int, nbytes: int)
         last = per_head * (1 if scale == 255 else 2)  # predicted compressed size of the next head
         for li in range(len(s.layers)):
             p = s.head(li)
-            for h in range(s.n_heads):
+            for h in range(len(s.layer_heads[li])):
                 # The first head of the report always fits: one head is explorable at any length.
                 fits = per_head <= left_cells and used + last <= nbytes
                 if room and (fits or (used == 0 and n_full == 0)):
@@ -158,6 +167,7 @@ def _pack(sets: list[PatternSet], scale: int, progress, cells: int, nbytes: int)
             "kind": s.kind,
             "layers": s.layers,
             "heads": s.head_labels,
+            "layerHeads": s.layer_heads,
             "nq": nq,
             "nk": nk,
             "qTokens": s.q_tokens,
@@ -179,8 +189,10 @@ def pack(
 ) -> tuple[list[dict], dict]:
     """The JSON-ready description of ``sets`` and the page-wide encoding facts.
 
-    Each set gets ``full``: base64 deflate of ``[n_full, q, k]`` quantised weights for its first
-    ``n_full`` heads (layer-major), and, when the rest do not fit ``cells`` cells or ``nbytes``
+    Each set gets ``layerHeads``: each layer's own heads (the model's numbers; layers may have
+    different counts), ``heads``: the overview's columns (every number some layer has), ``full``:
+    base64 deflate of ``[n_full, q, k]`` quantised weights for its first ``n_full`` heads
+    (layer-major, each layer's own heads only), and, when the rest do not fit ``cells`` cells or ``nbytes``
     compressed bytes, ``thumbs``: those as max-pooled uint8 thumbnails ``[n_rest, tq, tk]``.
     uint16 is used when it fits in :data:`U16_BYTES`, else uint8.
     """

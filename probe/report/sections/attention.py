@@ -15,7 +15,7 @@ def build(ctx, kinds: tuple[str, ...] = KINDS, key: str = "attention") -> dict |
     if not sets:
         return None
     packed, enc = pack(sets, progress=ctx.progress)
-    n_down = sum(len(p["layers"]) * len(p["heads"]) - p["nFull"] for p in packed)
+    n_down = sum(s.n_heads for s in sets) - sum(p["nFull"] for p in packed)
     return {
         "id": key,
         "data": {"sets": packed, "scale": enc["scale"], "bytes": enc["bytes"], "lut": colour_lut()},

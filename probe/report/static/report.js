@@ -141,15 +141,34 @@
       return this.decoded.get(si);
     }
 
-    // The matrix of head (li, hi): exact quantised weights, or a max-pooled thumbnail (exact: false).
+    // Layers may have different heads (s.layerHeads: each layer's own, the model's numbers); the
+    // overview's columns are s.heads, every number some layer has. The column indices (into
+    // s.heads) of layer li's heads, and where each layer's heads start in the packed data.
+    layout(s) {
+      if (!s._cols) {
+        const own = s.layerHeads || s.layers.map(() => s.heads);
+        s._cols = own.map((hs) => hs.map((h) => s.heads.indexOf(h)));
+        s._start = [];
+        own.reduce((n, hs, li) => { s._start[li] = n; return n + hs.length; }, 0);
+      }
+      return s;
+    }
+
+    // Whether layer li has the head of column hi (a layer with fewer heads leaves columns empty).
+    hasHead(li, hi) { return this.layout(this.set)._cols[li].includes(hi); }
+
+    // The matrix of head (li, hi): exact quantised weights, or a max-pooled thumbnail (exact: false);
+    // null where layer li has no such head.
     matrix(li, hi) {
-      const s = this.set, d = this.dec, idx = li * s.heads.length + hi;
+      const s = this.layout(this.set), d = this.dec, j = s._cols[li].indexOf(hi);
+      if (j < 0) return null;
+      const idx = s._start[li] + j;
       if (idx < s.nFull) {
         const n = s.nq * s.nk;
         return { vals: d.full.subarray(idx * n, (idx + 1) * n), nq: s.nq, nk: s.nk, scale: this.scale, exact: true };
       }
-      const n = s.tq * s.tk, j = idx - s.nFull;
-      return { vals: d.thumbs.subarray(j * n, (j + 1) * n), nq: s.tq, nk: s.tk, scale: 255, exact: false };
+      const n = s.tq * s.tk, t = idx - s.nFull;
+      return { vals: d.thumbs.subarray(t * n, (t + 1) * n), nq: s.tq, nk: s.tk, scale: 255, exact: false };
     }
 
     // A colour per stored value (256 or 65536 entries, RGBA as one 32-bit word): one lookup per pixel.
@@ -183,7 +202,15 @@
       const selL = this.el(".sel-layer"), selH = this.el(".sel-head");
       selL.textContent = ""; selH.textContent = "";
       s.layers.forEach((l, i) => selL.add(new Option(String(l), String(i))));
-      s.heads.forEach((h, i) => selH.add(new Option(String(h), String(i))));
+      this.headsOf = -1;
+      const own = this.layout(s)._cols.map((c) => c.length);
+      const note = this.el(".overview-missing");
+      if (note) {
+        note.hidden = own.every((n) => n === s.heads.length);
+        note.textContent = note.hidden ? "" : "Layers differ in their heads (" +
+          s.layers.map((l, i) => "L" + l + ": " + own[i]).join(", ") +
+          "): a hatched cell is a head its layer does not have; the explorer offers each layer's own heads.";
+      }
       this.fillTokens(this.el(".tokens-q"), s.qTokens);
       this.fillTokens(this.el(".tokens-k"), s.kTokens);
       this.q = 0; this.k = 0;
@@ -215,6 +242,17 @@
       return { tq, tk, cw: tk * z, ch: tq * z, gap: 4, left: 36, top: 18 };
     }
 
+    // An empty, hatched cell: a head this layer does not have (nothing is drawn as if it existed).
+    drawMissing(ctx, x, y, w, h) {
+      ctx.save();
+      ctx.fillStyle = "#f2f2f2"; ctx.fillRect(x, y, w, h);
+      ctx.beginPath(); ctx.rect(x, y, w, h); ctx.clip();
+      ctx.strokeStyle = "#c8c8c8"; ctx.lineWidth = 1;
+      for (let t = -h; t < w; t += 8) { ctx.moveTo(x + t, y + h); ctx.lineTo(x + t + h, y); }
+      ctx.stroke();
+      ctx.restore();
+    }
+
     drawOverview() {
       const s = this.set, L = this.overviewLayout(), cv = this.el(".probe-overview");
       const nL = s.layers.length, nH = s.heads.length;
@@ -224,11 +262,15 @@
       ctx.fillStyle = "#fff"; ctx.fillRect(0, 0, cv.width, cv.height);
       ctx.fillStyle = "#333"; ctx.font = "11px sans-serif"; ctx.textBaseline = "middle";
       const tmp = document.createElement("canvas");
+      for (let hi = 0; hi < nH; hi++) ctx.fillText("H" + s.heads[hi], L.left + hi * (L.cw + L.gap) + 2, 8);
       for (let li = 0; li < nL; li++) {
         ctx.fillText("L" + s.layers[li], 2, L.top + li * (L.ch + L.gap) + L.ch / 2);
         for (let hi = 0; hi < nH; hi++) {
-          if (li === 0) ctx.fillText("H" + s.heads[hi], L.left + hi * (L.cw + L.gap) + 2, 8);
           const m = this.matrix(li, hi);
+          if (!m) {
+            this.drawMissing(ctx, L.left + hi * (L.cw + L.gap), L.top + li * (L.ch + L.gap), L.cw, L.ch);
+            continue;
+          }
           const tq = Math.min(m.nq, L.tq), tk = Math.min(m.nk, L.tk);
           const vals = pool(m.vals, m.nq, m.nk, tq, tk);
           tmp.width = tk; tmp.height = tq;
@@ -252,13 +294,17 @@
       cv.addEventListener("mousemove", (ev) => {
         const c = this.overviewCell(ev);
         if (!c) return this.hideTip();
-        const exact = this.matrix(c[0], c[1]).exact ? "" : " (max-pooled)";
-        this.showTip(ev, "Layer " + this.set.layers[c[0]] + ", Head " + this.set.heads[c[1]] + exact + "\nclick to explore");
+        const m = this.matrix(c[0], c[1]), where = "Layer " + this.set.layers[c[0]];
+        if (!m) {
+          const n = this.layout(this.set)._cols[c[0]].length;
+          return this.showTip(ev, where + " has no head " + this.set.heads[c[1]] + " (it has " + n + (n === 1 ? " head)" : " heads)"));
+        }
+        this.showTip(ev, where + ", Head " + this.set.heads[c[1]] + (m.exact ? "" : " (max-pooled)") + "\nclick to explore");
       });
       cv.addEventListener("mouseleave", () => this.hideTip());
       cv.addEventListener("click", (ev) => {
         const c = this.overviewCell(ev);
-        if (!c) return;
+        if (!c || !this.hasHead(c[0], c[1])) return;
         this.selectHead(c[0], c[1]);
         this.el(".probe-matrix").focus({ preventScroll: true });
         this.el(".probe-matrix").scrollIntoView({ block: "nearest" });
@@ -270,13 +316,28 @@
     }
 
     // ---- explorer ---------------------------------------------------------------------------
+    // Layer li (clamped) and its head of column hi, or where the layer lacks it, the layer's nearest
+    // head below (else its first). The head selector offers the layer's own heads only.
     selectHead(li, hi) {
-      const s = this.set;
+      const s = this.layout(this.set);
       this.li = Math.max(0, Math.min(s.layers.length - 1, li));
-      this.hi = Math.max(0, Math.min(s.heads.length - 1, hi));
+      const cols = s._cols[this.li], below = cols.filter((c) => c <= hi);
+      this.hi = cols.includes(hi) ? hi : below.length ? below[below.length - 1] : cols[0];
+      const selH = this.el(".sel-head");
+      if (this.headsOf !== this.li) {
+        selH.textContent = "";
+        cols.forEach((c) => selH.add(new Option(String(s.heads[c]), String(c))));
+        this.headsOf = this.li;
+      }
       this.el(".sel-layer").value = String(this.li);
-      this.el(".sel-head").value = String(this.hi);
+      selH.value = String(this.hi);
       this.drawHead();
+    }
+
+    // The layer's next (d = 1) or previous (d = -1) head of its own.
+    stepHead(d) {
+      const cols = this.layout(this.set)._cols[this.li], i = cols.indexOf(this.hi) + d;
+      this.selectHead(this.li, cols[Math.max(0, Math.min(cols.length - 1, i))]);
     }
 
     drawHead() {
@@ -426,7 +487,7 @@
         if (moves[ev.key]) {
           this.focusCell(this.q + moves[ev.key][0], this.k + moves[ev.key][1], null);
         } else if (ev.key === "[" || ev.key === "]") {
-          this.selectHead(this.li, this.hi + (ev.key === "]" ? 1 : -1));
+          this.stepHead(ev.key === "]" ? 1 : -1);
         } else if (ev.key === "PageUp" || ev.key === "PageDown") {
           this.selectHead(this.li + (ev.key === "PageDown" ? 1 : -1), this.hi);
         } else {
