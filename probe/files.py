@@ -110,7 +110,17 @@ def write_text_atomic(path: str | os.PathLike, text: str) -> Path:
     return write_bytes_atomic(path, text.encode("utf-8"))
 
 
+def human_size(n: float) -> str:
+    """A byte count as people read it: ``1536`` -> ``"1.5 KB"``."""
+    for unit in ("B", "KB", "MB", "GB", "TB"):
+        if n < 1024 or unit == "TB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n:.1f} TB"
+
+
 __all__ = [
+    "human_size",
     "atomic_path",
     "check_writable",
     "check_writable_dir",

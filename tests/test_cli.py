@@ -36,6 +36,7 @@ def test_models_lists_the_zoo():
         "aligner",
         "vit_zoo",
         "speech",
+        "induction",
         "smollm2",
     ]
 

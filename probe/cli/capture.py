@@ -6,8 +6,9 @@ import argparse
 from pathlib import Path
 
 from probe.cli import audio, common
-from probe.cli.common import add_image_args, add_model_args, examples, human_size, int_list
+from probe.cli.common import add_image_args, add_model_args, examples, int_list
 from probe.errors import ProbeError
+from probe.files import human_size
 
 
 def cmd_capture(args: argparse.Namespace) -> int:

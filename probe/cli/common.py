@@ -27,15 +27,6 @@ def examples(*lines: str) -> str:
     return "examples:\n" + "\n".join(f"  {line}" for line in lines)
 
 
-def human_size(n: float) -> str:
-    """A byte count as people read it: ``1536`` -> ``"1.5 KB"``."""
-    for unit in ("B", "KB", "MB", "GB"):
-        if n < 1024 or unit == "GB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    return f"{n:.1f} GB"
-
-
 def int_list(text: str) -> list[int]:
     """``"0, 3,5"`` -> ``[0, 3, 5]`` (an argparse type: anything else is a usage error)."""
     try:

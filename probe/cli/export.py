@@ -5,8 +5,9 @@ from __future__ import annotations
 import argparse
 
 from probe.cli import common
-from probe.cli.common import add_model_args, examples, human_size, int_list
+from probe.cli.common import add_model_args, examples, int_list
 from probe.errors import ProbeError
+from probe.files import human_size
 
 
 def cmd_export(args: argparse.Namespace) -> int:

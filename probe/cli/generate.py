@@ -7,8 +7,9 @@ import argparse
 from pathlib import Path
 
 from probe.cli import common
-from probe.cli.common import add_image_args, add_model_args, examples, human_size
+from probe.cli.common import add_image_args, add_model_args, examples
 from probe.errors import ProbeError
+from probe.files import human_size
 
 CACHE_NAME = "generation.safetensors"
 DEFAULT_NEW = 32

@@ -6,9 +6,10 @@ import argparse
 from pathlib import Path
 
 from probe.cli import audio, common
-from probe.cli.common import add_image_args, add_model_args, examples, human_size
+from probe.cli.common import add_image_args, add_model_args, examples
 from probe.cli.intervene import add_metric_args, metric_kwargs
 from probe.errors import ProbeError
+from probe.files import human_size
 
 
 def report_name(text: str) -> str:

@@ -12,6 +12,7 @@ from probe.analysis.focus.accumulator import FocusAccumulator
 from probe.analysis.focus.result import HeadStats
 from probe.cache import Cache, load
 from probe.errors import ProbeError
+from probe.files import human_size
 
 
 class Corpus:
@@ -122,7 +123,7 @@ class Corpus:
         keep = c["keep"] if isinstance(c["keep"], str) else json.dumps(c["keep"])
         what = "picture" if c.get("inputs") == "images" else "text"
         lines = [
-            f"{self.path}  (corpus run, {_human(size)})",
+            f"{self.path}  (corpus run, {human_size(size)})",
             f"model:     {c['model'].get('name')}  ({c['model'].get('class')}, "
             f"{c['model'].get('parameters') or 0:,} parameters)",
             f"{what + 's:':<10} {m['n_texts']:,} ({m['n_ok']:,} captured, {m['n_failed']:,} failed)",
@@ -145,14 +146,6 @@ class Corpus:
 
     def __repr__(self) -> str:
         return f"<probe.Corpus {self.path}: {self.manifest['n_texts']} texts, {len(self)} files>"
-
-
-def _human(n: float) -> str:
-    for unit in ("B", "KB", "MB", "GB", "TB"):
-        if n < 1024 or unit == "TB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    return f"{n:.1f} TB"
 
 
 def open_corpus(path: str | os.PathLike) -> Corpus:
