@@ -66,9 +66,25 @@ def answers_of(args: argparse.Namespace, n: int):
     return got if len(got) == 2 else got[0]
 
 
+def _report(args: argparse.Namespace, model, tok, clean: list[str], c, curve) -> None:
+    """``--report DIR``: the report of the clean prompts' capture, with the circuit's section (its
+    curve: ``--curve``'s, else the report's default counts)."""
+    import probe
+    from probe.files import human_size
+
+    cache = probe.capture(model, clean, tokenizer=tok)
+    path = probe.report([cache], args.report, model=model, tokenizer=tok, circuit=c, circuit_curve=curve)
+    size = human_size(path.stat().st_size)
+    print(f"wrote {path} ({size}); open it in a browser: {path.resolve().as_uri()}")
+
+
 def cmd_circuit(args: argparse.Namespace) -> int:
     import probe
 
+    if args.report is not None:  # a file there, or no permission: refused before any work
+        from probe.report.html import check_report_dir
+
+        check_report_dir(args.report)
     clean, corrupted = _lines(args.clean, "--clean"), _lines(args.corrupted, "--corrupted")
     if len(clean) != len(corrupted):
         raise ProbeError(f"--clean has {len(clean)} prompts but --corrupted {len(corrupted)}; give one each")
@@ -87,14 +103,18 @@ def cmd_circuit(args: argparse.Namespace) -> int:
     )
     print(c.summary())
     print(c.table.top("rank", args.top, descending=False).to_text(max_rows=args.top))
+    curve = None
     if args.curve:
+        curve = c.evaluate(args.curve, how=args.how)
         print()
-        print(c.evaluate(args.curve, how=args.how))
+        print(curve)
     for fmt, what in (("json", "the graph and every edge's score"), ("csv", "the table of edges")):
         path = getattr(args, fmt)
         if path:
             getattr(c, f"to_{fmt}")(path)
             print(f"wrote {path} ({what})")
+    if args.report is not None:
+        _report(args, model, tok, clean, c, curve)
     return 0
 
 
@@ -113,6 +133,8 @@ def add_parser(sub) -> None:
             "--answers-file answers.tsv --metric logit-diff",
             "probe circuit --hf ./SmolLM2 --clean ioi.txt --corrupted ioi_swapped.txt "
             "--answers-file names.tsv --method eap --curve 10,100,1000 --json graph.json --csv edges.csv",
+            "probe circuit --model induction --clean clean.txt --corrupted corrupted.txt "
+            "--answers-file answers.tsv --report reports/induction-circuit",
         ),
     )
     add_model_args(p)
@@ -147,4 +169,11 @@ def add_parser(sub) -> None:
         "--json", default=None, metavar="FILE", help="write the graph and every edge's score as JSON"
     )
     p.add_argument("--csv", default=None, metavar="FILE", help="write the table of edges as CSV")
+    p.add_argument(
+        "--report",
+        default=None,
+        metavar="DIR",
+        help="write the HTML report of the clean prompts with the circuit: its graph, its faithfulness "
+        "curve (--curve's counts, else 1, 2, 5, 10, ... edges) and its edges (DIR/index.html)",
+    )
     p.set_defaults(func=cmd_circuit)

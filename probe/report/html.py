@@ -180,6 +180,8 @@ def report(
     tutorial: Any = None,
     importance: Any = None,
     patching: Any = None,
+    circuit: Any = None,
+    circuit_curve: Any = None,
 ) -> Path:
     """Write a self-contained HTML report of ``cache_or_caches`` to ``out_dir/index.html``.
 
@@ -193,7 +195,10 @@ def report(
     captures, and without it uses its first cache when that is the tutorial's text.
     ``importance``: a :class:`probe.HeadImportance` (or the JSON file its ``save`` wrote) for the
     section "Which heads matter"; ``patching``: a :class:`probe.Patching`, a saved one, or a list of
-    them, shown there as maps. The file is
+    them, shown there as maps. ``circuit``: a :func:`probe.circuit` result, a circuit chosen from it
+    (``c.greedy(8)``) or the JSON file ``c.to_json(path)`` wrote, for the section "Circuit" (the
+    graph, the faithfulness curve, the edges); ``circuit_curve``: its ``c.evaluate([...])`` (else
+    computed here when the result still has its model). The file is
     written atomically; returns its path. ``progress`` shows a tqdm bar on stderr.
     """
     from tqdm import tqdm
@@ -223,6 +228,10 @@ def report(
     results.update(_interventions(importance, patching))
     caches = _as_caches(cache_or_caches)
     out = check_report_dir(out_dir)
+    if circuit is not None or circuit_curve is not None:  # read (and refused), its curve run, first
+        from probe.report.sections.circuit import circuit_input
+
+        results["circuit"] = circuit_input(circuit, circuit_curve)
     sections = discover()
     with tqdm(total=len(sections) + 1, desc="report", unit="step", disable=not progress) as bar:
 
