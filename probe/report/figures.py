@@ -24,6 +24,7 @@ import seaborn as sns
 import torch
 from matplotlib.axes import Axes
 from matplotlib.figure import Figure
+from matplotlib.patches import Rectangle
 
 from probe.cache.axes import Axis
 from probe.cache.format import key
@@ -159,15 +160,18 @@ def overview(
         raise ProbeError(f"scale must be 'head' or 'shared', not {scale!r}")
     stack = cache.pattern_stack(stack, kind)
     layers = cache.pattern_layers(stack, kind)
-    heads = cache.head_ids(stack, layers[0] if layers else 0, kind)  # a one-line error if none
-    n_q, n_k = head_matrix(cache, layers[0], heads[0], stack=stack, kind=kind, batch=batch)[0].shape
+    first = cache.head_ids(stack, layers[0] if layers else 0, kind)  # a one-line error if none
+    own = {layer: cache.head_ids(stack, layer, kind) for layer in layers}  # layers may differ in heads
+    heads = sorted({x for ids in own.values() for x in ids})  # the columns: every head some layer has
+    n_q, n_k = head_matrix(cache, layers[0], first[0], stack=stack, kind=kind, batch=batch)[0].shape
     cell = max(8, max_pixels // max(len(layers), len(heads)))
     b = -(-max(n_q, n_k) // cell)
     h, w = -(-n_q // b), -(-n_k // b)
     gap = max(1, round(max(h, w) / 12))
     grid = np.full((len(layers) * (h + gap) - gap, len(heads) * (w + gap) - gap), np.nan, dtype=np.float32)
     for r, layer in enumerate(layers):
-        for c, head in enumerate(cache.head_ids(stack, layer, kind)):
+        for head in own[layer]:
+            c = heads.index(head)
             m = head_matrix(cache, layer, head, stack=stack, kind=kind, batch=batch)[0]
             if scale == "head":
                 m = m / max(float(np.nanmax(m)), np.finfo(np.float32).tiny)
@@ -185,6 +189,19 @@ def overview(
         aspect="auto",
         interpolation="nearest" if max(grid.shape) <= pixels else "antialiased",
     )
+    missing = [(r, c) for r, layer in enumerate(layers) for c, x in enumerate(heads) if x not in own[layer]]
+    for r, c in missing:  # a head its layer does not have: an empty, hatched cell
+        ax.add_patch(
+            Rectangle(
+                (c * (w + gap) - 0.5, r * (h + gap) - 0.5),
+                w,
+                h,
+                facecolor="#f2f2f2",
+                edgecolor="#b0b0b0",
+                hatch="///",
+                lw=0,
+            )
+        )
     ax.xaxis.tick_top()
     ax.set_xticks([c * (w + gap) + (w - 1) / 2 for c in range(len(heads))], [f"H{x}" for x in heads])
     ax.set_yticks([r * (h + gap) + (h - 1) / 2 for r in range(len(layers))], [f"L{x}" for x in layers])
@@ -193,7 +210,9 @@ def overview(
         spine.set_visible(False)
     pooled = f"; each pixel the max of {b}×{b} weights" if b > 1 else ""
     ax.set_title(
-        f"{stack.capitalize()} {kind}-attention, layers × heads (queries ↓, keys →{pooled})", fontsize=10
+        f"{stack.capitalize()} {kind}-attention, layers × heads (queries ↓, keys →{pooled})"
+        + ("\nhatched: a head that layer does not have" if missing else ""),
+        fontsize=10,
     )
     label = "fraction of the head's largest weight" if scale == "head" else "attention weight"
     fig.colorbar(image, ax=ax, fraction=0.03, pad=0.02, label=label)

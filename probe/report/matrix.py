@@ -95,6 +95,41 @@ def layer_ticks(ax: Axes, layers: Sequence[int], positions: Sequence[float] | No
     return step
 
 
+def head_grid(
+    rows: Sequence[Sequence[float]], heads: Sequence[Sequence[int]]
+) -> tuple[list[int], np.ndarray, np.ndarray]:
+    """A layers × heads grid of layers that may have different heads: ``rows[i]`` the values of
+    layer i's heads, ``heads[i]`` their numbers. Returns ``(columns, values, missing)``: every head
+    number some layer has (ascending), the values placed in their columns (NaN elsewhere), and
+    where a layer has no such head (``missing``, to be drawn with :func:`mark_missing`)."""
+    if len(rows) != len(heads) or any(len(r) != len(h) for r, h in zip(rows, heads, strict=False)):
+        raise ProbeError(f"{[len(r) for r in rows]} values per layer for {[len(h) for h in heads]} heads")
+    columns = sorted({int(h) for hs in heads for h in hs})
+    col = {h: j for j, h in enumerate(columns)}
+    values = np.full((len(rows), len(columns)), np.nan)
+    missing = np.ones((len(rows), len(columns)), dtype=bool)
+    for i, (r, hs) in enumerate(zip(rows, heads, strict=True)):
+        for v, h in zip(r, hs, strict=True):
+            values[i, col[int(h)]] = v
+            missing[i, col[int(h)]] = False
+    return columns, values, missing
+
+
+NO_HEAD = "hatched: a head that layer does not have"
+
+
+def mark_missing(ax: Axes, missing: np.ndarray) -> bool:
+    """Hatch the cells of a layers × heads image (cell (i, j) centred at (j, i)) where ``missing``:
+    heads a layer does not have, drawn empty and marked, never as values. Returns whether any."""
+    from matplotlib.patches import Rectangle
+
+    for i, j in zip(*np.nonzero(missing), strict=True):
+        ax.add_patch(
+            Rectangle((j - 0.5, i - 0.5), 1, 1, facecolor="#f2f2f2", edgecolor="#b0b0b0", hatch="///", lw=0)
+        )
+    return bool(missing.any())
+
+
 def axis_title(text: str | None, k: int) -> str | None:
     if k == 1 or text is None:
         return text

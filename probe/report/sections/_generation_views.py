@@ -100,7 +100,7 @@ def view_data(v: GenView) -> dict[str, Any]:
             entry["heads"] = [_block(r[h]) for h in range(r.shape[0])]
         if v.lookback is not None:
             li = v.lookback.layers.index(layer)
-            ratio = v.lookback.ratio[li][:, v.mapped]  # [H, Q]
+            ratio = v.lookback.ratio[li][: r.shape[0]][:, v.mapped]  # [H, Q]: the layer's own heads
             with_mean = torch.cat([ratio, ratio.nanmean(0, keepdim=True) if ratio.numel() else ratio[:1]])
             entry["ratio"] = [[_num(float(x)) for x in row] for row in with_mean]
         layers.append(entry)

@@ -90,7 +90,7 @@ def patch_view(cache: Any, stack: str, pos: dict[str, Any], batch: int, label: s
         prefix + list(inside),
         labels,  # the patches' names are made by the page
         layers,
-        int(cache.pattern(stack, layers[0], batch=batch).shape[0]) if layers else 0,
+        max((len(cache.head_ids(stack, layer)) for layer in layers), default=0),  # layers may differ
         batch,
         label,
         chips,
@@ -105,7 +105,7 @@ def text_views(cache: Any, stack: str, pos: dict[str, Any], texts: int, names: l
 
     out, first = [], 0
     layers = cache.pattern_layers(stack)
-    n_heads = int(cache.pattern(stack, layers[0], batch=0).shape[0])
+    n_heads = max(len(cache.head_ids(stack, layer)) for layer in layers)  # layers may differ
     for b, row in enumerate(pos["rows"]):
         grids = row.get("grids") or []  # a generation's kinds may come without the grids
         if b >= texts:

@@ -10,11 +10,13 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
+
 from probe.analysis.alignment import align, cross_layers
 from probe.analysis.alignment.core import MEAN
 from probe.analysis.alignment.diagonal import candidates
 from probe.cache.pictures import stack_positions
-from probe.report.matrix import label_axis
+from probe.report.matrix import NO_HEAD, label_axis, mark_missing
 
 TITLE = "Cross-attention alignment"
 ORDER = 60
@@ -135,8 +137,11 @@ def _links(al, b: int):
 def _map(al, values: dict, label: str, convention: str):
     from matplotlib.figure import Figure
 
-    heads = [*range(al.n_heads), "mean"]
+    # every head some layer has (layers may differ in heads), then their mean
+    own = sorted({h for _, h in values if h != MEAN}) or list(range(al.n_heads))
+    heads = [*own, MEAN]
     grid = [[values.get((layer, h), math.nan) for h in heads] for layer in al.layers]
+    missing = np.array([[h != MEAN and (layer, h) not in values for h in heads] for layer in al.layers])
     fig = Figure(figsize=_fit(1.5 + 0.55 * len(heads), 0.9 + 0.4 * len(al.layers)))
     ax = fig.subplots()
     im = ax.imshow(grid, cmap="viridis_r" if label == "AER" else "viridis", aspect="auto")
@@ -144,7 +149,10 @@ def _map(al, values: dict, label: str, convention: str):
     ax.set_yticks(range(len(al.layers)), [str(x) for x in al.layers])
     ax.set_xlabel("head")
     ax.set_ylabel("decoder layer")
-    ax.set_title(f"{label}, {CONVENTION_WORDS[convention]}", fontsize=9)
+    title = f"{label}, {CONVENTION_WORDS[convention]}"
+    if values and mark_missing(ax, missing):
+        title += f"\n({NO_HEAD})"
+    ax.set_title(title, fontsize=9)
     for r, row in enumerate(grid):
         for c, v in enumerate(row):
             if not math.isnan(v):

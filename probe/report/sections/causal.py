@@ -4,6 +4,10 @@ from __future__ import annotations
 
 from typing import Any
 
+import numpy as np
+
+from probe.report.matrix import NO_HEAD, head_grid, mark_missing
+
 TITLE = "Causal-mask audit"
 ORDER = 30
 
@@ -90,26 +94,36 @@ def _heatmaps(ctx, report) -> list[dict]:
         fig = Figure(figsize=(3.2 * len(panels) + 1, 0.45 * len(g["layers"]) + 1.4))
         axes = fig.subplots(1, len(panels))
         axes = axes if len(panels) > 1 else [axes]
+        missing = False
         for ax, (name, title) in zip(axes, panels, strict=True):
-            data = g[name]
-            top = max(max(r) for r in data)
+            # layers may have different heads (each row its own): columns are the model's head numbers
+            heads, data, absent = head_grid(g[name], _row_heads(g, g[name]))
+            top = float(np.nanmax(data))
             im = ax.imshow(data, cmap="Reds", vmin=0, vmax=max(1e-6, top), aspect="auto")
             ax.set_title(title, fontsize=9)
             ax.set_xlabel("head")
             ax.set_ylabel("layer")
-            heads = g.get("heads") or list(range(len(data[0])))  # the model's head of each column
-            ax.set_xticks(range(len(data[0])), [str(h) for h in heads])
+            ax.set_xticks(range(len(heads)), [str(h) for h in heads])
             ax.set_yticks(range(len(g["layers"])), [str(layer) for layer in g["layers"]])
+            missing = mark_missing(ax, absent) or missing
             for row, layer in enumerate(g["layers"]):
-                for h in range(len(data[0])):
+                for h in range(len(heads)):
                     if (layer, heads[h]) in boxed[name]:
                         ax.add_patch(Rectangle((h - 0.5, row - 0.5), 1, 1, fill=False, ec="black", lw=2))
             _mass_colorbar(fig, im, ax, top)
-        fig.suptitle(f"{label}: max over rows (boxed: a finding)", fontsize=9)
+        note = f"; {NO_HEAD}" if missing else ""
+        fig.suptitle(f"{label}: max over rows (boxed: a finding{note})", fontsize=9)
         fig.tight_layout()
         alt = f"{label} future and pad mass per layer and head"
         out.append({"label": label, "fig": ctx.figure(fig, alt), "alt": alt, "zero": []})
     return out
+
+
+def _row_heads(g: dict, rows: list[list[float]]) -> list[list[int]]:
+    """The model's head number of each value of each layer's row: the grid's ``heads`` (the cache's
+    head selection) where a row has that many values, else 0, 1, ... (a layer of its own count)."""
+    ids = list(g.get("heads") or [])
+    return [ids if len(ids) == len(r) else list(range(len(r))) for r in rows]
 
 
 def _mass_colorbar(fig, im, ax, top: float) -> None:

@@ -10,6 +10,9 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
+
+from probe.report.matrix import NO_HEAD, mark_missing
 from probe.report.sections._patterns import FULL_BUDGET, FULL_BYTES, colour_lut, pack, pattern_sets
 
 TITLE = "Side by side"
@@ -19,8 +22,9 @@ SHOWN = ("stack", "layer", "head", "kind", "n_texts", "max_abs", "mean_abs", "tv
 STAT_MAPS = ("d_entropy", "d_first", "d_prev", "d_distance")
 
 
-def _map_figure(ctx, values, title: str, signed: bool) -> str:
-    """A layers × heads heatmap of ``values`` (NaN blank), each cell annotated when few."""
+def _map_figure(ctx, values, title: str, signed: bool, present: set | None = None) -> str:
+    """A layers × heads heatmap of ``values`` (NaN blank), each cell annotated when few; cells of
+    heads not in ``present`` (``(layer, head)``: layers may differ in heads) hatched."""
     from matplotlib.figure import Figure
 
     L, H = values.shape
@@ -35,6 +39,10 @@ def _map_figure(ctx, values, title: str, signed: bool) -> str:
     ax.set_ylabel("layer")
     ax.set_xticks(range(H))
     ax.set_yticks(range(L))
+    if present is not None:
+        missing = np.array([[(i, j) not in present for j in range(H)] for i in range(L)])
+        if mark_missing(ax, missing):
+            title += f"\n({NO_HEAD})"
     ax.set_title(title, fontsize=9)
     if L * H <= 256:
         for i in range(L):
@@ -79,12 +87,13 @@ def build(ctx) -> dict | None:
     groups = []
     for stack, kind in dict.fromkeys((r["stack"], r["kind"]) for r in c.heads):
         where = f"{stack} {kind}-attention"
+        present = {(r["layer"], r["head"]) for r in c.heads if (r["stack"], r["kind"]) == (stack, kind)}
         maps = []
         if any(r["n_texts"] for r in c.heads if (r["stack"], r["kind"]) == (stack, kind)):
             tv = c.map("tv", stack, kind)
-            maps.append(_map_figure(ctx, tv, f"{where}: total variation A vs B (0 = same)", False))
+            maps.append(_map_figure(ctx, tv, f"{where}: total variation A vs B (0 = same)", False, present))
         for m in STAT_MAPS:
-            maps.append(_map_figure(ctx, c.map(m, stack, kind), f"{where}: {m[2:]} B − A", True))
+            maps.append(_map_figure(ctx, c.map(m, stack, kind), f"{where}: {m[2:]} B − A", True, present))
         groups.append({"title": where, "maps": maps})
     by = "tv" if c.compared_patterns else "d_entropy"
     top = c.top(20, by=by)

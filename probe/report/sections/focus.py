@@ -4,7 +4,10 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
+
 from probe.analysis.focus import ROLE_RULES
+from probe.report.matrix import NO_HEAD, mark_missing
 
 TITLE = "Heads: focus statistics and roles"
 ORDER = 40
@@ -77,7 +80,9 @@ ROLE_SHORT = {
 }
 
 
-def _heatmap(ctx, values, title: str) -> str:
+def _heatmap(ctx, values, title: str, missing=None) -> str:
+    """A layers × heads map of ``values`` (NaN blank: undefined); ``missing`` cells (heads a layer
+    does not have) hatched."""
     from matplotlib.figure import Figure
 
     L, H = values.shape
@@ -89,6 +94,8 @@ def _heatmap(ctx, values, title: str) -> str:
     ax.set_xticks(range(H))
     ax.set_yticks(range(L))
     ax.set_title(title, fontsize=9)
+    if missing is not None:
+        mark_missing(ax, missing)
     if L * H <= 256:
         finite = values[~values.isnan()]
         mid = float(finite.mean()) if finite.numel() else 0.0
@@ -236,15 +243,18 @@ def _table(rows: list[dict], several: bool, not_computed: dict[str, str]) -> dic
 
 def _group(ctx, stats, stack: str, kind: str, rate: float) -> dict:
     rows = [r for r in stats.table if r["stack"] == stack and r["kind"] == kind]
-    maps = []
+    present = {(r["layer"], r["head"]) for r in rows}
+    maps, missing = [], None
     for metric, label in MAP_METRICS:
-        vals = stats.map(metric, stack, kind)
+        vals = stats.map(metric, stack, kind)  # [layer, head] by the model's numbers, NaN where none
         if bool(vals.isnan().all()):
             continue
+        if missing is None:  # layers with fewer heads (or heads the cache left out): no values there
+            L, H = vals.shape
+            missing = np.array([[(i, h) not in present for h in range(H)] for i in range(L)])
         ctx.progress(f"head map: {stack} {kind} {metric}")
-        maps.append(
-            {"metric": metric, "label": label, "img": _heatmap(ctx, vals, f"{stack} {kind}: {label}")}
-        )
+        img = _heatmap(ctx, vals, f"{stack} {kind}: {label}", missing)
+        maps.append({"metric": metric, "label": label, "img": img})
     counts: dict[str, int] = {}
     for r in rows:
         counts[r["role"]] = counts.get(r["role"], 0) + 1
@@ -257,6 +267,7 @@ def _group(ctx, stats, stack: str, kind: str, rate: float) -> dict:
         "sink_rate": None if math.isnan(rate) else rate,
         "roles": sorted(counts.items(), key=lambda x: -x[1]),
         "maps": maps,
+        "maps_note": NO_HEAD if missing is not None and missing.any() else None,
         "heads": heads,
         "grid": grid,
         **_table(rows, stats.n_texts > 1, getattr(stats, "not_computed", {})),

@@ -32,15 +32,31 @@ def _text(gen: dict[str, Any], key: str, b: int) -> str | None:
     return v if isinstance(v, str) else None
 
 
-def _ratio_fig(lb):
-    """The lookback ratio per head (rows: layer.head) over the generated tokens (columns), and
-    its mean over heads above."""
+def _own_heads(cache, stack: str, layers: list[int]) -> list[int]:
+    """How many self-attention heads each of ``layers`` has in ``cache`` (layers may differ: the
+    zoo's induction model has 4, then 1); the lookback's arrays hold as many as the first layer."""
+    out = []
+    for layer in layers:
+        prefix = f"{stack}.blocks.{layer}.self_attn."
+        k = next(
+            k
+            for k in cache.keys()
+            if k.startswith(prefix) and k.rsplit(".", 1)[-1] in ("pattern", "rows", "topk_values")
+        )
+        out.append(cache.shape(k)[1])
+    return out
+
+
+def _ratio_fig(lb, own: list[int]):
+    """The lookback ratio per head (rows: layer.head, each layer's ``own`` heads) over the
+    generated tokens (columns), and its mean over heads above."""
     import numpy as np
     from matplotlib.figure import Figure
 
-    L, H, N = lb.ratio.shape
-    grid = lb.ratio.reshape(L * H, N).numpy()
-    fig = Figure(figsize=(min(14.0, 2.5 + 0.3 * N), 2.2 + min(10.0, 0.16 * L * H)))
+    N = lb.ratio.shape[-1]
+    grid = np.concatenate([lb.ratio[li, :n].numpy() for li, n in enumerate(own)]).reshape(-1, N)
+    rows = [f"L{layer} H{h}" for layer, n in zip(lb.layers, own, strict=True) for h in range(n)]
+    fig = Figure(figsize=(min(14.0, 2.5 + 0.3 * N), 2.2 + min(10.0, 0.16 * len(rows))))
     top, ax = fig.subplots(2, 1, sharex=True, gridspec_kw={"height_ratios": [1, 3]})
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", RuntimeWarning)  # a step with no ratio (the first) is blank
@@ -53,7 +69,7 @@ def _ratio_fig(lb):
         np.ma.masked_invalid(grid), cmap="viridis", vmin=0, vmax=1, aspect="auto", interpolation="nearest"
     )
     label_axis(ax, "x", list(lb.steps.output))
-    label_axis(ax, "y", [f"L{layer} H{h}" for layer in lb.layers for h in range(H)])
+    label_axis(ax, "y", rows)
     ax.set_xlabel("generated token")
     ax.set_ylabel("layer, head")
     fig.colorbar(im, ax=[top, ax], fraction=0.03, pad=0.02, label="lookback ratio")
@@ -63,7 +79,7 @@ def _ratio_fig(lb):
 MAX_SINK_LINES = 12  # layers drawn as lines with a legend; more are a heatmap (layer x step)
 
 
-def _sink_fig(lb):
+def _sink_fig(lb, own: list[int]):
     """The attention on the first ``sink`` positions (and on image tokens) per layer over the
     steps: a line per layer with a legend up to :data:`MAX_SINK_LINES` layers, else a heatmap of
     layers (rows) by generated tokens (columns) with a colour bar (30 unlabelled lines could not be
@@ -84,7 +100,8 @@ def _sink_fig(lb):
         values = getattr(lb, name).numpy()
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", RuntimeWarning)
-            means = np.nanmean(values, 1)  # [layers, steps]: the mean over heads
+            # [layers, steps]: the mean over each layer's own heads
+            means = np.stack([np.nanmean(values[li, :n], 0) for li, n in enumerate(own)])
         if lines:
             for li, layer in enumerate(lb.layers):
                 ax.plot(range(means.shape[1]), means[li], marker=".", label=f"layer {layer}")
@@ -134,8 +151,8 @@ def _item(ctx, cache, b: int, views: list) -> dict[str, Any]:
     st = steps(cache, b)
     ctx.progress(f"generation: lookback of text {b}")
     lb = lookback(cache, batch=b)
-    n_heads = lb.n_heads
-    mine = [gv.self_view(cache, st, lb.layers, n_heads, lb)]
+    own = _own_heads(cache, st.stack, lb.layers)
+    mine = [gv.self_view(cache, st, lb.layers, max(own), lb)]
     cross = self_layers(cache, st.stack, "cross")
     if cross:
         mine.append(gv.cross_view(cache, st, cross, cache.shape(_cross_key(cache, st.stack, cross[0]))[1]))
@@ -154,8 +171,8 @@ def _item(ctx, cache, b: int, views: list) -> dict[str, Any]:
         "table": lb.by_step.select(
             ["step", "token", "lookback_ratio", "prompt_mass", "sink_mass", "read_most"]
         ),
-        "ratio_fig": ctx.figure(_ratio_fig(lb)),
-        "sink_fig": ctx.figure(_sink_fig(lb)),
+        "ratio_fig": ctx.figure(_ratio_fig(lb, own)),
+        "sink_fig": ctx.figure(_sink_fig(lb, own)),
         "has_image": lb.image_mass is not None,
         "cross_fig": ctx.figure(_cross_fig(cache, st, cross[-1])) if cross else None,
         "cross_layer": cross[-1] if cross else None,

@@ -11,7 +11,10 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
+
 from probe.errors import ProbeError
+from probe.report.matrix import NO_HEAD, mark_missing
 
 TITLE = "Which heads matter"
 ORDER = 45  # after the focus statistics (40), whose head_stats it reuses
@@ -30,8 +33,23 @@ def plain(v) -> str:
     return "—" if v is None or (isinstance(v, float) and math.isnan(v)) else f"{v:.3g}"
 
 
-def _figure(ctx, values, rows: list[str], cols: list[str], title: str, xlabel: str) -> str:
-    """A signed layers × columns heatmap (red up, blue down, 0 white), cells annotated when few."""
+def _absent(imp) -> np.ndarray | None:
+    """Where the importance grid ``[layer, head]`` has a cell for a head its layer does not have
+    (layers may differ in heads; no row of the table measured it); None when every cell is a head."""
+    present = {(r["layer"], r["head"]) for r in imp.table}
+    layers = sorted({layer for layer, _ in present})
+    L, H = imp.grid.shape
+    if len(layers) != L:
+        return None
+    missing = np.array([[(layer, h) not in present for h in range(H)] for layer in layers])
+    return missing if missing.any() else None
+
+
+def _figure(
+    ctx, values, rows: list[str], cols: list[str], title: str, xlabel: str, missing: np.ndarray | None = None
+) -> str:
+    """A signed layers × columns heatmap (red up, blue down, 0 white), cells annotated when few;
+    ``missing`` cells (heads a layer does not have) hatched."""
     from matplotlib.figure import Figure
 
     L, C = values.shape
@@ -45,6 +63,9 @@ def _figure(ctx, values, rows: list[str], cols: list[str], title: str, xlabel: s
     ax.set_ylabel("layer")
     ax.set_xticks(range(C), cols, rotation=90 if C > 8 else 0, fontsize=7)
     ax.set_yticks(range(L), rows, fontsize=7)
+    if missing is not None:
+        mark_missing(ax, missing)
+        title += f"\n({NO_HEAD})"
     ax.set_title(title, fontsize=9)
     if L * C <= 256:
         for i in range(L):
@@ -118,6 +139,7 @@ def _importance(ctx, imp) -> dict:
     cols = [f"H{h}" for h in range(H)]
     stack = rows[0]["stack"]
     texts = list(imp.texts)
+    missing = _absent(imp)
     return {
         "metric": imp.metric_name,
         "how": HOW.get(imp.how, imp.how),
@@ -128,9 +150,23 @@ def _importance(ctx, imp) -> dict:
         "n_heads": len(rows),
         "maps": [
             _figure(
-                ctx, imp.grid, imp.rows, cols, f"{stack}: change of {imp.metric_name} when removed", "head"
+                ctx,
+                imp.grid,
+                imp.rows,
+                cols,
+                f"{stack}: change of {imp.metric_name} when removed",
+                "head",
+                missing,
             ),
-            _figure(ctx, imp.gradients, imp.rows, cols, f"{stack}: gradient ∂{imp.metric_name}/∂ξ", "head"),
+            _figure(
+                ctx,
+                imp.gradients,
+                imp.rows,
+                cols,
+                f"{stack}: gradient ∂{imp.metric_name}/∂ξ",
+                "head",
+                missing,
+            ),
         ],
         "top": table,
         "stat_names": STATS,

@@ -26,7 +26,7 @@ from matplotlib.figure import Figure
 from probe.cache import axes as _axes
 from probe.cache.format import parse_key, parse_name
 from probe.cache.kept import describe
-from probe.report.matrix import DPI, label_axis
+from probe.report.matrix import DPI, NO_HEAD, head_grid, label_axis, mark_missing
 
 TITLE = "What this cache kept"
 ORDER = 15
@@ -94,14 +94,16 @@ def _rows_items(ctx, ci: int, cache) -> list[dict]:
         groups.setdefault((stack, kind), []).append((layer, k))
     for (stack, kind), layers in groups.items():
         tensors = [(layer, cache[k].float(), cache[k.replace(".rows", ".row_index")]) for layer, k in layers]
-        B, H, R, K = tensors[0][1].shape
+        B, _, R, K = tensors[0][1].shape  # layers may have different head counts (dim 1)
         asked = (meta.get("keep") or {}).get("rows") or list(range(R))
         q_side, k_side = _axes.sides(meta, cache.stacks, stack, kind)
         for b in range(min(B, MAX_TEXTS)):
             keys = _axes.axis(meta, k_side, b, K)
             for r in range(min(R, MAX_ROWS)):
                 ctx.progress(f"kept rows, text {b + 1}")
-                ylabels = [f"L{layer} H{h}" for layer, _, _ in tensors for h in cache_heads(cache, H)]
+                ylabels = [
+                    f"L{layer} H{h}" for layer, t, _ in tensors for h in cache_heads(cache, t.shape[1])
+                ]
                 mat = torch.cat([t[b, :, r][:, keys.positions] for _, t, _ in tensors]).numpy()
                 pos = int(tensors[0][2][b, r])
                 tok = _token_at(meta, q_side, b, pos)
@@ -144,17 +146,18 @@ def _topk_items(ctx, ci: int, cache) -> list[dict]:
         groups.setdefault((stack, kind), []).append((layer, k))
     for (stack, kind), layers in groups.items():
         q_side, _ = _axes.sides(meta, cache.stacks, stack, kind)
-        grid, worst = [], []
+        grid, heads, worst = [], [], []
         for _layer, k in layers:
-            mass = cache[k].float()  # [B, H, Q]
+            mass = cache[k].float()  # [B, H, Q]: H is the layer's own head count
             B, H, Q = mass.shape
             real = torch.zeros(B, Q, dtype=torch.bool)
             for b in range(B):
                 real[b, _axes.axis(meta, q_side, b, Q).positions] = True
             sel = mass.permute(1, 0, 2)[:, real]  # [H, real queries of every text]
-            grid.append(sel.mean(-1).numpy())
+            grid.append(sel.mean(-1).tolist())
+            heads.append(cache_heads(cache, H))
             worst.append(float(sel.min()))
-        m = np.stack(grid)
+        columns, m, missing = head_grid(grid, heads)
         fig = Figure(
             figsize=(min(12.0, 1.6 + 0.45 * m.shape[1]), min(10.0, 1.4 + 0.4 * m.shape[0])),
             dpi=DPI,
@@ -163,20 +166,21 @@ def _topk_items(ctx, ci: int, cache) -> list[dict]:
         ax = fig.add_subplot()
         im = ax.imshow(m, aspect="auto", interpolation="nearest", cmap="viridis", vmin=0, vmax=1)
         ax.set_yticks(range(len(layers)), [f"L{layer}" for layer, _ in layers])
-        ax.set_xticks(range(m.shape[1]), [f"H{h}" for h in cache_heads(cache, m.shape[1])])
+        ax.set_xticks(range(m.shape[1]), [f"H{h}" for h in columns])
+        mark_missing(ax, missing)
         for (i, j), v in np.ndenumerate(m):
-            if m.size <= 400:
+            if m.size <= 400 and not missing[i, j]:
                 ax.text(j, i, f"{v:.2f}", ha="center", va="center", fontsize=7, color="w" if v < 0.6 else "k")
         what = f"{stack} {kind}-attention" if kind == "cross" else stack
         label = (f"cache {ci + 1}, " if len(ctx.caches) > 1 else "") + f"{what}: mean share of each row kept"
-        ax.set_title(label, fontsize=10, loc="left")
+        ax.set_title(label + (f" ({NO_HEAD})" if missing.any() else ""), fontsize=10, loc="left")
         fig.colorbar(im, ax=ax, fraction=0.04, pad=0.01)
         items.append(
             {
                 "label": label,
                 "fig": ctx.figure(fig, label),
                 "name": f"kept_topk_{ci}_{stack}_{kind}",
-                "mean": float(m.mean()),
+                "mean": float(np.nanmean(m)),  # over the heads there are
                 "worst": min(worst),
             }
         )
@@ -202,10 +206,9 @@ def _stats_items(ctx, ci: int, cache) -> list[dict]:
     for (stack, kind), layers in groups.items():
         what = f"{stack} {kind}-attention" if kind == "cross" else stack
         tensors = [(layer, cache[k].float()) for layer, k in layers]
-        B, H, K = tensors[0][1].shape
+        B, _, K = tensors[0][1].shape  # layers may have different head counts (dim 1)
         _, k_side = _axes.sides(meta, cache.stacks, stack, kind)
-        heads = cache_heads(cache, H)
-        ylabels = [f"L{layer} H{h}" for layer, _ in tensors for h in heads]
+        ylabels = [f"L{layer} H{h}" for layer, t in tensors for h in cache_heads(cache, t.shape[1])]
         for b in range(min(B, MAX_TEXTS)):
             ctx.progress(f"sink profile, text {b + 1}")
             keys = _axes.axis(meta, k_side, b, K)

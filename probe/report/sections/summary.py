@@ -93,6 +93,26 @@ def _tokens(toks: list[str], specials: list[int] | None, symbols: set[str]) -> l
     return out
 
 
+def heads_text(per_layer: list[tuple[int | None, int | None]]) -> str | None:
+    """How many heads the layers ``[(layer, heads), ...]`` have, in words: ``"4 heads"`` when all
+    have the same, else each run of layers with its own count (``"4 heads in layer 0, 1 in layer 1"``)."""
+    known = [(layer, n) for layer, n in per_layer if n is not None]
+    if not known:
+        return None
+    counts = [n for _, n in known]
+    if len(set(counts)) == 1:
+        return f"{counts[0]} head{'s' if counts[0] != 1 else ''}"
+    runs: list[list] = []  # [count, first layer, last layer]
+    for layer, n in known:
+        if runs and runs[-1][0] == n and layer is not None and runs[-1][2] == layer - 1:
+            runs[-1][2] = layer
+        else:
+            runs.append([n, layer, layer])
+    parts = [f"{n} in layer{'s' if a != b else ''} {a}{'–' + str(b) if a != b else ''}" for n, a, b in runs]
+    unit = "head" if runs[0][0] == 1 else "heads"
+    return f"{parts[0].replace(' in ', f' {unit} in ', 1)}, " + ", ".join(parts[1:])
+
+
 def _legend(rows: list[list[str]], symbols: set[str]) -> list[str]:
     """``"S = the start token: ..."`` for each zoo symbol that appears in ``rows``."""
     seen = {t for row in rows for t in row if t in symbols}
@@ -109,9 +129,11 @@ def build(ctx) -> dict:
         stacks = []
         for s in cache.stacks:
             entries = [e for e in meta.get("layers", []) if e.get("stack") == s]
-            heads = sorted({e.get("self_attn", {}).get("heads") for e in entries} - {None})
+            per_layer = [(e.get("layer"), e.get("self_attn", {}).get("heads")) for e in entries]
             total = (meta.get("stacks") or {}).get(s, {}).get("layers", "?")
-            stacks.append({"name": s, "captured": cache.n_layers(s), "layers": total, "heads": heads})
+            stacks.append(
+                {"name": s, "captured": cache.n_layers(s), "layers": total, "heads": heads_text(per_layer)}
+            )
         texts = []
         for b in range(cache.n_texts):
             toks = (meta.get("tokens") or [[]])[b] if meta.get("tokens") else []
