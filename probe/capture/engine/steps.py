@@ -34,6 +34,9 @@ from probe.capture.consumers.kept import Keep, parse_keep
 from probe.capture.consumers.rows import KeepRows, RowPicker
 from probe.capture.engine.assemble import Assembler, Step
 from probe.capture.engine.claims import claim, release
+from probe.capture.engine.lean import LeanStep, Learner, decode_step, learn
+from probe.capture.engine.lean import pop as lean_pop
+from probe.capture.engine.lean import push as lean_push
 from probe.capture.engine.naming import check_forward, check_unseen, model_info, name
 from probe.capture.engine.tracer import Tracer
 from probe.capture.hooks.store import parse_dtype
@@ -52,12 +55,16 @@ TRIM_EVERY = 16
 
 class _StepWatcher(Watcher):
     """The watcher of a stepped trace: installed once, its parts rebound to a fresh tracer state at
-    the start of every outermost call (``begin``), which is named when that call returns (``end``)."""
+    the start of every outermost call (``begin``), which is named when that call returns (``end``,
+    told whether it returned). A lean decode step (:mod:`probe.capture.engine.lean`) runs with the
+    mode off and only its plan's hooks; a learner watches a full step beside the tracer."""
 
     def __init__(self, model: nn.Module, begin: Callable, end: Callable) -> None:
         super().__init__(model, [], None, None, Forward())  # parts bound per step
         self._begin, self._end = begin, end
         self.root: nn.Module | None = None
+        self.lean: LeanStep | None = None
+        self.learner: Learner | None = None
 
     def bind(self, tr: Tracer) -> None:
         self.stack = self._mode.stack = tr.watcher.stack
@@ -65,20 +72,59 @@ class _StepWatcher(Watcher):
         self.recorder = self._mode.recorder = tr.recorder
         self.forward = tr.forward
 
+    def go_lean(self, step: LeanStep) -> bool:
+        """Run the next step lean: the mode off (False where another mode sits above it)."""
+        if not lean_pop(self._mode):
+            return False
+        self.lean = step
+        return True
+
     def _pre(self, module: nn.Module, args: tuple, *rest: Any) -> None:
-        mine = not self._replaying and threading.get_ident() == self._thread
-        if mine and self.root is None and not self.stack:
+        if self._replaying or threading.get_ident() != self._thread:
+            return
+        kwargs = rest[0] if rest else {}
+        if self.lean is None and self.root is None and not self.stack:
             self.root = module
-            self._begin(module)
+            self._begin(module, args, kwargs)
+        if self.lean is not None:
+            self.lean.pre(module, args, kwargs)
+            return
         super()._pre(module, args, *rest)
+        if self.learner is not None:
+            self.learner.pre(module, args, kwargs)
 
     def _post(self, module: nn.Module, args: tuple, *rest: Any) -> None:
-        super()._post(module, args, *rest)
-        mine = not self._replaying and threading.get_ident() == self._thread
-        if mine and module is self.root and not self.stack:
+        if self._replaying or threading.get_ident() != self._thread:
+            return
+        ok = bool(rest) and rest[-1] is not None  # None: the forward raised (its error goes on)
+        if self.lean is not None:
+            if module is not self.root:
+                self.lean.post(module, rest[-1])
+                return
             self.root = None
-            if rest and rest[-1] is not None:  # None: the forward raised (its error goes on)
-                self._end(module)
+            self._end(module, ok)
+            return
+        if self.learner is not None:
+            self.learner.post(module, rest[-1] if rest else None)
+        super()._post(module, args, *rest)
+        if module is self.root and not self.stack:
+            self.root = None
+            self._end(module, ok)
+
+    def end_lean(self) -> LeanStep | None:
+        """The lean step that ran (its mode off), the tracer's mode back on."""
+        step, self.lean = self.lean, None
+        if step is not None:
+            step.abort()
+            lean_push(self._mode)
+        return step
+
+    def remove(self, *exc: Any) -> None:
+        self.end_lean()
+        if self.learner is not None:
+            lean_pop(self.learner.mode)
+            self.learner = None
+        super().remove(*exc)
 
 
 class _ByStack:
@@ -157,6 +203,7 @@ class StepTrace:
         self._tr: Tracer | None = None
         self._sink: MemorySink | None = None
         self._watcher: _StepWatcher | None = None
+        self._plan: Any = None  # the lean plan of decode steps (False: none fits)
 
     def _tracer(self) -> Tracer:
         self._sink = MemorySink()
@@ -183,11 +230,31 @@ class StepTrace:
             raise
         return self
 
-    def _begin(self, root: nn.Module) -> None:
+    def _begin(self, root: nn.Module, args: tuple, kwargs: dict) -> None:
+        w = self._watcher
+        fit = decode_step(kwargs, args) if root is self.model and self.encoder is None else None
+        plan = self._plan
+        if fit is not None and plan and fit[0] == plan.batch and w.go_lean(LeanStep(plan, fit[1])):
+            return
         self._tr = self._tracer()
-        self._watcher.bind(self._tr)
+        w.bind(self._tr)
+        if fit is not None and plan is None:  # the first decode step: learn its plan beside it
+            w.learner = Learner()
+            lean_push(w.learner.mode)
 
-    def _end(self, root: nn.Module) -> None:
+    def _end(self, root: nn.Module, ok: bool = True) -> None:
+        w = self._watcher
+        lean = w.end_lean()
+        learner, w.learner = w.learner, None
+        if learner is not None:
+            lean_pop(learner.mode)
+        if not ok:
+            self._tr = None
+            return
+        if lean is not None:
+            step = Step(lean.finish(), self._plan.meta, True, lean.cached, lean.keys)
+            self._added(step, root)
+            return
         tr, self._tr = self._tr, None
         if root is not self.model and not tr.kept and not tr.forward.blind:
             # a submodule called on its own without attention (an embedding): no step
@@ -205,7 +272,25 @@ class StepTrace:
             for _role, fields, shape, _impl, _causal in r.patterns:
                 keys.update({names[h]: int(shape[3]) for h in fields.values() if h in names})
         source = None if root is self.model else self._source(root, meta)
-        self.assembler.add(Step(tensors, meta, root is self.model, tr.forward.cached, keys, source))
+        if learner is not None:
+            batch = next(iter(tensors.values())).size(0) if tensors else 0
+            got = learn(
+                learner,
+                tr,
+                names,
+                tensors,
+                self.model,
+                self.keep,
+                self.selection.heads,
+                self.dtype,
+                batch,
+                meta,
+            )
+            self._plan = got if got is not None else False
+        self._added(Step(tensors, meta, root is self.model, tr.forward.cached, keys, source), root)
+
+    def _added(self, step: Step, root: nn.Module) -> None:
+        self.assembler.add(step)
         self.steps += 1
         if self.steps % TRIM_EVERY == 0:
             heap.trim()
