@@ -117,3 +117,56 @@ def test_the_explorer_offers_only_each_layers_heads_in_a_browser(made):
             page.mouse.click(x, y)
             assert page.evaluate("[probe.views[0].li, probe.views[0].hi]") == [1, 0]
         assert log.errors == [] and [m for m in log.console if m[0] in ("error", "warning")] == []
+
+
+def test_the_summary_and_the_role_grid_name_each_layers_own_heads(made):
+    _, path = made
+    html = path.read_text(encoding="utf-8")
+    text = re.sub(r"\s+", " ", re.sub(r"<[^>]+>", " ", html))
+    assert "2 of 2 layers captured, 4 heads in layer 0, 1 in layer 1" in text
+    grid = html[html.index('<table class="probe-roles">') :]
+    grid = grid[: grid.index("</table>")]
+    rows = dict(re.findall(r"<tr><th>L(\d)</th>(.*?)</tr>", grid))
+    cells = {layer: re.findall(r'<td class="([\w-]+)"', row) for layer, row in rows.items()}
+    # the model's circuit (models/induction.py): L0 H3 the previous-token head, L1 H0 the induction head
+    assert cells["0"][3] == "role-prev" and len(cells["0"]) == 4 and "probe-no-head" not in cells["0"]
+    assert cells["1"] == ["role-ind", "probe-no-head", "probe-no-head", "probe-no-head"]
+    for h in (1, 2, 3):
+        assert f'title="layer 1 has no head {h} here"' in grid
+
+
+def test_the_overview_figure_hatches_the_heads_layer_1_does_not_have():
+    from matplotlib.patches import Rectangle
+
+    cache = probe.capture(models.load("induction"), TEXT)
+    fig = probe.plot.overview(cache)
+    ax = fig.axes[0]
+    assert [t.get_text() for t in ax.get_xticklabels()] == ["H0", "H1", "H2", "H3"]
+    hatched = [p for p in ax.patches if isinstance(p, Rectangle) and p.get_hatch()]
+    assert len(hatched) == 3
+    # every hatched cell lies in layer 1's row (below layer 0's), one per column H1..H3
+    image = ax.images[0].get_array()
+    rows, cols = image.shape
+    assert all(p.get_y() > rows / 2 - 1 for p in hatched)
+    assert sorted(round(p.get_x() / (cols / 4)) for p in hatched) == [1, 2, 3]
+    # the weights drawn in layer 1's first cell are layer 1 head 0's (scaled by its largest weight)
+    w = cache.pattern("decoder", 1, head=0, batch=0).numpy()
+    n = w.shape[0]
+    drawn = np.asarray(image[rows - n :, :n])
+    assert np.abs(drawn - w / w.max()).max() < 1e-6
+
+
+def test_a_generation_and_a_top_k_cache_report_each_layers_heads(tmp_path):
+    model = models.load("induction")
+    gen = probe.generate(model, TEXT[:22], max_new_tokens=4)
+    html = probe.report(gen.cache, tmp_path / "gen", progress=False).read_text(encoding="utf-8")
+    sec = html[html.index('id="sec-generation"') :]
+    data = json.loads(re.search(r'<script type="application/json"[^>]*>(.*?)</script>', sec, re.S).group(1))
+    assert [e["layer"] for e in data["layers"]] == [0, 1]
+    assert [len(e["heads"]) for e in data["layers"]] == [4, 1]
+    assert [len(e["ratio"]) for e in data["layers"]] == [5, 2]  # each layer's heads, then their mean
+    top = probe.capture(model, TEXT, keep={"topk": 3})
+    html = probe.report(top, tmp_path / "topk", progress=False).read_text(encoding="utf-8")
+    kept = html[html.index('id="sec-kept"') :]
+    kept = kept[: kept.index("</section>")]
+    assert "could not be built" not in kept and "mean share of each row kept" in kept
