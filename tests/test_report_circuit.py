@@ -7,6 +7,9 @@ run with every other edge corrupted), and the head explorer's own selectors afte
 
 from __future__ import annotations
 
+import base64
+import csv
+import io
 import math
 import subprocess
 import sys
@@ -124,7 +127,12 @@ def test_the_table_lists_the_top_edges_with_a_csv(task, made):
     table = [a["data-edge"] for a in page.rows]
     assert table == [r["edge"] for r in _by_abs_score(c)[: len(table)]] and table
     link = next(a for a in page.having("probe-download") if a.get("download") == "circuit_edges.csv")
-    assert link["href"].startswith("data:text/csv;charset=utf-8;base64,")
+    head, b64 = link["href"].split(",", 1)
+    assert head == "data:text/csv;charset=utf-8;base64"
+    got = list(csv.DictReader(io.StringIO(base64.b64decode(b64).decode("utf-8-sig"))))
+    assert [r["edge"] for r in got] == table
+    want = {r["edge"]: r["score"] for r in c.table.rows}
+    assert all(float(r["score"]) == want[r["edge"]] for r in got)  # the scores at full precision
 
 
 def test_a_chosen_circuit_shows_its_edges_and_kept_if_removed_for_patching(lm, task, tmp_path):
@@ -231,3 +239,44 @@ def test_cli_report_onto_a_file_is_one_line(lm, tmp_path):
     assert r.stderr.strip().count("\n") == 0 and "Traceback" not in r.stderr
     assert "taken is a file; give a directory" in r.stderr
     assert (tmp_path / "taken").read_text(encoding="utf-8") == "mine"
+
+
+@pytest.mark.slow
+def test_a_cjk_report_of_smollm2_with_grouped_heads_and_mlps(tmp_path):
+    """SmolLM2 (grouped-query attention: 9 heads share 3 key/value heads; MLPs) on Chinese prompts:
+    the section draws its top edges, a key/value edge ends under the 3 heads that read it, and a
+    click chooses the head in the explorer; no page error, no request."""
+    import torch
+
+    from probe.report.browser import browser, open_report
+
+    lm = models.load("smollm2")
+    clean = ["小猫坐在垫子上。小猫", "北京是中国的首都，北京"]
+    corrupted = ["小狗坐在垫子上。小狗", "东京是日本的首都，东京"]
+    with torch.no_grad():
+        ids = [lm(**lm.tokenizer(t, return_tensors="pt")).logits[0, -1].argmax().item() for t in clean]
+    c = probe.circuit(lm, clean, corrupted, metric="prob", answers=ids, method="eap")
+    path = probe.report(probe.capture(lm, clean), tmp_path, circuit=c, circuit_curve=c.evaluate([1, 10, 100]))
+    text = path.read_text(encoding="utf-8")
+    assert "小猫坐在垫子上" in text
+    page = Elements(text)
+    drawn = page.having("probe-circuit-edge")
+    assert [a["data-edge"] for a in sorted(drawn, key=lambda a: -abs(float(a["data-score"])))] == [
+        r["edge"] for r in _by_abs_score(c)[: len(drawn)]
+    ]
+    for a in drawn:
+        t = c.graph.targets[c.graph.target(a["data-target"])]
+        if t.kind in ("k", "v"):
+            assert a["data-readers"].split() == [f"L{t.layer}.H{h}" for h in t.heads] and len(t.heads) == 3
+    head = next(
+        a for a in page.having("probe-circuit-node") if a.get("data-kind") == "head" and a["tabindex"] == "0"
+    )
+    with browser() as chromium:
+        p, log = open_report(chromium, path)
+        p.locator(f'#sec-circuit [data-node="{head["data-node"]}"]').click()
+        assert p.locator("#sec-attention .sel-layer option:checked").text_content() == head["data-layer"]
+        assert p.locator("#sec-attention .sel-head option:checked").text_content() == head["data-head"]
+        assert (
+            log.errors == []
+            and [u for u in log.requests if not u.startswith(("file:", "data:", "blob:"))] == []
+        )
