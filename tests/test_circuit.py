@@ -301,3 +301,12 @@ def test_padding_is_left_out():
         mask = c.graph.mask()
         want = (alone[0] + alone[1])[mask] / 2
         assert torch.allclose(c.scores[mask], want, atol=1e-5 * (1 + float(want.abs().max()))), m
+
+
+def test_a_length_mismatch_names_the_input_it_is_in():
+    """Padding to different lengths must not blame input 0 (its lengths agree)."""
+    import models
+
+    m = models.load("minigpt")
+    with pytest.raises(ProbeError, match="clean input 1 has 9 tokens but its corrupted input has 10"):
+        circuit(m, ["the cat", "a mat sat"], ["the rat", "a mat sat."], answers=(" ", "s"))

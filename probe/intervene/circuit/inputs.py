@@ -108,7 +108,7 @@ def check_pair(clean: Chunk, corrupt: Chunk, n_clean: int, n_corrupt: int) -> No
     if a.shape != b.shape or not torch.equal(a, b):
         la, lb = a.sum(-1), b.sum(-1)
         for i in range(min(len(la), len(lb))):
-            if int(la[i]) != int(lb[i]) or a.shape != b.shape:
+            if int(la[i]) != int(lb[i]):
                 ex = int(clean.examples[i])
                 raise ProbeError(
                     f"clean input {ex} has {int(la[i])} tokens but its corrupted input has {int(lb[i])}; "
