@@ -47,12 +47,13 @@ def _own_heads(cache, stack: str, layers: list[int]) -> list[int]:
     return out
 
 
-def _ratio_fig(lb, own: list[int]):
-    """The lookback ratio per head (rows: layer.head, each layer's ``own`` heads) over the
-    generated tokens (columns), and its mean over heads above."""
+def _ratio_fig(lb, own: list[int] | None = None):
+    """The lookback ratio per head (rows: layer.head, each layer's ``own`` heads, default all the
+    lookback holds) over the generated tokens (columns), and its mean over heads above."""
     import numpy as np
     from matplotlib.figure import Figure
 
+    own = own or [lb.ratio.shape[1]] * len(lb.layers)
     N = lb.ratio.shape[-1]
     grid = np.concatenate([lb.ratio[li, :n].numpy() for li, n in enumerate(own)]).reshape(-1, N)
     rows = [f"L{layer} H{h}" for layer, n in zip(lb.layers, own, strict=True) for h in range(n)]
@@ -79,7 +80,7 @@ def _ratio_fig(lb, own: list[int]):
 MAX_SINK_LINES = 12  # layers drawn as lines with a legend; more are a heatmap (layer x step)
 
 
-def _sink_fig(lb, own: list[int]):
+def _sink_fig(lb, own: list[int] | None = None):
     """The attention on the first ``sink`` positions (and on image tokens) per layer over the
     steps: a line per layer with a legend up to :data:`MAX_SINK_LINES` layers, else a heatmap of
     layers (rows) by generated tokens (columns) with a colour bar (30 unlabelled lines could not be
@@ -87,6 +88,7 @@ def _sink_fig(lb, own: list[int]):
     import numpy as np
     from matplotlib.figure import Figure
 
+    own = own or [lb.sink_mass.shape[1]] * len(lb.layers)  # each layer's heads (default: all held)
     panels = [("sink_mass", f"on the first {lb.sink} positions" if lb.sink > 1 else "on the first position")]
     if lb.image_mass is not None:
         panels.append(("image_mass", "on the prompt's image tokens"))
