@@ -89,6 +89,9 @@ class KeepPatterns:
     def __init__(self, store: Store, selection: Selection) -> None:
         self.store = store
         self.selection = selection
+        # id(attention) -> whether every SDPA call recomputed into it had is_causal=True: such
+        # weights are zero past each query by construction, so is_causal() need not read them
+        self._sdpa_causal: dict[int, bool] = {}
 
     def weights(self, attn: Attention, pattern: Tensor, impl: str) -> None:
         p = pattern.detach()
@@ -99,10 +102,13 @@ class KeepPatterns:
         buf, clean = store.buffer()
         w = sdpa_weights(*args, **kwargs, out=buf, clean=clean, empty=store.empty, dtype=store.dtype)
         p = w.detach()
-        store.filled(p, bool(len(args) > 5 and args[5] or kwargs.get("is_causal", False)))
+        causal = bool(len(args) > 5 and args[5] or kwargs.get("is_causal", False))
+        store.filled(p, causal)
         attn.parts.append((p, p._version))
+        self._sdpa_causal[id(attn)] = self._sdpa_causal.get(id(attn), True) and causal
 
     def close(self, attn: Attention) -> None:
+        sdpa_causal = self._sdpa_causal.pop(id(attn), False)
         if not attn.parts:
             return
         for p, v in attn.parts:
@@ -150,7 +156,11 @@ class KeepPatterns:
             other.handle = self.store.put(cross, owned=True)
             attn.also.append(other)
         if attn.role == "self" and pattern.shape[-2] > 1:
-            attn.causal = is_causal(pattern)
+            # recomputed from causal SDPA calls only (zeros past each query, keys >= queries) and
+            # neither scaled nor combined: causal by construction
+            known = sdpa_causal and attn.impl == {"sdpa"} and attn.scale is None and diff is None
+            known = known and attn.split is None and pattern.shape[-1] >= pattern.shape[-2]
+            attn.causal = True if known else is_causal(pattern)
         attn.shape = tuple(pattern.shape)
         attn.handle = self.store.put(pattern, owned=mine or diff is not None)
         if diff is not None:

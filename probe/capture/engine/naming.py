@@ -23,6 +23,7 @@ from probe.cache.format import FORMAT_VERSION, attention_name, key
 from probe.cache.selection import Selection
 from probe.capture.calls import LayerRecord
 from probe.capture.engine.tracer import Tracer
+from probe.capture.hooks.layers import count_parameters
 from probe.capture.hooks.pooling import SUFFIX as POOL
 from probe.capture.hooks.streams import distinct_streams
 from probe.capture.inputs.prepared import model_name
@@ -51,7 +52,7 @@ def model_info(model: nn.Module) -> dict[str, Any]:
     return {
         "name": model_name(model),
         "class": f"{cls.__module__}.{cls.__qualname__}",
-        "parameters": sum(p.numel() for p in model.parameters()),
+        "parameters": count_parameters(model),
         "config": _jsonable(getattr(model, "config", None)),
     }
 

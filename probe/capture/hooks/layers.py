@@ -70,6 +70,27 @@ def _same(x: Tensor | None, y: Tensor | None) -> bool:
     return bool(torch.equal(x, y))
 
 
+def count_parameters(module: nn.Module) -> int:
+    """``sum(p.numel() for p in module.parameters())`` (each module and parameter once, by
+    identity), walked with one loop instead of ``parameters()``' nested generators: a capture
+    asks it of every sublayer of every layer."""
+    seen_modules: set[int] = set()
+    seen: set[int] = set()
+    todo = [module]
+    n = 0
+    while todo:
+        m = todo.pop()
+        if id(m) in seen_modules:
+            continue
+        seen_modules.add(id(m))
+        for p in m._parameters.values():
+            if p is not None and id(p) not in seen:
+                seen.add(id(p))
+                n += p.numel()
+        todo.extend(c for c in m._modules.values() if c is not None)
+    return n
+
+
 def _is_source(module: nn.Module) -> bool:
     """Whether a child of a layer is a sublayer (attention, MLP, experts, a projection), not a norm."""
     if next(module.children(), None) is not None:
@@ -210,7 +231,7 @@ class LayerTracker:
     def _n_params(self, module: nn.Module) -> int:
         n = self._param_counts.get(id(module))
         if n is None:
-            n = self._param_counts[id(module)] = sum(p.numel() for p in module.parameters())
+            n = self._param_counts[id(module)] = count_parameters(module)
         return n
 
     def _group_element(self, call: Call, group: Group, _list: int, index: int) -> None:
@@ -331,7 +352,7 @@ class LayerTracker:
         """Label what an op the recorder handled (a softmax, SDPA) produced in the layer's stream."""
         lay = self.layer
         if lay is not None and lay.stream is not None:
-            lay.stream.after_op(func, args, kwargs, out, self.source_id())
+            lay.stream.after_op(func, args, kwargs, out, self.source_id)
 
     def mark_output(self, call: Call, output: Any) -> None:
         """Label ``output``, what a sublayer computed with the watcher's mode off, as its output."""

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import itertools
 import weakref
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -29,6 +30,8 @@ import torch
 from torch import Tensor, nn
 
 EMPTY: frozenset[int] = frozenset()
+# the sublayer an op runs in (a key into the layer's calls, or None), asked only when needed
+Source = Callable[[], "int | None"]
 _NO_LABEL = (False, EMPTY)
 ADD = {torch.add, Tensor.add, Tensor.__add__, Tensor.__radd__}
 ADD_INPLACE = {Tensor.add_, Tensor.__iadd__}
@@ -148,8 +151,9 @@ class LayerStream:
         lab = self.labels.get(t)
         return lab if lab is not None else _NO_LABEL
 
-    def _inputs_label(self, args: tuple, kwargs: dict, source: int | None) -> tuple[bool, frozenset[int]]:
-        # runs for every op inside a layer: plain loops, and the cheap type tests first
+    def _inputs_label(self, args: tuple, kwargs: dict, source: Source) -> tuple[bool, frozenset[int]]:
+        # runs for every op inside a layer: plain loops, and the cheap type tests first; the
+        # sublayer running is looked up (a walk up the call stack) only for an op with a weight
         stream, sources, weight = False, EMPTY, False
         for v in itertools.chain(args, kwargs.values()) if kwargs else args:
             if isinstance(v, Tensor):
@@ -169,12 +173,14 @@ class LayerStream:
                     stream = stream or lab[0]
                     if lab[1] and lab[1] is not sources:
                         sources = lab[1] if not sources else sources | lab[1]
-        if weight and source is not None and source not in sources:
-            sources = sources | {source}
+        if weight:
+            src = source()
+            if src is not None and src not in sources:
+                sources = sources | {src}
         return stream, sources
 
-    def after_op(self, func: Any, args: tuple, kwargs: dict, out: Any, source: int | None) -> None:
-        """Label what an operation inside the layer produced (``source``: the sublayer it ran in)."""
+    def after_op(self, func: Any, args: tuple, kwargs: dict, out: Any, source: Source) -> None:
+        """Label what an operation inside the layer produced (``source()``: the sublayer it ran in)."""
         if func in FRESH:
             return  # BLOOM's zeros_like(residual), summed into: not the stream, not a sublayer output
         if isinstance(out, Tensor):
@@ -227,7 +233,7 @@ class LayerStream:
         return [(sources, flat.clone() if copy else flat)]
 
     # -- additions -----------------------------------------------------------------------------
-    def on_add(self, func: Any, args: tuple, kwargs: dict, source: int | None) -> Any:
+    def on_add(self, func: Any, args: tuple, kwargs: dict, source: Source) -> Any:
         """Run the addition ``func(*args, **kwargs)`` and record it if it touches the stream."""
         a = args[0] if args else kwargs.get("input")
         b = args[1] if len(args) > 1 else kwargs.get("other")

@@ -86,7 +86,7 @@ class _Mode(TorchFunctionMode):
             if lay.stream is None:
                 return func(*args, **kwargs)
             if func in _ADDS:
-                return lay.stream.on_add(func, args, kwargs, layers.source_id())
+                return lay.stream.on_add(func, args, kwargs, layers.source_id)
             out = func(*args, **kwargs)
             if (
                 isinstance(out, Tensor)
@@ -94,7 +94,7 @@ class _Mode(TorchFunctionMode):
                 and not isinstance(out, torch.Size)
                 or func is Tensor.__setitem__
             ):  # sizes, flags and numbers carry no label: skip the bookkeeping
-                lay.stream.after_op(func, args, kwargs, out, layers.source_id())
+                lay.stream.after_op(func, args, kwargs, out, layers.source_id)
             return out
         if func in SOFTMAX:
             return self.recorder.softmax(func, args, kwargs)
