@@ -8,7 +8,13 @@ with the dynamic KV cache, greedy, ``min_new_tokens`` forcing the full length. M
 * ``rows``: ``probe.generate(..., keep="rows")``: every step's row over every key kept
   (``[1, heads, N, T]`` per layer: the result itself, its size is the ``kept`` column);
 * ``stats``: ``probe.generate(..., keep="stats")``: each head's statistics of the sequence read;
-* ``topk``: ``probe.generate(..., keep={"topk": 8})``.
+* ``topk``: ``probe.generate(..., keep={"topk": 8})``;
+* ``eager``: what users do without probe: ``generate(output_attentions=True,
+  return_dict_in_generate=True)`` on a twin of the model on eager attention (same weights);
+* ``patterns`` (only when named in ``--modes``: ``T x T`` per head): ``probe.generate(...)``, whole patterns.
+
+``--model smollm2``: SmolLM2-135M-Instruct (``models.load("smollm2")``, 30 layers, real weights)
+instead of the random Llama.
 
 Peak memory: each mode runs in a fresh process (a warm-up generation of 8 tokens first), peak =
 ``VmHWM`` above the RSS after the model's load and the warm-up (on CUDA: ``max_memory_allocated``
@@ -37,7 +43,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 MiB = 2**20
-MODES = ("plain", "rows", "stats", "topk")
+MODES = ("plain", "rows", "topk", "stats", "eager")
+ALL = (*MODES, "patterns")
 
 
 def _status(key: str) -> int:
@@ -47,11 +54,18 @@ def _status(key: str) -> int:
     raise RuntimeError(f"no {key} in /proc/self/status")
 
 
-def _setup(prompt: int, new: int, device: str):
+def _setup(prompt: int, new: int, device: str, model_name: str = "llama"):
     import torch
     import transformers
 
     transformers.logging.set_verbosity_error()
+    if model_name == "smollm2":  # the real 30-layer model (9 heads over 3 key/value heads, 576 wide)
+        import models
+
+        model = models.load("smollm2").eval().to(device)
+        vocab = model.config.vocab_size
+        gen = torch.Generator().manual_seed(prompt)
+        return model, torch.randint(2, vocab, (1, prompt), generator=gen).to(device)
     cfg = transformers.LlamaConfig(
         vocab_size=1000,
         hidden_size=256,
@@ -70,6 +84,18 @@ def _setup(prompt: int, new: int, device: str):
     return model, ids
 
 
+def _eager(model):
+    """A twin of ``model`` (same weights) on eager attention, made once."""
+    import copy
+
+    twin = getattr(model, "_bench_eager", None)
+    if twin is None:
+        twin = copy.deepcopy(model)
+        twin.set_attn_implementation("eager")
+        object.__setattr__(model, "_bench_eager", twin.eval())
+    return twin
+
+
 def _run(mode: str, model, ids, new: int):
     import torch
 
@@ -79,22 +105,36 @@ def _run(mode: str, model, ids, new: int):
     with torch.no_grad():
         if mode == "plain":
             return model.generate(ids, attention_mask=torch.ones_like(ids), **kw)
-        keep = {"rows": "rows", "stats": "stats", "topk": {"topk": 8}}[mode]
+        if mode == "eager":
+            out = _eager(model).generate(
+                ids,
+                attention_mask=torch.ones_like(ids),
+                output_attentions=True,
+                return_dict_in_generate=True,
+                **kw,
+            )
+            return out
+        keep = {"rows": "rows", "stats": "stats", "topk": {"topk": 8}, "patterns": None}[mode]
         return probe.generate(model, ids, keep=keep, **kw)
 
 
 def _kept_bytes(out) -> int:
+    steps = getattr(out, "attentions", None)
+    if steps is not None:  # eager generate: one tuple of per-layer weights per step
+        return sum(a.numel() * a.element_size() for step in steps for a in step)
     cache = getattr(out, "cache", None)
     if cache is None:
         return 0
     return sum(cache[k].numel() * cache[k].element_size() for k in cache.keys() if "attn" in k)
 
 
-def child_memory(mode: str, prompt: int, new: int, device: str) -> dict:
+def child_memory(mode: str, prompt: int, new: int, device: str, model_name: str) -> dict:
     """One mode in this (fresh) process: its peak memory above the loaded, warmed-up model."""
     import torch
 
-    model, ids = _setup(prompt, new, device)
+    model, ids = _setup(prompt, new, device, model_name)
+    if mode == "eager":
+        _eager(model)  # the twin's weights are the model's, loaded before the baseline
     _run(mode, model, ids[:, :16], 8)  # warm-up: imports, kernels, allocator
     gc.collect()
     if device == "cuda":
@@ -113,23 +153,27 @@ def child_memory(mode: str, prompt: int, new: int, device: str) -> dict:
     return {"mode": mode, "peak": peak, "kept": _kept_bytes(out)}
 
 
-def child_time(prompt: int, new: int, device: str, repeats: int) -> dict:
-    """Every mode, interleaved, ``repeats`` times: seconds per run."""
+def child_time(
+    prompt: int, new: int, device: str, repeats: int, model_name: str, modes: list[str], clock: str
+) -> dict:
+    """Every mode, interleaved, ``repeats`` times: seconds per run (``clock``: ``wall``, or
+    ``cpu``, this process's CPU seconds over all its threads: steadier on a shared machine)."""
     import torch
 
-    model, ids = _setup(prompt, new, device)
-    for mode in MODES:
+    now = time.perf_counter if clock == "wall" else time.process_time
+    model, ids = _setup(prompt, new, device, model_name)
+    for mode in modes:
         _run(mode, model, ids[:, :16], 8)
-    times: dict[str, list[float]] = {m: [] for m in MODES}
+    times: dict[str, list[float]] = {m: [] for m in modes}
     for _ in range(repeats):
-        for mode in MODES:
+        for mode in modes:
             if device == "cuda":
                 torch.cuda.synchronize()
-            t0 = time.perf_counter()
+            t0 = now()
             out = _run(mode, model, ids, new)
             if device == "cuda":
                 torch.cuda.synchronize()
-            times[mode].append(time.perf_counter() - t0)
+            times[mode].append(now() - t0)
             del out
             gc.collect()
     return times
@@ -151,26 +195,45 @@ def main() -> None:
     p.add_argument("--new", type=int, default=2048)
     p.add_argument("--device", default="cpu")
     p.add_argument("--repeats", type=int, default=3)
+    p.add_argument(
+        "--model", choices=("llama", "smollm2"), default="llama", help="the random Llama, or SmolLM2-135M"
+    )
+    p.add_argument(
+        "--modes", default=",".join(MODES), help=f"comma-separated, from {', '.join(ALL)} (plain first)"
+    )
+    p.add_argument(
+        "--clock",
+        choices=("wall", "cpu"),
+        default="wall",
+        help="time by the wall clock, or by the process CPU seconds (steadier on shared cores)",
+    )
     p.add_argument("--child", nargs="+", help=argparse.SUPPRESS)
     a = p.parse_args()
+    modes = [m.strip() for m in a.modes.split(",") if m.strip()]
+    if modes[:1] != ["plain"] or not set(modes) <= set(ALL):
+        p.error(f"--modes: plain first, then any of {', '.join(ALL[1:])}")
     if a.child:
         kind, *rest = a.child
         if kind == "memory":
-            print(json.dumps(child_memory(rest[0], a.prompt, a.new, a.device)))
+            print(json.dumps(child_memory(rest[0], a.prompt, a.new, a.device, a.model)))
         else:
-            print(json.dumps(child_time(a.prompt, a.new, a.device, a.repeats)))
+            print(json.dumps(child_time(a.prompt, a.new, a.device, a.repeats, a.model, modes, a.clock)))
         return
-    common = ["--prompt", str(a.prompt), "--new", str(a.new), "--device", a.device]
-    mem = {m: _child(["memory", m, *common]) for m in MODES}
+    common = ["--prompt", str(a.prompt), "--new", str(a.new), "--device", a.device, "--model", a.model]
+    common += ["--modes", ",".join(modes), "--clock", a.clock]
+    mem = {m: _child(["memory", m, *common]) for m in modes}
     times = _child(["time", *common, "--repeats", str(a.repeats)])
     plain_t = statistics.median(times["plain"])
-    print(f"prompt {a.prompt} tokens, {a.new} new tokens, {a.device}, {a.repeats} interleaved repeats")
-    print(f"{'mode':6} {'peak MiB':>9} {'above plain':>12} {'kept MiB':>9} {'seconds':>8} {'x plain':>8}")
-    for m in MODES:
+    print(
+        f"{a.model}: prompt {a.prompt} tokens, {a.new} new tokens, {a.device}, "
+        f"{a.repeats} interleaved repeats, {a.clock} clock"
+    )
+    print(f"{'mode':8} {'peak MiB':>9} {'above plain':>12} {'kept MiB':>9} {'seconds':>8} {'x plain':>8}")
+    for m in modes:
         t = statistics.median(times[m])
         above = (mem[m]["peak"] - mem["plain"]["peak"]) / MiB
         print(
-            f"{m:6} {mem[m]['peak'] / MiB:9.1f} {above:12.1f} {mem[m]['kept'] / MiB:9.1f} "
+            f"{m:8} {mem[m]['peak'] / MiB:9.1f} {above:12.1f} {mem[m]['kept'] / MiB:9.1f} "
             f"{t:8.2f} {t / plain_t:8.2f}"
         )
 

@@ -26,17 +26,21 @@ Residual tensors ``[batch, q, d]`` are concatenated along the positions.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 from torch import Tensor
 
-from probe.cache.format import parse_key, parse_name
+from probe.cache import format as _format
 from probe.capture.consumers.kept import Keep
 from probe.errors import ProbeError
 
 _TOPK = ("topk_values", "topk_indices", "topk_mass")
+# every step names the same keys: parsed once (a generation's steps are thousands)
+parse_key = functools.lru_cache(maxsize=8192)(_format.parse_key)
+parse_name = functools.lru_cache(maxsize=8192)(_format.parse_name)
 
 
 @dataclass
@@ -224,7 +228,7 @@ class Assembler:
 def _row_index(index: Tensor) -> list[int]:
     if index.size(0) > 1 and not bool((index == index[:1]).all()):
         raise ProbeError("keep='rows' over steps keeps the same rows of every text; generate one text")
-    return [int(i) for i in index[0]]
+    return index[0].tolist()
 
 
 def _full_k(t: Tensor, k: int, indices: bool) -> Tensor:
