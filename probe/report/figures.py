@@ -136,6 +136,14 @@ def _max_pool(m: np.ndarray, b: int) -> np.ndarray:
     return np.nanmax(m.reshape(m.shape[0] // b, b, m.shape[1] // b, b), axis=(1, 3))
 
 
+def _hatch_cells(ax: Axes, cells: list[tuple[int, int]], h: int, w: int, gap: int) -> None:
+    """Draw the (row, column) cells of an overview grid (``h`` x ``w`` pixels each, ``gap`` apart)
+    empty and hatched: heads a layer does not have, never drawn as weights."""
+    for r, c in cells:
+        corner = (c * (w + gap) - 0.5, r * (h + gap) - 0.5)
+        ax.add_patch(Rectangle(corner, w, h, facecolor="#f2f2f2", edgecolor="#b0b0b0", hatch="///", lw=0))
+
+
 def overview(
     cache,
     *,
@@ -153,8 +161,9 @@ def overview(
     structure; the colour bar reads "fraction of the head's maximum"); ``scale="shared"`` keeps
     raw weights on one scale from 0. The grid is one image: when a head has more positions than
     its cell has room for (``max_pixels`` across the grid), each pixel shows the maximum over a
-    block of b×b weights (the title says b), so a single strong weight is never lost. Returns the
-    Figure.
+    block of b×b weights (the title says b), so a single strong weight is never lost. Layers may
+    have different heads (the zoo's induction model: 4, then 1): the columns are every head number
+    some layer has, and a head a layer does not have is an empty, hatched cell. Returns the Figure.
     """
     if scale not in ("head", "shared"):
         raise ProbeError(f"scale must be 'head' or 'shared', not {scale!r}")
@@ -190,18 +199,7 @@ def overview(
         interpolation="nearest" if max(grid.shape) <= pixels else "antialiased",
     )
     missing = [(r, c) for r, layer in enumerate(layers) for c, x in enumerate(heads) if x not in own[layer]]
-    for r, c in missing:  # a head its layer does not have: an empty, hatched cell
-        ax.add_patch(
-            Rectangle(
-                (c * (w + gap) - 0.5, r * (h + gap) - 0.5),
-                w,
-                h,
-                facecolor="#f2f2f2",
-                edgecolor="#b0b0b0",
-                hatch="///",
-                lw=0,
-            )
-        )
+    _hatch_cells(ax, missing, h, w, gap)
     ax.xaxis.tick_top()
     ax.set_xticks([c * (w + gap) + (w - 1) / 2 for c in range(len(heads))], [f"H{x}" for x in heads])
     ax.set_yticks([r * (h + gap) + (h - 1) / 2 for r in range(len(layers))], [f"L{x}" for x in layers])
