@@ -223,3 +223,33 @@ def test_encoder_decoder_source_reads_are_its_cross_attention():
         )
     with pytest.raises(probe.ProbeError, match="has none"):
         probe.lookback(minigpt_generation(models.load("minigpt"))[0]).reads(0, source=True)
+
+
+def test_lookback_on_layers_with_different_head_counts():
+    """The induction model has 4 heads in layer 0 and 1 in layer 1: each layer's own heads only,
+    none repeated. Oracle: the prompt mass of each generated token read off the cache's patterns."""
+    lm = models.load("induction")
+    g = probe.generate(lm, "^abcdefabc", max_new_tokens=4)
+    lb = probe.lookback(g.cache)
+    assert [(r["layer"], r["head"]) for r in lb.by_head.rows] == [(0, 0), (0, 1), (0, 2), (0, 3), (1, 0)]
+    assert "2 layers of 4, 1 heads" in lb.summary()
+    st = lb.steps
+    masses = []
+    for layer in (0, 1):
+        p = g.cache.pattern("decoder", layer, batch=0).double()  # [heads, q, k]
+        for h in range(p.shape[0]):
+            for t in range(st.n_steps):
+                masses.append(float(p[h, st.writers[t], st.prompt].sum()))
+    got = [r["prompt_mass"] for r in lb.table.rows]
+    assert len(got) == 5 * st.n_steps
+    want = {(r["layer"], r["head"], r["step"]): r["prompt_mass"] for r in lb.table.rows}
+    i = 0
+    for layer, heads in ((0, 4), (1, 1)):
+        for h in range(heads):
+            for t in range(st.n_steps):
+                assert want[(layer, h, t)] == pytest.approx(masses[i], abs=1e-6)
+                i += 1
+    per_step = sum(masses[k * st.n_steps + 2] for k in range(5)) / 5
+    assert lb.by_step.rows[2]["prompt_mass"] == pytest.approx(per_step, abs=1e-6)
+    with pytest.raises(probe.ProbeError, match="layer 1 has 1 heads"):
+        lb.reads(1, layer=1, head=2)

@@ -74,8 +74,9 @@ def _masked_sum(r: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
 
 
 def _layer(acc: _Acc, li: int, r: torch.Tensor, chunk: list[int], st: Steps, sink: int) -> None:
-    """Fill layer ``li`` of ``acc`` for generated tokens ``chunk`` from their rows ``r [H, n, K]``."""
-    K = r.shape[-1]
+    """Fill layer ``li`` of ``acc`` for generated tokens ``chunk`` from their rows ``r [H, n, K]``
+    (``H``: this layer's own heads; the rows of heads it does not have stay NaN)."""
+    H, K = r.shape[0], r.shape[-1]
     n = len(chunk)
     t = torch.tensor(chunk)
     prompt = torch.tensor(st.prompt)
@@ -87,15 +88,15 @@ def _layer(acc: _Acc, li: int, r: torch.Tensor, chunk: list[int], st: Steps, sin
         omask[:, gen] = torch.arange(len(gen))[None, :] < t[:, None]  # the t tokens written before
     smask = torch.zeros(n, K, dtype=torch.bool)
     smask[:, prompt[:sink]] = True
-    acc.prompt[li, :, t] = _masked_sum(r, pmask)
-    acc.output[li, :, t] = _masked_sum(r, omask)
-    acc.sink[li, :, t] = _masked_sum(r, smask)
+    acc.prompt[li, :H, t] = _masked_sum(r, pmask)
+    acc.output[li, :H, t] = _masked_sum(r, omask)
+    acc.sink[li, :H, t] = _masked_sum(r, smask)
     if acc.image is not None:
         imask = torch.zeros(n, K, dtype=torch.bool)
         imask[:, torch.tensor(st.image_positions(), dtype=torch.long)] = True
-        acc.image[li, :, t] = _masked_sum(r, imask)
+        acc.image[li, :H, t] = _masked_sum(r, imask)
     on_prompt = r[:, :, prompt]  # [H, n, P]
-    acc.top_index[li, :, t], acc.top_weight[li, :, t] = _top(on_prompt, acc.k, prompt)
+    acc.top_index[li, :H, t], acc.top_weight[li, :H, t] = _top(on_prompt, acc.k, prompt)
     mean = on_prompt.mean(0)  # [n, P]
     acc.mean_index[li, t], acc.mean_weight[li, t] = _top(mean, acc.k, prompt)
     known = ~mean.isnan().any(-1)
@@ -130,7 +131,8 @@ def lookback(
     check_kept(cache)
     st = steps(cache, batch, stack)
     layers = self_layers(cache, st.stack)
-    n_heads = cache.shape(_first_key(cache, st.stack, layers[0]))[1]
+    layer_heads = [cache.shape(_first_key(cache, st.stack, layer))[1] for layer in layers]
+    n_heads = max(layer_heads)  # layers may differ: a layer's missing heads stay NaN
     acc = _Acc(len(layers), n_heads, st, top, bool(st.image_positions()))
     missing: dict[int, int] = {}
     for li, layer in enumerate(layers):
@@ -144,7 +146,15 @@ def lookback(
             _layer(acc, li, writer_rows(cache, st, layer, "self", chunk, whole), chunk, st, sink)
     source = source_reads(cache, st, self_layers(cache, st.stack, "cross"), top)
     return Lookback(
-        st, layers, n_heads, acc, sink=sink, kept=check_kept(cache), missing=missing, source=source
+        st,
+        layers,
+        n_heads,
+        acc,
+        sink=sink,
+        kept=check_kept(cache),
+        missing=missing,
+        source=source,
+        layer_heads=layer_heads,
     )
 
 

@@ -52,11 +52,13 @@ class Lookback(Exports):
         kept: str,
         missing: dict[int, int],
         source: Any = None,
+        layer_heads: list[int] | None = None,
     ):
         self.steps = st
         self.source = source  # an encoder-decoder's SourceReads (cross-attention), else None
         self.layers = list(layers)
-        self.n_heads = n_heads
+        self.n_heads = n_heads  # the most any layer has
+        self.layer_heads = list(layer_heads) if layer_heads is not None else [n_heads] * len(self.layers)
         self.sink = sink
         self.kept = kept
         self.missing = dict(missing)  # layer -> generated tokens whose row the cache did not keep
@@ -105,7 +107,7 @@ class Lookback(Exports):
         rows = []
         for t in range(st.n_steps):
             for li, layer in enumerate(self.layers):
-                for h in range(self.n_heads):
+                for h in range(self.layer_heads[li]):
                     row = {
                         "step": t,
                         "token": st.output[t],
@@ -137,7 +139,7 @@ class Lookback(Exports):
         means = {name: _nanmean(m, (2,)) for name, m in masses}
         rows = []
         for li, layer in enumerate(self.layers):
-            for h in range(self.n_heads):
+            for h in range(self.layer_heads[li]):
                 row = {"layer": layer, "head": h}
                 row.update({name: _f(means[name][li, h]) for name, _ in masses})
                 rows.append(row)
@@ -192,15 +194,18 @@ class Lookback(Exports):
             if source:
                 return src.mean_index[li, step], src.mean_weight[li, step], f"layer {layer}, head mean"
             return self.mean_top_index[li, step], self.mean_top_weight[li, step], f"layer {layer}, head mean"
-        n_heads = src.index.shape[1] if source else self.n_heads
+        n_heads = src.index.shape[1] if source else self.layer_heads[li]
         if not 0 <= head < n_heads:
-            raise ProbeError(f"head {head} is out of range: layers have {n_heads} heads (0-{n_heads - 1})")
+            raise ProbeError(
+                f"head {head} is out of range: layer {layer} has {n_heads} heads (0-{n_heads - 1})"
+            )
         if source:
             return src.index[li, head, step], src.weight[li, head, step], f"layer {layer}, head {head}"
         return self.top_index[li, head, step], self.top_weight[li, head, step], f"layer {layer}, head {head}"
 
     def ratio_map(self) -> torch.Tensor:
-        """``[layer, head]``: each head's lookback ratio averaged over the steps (NaN-skipping)."""
+        """``[layer, head]``: each head's lookback ratio averaged over the steps (NaN-skipping; NaN
+        for the heads a layer does not have, when layers differ)."""
         return _nanmean(self.ratio, (2,))
 
     # -- exports -------------------------------------------------------------------------------
@@ -215,6 +220,7 @@ class Lookback(Exports):
                 "output": list(st.output),
                 "layers": list(self.layers),
                 "heads": self.n_heads,
+                "layer_heads": list(self.layer_heads),
                 "sink": self.sink,
                 "kept": self.kept,
                 "missing": {str(k): v for k, v in self.missing.items()},
@@ -228,12 +234,18 @@ class Lookback(Exports):
         per-step rows, for :meth:`to_json` (CSV and pandas: the long table)."""
         return {**self.to_dict(), "rows": self.table.to_dict()["rows"]}
 
+    def _shape(self) -> str:
+        """``"2 layers x 4 heads"``, or with uneven layers ``"2 layers of 4, 1 heads"``."""
+        if len(set(self.layer_heads)) <= 1:
+            return f"{len(self.layers)} layers x {self.n_heads} heads"
+        return f"{len(self.layers)} layers of {', '.join(map(str, self.layer_heads))} heads"
+
     def summary(self) -> str:
         """A few lines: what was generated, the mean ratio, the heads that read the prompt least."""
         st = self.steps
         lines = [
             f"{st.n_steps} tokens generated after a prompt of {len(st.prompt)} ({st.stack} stack, "
-            f"{len(self.layers)} layers x {self.n_heads} heads)"
+            f"{self._shape()})"
         ]
         m = _nanmean(self.ratio, (0, 1, 2))
         if not math.isnan(float(m)):
@@ -266,7 +278,7 @@ class Lookback(Exports):
 
     def __repr__(self) -> str:
         st = self.steps
-        return f"<Lookback {st.n_steps} generated tokens, {len(self.layers)} layers x {self.n_heads} heads>"
+        return f"<Lookback {st.n_steps} generated tokens, {self._shape()}>"
 
     def _repr_html_(self) -> str:
         import html
