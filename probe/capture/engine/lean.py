@@ -44,34 +44,37 @@ def _sdpa_args(args: tuple, kwargs: dict) -> tuple[Tensor, Tensor, Any, bool, An
 
 
 @torch.no_grad()
-def decode_row(query: Tensor, key: Tensor, attn_mask: Any, is_causal: bool, scale: Any) -> Tensor | None:
-    """The weights of an SDPA call with one query, float32 ``[batch, heads, 1, S]``, with
+def decode_row(
+    query: Tensor, key: Tensor, attn_mask: Any, is_causal: bool, scale: Any, fold: bool = False
+) -> Tensor | None:
+    """The weights of an SDPA call over one new position, float32 ``[batch, heads, 1, S]``, with
     :func:`~probe.capture.patterns.sdpa_weights`' semantics (grouped key heads serve contiguous
     query heads; a boolean mask marks keys that may be read, a float one is added; ``is_causal``
-    lets the query read key 0 only; a row with every key masked is zeros). None for a call of
-    another layout (not 4-d, several queries)."""
-    if query.dim() != 4 or key.dim() != 4 or query.size(-2) != 1:
+    masks top-left as SDPA does; a row with every key masked is zeros). ``fold``: the call's query
+    rows may be the query heads of each key head folded into the query axis (``[batch, key heads,
+    group, E]``, as transformers lays out grouped-query attention): its rows become heads. None for
+    a call of another layout (not 4-d, several queries without ``fold``)."""
+    if query.dim() != 4 or key.dim() != 4 or (query.size(-2) != 1 and not fold):
         return None
-    B, H, _, E = query.shape
+    B, H, L, E = query.shape
     Hk, S = key.size(1), key.size(2)
     if H % Hk or key.size(0) not in (1, B) or key.size(-1) != E:
         return None
     s = 1.0 / math.sqrt(E) if scale is None else scale
-    q = query.float().reshape(B, Hk, H // Hk, E)
-    scores = torch.matmul(q, key.float().transpose(-1, -2)).view(B, H, 1, S)
-    scores.mul_(s)
+    q = (query.float() * s).reshape(B, Hk, H // Hk * L, E)  # the scale on the E values of q, not S scores
+    scores = torch.matmul(q, key.float().transpose(-1, -2)).view(B, H, L, S)
     mask = attn_mask
     if is_causal:
-        mask = torch.arange(S, device=query.device) < 1
+        mask = torch.arange(S, device=query.device) <= torch.arange(L, device=query.device)[:, None]
     if mask is not None:
         if mask.dtype == torch.bool:
             scores.masked_fill_(~mask, float("-inf"))
         else:
             scores.add_(mask.float())
-    row = torch.softmax(scores, dim=-1)
+    row = torch.ops.aten._softmax.out(scores, -1, False, out=scores)
     if mask is not None:  # every key masked: NaN from the softmax, zeros in a pattern
         row.nan_to_num_(nan=0.0)
-    return row
+    return row.view(B, H * L, 1, S)
 
 
 class _RowMode(TorchFunctionMode):
@@ -86,7 +89,7 @@ class _RowMode(TorchFunctionMode):
         out = func(*args, **kwargs)
         if func is SDPA:
             with torch._C.DisableTorchFunction():  # unseen by any mode below (the tracer's)
-                self.sink(decode_row(*_sdpa_args(args, kwargs)))
+                self.sink(decode_row(*_sdpa_args(args, kwargs), fold=True))
         return out
 
 
@@ -129,29 +132,36 @@ class Learner:
         self.ins: dict[int, list[Tensor | None]] = {}
         self.outs: dict[int, list[Tensor | None]] = {}
         self.rows: dict[int | None, list[Tensor | None]] = {}
+        self.before: dict[int | None, int | None] = {}  # attention id -> the module that returned last before
         self.stack: list[int] = []
+        self.last: int | None = None  # the module that returned last
         self.mode = _RowMode(self._row)
 
     def _row(self, row: Tensor | None) -> None:
-        self.rows.setdefault(self.stack[-1] if self.stack else None, []).append(row)
+        owner = self.stack[-1] if self.stack else None
+        self.rows.setdefault(owner, []).append(row)
+        self.before[owner] = self.last
 
     def pre(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
         self.stack.append(id(module))
+        self.last = None
         t = first_tensor(args, kwargs)
         self.ins.setdefault(id(module), []).append(t.detach().clone() if isinstance(t, Tensor) else None)
 
     def post(self, module: nn.Module, output: Any) -> None:
         if self.stack and self.stack[-1] == id(module):
             self.stack.pop()
+        self.last = id(module)
         t = output_tensor(output)
         self.outs.setdefault(id(module), []).append(t.detach().clone() if isinstance(t, Tensor) else None)
 
 
-def _convert(t: Tensor, dtype: torch.dtype | None) -> Tensor:
+def _convert(t: Tensor, dtype: torch.dtype | None, owned: bool = False) -> Tensor:
+    """``t`` as the store keeps it (``dtype``), a copy unless ``owned`` (probe's own tensor)."""
     t = t.detach()
     if dtype is not None and t.is_floating_point() and t.dtype != dtype:
         return t.to(dtype)
-    return t.clone()
+    return t if owned else t.clone()
 
 
 class Plan:
@@ -162,6 +172,11 @@ class Plan:
         self.ins: dict[int, list[str]] = {}  # module id -> keys of its input
         self.outs: dict[int, list[str]] = {}  # module id -> keys of its output
         self.attn: dict[int, str] = {}  # attention sublayer id -> its key prefix
+        self.heads_of: dict[int, int] = {}  # attention sublayer id -> the heads of its row
+        # where the row's mode goes on: after the child that returns last before the SDPA call
+        # (the value projection), else at the sublayer's start: fewer of its ops pass through it
+        self.arm_after: dict[int, int] = {}
+        self.arm_at: set[int] = set()
         self.meta: dict[str, Any] = {}
         self.batch = 0
         self.count = 0  # keys per step
@@ -174,15 +189,18 @@ class Plan:
         if self.kind == "topk":
             values, indices = row.topk(min(self.k, row.size(-1)), dim=-1)
             return {
-                prefix + ".topk_values": _convert(values, self.dtype),
+                prefix + ".topk_values": _convert(values, self.dtype, owned=True),
                 prefix + ".topk_indices": indices.int(),
-                prefix + ".topk_mass": _convert(values.sum(-1), self.dtype),
+                prefix + ".topk_mass": _convert(values.sum(-1), self.dtype, owned=True),
             }
         if self.kind == "rows":
             if self._index is None or self._index.size(0) != row.size(0):
                 self._index = torch.zeros(row.size(0), 1, dtype=torch.long)
-            return {prefix + ".rows": _convert(row, self.dtype), prefix + ".row_index": self._index}
-        return {prefix + ".pattern": _convert(row, self.dtype)}
+            return {
+                prefix + ".rows": _convert(row, self.dtype, owned=True),
+                prefix + ".row_index": self._index,
+            }
+        return {prefix + ".pattern": _convert(row, self.dtype, owned=True)}
 
 
 def _close(got: Tensor, want: Tensor) -> bool:
@@ -204,10 +222,11 @@ def _attention(plan: Plan, lr: Learner, record: Any, tensors: dict, names: dict,
     """Map each attention of a layer record to the one SDPA row of its sublayer; False if any fails."""
     if len(record.modules) != len(record.patterns):
         return False
-    for (role, fields, _shape, _impl, _causal), path in zip(record.patterns, record.modules, strict=True):
+    for (_role, fields, _shape, _impl, _causal), path in zip(record.patterns, record.modules, strict=True):
         sub = modules.get(path) if path is not None else None
         row = _only(lr.rows.get(id(sub))) if sub is not None else None
-        if role != "self" or row is None or set(fields) != _FIELDS[plan.kind] or id(sub) in plan.attn:
+        # (a role of "cross" in a decoder-only step: keys over a sliding window, named as it was)
+        if row is None or set(fields) != _FIELDS[plan.kind] or id(sub) in plan.attn:
             return False
         keys = {f: names.get(h) for f, h in fields.items()}
         if None in keys.values():
@@ -228,6 +247,13 @@ def _attention(plan: Plan, lr: Learner, record: Any, tensors: dict, names: dict,
             if not ok:
                 return False
         plan.attn[id(sub)] = prefix
+        plan.heads_of[id(sub)] = row.size(1)
+        child = lr.before.get(id(sub))
+        once = child is not None and len(lr.outs.get(child, ())) == 1 and child not in plan.arm_after
+        if once and child in {id(c) for c in sub.modules()}:
+            plan.arm_after[child] = id(sub)
+        else:
+            plan.arm_at.add(id(sub))
     return True
 
 
@@ -310,7 +336,7 @@ class LeanStep:
             t = _convert(first_tensor(args, kwargs), plan.dtype)
             self.tensors.update(dict.fromkeys(keys, t))
             self.written += len(keys)
-        if mid in plan.attn:
+        if mid in plan.arm_at:
             self.rows.clear()
             push(self.mode)
 
@@ -319,9 +345,11 @@ class LeanStep:
         prefix = plan.attn.get(mid)
         if prefix is not None:
             pop(self.mode)
-            if len(self.rows) != 1 or self.rows[0] is None:
-                raise self._differs(f"{prefix} made {len(self.rows)} attention calls, not one over one query")
-            row = self.rows[0]
+            row = self.rows[0] if len(self.rows) == 1 else None
+            if row is None or row.size(1) != plan.heads_of[mid]:
+                raise self._differs(
+                    f"{prefix} made {len(self.rows)} attention calls, not one like the first's"
+                )
             fields = plan.fields(prefix, row)
             self.tensors.update(fields)
             self.keys.update(dict.fromkeys(fields, row.size(-1)))
@@ -331,6 +359,9 @@ class LeanStep:
             t = _convert(output_tensor(output), plan.dtype)
             self.tensors.update(dict.fromkeys(keys, t))
             self.written += len(keys)
+        if mid in plan.arm_after:
+            self.rows.clear()
+            push(self.mode)
 
     def finish(self) -> dict[str, Tensor]:
         """The step's tensors by cache key (an error if a mapped module ran other than once)."""

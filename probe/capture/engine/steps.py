@@ -21,6 +21,7 @@ import warnings
 from collections.abc import Callable
 from typing import Any
 
+import torch
 from torch import nn
 
 from probe.cache import Cache
@@ -204,6 +205,7 @@ class StepTrace:
         self._sink: MemorySink | None = None
         self._watcher: _StepWatcher | None = None
         self._plan: Any = None  # the lean plan of decode steps (False: none fits)
+        self.lean_steps = 0
 
     def _tracer(self) -> Tracer:
         self._sink = MemorySink()
@@ -253,6 +255,7 @@ class StepTrace:
             return
         if lean is not None:
             step = Step(lean.finish(), self._plan.meta, True, lean.cached, lean.keys)
+            self.lean_steps += 1
             self._added(step, root)
             return
         tr, self._tr = self._tr, None
@@ -290,7 +293,8 @@ class StepTrace:
         self._added(Step(tensors, meta, root is self.model, tr.forward.cached, keys, source), root)
 
     def _added(self, step: Step, root: nn.Module) -> None:
-        self.assembler.add(step)
+        with torch._C.DisableTorchFunction():  # probe's own copies: unseen by the tracer's mode
+            self.assembler.add(step)
         self.steps += 1
         if self.steps % TRIM_EVERY == 0:
             heap.trim()
@@ -348,7 +352,8 @@ class StepTrace:
                 "training": bool(self.model.training),
                 "heads_captured": self.selection.heads,
                 "layers": layers,
-                "steps": {"forwards": self.steps, "lengths": dict(a.seen)},
+                # lean: the decode steps captured by the plan learnt from the first (engine/lean.py)
+                "steps": {"forwards": self.steps, "lengths": dict(a.seen), "lean": self.lean_steps},
             }
         )
         if not self.keep.default:
