@@ -19,11 +19,13 @@ repeated tokens an induction head reads).
 ``pages`` starts ``probe serve RUN --port 0`` as a subprocess and times GET requests from this
 process (HTTP included, the server warmed by one pass): the grid for several statistics, head
 pages of random heads for kept and not-kept statistics, text pages, searches; median, 95th
-percentile and largest per kind. The target is every page under 200 ms.
+percentile and largest per kind, and the server's mean CPU time per page (from /proc: what the
+page costs whatever else loads the machine). The target is every page under 200 ms.
 
 ``simulate`` writes a store of ``-n`` texts with random values in the layout a run writes (the
 same schema and row groups, ``--shard-size`` texts per shard) and times the app's queries on it
-in process, so the cost of a 1M-text run's queries can be read without capturing a million texts.
+in process (wall and CPU time), so the cost of a 1M-text run's queries can be read without
+capturing a million texts; run again on the same ``-o`` with the same sizes, it only times.
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ from __future__ import annotations
 import argparse
 import ast
 import json
+import os
 import random
 import re
 import statistics
@@ -154,6 +157,16 @@ def _get(url: str) -> float:
     return (time.perf_counter() - t) * 1000
 
 
+def _cpu_ms(pid: int) -> float:
+    """CPU time (user + system, every thread) process ``pid`` has used, in ms (Linux /proc;
+    NaN elsewhere): the server's own work per page, whatever else loads the machine."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return float("nan")
+    return (int(fields[11]) + int(fields[12])) * 1000 / os.sysconf("SC_CLK_TCK")
+
+
 def cmd_pages(args) -> None:
     run = Path(args.run)
     cmd = [sys.executable, "-m", "probe", "serve", str(run), "--port", "0"]
@@ -163,14 +176,16 @@ def cmd_pages(args) -> None:
         urls = _urls(run, random.Random(0))
         for u in (u for us in urls.values() for u in us):  # warm: each page once
             _get(base + u)
-        print(f"{run}: ms per page over HTTP ({args.rounds} rounds)")
-        print(f"{'page':24s} {'median':>7s} {'p95':>7s} {'max':>7s}")
+        print(f"{run}: ms per page over HTTP ({args.rounds} rounds; load average {os.getloadavg()[0]:.1f})")
+        print(f"{'page':24s} {'median':>7s} {'p95':>7s} {'max':>7s} {'server CPU':>10s}")
         worst = 0.0
         for kind, us in urls.items():
+            cpu = _cpu_ms(proc.pid)
             t = sorted(_get(base + u) for _ in range(args.rounds) for u in us)
+            cpu = (_cpu_ms(proc.pid) - cpu) / len(t)  # mean per page (the clock ticks at 10 ms)
             p95 = t[min(len(t) - 1, int(0.95 * len(t)))]
             worst = max(worst, t[-1])
-            print(f"{kind:24s} {statistics.median(t):7.1f} {p95:7.1f} {t[-1]:7.1f}")
+            print(f"{kind:24s} {statistics.median(t):7.1f} {p95:7.1f} {t[-1]:7.1f} {cpu:10.1f}")
         print(f"slowest page: {worst:.0f} ms ({'within' if worst < 200 else 'OVER'} 200 ms)")
     finally:
         proc.terminate()
@@ -184,13 +199,21 @@ def cmd_simulate(args) -> None:
 
     out = Path(args.output)
     t = time.perf_counter()
-    simulate(out, args.n, args.layers, args.heads, args.shard_size, seed=0)
+    m = out / "manifest.json"
+    old = json.loads(m.read_text())["config"] if m.is_file() else None
+    same = {"model": {"name": "simulated"}, "n_texts": args.n, "shard_size": args.shard_size}
+    heads = len(json.loads((out / "head_stats.json").read_text())["rows"]) if old else 0
+    reuse = bool(old) and all(old.get(k) == v for k, v in same.items()) and heads == args.layers * args.heads
+    if reuse:
+        print(f"{out} holds this simulated store: timing it again")
+    else:
+        simulate(out, args.n, args.layers, args.heads, args.shard_size, seed=0)
     size = sum(p.stat().st_size for p in out.glob("shards/*.parquet"))
     rows = args.n * args.layers * args.heads
     shards = -(-args.n // args.shard_size)
-    print(f"wrote {args.n:,} texts x {args.layers * args.heads} heads ({rows:,} rows) in {shards:,} shards: "
-          f"{size / 2**30:.2f} GiB, {size / rows:.1f} B per text and head, "
-          f"{time.perf_counter() - t:.0f} s")  # fmt: skip
+    took = "written before" if reuse else f"written in {time.perf_counter() - t:.0f} s"
+    print(f"{args.n:,} texts x {args.layers * args.heads} heads ({rows:,} rows) in {shards:,} shards: "
+          f"{size / 2**30:.2f} GiB, {size / rows:.1f} B per text and head ({took})")  # fmt: skip
     time_queries(out, args.rounds)
 
 

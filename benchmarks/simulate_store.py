@@ -10,6 +10,7 @@ of them NaN) and each text is ten made-up tokens.
 from __future__ import annotations
 
 import json
+import os
 import random
 import statistics
 import time
@@ -84,16 +85,18 @@ def time_queries(out: Path, rounds: int) -> None:
         "search (heads)": lambda: "/search?q=L1H2",
         "search (texts)": lambda: f"/search?q=w{rng.randrange(97)}",
     }
-    print(f"{'page':16s} {'median':>8s} {'max':>8s}  (ms, {rounds} rounds, first round included)")
+    print(f"{'page':16s} {'median':>8s} {'max':>8s} {'CPU':>8s}  (ms, {rounds} rounds, first round included;")
+    print(f"{'':16s} CPU: this process's, every thread, median; load average {os.getloadavg()[0]:.1f})")
     for kind, url in pages.items():
-        times = []
+        times, cpu = [], []
         for _ in range(rounds):
             u = url()
-            t = time.perf_counter()
+            t, c = time.perf_counter(), time.process_time()
             r = client.get(u)
             times.append((time.perf_counter() - t) * 1000)
+            cpu.append((time.process_time() - c) * 1000)
             assert r.status_code == 200, (u, r.text[-300:])
-        print(f"{kind:16s} {statistics.median(times):8.1f} {max(times):8.1f}")
+        print(f"{kind:16s} {statistics.median(times):8.1f} {max(times):8.1f} {statistics.median(cpu):8.1f}")
 
 
 __all__ = ["simulate", "time_queries"]

@@ -163,10 +163,12 @@ class Store:
         stack = self.resolve(stack, kind)
         self._check_head(stack, kind, layer, head)
         order = "desc" if descending else "asc"
+        # the k rows first, then their texts: a join before the limit reads every text's row
         sql = (
-            f'select h.text, h."{stat}", h.role, t.source, t.n_tokens from heads h join texts t using (text) '
-            f'where h.stack = ? and h.kind = ? and h.layer = ? and h.head = ? and not isnan(h."{stat}") '
-            f'order by h."{stat}" {order}, h.text limit {k}'
+            f'with best as (select text, "{stat}", role from heads where stack = ? and kind = ? and '
+            f'layer = ? and head = ? and not isnan("{stat}") order by "{stat}" {order}, text limit {k}) '
+            f'select b.text, b."{stat}", b.role, t.source, t.n_tokens from best b join texts t using (text) '
+            f'order by b."{stat}" {order}, b.text'
         )
         t = self.query(sql, [stack, kind, int(layer), int(head)])
         t.title = (
