@@ -233,3 +233,25 @@ def test_speech_timestamps(tmp_path):
     for r, (a, b) in zip(rows, s.times, strict=True):  # the gold column is the generator's spans
         assert r[3] == f"{a:.2f}-{b:.2f}"
     assert "mean boundary error" in out
+
+
+def test_ioi_circuit(tmp_path):
+    """The printed logit differences and the share a circuit keeps, against SmolLM2's forward
+    written by hand (tests/llama_edges.py) with every edge outside the circuit written to JSON
+    corrupted (16 prompts and EAP, to keep it short)."""
+    from llama_edges import circuit_logit_diffs
+
+    import models
+    from probe.intervene.circuit import Circuit, ioi_prompts
+
+    args = "--prompts 16 --method eap --sizes 300 --json c.json".split()
+    out = run("ioi_circuit.py", *args, cwd=tmp_path)
+    c = Circuit.from_json((tmp_path / "c.json").read_text())
+    smol = models.load("smollm2")
+    ioi = ioi_prompts(16, smol.tokenizer, seed=0)
+    want = circuit_logit_diffs(smol, ioi, [c.greedy(300).table.column("edge")])
+    got = re.search(r"clean logit difference (\S+), corrupted (\S+)", out)
+    assert float(got[1]) == pytest.approx(want["clean"], abs=2e-3)
+    assert float(got[2]) == pytest.approx(want["corrupted"], abs=2e-3)
+    kept = float(re.search(r"^\s*300 edges \(.*\): kept (\S+) ", out, re.M)[1])
+    assert kept == pytest.approx(want["circuits"][0] / want["clean"], abs=2e-3)
