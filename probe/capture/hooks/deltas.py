@@ -53,9 +53,9 @@ def _same(x: Tensor, y: Tensor) -> bool:
     return torch.equal(x, y)
 
 
-def _deviation(pre: Tensor, out: Tensor, deltas: dict[str, Tensor]) -> tuple[float, float]:
-    """``(max |pre + sum of deltas - out|, the scale to judge it by)``, all ``[n, d_model]``; the
-    deltas are added in the order the stream received them (no 0 + d first)."""
+def _deviation(pre: Tensor, out: Tensor, deltas: dict[str, Tensor]) -> float:
+    """``max |pre + sum of deltas - out|``, all ``[n, d_model]``; the deltas are added in the
+    order the stream received them (no 0 + d first)."""
     total = None
     for d in deltas.values():
         if total is None or d.dtype != total.dtype or d.shape != total.shape:
@@ -63,11 +63,17 @@ def _deviation(pre: Tensor, out: Tensor, deltas: dict[str, Tensor]) -> tuple[flo
         else:  # the sum is probe's own tensor from here: added in place, the same rounding
             total.add_(d)
     if not out.numel():
-        return 0.0, 1.0
+        return 0.0
     outf = out.float()
     # the sum (converted or not) is probe's own tensor: subtracted in place; pre is not
-    dev = _absmax(pre.float() - outf if total is None else total.float().sub_(outf))
-    return dev, max(_absmax(outf), _absmax(pre.float()), 1.0)
+    return _absmax(pre.float() - outf if total is None else total.float().sub_(outf))
+
+
+def _scale(pre: Tensor, out: Tensor) -> float:
+    """The scale a deviation is judged by: ``max(|out|, |pre|, 1)``."""
+    if not out.numel():
+        return 1.0
+    return max(_absmax(out.float()), _absmax(pre.float()), 1.0)
 
 
 @dataclass
@@ -163,9 +169,11 @@ def decompose(
             deltas[name] = deltas[name] + piece if name in deltas else piece
             how = "sublayer output" if exact else "stream difference"
             definition[name] = how if definition.get(name, how) == how else "mixed"
-    dev, scale = _deviation(pre, out, deltas)
-    tol = 16 * len(st.adds) * torch.finfo(out.dtype).eps * scale
-    if dev > tol:
+    dev = _deviation(pre, out, deltas)
+    tol = 16 * len(st.adds) * torch.finfo(out.dtype).eps
+    # the scale is at least 1: a deviation within tol needs no look at it (a pre-norm layer's
+    # sublayer outputs add up to its output exactly)
+    if dev > tol and dev > tol * _scale(pre, out):
         none.note = (
             f"the residual additions probe followed do not add up to the layer's output "
             f"(off by {dev:.2g}); no deltas stored"

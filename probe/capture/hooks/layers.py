@@ -93,9 +93,9 @@ def count_parameters(module: nn.Module) -> int:
 
 def _is_source(module: nn.Module) -> bool:
     """Whether a child of a layer is a sublayer (attention, MLP, experts, a projection), not a norm."""
-    if next(module.children(), None) is not None:
+    if any(c is not None for c in module._modules.values()):
         return True
-    return any(p.dim() >= 2 for p in module.parameters(recurse=False))
+    return any(p is not None and p.dim() >= 2 for p in module._parameters.values())
 
 
 class Upstream:

@@ -31,10 +31,27 @@ def _is_norm(m: nn.Module) -> bool:
     return next(m.children(), None) is None and all(p.dim() < 2 for p in m.parameters())
 
 
+def _has_parameters(module: nn.Module) -> bool:
+    """``next(module.parameters(), None) is not None``, without its generators."""
+    seen: set[int] = set()
+    todo = [module]
+    while todo:
+        m = todo.pop()
+        if id(m) in seen:
+            continue
+        seen.add(id(m))
+        if any(p is not None for p in m._parameters.values()):
+            return True
+        todo.extend(c for c in m._modules.values() if c is not None)
+    return False
+
+
 def parallel_lists(model: nn.Module) -> dict[int, tuple[Group, int, int]]:
     """Each element of grouped parallel lists (by ``id``) -> ``(group, list number, index)``."""
     found: dict[int, tuple[Group, int, int]] = {}
     for name, parent in model.named_modules():
+        if not any(isinstance(c, nn.ModuleList) for c in parent._modules.values()):
+            continue  # most modules hold no list: skip named_children's generator
         lists = [(n, c) for n, c in parent.named_children() if isinstance(c, nn.ModuleList) and len(c)]
         by_len: dict[int, list[tuple[str, nn.ModuleList]]] = {}
         for n, c in lists:
@@ -72,6 +89,6 @@ def list_elements(
         if id(m) in container_of and not isinstance(m, (nn.ModuleList, nn.ModuleDict)):
             for child in m.children():
                 # not a list element of its own, nor a rotary table or a dropout
-                if id(child) not in container_of and next(child.parameters(), None) is not None:
+                if id(child) not in container_of and _has_parameters(child):
                     element_of.setdefault(id(child), (m, *container_of[id(m)]))
     return container_of, container_len, element_of

@@ -39,6 +39,8 @@ def pooling_heads(model: nn.Module) -> dict[int, tuple[str, str]]:
     ``[1, n, embed_dim]`` as a parameter (see the module docstring)."""
     out: dict[int, tuple[str, str]] = {}
     for path, m in model.named_modules():
+        if not any(isinstance(c, nn.MultiheadAttention) for c in m._modules.values()):
+            continue  # most modules hold none: skip children()'s generator
         mha = [c for c in m.children() if isinstance(c, nn.MultiheadAttention)]
         if len(mha) != 1:
             continue

@@ -200,7 +200,7 @@ class LayerStream:
             self._note_scaled(args, outs[0])
         for o in outs:
             self.labels.put(o, lab)
-            if lab[1] and self.sized(o):
+            if lab[1] and not lab[1] <= self.touched and self.sized(o):
                 self.touched |= lab[1]
 
     def _note_scaled(self, args: tuple, out: Tensor) -> None:
