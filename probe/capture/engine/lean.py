@@ -182,6 +182,10 @@ class Plan:
         self.count = 0  # keys per step
         self._index: Tensor | None = None
 
+    def modules(self) -> set[int]:
+        """The ids of the modules whose hooks a lean step needs."""
+        return {*self.ins, *self.outs, *self.attn, *self.arm_after, *self.arm_at}
+
     def fields(self, prefix: str, row: Tensor) -> dict[str, Tensor]:
         """An attention's stored fields from its row ``[batch, heads, 1, S]`` (float32)."""
         if self.heads is not None:

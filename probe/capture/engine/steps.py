@@ -66,12 +66,28 @@ class _StepWatcher(Watcher):
         self.root: nn.Module | None = None
         self.lean: LeanStep | None = None
         self.learner: Learner | None = None
+        self._only: set[int] | None = None  # the modules hooked (None: every one)
 
     def bind(self, tr: Tracer) -> None:
         self.stack = self._mode.stack = tr.watcher.stack
         self.layers = self._mode.layers = tr.layers
         self.recorder = self._mode.recorder = tr.recorder
         self.forward = tr.forward
+
+    def hook_only(self, modules: set[int] | None) -> None:
+        """Hooks on every module (None), or on the model and ``modules`` only (a lean plan's: the
+        others run on torch's fast path, no hook called). Swapped between calls or inside the
+        model's own hooks (torch reads a call's hooks before running them)."""
+        if self._fast_layers or modules == self._only:
+            return
+        for h in self._handles:
+            h.remove()
+        self._handles.clear()
+        for m in self.model.modules():
+            if modules is None or m is self.model or id(m) in modules:
+                self._handles.append(m.register_forward_pre_hook(self._pre, with_kwargs=True))
+                self._handles.append(m.register_forward_hook(self._post, with_kwargs=True, always_call=True))
+        self._only = modules
 
     def go_lean(self, step: LeanStep) -> bool:
         """Run the next step lean: the mode off (False where another mode sits above it)."""
@@ -237,7 +253,9 @@ class StepTrace:
         fit = decode_step(kwargs, args) if root is self.model and self.encoder is None else None
         plan = self._plan
         if fit is not None and plan and fit[0] == plan.batch and w.go_lean(LeanStep(plan, fit[1])):
+            w.hook_only(plan.modules())
             return
+        w.hook_only(None)
         self._tr = self._tracer()
         w.bind(self._tr)
         if fit is not None and plan is None:  # the first decode step: learn its plan beside it
