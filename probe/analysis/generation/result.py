@@ -82,15 +82,15 @@ class Lookback(Exports):
         self.all_top_index = torch.where(ok, prompt[idx], -1)
         self.all_top_weight = torch.where(ok, vals, float("nan"))
         self._long: Table | None = None
-        self.by_step = self._by_step()
-        self.by_head = self._by_head()
+        self.by_step = _step_table(self)
+        self.by_head = _head_table(self)
 
     # -- tables --------------------------------------------------------------------------------
     @property
     def table(self) -> Table:
         """One row per step, layer and head (built on first use: a long generation has many)."""
         if self._long is None:
-            self._long = self._table()
+            self._long = _long_table(self)
         return self._long
 
     def _masses(self) -> list[tuple[str, torch.Tensor]]:
@@ -102,52 +102,6 @@ class Lookback(Exports):
         ]
         return out + ([("image_mass", self.image_mass)] if self.image_mass is not None else [])
 
-    def _table(self) -> Table:
-        st, masses = self.steps, self._masses()
-        rows = []
-        for t in range(st.n_steps):
-            for li, layer in enumerate(self.layers):
-                for h in range(self.layer_heads[li]):
-                    row = {
-                        "step": t,
-                        "token": st.output[t],
-                        "query": st.writers[t],
-                        "layer": layer,
-                        "head": h,
-                    }
-                    row.update({name: _f(m[li, h, t]) for name, m in masses})
-                    rows.append(row)
-        cols = ["step", "token", "query", "layer", "head"] + [n for n, _ in masses]
-        return Table(rows, cols, title="lookback per generated token, layer and head")
-
-    def _by_step(self) -> Table:
-        st, masses = self.steps, self._masses()
-        means = {name: _nanmean(m, (0, 1)) for name, m in masses}
-        rows = []
-        for t in range(st.n_steps):
-            row = {"step": t, "token": st.output[t], "query": st.writers[t]}
-            row.update({name: _f(means[name][t]) for name, _ in masses})
-            pos = [int(p) for p in self.all_top_index[t] if p >= 0]
-            row["read_most"] = [st.tokens[p] for p in pos]
-            row["read_weights"] = [round(_f(w), 6) for w in self.all_top_weight[t][: len(pos)]]
-            rows.append(row)
-        cols = ["step", "token", "query"] + [n for n, _ in masses] + ["read_most", "read_weights"]
-        return Table(rows, cols, title="per generated token, over layers and heads")
-
-    def _by_head(self) -> Table:
-        masses = self._masses()
-        means = {name: _nanmean(m, (2,)) for name, m in masses}
-        rows = []
-        for li, layer in enumerate(self.layers):
-            for h in range(self.layer_heads[li]):
-                row = {"layer": layer, "head": h}
-                row.update({name: _f(means[name][li, h]) for name, _ in masses})
-                rows.append(row)
-        return Table(
-            rows, ["layer", "head"] + [n for n, _ in masses], title="per head, over the generated tokens"
-        )
-
-    # -- views ---------------------------------------------------------------------------------
     def reads(
         self, step: int, layer: int | None = None, head: int | None = None, *, source: bool = False
     ) -> Table:
@@ -285,6 +239,57 @@ class Lookback(Exports):
 
         head = "".join(f"<p>{html.escape(line)}</p>" for line in self.summary().splitlines())
         return head + self.by_step._repr_html_()
+
+
+def _long_table(lb: Lookback) -> Table:
+    st, masses = lb.steps, lb._masses()
+    rows = []
+    for t in range(st.n_steps):
+        for li, layer in enumerate(lb.layers):
+            for h in range(lb.layer_heads[li]):
+                row = {
+                    "step": t,
+                    "token": st.output[t],
+                    "query": st.writers[t],
+                    "layer": layer,
+                    "head": h,
+                }
+                row.update({name: _f(m[li, h, t]) for name, m in masses})
+                rows.append(row)
+    cols = ["step", "token", "query", "layer", "head"] + [n for n, _ in masses]
+    return Table(rows, cols, title="lookback per generated token, layer and head")
+
+
+def _step_table(lb: Lookback) -> Table:
+    st, masses = lb.steps, lb._masses()
+    means = {name: _nanmean(m, (0, 1)) for name, m in masses}
+    rows = []
+    for t in range(st.n_steps):
+        row = {"step": t, "token": st.output[t], "query": st.writers[t]}
+        row.update({name: _f(means[name][t]) for name, _ in masses})
+        pos = [int(p) for p in lb.all_top_index[t] if p >= 0]
+        row["read_most"] = [st.tokens[p] for p in pos]
+        row["read_weights"] = [round(_f(w), 6) for w in lb.all_top_weight[t][: len(pos)]]
+        rows.append(row)
+    cols = ["step", "token", "query"] + [n for n, _ in masses] + ["read_most", "read_weights"]
+    return Table(rows, cols, title="per generated token, over layers and heads")
+
+
+def _head_table(lb: Lookback) -> Table:
+    masses = lb._masses()
+    means = {name: _nanmean(m, (2,)) for name, m in masses}
+    rows = []
+    for li, layer in enumerate(lb.layers):
+        for h in range(lb.layer_heads[li]):
+            row = {"layer": layer, "head": h}
+            row.update({name: _f(means[name][li, h]) for name, _ in masses})
+            rows.append(row)
+    return Table(
+        rows, ["layer", "head"] + [n for n, _ in masses], title="per head, over the generated tokens"
+    )
+
+
+# -- views ---------------------------------------------------------------------------------
 
 
 __all__ = ["Lookback"]
