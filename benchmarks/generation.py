@@ -54,7 +54,7 @@ def _status(key: str) -> int:
     raise RuntimeError(f"no {key} in /proc/self/status")
 
 
-def _setup(prompt: int, new: int, device: str, model_name: str = "llama"):
+def setup(prompt: int, new: int, device: str, model_name: str = "llama"):
     import torch
     import transformers
 
@@ -96,7 +96,7 @@ def _eager(model):
     return twin
 
 
-def _run(mode: str, model, ids, new: int):
+def run_mode(mode: str, model, ids, new: int):
     import torch
 
     import probe
@@ -132,10 +132,10 @@ def child_memory(mode: str, prompt: int, new: int, device: str, model_name: str)
     """One mode in this (fresh) process: its peak memory above the loaded, warmed-up model."""
     import torch
 
-    model, ids = _setup(prompt, new, device, model_name)
+    model, ids = setup(prompt, new, device, model_name)
     if mode == "eager":
         _eager(model)  # the twin's weights are the model's, loaded before the baseline
-    _run(mode, model, ids[:, :16], 8)  # warm-up: imports, kernels, allocator
+    run_mode(mode, model, ids[:, :16], 8)  # warm-up: imports, kernels, allocator
     gc.collect()
     if device == "cuda":
         torch.cuda.synchronize()
@@ -144,7 +144,7 @@ def child_memory(mode: str, prompt: int, new: int, device: str, model_name: str)
     else:
         base = _status("VmRSS")
         Path("/proc/self/clear_refs").write_text("5")  # reset VmHWM to the current RSS
-    out = _run(mode, model, ids, new)
+    out = run_mode(mode, model, ids, new)
     if device == "cuda":
         torch.cuda.synchronize()
         peak = torch.cuda.max_memory_allocated() - base
@@ -161,16 +161,16 @@ def child_time(
     import torch
 
     now = time.perf_counter if clock == "wall" else time.process_time
-    model, ids = _setup(prompt, new, device, model_name)
+    model, ids = setup(prompt, new, device, model_name)
     for mode in modes:
-        _run(mode, model, ids[:, :16], 8)
+        run_mode(mode, model, ids[:, :16], 8)
     times: dict[str, list[float]] = {m: [] for m in modes}
     for _ in range(repeats):
         for mode in modes:
             if device == "cuda":
                 torch.cuda.synchronize()
             t0 = now()
-            out = _run(mode, model, ids, new)
+            out = run_mode(mode, model, ids, new)
             if device == "cuda":
                 torch.cuda.synchronize()
             times[mode].append(now() - t0)
