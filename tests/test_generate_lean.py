@@ -128,3 +128,24 @@ def test_decode_row_is_sdpas_weights(mask):
     mf = m.reshape(2, 3, 2, 11) if m is not None and m.size(1) == 6 else m
     folded = decode_row(q.reshape(2, 3, 2, 8), k, mf, False, None, fold=True)  # transformers' GQA layout
     torch.testing.assert_close(folded, got, atol=1e-6, rtol=0)
+
+
+def test_an_error_inside_a_lean_step_goes_on_and_leaves_no_mode_behind():
+    model = H.llama(100)
+    attn = model.model.layers[1].self_attn
+    calls = {"n": 0}
+
+    def fail_on_fifth(module, args, kwargs):
+        calls["n"] += 1
+        if calls["n"] == 5:  # the prefill, the first decode step, then lean steps
+            raise RuntimeError("a planted failure")
+
+    handle = attn.register_forward_pre_hook(fail_on_fifth, with_kwargs=True)
+    try:
+        with pytest.raises(RuntimeError, match="a planted failure"):
+            probe.generate(model, PROMPT, keep="rows", max_new_tokens=N, min_new_tokens=N)
+    finally:
+        handle.remove()
+    assert torch._C._len_torch_function_stack() == 0
+    g = probe.generate(model, PROMPT, keep="rows", max_new_tokens=4, min_new_tokens=4)
+    assert g.cache.metadata["steps"]["lean"] == 2

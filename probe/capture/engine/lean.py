@@ -181,10 +181,13 @@ class Plan:
         self.batch = 0
         self.count = 0  # keys per step
         self._index: Tensor | None = None
+        self._modules: set[int] | None = None
 
     def modules(self) -> set[int]:
-        """The ids of the modules whose hooks a lean step needs."""
-        return {*self.ins, *self.outs, *self.attn, *self.arm_after, *self.arm_at}
+        """The ids of the modules whose hooks a lean step needs (the same set every step)."""
+        if self._modules is None:
+            self._modules = {*self.ins, *self.outs, *self.attn, *self.arm_after, *self.arm_at}
+        return self._modules
 
     def fields(self, prefix: str, row: Tensor) -> dict[str, Tensor]:
         """An attention's stored fields from its row ``[batch, heads, 1, S]`` (float32)."""

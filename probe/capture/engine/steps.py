@@ -78,7 +78,7 @@ class _StepWatcher(Watcher):
         """Hooks on every module (None), or on the model and ``modules`` only (a lean plan's: the
         others run on torch's fast path, no hook called). Swapped between calls or inside the
         model's own hooks (torch reads a call's hooks before running them)."""
-        if self._fast_layers or modules == self._only:
+        if self._fast_layers or modules is self._only or modules == self._only:
             return
         for h in self._handles:
             h.remove()
@@ -116,7 +116,10 @@ class _StepWatcher(Watcher):
         ok = bool(rest) and rest[-1] is not None  # None: the forward raised (its error goes on)
         if self.lean is not None:
             if module is not self.root:
-                self.lean.post(module, rest[-1])
+                if ok:
+                    self.lean.post(module, rest[-1])
+                else:  # the forward raised: its error goes on, the row's mode comes off
+                    self.lean.abort()
                 return
             self.root = None
             self._end(module, ok)
