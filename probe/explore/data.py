@@ -46,6 +46,7 @@ class Explorer:
         self._reports: dict[int, Path] = {}
         self._report_dir: tempfile.TemporaryDirectory | None = None
         self._lock = threading.Lock()
+        self._last_kept: dict[tuple, dict] = {}  # the last head and statistic's examples
 
     # -- heads ---------------------------------------------------------------------------------
     def head(self, stack: str, kind: str, layer: int, head: int) -> dict[str, Any]:
@@ -115,12 +116,21 @@ class Explorer:
         """The examples the run kept for one head, statistic and direction: text -> example."""
         if stat not in self.examples.get("stats", []):
             return {}
-        rows = self.store.query(
-            "select text, positions, terms, keys, weights, targets from examples where stack = ? and "
-            "kind = ? and layer = ? and head = ? and stat = ? and direction = ?",
-            [stack, kind, int(layer), int(head), stat, direction],
-        )
-        return {r["text"]: r for r in rows}
+        key = (stack, kind, int(layer), int(head), stat)
+        with self._lock:
+            both = self._last_kept.get(key)
+        if both is None:  # both directions in one read of the examples: a head page shows both
+            rows = self.store.query(
+                "select direction, text, positions, terms, keys, weights, targets from examples where "
+                "stack = ? and kind = ? and layer = ? and head = ? and stat = ?",
+                [stack, kind, int(layer), int(head), stat],
+            )
+            both = {"top": {}, "bottom": {}}
+            for r in rows:
+                both[r["direction"]][r["text"]] = r
+            with self._lock:
+                self._last_kept = {key: both}
+        return both[direction]
 
     def capture_example(self, text: int, where: tuple, head: int, stat: str, top: bool) -> dict:
         """One text's example captured now with the model at hand (``where`` = ``(stack, layer,
