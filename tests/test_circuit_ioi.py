@@ -80,8 +80,8 @@ def test_top_heads_read_and_write_the_names_as_the_docs_say(smol, ioi, scored):
     """The circuit's top heads are the docs' list; at the last token (the model's own weights,
     computed by hand): the name movers put most of their weight on the indirect object and raise
     its logit more than the subject's, a negative name mover reads the IO and lowers its logit,
-    L23.H3 reads the subject and lowers the subject's logit, and L29.H1 reads the last token
-    itself and raises the IO's logit."""
+    L23.H3 reads the subject and lowers the subject's logit, L29.H1 and L29.H0 read the last token
+    itself and raise and lower the IO's logit, L24.H5 rests on the first token."""
     assert _top_heads(scored) == TOP_HEADS
     tok = smol.tokenizer
     U, g, eps = smol.lm_head.weight, smol.model.norm.weight, smol.config.rms_norm_eps
@@ -102,10 +102,14 @@ def test_top_heads_read_and_write_the_names_as_the_docs_say(smol, ioi, scored):
     m = {h: (v / len(ioi.clean)).tolist() for h, v in stats.items()}
     for head in [(23, 0), (23, 1), (24, 4)]:  # reading the IO
         io, s, first, _, d_io, d_s = m[head]
-        assert io > 0.5 and io > s + 0.15 and io > first, (head, m[head])
-        assert abs(d_io) > abs(d_s) + 0.3, (head, m[head])
+        assert io > 0.5 and io > s + 0.1 and io > first, (head, m[head])
+        assert abs(d_io) > abs(d_s) + 0.2, (head, m[head])
     assert m[(23, 0)][4] > 0.8 and m[(23, 1)][4] > 0.5 and m[(24, 4)][4] < -0.8  # up, up, down
     io, s, _, _, d_io, d_s = m[(23, 3)]
     assert s > 0.6 and io < 0.1 and d_s < -2 and abs(d_io) < 0.2, m[(23, 3)]
-    io, s, _, itself, d_io, _ = m[(29, 1)]
-    assert itself > 0.4 and io + s < 0.05 and d_io > 1.5, m[(29, 1)]
+    io, s, _, _, d_io, d_s = m[(23, 2)]  # reads the IO more than the subject, raises it more
+    assert io > s + 0.1 and d_io > d_s + 0.2, m[(23, 2)]
+    for head, sign in (((29, 1), 1), ((29, 0), -1)):  # read the last token itself, write the IO up / down
+        io, s, _, itself, d_io, _ = m[head]
+        assert itself > 0.4 and io + s < 0.1 and sign * d_io > 1, (head, m[head])
+    assert m[(24, 5)][2] > 0.5, m[(24, 5)]  # rests on the first token
