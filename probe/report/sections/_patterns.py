@@ -216,3 +216,17 @@ def colour_lut(name: str = "viridis") -> str:
 
     rgb = (matplotlib.colormaps[name](np.linspace(0, 1, 256))[:, :3] * 255).round().astype("uint8")
     return rgb.tobytes().hex()
+
+
+def half_view(ctx, cache: Cache, key: str, kinds: tuple[str, ...], by: str = "weight") -> dict | None:
+    """One head explorer of ``cache`` (``by`` weight or contribution) on half the page's budget,
+    for the sections that show two in step (compare, weights and contributions)."""
+    sets = pattern_sets([cache], kinds, by=by)
+    if not sets:
+        return None
+    packed, enc = pack(sets, progress=ctx.progress, cells=FULL_BUDGET // 2, nbytes=FULL_BYTES // 2)
+    return {
+        "id": key,
+        "data": {"sets": packed, "scale": enc["scale"], "bytes": enc["bytes"], "lut": colour_lut()},
+        "scale": enc["scale"],
+    }

@@ -13,7 +13,7 @@ import math
 import numpy as np
 
 from probe.report.matrix import NO_HEAD, mark_missing
-from probe.report.sections._patterns import FULL_BUDGET, FULL_BYTES, colour_lut, pack, pattern_sets
+from probe.report.sections._patterns import half_view
 
 TITLE = "Side by side"
 ORDER = 22  # after the attention views of each capture on its own
@@ -63,18 +63,6 @@ def _map_figure(ctx, values, title: str, signed: bool, present: set | None = Non
     return ctx.figure(fig, alt=title)
 
 
-def _view(ctx, cache, key: str) -> dict | None:
-    """One cache's head explorer (the Attention section's view), on half the page's budget."""
-    sets = pattern_sets([cache], KINDS)
-    if not sets:
-        return None
-    packed, enc = pack(sets, progress=ctx.progress, cells=FULL_BUDGET // 2, nbytes=FULL_BYTES // 2)
-    return {
-        "id": key,
-        "data": {"sets": packed, "scale": enc["scale"], "bytes": enc["bytes"], "lut": colour_lut()},
-    }
-
-
 def build(ctx) -> dict | None:
     """The comparison of ``ctx.caches[0]`` (A) and ``ctx.caches[1]`` (B); None unless there are two."""
     if len(ctx.caches) != 2:
@@ -108,6 +96,6 @@ def build(ctx) -> dict | None:
         "top": top.select(list(SHOWN) + ([by] if by not in SHOWN else [])),
         "roles": roles,
         "n_heads": len(c.heads),
-        "view_a": _view(ctx, ctx.caches[0], "compare-a"),
-        "view_b": _view(ctx, ctx.caches[1], "compare-b"),
+        "view_a": half_view(ctx, ctx.caches[0], "compare-a", KINDS),
+        "view_b": half_view(ctx, ctx.caches[1], "compare-b", KINDS),
     }

@@ -14,7 +14,7 @@ from __future__ import annotations
 import math
 
 from probe.analysis.table import Table
-from probe.report.sections._patterns import FULL_BUDGET, FULL_BYTES, colour_lut, pack, pattern_sets
+from probe.report.sections._patterns import half_view
 
 TITLE = "Weights and contributions"
 ORDER = 21  # right after the attention views
@@ -25,19 +25,6 @@ SHOWN = ("stack", "layer", "head", "kind", "first", "first_contrib", "distance",
 def holds(cache) -> bool:
     """Whether ``cache`` holds contributions (whole patterns, or statistics by contribution)."""
     return any(k.endswith(("attn.contribution", "attn.stat.contrib_first")) for k in cache.keys())
-
-
-def _view(ctx, cache, by: str, key: str) -> dict | None:
-    """One head explorer of ``cache``'s patterns ``by`` weight or contribution, on half the budget."""
-    sets = pattern_sets([cache], KINDS, by=by)
-    if not sets:
-        return None
-    packed, enc = pack(sets, progress=ctx.progress, cells=FULL_BUDGET // 2, nbytes=FULL_BYTES // 2)
-    return {
-        "id": key,
-        "data": {"sets": packed, "scale": enc["scale"], "bytes": enc["bytes"], "lut": colour_lut()},
-        "scale": enc["scale"],
-    }
 
 
 def _stats(ctx, cache):
@@ -80,6 +67,6 @@ def build(ctx) -> dict | None:
         "sink_contrib": stats.by_contribution.sink_rate if stats.by_contribution is not None else {},
         "top": top,
         "refused": sorted((info.get("refused") or {}).items()),
-        "view_w": _view(ctx, cache, "weight", "contrib-w"),
-        "view_c": _view(ctx, cache, "contribution", "contrib-c"),
+        "view_w": half_view(ctx, cache, "contrib-w", KINDS, "weight"),
+        "view_c": half_view(ctx, cache, "contrib-c", KINDS, "contribution"),
     }
