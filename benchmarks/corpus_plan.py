@@ -37,11 +37,18 @@ def written() -> dict[str, float]:
     with tempfile.TemporaryDirectory() as tmp:
         for n in (16, 32):
             texts = [f"attention lets tokens read {'a' * (i % 5)}." for i in range(n)]
-            probe.run_corpus(model, texts, Path(tmp) / str(n), batch_size=8, keep="stats", progress=False)
+            probe.run_corpus(
+                model, texts, Path(tmp) / str(n), batch_size=8, keep="stats", examples=False, progress=False
+            )
             sizes[n] = _sizes(Path(tmp) / str(n))
-        stats = probe.run_corpus(model, texts, Path(tmp) / "32", keep="stats", progress=False).head_stats()
+        stats = probe.run_corpus(
+            model, texts, Path(tmp) / "32", keep="stats", examples=False, progress=False
+        ).head_stats()
         heads = len(stats.table)
-    shard = {n: sum(v for k, v in s.items() if k.startswith("shards")) for n, s in sizes.items()}
+    shard = {  # the shard records (the per-text store's Parquet files: docs/explore.md, Scale)
+        n: sum(v for k, v in s.items() if k.startswith("shards") and not k.endswith(".parquet"))
+        for n, s in sizes.items()
+    }
     per_text = (shard[32] + sizes[32]["manifest.json"] - shard[16] - sizes[16]["manifest.json"]) / 16
     shard_text = (shard[32] - shard[16]) / 16
     once = sum(sizes[32][k] for k in ("stats.json", "head_stats.json", "head_stats.csv"))

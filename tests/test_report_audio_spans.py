@@ -53,11 +53,11 @@ def test_refined_spans_over_the_spectrogram_and_raw_ones_faint_beside_them(drawn
         rows = [r for r in ts.words.rows if r["item"] == b]
         spans = _patches(fig, "span")
         raws = _patches(fig, "raw-span")
-        assert [(p.get_x(), p.get_x() + p.get_width()) for p in spans] == pytest.approx(
-            [(r["start"], r["end"]) for r in rows]
+        assert [e for p in spans for e in (p.get_x(), p.get_x() + p.get_width())] == pytest.approx(
+            [e for r in rows for e in (r["start"], r["end"])]
         )
-        assert [(p.get_x(), p.get_x() + p.get_width()) for p in raws] == pytest.approx(
-            [(r["raw_start"], r["raw_end"]) for r in rows]
+        assert [e for p in raws for e in (p.get_x(), p.get_x() + p.get_width())] == pytest.approx(
+            [e for r in rows for e in (r["raw_start"], r["raw_end"])]
         )
         assert all(p.get_alpha() is not None and p.get_alpha() < 0.6 for p in raws)  # faint
         assert all(p.get_alpha() is None for p in spans)
