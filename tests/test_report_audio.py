@@ -9,11 +9,11 @@ from __future__ import annotations
 
 import pytest
 import torch
+from speech_caches import two_sentences
 from test_models_speech import _weights_by_hook
 
 import models
 import probe
-from models import speech_data
 from probe.report.browser import browser, open_report
 from probe.report.context import ReportContext
 from probe.report.sections import audio
@@ -21,15 +21,7 @@ from probe.report.sections import audio
 
 @pytest.fixture(scope="module")
 def speech():
-    model = models.load("speech")
-    sents = speech_data.test_set()[:2]
-    cache = probe.capture(
-        model,
-        [s.audio for s in sents],
-        processor=model.processor,
-        sampling_rate=16_000,
-        target=[s.text for s in sents],
-    )
+    model, sents, cache = two_sentences()
     gold = [[(w, a, b) for w, (a, b) in zip(s.words, s.times, strict=True)] for s in sents]
     return model, sents, cache, gold
 

@@ -8,10 +8,9 @@ tests/test_word_timestamps_refine.py); the sentences are the zoo speech model's 
 from __future__ import annotations
 
 import pytest
+from speech_caches import two_sentences
 
-import models
 import probe
-from models import speech_data
 from probe.report.context import ReportContext
 from probe.report.sections import audio
 
@@ -26,15 +25,7 @@ class _Keep(ReportContext):
 
 @pytest.fixture(scope="module")
 def drawn():
-    model = models.load("speech")
-    sents = speech_data.test_set()[:2]
-    cache = probe.capture(
-        model,
-        [s.audio for s in sents],
-        processor=model.processor,
-        sampling_rate=16_000,
-        target=[s.text for s in sents],
-    )
+    _, _, cache = two_sentences()
     ctx = _Keep(caches=[cache])
     return ctx, audio.build(ctx), probe.word_timestamps(cache)
 
