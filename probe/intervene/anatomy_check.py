@@ -237,10 +237,6 @@ def run_checks(jobs: list[Job], make: Callable[[int], Callable[[], Any]]) -> Non
 RETRIES = ((None, 16.0), (0, 1.0))  # (position, scale factor): louder at the middle, then the first
 
 
-def _unsure(c: Cand) -> bool:
-    return _unsure_found(c.found)
-
-
 def _retry_faint(jobs: list[Job], make: Callable[[int], Callable[[], Any]]) -> None:
     """Blocks that changed nothing, or too little to tell a value from a key, are perturbed again:
     heads that put all their weight on one token (a sink, the first token) hide their other
@@ -249,11 +245,11 @@ def _retry_faint(jobs: list[Job], make: Callable[[int], Callable[[], Any]]) -> N
     shows). Still unsure, a faint block is read as before (a change at several rows: a key), a
     silent one as not part of this attention and an unclear one is refused."""
     for at, louder in RETRIES:
-        again = [j for j in jobs if any(_unsure(c) for c in j.cands)]
+        again = [j for j in jobs if any(_unsure(c.found) for c in j.cands)]
         for job in again:
             for i, c in enumerate(job.cands):
                 c.copy = i + 1  # this job alone: its own copies, a clean copy 0 and a control last
-                if _unsure(c):
+                if _unsure(c.found):
                     c.at = c.length // 2 if at is None else at
                     c.delta = _delta(c, 5000 + i) * louder
             job.z.clear()
@@ -266,7 +262,7 @@ def _retry_faint(jobs: list[Job], make: Callable[[int], Callable[[], Any]]) -> N
             for k, z in job.z.items():
                 _classify_all(job, k, z)
             for c in job.cands:  # a sure verdict of an earlier run stands; a retry only adds
-                if not _unsure_found(previous[id(c)]):
+                if not _unsure(previous[id(c)]):
                     c.found = previous[id(c)]
     for job in jobs:
         for c in job.cands:
@@ -274,7 +270,7 @@ def _retry_faint(jobs: list[Job], make: Callable[[int], Callable[[], Any]]) -> N
                 c.found = c.found[1]
 
 
-def _unsure_found(found: tuple) -> bool:
+def _unsure(found: tuple) -> bool:
     return not found or found[0] in ("none", "faint", "unclear")
 
 
