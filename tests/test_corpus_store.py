@@ -169,6 +169,38 @@ def test_top_bottom_and_where_equal_pandas_over_the_same_files(runs):
     assert n.rows == [{"n": int((df.layer == 1).sum())}]
 
 
+def test_the_explorer_s_histogram_and_rankings_equal_numpy_over_the_same_files(runs):
+    from probe.explore.data import BINS, Explorer
+
+    run = runs["stats"]
+    h = _heads(run)
+    ex = Explorer(run.path)
+    for layer, head, stat in ((0, 1, "induction_score"), (1, 2, "first"), (1, 0, "dup_prefix")):
+        one = (h["layer"] == layer) & (h["head"] == head)
+        v = h[stat][one].astype(np.float64)
+        ok = v[~np.isnan(v)]
+        d = ex.distribution("decoder", "self", layer, head, stat)
+        assert (d["n"], d["missing"]) == (ok.size, v.size - ok.size)
+        assert (d["lo"], d["hi"]) == (ok.min(), ok.max())
+        want = [0] * BINS
+        for x in ok:  # the bin of each value, by the documented rule, one at a time
+            want[min(math.floor((x - ok.min()) / ((ok.max() - ok.min()) / BINS)), BINS - 1)] += 1
+        assert d["bins"] == want and sum(want) == ok.size
+        pairs = sorted(zip(ok, h["text"][one][~np.isnan(v)], strict=True), key=lambda p: (-p[0], p[1]))
+        top = ex.ranked("decoder", "self", layer, head, stat, 5, True)
+        assert [r["text"] for r in top] == [int(t) for _, t in pairs[:5]]
+        assert [r[stat] for r in top] == [float(x) for x, _ in pairs[:5]]
+        assert [r["source"] for r in top] == [TEXTS[r["text"]] for r in top]
+        pairs.sort(key=lambda p: (p[0], p[1]))
+        bottom = ex.ranked("decoder", "self", layer, head, stat, 3, False)
+        assert [r["text"] for r in bottom] == [int(t) for _, t in pairs[:3]]
+        # the same texts as the store's own ranking (a SQL order by), which the public API gives
+        assert [r["text"] for r in top] == run.top(layer, head, stat, k=5).column("text")
+    with pytest.raises(ProbeError, match="no decoder self-attention layer 9 head 0"):
+        ex.ranked("decoder", "self", 9, 0, "first", 5, True)
+    ex.close()
+
+
 def test_examples_mark_the_positions_and_keys_of_the_patterns(runs, gpt):
     run = runs["stats"]
     ex = run.query("select * from examples where stat = 'induction_score' and direction = 'top'").rows

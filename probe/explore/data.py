@@ -14,6 +14,8 @@ import threading
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 from probe.analysis.focus.definitions.table import METRICS
 from probe.corpus.queries import Store, check_stat
 from probe.corpus.read import Corpus
@@ -47,6 +49,7 @@ class Explorer:
         self._report_dir: tempfile.TemporaryDirectory | None = None
         self._lock = threading.Lock()
         self._last_kept: dict[tuple, dict] = {}  # the last head and statistic's examples
+        self._last_values: tuple[tuple | None, dict] = (None, {})  # ... and their values (values())
 
     # -- heads ---------------------------------------------------------------------------------
     def head(self, stack: str, kind: str, layer: int, head: int) -> dict[str, Any]:
@@ -64,50 +67,81 @@ class Explorer:
             raise ProbeError(f"no {stack} {kind}-attention heads in this run")
         return sorted({l_ for l_, _ in cells}), sorted({h for _, h in cells}), cells
 
-    def distribution(self, stack: str, kind: str, layer: int, head: int, stat: str) -> dict[str, Any]:
-        """The histogram of one head's ``stat`` over the texts: ``bins`` (counts), ``lo``, ``hi``,
-        ``n`` (texts with a value), ``missing`` (texts where it is undefined)."""
+    def values(self, stack: str, kind: str, layer: int, head: int, stat: str) -> dict[str, Any]:
+        """One head's ``stat`` over every text, read in one query: ``text`` (int64) and ``value``
+        (float64, NaN where undefined) arrays and ``role`` (a list), in the store's order. The
+        last head and statistic read are kept: a head page's histogram and both of its rankings
+        come from one read of the store."""
         check_stat(stat)
-        where = "stack = ? and kind = ? and layer = ? and head = ?"
-        params = [stack, kind, int(layer), int(head)]
-        lo, hi, n, missing = self.store.execute(
-            f'select min("{stat}") filter (where not isnan("{stat}")), max("{stat}") filter (where not '
-            f'isnan("{stat}")), count(*) filter (where not isnan("{stat}")), count(*) filter (where '
-            f'isnan("{stat}")) from heads where {where}',
-            params,
-        ).fetchone()
+        key = (stack, kind, int(layer), int(head), stat)
+        with self._lock:
+            if self._last_values[0] == key:
+                return self._last_values[1]
+        got = self.store.execute(
+            f'select text, "{stat}" as value, role from heads where stack = ? and kind = ? and layer = ? '
+            "and head = ?",
+            [stack, kind, int(layer), int(head)],
+        ).fetchnumpy()
+        out = {
+            "text": np.asarray(got["text"], dtype=np.int64),
+            # a NULL (an older run's missing value) reads as NaN, as the store writes an undefined one
+            "value": np.ma.filled(np.ma.asarray(got["value"]).astype(np.float64), np.nan),
+            "role": [str(r) for r in np.ma.filled(np.ma.asarray(got["role"]).astype(object), "")],
+        }
+        with self._lock:
+            self._last_values = (key, out)
+        return out
+
+    def distribution(self, stack: str, kind: str, layer: int, head: int, stat: str) -> dict[str, Any]:
+        """The histogram of one head's ``stat`` over the texts: ``bins`` (counts of ``BINS`` equal
+        bins from ``lo`` to ``hi``, the largest value in the last), ``lo``, ``hi``, ``n`` (texts
+        with a value), ``missing`` (texts where it is undefined)."""
+        v = self.values(stack, kind, layer, head, stat)["value"]
+        ok = v[~np.isnan(v)]
         counts = [0] * BINS
-        if n:
-            width = (hi - lo) / BINS if hi > lo else 1.0
-            rows = self.store.execute(
-                f'select least(cast(floor(("{stat}" - ?) / ?) as integer), {BINS - 1}) as b, count(*) '
-                f'from heads where {where} and not isnan("{stat}") group by b',
-                [lo, width, *params],
-            ).fetchall()
-            for b, c in rows:
-                counts[int(b)] = int(c)
-        return {"bins": counts, "lo": lo, "hi": hi, "n": int(n), "missing": int(missing)}
+        if not ok.size:
+            return {"bins": counts, "lo": None, "hi": None, "n": 0, "missing": int(v.size)}
+        lo, hi = float(ok.min()), float(ok.max())
+        width = (hi - lo) / BINS if hi > lo else 1.0
+        b = np.minimum(np.floor((ok - lo) / width).astype(np.int64), BINS - 1)
+        counts = np.bincount(b, minlength=BINS).tolist()
+        return {"bins": counts, "lo": lo, "hi": hi, "n": int(ok.size), "missing": int(v.size - ok.size)}
 
     def ranked(
         self, stack: str, kind: str, layer: int, head: int, stat: str, k: int, top: bool
     ) -> list[dict]:
-        """The ``k`` texts with the largest (``top``) or smallest ``stat`` for one head, each with its
-        tokens and, where kept (or capturable), its example (:meth:`example`)."""
-        table = self.store.top(layer, head, stat, k, stack=stack, kind=kind, descending=top)
-        rows = [dict(r) for r in table]
-        if not rows:
-            return rows
-        texts = {t: r for t, r in self._texts([r["text"] for r in rows]).items()}
+        """The ``k`` texts with the largest (``top``) or smallest ``stat`` for one head (NaN left
+        out, ties by text index, as :meth:`~probe.corpus.queries.Store.top`): ``text``, ``stat``'s
+        value, ``role``, ``source``, ``n_tokens``, ``tokens``, ``ids`` and, where kept (or
+        capturable), its ``example`` (:meth:`example`)."""
+        self._check_head(stack, kind, layer, head)
+        got = self.values(stack, kind, layer, head, stat)
+        v, text = got["value"], got["text"]
+        ok = np.flatnonzero(~np.isnan(v))
+        # sort by value (descending for the top), then text index; lexsort's last key leads
+        order = ok[np.lexsort((text[ok], -v[ok] if top else v[ok]))][:k]
+        if not order.size:
+            return []
+        index = [int(text[i]) for i in order]
+        texts = self._texts(index)
         kept = self._kept(stack, kind, layer, head, stat, "top" if top else "bottom")
-        for r in rows:
-            r["tokens"] = texts[r["text"]]["tokens"]
-            r["ids"] = texts[r["text"]]["ids"]
-            r["example"] = kept.get(r["text"])
+        rows = []
+        for i, t in zip(order, index, strict=True):
+            r = texts[t]
+            rows.append({
+                "text": t, stat: float(v[i]), "role": got["role"][i], "source": r["source"],
+                "n_tokens": r["n_tokens"], "tokens": r["tokens"], "ids": r["ids"], "example": kept.get(t),
+            })  # fmt: skip
         return rows
+
+    def _check_head(self, stack: str, kind: str, layer: int, head: int) -> None:
+        self.head(stack, kind, layer, head)
 
     def _texts(self, index: list[int]) -> dict[int, dict]:
         marks = ", ".join("?" * len(index))
-        rows = self.store.query(f"select text, tokens, ids from texts where text in ({marks})", index)
+        rows = self.store.query(
+            f"select text, source, n_tokens, tokens, ids from texts where text in ({marks})", index
+        )
         return {r["text"]: r for r in rows}
 
     def _kept(
