@@ -275,6 +275,43 @@ def test_norm_vjp_against_autograd():
         assert torch.allclose(norm_vjp(norm, x, gy, None), want, atol=1e-5)
 
 
+def test_each_target_s_gradient_is_autograd_through_its_own_block_and_norm():
+    """Every q/k/v target's gradient (the fused path under LayerNorm and RMSNorm: GPT-2's fused
+    Conv1D with biases, a grouped-query Llama) against autograd through the norm module and that
+    target's columns of the projection weight, at the run's own stream and output gradient."""
+    from hf_fixtures import gpt2, llama
+
+    from probe.intervene.circuit.grads import target_grads
+    from probe.intervene.circuit.wiring import Run
+
+    clean, corrupt = ids_pair(B=2, T=6, vocab=50)
+    for model in (gpt2(50), llama(50)):
+        c = circuit(model, clean, corrupt, answers=(3, 4), method="eap")
+        task = c.attached()
+        w = task.wiring
+        chunk, _ = next(iter(task.pairs()))
+        run = Run(w, grads=True)
+        logits = task.forward(run, chunk)
+        got = torch.autograd.grad(task.rows(logits, chunk, 0).sum(), run.slots, allow_unused=True)
+        x0 = run.streams[0]
+        out = torch.zeros(len(w.graph.targets), *x0.shape)
+        target_grads(w, run, dict(enumerate(got)), out)
+        checked = 0
+        for gi, g in enumerate(w.groups):
+            if g.kind != "attn":
+                continue
+            assert g.norm is not None and g.form.kind in ("layernorm", "rmsnorm")
+            x = run.streams[gi].detach().clone().requires_grad_(True)
+            for pi, p in enumerate(g.projs):
+                gp = got[run.slot_index[(gi, pi)]]
+                for b in p.blocks:
+                    y = g.norm(x) @ b.W + (b.b if b.b is not None else 0.0)
+                    (want,) = torch.autograd.grad(y, x, gp[..., b.cols])
+                    assert _close(out[b.target], want, rel=1e-5), (type(model).__name__, b.target)
+                    checked += 1
+        assert checked == len([t for g in w.groups if g.kind == "attn" for t in g.targets])
+
+
 def test_padding_is_left_out():
     """Two prompts of 6 and 4 tokens in one right-padded batch score every edge as the mean of
     their scores alone (EAP and the exact effects), and the metric reads each one's last token."""

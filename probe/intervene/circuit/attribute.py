@@ -10,7 +10,9 @@ corrupted output instead of its clean one, everything else clean: ``M(clean) - M
   :mod:`~probe.intervene.circuit.wiring`). One corrupted forward, one clean forward and backward.
 * ``"eap-ig"`` (Hanna et al. 2024): the same with the gradient averaged over ``steps`` runs whose
   input embeddings are ``corrupt + (k / steps) (clean - corrupt)``, ``k = 1 .. steps`` (``steps=1``
-  is EAP). One corrupted forward and ``steps`` forwards and backwards.
+  is EAP). One corrupted forward and ``steps`` forwards and backwards; the targets' gradients are
+  summed over the steps and contracted with the output differences once (the score is linear in
+  the gradient).
 * ``"patching"``: the exact effect, one edge at a time (the clean run with only ``t``'s input
   changed by ``corrupt_u - clean_u``); one forward per edge and example, the edges into one target
   batched as rows. The oracle for the others; too slow for big graphs (SmolLM2-135M has 72,000
@@ -21,7 +23,7 @@ positions: every node's output in the clean and the corrupted run and their diff
 (``3 · nodes · B · T · d`` floats) and every target's gradient (``targets · B · T · d``), so it
 grows linearly with the batch chunk, the length and the number of nodes (heads and MLPs), not
 with the number of edges; the scores are one ``nodes × targets`` matrix, and their contraction is
-one matrix product per step (``nodes · targets · B · T · d`` multiply-adds).
+one matrix product per chunk (``nodes · targets · B · T · d`` multiply-adds), whatever the steps.
 """
 
 from __future__ import annotations
@@ -56,7 +58,8 @@ def eap_scores(task: Task, steps: int = 1) -> Tensor:
         entry = ref.values[0][1][0]
         D = G = None
         for k in range(steps, 0, -1):  # k = steps first: the clean run itself
-            run = Run(w, interpolate=None if k == steps else (entry, k / steps), grads=True)
+            ip = None if k == steps else (entry, k / steps)
+            run = Run(w, interpolate=ip, grads=True, record=k == steps)  # the clean run's outputs only
             logits = task.forward(run, clean)
             if k == steps:
                 task.keep_clean(ci, logits, clean)
@@ -66,9 +69,12 @@ def eap_scores(task: Task, steps: int = 1) -> Tensor:
             if not m.requires_grad:
                 raise ProbeError("the metric does not depend on the model's outputs differentiably")
             got = torch.autograd.grad(m, run.slots, allow_unused=True)
-            real_positions(target_grads(w, run, dict(enumerate(got)), G), clean)
+            target_grads(w, run, dict(enumerate(got)), G)  # adds this step's gradients to G
             del run, logits, m, got
-            scores += (contract(D, G) / steps).cpu()
+        # the contraction is linear in G: the mean of the steps' scores is the score of their
+        # mean gradient, one product per chunk instead of one per step
+        scores += (contract(D, G) / steps).cpu()
+        del D, G
     return torch.where(graph.mask(), scores, torch.tensor(float("nan")))
 
 

@@ -12,7 +12,8 @@ Built from the model's anatomy (:mod:`probe.intervene.anatomy`), nothing per arc
   readers (gate/up/...); the logits read the stream the last layer returns (whatever the model
   does with it next: final norm, unembedding, a classifier on one position).
 
-A :class:`Run` is one forward with hooks: it records every node's output, and optionally
+A :class:`Run` is one forward with hooks: it records every node's output (unless told not to),
+and optionally
 
 * **deviates** targets: target ``t`` reads ``x + dev_t`` instead of ``x`` (its block or its
   readers' input recomputed from it), ``dev`` given per group by a function of the run so far
@@ -116,8 +117,10 @@ class Run:
         deviate: Deviate | None = None,
         interpolate: tuple[Tensor, float] | None = None,
         grads: bool = False,
+        record: bool = True,
     ) -> None:
         self.wiring, self.deviate, self.interpolate, self.grads = wiring, deviate, interpolate, grads
+        self.record = record  # False: the heads' and MLPs' outputs are not kept (EAP-IG's later steps)
         self.values: list[tuple[int, Tensor]] = []
         self.streams: dict[int, Tensor] = {}
         self.slots: list[Tensor] = []
@@ -160,6 +163,8 @@ class Run:
 
             def pre(mod, args):
                 self._once(mod, f"layer {w.layer}'s attention output projection")
+                if not self.record:
+                    return
                 z = args[0].detach().float()
                 H, dh, d = w.W_O.shape
                 zh = z.reshape(-1, H, dh).transpose(0, 1)  # [H, B*T, dh]
@@ -170,7 +175,8 @@ class Run:
 
         def post(mod, args, out):
             self._once(mod, f"layer {w.layer}'s MLP output")
-            self.values.append((w.start, out.detach().float().unsqueeze(0)))
+            if self.record:
+                self.values.append((w.start, out.detach().float().unsqueeze(0)))
 
         return w.module.register_forward_hook(post)
 
