@@ -86,7 +86,7 @@ class Explorer:
             "text": np.asarray(got["text"], dtype=np.int64),
             # a NULL (an older run's missing value) reads as NaN, as the store writes an undefined one
             "value": np.ma.filled(np.ma.asarray(got["value"]).astype(np.float64), np.nan),
-            "role": [str(r) for r in np.ma.filled(np.ma.asarray(got["role"]).astype(object), "")],
+            "role": np.ma.filled(np.ma.asarray(got["role"]).astype(object), ""),
         }
         with self._lock:
             self._last_values = (key, out)
@@ -114,12 +114,18 @@ class Explorer:
         out, ties by text index, as :meth:`~probe.corpus.queries.Store.top`): ``text``, ``stat``'s
         value, ``role``, ``source``, ``n_tokens``, ``tokens``, ``ids`` and, where kept (or
         capturable), its ``example`` (:meth:`example`)."""
+        if not isinstance(k, int) or k < 1:
+            raise ProbeError(f"k={k!r}: give a positive integer")
         self._check_head(stack, kind, layer, head)
         got = self.values(stack, kind, layer, head, stat)
         v, text = got["value"], got["text"]
         ok = np.flatnonzero(~np.isnan(v))
+        key = -v[ok] if top else v[ok]  # ascending: the first k are the ones shown
+        if key.size > k:  # the k smallest keys and every tie of the k-th, found without a full sort
+            ok = ok[key <= np.partition(key, k - 1)[k - 1]]
+            key = -v[ok] if top else v[ok]
         # sort by value (descending for the top), then text index; lexsort's last key leads
-        order = ok[np.lexsort((text[ok], -v[ok] if top else v[ok]))][:k]
+        order = ok[np.lexsort((text[ok], key))][:k]
         if not order.size:
             return []
         index = [int(text[i]) for i in order]
@@ -129,7 +135,7 @@ class Explorer:
         for i, t in zip(order, index, strict=True):
             r = texts[t]
             rows.append({
-                "text": t, stat: float(v[i]), "role": got["role"][i], "source": r["source"],
+                "text": t, stat: float(v[i]), "role": str(got["role"][i]), "source": r["source"],
                 "n_tokens": r["n_tokens"], "tokens": r["tokens"], "ids": r["ids"], "example": kept.get(t),
             })  # fmt: skip
         return rows
