@@ -231,6 +231,71 @@ def test_examples_mark_the_positions_and_keys_of_the_patterns(runs, gpt):
         np.testing.assert_allclose(r["terms"], all_terms[: len(r["terms"])], atol=1e-5)
 
 
+def test_the_examples_pass_captures_within_its_memory_budget():
+    """The examples pass's captures: every (text, layer, head) it needs once, at most
+    ``batch_size`` texts, and each capture's patterns (texts x longest² x heads x layers x 4
+    bytes) within the budget unless it is one text and one layer."""
+    from probe.corpus.showcase import captures
+
+    rng = random.Random(1)
+    order = list(range(30))
+    lengths = {t: 10 + 40 * t for t in order}  # 10 to 1,170 tokens, by length already
+    need = {
+        t: {layer: set(rng.sample(range(9), rng.randint(1, 4))) for layer in rng.sample(range(6), 3)}
+        for t in order
+    }
+    for budget in (10**5, 10**7, 10**9):
+        plan = captures(order, need, lengths, 9, 8, budget)
+        got = sorted(
+            (t, layer, h) for batch, layers, heads in plan for t in batch for layer in layers
+            for h in need[t].get(layer, ()) if h in heads
+        )  # fmt: skip
+        assert got == sorted((t, layer, h) for t in order for layer, hs in need[t].items() for h in hs)
+        for batch, layers, heads in plan:
+            assert 1 <= len(batch) <= 8 and layers and heads
+            held = len(batch) * max(lengths[t] for t in batch) ** 2 * 4 * len(heads) * len(layers)
+            assert held <= budget or (len(batch) == 1 and len(layers) == 1), (batch, layers, held)
+    assert len(captures(order, need, lengths, 9, 8, 10**5)) > len(captures(order, need, lengths, 9, 8, 10**9))
+
+
+def test_examples_are_the_same_whatever_the_budget(gpt, tmp_path, monkeypatch):
+    """A run whose examples pass may hold almost nothing (a text and a layer at a time) keeps the
+    same examples as one whose pass holds every layer of a batch."""
+    import probe.corpus.showcase as showcase
+
+    texts = TEXTS[:16]
+    a = probe.run_corpus(
+        gpt,
+        texts,
+        tmp_path / "a",
+        keep="stats",
+        batch_size=4,
+        shard_size=8,
+        examples=EXAMPLES,
+        progress=False,
+    )
+    monkeypatch.setattr(showcase, "EXAMPLE_BYTES", 1)
+    b = probe.run_corpus(
+        gpt,
+        texts,
+        tmp_path / "b",
+        keep="stats",
+        batch_size=4,
+        shard_size=8,
+        examples=EXAMPLES,
+        progress=False,
+    )
+    sql = "select * from examples order by text, stack, layer, head, stat, direction"
+    ra, rb = a.query(sql).rows, b.query(sql).rows
+    assert ra and len(ra) == len(rb)
+    for x, y in zip(ra, rb, strict=True):  # another batch pads differently: the weights to rounding
+        assert {k: v for k, v in x.items() if k not in ("terms", "weights")} == {
+            k: v for k, v in y.items() if k not in ("terms", "weights")
+        }
+        assert np.allclose(x["terms"], y["terms"], atol=1e-5)
+        assert all(np.allclose(u, w, atol=1e-5) for u, w in zip(x["weights"], y["weights"], strict=True))
+
+
 def test_a_damaged_shard_is_one_line_naming_it(runs, tmp_path):
     import shutil
 

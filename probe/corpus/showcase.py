@@ -6,7 +6,9 @@ and keeps, for every head and each statistic of ``examples["stats"]``, the ``k``
 largest and the ``k`` with the smallest value (NaN left out; ties by text index: the order of
 ``corpus.top``), so memory holds heads x statistics x 2k candidates, whatever the corpus size.
 Each rank then captures again, with whole patterns, only the chosen texts of its shards (only
-the layers it needs), and writes per shard one row per (head, statistic, direction, text):
+the layers it needs, in captures that hold at most :data:`EXAMPLE_BYTES` of patterns: long
+texts go a few layers, or one text and layer, at a time), and writes per shard one row per
+(head, statistic, direction, text):
 ``text``, ``stack``, ``layer``, ``head``, ``kind``, ``stat``, ``direction`` (``"top"``,
 ``"bottom"``), ``rank`` (1 = the most extreme), ``value`` (the stored statistic) and what
 :class:`~probe.corpus.examples.Example` holds (``positions``, ``terms``, ``keys``, ``weights``,
@@ -23,7 +25,7 @@ import numpy as np
 from probe import interrupt
 from probe.corpus.examples import KEYS, POSITIONS, Example, LayerExamples
 from probe.corpus.queries import EXAMPLES, check_stat
-from probe.corpus.store import HEADS, pyarrow, shard_file, write_parquet
+from probe.corpus.store import HEADS, TEXTS, pyarrow, shard_file, write_parquet
 from probe.entry import capture
 from probe.errors import ProbeError
 
@@ -107,6 +109,9 @@ def wanted_by_shard(best: dict, shard_size: int) -> dict[int, list[tuple]]:
     return out
 
 
+EXAMPLE_BYTES = 2**30  # the whole patterns one capture of the examples pass holds, at most
+
+
 def run_examples(
     model, tokenizer, texts: list[str], out: Path, cfg: dict, mine: list[int], progress: bool = False
 ) -> None:
@@ -119,32 +124,117 @@ def run_examples(
     if not todo:
         return
     n_shards = -(-cfg["n_texts"] // cfg["shard_size"])
-    wanted = wanted_by_shard(select(out, n_shards, spec), cfg["shard_size"])
+    best = select(out, n_shards, spec)
+    heads: dict[tuple, set[int]] = {}  # (stack, layer, kind) -> its heads
+    for stack, layer, kind, head, *_ in best:
+        heads.setdefault((stack, layer, kind), set()).add(head)
+    n_heads = min((len(h) for h in heads.values()), default=1)  # every attention has these
+    wanted = wanted_by_shard(best, cfg["shard_size"])
     total = sum(len({w[0] for w in wanted.get(i, [])}) for i in todo)
     with tqdm(total=total, desc="examples", unit="text", disable=not progress) as bar:
         for i in todo:
-            rows = shard_rows(model, tokenizer, texts, wanted.get(i, []), cfg["batch_size"], spec, bar)
+            rows = shard_rows(
+                model,
+                tokenizer,
+                texts,
+                wanted.get(i, []),
+                cfg["batch_size"],
+                spec,
+                bar,
+                _lengths(out, i),
+                n_heads,
+            )
             write_parquet(shard_file(out, i, EXAMPLES), [rows], empty=rows)
             interrupt.check()
 
 
+def _lengths(out: Path, shard: int) -> dict[int, int]:
+    """Each text of a shard -> its token count (from the shard's texts file)."""
+    t = pyarrow().parquet.read_table(shard_file(out, shard, TEXTS), columns=["text", "n_tokens"])
+    return dict(zip(t["text"].to_pylist(), t["n_tokens"].to_pylist(), strict=True))
+
+
+Capture = tuple[list[int], list[int], list[int]]  # texts, layers, heads
+
+
+def captures(
+    order: list[int],
+    need: dict[int, dict[int, set[int]]],
+    lengths: dict[int, int],
+    n_heads: int,
+    batch_size: int,
+    budget: int = EXAMPLE_BYTES,
+) -> list[Capture]:
+    """``[(texts, layers, heads)]``: the captures of the examples pass (``need``: each text's
+    layers and, per layer, the heads its examples read; ``n_heads``: the heads every attention
+    has), each holding at most ``budget`` bytes of float32 patterns, ``len(texts) · T² ·
+    len(heads) · 4`` a layer for texts padded to the longest ``T``. Texts in ``order`` (by
+    length) join a batch while its one-layer capture fits; a batch's layers are split while their
+    patterns fit. ``heads``: the union of what the capture's texts read in its layers (the
+    patterns of no other head are kept). A single text and layer past the budget is one capture
+    of its own (its example is read from its patterns)."""
+
+    def heads(batch: list[int], layers: list[int]) -> list[int]:
+        return sorted({h for t in batch for layer in layers for h in need[t].get(layer, ())})
+
+    def held(batch: list[int], layers: list[int]) -> int:
+        T = max(lengths.get(t, 0) for t in batch)
+        return len(batch) * T * T * 4 * len(heads(batch, layers)) * len(layers)
+
+    out: list[Capture] = []
+    j = 0
+    while j < len(order):
+        batch = [order[j]]
+        j += 1
+        while j < len(order) and len(batch) < batch_size:
+            more = [*batch, order[j]]
+            if any(held(more, [layer]) > budget for t in more for layer in need[t]):
+                break
+            batch.append(order[j])
+            j += 1
+        chunk: list[int] = []
+        for layer in sorted({x for t in batch for x in need[t]}):
+            if chunk and held(batch, [*chunk, layer]) > budget:
+                out.append((batch, chunk, heads(batch, chunk)))
+                chunk = []
+            chunk.append(layer)
+        out.append((batch, chunk, heads(batch, chunk)))
+    return out
+
+
 def shard_rows(
-    model, tokenizer, texts: list[str], wanted: list[tuple], batch_size: int, spec: dict, bar: Any = None
+    model,
+    tokenizer,
+    texts: list[str],
+    wanted: list[tuple],
+    batch_size: int,
+    spec: dict,
+    bar: Any = None,
+    lengths: dict[int, int] | None = None,
+    n_heads: int = 1,
 ) -> Any:
     """The examples table of one shard's ``wanted`` ``(text, key, rank, value)`` entries: their texts
-    captured again (by length, ``batch_size`` at a time; the layers they need)."""
+    captured again (by length, ``batch_size`` at a time, the layers and heads they need), in
+    captures of bounded memory (:func:`captures`; ``lengths``: each text's tokens, else its
+    characters; ``n_heads``: the heads every attention of the model has)."""
     by_text: dict[int, list[tuple]] = {}
+    need: dict[int, dict[int, set[int]]] = {}
     for w in wanted:
         by_text.setdefault(w[0], []).append(w)
+        need.setdefault(w[0], {}).setdefault(w[1][1], set()).add(w[1][3])
     order = sorted(by_text, key=lambda t: (len(texts[t]), t))
-    records: list[dict] = []
-    for j in range(0, len(order), batch_size):
-        batch = order[j : j + batch_size]
-        layers = sorted({w[1][1] for t in batch for w in by_text[t]})
-        cache = capture(model, [texts[t] for t in batch], tokenizer=tokenizer, layers=layers)
+    lengths = lengths or {t: len(texts[t]) for t in order}
+    done: dict[tuple[int, int], dict] = {}
+    plan = captures(order, need, lengths, n_heads, batch_size, EXAMPLE_BYTES)
+    for n, (batch, layers, heads) in enumerate(plan):
+        # every attention has the heads selected (a model whose stacks differ: all of them kept)
+        pick = heads if heads and max(heads) < n_heads else None
+        cache = capture(model, [texts[t] for t in batch], tokenizer=tokenizer, layers=layers, heads=pick)
         seen: dict[tuple, LayerExamples] = {}
         for row, t in enumerate(batch):
-            for _, (stack, layer, kind, head, stat, direction), rank, value in by_text[t]:
+            for i, (_, (stack, layer, kind, head, stat, direction), rank, value) in enumerate(by_text[t]):
+                if layer not in layers:
+                    continue
                 where = (stack, layer, kind)
                 if where not in seen:
                     seen[where] = LayerExamples(cache, stack, layer, kind)
@@ -152,24 +242,22 @@ def shard_rows(
                     ex = seen[where].example(row, head, stat, direction, spec["positions"], spec["keys"])
                 except ProbeError:  # a statistic with no per-query term here: its value, no positions
                     ex = Example([], [], [], [], [])
-                records.append(
-                    {
-                        "text": t,
-                        "stack": stack,
-                        "layer": layer,
-                        "head": head,
-                        "kind": kind,
-                        "stat": stat,
-                        "direction": direction,
-                        "rank": rank,
-                        "value": value,
-                        **vars(ex),
-                    }
-                )
+                done[(t, i)] = {
+                    "text": t,
+                    "stack": stack,
+                    "layer": layer,
+                    "head": head,
+                    "kind": kind,
+                    "stat": stat,
+                    "direction": direction,
+                    "rank": rank,
+                    "value": value,
+                    **vars(ex),
+                }
         del cache, seen
-        if bar is not None:
+        if bar is not None and (n + 1 == len(plan) or plan[n + 1][0] is not batch):
             bar.update(len(batch))
-    return examples_table(records)
+    return examples_table([done[(t, i)] for t in order for i in range(len(by_text[t]))])
 
 
 def capture_text(model, tokenizer, source: str, layers: list[int] | None = None) -> Any:
@@ -206,9 +294,11 @@ def examples_table(records: list[dict]) -> Any:
 
 
 __all__ = [
+    "EXAMPLE_BYTES",
     "K",
     "STATS",
     "capture_text",
+    "captures",
     "example_now",
     "examples_spec",
     "examples_table",
