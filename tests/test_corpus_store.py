@@ -263,28 +263,13 @@ def test_examples_are_the_same_whatever_the_budget(gpt, tmp_path, monkeypatch):
     same examples as one whose pass holds every layer of a batch."""
     import probe.corpus.showcase as showcase
 
-    texts = TEXTS[:16]
-    a = probe.run_corpus(
-        gpt,
-        texts,
-        tmp_path / "a",
-        keep="stats",
-        batch_size=4,
-        shard_size=8,
-        examples=EXAMPLES,
-        progress=False,
-    )
+    def run(name: str):
+        kw = {"keep": "stats", "batch_size": 4, "shard_size": 8, "examples": EXAMPLES, "progress": False}
+        return probe.run_corpus(gpt, TEXTS[:16], tmp_path / name, **kw)
+
+    a = run("a")
     monkeypatch.setattr(showcase, "EXAMPLE_BYTES", 1)
-    b = probe.run_corpus(
-        gpt,
-        texts,
-        tmp_path / "b",
-        keep="stats",
-        batch_size=4,
-        shard_size=8,
-        examples=EXAMPLES,
-        progress=False,
-    )
+    b = run("b")
     sql = "select * from examples order by text, stack, layer, head, stat, direction"
     ra, rb = a.query(sql).rows, b.query(sql).rows
     assert ra and len(ra) == len(rb)
