@@ -329,3 +329,36 @@ def test_torchrun_two_ranks_share_the_pictures_like_one_process(vit, tmp_path):
                 assert abs(v - rb[k]) < 1e-6, k
             else:
                 assert v == rb[k] or (isinstance(v, float) and math.isnan(rb[k])), k
+
+
+def test_the_explorer_shows_a_picture_run_s_pictures_and_heads(vit, tmp_path):
+    """``probe serve``'s pages on a corpus of pictures (in process): a picture's page shows the
+    picture as the model saw it (the store's copy), a head page ranks the pictures."""
+    pytest.importorskip("duckdb")
+    pytest.importorskip("starlette")
+    import base64
+    import io
+
+    from starlette.testclient import TestClient
+
+    from probe.explore.app import create_app
+    from probe.explore.data import Explorer
+
+    model, _ = vit
+    _write(tmp_path / "pics", 4)
+    probe.run_corpus(model, tmp_path / "pics", tmp_path / "run", processor=_processor(), progress=False)
+    ex = Explorer(tmp_path / "run")
+    client = TestClient(create_app(ex))
+    row = ex.text(2)
+    assert row["source"] == "p2.png" and row["picture"]
+    with Image.open(io.BytesIO(base64.b64decode(row["picture"]))) as pic:
+        assert max(pic.size) <= 96  # the store's small copy of the picture the model saw (32 x 48)
+    page = client.get("/text/2?stat=first")
+    assert page.status_code == 200 and f"base64,{row['picture']}" in page.text
+    stack, kind, layer, head = sorted(ex.heads)[0]
+    page = client.get(f"/head/{stack}/{kind}/{layer}/{head}?stat=first")
+    assert page.status_code == 200
+    ranked = ex.ranked(stack, kind, layer, head, "first", 4, True)
+    assert sorted(r["source"] for r in ranked) == ["p0.png", "p1.png", "p2.png", "p3.png"]
+    assert all(r["source"] in page.text for r in ranked)
+    ex.close()

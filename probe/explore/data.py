@@ -112,8 +112,9 @@ class Explorer:
     ) -> list[dict]:
         """The ``k`` texts with the largest (``top``) or smallest ``stat`` for one head (NaN left
         out, ties by text index, as :meth:`~probe.corpus.queries.Store.top`): ``text``, ``stat``'s
-        value, ``role``, ``source``, ``n_tokens``, ``tokens``, ``ids`` and, where kept (or
-        capturable), its ``example`` (:meth:`example`)."""
+        value, ``role``, ``source``, ``n_tokens``, ``tokens``, ``ids``, ``picture`` (a picture
+        run's stored copy, else None) and, where kept (or capturable), its ``example``
+        (:meth:`example`)."""
         if not isinstance(k, int) or k < 1:
             raise ProbeError(f"k={k!r}: give a positive integer")
         self._check_head(stack, kind, layer, head)
@@ -137,6 +138,7 @@ class Explorer:
             rows.append({
                 "text": t, stat: float(v[i]), "role": str(got["role"][i]), "source": r["source"],
                 "n_tokens": r["n_tokens"], "tokens": r["tokens"], "ids": r["ids"], "example": kept.get(t),
+                "picture": r["picture"],
             })  # fmt: skip
         return rows
 
@@ -146,7 +148,7 @@ class Explorer:
     def _texts(self, index: list[int]) -> dict[int, dict]:
         marks = ", ".join("?" * len(index))
         rows = self.store.query(
-            f"select text, source, n_tokens, tokens, ids from texts where text in ({marks})", index
+            f"select text, source, n_tokens, tokens, ids, picture from texts where text in ({marks})", index
         )
         return {r["text"]: r for r in rows}
 
