@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import random
+import shutil
 import signal
 import subprocess
 import sys
@@ -308,15 +309,21 @@ def _interrupt(cmd: list[str], out: Path, sig: int, rng: random.Random, env: dic
     """Start ``cmd`` and send ``sig`` at a random time inside the run: once shards k, k + 1 and
     k + 2 of its 10 are written (k random in 1..6), after a random fraction of the shorter of the
     last two shards' times (shards holding a failing text are slower: they capture texts one by
-    one). Two shards or more remain, so the signal lands inside the run, not after it."""
-    k = rng.randint(1, 6)
-    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    deadline = time.time() + 120
-    t = [_wait_for_shards(out, n, proc, deadline) for n in (k, k + 1, k + 2)]
-    time.sleep(rng.uniform(0, min(t[1] - t[0], t[2] - t[1])))
-    proc.send_signal(sig)
-    proc.wait(timeout=60)
-    return proc
+    one). Two shards or more remain, so the signal lands inside the run, not after it, unless
+    other work on the machine slowed the earlier shards more than the later ones: a run that
+    finished before the signal is started again from nothing (at most three times)."""
+    for _ in range(3):
+        k = rng.randint(1, 6)
+        proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        deadline = time.time() + 120
+        t = [_wait_for_shards(out, n, proc, deadline) for n in (k, k + 1, k + 2)]
+        time.sleep(rng.uniform(0, min(t[1] - t[0], t[2] - t[1])))
+        proc.send_signal(sig)
+        proc.wait(timeout=60)
+        if proc.returncode != 0:
+            return proc
+        shutil.rmtree(out)
+    raise AssertionError("the run finished before the signal three times")
 
 
 @pytest.mark.slow
@@ -341,8 +348,8 @@ def test_thousand_texts_interrupted_and_resumed_are_identical(tmp_path):
     out = tmp_path / "killed"
     proc = _interrupt(_cli_corpus(texts, out), out, signal.SIGKILL, rng, env)
     assert proc.returncode == -signal.SIGKILL
-    done = len(list((out / "shards").glob("*.json")))
-    assert 1 <= done < 10 and not (out / "manifest.json").exists()
+    done = len(list((out / "shards").glob("*.json")))  # all 10 when killed in the examples pass
+    assert 1 <= done <= 10 and not (out / "manifest.json").exists()
     # what a kill inside an atomic write leaves (rarely hit by chance): temp files the resume removes
     (out / "shards" / ".00009.json.x1.tmp").write_text("{")
     (out / "shards" / "00009").mkdir(exist_ok=True)
