@@ -1,10 +1,11 @@
-"""``probe corpus``: capture many texts (or pictures), bounded memory, resumable, torchrun-aware."""
+"""``probe corpus``: capture many texts (pictures, sounds), bounded memory, resumable, torchrun-aware."""
 
 from __future__ import annotations
 
 import argparse
 
 from probe.cli import common
+from probe.cli.audio import load_audio_model
 from probe.cli.common import add_model_args, examples
 from probe.errors import ProbeError
 from probe.files import input_file
@@ -24,11 +25,17 @@ def cmd_corpus(args: argparse.Namespace) -> int:
         keep = {"layers": None, "heads": None}
     elif keep is None:
         keep = "stats"
-    if (args.texts is None) == (args.images is None):
-        raise ProbeError("give --texts FILE or --images FOLDER_OR_FILES (one of them)")
+    if sum(x is not None for x in (args.texts, args.images, args.audio)) != 1:
+        raise ProbeError(
+            "give --texts FILE, --images FOLDER_OR_FILES or --audio FOLDER_OR_FILES (one of them)"
+        )
+    if args.audio is not None and (args.text is not None or args.field is not None):
+        raise ProbeError("--text and --field are for pictures and texts; drop them with --audio")
     if args.texts is not None:
         if args.processor:
-            raise ProbeError("--processor reads pictures; give --images with it, or drop it")
+            raise ProbeError(
+                "--processor reads pictures or sound; give --images or --audio with it, or drop it"
+            )
         if args.text is not None:
             raise ProbeError("--text is read beside --images pictures; with --texts FILE drop it")
         input_file(args.texts, "--texts", "give a .txt (one text per line) or .jsonl file")
@@ -36,8 +43,11 @@ def cmd_corpus(args: argparse.Namespace) -> int:
 
     check_run_dir(args.output)  # before loading the model
     processor = None
-    if args.images is not None:
-        inputs = _images(args.images)
+    if args.audio is not None:
+        inputs = _files(args.audio, "--audio", "sound")
+        model, tok, processor = load_audio_model(args)
+    elif args.images is not None:
+        inputs = _files(args.images, "--images", "image")
         if args.field is not None:
             raise ProbeError("--field names a JSONL field of texts; drop it with --images")
         try:
@@ -68,13 +78,13 @@ def cmd_corpus(args: argparse.Namespace) -> int:
     return 0
 
 
-def _images(paths: list[str]) -> str | list[str]:
-    """``--images``: one folder (its image files, sorted by name) or image files."""
+def _files(paths: list[str], flag: str, kind: str) -> str | list[str]:
+    """``--images`` / ``--audio``: one folder (its image or sound files, sorted by name) or files."""
     from pathlib import Path
 
     folders = [p for p in paths if Path(p).is_dir()]
     if folders and len(paths) > 1:
-        raise ProbeError(f"--images: give one folder ({folders[0]}) or image files, not both")
+        raise ProbeError(f"{flag}: give one folder ({folders[0]}) or {kind} files, not both")
     return folders[0] if folders else list(paths)
 
 
@@ -83,16 +93,18 @@ def add_parser(sub) -> None:
     p = sub.add_parser(
         "corpus",
         help="capture a corpus: bounded memory, resumable, torchrun-aware",
-        description="Run a model over many texts (or pictures, --images): shards of cache files (or "
-        "statistics only), a manifest mapping every text to its shard and row (or its error), and "
-        "merged per-head statistics (head_stats.json/.csv). Rerun the same command to resume; launch it with "
-        "`torchrun --nproc_per_node=N -m probe corpus ...` to share the shards between processes.",
+        description="Run a model over many texts (or pictures, --images, or sounds, --audio): shards of "
+        "cache files (or statistics only), a manifest mapping every text to its shard and row (or its "
+        "error), and merged per-head statistics (head_stats.json/.csv). Rerun the same command to "
+        "resume; launch it with `torchrun --nproc_per_node=N -m probe corpus ...` to share the shards "
+        "between processes.",
         epilog=examples(
             "probe corpus --model minigpt --texts texts.txt -o run/",
             "probe corpus --hf ./gpt2 --texts data.jsonl --field text -o run/ --layers 0 5 --heads 1 2",
             "torchrun --nproc_per_node=2 -m probe corpus --model minigpt --texts texts.txt -o run/",
             "probe corpus --hf ./vit --images pictures/ -o run/  # the folder's preprocessor_config.json",
             "probe corpus --hf ./llava --images pictures/ --text 'USER: <image> what is it?' -o run/",
+            "probe corpus --model speech --audio recordings/ -o run/  # a zoo speech model's own processor",
         ),
     )
     add_model_args(p, default=None)
@@ -105,11 +117,19 @@ def add_parser(sub) -> None:
         help="pictures instead of texts: a folder (every image file in it, sorted by name) or image files",
     )
     p.add_argument(
+        "--audio",
+        nargs="+",
+        default=None,
+        metavar="FOLDER_OR_FILES",
+        help="sounds instead of texts: a folder (every sound file in it, sorted by name) or sound files "
+        "(WAV, FLAC, OGG, MP3; needs the audio extra)",
+    )
+    p.add_argument(
         "--processor",
         default=None,
         metavar="DIR",
-        help="the model's image processor for --images: a folder with preprocessor_config.json "
-        "(default: the --hf folder's own, or a zoo image model's)",
+        help="the model's image processor for --images, or feature extractor for --audio: a folder with "
+        "preprocessor_config.json (default: the --hf folder's own, or a zoo model's)",
     )
     p.add_argument(
         "--text",

@@ -11,6 +11,7 @@ from typing import Any
 from probe.analysis.focus.accumulator import FocusAccumulator
 from probe.analysis.focus.result import HeadStats
 from probe.cache import Cache, load
+from probe.corpus.texts import item_noun
 from probe.errors import ProbeError
 from probe.files import human_size
 
@@ -121,7 +122,7 @@ class Corpus:
         size = sum(f.stat().st_size for f in self.path.rglob("*") if f.is_file())
         has_stats = (self.path / "stats.json").is_file()
         keep = c["keep"] if isinstance(c["keep"], str) else json.dumps(c["keep"])
-        what = "picture" if c.get("inputs") == "images" else "text"
+        what = item_noun(c)
         lines = [
             f"{self.path}  (corpus run, {human_size(size)})",
             f"model:     {c['model'].get('name')}  ({c['model'].get('class')}, "
@@ -134,7 +135,7 @@ class Corpus:
         ]
         for i, err in list(self.errors.items())[:5]:
             # a picture's error already names it ("image 3: cannot read 'x.png' ...")
-            lines.append(f"failed:    {err}" if what == "picture" else f"failed:    text {i}: {err}")
+            lines.append(f"failed:    {err}" if what != "text" else f"failed:    text {i}: {err}")
         if m["n_failed"] > 5:
             lines.append(f"           ... and {m['n_failed'] - 5} more (see manifest.json)")
         return "\n".join(lines)

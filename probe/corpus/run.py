@@ -49,8 +49,9 @@ from probe.corpus.pictures import (
 )
 from probe.corpus.shards import finish
 from probe.corpus.showcase import examples_spec, run_examples
+from probe.corpus.sounds import load_sound_files, run_sound_shard, sound_inputs
 from probe.corpus.store import has_pyarrow, pyarrow
-from probe.corpus.texts import load_texts
+from probe.corpus.texts import item_noun, load_texts
 from probe.errors import ProbeError
 from probe.files import check_writable_dir, write_text_atomic
 
@@ -134,21 +135,21 @@ def run_corpus(
     ``"text"``) or a ``datasets.Dataset``. ``keep``: ``"stats"`` (no caches, statistics only),
     ``"all"`` (patterns and residuals), ``"residuals"`` or ``{"layers": [...], "heads": [...]}``
     (those patterns only; ``None`` for either means all of them).
-    ``dtype`` (``"float16"``/``"bfloat16"``) casts what is stored, halving the disk; statistics are
-    computed from the float32 patterns either way (default: stored as captured, patterns float32).
-    ``shard_size`` texts per shard, batches of ``batch_size`` texts of similar length. A text that
-    fails (ProbeError: too long, out of vocabulary) is recorded in the manifest (``Corpus.errors``)
-    and skipped.
+    ``dtype`` (``"float16"``/``"bfloat16"``) casts what is stored (statistics read float32 either
+    way). ``shard_size`` texts per shard, batches of ``batch_size`` texts of similar length. A
+    text that fails (too long, out of vocabulary) is recorded (``Corpus.errors``) and skipped.
 
     Pictures for an image model: ``texts`` a folder (its image files, sorted by name), or a list of
     image paths, PIL images or numpy arrays, with ``processor`` the model's image processor
     (default: the model's own ``processor`` when it has no tokenizer). Each picture is one item
-    (its manifest entry names it under ``"image"``); batches hold pictures of one processed size;
-    an unreadable picture is recorded and skipped; statistics come from whole patterns, one batch
-    at a time, so the image metrics are computed. See :mod:`probe.corpus.pictures`. For a
+    (``"image"``), batched by processed size, statistics from whole patterns (the image metrics
+    too): :mod:`probe.corpus.pictures`. For a
     vision-language model, ``text`` is what it reads beside each picture (``processor`` its
     processor, which places the image tokens): one text for every picture, or a list, one per
     picture (the manifest entry names it under ``"text"``).
+
+    Sound for a speech model: a folder of sound files or their paths, ``processor`` its feature
+    extractor (default: the model's own); each file an item (``"audio"``): :mod:`probe.corpus.sounds`.
 
     ``store`` (default: when pyarrow is installed and ``stats`` is on): also write each text's
     statistics per head as Parquet (:mod:`probe.corpus.store`; ``corpus.query``/``top``/``where``,
@@ -202,12 +203,35 @@ def _inputs(
     text: Any = None,
     examples: Any = None,
 ) -> tuple:
-    """``(config, n, run_shard, show)`` of the texts or pictures ``texts`` (``text`` read beside the
-    pictures): ``run_shard(a, b, folder, bar)`` captures items ``a:b`` into ``folder`` and
+    """``(config, n, run_shard, show)`` of the texts, pictures or sound files ``texts`` (``text``
+    read beside the pictures): ``run_shard(a, b, folder, bar)`` captures items ``a:b`` into ``folder`` and
     returns the shard's record; ``show(out, shards)`` writes those shards' examples (None: no examples)."""
     tokenizer = tokenizer if tokenizer is not None else getattr(model, "tokenizer", None)
     if processor is None and tokenizer is None:  # an image model carrying its processor (vit_zoo)
         processor = getattr(model, "processor", None)
+    if sound_inputs(texts):
+        processor = processor if processor is not None else getattr(model, "processor", None)
+        if processor is None:
+            raise ProbeError(
+                "sound files need processor= (the model's feature extractor) to become its features"
+            )
+        if field is not None or text is not None or examples:
+            raise ProbeError(
+                "field=, text= and examples= are for texts and pictures; drop them for sound files"
+            )
+        files, names = load_sound_files(texts)
+        what = {
+            "inputs": "audio",
+            "audio_sha256": pictures_digest(files, names),
+            "processor": processor_name(processor),
+        }
+        cfg = _config(model, len(files), what, *settings)
+
+        def run_sounds(a: int, b: int, folder: Path, bar: Any) -> dict:
+            mine = (files[a:b], names[a:b], a, folder, _shard_args(cfg, bar), bool(cfg.get("store")))
+            return run_sound_shard(model, processor, *mine)
+
+        return cfg, len(files), run_sounds, None
     if picture_inputs(texts, processor):
         items, names = _pictures(texts, processor, field, model)
         prompts = picture_texts(text, len(items))
@@ -307,7 +331,7 @@ def _run_mine(run_shard: Any, n: int, out: Path, cfg: dict, group: Group, progre
     ]
     total = sum(min(n, (i + 1) * shard_size) - i * shard_size for i in todo)
     desc = "corpus" if group.world == 1 else f"corpus rank {group.rank}"
-    unit = "image" if cfg.get("inputs") == "images" else "text"
+    unit = item_noun(cfg)
     with tqdm(total=total, desc=desc, unit=unit, disable=not progress, smoothing=0.1) as bar:
         for i in todo:
             folder = out / "shards" / f"{i:05d}"
@@ -329,8 +353,8 @@ class CorpusFailed(ProbeError):
         i, err = next(iter(corpus.errors.items()))
         first = (str(err).splitlines() or [""])[0]
         first = first if len(first) <= 160 else first[:157] + "..."
-        what = "picture" if corpus.config.get("inputs") == "images" else "text"
-        which = first if what == "picture" else f"text {i}: {first}"  # a picture's error names it
+        what = item_noun(corpus.config)
+        which = first if what != "text" else f"text {i}: {first}"  # a picture's or sound's error names it
         super().__init__(
             f"no {what} captured: all {m['n_texts']:,} {what}s failed ({which}); "
             f"each error is in {corpus.path / 'manifest.json'}"

@@ -13,7 +13,8 @@ shard done, each file atomically: temp file, fsync, rename)
 * ``shards/NNNNN.texts.parquet``: one row per text of the shard, failed ones too: ``text``,
   ``shard``, ``source`` (the text; a picture's name), ``n_tokens``, ``tokens``, ``ids``,
   ``error`` (null when captured) and, for a picture, ``picture`` (the picture as the model saw it,
-  a base64 PNG at most :data:`PICTURE_SIDE` pixels on a side).
+  a base64 PNG at most :data:`PICTURE_SIDE` pixels on a side; for a sound, the spectrogram the
+  model heard, at most :data:`SPECTROGRAM_SIDE` pixels wide).
 
 They are plain Parquet files: DuckDB, pyarrow, Polars or Spark read them as they are
 (:mod:`probe.corpus.queries` is the DuckDB side). pyarrow writes them (the ``explore`` extra).
@@ -35,6 +36,7 @@ from probe.files import atomic_path
 
 INSTALL = "pip install -c constraints.txt -e '.[explore]' (duckdb, pyarrow, starlette, uvicorn)"
 PICTURE_SIDE = 96  # a picture's stored copy: at most this many pixels on its longer side
+SPECTROGRAM_SIDE = 480  # a sound's stored spectrogram: at most this wide (time runs along it)
 HEADS = "heads"  # shards/NNNNN.heads.parquet
 TEXTS = "texts"  # shards/NNNNN.texts.parquet
 KEYS = ["text", "stack", "layer", "head", "kind", "kv_head", "causal", "role", "roles"]
@@ -207,8 +209,10 @@ def _text_row(meta: dict[str, Any], r: int, source: str) -> dict[str, Any]:
         keep = [i for i, m in enumerate(mask) if m]
         tokens = [tokens[i] for i in keep]
         ids = [ids[i] for i in keep] if len(ids) == len(mask) else ids
-    pictures = meta.get("image_png") or []
-    picture = _small_picture(pictures[r]) if r < len(pictures) and pictures[r] else None
+    pictures, side = meta.get("image_png") or [], PICTURE_SIDE
+    if not pictures:  # a sound: the spectrogram the model heard, as the report draws it
+        pictures, side = meta.get("spectrogram_png") or [], SPECTROGRAM_SIDE
+    picture = _small_picture(pictures[r], side) if r < len(pictures) and pictures[r] else None
     return {
         "tokens": [str(t) for t in tokens],
         "ids": [int(i) for i in ids],
@@ -218,15 +222,15 @@ def _text_row(meta: dict[str, Any], r: int, source: str) -> dict[str, Any]:
     }
 
 
-def _small_picture(b64: str) -> str:
-    """A base64 PNG scaled down to at most :data:`PICTURE_SIDE` pixels on its longer side."""
+def _small_picture(b64: str, side: int = 96) -> str:
+    """A base64 PNG scaled down to at most ``side`` pixels on its longer side."""
     import base64
     import io
 
     from PIL import Image
 
     img = Image.open(io.BytesIO(base64.b64decode(b64)))
-    scale = PICTURE_SIDE / max(img.size)
+    scale = side / max(img.size)
     if scale < 1:
         size = (max(1, math.floor(img.size[0] * scale)), max(1, math.floor(img.size[1] * scale)))
         img = img.resize(size, Image.Resampling.BILINEAR)

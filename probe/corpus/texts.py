@@ -44,4 +44,12 @@ def load_texts(texts: Any, *, field: str | None = None) -> list[str]:
     return texts
 
 
-__all__ = ["load_texts"]
+NOUNS = {"images": "picture", "audio": "sound"}  # config["inputs"] -> what one item is called
+
+
+def item_noun(config: dict) -> str:
+    """What one item of a run is called in its messages and summary: text, picture or sound."""
+    return NOUNS.get(config.get("inputs"), "text")
+
+
+__all__ = ["load_texts", "item_noun"]

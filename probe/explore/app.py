@@ -64,6 +64,9 @@ class Pages:
         ctx.setdefault("q", "")
         ctx["run"] = self.ex.corpus.path.name
         ctx["n_texts"] = self.ex.corpus.manifest["n_texts"]
+        inputs = self.ex.corpus.config.get("inputs")
+        ctx["sound"] = inputs == "audio"  # its pictures are spectrograms
+        ctx["positions"] = inputs in ("audio", "images")  # tokens are positions: shown apart
         return HTMLResponse(
             self.env.get_template(name).render(**ctx), headers={"Content-Security-Policy": CSP}
         )
