@@ -311,19 +311,30 @@ def _interrupt(cmd: list[str], out: Path, sig: int, rng: random.Random, env: dic
     last two shards' times (shards holding a failing text are slower: they capture texts one by
     one). Two shards or more remain, so the signal lands inside the run, not after it, unless
     other work on the machine slowed the earlier shards more than the later ones: a run that
-    finished before the signal is started again from nothing (at most three times)."""
+    finished before the signal is started again from nothing and signalled as soon as its shard
+    k + 2 is written (at most three times)."""
+    seen = []
     for _ in range(3):
         k = rng.randint(1, 6)
+        start = time.time()
         proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
         deadline = time.time() + 120
         t = [_wait_for_shards(out, n, proc, deadline) for n in (k, k + 1, k + 2)]
-        time.sleep(rng.uniform(0, min(t[1] - t[0], t[2] - t[1])))
+        # again after a run that finished first: at once (two shards or more are still to run)
+        pause = rng.uniform(0, min(t[1] - t[0], t[2] - t[1])) if not seen else 0.0
+        time.sleep(pause)
         proc.send_signal(sig)
         proc.wait(timeout=60)
         if proc.returncode != 0:
             return proc
+        done = len(list((out / "shards").glob("*.json")))
+        seen.append(
+            f"k={k} shards at {[round(x - start, 2) for x in t]} s, pause {pause:.2f} s, {done} records"
+        )
         shutil.rmtree(out)
-    raise AssertionError("the run finished before the signal three times")
+    raise AssertionError(
+        f"the run finished before the signal three times: {seen}; {proc.stderr.read()[-500:]}"
+    )
 
 
 @pytest.mark.slow
