@@ -263,7 +263,7 @@ def test_cli_keep_patterns_stores_every_pattern_and_no_residual(tmp_path):
 
 # -- 1,000 texts: interrupted at a random point (SIGKILL, then Ctrl-C), resumed, identical -------------
 
-BIG = dict(batch_size="32", shard_size="100")  # 10 shards of ~0.5 s each on one thread
+BIG = dict(batch_size="4", shard_size="100")  # 10 shards of ~0.8 s each on one thread
 
 
 def _big_texts() -> list[str]:
