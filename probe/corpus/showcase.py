@@ -188,7 +188,7 @@ def captures(
         j += 1
         while j < len(order) and len(batch) < batch_size:
             more = [*batch, order[j]]
-            if any(held(more, [layer]) > budget for t in more for layer in need[t]):
+            if any(held(more, [layer]) > budget for layer in {x for t in more for x in need[t]}):
                 break
             batch.append(order[j])
             j += 1
