@@ -254,7 +254,7 @@ def sdpa_weights(
     fresh = clean
     if out is None or out.shape != scores.shape or out.dtype != dtype or not out.is_contiguous():
         out = (empty or torch.empty)(scores.shape, dtype=dtype, device=query.device)
-        fresh = False
+        fresh = bool(getattr(empty, "zeroed", False))  # memory that comes zero-filled
     S = scores.S
     for i, e, blk in scores.blocks(chunk, into=out if dtype == torch.float32 else None):
         kend = blk.size(-1)

@@ -12,8 +12,12 @@ when little is free. Only on glibc; elsewhere :func:`trim` does nothing. Switche
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
+import math
+import mmap
 import os
+import warnings
 from collections.abc import Iterable
 from typing import Any
 
@@ -97,3 +101,36 @@ class HeapTensors(dict):
                 trim()
         except Exception:  # interpreter shutdown: modules may already be gone
             pass
+
+
+# -- fresh pages for large tensors -------------------------------------------------------------
+HUGE = 2 << 20  # the size of a transparent huge page on x86-64 and arm64 Linux
+
+
+def mapped_empty(shape: tuple[int, ...], dtype: torch.dtype, device: Any) -> torch.Tensor:
+    """A zero-filled tensor of ``shape`` in memory of its own, mapped from the system.
+
+    A capture writes each pattern once into fresh memory and keeps it. Allocated with
+    ``torch.empty`` it comes from the C heap, among the model's own temporaries, whose pages it
+    then displaces (the next layer's activations fault new pages in), and every 4 KiB page is a
+    fault. A CPU tensor of at least :data:`HUGE` bytes is instead an anonymous ``mmap`` of its
+    own, marked for transparent huge pages where the system offers them (one fault per 2 MiB),
+    returned to the system when the tensor is freed, and zero-filled by the kernel (``zeroed``:
+    a writer need not clear what it does not write). Smaller ones, other devices, and systems
+    without ``mmap``: ``torch.zeros``.
+    """
+    numel = math.prod(shape)
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    dev = torch.device(device) if device is not None else torch.device("cpu")
+    if dev.type != "cpu" or numel * itemsize < HUGE or not hasattr(mmap, "MAP_ANONYMOUS"):
+        return torch.zeros(shape, dtype=dtype, device=dev)
+    buf = mmap.mmap(-1, numel * itemsize, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    if hasattr(mmap, "MADV_HUGEPAGE"):
+        with contextlib.suppress(OSError):  # no transparent huge pages here: 4 KiB pages
+            buf.madvise(mmap.MADV_HUGEPAGE)
+    with warnings.catch_warnings():  # torch notes that the buffer is writable: it is meant to be
+        warnings.simplefilter("ignore")
+        return torch.frombuffer(buf, dtype=dtype, count=numel).view(shape)
+
+
+mapped_empty.zeroed = True  # type: ignore[attr-defined]

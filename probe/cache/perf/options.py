@@ -32,12 +32,16 @@ class Options:
       go (:mod:`probe.cache.perf.heap`); False keeps it in the process, so RSS stays at its
       high-water mark and the next capture reuses those pages without faulting them in again.
       Off by default when the user set glibc's own trim threshold.
+    * ``planned_capture``: let :func:`probe.capture` learn a plan for repeated captures of one
+      model on one kind of input and run later captures with the plan's hooks only
+      (:mod:`probe.capture.engine.planned`); False: every capture runs the full tracer.
     """
 
     direct_io: bool = True
     io_thread: bool = True
     sync_every: int = 64 << 20
     heap_trim: bool = field(default_factory=lambda: not _user_tuned())
+    planned_capture: bool = True
 
 
 OPTIONS = Options()

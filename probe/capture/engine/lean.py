@@ -37,7 +37,7 @@ _FIELDS = {
 }
 
 
-def _sdpa_args(args: tuple, kwargs: dict) -> tuple[Tensor, Tensor, Any, bool, Any]:
+def sdpa_args(args: tuple, kwargs: dict) -> tuple[Tensor, Tensor, Any, bool, Any]:
     names = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale")
     got = dict(zip(names, args, strict=False)) | kwargs
     return got["query"], got["key"], got.get("attn_mask"), bool(got.get("is_causal", False)), got.get("scale")
@@ -89,7 +89,7 @@ class _RowMode(TorchFunctionMode):
         out = func(*args, **kwargs)
         if func is SDPA:
             with torch._C.DisableTorchFunction():  # unseen by any mode below (the tracer's)
-                self.sink(decode_row(*_sdpa_args(args, kwargs), fold=True))
+                self.sink(decode_row(*sdpa_args(args, kwargs), fold=True))
         return out
 
 

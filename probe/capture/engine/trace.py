@@ -10,6 +10,7 @@ half-written file is left.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import warnings
@@ -23,6 +24,7 @@ from probe.cache.cache import encode_metadata, open_cache
 from probe.cache.selection import Selection
 from probe.cache.writer import FileSink, MemorySink, check_output
 from probe.capture.consumers.kept import parse_keep
+from probe.capture.engine import planned
 from probe.capture.engine.claims import claim, release
 from probe.capture.engine.naming import check_forward, check_unseen, model_info, name
 from probe.capture.engine.steps import StepTrace
@@ -87,9 +89,15 @@ class Trace:
             self.metadata["keep"] = self.keep.to_json()
         self.kinds = dict(kinds or {})
         self.cache: Cache | None = None
+        self.names: dict[int, str] = {}  # after the block: each sink handle -> its cache key
         self._extra_reserve = int(reserve)
         self._sink: Any = None
         self._tracer: Tracer | None = None
+
+    @property
+    def tracer(self) -> Tracer | None:
+        """The tracer that watched the block (None before it is entered)."""
+        return self._tracer
 
     def _header_estimate(self) -> int:
         # The streamed header's reservation: the metadata known now (texts, tokens, model config),
@@ -168,6 +176,7 @@ class Trace:
                 self.metadata.setdefault(k, v)
         names, meta = name(self._tracer, self.model, self.metadata, self.selection)
         check_unseen(self._tracer, self.model)
+        self.names = names
         if isinstance(self._sink, FileSink):
             # opened before the rename: the Cache returned is the file this call wrote
             out = self._sink.path
@@ -230,12 +239,11 @@ def capture(
     ``kinds`` (derived pattern kinds, see :class:`Trace`) and ``metadata`` (entries added to the
     cache's metadata) are for callers that build on the capture, as ``probe.contributions``.
 
-    Returns a :class:`~probe.Cache` with keys ``<stack>.blocks.<i>.<name>``.
+    Returns a :class:`~probe.Cache` with keys ``<stack>.blocks.<i>.<name>``. Later captures of one
+    model on one kind of text run with the plan the first two learnt (:mod:`~.planned`), same cache.
     """
     # arguments first: a bad selection or output path is refused before any forward runs
-    selection = Selection.parse(layers, heads)
-    parse_dtype(dtype)
-    kept = parse_keep(keep)
+    selection, dt, kept = Selection.parse(layers, heads), parse_dtype(dtype), parse_keep(keep)
     if kept.kind == "stats":
         raise ProbeError(
             "keep='stats' computes statistics with probe's analysis: call probe.capture (the top-level "
@@ -246,16 +254,24 @@ def capture(
     prepared = prepare(
         model, inputs, tokenizer=tokenizer, target=target, processor=processor, sampling_rate=sampling_rate
     )
+    given = {**prepared.meta, **(metadata or {})}
+    # captured again on the same kind of input: the plan learnt by the first two (engine/planned.py)
+    kind = planned.key_for(model, given, out=out, keep=kept, kinds=kinds, selection=selection, dtype=dt)
+    cache = planned.capture_planned(model, kind, prepared.run, given)
+    if cache is not None:
+        return cache
     t = Trace(
         model,
         out=out,
         layers=selection.layers,
         heads=selection.heads,
         dtype=dtype,
-        metadata={**prepared.meta, **(metadata or {})},
+        metadata=dict(given),
         keep=kept,
         kinds=kinds,
     )
-    with torch.no_grad(), t:
+    beside = planned.candidate(model, kind)
+    with torch.no_grad(), t, beside if beside is not None else contextlib.nullcontext():
         prepared.run()
+    planned.learnt(model, kind, t, set(given), beside, selection, dt)
     return t.cache

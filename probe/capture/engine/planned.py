@@ -1,0 +1,511 @@
+"""Planned captures: a model captured again on the same kind of input, with a learnt plan.
+
+The tracer (:mod:`probe.capture.engine.tracer`) watches every module call and every torch op of
+a forward, because it has to find out what is a layer, a sublayer, a residual addition and an
+attention. On a model of many small layers that bookkeeping, not the model, is most of a
+capture's cost (SmolLM2's 30 layers: about 2,000 ops and 400 module calls a forward). What it
+finds out is the same for every forward of one model on one kind of input, so
+:func:`probe.capture` learns it:
+
+1. the first full capture of a model on an input kind (a text batch, padded or not, with the
+   same ``layers``/``heads``/``dtype``) proposes a :class:`Plan` from what the tracer recorded:
+   each stored residual is a layer's input, a layer's output or the output of the layer's child
+   that the key names; each pattern is the one ``F.scaled_dot_product_attention`` call inside
+   the attention sublayer the tracer saw compute it. Any other kind of key (a softmax's own
+   weights, rows, derived kinds, a delta the tracer had to separate from a sum, a looped list,
+   metadata that depends on the input beyond its tokens) proposes no plan;
+2. the second full capture runs the plan's hooks (:class:`PlannedRun`) beside the tracer and
+   compares every key: residuals bit for bit, patterns to float rounding. Only then is the plan
+   kept;
+3. later captures run the plan alone: hooks on the planned modules only, and a torch-function
+   mode pushed only while an attention sublayer runs, which recomputes the pattern of its SDPA
+   call with :func:`~probe.capture.patterns.sdpa_weights` (the tracer's own computation).
+
+A planned capture checks the forward it watched before it returns: every planned module ran
+exactly once, every attention sublayer made one SDPA call of the planned form (heads, key heads,
+``is_causal``, mask), every layer's output equals its input plus its deltas added in the
+learnt order bit for bit, every layer's input is the previous layer's output, and no stored
+tensor of the model was changed in place afterwards. If any check fails the plan is dropped and
+the capture runs again as a full one (the forward runs twice, once): a planned capture stores
+exactly what a full capture stores, or is not used. ``OPTIONS.planned_capture``
+(:mod:`probe.cache.perf.options`) switches plans off.
+"""
+
+from __future__ import annotations
+
+import copy
+import threading
+import weakref
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+from torch.overrides import TorchFunctionMode
+
+from probe.cache import Cache
+from probe.cache.perf import heap
+from probe.cache.perf.options import OPTIONS
+from probe.capture.calls import first_tensor, output_tensor
+from probe.capture.engine.claims import claim, release
+from probe.capture.engine.lean import pop, push, sdpa_args
+from probe.capture.engine.naming import model_info
+from probe.capture.hooks.record import SDPA
+from probe.capture.patterns import sdpa_weights
+
+# the metadata a capture adds that a plan may repeat: the same for every input of one kind
+_MODEL_SIDE = {
+    "probe_version",
+    "format_version",
+    "attention_implementations",
+    "stacks",
+    "layers_captured",
+    "training",
+    "heads_captured",
+    "layers",
+}
+_REFUSED = "refused"
+_PLANS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> {key: Plan | _REFUSED}
+_LOCK = threading.Lock()
+
+
+def key_for(
+    model: nn.Module, meta: dict[str, Any], *, out: Any, keep: Any, kinds: Any, selection: Any, dtype: Any
+) -> tuple | None:
+    """The kind of capture a plan is kept for, or None where captures are never planned: a text
+    batch (padded or not) of a model in eval mode, whole patterns kept in memory."""
+    if not OPTIONS.planned_capture or out is not None or kinds or not keep.default or model.training:
+        return None
+    if meta.get("input_kind") != "text" or any(k.startswith("target") for k in meta):
+        return None
+    mask = meta.get("attention_mask")
+    padded = isinstance(mask, list) and any(0 in row for row in mask if isinstance(row, list))
+    layers = tuple(selection.layers) if selection.layers is not None else None
+    heads = tuple(selection.heads) if selection.heads is not None else None
+    return ("text", padded, layers, heads, dtype)
+
+
+def _sdpa_form(args: tuple, kwargs: dict) -> tuple:
+    """What must stay the same between an SDPA call of the learnt forward and a planned one."""
+    q, k, mask, causal, scale = sdpa_args(args, kwargs)
+    shape = lambda t: (t.dim(), t.size(-3) if t.dim() >= 3 else None, t.dtype)  # noqa: E731
+    m = None if mask is None else (mask.dtype, mask.dim())
+    return shape(q), shape(k), m, causal, scale is None, bool(kwargs.get("enable_gqa", False))
+
+
+class _Attention:
+    """An attention sublayer of the plan: its pattern key and the form of its SDPA call."""
+
+    def __init__(self, module: nn.Module, key: str) -> None:
+        self.module, self.key = module, key
+        self.form: tuple | None = None  # learnt from the second capture
+
+
+class _Layer:
+    """A planned layer: the keys of its input and output, its deltas (child, key) in the order
+    they are added to the stream, and its attention sublayers."""
+
+    def __init__(self, module: nn.Module) -> None:
+        self.module = module
+        self.pre: str | None = None
+        self.post: str | None = None
+        self.deltas: list[tuple[nn.Module, str]] = []
+        self.attns: list[_Attention] = []
+
+
+class Plan:
+    """Where each key of a capture comes from (see the module docstring)."""
+
+    def __init__(self, heads: list[int] | None, dtype: torch.dtype | None) -> None:
+        self.heads, self.dtype = heads, dtype
+        self.layers: list[_Layer] = []
+        self.lists: list[tuple[nn.Module, int]] = []  # each layer list and its length
+        self.chain = True  # every layer's input is the previous layer's output
+        self.meta: dict[str, Any] = {}
+        self.confirmed = False
+
+    def keys(self) -> set[str]:
+        out: set[str] = set()
+        for lay in self.layers:
+            out.update(k for k in (lay.pre, lay.post) if k is not None)
+            out.update(k for _, k in lay.deltas)
+            out.update(a.key for a in lay.attns)
+        return out
+
+    def intact(self) -> bool:
+        """Whether the model's layer lists still have the lengths learnt."""
+        return all(len(c) == n for c, n in self.lists)
+
+    def metadata(self, model: nn.Module, given: dict[str, Any], tensors: dict[str, Tensor]) -> dict[str, Any]:
+        """A planned capture's metadata: what was given, the model, and the learnt rest."""
+        meta = dict(given)
+        meta.setdefault("model", model_info(model))
+        meta.update(copy.deepcopy(self.meta))
+        floats = {str(t.dtype).replace("torch.", "") for t in tensors.values() if t.is_floating_point()}
+        meta["dtype"] = ", ".join(sorted(floats))
+        return meta
+
+
+def propose(
+    tracer: Any,
+    names: dict[int, str],
+    meta: dict[str, Any],
+    model: nn.Module,
+    given: set[str],
+    selection: Any,
+    dtype: Any,
+) -> Plan | None:
+    """A plan from a full capture (its tracer, handle ``names`` and metadata), or None when some
+    key is of a kind a plan does not repeat (see the module docstring)."""
+    f = tracer.forward
+    if f.blind or f.unseen or tracer.looped or tracer.plain_records() or not tracer.records:
+        return None
+    if set(meta) - given - _MODEL_SIDE - {"model", "dtype"}:
+        return None  # metadata read from this input's patterns or positions
+    stacks = meta.get("stacks", {})
+    if set(stacks) - {"encoder", "decoder"} or any(set(s) - {"layers", "chain"} for s in stacks.values()):
+        return None
+    modules = dict(model.named_modules(remove_duplicate=False))
+    plan = Plan(selection.heads, dtype)
+    for entry in meta.get("layers", []):
+        if set(entry.get("deltas", {}).values()) - {"sublayer output"}:
+            return None
+    for r in tracer.records:
+        layer = modules.get(r.module)
+        if layer is None or r.call or any(k is not None for k in r.kinds):
+            return None
+        lay = _Layer(layer)
+        for rname, h in r.residuals:
+            key = names.get(h)
+            if key is None:
+                return None
+            if rname == "resid_pre" and lay.pre is None:
+                lay.pre = key
+            elif rname == "resid_post" and lay.post is None:
+                lay.post = key
+            elif rname.endswith(".delta"):
+                try:
+                    child = layer.get_submodule(rname.removesuffix(".delta"))
+                except AttributeError:
+                    return None
+                lay.deltas.append((child, key))
+            else:
+                return None
+        if len(r.modules) != len(r.patterns):
+            return None
+        for (_role, fields, _shape, impl, _causal), path in zip(r.patterns, r.modules, strict=True):
+            sub = modules.get(path) if path is not None else None
+            key = names.get(fields.get("pattern", -1)) if set(fields) == {"pattern"} else None
+            if sub is None or key is None or set(impl) != {"sdpa"}:
+                return None
+            lay.attns.append(_Attention(sub, key))
+        if lay.pre is None or lay.post is None:
+            return None
+        plan.layers.append(lay)
+    if plan.keys() != set(names.values()):
+        return None
+    plan.lists = [
+        (modules[c], n) for c, n in tracer.kept.items() if isinstance(modules.get(c), nn.ModuleList)
+    ]
+    if len(plan.lists) != len(tracer.kept):
+        return None
+    plan.chain = all(tracer.chain.get(c, True) for c in tracer.kept)
+    plan.meta = copy.deepcopy({k: v for k, v in meta.items() if k in _MODEL_SIDE})
+    return plan
+
+
+class _PatternMode(TorchFunctionMode):
+    """Passes every torch call on; an SDPA call's pattern is recomputed after it (unseen by any
+    mode below) and handed to ``sink`` with the call's form."""
+
+    def __init__(self, sink: Any, dtype: torch.dtype | None) -> None:
+        super().__init__()
+        self.sink, self.dtype = sink, dtype
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        if func is SDPA:
+            with torch._C.DisableTorchFunction():
+                self.sink(
+                    _sdpa_form(args, kwargs),
+                    sdpa_weights(*args, **kwargs, dtype=self.dtype, empty=heap.mapped_empty),
+                )
+        return out
+
+
+def _store(t: Tensor, dtype: torch.dtype | None) -> Tensor:
+    """``t`` as the capture's store keeps it: detached, contiguous, converted to ``dtype``."""
+    t = t.detach().contiguous()
+    if dtype is not None and t.is_floating_point() and t.dtype != dtype:
+        t = t.to(dtype)
+    return t
+
+
+class PlannedRun:
+    """One forward watched by a plan's hooks (``with PlannedRun(plan): model(...)``); then
+    :meth:`result` gives the tensors by key, or None if the forward did not run as planned."""
+
+    def __init__(self, plan: Plan) -> None:
+        self.plan = plan
+        self.tensors: dict[str, Tensor] = {}
+        self.versions: list[tuple[Tensor, int]] = []  # the model's own tensors kept, and their versions
+        self.ran: dict[int, int] = {}  # id(module) -> calls seen
+        self.found: dict[int, list[tuple[tuple, Tensor]]] = {}  # id(attention) -> (form, pattern)
+        self.seen_in: list[tuple[tuple, Tensor]] | None = None
+        self.ins: dict[int, Tensor] = {}
+        self.outs: dict[int, Tensor] = {}
+        self.mode = _PatternMode(self._pattern, plan.dtype)
+        self._handles: list[Any] = []
+        self._thread = threading.get_ident()
+        self.failed = False
+
+    def _pattern(self, form: tuple, pattern: Tensor) -> None:
+        if self.seen_in is None:
+            self.failed = True
+        else:
+            self.seen_in.append((form, pattern))
+
+    # -- hooks ---------------------------------------------------------------------------------
+    def __enter__(self) -> PlannedRun:
+        modules: dict[int, nn.Module] = {}
+        for lay in self.plan.layers:
+            modules[id(lay.module)] = lay.module
+            modules.update((id(c), c) for c, _ in lay.deltas)
+            modules.update((id(a.module), a.module) for a in lay.attns)
+        self.attn_ids = {id(a.module) for lay in self.plan.layers for a in lay.attns}
+        self.layer_ids = {id(lay.module) for lay in self.plan.layers}
+        try:
+            for m in modules.values():
+                self._handles.append(m.register_forward_pre_hook(self._pre, with_kwargs=True))
+                self._handles.append(m.register_forward_hook(self._post, always_call=True))
+        except BaseException:
+            self._remove()
+            raise
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        pop(self.mode)
+        self._remove()
+
+    def _remove(self) -> None:
+        for h in self._handles:
+            h.remove()
+        self._handles.clear()
+
+    def _pre(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
+        if threading.get_ident() != self._thread:
+            return
+        mid = id(module)
+        self.ran[mid] = self.ran.get(mid, 0) + 1
+        if mid in self.layer_ids:
+            t = first_tensor(args, kwargs)
+            if isinstance(t, Tensor):
+                self.ins[mid] = t
+        if mid in self.attn_ids:
+            if self.seen_in is not None:
+                self.failed = True  # an attention sublayer inside another
+            self.seen_in = self.found.setdefault(mid, [])
+            push(self.mode)
+
+    def _post(self, module: nn.Module, args: tuple, output: Any) -> None:
+        if threading.get_ident() != self._thread:
+            return
+        mid = id(module)
+        if mid in self.attn_ids:
+            if not pop(self.mode):
+                self.failed = True
+            self.seen_in = None
+        t = output_tensor(output)
+        if isinstance(t, Tensor):
+            self.outs[mid] = t
+
+    # -- after the forward ---------------------------------------------------------------------
+    def result(self) -> dict[str, Tensor] | None:
+        """The planned keys' tensors, or None if the forward did not run as the plan says."""
+        plan, ran = self.plan, self.ran
+        if self.failed:
+            return None
+        prev: Tensor | None = None
+        scratch: list[Tensor] = []
+        for lay in plan.layers:
+            mods = [lay.module, *(c for c, _ in lay.deltas), *(a.module for a in lay.attns)]
+            if any(ran.get(id(m)) != 1 for m in mods):
+                return None
+            pre, post = self.ins.get(id(lay.module)), self.outs.get(id(lay.module))
+            deltas = [self.outs.get(id(c)) for c, _ in lay.deltas]
+            if pre is None or post is None or any(d is None for d in deltas):
+                return None
+            if plan.chain and prev is not None and pre is not prev and not _same(pre, prev):
+                return None
+            if not _adds_up(pre, deltas, post, scratch):
+                return None
+            prev = post
+            for key, t in (
+                (lay.pre, pre),
+                (lay.post, post),
+                *((k, d) for (_, k), d in zip(lay.deltas, deltas, strict=True)),
+            ):
+                self.tensors[key] = self._keep(t)
+            for a in lay.attns:
+                got = self.found.get(id(a.module), [])
+                if len(got) != 1 or (a.form is not None and got[0][0] != a.form):
+                    return None
+                pattern = got[0][1]
+                self.tensors[a.key] = pattern if plan.heads is None else pattern[:, plan.heads]
+        if any(t._version != v for t, v in self.versions):
+            return None  # overwritten in place after it was recorded: the full capture says so
+        return self.tensors
+
+    def forms(self) -> dict[int, tuple]:
+        """Each attention sublayer's SDPA call form (after a forward that ran as planned)."""
+        return {mid: got[0][0] for mid, got in self.found.items() if len(got) == 1}
+
+    def _keep(self, t: Tensor) -> Tensor:
+        s = _store(t, self.plan.dtype)
+        if s.untyped_storage().data_ptr() == t.untyped_storage().data_ptr():
+            self.versions.append((s, s._version))
+        return s
+
+
+def _same(a: Tensor, b: Tensor) -> bool:
+    return a.shape == b.shape and a.dtype == b.dtype and torch.equal(a, b)
+
+
+def _adds_up(pre: Tensor, deltas: list[Tensor], post: Tensor, scratch: list[Tensor]) -> bool:
+    """Whether ``post`` is ``pre`` plus ``deltas`` added in order, bit for bit (summed in
+    ``scratch[0]``, reused between layers: the same additions, no fresh memory each layer)."""
+    if any(d.shape != pre.shape or d.dtype != pre.dtype for d in deltas) or post.shape != pre.shape:
+        return False
+    if not deltas:
+        return torch.equal(pre, post)
+    if not scratch or scratch[0].shape != pre.shape or scratch[0].dtype != pre.dtype:
+        scratch[:] = [torch.empty_like(pre)]
+    acc = torch.add(pre, deltas[0], out=scratch[0])
+    for d in deltas[1:]:
+        acc.add_(d)
+    return torch.equal(acc, post)
+
+
+# -- the registry ------------------------------------------------------------------------------
+def planned(model: nn.Module, key: tuple | None) -> Plan | None:
+    """The confirmed plan for ``key`` captures of ``model`` (None: capture in full)."""
+    if key is None:
+        return None
+    with _LOCK:
+        got = _PLANS.get(model, {}).get(key)
+    return got if isinstance(got, Plan) and got.confirmed else None
+
+
+def candidate(model: nn.Module, key: tuple | None) -> PlannedRun | None:
+    """A run of the proposed (not yet confirmed) plan to watch a full capture beside the tracer."""
+    if key is None:
+        return None
+    with _LOCK:
+        got = _PLANS.get(model, {}).get(key)
+    if isinstance(got, Plan) and not got.confirmed and got.intact():
+        return PlannedRun(got)
+    return None
+
+
+def learnt(
+    model: nn.Module,
+    key: tuple | None,
+    trace: Any,
+    given: set[str],
+    watched: PlannedRun | None,
+    selection: Any,
+    dtype: Any,
+) -> None:
+    """After a full capture of ``key`` kind: propose a plan from it (first), or confirm the
+    proposed plan ``watched`` ran beside it (second), or refuse plans for this kind."""
+    if key is None:
+        return
+    cache = trace.cache
+    if watched is None:
+        with _LOCK:
+            if key in _PLANS.get(model, {}):
+                return
+        plan = propose(trace.tracer, trace.names, cache.metadata, model, given, selection, dtype)
+        _set(model, key, plan if plan is not None else _REFUSED)
+        return
+    got = watched.result()
+    ok = got is not None and set(got) == set(cache.keys()) and all(_agrees(got[k], cache[k]) for k in got)
+    if ok:
+        forms = watched.forms()
+        for lay in watched.plan.layers:
+            for a in lay.attns:
+                a.form = forms.get(id(a.module))
+        ok = all(a.form is not None for lay in watched.plan.layers for a in lay.attns)
+    watched.plan.confirmed = ok
+    _set(model, key, watched.plan if ok else _REFUSED)
+
+
+def _agrees(got: Tensor, want: Tensor) -> bool:
+    if got.shape != want.shape or got.dtype != want.dtype:
+        return False
+    if not got.is_floating_point() or got.dtype not in (torch.float32, torch.float64):
+        return torch.equal(got, want)
+    return bool(torch.allclose(got, want, rtol=0, atol=1e-6))
+
+
+def _set(model: nn.Module, key: tuple, value: Any) -> None:
+    with _LOCK:
+        _PLANS.setdefault(model, {})[key] = value
+
+
+def forget(model: nn.Module, key: tuple | None = None) -> None:
+    """Drop ``model``'s plans (``key``: that kind's only; it is refused from now on)."""
+    with _LOCK:
+        if key is None:
+            _PLANS.pop(model, None)
+        elif model in _PLANS:
+            _PLANS[model][key] = _REFUSED
+
+
+def state(model: nn.Module, key: tuple | None) -> str:
+    """``"none"``, ``"proposed"``, ``"planned"`` or ``"refused"``: where captures of ``key`` kind stand."""
+    with _LOCK:
+        got = _PLANS.get(model, {}).get(key, None) if key is not None else None
+    if got is None:
+        return "none"
+    if isinstance(got, Plan):
+        return "planned" if got.confirmed else "proposed"
+    return "refused"
+
+
+def capture_planned(model: nn.Module, key: tuple | None, run: Any, given: dict[str, Any]) -> Cache | None:
+    """Run ``run()`` (the forward) under the confirmed plan for ``key`` captures of ``model``;
+    the Cache, or None when there is no such plan or the forward did not run as planned (the
+    plan is then forgotten; the caller captures in full). ``given``: the input's metadata."""
+    plan = planned(model, key)
+    if plan is None:
+        return None
+    if not plan.intact():
+        forget(model, key)
+        return None
+    watched = PlannedRun(plan)
+    claim(model)
+    try:
+        with torch.no_grad(), watched:
+            run()
+    finally:
+        release(model)
+    tensors = watched.result()
+    if tensors is None:
+        forget(model, key)
+        return None
+    return Cache(tensors, plan.metadata(model, given, tensors))
+
+
+__all__ = [
+    "Plan",
+    "PlannedRun",
+    "candidate",
+    "capture_planned",
+    "forget",
+    "key_for",
+    "learnt",
+    "planned",
+    "propose",
+    "state",
+]
