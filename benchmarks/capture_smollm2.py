@@ -9,7 +9,10 @@ Modes, each one call:
 
 * ``plain``: ``model(ids)`` under ``torch.no_grad()`` on the text's token ids (the baseline);
 * ``capture``: ``probe.capture(model, text)``, whole patterns and residual deltas kept in memory
-  (the text tokenized inside, as users call it);
+  (the text tokenized inside, as users call it); after the warm-up's first two captures it runs
+  with their plan (``probe/capture/engine/planned.py``), as every later capture of the model does;
+* ``full``: the same with plans off (``OPTIONS.planned_capture = False``): the full tracer, what a
+  model's first capture on a kind of input costs;
 * ``stats``: ``probe.capture(model, text, keep="stats")``.
 
 ``--clock cpu`` times each call by the process's CPU time instead of the wall clock (on a busy
@@ -39,8 +42,9 @@ import torch  # noqa: E402
 
 import models  # noqa: E402
 import probe  # noqa: E402
+from probe.cache.perf import using  # noqa: E402
 
-MODES = ("plain", "capture", "stats")
+MODES = ("plain", "capture", "full", "stats")
 SENTENCES = (
     "The river rose through the night, and by morning the old bridge at the edge of town was gone.",
     "Mary handed John the map, and John folded it into his coat before anyone could ask.",
@@ -72,6 +76,10 @@ def run(mode: str, model, text: str, ids: torch.Tensor) -> None:
     if mode == "plain":
         with torch.no_grad():
             model(ids)
+    elif mode == "full":
+        with using(planned_capture=False):
+            cache = probe.capture(model, text)
+        del cache
     else:
         cache = probe.capture(model, text, keep="stats" if mode == "stats" else None)
         del cache
