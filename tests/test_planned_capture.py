@@ -69,7 +69,11 @@ def stream(model, ids, mask):
             got[name] = (out[0] if isinstance(out, tuple) else out).clone()
 
         hooks.append(layer.register_forward_pre_hook(pre, with_kwargs=True))
-        for mod, name in ((layer, "resid_post"), (layer.self_attn, "self_attn.delta"), (layer.mlp, "mlp.delta")):
+        for mod, name in (
+            (layer, "resid_post"),
+            (layer.self_attn, "self_attn.delta"),
+            (layer.mlp, "mlp.delta"),
+        ):
             key = f"decoder.blocks.{i}.{name}"
             hooks.append(mod.register_forward_hook(lambda m, a, o, key=key: post(m, a, o, key)))
     try:
@@ -84,7 +88,7 @@ def stream(model, ids, mask):
 def padded(meta):
     """The batch the capture ran: its texts' ids padded as the attention mask says."""
     mask = torch.tensor(meta["attention_mask"])
-    ids = torch.full(mask.shape, meta["pad_id"])
+    ids = torch.full(mask.shape, meta.get("pad_id") or 0)
     ids[mask.bool()] = torch.tensor([i for row in meta["ids"] for i in row])
     return ids, mask
 
@@ -121,6 +125,16 @@ def test_the_third_capture_is_planned_and_stores_what_the_model_computed(texts):
     assert set(third.keys()) == set(full.keys()) and len(full.keys()) == 3 * 5
     assert third.metadata == full.metadata
     assert third.metadata["dtype"] == "float32" and third.metadata["attention_implementations"] == ["sdpa"]
+
+
+def test_token_ids_are_planned_as_a_kind_of_their_own():
+    model = tiny_llama()
+    ids = [torch.tensor([TOK.encode(t)]) for t in TEXTS]
+    caches = [probe.capture(model, i) for i in ids[:3]]
+    assert planned.state(model, kind(model, caches[0])) == "planned"
+    assert planned.state(model, kind(model, probe.capture(model, TEXTS[0], tokenizer=TOK))) == "proposed"
+    for cache in caches:
+        assert_what_the_model_computed(model, cache)
 
 
 def test_heads_and_dtype_are_planned_as_the_full_capture_keeps_them():

@@ -7,7 +7,7 @@ capture's cost (SmolLM2's 30 layers: about 2,000 ops and 400 module calls a forw
 finds out is the same for every forward of one model on one kind of input, so
 :func:`probe.capture` learns it:
 
-1. the first full capture of a model on an input kind (a text batch, padded or not, with the
+1. the first full capture of a model on an input kind (texts or token ids, padded or not, with the
    same ``layers``/``heads``/``dtype``) proposes a :class:`Plan` from what the tracer recorded:
    each stored residual is a layer's input, a layer's output or the output of the layer's child
    that the key names; each pattern is the one ``F.scaled_dot_product_attention`` call inside
@@ -71,17 +71,18 @@ _LOCK = threading.Lock()
 def key_for(
     model: nn.Module, meta: dict[str, Any], *, out: Any, keep: Any, kinds: Any, selection: Any, dtype: Any
 ) -> tuple | None:
-    """The kind of capture a plan is kept for, or None where captures are never planned: a text
-    batch (padded or not) of a model in eval mode, whole patterns kept in memory."""
+    """The kind of capture a plan is kept for, or None where captures are never planned: a batch
+    of texts or of token ids (padded or not) to a model in eval mode, whole patterns kept in memory."""
     if not OPTIONS.planned_capture or out is not None or kinds or not keep.default or model.training:
         return None
-    if meta.get("input_kind") != "text" or any(k.startswith("target") for k in meta):
+    kind = meta.get("input_kind")
+    if kind not in ("text", "ids") or any(k.startswith("target") for k in meta):
         return None
     mask = meta.get("attention_mask")
     padded = isinstance(mask, list) and any(0 in row for row in mask if isinstance(row, list))
     layers = tuple(selection.layers) if selection.layers is not None else None
     heads = tuple(selection.heads) if selection.heads is not None else None
-    return ("text", padded, layers, heads, dtype)
+    return (kind, padded, layers, heads, dtype)
 
 
 def _sdpa_form(args: tuple, kwargs: dict) -> tuple:
