@@ -416,9 +416,10 @@ def test_beam_search_that_ends_before_its_last_step():
 
 
 def test_a_long_generation_hands_freed_heap_back_every_few_steps(monkeypatch):
-    """Each step's tensors are a little larger than the last: glibc cannot reuse the freed blocks,
-    so the stepped capture trims the heap every TRIM_EVERY steps (benchmarks/generation.py measures
-    the resident memory this keeps off: 4.4 GiB at 2,048 + 2,048 tokens without it)."""
+    """Whole patterns keep each step's rows, a little larger than the last: glibc cannot reuse the
+    freed blocks, so the stepped capture trims the heap every TRIM_EVERY steps. Rows and top-k
+    grow one buffer per key instead and are never trimmed (benchmarks/generation.py measures the
+    resident memory: at 2,048 + 2,048 tokens `keep="rows"` peaks at its result)."""
     from probe.cache.perf import heap
     from probe.capture.engine import steps
 
@@ -427,3 +428,8 @@ def test_a_long_generation_hands_freed_heap_back_every_few_steps(monkeypatch):
     g = probe.generate(models.load("minigpt"), "attention lets", max_new_tokens=18)
     forwards = g.cache.metadata["steps"]["forwards"]
     assert forwards >= steps.TRIM_EVERY and len(calls) == forwards // steps.TRIM_EVERY
+    # rows and top-k grow one buffer per key (no block a step left in the heap): never trimmed
+    calls.clear()
+    for keep in ("rows", {"topk": 3}):
+        probe.generate(models.load("minigpt"), "attention lets", max_new_tokens=18, keep=keep)
+    assert calls == []

@@ -96,6 +96,26 @@ def test_a_decode_step_that_runs_other_layers_is_refused():
                 model.model.layers = layers
 
 
+def test_a_lean_step_whose_kept_tensor_is_overwritten_in_place_is_refused():
+    # a lean step keeps the model's own residual tensors until the step ends (no copy): one
+    # overwritten in place after it was recorded would be stored wrong, so the step is refused
+    model = H.llama(100)
+    calls = []
+
+    def overwrite(module, args, kwargs):
+        calls.append(1)
+        if len(calls) == 4:  # layer 1's input (layer 0's output) in the third decode step, a lean one
+            (args[0] if args else kwargs["hidden_states"]).mul_(1.0)
+
+    h = model.model.layers[1].register_forward_pre_hook(overwrite, with_kwargs=True)
+    try:
+        with pytest.raises(ProbeError, match="overwrote a layer's input or output in place"):
+            probe.generate(model, PROMPT, keep="rows", max_new_tokens=N, min_new_tokens=N)
+    finally:
+        h.remove()
+    assert len(calls) == 4
+
+
 def _written_row(q, k, mask, scale):
     """softmax(q kᵀ · scale + mask) by hand, each key head repeated for its group of query heads."""
     g = q.size(1) // k.size(1)

@@ -34,6 +34,7 @@ import torch
 from torch import Tensor
 
 from probe.cache import format as _format
+from probe.cache.perf import heap
 from probe.capture.consumers.kept import Keep
 from probe.errors import ProbeError
 
@@ -76,10 +77,12 @@ class _Rows:
             rows = old.size(2) if old is not None else 0
             cap_r = rows if need_r <= rows else max(need_r, 2 * rows, self.hint_rows)
             cap_k = _w(old) if need_k <= _w(old) else max(need_k, 2 * _w(old), self.hint)
-            self.buf = row.new_zeros(B, H, cap_r, cap_k)
+            # zero-filled by the system, page by page as rows are written: the keys a row does
+            # not see yet (a generation's later positions) are never touched
+            self.buf = heap.mapped_empty((B, H, cap_r, cap_k), row.dtype, row.device)
             if old is not None:
                 self.buf[:, :, : self.n, : old.size(3)] = old[:, :, : self.n]
-        self.buf[:, :, self.n, off : off + K] = row[:, :, 0]
+        self.buf.select(2, self.n).narrow(-1, off, K).copy_(row.select(2, 0))
         self.n += 1
         self.width = max(self.width, need_k)
         self.positions.append(pos)
@@ -90,6 +93,45 @@ class _Rows:
             rows = torch.nn.functional.pad(rows, (0, width - self.buf.size(3)))
         index = torch.tensor([self.positions] * rows.size(0), dtype=torch.long)
         return rows.contiguous(), index
+
+
+@dataclass
+class _Grow:
+    """Each step's positions of one residual or top-k field, appended along ``dim`` into one buffer
+    that grows by doubling (``hint``: the positions expected at most, allocated at once). Kept as
+    one small tensor per step instead, a long generation's thousands of blocks would sit in the C
+    heap between the KV cache's growing blocks and keep it from reusing them."""
+
+    dim: int
+    hint: int = 0
+    buf: Tensor | None = None
+    n: int = 0
+
+    def add(self, t: Tensor) -> None:
+        d, need = self.dim, self.n + t.size(self.dim)
+        old = self.buf
+        if old is not None and (
+            old.shape[:d] != t.shape[:d] or old.shape[d + 1 :] != t.shape[d + 1 :] or old.dtype != t.dtype
+        ):
+            raise ProbeError(
+                f"a step's tensor of shape {list(t.shape)} does not continue the earlier steps' "
+                f"{list(old.shape)}; probe.trace(steps=True) needs one batch, head count and width throughout"
+            )
+        if old is None or need > old.size(d):
+            cap = max(need, 2 * (old.size(d) if old is not None else 0), self.hint)
+            shape = list(t.shape)
+            shape[d] = cap
+            self.buf = t.new_empty(shape)
+            if old is not None:
+                self.buf.narrow(d, 0, self.n).copy_(old.narrow(d, 0, self.n))
+        self.buf.narrow(d, self.n, t.size(d)).copy_(t)
+        self.n = need
+
+    def result(self) -> Tensor:
+        """The positions appended, in a tensor of their own (the buffer itself when it is full)."""
+        if self.buf.size(self.dim) == self.n:
+            return self.buf
+        return self.buf.narrow(self.dim, 0, self.n).clone()
 
 
 def _w(t: Tensor | None) -> int:
@@ -105,7 +147,7 @@ class Assembler:
         self.seen: dict[str, int] = {}  # stack -> positions read so far
         self.pieces: dict[str, list[tuple[int, Tensor, int]]] = {}  # key -> (row, rows, key offset)
         self.rows: dict[str, _Rows] = {}
-        self.lists: dict[str, list[Tensor]] = {}  # residuals and top-k fields, per key
+        self.lists: dict[str, _Grow] = {}  # residuals and top-k fields, per key
         self.metas: dict[str, dict[str, Any]] = {}  # stack -> the meta of its first step
         self.renamed: set[str] = set()  # stacks whose self-attention a step judged cross (see _field)
         self.steps = 0
@@ -113,6 +155,7 @@ class Assembler:
         self.finished: dict[str, Tensor] = {}
         self.sources: set[str] = set()  # stacks of submodule steps (read once, never generated)
         self.first: dict[str, set[str]] = {}  # stack -> the keys of its first step
+        self._routes: dict[tuple, tuple[str, Any]] = {}  # see _route
 
     # -- one step ------------------------------------------------------------------------------
     def add(self, step: Step) -> None:
@@ -148,11 +191,14 @@ class Assembler:
         self.steps += 1
         self.impls.update(step.meta.get("attention_implementations", []))
 
-    def _field(self, k: str, step: Step, stack: str, start: int, seen: int, end: int, gen: bool) -> None:
-        step_key, t, K = k, step.tensors[k], step.keys.get(k)
-        _, _, name = parse_key(k)
-        n = parse_name(name)
-        skip = max(0, seen - start)
+    def _route(self, k: str, stack: str, gen: bool) -> tuple[str, Any]:
+        """The key a step's key ``k`` is kept under and its parsed name (the same every step of a
+        generation once its stack's first step is in: worked out once per key)."""
+        memo = (k, stack, gen, "encoder" in self.seen)
+        got = self._routes.get(memo)
+        if got is not None:
+            return got
+        n = parse_name(parse_key(k)[2])
         own_key = k.replace(".cross_attn", ".self_attn")
         both = {k, own_key} <= self.first.get(stack, set())  # its first step had both: real cross
         if n.role == "cross" and gen and "encoder" not in self.seen and not both:
@@ -161,8 +207,15 @@ class Assembler:
             k = own_key
             self.renamed.add(stack)
             n = parse_name(parse_key(k)[2])
+        self._routes[memo] = (k, n)
+        return k, n
+
+    def _field(self, k: str, step: Step, stack: str, start: int, seen: int, end: int, gen: bool) -> None:
+        step_key, t, K = k, step.tensors[k], step.keys.get(k)
+        skip = max(0, seen - start)
+        k, n = self._route(k, stack, gen)
         if n.field is None:  # a residual tensor [batch, q, d] (or a delta)
-            self.lists.setdefault(k, []).append(t[:, skip:])
+            self._grow(k, 1, gen).add(t[:, skip:] if skip else t)
             return
         own = n.role == "self" and gen
         if n.field == "pattern":
@@ -173,25 +226,33 @@ class Assembler:
             t, off = _keys(t, end, own, k)
             for j, pos in enumerate(index):
                 if start + pos >= seen:
-                    new = _Rows(*self.hint) if own else _Rows()
-                    self.rows.setdefault(k, new).add(start + pos, t[:, :, j : j + 1], off)
+                    kept = self.rows.get(k)
+                    if kept is None:
+                        kept = self.rows[k] = _Rows(*self.hint) if own else _Rows()
+                    kept.add(start + pos, t[:, :, j : j + 1], off)
         elif n.field in _TOPK:
             t = t[:, :, skip:]
             if n.field != "topk_mass":
                 t = _full_k(t, self.keep.k, n.field == "topk_indices")
             if n.field == "topk_indices" and own and K is not None and K < end:
                 t = torch.where(t >= 0, t + (end - K), t)  # sliding window: key 0 is position end - K
-            self.lists.setdefault(k, []).append(t)
+            self._grow(k, 2, gen).add(t)
         elif n.field != "row_index":
+            name = parse_key(k)[2]
             raise ProbeError(f"probe.trace(steps=True) cannot assemble the field {name} across steps")
+
+    def _grow(self, k: str, dim: int, generating: bool) -> _Grow:
+        got = self.lists.get(k)
+        if got is None:  # a generating stack reads up to hint[1] positions; others, once
+            got = self.lists[k] = _Grow(dim, self.hint[1] if generating else 0)
+        return got
 
     # -- the cache -----------------------------------------------------------------------------
     def finish(self) -> dict[str, Tensor]:
         """Every assembled tensor by cache key."""
         out: dict[str, Tensor] = {}
-        for k, parts in self.lists.items():
-            n = parse_name(parse_key(k)[2])
-            out[k] = torch.cat(parts, dim=1 if n.field is None else 2)
+        for k, grown in self.lists.items():
+            out[k] = grown.result()
         for k, pieces in self.pieces.items():
             out[k] = self._pattern(k, pieces)
         for k, r in self.rows.items():

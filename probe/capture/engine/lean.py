@@ -334,13 +334,14 @@ class LeanStep:
         self.keys: dict[str, int] = {}  # attention field key -> the step's key count
         self.rows: list[Tensor | None] = []
         self.mode = _RowMode(self.rows.append)
+        self.versions: list[tuple[Tensor, int]] = []  # the model's tensors kept, and their versions
         self.written = 0
 
     def pre(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
         mid, plan = id(module), self.plan
         keys = plan.ins.get(mid)
         if keys is not None:
-            t = _convert(first_tensor(args, kwargs), plan.dtype)
+            t = self._held(first_tensor(args, kwargs))
             self.tensors.update(dict.fromkeys(keys, t))
             self.written += len(keys)
         if mid in plan.arm_at:
@@ -363,17 +364,35 @@ class LeanStep:
             self.written += len(fields)
         keys = plan.outs.get(mid)
         if keys is not None:
-            t = _convert(output_tensor(output), plan.dtype)
+            t = self._held(output_tensor(output))
             self.tensors.update(dict.fromkeys(keys, t))
             self.written += len(keys)
         if mid in plan.arm_after:
             self.rows.clear()
             push(self.mode)
 
+    def _held(self, t: Tensor) -> Tensor:
+        """A module's input or output as the step keeps it: the model's own tensor (the assembler
+        copies it when the step ends; :meth:`finish` checks it was not overwritten in place by
+        then), or its conversion to the plan's dtype."""
+        dtype = self.plan.dtype
+        if dtype is not None and t.is_floating_point() and t.dtype != dtype:
+            return t.detach().to(dtype)
+        kept = t.detach()  # shares the version counter of the model's tensor
+        self.versions.append((kept, kept._version))
+        return kept
+
     def finish(self) -> dict[str, Tensor]:
-        """The step's tensors by cache key (an error if a mapped module ran other than once)."""
+        """The step's tensors by cache key (an error if a mapped module ran other than once, or
+        the model overwrote a kept tensor in place before the step ended)."""
         if self.written != self.plan.count or len(self.tensors) != self.plan.count:
             raise self._differs(f"{self.written} tensors for {self.plan.count} keys")
+        if any(t._version != v for t, v in self.versions):
+            raise ProbeError(
+                f"a decode step (after {self.cached} positions) overwrote a layer's input or output in "
+                "place after probe recorded it; probe cannot capture it step by step: report it with "
+                "the model's name"
+            )
         return self.tensors
 
     def abort(self) -> None:

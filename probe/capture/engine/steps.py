@@ -46,11 +46,13 @@ from probe.capture.inputs.prepared import model_name
 from probe.errors import ProbeError
 from probe.version import __version__
 
-# Every step allocates its weights, rows and residuals a little larger than the last (one key more):
-# glibc serves them from its heap (its mmap threshold rises to their size once one is freed) and
-# cannot reuse a freed block for a larger request, so the heap grows with the holes left behind:
-# at 2,048 + 2,048 tokens of a 4-layer model 4.4 GiB resident for a 0.5 GiB result. Handing the
-# free pages back every few steps (malloc_trim) keeps it at the result's size plus one step.
+# Whole patterns are kept as each step's rows, one tensor a step and a key, a little larger than
+# the last (one key more): glibc serves them from its heap among the KV cache's growing blocks,
+# which it then cannot reuse, so the heap grows with the holes left behind. Handing the free pages
+# back every few steps (malloc_trim) keeps it at the result's size plus one step. Rows, top-k and
+# residuals go into buffers that grow by doubling (assemble.py), which leave no such holes: at
+# 2,048 + 2,048 tokens of a 4-layer model `keep="rows"` peaks at its result without any trim
+# (4.4 GiB resident before, when each step's residuals were kept apart), so they are not trimmed.
 TRIM_EVERY = 16
 
 
@@ -90,11 +92,26 @@ class _StepWatcher(Watcher):
         self._only = modules
 
     def go_lean(self, step: LeanStep) -> bool:
-        """Run the next step lean: the mode off (False where another mode sits above it)."""
-        if not lean_pop(self._mode):
+        """Run the next step lean, the mode off (False where it is on under another mode)."""
+        if self._on and not self.mode_off():
             return False
         self.lean = step
         return True
+
+    # The mode is on only while a step that is captured in full runs: between steps (the
+    # generation loop's own ops) and during lean steps no op passes through it.
+    _on = True  # install() pushes it
+
+    def mode_on(self) -> None:
+        if not self._on:
+            lean_push(self._mode)
+            self._on = True
+
+    def mode_off(self) -> bool:
+        """Take the mode off the stack (False where another mode sits above it: left on)."""
+        if self._on and lean_pop(self._mode):
+            self._on = False
+        return not self._on
 
     def _pre(self, module: nn.Module, args: tuple, *rest: Any) -> None:
         if self._replaying or threading.get_ident() != self._thread:
@@ -132,11 +149,10 @@ class _StepWatcher(Watcher):
             self._end(module, ok)
 
     def end_lean(self) -> LeanStep | None:
-        """The lean step that ran (its mode off), the tracer's mode back on."""
+        """The lean step that ran (its row mode off)."""
         step, self.lean = self.lean, None
         if step is not None:
             step.abort()
-            lean_push(self._mode)
         return step
 
     def remove(self, *exc: Any) -> None:
@@ -144,6 +160,7 @@ class _StepWatcher(Watcher):
         if self.learner is not None:
             lean_pop(self.learner.mode)
             self.learner = None
+        self.mode_on()  # the watcher's removal takes it off the stack
         super().remove(*exc)
 
 
@@ -246,6 +263,7 @@ class StepTrace:
             self._watcher = _StepWatcher(self.model, self._begin, self._end)
             self._watcher.bind(self._tracer())
             self._watcher.install()
+            self._watcher.mode_off()  # on only while a step captured in full runs
         except BaseException:
             release(self.model)
             raise
@@ -259,6 +277,7 @@ class StepTrace:
             w.hook_only(plan.modules())
             return
         w.hook_only(None)
+        w.mode_on()
         self._tr = self._tracer()
         w.bind(self._tr)
         if fit is not None and plan is None:  # the first decode step: learn its plan beside it
@@ -271,6 +290,7 @@ class StepTrace:
         learner, w.learner = w.learner, None
         if learner is not None:
             lean_pop(learner.mode)
+        w.mode_off()
         if not ok:
             self._tr = None
             return
@@ -317,7 +337,7 @@ class StepTrace:
         with torch._C.DisableTorchFunction():  # probe's own copies: unseen by the tracer's mode
             self.assembler.add(step)
         self.steps += 1
-        if self.steps % TRIM_EVERY == 0:
+        if self.keep.default and self.steps % TRIM_EVERY == 0:
             heap.trim()
         if self.on_step is not None and root is self.model:  # one per token (not the encoder's)
             self.on_step(self.steps)
