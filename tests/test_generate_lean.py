@@ -34,9 +34,15 @@ def test_lean_steps_hold_the_rows_and_residuals_of_the_full_capture(build):
     got = {
         k: probe.generate(model, PROMPT, keep=v, max_new_tokens=N, min_new_tokens=N) for k, v in kinds.items()
     }
-    for g in got.values():
+    for kind, g in got.items():
         assert torch.equal(g.ids, seq)
         assert g.cache.metadata["steps"]["lean"] == N - 2  # the prefill and the first decode step are whole
+        # rows over transformers' append-only DynamicLayer wait and are computed together (not a
+        # sliding window's, whose keys move): the same rows, checked below against eager
+        layers = len(eager)
+        window = build is H.mistral
+        deferred = 0 if window else (N - 2) * layers
+        assert g.cache.metadata["steps"]["deferred"] == deferred
     for layer, want in enumerate(eager):
         rows = got["rows"].cache.rows("decoder", layer)
         torch.testing.assert_close(rows, want[:, :, P - 1 :], atol=ATOL, rtol=0)
@@ -47,6 +53,19 @@ def test_lean_steps_hold_the_rows_and_residuals_of_the_full_capture(build):
             key = f"decoder.blocks.{layer}.{name}"
             for g in got.values():
                 torch.testing.assert_close(g.cache[key], full[key], atol=ATOL, rtol=0)
+
+
+def test_top_k_over_fewer_keys_than_k_while_rows_wait():
+    # k = 12 over a prompt of 8: the first steps read fewer than 12 keys, waiting rows included
+    model = H.llama(100)
+    seq, eager = eager_decoder_only(model, N)
+    g = probe.generate(model, PROMPT, keep={"topk": 12}, max_new_tokens=N, min_new_tokens=N)
+    assert g.cache.metadata["steps"]["deferred"] == (N - 2) * len(eager)
+    for layer, want in enumerate(eager):
+        values = g.cache[f"decoder.blocks.{layer}.self_attn.topk_values"]
+        indices = g.cache[f"decoder.blocks.{layer}.self_attn.topk_indices"].long()
+        torch.testing.assert_close(values, want.topk(12, dim=-1).values, atol=ATOL, rtol=0)
+        torch.testing.assert_close(want.gather(-1, indices), values, atol=ATOL, rtol=0)
 
 
 def test_lean_steps_cut_heads_and_store_the_dtype_asked():

@@ -56,6 +56,7 @@ class Step:
     cached: int
     keys: dict[str, int] = field(default_factory=dict)  # attention field key -> the step's key count
     source: str | None = None  # a submodule's step: the name of its lone stack (None: the model's)
+    lean: bool = False  # a lean decode step (its rows may wait: engine/deferred.py)
 
 
 @dataclass
@@ -69,9 +70,11 @@ class _Rows:
     width: int = 0
     positions: list[int] = field(default_factory=list)
 
-    def add(self, pos: int, row: Tensor, off: int) -> None:
-        B, H, _, K = row.shape
-        need_r, need_k = self.n + 1, off + K
+    def add(self, pos: int | list[int], row: Tensor, off: int) -> None:
+        """Rows ``row`` ``[batch, heads, rows, keys]`` at positions ``pos`` (one or a list), their
+        key 0 at key ``off``."""
+        B, H, M, K = row.shape
+        need_r, need_k = self.n + M, off + K
         if self.buf is None or need_r > self.buf.size(2) or need_k > self.buf.size(3):
             old = self.buf
             rows = old.size(2) if old is not None else 0
@@ -82,10 +85,13 @@ class _Rows:
             self.buf = heap.mapped_empty((B, H, cap_r, cap_k), row.dtype, row.device)
             if old is not None:
                 self.buf[:, :, : self.n, : old.size(3)] = old[:, :, : self.n]
-        self.buf.select(2, self.n).narrow(-1, off, K).copy_(row.select(2, 0))
-        self.n += 1
+        self.buf.narrow(2, self.n, M).narrow(-1, off, K).copy_(row)
+        self.n += M
         self.width = max(self.width, need_k)
-        self.positions.append(pos)
+        if isinstance(pos, list):
+            self.positions.extend(pos)
+        else:
+            self.positions.append(pos)
 
     def result(self, width: int) -> tuple[Tensor, Tensor]:
         rows = self.buf[:, :, : self.n, :width]
@@ -240,6 +246,32 @@ class Assembler:
         elif n.field != "row_index":
             name = parse_key(k)[2]
             raise ProbeError(f"probe.trace(steps=True) cannot assemble the field {name} across steps")
+
+    def add_block(self, prefix: str, positions: list[int], fields: dict[str, Tensor]) -> None:
+        """Rows of the generating stack's attention ``prefix`` computed for several decode steps at
+        once (:mod:`probe.capture.engine.deferred`): each field ``[batch, heads, steps, ...]``, the
+        steps' query ``positions`` in order, every row over keys from position 0."""
+        for name, t in fields.items():
+            stack = parse_key(prefix + "." + name)[0]
+            k, n = self._route(prefix + "." + name, stack, True)
+            if n.field == "rows":
+                kept = self.rows.get(k)
+                if kept is None:
+                    kept = self.rows[k] = _Rows(*self.hint)
+                kept.add(positions, t, 0)
+            elif n.field == "pattern":  # the steps' rows of the whole pattern, in runs of positions
+                pieces = self.pieces.setdefault(k, [])
+                i = 0
+                while i < len(positions):
+                    j = i + 1
+                    while j < len(positions) and positions[j] == positions[j - 1] + 1:
+                        j += 1
+                    pieces.append((positions[i], t[:, :, i:j], 0))
+                    i = j
+            else:  # top-k: values and indices padded to k as a step's are, the mass as it is
+                if n.field != "topk_mass":
+                    t = _full_k(t, self.keep.k, n.field == "topk_indices")
+                self._grow(k, 2, True).add(t)
 
     def _grow(self, k: str, dim: int, generating: bool) -> _Grow:
         got = self.lists.get(k)

@@ -78,18 +78,22 @@ def decode_row(
 
 
 class _RowMode(TorchFunctionMode):
-    """Passes every torch call on; an SDPA call's row goes to ``sink`` (computed after the call)."""
+    """Passes every torch call on; an SDPA call's row goes to ``sink`` (computed after the call;
+    ``raw``: the call's arguments instead, ``(args, kwargs)``)."""
 
-    def __init__(self, sink: Any) -> None:
+    def __init__(self, sink: Any, raw: bool = False) -> None:
         super().__init__()
-        self.sink = sink
+        self.sink, self.raw = sink, raw
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
         if func is SDPA:
-            with torch._C.DisableTorchFunction():  # unseen by any mode below (the tracer's)
-                self.sink(decode_row(*sdpa_args(args, kwargs), fold=True))
+            if self.raw:
+                self.sink((args, kwargs))
+            else:
+                with torch._C.DisableTorchFunction():  # unseen by any mode below (the tracer's)
+                    self.sink(decode_row(*sdpa_args(args, kwargs), fold=True))
         return out
 
 
@@ -328,12 +332,15 @@ def learn(
 class LeanStep:
     """One decode step captured by the plan's hooks (see the module docstring)."""
 
-    def __init__(self, plan: Plan, cached: int) -> None:
+    def __init__(self, plan: Plan, cached: int, deferred: Any = None, past: Any = None) -> None:
         self.plan, self.cached = plan, cached
+        # rows that may wait (engine/deferred.py) wait there; ``past``: the step's KV cache
+        self.deferred, self.past = deferred, past
         self.tensors: dict[str, Tensor] = {}
         self.keys: dict[str, int] = {}  # attention field key -> the step's key count
-        self.rows: list[Tensor | None] = []
-        self.mode = _RowMode(self.rows.append)
+        self.rows: list[tuple[tuple, dict]] = []  # each SDPA call's arguments
+        self.mode = _RowMode(self.rows.append, raw=True)
+        self.waiting = 0  # fields whose rows wait in ``deferred``
         self.versions: list[tuple[Tensor, int]] = []  # the model's tensors kept, and their versions
         self.written = 0
 
@@ -353,15 +360,7 @@ class LeanStep:
         prefix = plan.attn.get(mid)
         if prefix is not None:
             pop(self.mode)
-            row = self.rows[0] if len(self.rows) == 1 else None
-            if row is None or row.size(1) != plan.heads_of[mid]:
-                raise self._differs(
-                    f"{prefix} made {len(self.rows)} attention calls, not one like the first's"
-                )
-            fields = plan.fields(prefix, row)
-            self.tensors.update(fields)
-            self.keys.update(dict.fromkeys(fields, row.size(-1)))
-            self.written += len(fields)
+            self._attention(module, prefix)
         keys = plan.outs.get(mid)
         if keys is not None:
             t = self._held(output_tensor(output))
@@ -370,6 +369,29 @@ class LeanStep:
         if mid in plan.arm_after:
             self.rows.clear()
             push(self.mode)
+
+    def _attention(self, module: nn.Module, prefix: str) -> None:
+        """The row of attention sublayer ``module``'s one SDPA call: kept, or left waiting."""
+        plan, mid = self.plan, id(module)
+        if len(self.rows) != 1:
+            raise self._differs(f"{prefix} made {len(self.rows)} attention calls, not one like the first's")
+        q, key, mask, causal, scale = sdpa_args(*self.rows[0])
+        d = self.deferred
+        if d is not None and q.dim() == 4 and q.size(1) == plan.heads_of[mid]:
+            if d.fits(module, q, key, mask, causal, self.past):
+                d.wait(prefix, q, key, scale, self.cached)
+                self.waiting += len(_FIELDS[plan.kind])
+                self.written += len(_FIELDS[plan.kind])
+                return
+            d.flush(prefix)  # its earlier rows first: the assembler keeps them in order
+        with torch._C.DisableTorchFunction():
+            row = decode_row(q, key, mask, causal, scale, fold=True)
+        if row is None or row.size(1) != plan.heads_of[mid]:
+            raise self._differs(f"{prefix} made an attention call unlike the first's")
+        fields = plan.fields(prefix, row)
+        self.tensors.update(fields)
+        self.keys.update(dict.fromkeys(fields, row.size(-1)))
+        self.written += len(fields)
 
     def _held(self, t: Tensor) -> Tensor:
         """A module's input or output as the step keeps it: the model's own tensor (the assembler
@@ -385,7 +407,7 @@ class LeanStep:
     def finish(self) -> dict[str, Tensor]:
         """The step's tensors by cache key (an error if a mapped module ran other than once, or
         the model overwrote a kept tensor in place before the step ended)."""
-        if self.written != self.plan.count or len(self.tensors) != self.plan.count:
+        if self.written != self.plan.count or len(self.tensors) + self.waiting != self.plan.count:
             raise self._differs(f"{self.written} tensors for {self.plan.count} keys")
         if any(t._version != v for t, v in self.versions):
             raise ProbeError(

@@ -35,6 +35,7 @@ from probe.capture.consumers.kept import Keep, parse_keep
 from probe.capture.consumers.rows import KeepRows, RowPicker
 from probe.capture.engine.assemble import Assembler, Step
 from probe.capture.engine.claims import claim, release
+from probe.capture.engine.deferred import Deferred
 from probe.capture.engine.lean import LeanStep, Learner, decode_step, learn
 from probe.capture.engine.lean import pop as lean_pop
 from probe.capture.engine.lean import push as lean_push
@@ -241,7 +242,13 @@ class StepTrace:
         self._sink: MemorySink | None = None
         self._watcher: _StepWatcher | None = None
         self._plan: Any = None  # the lean plan of decode steps (False: none fits)
+        self._pieces = 0  # steps that kept whole-pattern rows of their own (see TRIM_EVERY)
         self.lean_steps = 0
+        # lean steps' rows over an append-only KV cache, computed many steps at a time
+        self.deferred: Deferred | None = None
+        if self.keep.kind in ("rows", "topk", "patterns"):
+            h = self.selection.heads
+            self.deferred = Deferred(self.keep.kind, self.keep.k, h, self.dtype, self._block)
 
     def _tracer(self) -> Tracer:
         self._sink = MemorySink()
@@ -273,7 +280,9 @@ class StepTrace:
         w = self._watcher
         fit = decode_step(kwargs, args) if root is self.model and self.encoder is None else None
         plan = self._plan
-        if fit is not None and plan and fit[0] == plan.batch and w.go_lean(LeanStep(plan, fit[1])):
+        past = kwargs.get("past_key_values", kwargs.get("cache"))
+        lean = LeanStep(plan, fit[1], self.deferred, past) if fit is not None and plan else None
+        if lean is not None and fit[0] == plan.batch and w.go_lean(lean):
             w.hook_only(plan.modules())
             return
         w.hook_only(None)
@@ -295,7 +304,7 @@ class StepTrace:
             self._tr = None
             return
         if lean is not None:
-            step = Step(lean.finish(), self._plan.meta, True, lean.cached, lean.keys)
+            step = Step(lean.finish(), self._plan.meta, True, lean.cached, lean.keys, lean=True)
             self.lean_steps += 1
             self._added(step, root)
             return
@@ -333,12 +342,29 @@ class StepTrace:
             self._plan = got if got is not None else False
         self._added(Step(tensors, meta, root is self.model, tr.forward.cached, keys, source), root)
 
+    def _block(self, prefix: str, positions: list[int], fields: dict[str, Any]) -> None:
+        with torch._C.DisableTorchFunction():  # probe's own copies: unseen by the tracer's mode
+            self.assembler.add_block(prefix, positions, fields)
+
+    def _flush(self) -> None:
+        """Compute every waiting row (before a step captured in full adds rows of its own, and at
+        the end)."""
+        if self.deferred is not None:
+            with torch._C.DisableTorchFunction():
+                self.deferred.flush()
+
     def _added(self, step: Step, root: nn.Module) -> None:
+        if not step.lean:
+            self._flush()
         with torch._C.DisableTorchFunction():  # probe's own copies: unseen by the tracer's mode
             self.assembler.add(step)
+            if self.deferred is not None and self.deferred.due():
+                self.deferred.flush()
         self.steps += 1
-        if self.keep.default and self.steps % TRIM_EVERY == 0:
-            heap.trim()
+        if self.keep.default and any(k.endswith(".pattern") for k in step.tensors):
+            self._pieces += 1  # a step whose rows of the whole pattern are kept apart
+            if self._pieces % TRIM_EVERY == 0:
+                heap.trim()
         if self.on_step is not None and root is self.model:  # one per token (not the encoder's)
             self.on_step(self.steps)
 
@@ -363,6 +389,7 @@ class StepTrace:
             raise ProbeError(
                 "the model did not run inside probe.trace(steps=True); call it inside the with block"
             )
+        self._flush()
         self.cache = Cache(self.assembler.finish(), self._meta())
         if self.out is not None:
             self.cache.save(self.out)
@@ -393,8 +420,14 @@ class StepTrace:
                 "training": bool(self.model.training),
                 "heads_captured": self.selection.heads,
                 "layers": layers,
-                # lean: the decode steps captured by the plan learnt from the first (engine/lean.py)
-                "steps": {"forwards": self.steps, "lengths": dict(a.seen), "lean": self.lean_steps},
+                # lean: the decode steps captured by the plan learnt from the first (engine/lean.py);
+                # deferred: the rows of theirs computed many steps at a time (engine/deferred.py)
+                "steps": {
+                    "forwards": self.steps,
+                    "lengths": dict(a.seen),
+                    "lean": self.lean_steps,
+                    "deferred": self.deferred.deferred if self.deferred is not None else 0,
+                },
             }
         )
         if not self.keep.default:
