@@ -25,7 +25,7 @@ from generation import run_mode, setup
 
 from probe.cache.perf import heap
 from probe.capture.consumers import rows as consumers
-from probe.capture.engine import assemble, lean, steps
+from probe.capture.engine import assemble, deferred, lean, steps
 from probe.capture.hooks import watch
 
 PARTS = [
@@ -38,8 +38,9 @@ PARTS = [
     (consumers.KeepTopK, "sdpa", "full step: top-k recomputed from SDPA"),
     (lean.LeanStep, "pre", "lean step: pre-hooks"),
     (lean.LeanStep, "post", "lean step: post-hooks (the fields)"),
-    (lean, "decode_row", "lean step: the row from q and cached K"),
-    (heap, "trim", "heap trim (every 16 steps)"),
+    (lean, "decode_row", "lean step: the row from q and cached K (a row that cannot wait)"),
+    (deferred.Deferred, "flush", "lean steps: waiting rows computed (every 64 steps)"),
+    (heap, "trim", "heap trim (whole patterns kept apart: every 16 steps)"),
 ]
 
 
