@@ -34,7 +34,7 @@ def test_lean_steps_hold_the_rows_and_residuals_of_the_full_capture(build):
     got = {
         k: probe.generate(model, PROMPT, keep=v, max_new_tokens=N, min_new_tokens=N) for k, v in kinds.items()
     }
-    for kind, g in got.items():
+    for g in got.values():
         assert torch.equal(g.ids, seq)
         assert g.cache.metadata["steps"]["lean"] == N - 2  # the prefill and the first decode step are whole
         # rows over transformers' append-only DynamicLayer wait and are computed together (not a
