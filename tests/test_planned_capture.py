@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import copy
 
+import hf_fixtures as H
 import pytest
 import torch
 import transformers as tf
@@ -28,20 +29,8 @@ TOK = CharTokenizer("chars", CHARS, pad_id=0)
 TEXTS = ["the cat sat on the mat.", "a dog ran.", "birds sing at dawn and dusk.", "so it goes."]
 
 
-def tiny_llama(impl: str = "sdpa") -> tf.LlamaForCausalLM:
-    cfg = tf.LlamaConfig(
-        vocab_size=len(CHARS),
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=3,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=64,
-        pad_token_id=0,
-        attn_implementation=impl,
-    )
-    torch.manual_seed(0)
-    return tf.LlamaForCausalLM(cfg).eval()
+def tiny_llama() -> tf.LlamaForCausalLM:
+    return H.llama(len(CHARS))  # 2 layers, 8 heads over 2 key/value heads, sdpa
 
 
 def kind(model, cache, heads=None, dtype=None):
@@ -122,7 +111,7 @@ def test_the_third_capture_is_planned_and_stores_what_the_model_computed(texts):
         assert_what_the_model_computed(model, cache)
     with using(planned_capture=False):
         full = probe.capture(model, other, tokenizer=TOK)
-    assert set(third.keys()) == set(full.keys()) and len(full.keys()) == 3 * 5
+    assert set(third.keys()) == set(full.keys()) and len(full.keys()) == 2 * 5
     assert third.metadata == full.metadata
     assert third.metadata["dtype"] == "float32" and third.metadata["attention_implementations"] == ["sdpa"]
 
@@ -194,12 +183,12 @@ def test_a_model_switched_to_eager_attention_is_captured_in_full():
 
 def test_a_layer_list_that_grew_is_captured_in_full():
     model, k = planned_model()
-    model.model.layers.append(copy.deepcopy(model.model.layers[2]))
-    model.model.layers[3].self_attn.layer_idx = 3
-    model.config.num_hidden_layers = 4
+    model.model.layers.append(copy.deepcopy(model.model.layers[1]))
+    model.model.layers[2].self_attn.layer_idx = 2
+    model.config.num_hidden_layers = 3
     cache = probe.capture(model, TEXTS[2], tokenizer=TOK)
     assert planned.state(model, k) == "refused"
-    assert cache.metadata["stacks"]["decoder"]["layers"] == 4
+    assert cache.metadata["stacks"]["decoder"]["layers"] == 3
     assert_what_the_model_computed(model, cache)
 
 

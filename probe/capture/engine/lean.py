@@ -77,9 +77,10 @@ def decode_row(
     return row.view(B, H * L, 1, S)
 
 
-class _RowMode(TorchFunctionMode):
-    """Passes every torch call on; an SDPA call's row goes to ``sink`` (computed after the call;
-    ``raw``: the call's arguments instead, ``(args, kwargs)``)."""
+class SdpaMode(TorchFunctionMode):
+    """Passes every torch call on; after an SDPA call, its row goes to ``sink`` (``raw``: the
+    call's arguments instead, ``(args, kwargs)``; a sink that computes with them runs its torch
+    calls under ``torch._C.DisableTorchFunction()``, unseen by any mode below)."""
 
     def __init__(self, sink: Any, raw: bool = False) -> None:
         super().__init__()
@@ -139,7 +140,7 @@ class Learner:
         self.before: dict[int | None, int | None] = {}  # attention id -> the module that returned last before
         self.stack: list[int] = []
         self.last: int | None = None  # the module that returned last
-        self.mode = _RowMode(self._row)
+        self.mode = SdpaMode(self._row)
 
     def _row(self, row: Tensor | None) -> None:
         owner = self.stack[-1] if self.stack else None
@@ -339,7 +340,7 @@ class LeanStep:
         self.tensors: dict[str, Tensor] = {}
         self.keys: dict[str, int] = {}  # attention field key -> the step's key count
         self.rows: list[tuple[tuple, dict]] = []  # each SDPA call's arguments
-        self.mode = _RowMode(self.rows.append, raw=True)
+        self.mode = SdpaMode(self.rows.append, raw=True)
         self.waiting = 0  # fields whose rows wait in ``deferred``
         self.versions: list[tuple[Tensor, int]] = []  # the model's tensors kept, and their versions
         self.written = 0

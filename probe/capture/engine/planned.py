@@ -40,16 +40,14 @@ from typing import Any
 
 import torch
 from torch import Tensor, nn
-from torch.overrides import TorchFunctionMode
 
 from probe.cache import Cache
 from probe.cache.perf import heap
 from probe.cache.perf.options import OPTIONS
 from probe.capture.calls import first_tensor, output_tensor
 from probe.capture.engine.claims import claim, release
-from probe.capture.engine.lean import pop, push, sdpa_args
+from probe.capture.engine.lean import SdpaMode, pop, push, sdpa_args
 from probe.capture.engine.naming import model_info
-from probe.capture.hooks.record import SDPA
 from probe.capture.patterns import sdpa_rows, sdpa_weights
 
 # the metadata a capture adds that a plan may repeat: the same for every input of one kind
@@ -214,23 +212,6 @@ def propose(
     return plan
 
 
-class _PatternMode(TorchFunctionMode):
-    """Passes every torch call on; after an SDPA call, ``weights(args, kwargs)`` (unseen by any
-    mode below) goes to ``sink`` with the call's form."""
-
-    def __init__(self, sink: Any, weights: Any) -> None:
-        super().__init__()
-        self.sink, self.weights = sink, weights
-
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        out = func(*args, **kwargs)
-        if func is SDPA:
-            with torch._C.DisableTorchFunction():
-                self.sink(_sdpa_form(args, kwargs), self.weights(args, kwargs))
-        return out
-
-
 def sample_rows(length: int) -> list[int]:
     """The query rows a confirming run recomputes: the first, the middle and the last."""
     return sorted({0, length // 2, length - 1})
@@ -267,21 +248,23 @@ class PlannedRun:
         self.ins: dict[int, Tensor] = {}
         self.outs: dict[int, Tensor] = {}
         if confirming:  # beside the full capture, whose patterns it is compared with: a few rows
-            self.mode = _PatternMode(self._pattern, _sampled)
+            self.weights = _sampled
         else:
             dtype = plan.dtype
-            self.mode = _PatternMode(
-                self._pattern, lambda a, k: sdpa_weights(*a, **k, dtype=dtype, empty=heap.mapped_empty)
-            )
+            self.weights = lambda a, k: sdpa_weights(*a, **k, dtype=dtype, empty=heap.mapped_empty)
+        self.mode = SdpaMode(self._call, raw=True)
         self._handles: list[Any] = []
         self._thread = threading.get_ident()
         self.failed = False
 
-    def _pattern(self, form: tuple, pattern: Tensor) -> None:
+    def _call(self, call: tuple[tuple, dict]) -> None:
+        """An SDPA call inside an attention sublayer: its form and its weights (unseen by any mode)."""
         if self.seen_in is None:
             self.failed = True
-        else:
-            self.seen_in.append((form, pattern))
+            return
+        args, kwargs = call
+        with torch._C.DisableTorchFunction():
+            self.seen_in.append((_sdpa_form(args, kwargs), self.weights(args, kwargs)))
 
     # -- hooks ---------------------------------------------------------------------------------
     def __enter__(self) -> PlannedRun:
