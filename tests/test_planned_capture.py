@@ -232,3 +232,29 @@ def test_patterns_in_mapped_memory_equal_softmax_written_here():
     assert torch.count_nonzero(got.triu(1)) == 0
     small = heap.mapped_empty((3, 5), torch.float32, "cpu")
     assert small.shape == (3, 5) and torch.count_nonzero(small) == 0
+
+
+def test_a_system_out_of_mappings_gets_heap_memory(monkeypatch):
+    from probe.cache.perf import heap
+
+    def refuse(*a, **k):
+        raise OSError(12, "Cannot allocate memory")
+
+    monkeypatch.setattr(heap.mmap, "mmap", refuse)
+    t = heap.mapped_empty((4, 400, 400), torch.float32, "cpu")
+    assert t.shape == (4, 400, 400) and torch.count_nonzero(t) == 0
+
+
+def test_a_planned_capture_with_mapped_patterns_saves_and_loads(tmp_path):
+    model = tiny_llama()
+    model.config.max_position_embeddings = 512  # rotary: any length; the config's limit is probe's check
+    text = "the cat sat on the mat. " * 12  # 288 tokens: 8 heads x 288 x 288 floats, 2.6 MB a pattern
+    for _ in range(3):
+        cache = probe.capture(model, text, tokenizer=TOK)
+    assert planned.state(model, kind(model, cache)) == "planned"
+    assert cache["decoder.blocks.0.self_attn.pattern"].numel() * 4 >= 2 << 20
+    cache.save(tmp_path / "c.safetensors")
+    back = probe.load(tmp_path / "c.safetensors")
+    assert set(back.keys()) == set(cache.keys())
+    assert all(torch.equal(back[k], cache[k]) for k in cache.keys())
+    assert_what_the_model_computed(model, cache)

@@ -117,14 +117,17 @@ def mapped_empty(shape: tuple[int, ...], dtype: torch.dtype, device: Any) -> tor
     own, marked for transparent huge pages where the system offers them (one fault per 2 MiB),
     returned to the system when the tensor is freed, and zero-filled by the kernel (``zeroed``:
     a writer need not clear what it does not write). Smaller ones, other devices, and systems
-    without ``mmap``: ``torch.zeros``.
+    without ``mmap``, or a system out of mappings: ``torch.zeros``.
     """
     numel = math.prod(shape)
     itemsize = torch.empty((), dtype=dtype).element_size()
     dev = torch.device(device) if device is not None else torch.device("cpu")
     if dev.type != "cpu" or numel * itemsize < HUGE or not hasattr(mmap, "MAP_ANONYMOUS"):
         return torch.zeros(shape, dtype=dtype, device=dev)
-    buf = mmap.mmap(-1, numel * itemsize, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    try:
+        buf = mmap.mmap(-1, numel * itemsize, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    except OSError:  # out of mappings (vm.max_map_count) or address space: the heap, as before
+        return torch.zeros(shape, dtype=dtype, device=dev)
     if hasattr(mmap, "MADV_HUGEPAGE"):
         with contextlib.suppress(OSError):  # no transparent huge pages here: 4 KiB pages
             buf.madvise(mmap.MADV_HUGEPAGE)

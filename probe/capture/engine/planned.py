@@ -242,6 +242,7 @@ class PlannedRun:
         self.plan = plan
         self.tensors: dict[str, Tensor] = {}
         self.versions: list[tuple[Tensor, int]] = []  # the model's own tensors kept, and their versions
+        self.kept: set[int] = set()  # the storages the keys hold so far
         self.ran: dict[int, int] = {}  # id(module) -> calls seen
         self.found: dict[int, list[tuple[tuple, Tensor]]] = {}  # id(attention) -> (form, pattern)
         self.seen_in: list[tuple[tuple, Tensor]] | None = None
@@ -364,8 +365,15 @@ class PlannedRun:
         return {mid: got[0][0] for mid, got in self.found.items() if len(got) == 1}
 
     def _keep(self, t: Tensor) -> Tensor:
+        """``t`` as the cache keeps it: the model's own tensor (its version noted), or a copy where
+        another key already holds its memory (a layer's input is the previous layer's output:
+        tensors of a cache never share memory, as a saved file cannot)."""
         s = _store(t, self.plan.dtype)
-        if s.untyped_storage().data_ptr() == t.untyped_storage().data_ptr():
+        ptr = s.untyped_storage().data_ptr()
+        if ptr in self.kept:
+            return s.clone()
+        self.kept.add(ptr)
+        if ptr == t.untyped_storage().data_ptr():
             self.versions.append((s, s._version))
         return s
 
