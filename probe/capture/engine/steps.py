@@ -243,6 +243,7 @@ class StepTrace:
         self._watcher: _StepWatcher | None = None
         self._plan: Any = None  # the lean plan of decode steps (False: none fits)
         self._pieces = 0  # steps that kept whole-pattern rows of their own (see TRIM_EVERY)
+        self._info: dict[str, Any] | None = None  # model_info, once
         self.lean_steps = 0
         # lean steps' rows over an append-only KV cache, computed many steps at a time
         self.deferred: Deferred | None = None
@@ -315,7 +316,7 @@ class StepTrace:
             return
         try:
             check_forward(tr, self.model, self.selection)
-            names, meta = name(tr, self.model, {}, self.selection)
+            names, meta = name(tr, self.model, {"model": self._model_info()}, self.selection)
             check_unseen(tr, self.model)
             tensors = self._sink.finish(names, {})
         finally:
@@ -341,6 +342,12 @@ class StepTrace:
             )
             self._plan = got if got is not None else False
         self._added(Step(tensors, meta, root is self.model, tr.forward.cached, keys, source), root)
+
+    def _model_info(self) -> dict[str, Any]:
+        """The model's name, class and config for the metadata, worked out once per trace."""
+        if self._info is None:
+            self._info = model_info(self.model)
+        return self._info
 
     def _block(self, prefix: str, positions: list[int], fields: dict[str, Any]) -> None:
         with torch._C.DisableTorchFunction():  # probe's own copies: unseen by the tracer's mode
@@ -398,7 +405,7 @@ class StepTrace:
     def _meta(self) -> dict[str, Any]:
         a = self.assembler
         meta = dict(self.metadata)
-        meta.setdefault("model", model_info(self.model))
+        meta.setdefault("model", self._model_info())
         stacks, layers = {}, []
         for stack, m in a.metas.items():  # in the order the stacks first ran
             stacks.update({s: v for s, v in m.get("stacks", {}).items() if s == stack})
