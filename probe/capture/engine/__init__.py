@@ -2,8 +2,8 @@
 
 * :mod:`~.trace`: :class:`~.trace.Trace`, :func:`~.trace.trace`, :func:`~.trace.capture`
   (arguments checked, the sink opened, the forward traced, the cache written or aborted);
-  :mod:`~.claims`: one capture per model and thread; :mod:`~.planned`: repeated captures of
-  one model on one kind of input run with a plan learnt and checked by the first two;
+  :mod:`~.claims`: one capture per model and thread; :mod:`~.planned` (and :mod:`~.plans`): repeated
+  captures of one model on one kind of input run with a plan learnt and checked by the first two;
 * :mod:`~.tracer`: :class:`~.tracer.Tracer`, one capture's parts (:mod:`probe.capture.hooks`
   and a consumer) assembled;
 * :mod:`~.naming`: what a traced forward must pass, and its stacks, cache keys and metadata (each
