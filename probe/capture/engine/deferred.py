@@ -6,13 +6,15 @@ every step, that reads the layer's whole key cache once more per step, and for `
 runs a top-k per step: small products whose cost is mostly reading memory and starting threads.
 
 When the keys a step read can still be read later, unchanged, the row can wait. That holds for
-transformers' ``DynamicLayer`` (checked by exact type: the cache layer that only appends,
-``keys = cat([keys, new])``; sliding-window, static, quantised or offloaded layers are other
-classes and never deferred) when the SDPA call's key argument *is* that layer's ``keys`` (not a
-repeated or converted copy), with no mask and one query: the keys step ``t`` read are then the
-first ``S_t`` keys of every later step's. Such a step keeps its scaled query (a few hundred bytes)
-and its key count. Every :data:`EVERY` steps, at the end of the trace, and before a row of the
-same attention is computed at once, the waiting rows are computed in one product against the
+transformers' ``DynamicLayer`` (checked by exact type: the cache layer that only appends, ``keys =
+cat([keys, new])``; sliding-window, static, quantised or offloaded layers are other classes and
+never deferred) when the SDPA call's key argument *is* that layer's ``keys`` (not a repeated or
+converted copy), with no mask, one query and a batch of one (beam search reorders the cache's rows
+between steps), and each step adds exactly one key: the keys step ``t`` read are then the first
+``S_t`` keys of every later step's (a cache cropped or grown by more than one key computes the
+waiting rows first, against the keys they read). Such a step keeps its scaled query (a few hundred
+bytes) and its key count. Every :data:`EVERY` steps, at the end of the trace, and before a row of
+the same attention is computed at once, the waiting rows are computed in one product against the
 latest keys, the keys past each step's own count masked, one softmax (and one top-k), and handed
 to the assembler as a block: the same weights as step by step, up to float rounding.
 """
@@ -70,6 +72,8 @@ class Deferred:
             return False
         if mask is not None or causal or q.dim() != 4 or key.dim() != 4 or q.size(-2) != 1:
             return False
+        if q.size(0) != 1 or key.size(0) != 1:  # beam search reorders the cache's rows between steps
+            return False
         if q.size(1) % key.size(1) or key.size(0) not in (1, q.size(0)) or key.size(-1) != q.size(-1):
             return False
         dynamic, idx = _dynamic_layer(), getattr(module, "layer_idx", None)
@@ -83,6 +87,11 @@ class Deferred:
     def wait(self, prefix: str, q: Tensor, key: Tensor, scale: Any, position: int) -> None:
         """Keep a step's row of attention ``prefix`` for later (``position``: the step's query)."""
         w = self.waiting.get(prefix)
+        if w is not None and key.size(-2) != w.lengths[-1] + 1:
+            # the cache did more than append this step's key (cropped, or grown by several): the
+            # waiting rows are computed now, against the keys they read
+            self.flush(prefix)
+            w = None
         if w is None:
             w = self.waiting[prefix] = _Waiting()
         B, H, _, E = q.shape
