@@ -317,7 +317,16 @@ def _interrupt(cmd: list[str], out: Path, sig: int, rng: random.Random, env: dic
     for _ in range(3):
         k = rng.randint(1, 6)
         start = time.time()
-        proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        # SIGINT back to its default in the child: started from a background job (`.ci/run &`, a
+        # script's `cmd &`), pytest has it ignored, the child would inherit that and never see Ctrl-C
+        proc = subprocess.Popen(
+            cmd,
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
+        )
         deadline = time.time() + 120
         t = [_wait_for_shards(out, n, proc, deadline) for n in (k, k + 1, k + 2)]
         # again after a run that finished first: at once (two shards or more are still to run)
