@@ -120,7 +120,7 @@ def mapped_empty(shape: tuple[int, ...], dtype: torch.dtype, device: Any) -> tor
     without ``mmap``, or a system out of mappings: ``torch.zeros``.
     """
     numel = math.prod(shape)
-    itemsize = torch.empty((), dtype=dtype).element_size()
+    itemsize = dtype.itemsize
     dev = torch.device(device) if device is not None else torch.device("cpu")
     if dev.type != "cpu" or numel * itemsize < HUGE or not hasattr(mmap, "MAP_ANONYMOUS"):
         return torch.zeros(shape, dtype=dtype, device=dev)

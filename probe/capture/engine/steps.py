@@ -70,6 +70,9 @@ class _StepWatcher(Watcher):
         self.lean: LeanStep | None = None
         self.learner: Learner | None = None
         self._only: set[int] | None = None  # the modules hooked (None: every one)
+        # the mode is on only while a step captured in full runs: between steps (the generation
+        # loop's own ops) and during lean steps no op passes through it; install() pushes it
+        self._on = True
 
     def bind(self, tr: Tracer) -> None:
         self.stack = self._mode.stack = tr.watcher.stack
@@ -98,10 +101,6 @@ class _StepWatcher(Watcher):
             return False
         self.lean = step
         return True
-
-    # The mode is on only while a step that is captured in full runs: between steps (the
-    # generation loop's own ops) and during lean steps no op passes through it.
-    _on = True  # install() pushes it
 
     def mode_on(self) -> None:
         if not self._on:
@@ -365,8 +364,8 @@ class StepTrace:
             self._flush()
         with torch._C.DisableTorchFunction():  # probe's own copies: unseen by the tracer's mode
             self.assembler.add(step)
-            if self.deferred is not None and self.deferred.due():
-                self.deferred.flush()
+        if self.deferred is not None and self.deferred.due():
+            self._flush()
         self.steps += 1
         if self.keep.default and any(k.endswith(".pattern") for k in step.tensors):
             self._pieces += 1  # a step whose rows of the whole pattern are kept apart
