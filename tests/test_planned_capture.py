@@ -258,3 +258,94 @@ def test_a_planned_capture_with_mapped_patterns_saves_and_loads(tmp_path):
     assert set(back.keys()) == set(cache.keys())
     assert all(torch.equal(back[k], cache[k]) for k in cache.keys())
     assert_what_the_model_computed(model, cache)
+
+
+# -- memory of its own: residual copies and patterns in pool mappings ---------------------------
+@pytest.fixture
+def pooled(monkeypatch):
+    """Every residual and pattern of a planned capture in pool mappings (the tiny model's tensors
+    are far below the size where that starts), the pool empty before and after."""
+    from probe.cache.perf import pool
+
+    monkeypatch.setattr(planned, "POOL_MIN", 0)
+    pool.release()
+    yield pool
+    pool.release()
+
+
+def test_pooled_captures_store_what_the_model_computed_after_a_scribbled_cache(pooled):
+    model, k = planned_model()
+    model.config.max_position_embeddings = 512  # rotary: any length; the config's limit is probe's check
+    text = "the cat sat on the mat. " * 12  # 288 tokens: blocks of query rows that see only some keys
+    first = probe.capture(model, text, tokenizer=TOK)
+    assert planned.state(model, k) == "planned"
+    assert_what_the_model_computed(model, first)
+    mine = {t.untyped_storage().data_ptr() for t in first.values()}
+    assert all(pooled.lends(p) for p in mine)  # every tensor in a mapping of the pool
+    for t in first.values():  # whatever a user wrote into a dropped cache...
+        t.fill_(float("nan"))
+    del first
+    assert pooled.kept_bytes() > 0
+    second = probe.capture(model, text, tokenizer=TOK)
+    assert planned.state(model, k) == "planned"
+    assert {t.untyped_storage().data_ptr() for t in second.values()} & mine  # ...comes back here
+    assert_what_the_model_computed(model, second)  # ...and none of it shows
+    for i in range(2):
+        assert torch.count_nonzero(second[f"decoder.blocks.{i}.self_attn.pattern"].triu(1)) == 0
+    with using(planned_capture=False):
+        full = probe.capture(model, text, tokenizer=TOK)
+    for key in full.keys():
+        if not key.endswith("pattern"):
+            assert torch.equal(second[key], full[key]), key
+
+
+def test_a_layer_input_is_kept_once_and_saves_under_both_keys(pooled, tmp_path):
+    model, _k = planned_model()
+    cache = probe.capture(model, TEXTS[1], tokenizer=TOK)
+    # the second layer's input is the first layer's output: one tensor, under both keys
+    assert cache["decoder.blocks.1.resid_pre"] is cache["decoder.blocks.0.resid_post"]
+    cache.save(tmp_path / "c.safetensors")
+    back = probe.load(tmp_path / "c.safetensors")
+    assert set(back.keys()) == set(cache.keys())
+    assert all(torch.equal(back[k], cache[k]) for k in cache.keys())
+
+
+def test_a_tensor_changed_in_place_after_its_copy_is_not_planned(pooled):
+    # the attention's output is bumped in place (same values, a new version) after probe copied
+    # it and before the layer adds it: the planned capture cannot vouch for it and is given up
+    model, k = planned_model()
+    layer = model.model.layers[0]
+    seen = {}
+    hooks = [
+        layer.self_attn.register_forward_hook(lambda m, a, o: seen.update(out=o[0])),
+        layer.mlp.register_forward_pre_hook(lambda m, a: seen["out"].mul_(1.0)),
+    ]
+    try:
+        cache = probe.capture(model, TEXTS[3], tokenizer=TOK)
+        assert planned.state(model, k) == "refused"
+        # captured in full: the tracer sees the bump as an operation of the layer, and keeps
+        # what it can name (the bumped output is no longer the attention's delta as it stood)
+        ids = torch.tensor(cache.metadata["ids"])
+        kept = {key: t for key, t in stream(model, ids, torch.ones_like(ids)).items() if key in cache}
+        assert "decoder.blocks.1.mlp.delta" in kept
+        for key, t in kept.items():
+            torch.testing.assert_close(cache[key], t, atol=1e-6, rtol=0)
+    except probe.ProbeError as e:  # or it refuses the tensor the model overwrote
+        assert "in place" in str(e)
+        assert planned.state(model, k) == "refused"
+    finally:
+        for h in hooks:
+            h.remove()
+
+
+def test_pool_mappings_refused_by_the_system_give_heap_memory(pooled, monkeypatch):
+    model, _k = planned_model()
+
+    def refuse(*a, **kw):
+        raise OSError(12, "Cannot allocate memory")
+
+    pooled.release()  # (the plan's second capture kept some)
+    monkeypatch.setattr(pooled.mmap, "mmap", refuse)
+    cache = probe.capture(model, TEXTS[2], tokenizer=TOK)
+    assert not any(pooled.lends(t.untyped_storage().data_ptr()) for t in cache.values())
+    assert_what_the_model_computed(model, cache)

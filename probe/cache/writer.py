@@ -326,13 +326,34 @@ class FileSink:
             self._tmp = None
 
 
+def _apart(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """``tensors``, contiguous, each key's memory its own as a safetensors file needs: a tensor
+    that is another key's tensor (a planned capture keeps a layer's output, which is the next
+    layer's input, once under both keys) or overlaps it is written from a copy."""
+    out: dict[str, torch.Tensor] = {}
+    spans: dict[tuple, list[tuple[int, int]]] = {}
+    for k, v in tensors.items():
+        v = v.contiguous()
+        if v.numel():
+            where = (v.device, v.untyped_storage().data_ptr())
+            lo = v.storage_offset() * v.element_size()
+            hi = lo + v.numel() * v.element_size()
+            taken = spans.setdefault(where, [])
+            if any(lo < b and a < hi for a, b in taken):
+                v = v.clone()
+            else:
+                taken.append((lo, hi))
+        out[k] = v
+    return out
+
+
 def save_tensors(path: str | os.PathLike, tensors: dict[str, torch.Tensor], metadata: dict[str, str]) -> Path:
     """Save ``tensors`` to ``path`` as safetensors atomically (temporary file, fsync, then rename)."""
     path = check_output(path)
     try:
         with atomic_path(path) as tmp:
             try:
-                save_file({k: v.contiguous() for k, v in tensors.items()}, tmp, metadata=metadata)
+                save_file(_apart(tensors), tmp, metadata=metadata)
             except SafetensorError as e:  # its I/O errors carry the OS error number in the text
                 m = re.search(r"os error (\d+)", str(e))
                 if m is None:

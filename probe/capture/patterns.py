@@ -30,12 +30,15 @@ class _Scores:
     ) -> None:
         self.L, self.S = L, S = query.size(-2), key.size(-2)
         self.scale = 1.0 / math.sqrt(query.size(-1)) if scale is None else scale
+        q = query.float()
         if query.dim() >= 3 and key.dim() >= 3 and key.size(-3) != query.size(-3):
-            # grouped-query attention: each key head serves a contiguous group of query heads
-            key = key.repeat_interleave(query.size(-3) // key.size(-3), dim=-3)
-        # each head's keys contiguous (models often hand SDPA a view of [B, T, heads, d]): the
-        # products against every key read one head's keys, not a stride through all of them
-        q, kt = query.float(), key.float().contiguous().transpose(-2, -1)
+            # grouped-query attention: each key head serves a contiguous group of query heads; the
+            # repeat's copy is laid out [E, S] (the products read it a little faster that way)
+            kt = key.float().transpose(-2, -1).repeat_interleave(query.size(-3) // key.size(-3), dim=-3)
+        else:
+            # each head's keys contiguous (models often hand SDPA a view of [B, T, heads, d]): the
+            # products against every key read one head's keys, not a stride through all of them
+            kt = key.float().contiguous().transpose(-2, -1)
         batch = q.shape[:-2]
         if kt.shape[:-2] != batch:
             batch = torch.broadcast_shapes(batch, kt.shape[:-2])
@@ -263,6 +266,16 @@ def sdpa_weights(
         if kend < S and not fresh:
             out[..., i:e, kend:].zero_()
     return out
+
+
+def weights_shape(query: Tensor, key: Tensor) -> tuple[int, ...]:
+    """The shape of :func:`sdpa_weights` for an SDPA call's ``query`` and ``key`` (grouped key
+    heads repeated to the query heads, batch dimensions broadcast), without computing them."""
+    qb, kb = tuple(query.shape[:-2]), tuple(key.shape[:-2])
+    if query.dim() >= 3 and key.dim() >= 3 and key.size(-3) != query.size(-3):
+        kb = kb[:-1] + (query.size(-3),)
+    batch = qb if qb == kb else tuple(torch.broadcast_shapes(qb, kb))
+    return batch + (query.size(-2), key.size(-2))
 
 
 @torch.no_grad()

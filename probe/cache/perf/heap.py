@@ -23,6 +23,7 @@ from typing import Any
 
 import torch
 
+from probe.cache.perf import pool
 from probe.cache.perf.options import OPTIONS
 
 # Tensors at or above this size are their own mmapped blocks, returned to the system when freed
@@ -67,12 +68,13 @@ def trim() -> bool:
 
 
 def heap_bytes(tensors: Iterable[Any]) -> int:
-    """Bytes of CPU tensor storage in ``tensors`` small enough to live in the C heap (each storage once)."""
+    """Bytes of CPU tensor storage in ``tensors`` small enough to live in the C heap (each storage
+    once; not the mappings of :mod:`~probe.cache.perf.pool`, which are never in the heap)."""
     seen: dict[int, int] = {}
     for t in tensors:
         if isinstance(t, torch.Tensor) and t.device.type == "cpu" and not t.is_nested:
             s = t.untyped_storage()
-            if s.nbytes() < MMAP_ALWAYS:
+            if s.nbytes() < MMAP_ALWAYS and not pool.lends(s.data_ptr()):
                 seen[s.data_ptr()] = s.nbytes()
     return sum(seen.values())
 

@@ -35,6 +35,9 @@ class Options:
     * ``planned_capture``: let :func:`probe.capture` learn a plan for repeated captures of one
       model on one kind of input and run later captures with the plan's hooks only
       (:mod:`probe.capture.engine.planned`); False: every capture runs the full tracer.
+    * ``pool_bytes`` and ``pool_seconds``: how much of a dropped planned capture's mapped memory
+      is kept for the next capture (:mod:`probe.cache.perf.pool`), and for how long without
+      use; ``pool_seconds=0`` keeps none (each mapping is unmapped when its tensors are freed).
     """
 
     direct_io: bool = True
@@ -42,6 +45,8 @@ class Options:
     sync_every: int = 64 << 20
     heap_trim: bool = field(default_factory=lambda: not _user_tuned())
     planned_capture: bool = True
+    pool_bytes: int = 2 << 30
+    pool_seconds: float = 5.0
 
 
 OPTIONS = Options()

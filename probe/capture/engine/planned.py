@@ -34,6 +34,8 @@ exactly what a full capture stores, or is not used. ``OPTIONS.planned_capture``
 
 from __future__ import annotations
 
+import functools
+import math
 import threading
 import weakref
 from typing import Any
@@ -42,12 +44,12 @@ import torch
 from torch import Tensor, nn
 
 from probe.cache import Cache
-from probe.cache.perf import heap
+from probe.cache.perf import pool
 from probe.capture.calls import first_tensor, output_tensor
 from probe.capture.engine.claims import claim, release
-from probe.capture.engine.lean import SdpaMode, pop, push
+from probe.capture.engine.lean import SdpaMode, pop, push, sdpa_args
 from probe.capture.engine.plans import Plan, key_for, propose, sdpa_form
-from probe.capture.patterns import sdpa_rows, sdpa_weights
+from probe.capture.patterns import sdpa_rows, sdpa_weights, weights_shape
 
 _REFUSED = "refused"
 _PLANS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> {key: Plan | _REFUSED}
@@ -68,33 +70,79 @@ def _sampled(args: tuple, kwargs: dict) -> Tensor | None:
     return sdpa_rows(*args, **kwargs, rows=rows)
 
 
-def _store(t: Tensor, dtype: torch.dtype | None) -> Tensor:
-    """``t`` as the capture's store keeps it: detached, contiguous, converted to ``dtype``."""
+# Below this many bytes a tensor is kept where it is (the model's residuals) or made in the heap
+# (patterns, zero-filled): small blocks come and go in the C heap without page faults, and a
+# mapping and a copy of their own cost more than they save (SmolLM2 at 80 tokens: 184 KiB).
+POOL_MIN = 1 << 20
+
+
+def _pooled(shape: tuple[int, ...], dtype: torch.dtype, device: Any) -> tuple[Tensor, bool]:
+    """An uninitialised tensor in a mapping of the pool (:mod:`~probe.cache.perf.pool`), and
+    whether it is zero-filled; below :data:`POOL_MIN` bytes a zero-filled heap tensor, and the
+    device's own memory off the CPU or where the system maps no memory."""
+    if torch.device(device).type != "cpu":
+        return torch.empty(shape, dtype=dtype, device=device), False
+    if math.prod(shape) * dtype.itemsize < POOL_MIN:
+        return torch.zeros(shape, dtype=dtype), True
+    try:
+        raw, zeroed = pool.take(math.prod(shape) * dtype.itemsize)
+    except OSError:
+        return torch.empty(shape, dtype=dtype), False
+    return raw.view(dtype).view(shape), zeroed
+
+
+def _pattern(dtype: torch.dtype, args: tuple, kwargs: dict) -> Tensor:
+    """The weights of an SDPA call (its arguments), in a pool mapping."""
+    q, k, *_ = sdpa_args(args, kwargs)
+    out, zeroed = _pooled(weights_shape(q, k), dtype, q.device)
+    return sdpa_weights(*args, **kwargs, out=out, clean=zeroed, dtype=dtype)
+
+
+def _store(t: Tensor, dtype: torch.dtype) -> Tensor:
+    """``t`` detached, contiguous, in ``dtype`` (itself where it already is)."""
     t = t.detach().contiguous()
-    if dtype is not None and t.is_floating_point() and t.dtype != dtype:
-        t = t.to(dtype)
-    return t
+    return t.to(dtype) if t.dtype != dtype else t
 
 
 class PlannedRun:
     """One forward watched by a plan's hooks (``with PlannedRun(plan): model(...)``); then
-    :meth:`result` gives the tensors by key, or None if the forward did not run as planned."""
+    :meth:`result` gives the tensors by key, or None if the forward did not run as planned.
+
+    Each stored residual of at least :data:`POOL_MIN` bytes is copied as its module returns it,
+    into a mapping per layer from the pool (:mod:`~probe.cache.perf.pool`), and the model's
+    tensor is let go: the forward's temporaries reuse its memory as in a plain forward, instead
+    of the heap growing by every kept tensor (each new page a fault) and shrinking when the
+    cache is dropped. A layer's input that is the previous layer's output is that copy, kept
+    once under both keys. Smaller residuals are the model's own tensors, as a full capture keeps
+    them. The layer's checks run when the layer returns, while its tensors are still in the
+    processor's caches: its output is its input plus its deltas, bit for bit, none of them
+    changed in place since recorded. Patterns are computed into pool mappings too."""
 
     def __init__(self, plan: Plan, confirming: bool = False) -> None:
         self.plan = plan
-        self.tensors: dict[str, Tensor] = {}
-        self.versions: list[tuple[Tensor, int]] = []  # the model's own tensors kept, and their versions
-        self.kept: set[int] = set()  # the storages the keys hold so far
         self.ran: dict[int, int] = {}  # id(module) -> calls seen
         self.found: dict[int, list[tuple[tuple, Tensor]]] = {}  # id(attention) -> (form, pattern)
         self.seen_in: list[tuple[tuple, Tensor]] | None = None
-        self.ins: dict[int, Tensor] = {}
-        self.outs: dict[int, Tensor] = {}
+        self.layer_of = {id(lay.module): lay for lay in plan.layers}
+        self.child_of = {
+            id(c): (id(lay.module), j) for lay in plan.layers for j, (c, _) in enumerate(lay.deltas)
+        }
+        ids = [id(lay.module) for lay in plan.layers]
+        self.prev = dict(zip(ids[1:], ids[:-1], strict=True))  # each layer's predecessor in the plan
+        self.pre: dict[int, Tensor] = {}  # id(layer) -> copy of its input
+        self.post: dict[int, Tensor] = {}  # id(layer) -> copy of its output
+        self.deltas: dict[int, Tensor] = {}  # id(child) -> copy of its output
+        self.held: dict[int, tuple[Tensor, int]] = {}  # the model's tensors of the running layer, version
+        self.refs: list[tuple[Any, int]] = []  # weak references to the model's copied tensors, version
+        self.outs: dict[int, Any] = {}  # id(layer) -> weak reference to the model's output
+        self.chained: set[int] = set()  # layers whose input is (the object) the previous layer's output
+        self.summed: dict[int, bool] = {}  # id(layer) -> output == input + deltas, bit for bit
+        self.arenas: dict[int, tuple[Tensor, int]] = {}  # id(layer) -> (mapping, bytes a slot)
+        self.scratch: list[Tensor] = []
         if confirming:  # beside the full capture, whose patterns it is compared with: a few rows
             self.weights = _sampled
-        else:
-            dtype = plan.dtype
-            self.weights = lambda a, k: sdpa_weights(*a, **k, dtype=dtype, empty=heap.mapped_empty)
+        else:  # a function of the dtype, not a bound method: no reference cycle through self
+            self.weights = functools.partial(_pattern, plan.dtype or torch.float32)
         self.mode = SdpaMode(self._call, raw=True)
         self._handles: list[Any] = []
         self._thread = threading.get_ident()
@@ -117,7 +165,6 @@ class PlannedRun:
             modules.update((id(c), c) for c, _ in lay.deltas)
             modules.update((id(a.module), a.module) for a in lay.attns)
         self.attn_ids = {id(a.module) for lay in self.plan.layers for a in lay.attns}
-        self.layer_ids = {id(lay.module) for lay in self.plan.layers}
         try:
             for m in modules.values():
                 self._handles.append(m.register_forward_pre_hook(self._pre, with_kwargs=True))
@@ -130,6 +177,7 @@ class PlannedRun:
     def __exit__(self, *exc: Any) -> None:
         pop(self.mode)
         self._remove()
+        self.mode = None  # it calls back into self: no reference cycle keeps a dropped cache's tensors
 
     def _remove(self) -> None:
         for h in self._handles:
@@ -141,10 +189,18 @@ class PlannedRun:
             return
         mid = id(module)
         self.ran[mid] = self.ran.get(mid, 0) + 1
-        if mid in self.layer_ids:
+        if mid in self.layer_of:
             t = first_tensor(args, kwargs)
             if isinstance(t, Tensor):
-                self.ins[mid] = t
+                self.held[mid] = (t, t._version)
+                prev = self.prev.get(mid, -1)
+                before = self.outs.get(prev)
+                if before is not None and before() is t and prev in self.post:
+                    # the previous layer's output is this layer's input: one tensor under both keys
+                    self.pre[mid] = self.post[prev]
+                    self.chained.add(mid)
+                else:
+                    self.pre[mid] = self._copy(mid, -1, t)
         if mid in self.attn_ids:
             if self.seen_in is not None:
                 self.failed = True  # an attention sublayer inside another
@@ -160,8 +216,77 @@ class PlannedRun:
                 self.failed = True
             self.seen_in = None
         t = output_tensor(output)
-        if isinstance(t, Tensor):
-            self.outs[mid] = t
+        if not isinstance(t, Tensor):
+            return
+        if mid in self.child_of:
+            layer, j = self.child_of[mid]
+            self.deltas[mid] = self._copy(layer, 1 + j, t)
+            self.held[mid] = (t, t._version)
+        if mid in self.layer_of:
+            self.outs[mid] = weakref.ref(t)
+            self._output(mid, t)
+
+    def _output(self, mid: int, post: Tensor) -> None:
+        """The layer returned ``post``: check that it is its input plus its deltas, added in the
+        plan's order, bit for bit (the model's tensors, none changed since copied), and keep a
+        copy of it; then let go of the model's tensors. Where the cache keeps the model's dtype,
+        the sum is made in the output's slot: equal to the output, it is the copy."""
+        self.refs.append((weakref.ref(post), post._version))
+        lay = self.layer_of[mid]
+        got = [self.held.pop(mid, None), *(self.held.pop(id(c), None) for c, _ in lay.deltas)]
+        if any(g is None or g[0]._version != g[1] for g in got):
+            self.summed[mid] = False
+            self.post[mid] = self._copy(mid, 0, post, note=False)
+            return
+        pre, deltas = got[0][0], [g[0] for g in got[1:]]  # type: ignore[index]
+        same = all(d.shape == pre.shape and d.dtype == pre.dtype for d in (*deltas, post))
+        slot = self._slot(mid, 0, post) if same and deltas and self._dtype(post) == post.dtype else None
+        if slot is None:
+            self.post[mid] = self._copy(mid, 0, post, note=False)
+            self.summed[mid] = _adds_up(pre, deltas, post, self.scratch)
+            return
+        acc = torch.add(pre, deltas[0], out=slot)
+        for d in deltas[1:]:
+            acc.add_(d)
+        self.summed[mid] = torch.equal(acc, post)
+        self.post[mid] = acc
+
+    def _dtype(self, t: Tensor) -> torch.dtype:
+        """The dtype the cache keeps ``t`` in."""
+        return self.plan.dtype if self.plan.dtype is not None and t.is_floating_point() else t.dtype
+
+    def _slot(self, layer: int, slot: int, t: Tensor) -> Tensor | None:
+        """Uninitialised memory for ``t`` as the cache keeps it, in slot ``slot`` of ``layer``'s
+        mapping (0: output, 1...: deltas, -1: input, where it is not the previous layer's
+        output), or None where it does not fit there (then the heap is used)."""
+        dtype = self._dtype(t)
+        nbytes = t.numel() * dtype.itemsize
+        if t.device.type != "cpu" or nbytes < POOL_MIN:
+            return None
+        arena = self.arenas.get(layer)
+        if arena is None:
+            lay = self.layer_of[layer]
+            step = -(-nbytes // pool.ALIGN) * pool.ALIGN
+            n = 1 + len(lay.deltas) + (0 if layer in self.chained else 1)
+            raw, _ = _pooled((step * n,), torch.uint8, t.device)
+            self.arenas[layer] = arena = (raw, step)
+        raw, step = arena
+        at = slot * step if slot >= 0 else raw.numel() - step
+        if nbytes > step or at < 0 or at + nbytes > raw.numel():
+            return None
+        return raw[at : at + nbytes].view(dtype).view(t.shape)
+
+    def _copy(self, layer: int, slot: int, t: Tensor, note: bool = True) -> Tensor:
+        """The model's ``t`` as the cache keeps it (contiguous, in the plan's dtype): a copy in
+        :meth:`_slot`, or where it has none (small, or not on the CPU) the model's tensor itself,
+        as a full capture keeps it. ``note``: remember ``t``'s version, checked after the forward
+        (a tensor kept and changed in place since is refused there)."""
+        if note:
+            self.refs.append((weakref.ref(t), t._version))
+        dst = self._slot(layer, slot, t)
+        if dst is None:
+            return _store(t, self._dtype(t))
+        return dst.copy_(t.detach())
 
     # -- after the forward ---------------------------------------------------------------------
     def result(self) -> dict[str, Tensor] | None:
@@ -169,27 +294,23 @@ class PlannedRun:
         plan, ran = self.plan, self.ran
         if self.failed:
             return None
+        tensors: dict[str, Tensor] = {}
         prev: Tensor | None = None
-        scratch: list[Tensor] = []
         for lay in plan.layers:
             mods = [lay.module, *(c for c, _ in lay.deltas), *(a.module for a in lay.attns)]
             if any(ran.get(id(m)) != 1 for m in mods):
                 return None
-            pre, post = self.ins.get(id(lay.module)), self.outs.get(id(lay.module))
-            deltas = [self.outs.get(id(c)) for c, _ in lay.deltas]
-            if pre is None or post is None or any(d is None for d in deltas):
+            mid = id(lay.module)
+            pre, post = self.pre.get(mid), self.post.get(mid)
+            deltas = [self.deltas.get(id(c)) for c, _ in lay.deltas]
+            if pre is None or post is None or any(d is None for d in deltas) or not self.summed.get(mid):
                 return None
-            if plan.chain and prev is not None and pre is not prev and not _same(pre, prev):
-                return None
-            if not _adds_up(pre, deltas, post, scratch):
+            if plan.chain and prev is not None and mid not in self.chained and not _same(pre, prev):
                 return None
             prev = post
-            for key, t in (
-                (lay.pre, pre),
-                (lay.post, post),
-                *((k, d) for (_, k), d in zip(lay.deltas, deltas, strict=True)),
-            ):
-                self.tensors[key] = self._keep(t)
+            tensors[lay.pre] = pre
+            tensors[lay.post] = post
+            tensors.update((k, d) for (_, k), d in zip(lay.deltas, deltas, strict=True))
             for a in lay.attns:
                 got = self.found.get(id(a.module), [])
                 if len(got) != 1 or (a.form is not None and got[0][0] != a.form):
@@ -197,27 +318,16 @@ class PlannedRun:
                 pattern = got[0][1]
                 if pattern is None:
                     return None
-                self.tensors[a.key] = pattern if plan.heads is None else pattern[:, plan.heads]
-        if any(t._version != v for t, v in self.versions):
-            return None  # overwritten in place after it was recorded: the full capture says so
-        return self.tensors
+                tensors[a.key] = pattern if plan.heads is None else pattern[:, plan.heads]
+        for ref, version in self.refs:
+            t = ref()
+            if t is not None and t._version != version:
+                return None  # overwritten in place after it was copied: the full capture says so
+        return tensors
 
     def forms(self) -> dict[int, tuple]:
         """Each attention sublayer's SDPA call form (after a forward that ran as planned)."""
         return {mid: got[0][0] for mid, got in self.found.items() if len(got) == 1}
-
-    def _keep(self, t: Tensor) -> Tensor:
-        """``t`` as the cache keeps it: the model's own tensor (its version noted), or a copy where
-        another key already holds its memory (a layer's input is the previous layer's output:
-        tensors of a cache never share memory, as a saved file cannot)."""
-        s = _store(t, self.plan.dtype)
-        ptr = s.untyped_storage().data_ptr()
-        if ptr in self.kept:
-            return s.clone()
-        self.kept.add(ptr)
-        if ptr == t.untyped_storage().data_ptr():
-            self.versions.append((s, s._version))
-        return s
 
 
 def _same(a: Tensor, b: Tensor) -> bool:

@@ -15,6 +15,7 @@ into ids, *display tokens* (the strings a person reads) and a special-token mask
 
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass
 from typing import Any
 
@@ -133,6 +134,20 @@ class HFTokenizer(Tokenizer):
     def decode(self, ids: list[int]) -> str:
         return self.tok.decode(ids)
 
+    def _piece(self, piece: str) -> str:
+        """The tokenizer's own text of one byte-level piece, remembered per tokenizer (a capture
+        of a long text asks for hundreds; the decoder gives each piece the same text every time)."""
+        try:
+            seen = _PIECES.setdefault(self.tok, {})
+        except TypeError:  # a tokenizer that cannot be weakly referenced: ask it each time
+            return self.tok.convert_tokens_to_string([piece])
+        shown = seen.get(piece)
+        if shown is None:
+            if len(seen) >= _PIECES_MAX:
+                seen.clear()
+            shown = seen[piece] = self.tok.convert_tokens_to_string([piece])
+        return shown
+
     def _display(self, ids: list[int], text: str | None, offsets: Any) -> list[str]:
         raw = self.tok.convert_ids_to_tokens(ids)
         out = []
@@ -150,7 +165,7 @@ class HFTokenizer(Tokenizer):
             elif "▁" in piece:
                 out.append(piece.replace("▁", " "))
             elif _looks_byte_level(piece):
-                shown = self.tok.convert_tokens_to_string([piece])
+                shown = self._piece(piece)
                 if "\ufffd" in shown:  # part of a character's UTF-8 bytes
                     if text is not None and offsets is not None and offsets[k][1] > offsets[k][0]:
                         shown = text[offsets[k][0] : offsets[k][1]]
@@ -161,6 +176,10 @@ class HFTokenizer(Tokenizer):
                 out.append(piece)
         return out
 
+
+# per tokenizer: the text of each byte-level piece shown so far (at most _PIECES_MAX, then anew)
+_PIECES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+_PIECES_MAX = 1 << 16
 
 # GPT-2's byte-to-unicode table maps the bytes that are not printable to these code points
 # (space -> Ġ, newline -> Ċ, ...); a piece containing one of them is byte-level BPE.
