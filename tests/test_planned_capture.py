@@ -9,6 +9,7 @@ written here on each layer, attention and MLP of a plain forward (the residual s
 from __future__ import annotations
 
 import copy
+import gc
 
 import hf_fixtures as H
 import pytest
@@ -268,6 +269,7 @@ def pooled(monkeypatch):
     from probe.cache.perf import pool
 
     monkeypatch.setattr(planned, "POOL_MIN", 0)
+    gc.collect()  # caches of earlier tests give their mappings back first
     pool.release()
     yield pool
     pool.release()
@@ -277,7 +279,8 @@ def test_pooled_captures_store_what_the_model_computed_after_a_scribbled_cache(p
     model, k = planned_model()
     model.config.max_position_embeddings = 512  # rotary: any length; the config's limit is probe's check
     text = "the cat sat on the mat. " * 12  # 288 tokens: blocks of query rows that see only some keys
-    first = probe.capture(model, text, tokenizer=TOK)
+    probe.capture(model, text, tokenizer=TOK)  # after a pause: only the patterns in the pool...
+    first = probe.capture(model, text, tokenizer=TOK)  # ...then, captures in a row, everything
     assert planned.state(model, k) == "planned"
     assert_what_the_model_computed(model, first)
     mine = {t.untyped_storage().data_ptr() for t in first.values()}
@@ -297,6 +300,19 @@ def test_pooled_captures_store_what_the_model_computed_after_a_scribbled_cache(p
     for key in full.keys():
         if not key.endswith("pattern"):
             assert torch.equal(second[key], full[key]), key
+
+
+def test_after_a_pause_the_model_residuals_are_kept_and_then_copied(pooled):
+    model, _k = planned_model()
+    pooled.release()  # nothing kept: the pool has been idle
+    cold = probe.capture(model, TEXTS[2], tokenizer=TOK)
+    lent = {k: pooled.lends(t.untyped_storage().data_ptr()) for k, t in cold.items()}
+    assert all(lent[k] for k in lent if k.endswith("pattern"))
+    assert not any(lent[k] for k in lent if not k.endswith("pattern"))  # the model's own tensors
+    del cold
+    warm = probe.capture(model, TEXTS[2], tokenizer=TOK)
+    assert all(pooled.lends(t.untyped_storage().data_ptr()) for t in warm.values())
+    assert_what_the_model_computed(model, warm)
 
 
 def test_a_layer_input_is_kept_once_and_saves_under_both_keys(pooled, tmp_path):

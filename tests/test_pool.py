@@ -19,6 +19,7 @@ pytestmark = pytest.mark.skipif(not pool.available(), reason="no anonymous memor
 
 @pytest.fixture(autouse=True)
 def empty_pool():
+    gc.collect()  # tensors of earlier tests give their mappings back first
     pool.release()
     yield
     pool.release()

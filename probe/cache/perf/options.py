@@ -46,7 +46,7 @@ class Options:
     heap_trim: bool = field(default_factory=lambda: not _user_tuned())
     planned_capture: bool = True
     pool_bytes: int = 2 << 30
-    pool_seconds: float = 5.0
+    pool_seconds: float = 10.0
 
 
 OPTIONS = Options()

@@ -8,11 +8,11 @@ of a mapping is freed (its cache dropped), the mapping comes back here, and the 
 asks for about that many bytes takes it, already resident.
 
 Like an allocator's freed memory, what is kept is bounded: at most ``OPTIONS.pool_bytes`` in
-all, each mapping for at most ``OPTIONS.pool_seconds`` without being taken again (then a
-background timer unmaps it). :func:`release` unmaps everything kept at once. (Marking kept
-mappings ``MADV_FREE``, so the kernel could reclaim them under pressure, made writing them
-again two to three times slower here: they are not marked.) Memory taken again is not zeroed:
-:func:`take` says which it gives.
+all, each mapping for at most ``OPTIONS.pool_seconds`` without being taken again (10 s, as
+jemalloc's default decay of freed memory; then a background timer unmaps it).
+:func:`release` unmaps everything kept at once. (Marking kept mappings ``MADV_FREE``, so the
+kernel could reclaim them under pressure, made writing them again two to three times slower
+here: they are not marked.) Memory taken again is not zeroed: :func:`take` says which it gives.
 """
 
 from __future__ import annotations
@@ -54,9 +54,10 @@ def available() -> bool:
     return hasattr(mmap, "MAP_ANONYMOUS")
 
 
-def take(nbytes: int) -> tuple[torch.Tensor, bool]:
+def take(nbytes: int, kept_only: bool = False) -> tuple[torch.Tensor, bool] | None:
     """A flat ``uint8`` CPU tensor of ``nbytes`` in a mapping of its own, and whether its memory
-    is zero-filled (a fresh mapping) or not (a kept one, with whatever its last user wrote).
+    is zero-filled (a fresh mapping) or not (a kept one, with whatever its last user wrote);
+    ``kept_only``: None where no kept mapping fits (none is mapped).
 
     The mapping comes back to the pool when the last tensor viewing it is freed. Raises OSError
     where the system cannot map memory (no ``mmap``, out of mappings or address space)."""
@@ -64,6 +65,8 @@ def take(nbytes: int) -> tuple[torch.Tensor, bool]:
         raise OSError("no anonymous memory mappings on this system")
     nbytes = max(int(nbytes), 1)
     mm = _reuse(nbytes)
+    if mm is None and kept_only:
+        return None
     zeroed = mm is None
     if mm is None:
         mm = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)

@@ -137,8 +137,11 @@ class PlannedRun:
         self.outs: dict[int, Any] = {}  # id(layer) -> weak reference to the model's output
         self.chained: set[int] = set()  # layers whose input is (the object) the previous layer's output
         self.summed: dict[int, bool] = {}  # id(layer) -> output == input + deltas, bit for bit
-        self.arenas: dict[int, tuple[Tensor, int]] = {}  # id(layer) -> (mapping, bytes a slot)
+        self.arenas: dict[int, tuple[Tensor, int] | None] = {}  # id(layer) -> (mapping, bytes a slot)
         self.scratch: list[Tensor] = []
+        # copies go to fresh mappings only while the pool keeps memory (captures follow each
+        # other): after a pause, fresh pages plus a copy cost more than keeping the model's tensor
+        self.warm = pool.kept_bytes() > 0
         if confirming:  # beside the full capture, whose patterns it is compared with: a few rows
             self.weights = _sampled
         else:  # a function of the dtype, not a bound method: no reference cycle through self
@@ -263,13 +266,18 @@ class PlannedRun:
         nbytes = t.numel() * dtype.itemsize
         if t.device.type != "cpu" or nbytes < POOL_MIN:
             return None
-        arena = self.arenas.get(layer)
-        if arena is None:
+        arena = self.arenas.get(layer, False)
+        if arena is False:
             lay = self.layer_of[layer]
             step = -(-nbytes // pool.ALIGN) * pool.ALIGN
             n = 1 + len(lay.deltas) + (0 if layer in self.chained else 1)
-            raw, _ = _pooled((step * n,), torch.uint8, t.device)
-            self.arenas[layer] = arena = (raw, step)
+            try:
+                got = pool.take(step * n, kept_only=not self.warm)
+            except OSError:
+                got = None
+            self.arenas[layer] = arena = (got[0], step) if got is not None else None
+        if arena is None:
+            return None
         raw, step = arena
         at = slot * step if slot >= 0 else raw.numel() - step
         if nbytes > step or at < 0 or at + nbytes > raw.numel():
