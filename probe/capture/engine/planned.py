@@ -140,7 +140,9 @@ class PlannedRun:
         self.arenas: dict[int, tuple[Tensor, int] | None] = {}  # id(layer) -> (mapping, bytes a slot)
         self.scratch: list[Tensor] = []
         # copies go to fresh mappings only while the pool keeps memory (captures follow each
-        # other): after a pause, fresh pages plus a copy cost more than keeping the model's tensor
+        # other): after a pause, fresh pages plus a copy cost more than keeping the model's tensor;
+        # a confirming run, compared with the full capture beside it and dropped, copies nothing
+        self.copying = not confirming
         self.warm = pool.kept_bytes() > 0
         if confirming:  # beside the full capture, whose patterns it is compared with: a few rows
             self.weights = _sampled
@@ -264,7 +266,7 @@ class PlannedRun:
         output), or None where it does not fit there (then the heap is used)."""
         dtype = self._dtype(t)
         nbytes = t.numel() * dtype.itemsize
-        if t.device.type != "cpu" or nbytes < POOL_MIN:
+        if not self.copying or t.device.type != "cpu" or nbytes < POOL_MIN:
             return None
         arena = self.arenas.get(layer, False)
         if arena is False:
