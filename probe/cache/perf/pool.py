@@ -82,7 +82,7 @@ def take(nbytes: int, kept_only: bool = False) -> tuple[torch.Tensor, bool] | No
         _lent[address] = len(mm)
     # the tensor's storage holds the memoryview; when the last view of it is freed, so is the
     # memoryview, and the mapping (held by the finaliser, not by the view) comes back
-    weakref.finalize(view, _give, address, mm)
+    weakref.finalize(view, _give, address, mm).atexit = False  # at exit there is no next capture
     return t, zeroed
 
 
