@@ -10,7 +10,8 @@ Modes, each one call:
 * ``plain``: ``model(ids)`` under ``torch.no_grad()`` on the text's token ids (the baseline);
 * ``capture``: ``probe.capture(model, text)``, whole patterns and residual deltas kept in memory
   (the text tokenized inside, as users call it); after the warm-up's first two captures it runs
-  with their plan (``probe/capture/engine/planned.py``), as every later capture of the model does;
+  with their plan (``probe/capture/engine/planned.py``), as every later capture of the model does,
+  in the memory the previous capture's dropped cache handed on (``probe/cache/perf/pool.py``);
 * ``full``: the same with plans off (``OPTIONS.planned_capture = False``): the full tracer, what a
   model's first capture on a kind of input costs;
 * ``stats``: ``probe.capture(model, text, keep="stats")``.
