@@ -106,7 +106,7 @@ class HeapTensors(dict):
 
 
 # -- fresh pages for large tensors -------------------------------------------------------------
-HUGE = 2 << 20  # the size of a transparent huge page on x86-64 and arm64 Linux
+HUGE = pool.HUGE  # the size of a transparent huge page on x86-64 and arm64 Linux
 
 
 def mapped_empty(shape: tuple[int, ...], dtype: torch.dtype, device: Any) -> torch.Tensor:

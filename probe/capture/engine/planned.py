@@ -82,10 +82,11 @@ def _pooled(shape: tuple[int, ...], dtype: torch.dtype, device: Any) -> tuple[Te
     device's own memory off the CPU or where the system maps no memory."""
     if torch.device(device).type != "cpu":
         return torch.empty(shape, dtype=dtype, device=device), False
-    if math.prod(shape) * dtype.itemsize < POOL_MIN:
+    nbytes = math.prod(shape) * dtype.itemsize
+    if nbytes < POOL_MIN:
         return torch.zeros(shape, dtype=dtype), True
     try:
-        raw, zeroed = pool.take(math.prod(shape) * dtype.itemsize)
+        raw, zeroed = pool.take(nbytes)
     except OSError:
         return torch.empty(shape, dtype=dtype), False
     return raw.view(dtype).view(shape), zeroed
